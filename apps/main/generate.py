@@ -1,0 +1,132 @@
+"""Sample text from a student: our DCP checkpoint or an exported Hugging Face directory.
+
+    python -m apps.main.generate ckpt=dumps/run/checkpoints prompt="def main(" max_new_tokens=50 \
+        temperature=0.8 top_p=0.95
+
+`ckpt` is a checkpoint step directory, a checkpoints root (latest step), or a directory written by
+apps.main.export_hf (detected by its config.json). No KV cache: each new token reruns the prompt, which
+is plenty for eyeballing small students.
+"""
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from apps.main.export_hf import load_model_state_dict, load_params, model_args_from_params, resolve_checkpoint_dir
+from apps.main.transformer import LMTransformer
+from lingua.args import dataclass_from_dict, parse_args
+from lingua.tokenizer import Tokenizer, TokenizerArgs, build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # input_ids [1, S] -> logits [1, S, V]
+
+
+@dataclass
+class GenerateArgs:
+    ckpt: str = ""  # checkpoint step dir, checkpoints root, or exported HF dir
+    prompt: str = ""
+    max_new_tokens: int = 50
+    temperature: float = 0.8  # 0: greedy
+    top_p: float = 0.95  # nucleus sampling; 1.0 keeps the whole distribution
+    seed: int = 42
+    device: str = "auto"  # "auto" (cuda if available) | "cpu" | "cuda" | "cuda:1" ...
+
+
+def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float,
+                      generator: Optional[torch.Generator] = None) -> int:
+    """One token id from logits [V]: greedy at temperature 0, else temperature + nucleus (top-p) sampling."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    sorted_probs, sorted_ids = probs.sort(descending=True)
+    # Drop a token once the mass before it already reaches top_p; the most likely token always stays.
+    outside_nucleus = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+    sorted_probs = sorted_probs.masked_fill(outside_nucleus, 0.0)
+    choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
+    return int(sorted_ids[choice])
+
+
+@torch.inference_mode()
+def generate_tokens(logits_fn: LogitsFn, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8,
+                    top_p: float = 0.95, max_seqlen: Optional[int] = None, eos_id: Optional[int] = None,
+                    device: torch.device = torch.device("cpu"), generator: Optional[torch.Generator] = None) -> list[int]:
+    """The new token ids (prompt excluded); stops early at `eos_id`. Context beyond max_seqlen is cut from the left."""
+    if not prompt_ids:
+        raise ValueError("the prompt encodes to no tokens; pass a non-empty prompt or a tokenizer that adds bos.")
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        context = ids[-max_seqlen:] if max_seqlen else ids
+        logits = logits_fn(torch.tensor([context], dtype=torch.long, device=device))[0, -1]
+        next_id = sample_next_token(logits, temperature, top_p, generator)
+        ids.append(next_id)
+        if eos_id is not None and next_id == eos_id:
+            break
+    return ids[len(prompt_ids):]
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_student(ckpt: str, device: torch.device) -> tuple[LogitsFn, Tokenizer, Optional[int]]:
+    """(logits_fn, tokenizer, max_seqlen) for a DCP checkpoint or an exported HF directory."""
+    path = Path(ckpt)
+    if (path / "config.json").is_file():
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
+        if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            raise FileNotFoundError(f"'{path}' holds no Hugging Face tokenizer (the run used a non-HF tokenizer); "
+                                    f"generate from the training checkpoint directory instead.")
+        tokenizer = build_tokenizer(TokenizerArgs(name="hf", path=str(path)))
+        return (lambda ids: model(ids).logits), tokenizer, model.config.max_position_embeddings
+    ckpt_dir = resolve_checkpoint_dir(ckpt)
+    params = load_params(ckpt_dir)
+    model_args = model_args_from_params(params)
+    with torch.device("meta"):
+        model = LMTransformer(model_args)
+    model.to_empty(device=device)
+    model.init_weights()  # RoPE tables and the embedding tie; weights are overwritten just below
+    state_dict = load_model_state_dict(ckpt_dir)
+    if model_args.tie_embeddings:
+        state_dict.setdefault("output.weight", state_dict.get("tok_embeddings.weight"))
+    try:
+        model.load_state_dict(state_dict, strict=True)
+    except RuntimeError as err:
+        raise ValueError(f"the weights in {ckpt_dir} do not fit the model described by its params.json: {err}") from None
+    model.eval()
+    tokenizer = build_tokenizer(dataclass_from_dict(TokenizerArgs, params.get("data", {}).get("tokenizer", {})))
+    logger.info(f"loaded {ckpt_dir} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
+    return model, tokenizer, model_args.max_seqlen
+
+
+def generate_text(args: GenerateArgs) -> str:
+    """The prompt's continuation as text."""
+    if not args.ckpt:
+        raise ValueError("pass ckpt=<checkpoint directory or exported HF directory>.")
+    device = pick_device(args.device)
+    logits_fn, tokenizer, max_seqlen = load_student(args.ckpt, device)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(args.seed)
+    prompt_ids = tokenizer.encode(args.prompt, add_bos=tokenizer.bos_id is not None, add_eos=False)
+    new_ids = generate_tokens(logits_fn, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
+                              max_seqlen, tokenizer.eos_id, device, generator)
+    if tokenizer.eos_id is not None and new_ids and new_ids[-1] == tokenizer.eos_id:
+        new_ids = new_ids[:-1]
+    return tokenizer.decode(new_ids)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(GenerateArgs, argv)
+    print(args.prompt + generate_text(args))
+
+
+if __name__ == "__main__":
+    main()

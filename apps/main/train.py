@@ -1,0 +1,434 @@
+"""Pretraining with optional online distillation.
+
+    torchrun --nproc-per-node 2 -m apps.main.train config=configs/debug_cpu.yaml
+    torchrun --nproc-per-node 8 -m apps.main.train config=configs/distill_exps/debug.yaml
+
+Students run `train()`; teacher ranks run `distillation_process()`. Everything distributed goes
+through the Topology returned by `setup_torch_distributed`, and every collective names its group:
+the training group for anything the students do together, a bridge group for teacher traffic.
+"""
+
+import contextlib
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from apps.main.transformer import LMTransformer, LMTransformerArgs, get_no_recompute_ops, get_num_flop_per_token
+from lingua.args import dump_config, parse_args, to_dict
+from lingua.checkpoint import CheckpointArgs, CheckpointManager
+from lingua.data import DataArgs, DataLoader, iterate_eval_batches
+from lingua.distillation import (
+    DistillationArgs, TeacherClient, TeacherError, TeacherServer, validate_distillation_args,
+)
+from lingua.distributed import (
+    DistributedArgs, PreemptionFlag, Topology, agree_count, agree_flags, clean_up, dist_gather_floats,
+    dist_mean_dict, log_rank_device_map, parallelize_model, resolve_mesh_dims, set_collective_timeout, setup_torch_distributed,
+)
+from lingua.kd_loss import alpha_at, distillation_loss, kd_loss
+from lingua.logger import init_logger
+from lingua.metrics import LoggingArgs, MemoryMonitor, MetricLogger, ProgressLine, estimate_mfu
+from lingua.optim import OptimArgs, build_optimizer, clip_grad_norm_
+from lingua.probe import ActivationProbe
+from lingua.profiling import ProfilerArgs, maybe_run_profiler
+from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
+from lingua.tokenizer import build_tokenizer
+
+logger = logging.getLogger("train")
+
+
+@dataclass
+class EvalArgs:
+    every: int = 0  # steps between in-loop evaluations (0 = never)
+    max_batches: int = 16  # per rank
+
+
+@dataclass
+class TrainArgs:
+    name: str = "lingua"
+    dump_dir: str = "dumps/lingua"
+    seed: int = 42
+    steps: int = 1000
+    grad_acc_steps: int = 1
+    probe_freq: Optional[int] = None
+    enable_distillation: bool = False
+    exit_after_steps: Optional[int] = None  # stop (with a checkpoint) after this many steps of this launch
+
+    data: DataArgs = field(default_factory=DataArgs)
+    model: LMTransformerArgs = field(default_factory=LMTransformerArgs)
+    optim: OptimArgs = field(default_factory=OptimArgs)
+    distributed: DistributedArgs = field(default_factory=DistributedArgs)
+    distillation: DistillationArgs = field(default_factory=DistillationArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    logging: LoggingArgs = field(default_factory=LoggingArgs)
+    profiling: ProfilerArgs = field(default_factory=ProfilerArgs)
+    eval: EvalArgs = field(default_factory=EvalArgs)
+
+
+def validate_args(args: TrainArgs) -> None:
+    """Config errors a user can make, raised before any process group exists."""
+    if args.steps < 1 or args.grad_acc_steps < 1:
+        raise ValueError(f"steps={args.steps} and grad_acc_steps={args.grad_acc_steps} must be >= 1.")
+    if not args.dump_dir:
+        raise ValueError("dump_dir is empty; set dump_dir=<folder for logs, metrics and checkpoints>.")
+    if args.enable_distillation:
+        validate_distillation_args(args.distillation)
+
+
+def n_teacher_ranks(args: TrainArgs) -> int:
+    return args.distillation.n_teacher_ranks if args.enable_distillation else 0
+
+
+# ---------------------------------------------------------------- teacher ranks
+
+def distillation_process(args: TrainArgs, topo: Topology, phases: PhaseLog) -> None:
+    """Teacher rank: load the HF model, handshake with its students, serve until STOP."""
+    with phases.span("teacher_load"):
+        server = TeacherServer(args.distillation, topo)
+    if topo.distributed:
+        set_collective_timeout(topo, args.distributed.train_timeout_s)
+    server.serve()
+
+
+# ---------------------------------------------------------------- student ranks
+
+@dataclass
+class TrainState:
+    step: int = 0
+    tokens: int = 0  # tokens trained on, summed over students
+
+    def state_dict(self) -> dict:
+        return dict(step=self.step, tokens=self.tokens)
+
+
+def build_model(args: TrainArgs, topo: Topology) -> torch.nn.Module:
+    """Same seed on every rank -> same full weights, then FSDP shards them: init is topology-free."""
+    torch.manual_seed(args.model.seed)
+    with torch.device(topo.device):
+        model = LMTransformer(args.model)
+        model.init_weights()
+    return parallelize_model(model, topo, args.distributed, get_no_recompute_ops())
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) so micro-batches add up exactly to one large batch."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def tokenizer_vocab(tokenizer) -> dict:
+    """The token -> id map used to check that students and teacher share a tokenizer."""
+    hf = getattr(tokenizer, "tokenizer", None)
+    if hf is not None and hasattr(hf, "get_vocab"):
+        return hf.get_vocab()
+    return {f"<{type(tokenizer).__name__}:{tokenizer.n_words}>": 0}
+
+
+def train(args: TrainArgs, topo: Topology, phases: PhaseLog) -> None:
+    dump_dir = Path(args.dump_dir)
+    group, device = topo.train_group, topo.device
+    if topo.is_train_master:
+        dump_config(args, dump_dir / "config.yaml")
+
+    with phases.span("tokenizer_init"):
+        tokenizer = build_tokenizer(args.data.tokenizer)
+        if args.model.vocab_size not in (-1, tokenizer.n_words):
+            raise ValueError(f"model.vocab_size={args.model.vocab_size} but the tokenizer has {tokenizer.n_words} "
+                             f"tokens; leave model.vocab_size=-1 to take it from the tokenizer.")
+        args.model.vocab_size = tokenizer.n_words
+
+    with phases.span("model_build"):
+        model = build_model(args, topo)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info(f"student model: {n_params / 1e6:.2f}M parameters, vocab {args.model.vocab_size}")
+
+    teacher = None
+    if args.enable_distillation:
+        with phases.span("teacher_handshake"):
+            teacher = TeacherClient(args.distillation, topo, tokenizer_vocab(tokenizer), tokenizer.n_words,
+                                    args.data.batch_size, args.data.seq_len)
+
+    optimizer, scheduler = build_optimizer(model, args.optim, args.steps)
+    state = TrainState()
+    checkpoint = CheckpointManager(args.checkpoint, args.checkpoint.path or str(dump_dir / "checkpoints"),
+                                   group, topo.train_rank, topo.train_world_size)
+    with phases.span("checkpoint_load"):
+        saved = checkpoint.load(model, optimizer)
+        if saved is None:  # a fresh run may start from init_ckpt_path (weights, or all with continue_training_from_init)
+            saved = checkpoint.load_init(model, optimizer)
+    with phases.span("data_init"):
+        loader = DataLoader(args.data, tokenizer, topo.dp_rank, topo.dp_degree)
+    if saved is not None:
+        state.step, state.tokens = saved["step"], saved["tokens"]
+        scheduler.load_state_dict(saved["scheduler"])
+        loader.load_state_dict(saved["data"])
+        logger.info(f"resumed from step {state.step}")
+
+    probe = ActivationProbe(model, str(dump_dir), topo.global_rank, topo.is_train_master, group) if args.probe_freq else None
+    metric_logger = MetricLogger(str(dump_dir / "metrics.jsonl"), args.logging.wandb, to_dict(args), str(dump_dir)) \
+        if topo.is_train_master else None
+    # On a terminal a live progress line; otherwise the per-step log lines are the progress.
+    progress = ProgressLine(args.steps) if topo.is_train_master and sys.stderr.isatty() else None
+    memory = MemoryMonitor(device)
+    preemption = PreemptionFlag()
+    timer = StepTimer()
+    flops_per_token = get_num_flop_per_token(n_params - args.model.vocab_size * args.model.dim,
+                                             args.model.n_layers, args.model.dim, args.data.seq_len)
+    first_step_of_launch = state.step
+    last_saved_step = state.step if saved is not None else -1
+    ended = "completed"
+
+    def save(kind: str = "dump") -> None:
+        nonlocal last_saved_step
+        train_state = dict(state.state_dict(), scheduler=scheduler.state_dict(), data=loader.state_dict())
+        checkpoint.save(model, optimizer, train_state, state.step, to_dict(args), kind=kind)
+        last_saved_step = state.step
+
+    try:
+        with maybe_run_profiler(str(dump_dir), model, args.profiling, topo.global_rank, topo.is_train_master, group) as profiler:
+            while state.step < args.steps:
+                timer.reset()
+                step_start = time.perf_counter()
+                state.step += 1
+                first_step = state.step == first_step_of_launch + 1
+                span = phases.span("first_step") if first_step else contextlib.nullcontext()
+                with span:
+                    with timer.part("data"):
+                        micro_batches = [next(loader) for _ in range(args.grad_acc_steps)]
+                    metrics = train_step(args, model, teacher, micro_batches, state.step, timer, device, scheduler)
+                    with timer.part("optimizer"):
+                        grad_norm = clip_grad_norm_(model.parameters(), args.optim.clip)
+                        optimizer.step()
+                        scheduler.step()
+                        optimizer.zero_grad(set_to_none=True)
+                if first_step and teacher is not None:
+                    phases.record("first_teacher_round_trip", *teacher.first_round_trip)
+                state.tokens += metrics.pop("tokens") * topo.train_world_size
+                if profiler is not None:
+                    profiler.step()
+
+                if probe is not None and state.step % args.probe_freq == 0:
+                    run_probe(model, probe, micro_batches[0], state.step)
+
+                # The one agreed control point of the step: stop, save and fail are decided together.
+                flags = agree_flags(dict(preempt=preemption.requested, nonfinite=not math.isfinite(metrics["loss/total"])),
+                                    group, device)
+                if first_step and topo.distributed:
+                    torch.distributed.barrier(group=group)
+                    set_collective_timeout(topo, args.distributed.train_timeout_s)
+                if flags["nonfinite"]:
+                    raise FloatingPointError(f"loss is not finite at step {state.step} on at least one training rank")
+
+                step_time = time.perf_counter() - step_start
+                if state.step % args.logging.freq == 0 or state.step == args.steps:
+                    log_step(args, topo, state, metrics, timer, step_time, float(grad_norm), scheduler, memory,
+                             flops_per_token, metric_logger, progress, teacher)
+
+                if args.eval.every and state.step % args.eval.every == 0:
+                    run_eval(args, model, tokenizer, topo, state.step, metric_logger)
+
+                stop_now = flags["preempt"] or (
+                    args.exit_after_steps is not None and state.step - first_step_of_launch >= args.exit_after_steps)
+                if (args.checkpoint.dump.every and state.step % args.checkpoint.dump.every == 0) or stop_now:
+                    with timer.part("checkpoint"):
+                        save()
+                if args.checkpoint.eval.every and state.step % args.checkpoint.eval.every == 0:
+                    save(kind="eval")
+                if stop_now:
+                    ended = "preempted" if flags["preempt"] else "exit_after_steps"
+                    break
+            if ended == "completed" and last_saved_step != state.step:
+                save()
+        if teacher is not None:
+            teacher.stop(state.step)
+        if ended == "preempted":
+            requeue_if_slurm(topo)
+    finally:
+        loader.close()
+        preemption.restore()
+        if progress is not None:
+            progress.close()
+        if metric_logger is not None:
+            metric_logger.close()
+    if topo.is_train_master:
+        print_summary(args, state, ended, dump_dir, teacher)
+
+
+def train_step(args: TrainArgs, model, teacher: Optional[TeacherClient], micro_batches, step: int,
+               timer: StepTimer, device, scheduler) -> dict:
+    """Forward/backward over the micro-batches; returns this rank's loss metrics for the step."""
+    n_valid = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
+    totals = dict(ce=0.0, kd=0.0, teacher_mass=0.0, top1_agreement=0.0)
+    kd_args = args.distillation
+    alpha = alpha_at(step, kd_args.alpha, kd_args.alpha_schedule, scheduler.get_last_lr()[0] / args.optim.lr) \
+        if teacher is not None else 0.0
+    for micro_step, batch in enumerate(micro_batches):
+        input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+        # Submit first: the teacher's forward overlaps ours.
+        handle = teacher.submit(input_ids, step, micro_step) if teacher is not None else None
+        with timer.part("fwd_bwd"):
+            logits = model(input_ids, doc_ids=batch.get("doc_ids", None) if args.model.attn_mask == "doc_causal" else None)
+            mask = labels != -100
+            weight = int(mask.sum()) / max(n_valid, 1)  # this micro-batch's share of the step's tokens
+            ce = cross_entropy_sum(logits, labels) / max(n_valid, 1)
+            loss = ce
+            if handle is not None:
+                with timer.part("teacher_wait"):
+                    teacher_outputs = handle.wait().to(device)
+                kd, stats = kd_loss(logits, teacher_outputs, mask, kd_args.temperature, kd_args.divergence,
+                                    kd_args.jsd_beta, kd_args.loss_chunk_size)
+                loss = distillation_loss(ce, kd * weight, alpha, kd_args.temperature)
+                totals["kd"] += stats["kd"] * weight
+                totals["teacher_mass"] += stats["teacher_mass"] * weight
+                totals["top1_agreement"] += stats["top1_agreement"] * weight
+            loss.backward()
+        totals["ce"] += ce.item()
+    # teacher_wait is nested inside fwd_bwd; report compute without it.
+    timer.seconds["fwd_bwd"] -= timer.seconds.get("teacher_wait", 0.0)
+    metrics = {"loss/ce": totals["ce"], "tokens": sum(b["input_ids"].numel() for b in micro_batches)}
+    if teacher is not None:
+        metrics.update({"loss/kd": totals["kd"], "kd/teacher_mass": totals["teacher_mass"],
+                        "kd/top1_agreement": totals["top1_agreement"], "kd/alpha": alpha})
+        metrics["loss/total"] = (1 - alpha) * totals["ce"] + alpha * kd_args.temperature ** 2 * totals["kd"]
+    else:
+        metrics["loss/total"] = totals["ce"]
+    return metrics
+
+
+def run_probe(model, probe: ActivationProbe, batch, step: int) -> None:
+    """An extra forward/backward under the probe's hooks; the teacher is not involved."""
+    with probe.capture(step):
+        logits = model(batch["input_ids"].to(next(model.parameters()).device))
+        labels = batch["labels"].to(logits.device)
+        (cross_entropy_sum(logits, labels) / max(int((labels != -100).sum()), 1)).backward()
+    model.zero_grad(set_to_none=True)
+
+
+@torch.no_grad()
+def run_eval(args: TrainArgs, model, tokenizer, topo: Topology, step: int, metric_logger) -> None:
+    """In-loop eval on the training group only; ranks first agree on how many batches to run."""
+    batches = list(iterate_eval_batches(args.data, tokenizer, topo.dp_rank, topo.dp_degree, args.eval.max_batches))
+    n_batches = agree_count(len(batches), topo.train_group, topo.device, "eval batches", mode="min")
+    loss_sum = tokens = 0.0
+    model.eval()
+    for batch in batches[:n_batches]:
+        labels = batch["labels"].to(topo.device)
+        logits = model(batch["input_ids"].to(topo.device))
+        loss_sum += cross_entropy_sum(logits, labels).item()
+        tokens += int((labels != -100).sum())
+    model.train()
+    totals = dist_mean_dict(dict(loss_sum=loss_sum, tokens=tokens), topo.train_group, topo.device)
+    eval_loss = totals["loss_sum"] / max(totals["tokens"], 1)
+    logger.info(f"eval step {step}: loss {eval_loss:.4f} over {n_batches} batches per rank")
+    if metric_logger is not None:
+        metric_logger.log({"step": step, "eval/loss": eval_loss, "eval/ppl": math.exp(min(eval_loss, 50))})
+
+
+def log_step(args, topo, state, metrics, timer, step_time, grad_norm, scheduler, memory, flops_per_token,
+             metric_logger, progress, teacher) -> None:
+    """Means over the students, plus min/max/slowest rank per step part (one gather, log steps only)."""
+    group, device = topo.train_group, topo.device
+    means = dist_mean_dict({k: v for k, v in metrics.items()}, group, device)
+    parts = ("data", "fwd_bwd", "teacher_wait", "optimizer", "checkpoint")
+    per_rank = dist_gather_floats([timer.seconds.get(p, 0.0) for p in parts] + [step_time], group, device)
+    tokens_per_s = args.data.batch_size * args.data.seq_len * args.grad_acc_steps * topo.train_world_size / step_time
+    row = {"step": state.step, "tokens": state.tokens, **means, "optim/lr": scheduler.get_last_lr()[0],
+           "optim/grad_norm": grad_norm, "speed/tokens_per_s": tokens_per_s, "speed/step_time_s": step_time,
+           "speed/data_time_s": timer.seconds.get("data", 0.0), "time": time.time(), **memory.get_peak_stats()}
+    if teacher is not None:
+        row["speed/teacher_wait_s"] = timer.seconds.get("teacher_wait", 0.0)
+        row["kd/teacher_busy"] = teacher.teacher_busy
+    mfu = estimate_mfu(flops_per_token, tokens_per_s / topo.train_world_size, device)
+    if mfu is not None:
+        row["speed/mfu"] = mfu
+    for i, part in enumerate(parts + ("step",)):
+        values = [r[i] for r in per_rank]
+        slowest = max(range(len(values)), key=values.__getitem__)
+        row[f"stragglers/{part}_max_s"] = values[slowest]
+        row[f"stragglers/{part}_min_s"] = min(values)
+        row[f"stragglers/{part}_slowest_rank"] = topo.student_ranks[slowest]
+    if not topo.is_train_master:
+        return
+    wait_share = row.get("speed/teacher_wait_s", 0.0) / step_time
+    message = (f"step {state.step}/{args.steps} loss {row['loss/total']:.4f} ce {row['loss/ce']:.4f}"
+               + (f" kd {row['loss/kd']:.4f} agree {row['kd/top1_agreement']:.3f}" if teacher is not None else "")
+               + f" lr {row['optim/lr']:.2e} gnorm {grad_norm:.3f} {tokens_per_s:,.0f} tok/s"
+               + (f" teacher wait {100 * wait_share:.0f}%" if teacher is not None else "")
+               + f" slowest r{row['stragglers/step_slowest_rank']} {row['stragglers/step_max_s']:.2f}s")
+    logger.info(message)
+    if teacher is not None and wait_share > 0.3:
+        logger.warning(f"students spend {100 * wait_share:.0f}% of the step waiting on the teacher: the teacher is "
+                       f"the bottleneck (add teacher ranks or use a smaller teacher)")
+    metric_logger.log(row)
+    if progress is not None:
+        progress.update(state.step, row)
+
+
+def requeue_if_slurm(topo: Topology) -> None:
+    """After a preemption save, one rank asks SLURM to requeue the job (submitit requeues by itself)."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not topo.is_train_master or job_id is None or os.environ.get("SUBMITIT_EXECUTOR"):
+        return
+    result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    if result.returncode == 0:
+        logger.info(f"requeued SLURM job {job_id}")
+    else:
+        logger.error(f"scontrol requeue {job_id} failed: {result.stderr.strip()}")
+
+
+def print_summary(args: TrainArgs, state: TrainState, ended: str, dump_dir: Path, teacher) -> None:
+    import json
+
+    lines = [l for l in (dump_dir / "metrics.jsonl").read_text().splitlines() if l.strip()] \
+        if (dump_dir / "metrics.jsonl").exists() else []
+    rows = [json.loads(l) for l in lines]
+    last = next((r for r in reversed(rows) if "loss/ce" in r), {})
+    summary = [f"run {ended}: {state.step} steps, {state.tokens:,} tokens",
+               f"final CE {last.get('loss/ce', float('nan')):.4f}"]
+    if teacher is not None:
+        summary[-1] += (f", KD {last.get('loss/kd', float('nan')):.4f}, teacher-student top-1 agreement "
+                        f"{last.get('kd/top1_agreement', float('nan')):.3f}")
+        summary.append(f"time waiting on the teacher: {teacher.total_wait_s:.1f}s on this rank "
+                       f"(teacher busy {100 * teacher.teacher_busy:.0f}%)")
+    summary.append(f"outputs: {dump_dir} (metrics.jsonl, checkpoints/, config.yaml, logs/)")
+    logger.info("summary\n  " + "\n  ".join(summary))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(TrainArgs, argv)
+    validate_args(args)
+    # Mesh dims are checked against the launch size inside setup, before any collective.
+    start = time.time()
+    topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir)
+    init_logger(topo.global_rank, topo.role, str(Path(args.dump_dir) / "logs" / f"rank_{topo.global_rank}.log"))
+    phases = PhaseLog(args.dump_dir, topo.global_rank, topo.role)
+    phases.record("process_group_init", start, time.time())
+    log_rank_device_map(topo)
+    try:
+        torch.manual_seed(args.seed)
+        if topo.is_teacher:
+            distillation_process(args, topo, phases)
+        else:
+            train(args, topo, phases)
+        if topo.distributed:
+            torch.distributed.barrier(group=torch.distributed.group.WORLD)  # everyone ends together
+        if topo.global_rank == 0:
+            logger.info("startup phases (all ranks)\n" + format_phase_table(read_phase_files(args.dump_dir)))
+    finally:
+        clean_up()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError, TeacherError) as err:
+        # A user-facing error: one sentence, no traceback.
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,83 @@
+"""The student language model: token embeddings -> transformer blocks -> norm -> vocabulary head."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lingua.transformer import BaseTransformer, BaseTransformerArgs, RMSNorm, init_trunc_normal, init_generator
+
+
+@dataclass
+class LMTransformerArgs(BaseTransformerArgs):
+    vocab_size: int = -1  # -1: taken from the tokenizer by the trainer
+    tie_embeddings: bool = False  # output head reuses tok_embeddings.weight
+    seed: int = 42  # init RNG seed: same seed -> same weights on every rank
+
+
+class LMTransformer(BaseTransformer):
+    """Decoder-only LM. Build on any device (meta included), then `init_weights()` fills every tensor."""
+
+    def __init__(self, args: LMTransformerArgs):
+        if args.vocab_size <= 0:
+            raise ValueError(f"model.vocab_size={args.vocab_size}; set it to the tokenizer's vocabulary size "
+                             f"(the trainer does this when it is -1).")
+        super().__init__(args)
+        self.vocab_size, self.tie_embeddings, self.seed = args.vocab_size, args.tie_embeddings, args.seed
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids [B, S] -> logits [B, S, vocab_size]; doc_ids [B, S] only matters with attn_mask=doc_causal."""
+        h = super().forward(self.tok_embeddings(input_ids), doc_ids)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: Optional[int] = None) -> None:
+        """(Re)initialise every parameter and buffer from `seed` (default: args.seed), on the params' device."""
+        if self.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            # A plain `to_empty` gives each module its own new tensor (FSDP's keeps the tie): restore it.
+            self.output.weight = self.tok_embeddings.weight
+        generator = init_generator(self.tok_embeddings.weight.device, self.seed if seed is None else seed)
+        std = self.init_base_std or self.dim ** -0.5
+        init_trunc_normal(self.tok_embeddings.weight, std, generator)
+        super().init_weights(generator)
+        self.norm.reset_parameters()
+        if not self.tie_embeddings:
+            init_trunc_normal(self.output.weight, std, generator)
+
+    def reset_parameters(self) -> None:
+        """nn.Module convention alias of `init_weights`."""
+        self.init_weights()
+
+
+def get_num_flop_per_token(num_non_embed_params: int, n_layers: int, dim: int, seq_len: int) -> int:
+    """Training FLOPs per token: 6N for the matmuls (fwd + bwd) plus 12*L*D*S for attention scores."""
+    return 6 * num_non_embed_params + 12 * n_layers * dim * seq_len
+
+
+def get_no_recompute_ops() -> set:
+    """Ops whose outputs selective activation checkpointing keeps: the expensive matmuls and attention kernels.
+
+    SDPA's math backend is a composite of bmm/softmax that dispatch never sees as one op, so it is recomputed.
+    """
+    names = [("aten", "mm"), ("aten", "_scaled_dot_product_flash_attention"),
+             ("aten", "_scaled_dot_product_efficient_attention"), ("aten", "_scaled_dot_product_cudnn_attention"),
+             ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
+             # Keeping the FSDP reduce-scatter output avoids re-running a collective in the recompute.
+             ("_c10d_functional", "reduce_scatter_tensor")]
+    ops = set()
+    for namespace, name in names:
+        try:
+            ops.add(getattr(getattr(torch.ops, namespace), name).default)
+        except AttributeError:  # op absent from this torch build
+            continue
+    try:
+        ops.add(torch.ops.higher_order.flex_attention)
+    except AttributeError:
+        pass
+    return ops

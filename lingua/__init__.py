@@ -1,0 +1,1 @@
+"""Meta Lingua-style pretraining with online knowledge distillation."""

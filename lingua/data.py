@@ -1,0 +1,566 @@
+"""Training data: jsonl chunks per source, weighted mixing, on-the-fly tokenization, packing, prefetch.
+
+Layout on disk (written by setup/download_prepare_hf_data.py):
+
+    <root_dir>/<source>/<name>.chunk.<i>.jsonl   training documents, one JSON object per line
+    <root_dir>/<source>/<name>.val.jsonl         validation documents (optional, for in-loop eval)
+
+Each line holds a "text" (or "content") string. Lines that are not JSON objects with such a string are
+counted and skipped (`DataLoader.bad_lines`); a few are logged in full, then only at 10, 100, 1000, ...
+
+Stream: every row of a batch is a window of `seq_len + 1` consecutive tokens from one source, picked
+with probability proportional to its weight (so weights are shares of training tokens). Documents are
+tokenized when read and packed back to back; a document cut by the end of a window continues at the
+start of that source's next window. `input_ids = window[:-1]`, `labels = window[1:]` (training
+batches never contain -100), and `doc_ids` numbers the documents inside each window from 0 so that a
+doc-causal mask can keep attention within a document.
+
+Sharding over data-parallel ranks never drops a file: with F files and D ranks, if F >= D rank r reads
+files r, r+D, r+2D, ...; if F < D rank r reads file r % F, and the ranks sharing a file split its lines
+(each of the k ranks on a file takes every k-th line, starting at line r // F). Either way every line
+belongs to exactly one rank. Ranks may hold different amounts of data; each loops over its share.
+
+State: `DataLoader.state_dict()` is a small JSON-serialisable dict with each source's read position
+(file, byte offset, line, epoch), the document cut at the last window (re-read and re-tokenized on
+restore), the number of windows drawn (the mixing RNG is a pure function of seed, rank and window
+index) and the malformed-line count. It describes the stream just after the last batch handed out;
+batches the prefetch thread built ahead are not part of it, so a restore gives bit-identical batches.
+"""
+
+import copy
+import functools
+import json
+import logging
+import math
+import queue
+import threading
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+import torch
+
+from lingua.tokenizer import Tokenizer, TokenizerArgs
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+IGNORE_INDEX = -100
+MALFORMED_LOGGED_IN_FULL = 5
+PREFETCH_JOIN_TIMEOUT_S = 30.0
+
+
+@dataclass
+class DataArgs:
+    root_dir: Optional[str] = None  # folder with one sub-folder per source
+    sources: dict[str, float] = field(default_factory=dict)  # source folder -> weight (share of tokens)
+    batch_size: int = 2
+    seq_len: int = 256
+    seed: int = 42
+    add_bos: bool = True
+    add_eos: bool = True
+    load_async: bool = True  # build batches in a background thread
+    prefetch_size: int = 64  # batches the background thread may build ahead
+    tokenizer: TokenizerArgs = field(default_factory=TokenizerArgs)
+    eval_sources: Optional[list[str]] = None  # sources whose *.val.jsonl to evaluate; None = all that have one
+
+
+def check_data_args(args: DataArgs, dp_rank: int, dp_degree: int) -> None:
+    """Raise a readable ValueError for settings the loader cannot work with."""
+    if not args.root_dir:
+        raise ValueError("data.root_dir is not set; point it at the folder holding one sub-folder per source.")
+    if not args.sources:
+        raise ValueError("data.sources is empty; name at least one source folder with a weight, "
+                         "e.g. data.sources.fineweb_edu=1.0.")
+    for name, weight in args.sources.items():
+        if not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"data.sources.{name}={weight}: weights must be finite and >= 0.")
+    if sum(args.sources.values()) <= 0:
+        raise ValueError("All data.sources weights are 0; give at least one source a positive weight.")
+    for key in ("batch_size", "seq_len", "prefetch_size"):
+        if getattr(args, key) < 1:
+            raise ValueError(f"data.{key}={getattr(args, key)} must be >= 1.")
+    if not 0 <= dp_rank < dp_degree:
+        raise ValueError(f"Data-parallel rank {dp_rank} is outside 0..{dp_degree - 1} (dp_degree={dp_degree}).")
+
+
+def _chunk_sort_key(path: Path) -> tuple:
+    stem, _, index = path.name[: -len(".jsonl")].rpartition(".chunk.")
+    return (stem, int(index) if index.isdigit() else -1, path.name)
+
+
+def list_chunk_files(root_dir: str, source: str) -> list[Path]:
+    """The training chunk files of `source` in chunk order; readable error when there are none."""
+    directory = Path(root_dir) / source
+    if not directory.is_dir():
+        raise FileNotFoundError(f"Data source directory '{directory}' does not exist; fix data.root_dir or the "
+                                f"source name in data.sources (setup/download_prepare_hf_data.py writes this layout).")
+    files = sorted(directory.glob("*.chunk.*.jsonl"), key=_chunk_sort_key)
+    if not files:
+        raise FileNotFoundError(f"Data source directory '{directory}' has no '*.chunk.<i>.jsonl' files; prepare it "
+                                f"with setup/download_prepare_hf_data.py or remove '{source}' from data.sources.")
+    return files
+
+
+def list_val_files(root_dir: str, source: str) -> list[Path]:
+    """The validation files (`*.val.jsonl`) of `source`, sorted; empty when there are none."""
+    return sorted((Path(root_dir) / source).glob("*.val.jsonl"))
+
+
+@dataclass(frozen=True)
+class FileShard:
+    """The lines of `path` whose 0-based number is `offset` modulo `stride` (stride 1: the whole file)."""
+
+    path: str
+    stride: int = 1
+    offset: int = 0
+
+    def describe(self) -> list:
+        return [Path(self.path).name, self.stride, self.offset]
+
+
+def shard_files(files: list, dp_rank: int, dp_degree: int) -> list[FileShard]:
+    """This rank's share of `files`: round-robin files when there are enough, else strided lines of one file."""
+    n_files = len(files)
+    assert n_files > 0 and 0 <= dp_rank < dp_degree
+    if n_files >= dp_degree:
+        return [FileShard(str(path)) for path in files[dp_rank::dp_degree]]
+    sharing_ranks = range(dp_rank % n_files, dp_degree, n_files)
+    return [FileShard(str(files[dp_rank % n_files]), len(sharing_ranks), dp_rank // n_files)]
+
+
+class _MalformedLines:
+    """Counts skipped lines; logs the first few in full, then only at 10, 100, 1000, ... so logs stay short."""
+
+    def __init__(self, count: int = 0):
+        self.count = count
+
+    def text_of(self, raw: bytes, path: str, line_no: int) -> Optional[str]:
+        """The document text of a jsonl line, or None (counted) when the line is malformed."""
+        try:
+            record = json.loads(raw)
+        except ValueError:  # includes invalid UTF-8
+            return self._skip(path, line_no, "not valid JSON")
+        if not isinstance(record, dict):
+            return self._skip(path, line_no, "not a JSON object")
+        text = record.get("text", record.get("content"))
+        if text is None:
+            return self._skip(path, line_no, "no 'text' or 'content' field")
+        if not isinstance(text, str):
+            return self._skip(path, line_no, f"'text' is a {type(text).__name__}, not a string")
+        return text
+
+    def _skip(self, path: str, line_no: int, reason: str) -> None:
+        self.count += 1
+        where = f"{path}:{line_no + 1}"
+        if self.count <= MALFORMED_LOGGED_IN_FULL:
+            suffix = "; further ones are only counted (totals at 10, 100, 1000, ...)" \
+                if self.count == MALFORMED_LOGGED_IN_FULL else ""
+            logger.warning(f"skipping malformed data line {where}: {reason}{suffix}")
+        elif math.log10(self.count).is_integer():
+            logger.warning(f"{self.count} malformed data lines skipped so far (latest {where}: {reason})")
+        return None
+
+
+class _SourceReader:
+    """One source's documents in this rank's shards, looping forever, from a resumable position."""
+
+    def __init__(self, name: str, shards: list[FileShard], position: dict, malformed: _MalformedLines):
+        self.name = name
+        self.shards = shards
+        self.malformed = malformed
+        self.file_index = position["file_index"]
+        self.offset = position["offset"]
+        self.line = position["line"]
+        self.epoch = position["epoch"]
+        self._file = None
+        # A pass that starts mid-way after a restore may legitimately find nothing before wrapping.
+        self._full_pass = self.file_index == 0 and self.offset == 0
+        self._docs_this_pass = 0
+
+    def position(self) -> dict:
+        return dict(file_index=self.file_index, offset=self.offset, line=self.line, epoch=self.epoch)
+
+    def next_document(self) -> tuple[str, dict]:
+        """(text, location of its line) of the next valid document."""
+        while True:
+            if self._file is None:
+                self._file = open(self.shards[self.file_index].path, "rb")
+                self._file.seek(self.offset)
+            raw = self._file.readline()
+            if not raw:
+                self._next_file()
+                continue
+            shard = self.shards[self.file_index]
+            location = dict(file_index=self.file_index, offset=self.offset, line=self.line)
+            self.offset += len(raw)
+            self.line += 1
+            if location["line"] % shard.stride != shard.offset or not raw.strip():
+                continue
+            text = self.malformed.text_of(raw, shard.path, location["line"])
+            if text:
+                self._docs_this_pass += 1
+                return text, location
+
+    def _next_file(self) -> None:
+        self.close()
+        self.file_index, self.offset, self.line = self.file_index + 1, 0, 0
+        if self.file_index < len(self.shards):
+            return
+        if self._full_pass and self._docs_this_pass == 0:
+            raise ValueError(f"Source '{self.name}' has no valid document in this rank's share "
+                             f"{[s.describe() for s in self.shards]} ([file, stride, offset]); add documents "
+                             f"or chunk files, or train on fewer data-parallel ranks.")
+        self.file_index, self.epoch = 0, self.epoch + 1
+        self._full_pass, self._docs_this_pass = True, 0
+        logger.info(f"data source '{self.name}': starting epoch {self.epoch}")
+
+    def document_at(self, location: dict) -> str:
+        """The text of the document whose line starts at `location` (to resume a cut document)."""
+        path = self.shards[location["file_index"]].path
+        with open(path, "rb") as f:
+            f.seek(location["offset"])
+            text = _MalformedLines().text_of(f.readline(), path, location["line"])
+        if not text:
+            raise ValueError(f"The checkpointed data position {path}:{location['line'] + 1} is no longer a valid "
+                             f"document; the data files changed since the checkpoint. Restore them or resume "
+                             f"without the data state.")
+        return text
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class _SourcePacker:
+    """Cuts one source's token stream into windows; a document cut at a window end carries over."""
+
+    def __init__(self, reader: _SourceReader, tokenizer: Tokenizer, add_bos: bool, add_eos: bool,
+                 cut_document: Optional[dict]):
+        self.reader = reader
+        self.encode = functools.partial(tokenizer.encode, add_bos=add_bos, add_eos=add_eos)
+        self.doc_tokens: list[int] = []
+        self.doc_pos = 0
+        self.doc_location: Optional[dict] = None
+        if cut_document is not None:
+            self.doc_location = {k: cut_document[k] for k in ("file_index", "offset", "line")}
+            self.doc_tokens = self.encode(reader.document_at(self.doc_location))
+            self.doc_pos = cut_document["token"]
+
+    def window(self, length: int) -> tuple[list[int], list[int]]:
+        """(tokens, doc_ids) of the next `length` tokens."""
+        tokens: list[int] = []
+        doc_ids: list[int] = []
+        while len(tokens) < length:
+            if self.doc_pos >= len(self.doc_tokens):
+                text, self.doc_location = self.reader.next_document()
+                self.doc_tokens, self.doc_pos = self.encode(text), 0
+                continue
+            take = min(length - len(tokens), len(self.doc_tokens) - self.doc_pos)
+            doc_ids.extend([doc_ids[-1] + 1 if doc_ids else 0] * take)
+            tokens.extend(self.doc_tokens[self.doc_pos:self.doc_pos + take])
+            self.doc_pos += take
+        return tokens, doc_ids
+
+    def state(self) -> dict:
+        cut = None if self.doc_pos >= len(self.doc_tokens) else dict(self.doc_location, token=self.doc_pos)
+        return dict(self.reader.position(), document=cut)
+
+
+def _initial_state(shards: dict[str, list[FileShard]], dp_rank: int, dp_degree: int) -> dict:
+    sources = {name: dict(file_index=0, offset=0, line=0, epoch=0, document=None,
+                          files=[s.describe() for s in source_shards]) for name, source_shards in shards.items()}
+    return dict(version=STATE_VERSION, dp_rank=dp_rank, dp_degree=dp_degree, windows=0, bad_lines=0, sources=sources)
+
+
+def _train_batch(windows: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
+    tokens = torch.from_numpy(np.array([w[0] for w in windows], dtype=np.int64))
+    doc_ids = torch.from_numpy(np.array([w[1] for w in windows], dtype=np.int32))
+    return dict(input_ids=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
+                doc_ids=doc_ids[:, :-1].contiguous())
+
+
+class _TrainStream:
+    """The deterministic batch stream of one rank, starting from a state dict."""
+
+    def __init__(self, args: DataArgs, tokenizer: Tokenizer, shards: dict[str, list[FileShard]], state: dict):
+        self.batch_size, self.window_len = args.batch_size, args.seq_len + 1
+        self.seed, self.dp_rank, self.dp_degree = args.seed, state["dp_rank"], state["dp_degree"]
+        self.names = list(shards)
+        weights = np.array([args.sources[name] for name in self.names], dtype=np.float64)
+        self.cumulative = np.cumsum(weights) / weights.sum()
+        self.windows = state["windows"]
+        self.files = {name: state["sources"][name]["files"] for name in self.names}
+        self.malformed = _MalformedLines(state["bad_lines"])
+        self.packers = {}
+        try:
+            for name in self.names:
+                source_state = state["sources"][name]
+                reader = _SourceReader(name, shards[name], source_state, self.malformed)
+                self.packers[name] = _SourcePacker(reader, tokenizer, args.add_bos, args.add_eos,
+                                                   source_state["document"])
+        except BaseException:
+            self.close()
+            raise
+
+    def _source_of_window(self, window_index: int) -> str:
+        # A pure function of (seed, rank, index): the state needs only the window count.
+        u = np.random.default_rng([self.seed, self.dp_rank, window_index]).random()
+        return self.names[min(int(np.searchsorted(self.cumulative, u, side="right")), len(self.names) - 1)]
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        windows = []
+        for _ in range(self.batch_size):
+            source = self._source_of_window(self.windows)
+            windows.append(self.packers[source].window(self.window_len))
+            self.windows += 1
+        return _train_batch(windows)
+
+    def state_dict(self) -> dict:
+        sources = {name: dict(packer.state(), files=self.files[name]) for name, packer in self.packers.items()}
+        return dict(version=STATE_VERSION, dp_rank=self.dp_rank, dp_degree=self.dp_degree, windows=self.windows,
+                    bad_lines=self.malformed.count, sources=sources)
+
+    def close(self) -> None:
+        for packer in self.packers.values():
+            packer.reader.close()
+
+
+class _Prefetcher:
+    """Builds (batch, state after it) pairs in a background thread; close() stops it promptly.
+
+    The thread is a daemon so a loader that is never closed cannot keep the interpreter alive; the
+    DataLoader also closes it from a weakref finalizer (which runs at exit) for a clean shutdown.
+    """
+
+    def __init__(self, make_stream: Callable[[], _TrainStream], size: int):
+        self.queue: queue.Queue = queue.Queue(maxsize=size)
+        self.stop = threading.Event()
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._run, args=(make_stream,), name="data-prefetch", daemon=True)
+        self.thread.start()
+
+    def _run(self, make_stream: Callable[[], _TrainStream]) -> None:
+        stream = None
+        try:
+            stream = make_stream()
+            while not self.stop.is_set():
+                batch = stream.next_batch()
+                self._put(("batch", (batch, stream.state_dict())))
+        except BaseException as err:  # handed to the consumer, which re-raises it in the main thread
+            self._put(("error", err))
+        finally:
+            if stream is not None:
+                stream.close()
+
+    def _put(self, item) -> None:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def get(self) -> tuple[dict, dict]:
+        if self.error is not None:
+            raise self.error
+        while True:
+            try:
+                kind, payload = self.queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    raise RuntimeError("The data prefetch thread stopped without a reason; "
+                                       "retry with data.load_async=false to see the error.") from None
+                continue
+            if kind == "error":
+                self.error = payload
+                raise payload
+            return payload
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=PREFETCH_JOIN_TIMEOUT_S)
+        if self.thread.is_alive():
+            logger.warning(f"data prefetch thread did not stop within {PREFETCH_JOIN_TIMEOUT_S:.0f}s")
+
+
+class DataLoader:
+    """Infinite iterator of packed training batches for one data-parallel rank; also a context manager.
+
+    `next(loader)` -> dict(input_ids=LongTensor[B,S], labels=LongTensor[B,S], doc_ids=IntTensor[B,S]).
+    """
+
+    def __init__(self, args: DataArgs, tokenizer: Tokenizer, dp_rank: int, dp_degree: int):
+        check_data_args(args, dp_rank, dp_degree)
+        self.args = args
+        self.tokenizer = tokenizer
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.shards = {name: shard_files(list_chunk_files(args.root_dir, name), dp_rank, dp_degree)
+                       for name, weight in args.sources.items() if weight > 0}
+        self._state = _initial_state(self.shards, dp_rank, dp_degree)
+        self._stream: Optional[_TrainStream] = None
+        self._prefetcher: Optional[_Prefetcher] = None
+        self._stop_prefetcher: Optional[weakref.finalize] = None
+        summary = ", ".join(f"{name}: {len(s)} file(s)" + (f", 1/{s[0].stride} of the lines" if s[0].stride > 1 else "")
+                            for name, s in self.shards.items())
+        logger.info(f"data rank {dp_rank}/{dp_degree} reads {summary}")
+
+    @property
+    def bad_lines(self) -> int:
+        """Malformed lines skipped in the stream up to the last batch handed out."""
+        return self._state["bad_lines"]
+
+    def __iter__(self) -> "DataLoader":
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self.args.load_async:
+            if self._prefetcher is None:
+                make_stream = functools.partial(_TrainStream, self.args, self.tokenizer, self.shards,
+                                                copy.deepcopy(self._state))
+                self._prefetcher = _Prefetcher(make_stream, self.args.prefetch_size)
+                self._stop_prefetcher = weakref.finalize(self, self._prefetcher.close)
+            batch, self._state = self._prefetcher.get()
+            return batch
+        if self._stream is None:
+            self._stream = _TrainStream(self.args, self.tokenizer, self.shards, copy.deepcopy(self._state))
+        batch = self._stream.next_batch()
+        self._state = self._stream.state_dict()
+        return batch
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable position of the stream right after the last batch handed out."""
+        return copy.deepcopy(self._state)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from `state_dict()` output; the next batches are exactly those that followed it."""
+        version = state.get("version") if isinstance(state, dict) else None
+        if version != STATE_VERSION:
+            raise ValueError(f"Unrecognised data loader state (version {version}, expected {STATE_VERSION}); "
+                             f"resume from a checkpoint written by this code.")
+        if (state["dp_rank"], state["dp_degree"]) != (self.dp_rank, self.dp_degree):
+            raise ValueError(f"The data state was saved by data-parallel rank {state['dp_rank']} of "
+                             f"{state['dp_degree']} but this is rank {self.dp_rank} of {self.dp_degree}; resume with "
+                             f"the same number of training ranks.")
+        fresh = _initial_state(self.shards, self.dp_rank, self.dp_degree)
+        restored = copy.deepcopy(state)
+        for name, source_state in fresh["sources"].items():
+            saved = restored["sources"].get(name)
+            if saved is None:
+                logger.info(f"data source '{name}' is new since the checkpoint; it starts from its beginning")
+                restored["sources"][name] = source_state
+            elif saved["files"] != source_state["files"]:
+                raise ValueError(f"Data source '{name}' changed since the checkpoint: this rank read "
+                                 f"{saved['files']} and would now read {source_state['files']} ([file, stride, "
+                                 f"offset]); restore the original chunk files or resume without the data state.")
+        for name in set(restored["sources"]) - set(fresh["sources"]):
+            logger.info(f"data source '{name}' is no longer in data.sources; its saved position is dropped")
+            del restored["sources"][name]
+        self.close()
+        self._state = restored
+
+    def close(self) -> None:
+        """Stop the prefetch thread and close open files; iterating again restarts from the current state."""
+        if self._stop_prefetcher is not None:
+            self._stop_prefetcher()
+            self._stop_prefetcher = None
+            self._prefetcher = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def __enter__(self) -> "DataLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _eval_documents(shards: list[FileShard], malformed: _MalformedLines) -> Iterator[str]:
+    for shard in shards:
+        with open(shard.path, "rb") as f:
+            for line_no, raw in enumerate(f):
+                if line_no % shard.stride != shard.offset or not raw.strip():
+                    continue
+                text = malformed.text_of(raw, shard.path, line_no)
+                if text:
+                    yield text
+
+
+def _eval_windows(token_lists: Iterator[list[int]], length: int) -> Iterator[tuple[list[int], list[int]]]:
+    tokens: list[int] = []
+    doc_ids: list[int] = []
+    for ids in token_lists:
+        pos = 0
+        while pos < len(ids):
+            take = min(length - len(tokens), len(ids) - pos)
+            doc_ids.extend([doc_ids[-1] + 1 if doc_ids else 0] * take)
+            tokens.extend(ids[pos:pos + take])
+            pos += take
+            if len(tokens) == length:
+                yield tokens, doc_ids
+                tokens, doc_ids = [], []
+    if len(tokens) > 1:  # a lone last token has nothing to predict
+        yield tokens, doc_ids
+
+
+def _eval_batch(windows: list[tuple[list[int], list[int]]], batch_size: int, seq_len: int,
+                pad_id: int) -> dict[str, torch.Tensor]:
+    """Pads a short last window / batch: padding has labels -100 and a document id of its own."""
+    input_ids = torch.full((batch_size, seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((batch_size, seq_len), IGNORE_INDEX, dtype=torch.long)
+    doc_ids = torch.zeros((batch_size, seq_len), dtype=torch.int32)
+    for row, (tokens, docs) in enumerate(windows):
+        n_inputs = min(len(tokens), seq_len)
+        input_ids[row, :n_inputs] = torch.tensor(tokens[:n_inputs])
+        labels[row, :len(tokens) - 1] = torch.tensor(tokens[1:])
+        doc_ids[row, :n_inputs] = torch.tensor(docs[:n_inputs], dtype=torch.int32)
+        doc_ids[row, n_inputs:] = docs[n_inputs - 1] + 1
+    return dict(input_ids=input_ids, labels=labels, doc_ids=doc_ids)
+
+
+def iterate_eval_batches(args: DataArgs, tokenizer: Tokenizer, dp_rank: int, dp_degree: int,
+                         max_batches: Optional[int] = None) -> Iterator[dict[str, torch.Tensor]]:
+    """Finite batches over this rank's share of the `*.val.jsonl` files, sharded like training.
+
+    Same batch dict as training; the last window and batch are padded (labels -100), and ranks may get
+    different numbers of batches. Raises FileNotFoundError at once when there is nothing to evaluate.
+    """
+    check_data_args(args, dp_rank, dp_degree)
+    explicit = args.eval_sources is not None
+    names = list(args.eval_sources) if explicit else [name for name, w in args.sources.items() if w > 0]
+    files = {}
+    for name in names:
+        found = list_val_files(args.root_dir, name)
+        if explicit and not found:
+            raise FileNotFoundError(f"No '*.val.jsonl' file in '{Path(args.root_dir) / name}' for eval source "
+                                    f"'{name}'; add one or remove '{name}' from data.eval_sources.")
+        if found:
+            files[name] = found
+    if not files:
+        searched = ", ".join(f"'{Path(args.root_dir) / name}'" for name in names)
+        raise FileNotFoundError(f"No validation files ('*.val.jsonl') in {searched}; write them with "
+                                f"setup/download_prepare_hf_data.py or turn in-loop evaluation off.")
+    shards = [shard for name in files for shard in shard_files(files[name], dp_rank, dp_degree)]
+    pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
+    return _eval_batches(args, tokenizer, shards, pad_id, max_batches)
+
+
+def _eval_batches(args: DataArgs, tokenizer: Tokenizer, shards: list[FileShard], pad_id: int,
+                  max_batches: Optional[int]) -> Iterator[dict[str, torch.Tensor]]:
+    malformed = _MalformedLines()
+    token_lists = (tokenizer.encode(text, args.add_bos, args.add_eos) for text in _eval_documents(shards, malformed))
+    batch: list = []
+    produced = 0
+    for window in _eval_windows(token_lists, args.seq_len + 1):
+        if max_batches is not None and produced >= max_batches:
+            return
+        batch.append(window)
+        if len(batch) == args.batch_size:
+            yield _eval_batch(batch, args.batch_size, args.seq_len, pad_id)
+            produced, batch = produced + 1, []
+    if batch and (max_batches is None or produced < max_batches):
+        yield _eval_batch(batch, args.batch_size, args.seq_len, pad_id)

@@ -1,0 +1,433 @@
+"""Online distillation: the teacher server loop and the student client, over one bridge group each.
+
+Protocol (everything on `topo.bridge_group`: teacher i + its contiguous block of students):
+
+1. Handshake: one all_gather of a fixed-size record from every bridge member. The teacher's says
+   ok/error (with the load error's text), its vocab, max positions, tokenizer fingerprint; each
+   student's says its vocab, tokenizer fingerprint and the largest batch it will send. Every rank
+   checks every record the same way, so a bad teacher path or a vocab mismatch raises the same
+   sentence on every rank within seconds, never a watchdog timeout.
+2. Request, once per micro-batch: each student gathers one int32 buffer onto the teacher: a header
+   (op, step, micro_step, bsz, seqlen) then its tokens, padded to the largest shape announced at
+   the handshake. The teacher checks the headers agree, runs one forward over all rows, and
+   scatters to each student a byte buffer: a status record, then exactly that student's rows of
+   sparse outputs (`lingua.kd_loss.TeacherOutputs`). An error on the teacher travels in the
+   status record, so students raise it instead of waiting.
+3. STOP: the same exchange with op=STOP; the teacher answers and leaves its loop. The teacher never
+   counts steps: a resumed run simply starts sending step N.
+
+Both collectives of a request are posted asynchronously (`submit`), so the teacher's forward runs
+while the student computes its own; `handle.wait()` returns the outputs.
+"""
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from lingua.distributed import Topology
+from lingua.kd_loss import TeacherOutputs, sparsify_teacher_logits
+
+logger = logging.getLogger(__name__)
+
+OP_FORWARD, OP_STOP, OP_ERROR = 1, 2, 3
+OP_NAMES = {OP_FORWARD: "FORWARD", OP_STOP: "STOP", OP_ERROR: "ERROR"}
+HEADER_INTS = 8  # op, step, micro_step, bsz, seqlen, train_rank, 0, 0
+RECORD_FIELDS = 16  # int64 fields of a handshake record / response status
+MESSAGE_BYTES = 2048
+RECORD_BYTES = RECORD_FIELDS * 8 + MESSAGE_BYTES
+FORMATS = ("topk", "sampled", "full")
+
+
+class TeacherError(RuntimeError):
+    """A teacher-side failure every bridge member reports in the same words (load, request, forward)."""
+WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class DistillationArgs:
+    teacher_path: Optional[str] = None  # local directory (or hub id when online) of a transformers causal LM
+    n_teacher_ranks: int = 1
+    output: str = "topk"  # "topk" | "sampled" | "full"
+    k: int = 64  # top-k ids, or samples per position for "sampled"
+    temperature: float = 1.0
+    alpha: float = 0.5  # loss = (1 - alpha) * CE + alpha * T^2 * KD
+    alpha_schedule: str = "constant"  # "constant" | "lr" (alpha follows the lr schedule's factor)
+    divergence: str = "fkl"  # "fkl" | "rkl" | "jsd"
+    jsd_beta: float = 0.5
+    teacher_dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU) | "bf16" | "fp32" | "fp16"
+    attn_implementation: Optional[str] = "sdpa"
+    wire_dtype: str = "bf16"  # dtype of the values sent to students: "bf16" | "fp16" | "fp32"
+    loss_chunk_size: int = 1024  # positions per chunk in the student's KD loss
+    logits_chunk_rows: int = 4  # teacher rows per lm_head chunk (bounds the teacher's logits memory)
+    seed: int = 0  # for the "sampled" output
+
+
+def validate_distillation_args(args: DistillationArgs) -> None:
+    """Readable errors for distillation settings, before anything distributed happens."""
+    if args.output not in FORMATS:
+        raise ValueError(f"distillation.output={args.output!r}; use one of {', '.join(FORMATS)}.")
+    if args.wire_dtype not in WIRE_DTYPES:
+        raise ValueError(f"distillation.wire_dtype={args.wire_dtype!r}; use one of {', '.join(WIRE_DTYPES)}.")
+    if args.divergence not in ("fkl", "rkl", "jsd"):
+        raise ValueError(f"distillation.divergence={args.divergence!r}; use fkl, rkl or jsd.")
+    if args.output == "sampled" and args.divergence != "fkl":
+        raise ValueError("distillation.output=sampled estimates the forward KL only; set distillation.divergence=fkl.")
+    if not 0.0 <= args.alpha <= 1.0:
+        raise ValueError(f"distillation.alpha={args.alpha} must be in [0, 1].")
+    if args.temperature <= 0:
+        raise ValueError(f"distillation.temperature={args.temperature} must be positive.")
+    if args.output != "full" and args.k < 1:
+        raise ValueError(f"distillation.k={args.k} must be >= 1.")
+    if not args.teacher_path:
+        raise ValueError("Distillation is on but distillation.teacher_path is empty; set it or enable_distillation=false.")
+
+
+def tokenizer_fingerprint(vocab: dict[str, int]) -> int:
+    """A 63-bit hash of a token -> id map: equal iff students and teacher tokenize identically."""
+    digest = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _pack_record(fields: list[int], message: str = "") -> torch.Tensor:
+    record = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
+    ints = torch.zeros(RECORD_FIELDS, dtype=torch.int64)
+    ints[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
+    record[: RECORD_FIELDS * 8] = ints.view(torch.uint8)
+    encoded = message.encode()[:MESSAGE_BYTES]
+    record[RECORD_FIELDS * 8: RECORD_FIELDS * 8 + len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    return record
+
+
+def _unpack_record(record: torch.Tensor) -> tuple[list[int], str]:
+    record = record.cpu()
+    fields = record[: RECORD_FIELDS * 8].clone().view(torch.int64).tolist()
+    message = bytes(record[RECORD_FIELDS * 8:].tolist()).rstrip(b"\0").decode(errors="replace")
+    return fields, message
+
+
+def _segments(spec: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tuple[int, int]]:
+    """(offset, nbytes) of each wire tensor inside a response payload, 8-byte aligned."""
+    out, offset = [], 0
+    for shape, dtype in spec:
+        nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+        out.append((offset, nbytes))
+        offset += (nbytes + 7) // 8 * 8
+    return out
+
+
+@dataclass
+class BridgeSpec:
+    """What both sides agreed at the handshake: buffer shapes and output format."""
+
+    max_bsz: int
+    max_seqlen: int
+    vocab_size: int
+    output: str
+    k: int
+    wire_dtype: torch.dtype
+
+    def payload_spec(self):
+        return TeacherOutputs.wire_spec(self.output, self.max_bsz, self.max_seqlen, self.k, self.vocab_size, self.wire_dtype)
+
+    def response_bytes(self) -> int:
+        segments = _segments(self.payload_spec())
+        last_offset, last_nbytes = segments[-1]
+        return RECORD_BYTES + (last_offset + last_nbytes + 7) // 8 * 8
+
+    def request_ints(self) -> int:
+        return HEADER_INTS + self.max_bsz * self.max_seqlen
+
+
+def _handshake(topo: Topology, my_record: torch.Tensor) -> list[tuple[list[int], str]]:
+    """All-gather every bridge member's record; returns them in bridge-group rank order."""
+    records = [torch.empty_like(my_record) for _ in range(dist.get_world_size(topo.bridge_group))]
+    dist.all_gather(records, my_record.to(topo.device), group=topo.bridge_group)
+    return [_unpack_record(r) for r in records]
+
+
+def _check_handshake(topo: Topology, records, args: DistillationArgs) -> BridgeSpec:
+    """The same checks on every bridge member, so every rank raises the same sentence."""
+    bridge_ranks = dist.get_process_group_ranks(topo.bridge_group)
+    teacher_index = bridge_ranks.index(topo.my_teacher)
+    (_, t_status, t_vocab, t_fingerprint, t_max_pos, *_), t_message = records[teacher_index]
+    if t_status != 0:
+        raise TeacherError(f"Teacher rank {topo.my_teacher} failed to load: {t_message}")
+    max_bsz = max_seqlen = 0
+    for rank, ((kind, _, s_vocab, s_fingerprint, _, s_bsz, s_seqlen, *_), _) in zip(bridge_ranks, records):
+        if rank == topo.my_teacher:
+            continue
+        if s_fingerprint != t_fingerprint or s_vocab > t_vocab:
+            raise ValueError(
+                f"Student rank {rank}'s tokenizer (vocab {s_vocab}) does not match the teacher's "
+                f"(vocab {t_vocab}) at {args.teacher_path}. Students must use the teacher's tokenizer: "
+                f"set data.tokenizer.name=hf data.tokenizer.path={args.teacher_path}."
+            )
+        max_bsz, max_seqlen = max(max_bsz, s_bsz), max(max_seqlen, s_seqlen)
+    if max_seqlen > t_max_pos > 0:
+        raise ValueError(
+            f"Students send sequences of {max_seqlen} tokens but the teacher supports at most {t_max_pos} "
+            f"positions; set data.seq_len <= {t_max_pos}."
+        )
+    # Students' logits cover their tokenizer's vocab; teacher rows beyond it are padding and are cut.
+    student_vocab = next(r[0][2] for rank, r in zip(bridge_ranks, records) if rank != topo.my_teacher)
+    return BridgeSpec(max_bsz, max_seqlen, student_vocab, args.output, args.k, WIRE_DTYPES[args.wire_dtype])
+
+
+# ---------------------------------------------------------------- student side
+
+class TeacherHandle:
+    """One in-flight request. `wait()` returns this student's TeacherOutputs (on its device)."""
+
+    def __init__(self, client: "TeacherClient", works, response: torch.Tensor, bsz: int, seqlen: int, step: int):
+        self.client, self.works, self.response = client, works, response
+        self.bsz, self.seqlen, self.step = bsz, seqlen, step
+        self.submitted_at = time.time()
+        self.wait_s = 0.0
+
+    def wait(self) -> TeacherOutputs:
+        start = time.perf_counter()
+        for work in self.works:
+            work.wait()
+        self.wait_s = time.perf_counter() - start
+        self.client.total_wait_s += self.wait_s
+        if self.client.first_round_trip is None:
+            self.client.first_round_trip = (self.submitted_at, time.time())
+        return self.client._decode(self.response, self.bsz, self.seqlen, self.step)
+
+
+class TeacherClient:
+    """Student side of the bridge. Build it right after the student model (it runs the handshake)."""
+
+    def __init__(self, args: DistillationArgs, topo: Topology, vocab: dict[str, int], n_words: int,
+                 max_bsz: int, max_seqlen: int):
+        assert topo.is_student and topo.bridge_group is not None
+        self.args, self.topo = args, topo
+        self.teacher_rank = topo.my_teacher
+        record = _pack_record([2, 0, n_words, tokenizer_fingerprint(vocab), 0, max_bsz, max_seqlen, topo.global_rank])
+        self.spec = _check_handshake(topo, _handshake(topo, record), args)
+        self.n_words = n_words
+        self.total_wait_s = 0.0
+        self.first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done)
+        self.teacher_busy = 0.0  # teacher's busy fraction, reported in each response
+        self.bytes_up = self.bytes_down = 0
+        self.stopped = False
+        logger.info(
+            f"teacher rank {self.teacher_rank} ready: output={self.spec.output} k={self.spec.k} "
+            f"vocab={self.spec.vocab_size} buffers [{self.spec.max_bsz} x {self.spec.max_seqlen}]"
+        )
+
+    def _post(self, op: int, step: int, micro_step: int, tokens: Optional[torch.Tensor]) -> TeacherHandle:
+        bsz, seqlen = (0, 0) if tokens is None else tuple(tokens.shape)
+        if bsz > self.spec.max_bsz or seqlen > self.spec.max_seqlen:
+            raise ValueError(
+                f"Batch of shape [{bsz}, {seqlen}] is larger than the [{self.spec.max_bsz}, {self.spec.max_seqlen}] "
+                f"announced to the teacher at the handshake."
+            )
+        request = torch.zeros(self.spec.request_ints(), dtype=torch.int32, device=self.topo.device)
+        request[:6] = torch.tensor([op, step, micro_step, bsz, seqlen, self.topo.train_rank], dtype=torch.int32)
+        if tokens is not None:
+            if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.n_words):
+                raise ValueError(
+                    f"Token ids must be in [0, {self.n_words}) for the teacher's vocabulary, got "
+                    f"[{int(tokens.min())}, {int(tokens.max())}] at step {step}."
+                )
+            grid = request[HEADER_INTS:].view(self.spec.max_bsz, self.spec.max_seqlen)
+            grid[:bsz, :seqlen] = tokens.to(device=self.topo.device, dtype=torch.int32)
+        response = torch.empty(self.spec.response_bytes(), dtype=torch.uint8, device=self.topo.device)
+        group = self.topo.bridge_group
+        up = dist.gather(request, None, dst=self.teacher_rank, group=group, async_op=True)
+        down = dist.scatter(response, None, src=self.teacher_rank, group=group, async_op=True)
+        self.bytes_up += 4 * bsz * seqlen
+        return TeacherHandle(self, [up, down], response, bsz, seqlen, step)
+
+    def submit(self, input_ids: torch.Tensor, step: int, micro_step: int) -> TeacherHandle:
+        """Send one micro-batch of tokens [bsz, seqlen]; returns a handle whose wait() gives outputs."""
+        return self._post(OP_FORWARD, step, micro_step, input_ids)
+
+    def stop(self, step: int, error: bool = False) -> None:
+        """Tell the teacher to leave its loop (end of training, preemption, agreed error)."""
+        if self.stopped:
+            return
+        handle = self._post(OP_ERROR if error else OP_STOP, step, 0, None)
+        handle.works[0].wait()
+        handle.works[1].wait()
+        self.stopped = True
+        fields, message = _unpack_record(handle.response[:RECORD_BYTES])
+        if fields[0] != 0 and not error:
+            raise TeacherError(f"Teacher rank {self.teacher_rank} reported at STOP: {message}")
+        logger.info(f"sent STOP to teacher rank {self.teacher_rank} at step {step}")
+
+    def _decode(self, response: torch.Tensor, bsz: int, seqlen: int, step: int) -> TeacherOutputs:
+        fields, message = _unpack_record(response[:RECORD_BYTES])
+        if fields[0] != 0:
+            raise TeacherError(f"Teacher rank {self.teacher_rank} failed at step {step}: {message}")
+        self.teacher_busy = fields[1] / 1e6
+        payload = response[RECORD_BYTES:]
+        tensors = []
+        for (shape, dtype), (offset, nbytes) in zip(self.spec.payload_spec(), _segments(self.spec.payload_spec())):
+            t = payload[offset: offset + nbytes].view(dtype).view(shape)
+            tensors.append(t[:bsz, :seqlen])
+            self.bytes_down += nbytes * bsz * seqlen // (self.spec.max_bsz * self.spec.max_seqlen)
+        return TeacherOutputs.from_tensors(self.spec.output, tensors)
+
+
+# ---------------------------------------------------------------- teacher side
+
+def _teacher_dtype(args: DistillationArgs, device: torch.device) -> torch.dtype:
+    if args.teacher_dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+    if args.teacher_dtype not in names:
+        raise ValueError(f"distillation.teacher_dtype={args.teacher_dtype!r}; use auto, bf16, fp32 or fp16.")
+    return names[args.teacher_dtype]
+
+
+def load_teacher(args: DistillationArgs, device: torch.device):
+    """(model, tokenizer) from a local directory or a hub id; raises with a readable reason."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a progress bar per rank garbles the logs
+
+    path = args.teacher_path
+    looks_local = path.startswith((".", "/", "~")) or Path(path).exists() or path.count("/") != 1
+    if looks_local and not Path(path).expanduser().is_dir():
+        raise FileNotFoundError(
+            f"teacher path '{path}' does not exist. Set distillation.teacher_path to a transformers model "
+            f"directory (python -m setup.prepare_teacher prepares SmolLM2-135M-Instruct offline)."
+        )
+    dtype = _teacher_dtype(args, device)
+    kwargs = dict(dtype=dtype)
+    if args.attn_implementation:
+        kwargs["attn_implementation"] = args.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
+    model.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+class TeacherServer:
+    """Teacher side: load, handshake, then answer requests until every student sent STOP."""
+
+    def __init__(self, args: DistillationArgs, topo: Topology):
+        assert topo.is_teacher
+        self.args, self.topo = args, topo
+        self.model = None
+        status, message, vocab, fingerprint, max_pos = 0, "", 0, 0, 0
+        start = time.perf_counter()
+        try:
+            self.model, tokenizer = load_teacher(args, topo.device)
+            vocab = int(self.model.get_output_embeddings().weight.shape[0])
+            fingerprint = tokenizer_fingerprint(tokenizer.get_vocab())
+            max_pos = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+            logger.info(f"teacher {args.teacher_path} loaded in {time.perf_counter() - start:.1f}s "
+                        f"(vocab {vocab}, {sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M params)")
+        except Exception as err:  # every rank must hear about it, not only this one
+            status, message = 1, f"{type(err).__name__}: {err}"
+            logger.error(f"teacher failed to load: {message}")
+        record = _pack_record([1, status, vocab, fingerprint, max_pos, 0, 0, topo.global_rank], message)
+        self.spec = _check_handshake(topo, _handshake(topo, record), args)
+        self.bridge_ranks = dist.get_process_group_ranks(topo.bridge_group)
+        self.generator = torch.Generator(device=topo.device).manual_seed(args.seed + topo.global_rank)
+        self.busy_s = self.idle_s = 0.0
+        self.requests = 0
+
+    def serve(self) -> None:
+        """The loop. Returns after a STOP; raises (after telling the students) on any error."""
+        spec, group = self.spec, self.topo.bridge_group
+        n = len(self.bridge_ranks)
+        mine = self.bridge_ranks.index(self.topo.global_rank)
+        gather_list = [torch.empty(spec.request_ints(), dtype=torch.int32, device=self.topo.device) for _ in range(n)]
+        request = torch.zeros(spec.request_ints(), dtype=torch.int32, device=self.topo.device)
+        last_report = time.perf_counter()
+        while True:
+            wait_start = time.perf_counter()
+            dist.gather(request, gather_list, dst=self.topo.global_rank, group=group)
+            work_start = time.perf_counter()
+            self.idle_s += work_start - wait_start
+            students = [(r, gather_list[i]) for i, r in enumerate(self.bridge_ranks) if i != mine]
+            headers = {r: buf[:HEADER_INTS].tolist() for r, buf in students}
+            ops = {h[0] for h in headers.values()}
+            error = self._check_headers(headers)
+            responses = [torch.zeros(spec.response_bytes(), dtype=torch.uint8, device=self.topo.device) for _ in range(n)]
+            if error is None and ops == {OP_FORWARD}:
+                try:
+                    self._forward(students, responses)
+                except Exception as err:
+                    error = f"teacher forward failed at step {headers[students[0][0]][1]}: {type(err).__name__}: {err}"
+            self.busy_s += time.perf_counter() - work_start
+            busy = self.busy_s / max(self.busy_s + self.idle_s, 1e-9)
+            status = 0 if error is None else 1
+            for i, buf in enumerate(responses):
+                buf[:RECORD_BYTES] = _pack_record([status, int(busy * 1e6)], error or "")
+            # The teacher's own slot is a throwaway; a separate buffer avoids aliasing the scatter input.
+            dist.scatter(torch.empty_like(responses[mine]), responses, src=self.topo.global_rank, group=group)
+            self.requests += 1
+            if error is not None:
+                raise TeacherError(error)
+            if ops == {OP_STOP}:
+                logger.info(f"STOP received after {self.requests - 1} requests; teacher busy {100 * busy:.0f}% of the time")
+                return
+            if time.perf_counter() - last_report > 30:
+                last_report = time.perf_counter()
+                logger.info(f"served {self.requests} requests; busy {100 * busy:.0f}% "
+                            f"({'the teacher is the bottleneck' if busy > 0.9 else 'students are the bottleneck'})")
+
+    def _check_headers(self, headers: dict[int, list[int]]) -> Optional[str]:
+        ops = {h[0] for h in headers.values()}
+        if OP_ERROR in ops:
+            failed = [r for r, h in headers.items() if h[0] == OP_ERROR]
+            return f"student rank(s) {failed} stopped on an error at step {headers[failed[0]][1]}"
+        keys = {(h[0], h[1], h[2]) for h in headers.values()}
+        if len(keys) > 1:
+            detail = "; ".join(f"rank {r}: op={OP_NAMES.get(h[0], h[0])} step={h[1]} micro_step={h[2]}"
+                               for r, h in sorted(headers.items()))
+            return f"students sent mismatched requests ({detail})"
+        for r, h in headers.items():
+            if h[3] > self.spec.max_bsz or h[4] > self.spec.max_seqlen:
+                return f"student rank {r} sent shape [{h[3]}, {h[4]}] beyond the agreed [{self.spec.max_bsz}, {self.spec.max_seqlen}]"
+        return None
+
+    @torch.inference_mode()
+    def _forward(self, students, responses) -> None:
+        spec = self.spec
+        shapes = [(buf[3].item(), buf[4].item()) for _, buf in students]
+        seqlen = max(s for _, s in shapes)
+        rows = [buf[HEADER_INTS:].view(spec.max_bsz, spec.max_seqlen)[:b, :seqlen] for (_, buf), (b, _) in zip(students, shapes)]
+        # Right padding is invisible to a causal model's earlier positions: one forward for all students.
+        tokens = torch.cat(rows).long()
+        hidden = self._hidden_states(tokens)
+        row = 0
+        for (rank, _), (bsz, slen), index in zip(students, shapes, [self.bridge_ranks.index(r) for r, _ in students]):
+            outputs = self._sparse_outputs(hidden[row: row + bsz, :slen])
+            row += bsz
+            payload = responses[index][RECORD_BYTES:]
+            for t, (shape, dtype), (offset, nbytes) in zip(outputs.tensors(), spec.payload_spec(), _segments(spec.payload_spec())):
+                dest = payload[offset: offset + nbytes].view(dtype).view(shape)
+                dest[: t.shape[0], : t.shape[1]] = t
+
+    def _hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        decoder = self.model.get_decoder()
+        return decoder(input_ids=tokens).last_hidden_state
+
+    def _sparse_outputs(self, hidden: torch.Tensor) -> TeacherOutputs:
+        """lm_head + sparsification a few rows at a time, so [rows, S, V] logits never exist at once."""
+        head = self.model.get_output_embeddings()
+        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        parts = []
+        for start in range(0, hidden.shape[0], max(1, self.args.logits_chunk_rows)):
+            logits = head(hidden[start: start + self.args.logits_chunk_rows]).float()
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            logits = logits[..., : self.spec.vocab_size]
+            parts.append(sparsify_teacher_logits(
+                logits, self.spec.output, self.spec.k, self.args.temperature, self.spec.wire_dtype, self.generator
+            ))
+        return TeacherOutputs.from_tensors(self.spec.output, [torch.cat(ts) for ts in zip(*(p.tensors() for p in parts))])

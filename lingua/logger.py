@@ -1,0 +1,44 @@
+"""Logging: one line per event, prefixed with the global rank and its role.
+
+    2026-11-22 10:00:01 [r0 student] INFO  lingua.checkpoint: saved step 100 in 1.2s
+"""
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+
+class _RankFormatter(logging.Formatter):
+    def __init__(self, rank: int, role: str):
+        super().__init__()
+        self.prefix = f"[r{rank} {role}]"
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created))
+        message = record.getMessage()
+        if record.exc_info:
+            message = f"{message}\n{self.formatException(record.exc_info)}"
+        return f"{stamp} {self.prefix} {record.levelname:<5} {record.name}: {message}"
+
+
+def init_logger(rank: int = 0, role: str = "student", log_file: Optional[str] = None, level: str = "INFO") -> None:
+    """Send every log record to stdout (and `log_file`) with the rank/role prefix; idempotent."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "_lingua", False):
+            root.removeHandler(handler)
+    formatter = _RankFormatter(rank, role)
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
+    if log_file is not None:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        handler._lingua = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+    root.setLevel(level)
+    # Libraries that are chatty at INFO stay at WARNING.
+    for name in ("urllib3", "filelock", "matplotlib", "PIL", "httpx"):
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -1,0 +1,139 @@
+"""AdamW with two parameter groups, learning-rate schedules, and gradient clipping that works with FSDP2.
+
+`lr_factor(step, args, n_steps)` is the multiplier of `args.lr` for the update numbered `step`
+(0 = the first update), as `LambdaLR` calls it. Every schedule ramps linearly over `warmup` updates
+to the full learning rate, then:
+  constant  stays at 1.
+  linear    goes down linearly to `lr_min_ratio` at `n_steps`.
+  cosine    follows a cosine down to `lr_min_ratio` at `n_steps` (`cosine_theta` warps its progress,
+            `cycle_length` < 1 makes it come back up after reaching the minimum).
+  inv_sqrt  decays as sqrt(warmup / step), never below `lr_min_ratio`.
+  wsd       warmup-stable-decay: stays at 1, then the last `decay_fraction` of the steps decay to
+            `lr_min_ratio` along a 1-sqrt curve (the cooldown shape that works best for WSD).
+"""
+
+import logging
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+logger = logging.getLogger(__name__)
+
+SCHEDULERS = ("constant", "linear", "cosine", "inv_sqrt", "wsd")
+
+
+@dataclass
+class OptimArgs:
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    epsilon: float = 1e-8
+    beta1: float = 0.9
+    beta2: float = 0.95
+    clip: float = 1.0  # max global gradient norm; <= 0 measures the norm without clipping
+    scheduler: str = "cosine"  # "constant" | "linear" | "cosine" | "inv_sqrt" | "wsd"
+    warmup: int = 100
+    lr_min_ratio: float = 0.1
+    cycle_length: float = 1.0  # cosine: fraction of the post-warmup steps one decay takes
+    cosine_theta: float = 1.0  # cosine: progress is raised to this power before the cosine
+    decay_fraction: float = 0.1  # wsd: fraction of all steps spent in the final decay
+
+
+def validate_optim_args(args: OptimArgs, n_steps: int) -> None:
+    """Raise a ValueError telling the user what to change if the optimizer config cannot work."""
+    if args.scheduler not in SCHEDULERS:
+        raise ValueError(f"optim.scheduler={args.scheduler!r} is unknown; use one of {', '.join(SCHEDULERS)}.")
+    if n_steps < 1:
+        raise ValueError(f"steps={n_steps}; the schedule needs at least one training step.")
+    if args.lr <= 0:
+        raise ValueError(f"optim.lr={args.lr}; use a positive learning rate.")
+    if args.warmup < 0:
+        raise ValueError(f"optim.warmup={args.warmup}; use 0 or a positive number of steps.")
+    if not 0.0 <= args.lr_min_ratio <= 1.0:
+        raise ValueError(f"optim.lr_min_ratio={args.lr_min_ratio}; use a value between 0 and 1.")
+    if args.cycle_length <= 0 or args.cosine_theta <= 0:
+        raise ValueError(f"optim.cycle_length={args.cycle_length} and optim.cosine_theta={args.cosine_theta} "
+                         "must both be positive.")
+    if not 0.0 <= args.decay_fraction <= 1.0:
+        raise ValueError(f"optim.decay_fraction={args.decay_fraction}; use a fraction between 0 and 1.")
+    if not (0.0 <= args.beta1 < 1.0 and 0.0 <= args.beta2 < 1.0):
+        raise ValueError(f"optim.beta1={args.beta1} and optim.beta2={args.beta2} must be in [0, 1).")
+
+
+def lr_factor(step: int, args: OptimArgs, n_steps: int) -> float:
+    """Multiplier of `args.lr` for update number `step` (0-based); see the module docstring."""
+    if args.scheduler not in SCHEDULERS:
+        raise ValueError(f"optim.scheduler={args.scheduler!r} is unknown; use one of {', '.join(SCHEDULERS)}.")
+    if step < args.warmup:
+        # (step + 1) so that the very first update already moves the weights.
+        return (step + 1) / args.warmup
+    min_ratio = args.lr_min_ratio
+    progress = min(1.0, (step - args.warmup) / max(1, n_steps - args.warmup))
+    if args.scheduler == "constant":
+        return 1.0
+    if args.scheduler == "linear":
+        return 1.0 - progress * (1.0 - min_ratio)
+    if args.scheduler == "cosine":
+        phase = progress ** args.cosine_theta / args.cycle_length
+        return min_ratio + 0.5 * (1.0 - min_ratio) * (1.0 + math.cos(math.pi * phase))
+    if args.scheduler == "inv_sqrt":
+        warmup = max(args.warmup, 1)
+        return max(min_ratio, math.sqrt(warmup / max(step, warmup)))
+    decay_steps = round(args.decay_fraction * n_steps)
+    decay_start = max(args.warmup, n_steps - decay_steps)
+    if step < decay_start or decay_steps == 0:
+        return 1.0
+    decay_progress = min(1.0, (step - decay_start) / max(1, n_steps - decay_start))
+    return min_ratio + (1.0 - min_ratio) * (1.0 - math.sqrt(decay_progress))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (>= 2-D, embeddings included), none on norms, biases and other 1-D params.
+
+    Embeddings are decayed like any other matrix: with tied embeddings they are also the output
+    projection, and decaying them is what GPT-2/Llama-style recipes do.
+    """
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(model: nn.Module, args: OptimArgs, n_steps: int) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """AdamW over `model` (two weight-decay groups) and its LambdaLR schedule over `n_steps` updates."""
+    validate_optim_args(args, n_steps)
+    # foreach=None lets torch pick the multi-tensor path on GPU (DTensor included) and the plain loop on CPU;
+    # fused kernels are not guaranteed for DTensor params on every backend.
+    optimizer = torch.optim.AdamW(
+        param_groups(model, args.weight_decay), lr=args.lr, betas=(args.beta1, args.beta2), eps=args.epsilon,
+        foreach=None, fused=False,
+    )
+    # partial (not a lambda) keeps the scheduler's state_dict JSON-serialisable.
+    scheduler = LambdaLR(optimizer, partial(lr_factor, args=args, n_steps=n_steps))
+    return optimizer, scheduler
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
+    """Clip gradients to a global L2 norm of `max_norm` (skip clipping if <= 0); return the norm before.
+
+    Works for plain tensors and for FSDP2-sharded DTensor grads, where the norm of the local shards is
+    reduced over the mesh (the training group) by DTensor itself.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return 0.0
+    total_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    if isinstance(total_norm, DTensor):
+        total_norm = total_norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+    return float(total_norm)

@@ -1,0 +1,178 @@
+"""Tokenizers behind one small interface: bytes (no dependencies), tiktoken, sentencepiece, Hugging Face.
+
+    tokenizer = build_tokenizer(TokenizerArgs(name="hf", path="data/teachers/smollm2-135m-instruct"))
+    ids = tokenizer.encode("hello", add_bos=True, add_eos=True)
+
+Everything loads from local files; nothing here touches the network.
+"""
+
+import base64
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_NAMES = ("bytes", "tiktoken", "sp", "hf")
+
+
+@dataclass
+class TokenizerArgs:
+    name: str = "bytes"  # "bytes" | "tiktoken" | "sp" | "hf"
+    path: Optional[str] = None  # model file (tiktoken/sp) or Hugging Face tokenizer directory (hf)
+
+
+class Tokenizer(ABC):
+    """`n_words` is the vocab size the model needs; `bos_id`/`eos_id` are None when the tokenizer has none."""
+
+    n_words: int
+    bos_id: Optional[int]
+    eos_id: Optional[int]
+
+    @abstractmethod
+    def _encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` without any special tokens."""
+
+    @abstractmethod
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids`; bos/eos and other special tokens are dropped."""
+
+    def encode(self, text: str, add_bos: bool, add_eos: bool) -> list[int]:
+        """Token ids of `text`, framed by bos/eos when asked and when the tokenizer has them."""
+        ids = self._encode_text(text)
+        if add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        if add_eos and self.eos_id is not None:
+            ids = ids + [self.eos_id]
+        return ids
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes are ids 0..255; bos=256, eos=257."""
+
+    def __init__(self):
+        self.bos_id = 256
+        self.eos_id = 257
+        self.n_words = 258
+
+    def _encode_text(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+# The Llama 3 pre-tokenizer split; tiktoken files in the Llama 3 format expect it.
+TIKTOKEN_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+TIKTOKEN_N_SPECIAL = 256  # as in Llama 3: bos, eos and reserved specials after the BPE ranks
+
+
+def load_bpe_ranks(path: str) -> dict[bytes, int]:
+    """Read a `.tiktoken` file (one 'base64-token rank' per line) without tiktoken's path-keyed cache."""
+    ranks = {}
+    for line_no, line in enumerate(Path(path).read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+        except ValueError:
+            raise ValueError(f"{path}:{line_no} is not a tiktoken BPE line ('<base64 token> <rank>'); "
+                             f"point data.tokenizer.path at a .tiktoken file.") from None
+    return ranks
+
+
+class TikTokenTokenizer(Tokenizer):
+    """A tiktoken BPE from a local ranks file; bos/eos and reserved specials follow the base vocab."""
+
+    def __init__(self, path: str):
+        import tiktoken
+
+        ranks = load_bpe_ranks(path)
+        n_base = len(ranks)
+        specials = ["<|begin_of_text|>", "<|end_of_text|>"] + [
+            f"<|reserved_special_token_{i}|>" for i in range(TIKTOKEN_N_SPECIAL - 2)]
+        self.model = tiktoken.Encoding(
+            name=Path(path).stem, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
+            special_tokens={token: n_base + i for i, token in enumerate(specials)})
+        self.n_base = n_base
+        self.bos_id = n_base
+        self.eos_id = n_base + 1
+        self.n_words = n_base + TIKTOKEN_N_SPECIAL
+
+    def _encode_text(self, text: str) -> list[int]:
+        # Special-token text inside documents is encoded as plain text, never as a control token.
+        return self.model.encode_ordinary(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.model.decode([i for i in ids if i < self.n_base])
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A local sentencepiece `.model` file."""
+
+    def __init__(self, path: str):
+        import sentencepiece
+
+        self.model = sentencepiece.SentencePieceProcessor(model_file=path)
+        self.n_words = self.model.vocab_size()
+        # sentencepiece reports a disabled special token as -1.
+        self.bos_id = self.model.bos_id() if self.model.bos_id() >= 0 else None
+        self.eos_id = self.model.eos_id() if self.model.eos_id() >= 0 else None
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self.model.encode(text, out_type=int)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.model.decode(list(ids))
+
+
+class HFTokenizer(Tokenizer):
+    """`AutoTokenizer` from a local directory; `tokenizer` is the underlying transformers object."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        # len() counts added tokens too, which the model must be able to embed.
+        self.n_words = len(self.tokenizer)
+        self.bos_id = self.tokenizer.bos_token_id
+        self.eos_id = self.tokenizer.eos_token_id
+
+    def _encode_text(self, text: str) -> list[int]:
+        # The Rust backend never mutates itself here, so the prefetch thread and eval can share it.
+        if getattr(self.tokenizer, "is_fast", False):
+            return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def build_tokenizer(args: TokenizerArgs) -> Tokenizer:
+    """The tokenizer named by `args`; raises a readable error for unknown names and missing files."""
+    if args.name not in TOKENIZER_NAMES:
+        raise ValueError(f"Unknown tokenizer data.tokenizer.name='{args.name}'; "
+                         f"choose one of {', '.join(TOKENIZER_NAMES)}.")
+    if args.name == "bytes":
+        return ByteTokenizer()
+    expected = "a Hugging Face tokenizer directory" if args.name == "hf" else f"a {args.name} model file"
+    if not args.path:
+        raise ValueError(f"Tokenizer '{args.name}' needs data.tokenizer.path=<{expected}>.")
+    path = Path(args.path)
+    if not path.exists():
+        raise FileNotFoundError(f"Tokenizer path '{path}' does not exist; set data.tokenizer.path to {expected}.")
+    if args.name == "hf" and not path.is_dir():
+        raise ValueError(f"Tokenizer path '{path}' is not a directory; set data.tokenizer.path to {expected} "
+                         f"(the folder with tokenizer.json / tokenizer_config.json).")
+    if args.name != "hf" and not path.is_file():
+        raise ValueError(f"Tokenizer path '{path}' is not a file; set data.tokenizer.path to {expected}.")
+    tokenizer = {"tiktoken": TikTokenTokenizer, "sp": SentencePieceTokenizer, "hf": HFTokenizer}[args.name](str(path))
+    logger.info(f"tokenizer {args.name} from {path}: {tokenizer.n_words} words, "
+                f"bos={tokenizer.bos_id}, eos={tokenizer.eos_id}")
+    return tokenizer

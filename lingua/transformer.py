@@ -1,0 +1,367 @@
+"""Transformer building blocks: RMSNorm, RoPE, GQA attention (causal or document-causal), SwiGLU, blocks.
+
+RoPE layout: "halves", the GPT-NeoX / Hugging Face Llama `rotate_half` convention. Dimension i of a
+head is paired with dimension i + head_dim/2 and the pair rotates by position * theta^(-2i/head_dim).
+Our wq/wk rows are therefore already in the order HF Llama expects: export copies them as they are.
+
+Attention kernels. A plain causal mask always runs through SDPA with `is_causal=True` (flash on GPU).
+For `attn_mask="doc_causal"` (packed windows, `doc_ids` [B, S]) a token sees earlier tokens of its
+own document only, and `attn_impl` picks the kernel:
+  - "sdpa": SDPA with an explicit [B, 1, S, S] boolean mask; runs everywhere.
+  - "flex": compiled flex_attention with a block mask on CUDA; on CPU falls back to "sdpa".
+  - "xformers": block-diagonal causal memory-efficient attention on CUDA (needs xformers installed);
+    on CPU falls back to "sdpa".
+All give the same result up to float rounding (tests/unit/test_model.py checks it).
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # torch builds without flex attention: "flex" falls back to SDPA
+    BlockMask = create_block_mask = flex_attention = None
+
+
+ATTN_IMPLS = ("sdpa", "flex", "xformers")
+ATTN_MASKS = ("causal", "doc_causal")
+INIT_STD_FACTORS = ("disabled", "global_depth", "current_depth")
+
+
+@dataclass
+class BaseTransformerArgs:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None  # None: one key/value head per query head (no GQA)
+    ffn_dim_multiplier: float = 1.0  # SwiGLU hidden = multiple_of-rounded 8/3 * dim * multiplier
+    multiple_of: int = 64
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seqlen: int = 1024  # longest sequence RoPE tables are built for
+    attn_impl: str = "sdpa"  # kernel for doc_causal masks: "sdpa" | "flex" | "xformers"
+    attn_mask: str = "causal"  # "causal" | "doc_causal" (packed documents don't attend to each other)
+    init_base_std: Optional[float] = None  # None: dim ** -0.5
+    init_std_factor: str = "disabled"  # output-projection std divisor: "disabled" | "global_depth" | "current_depth"
+
+
+def validate_transformer_args(args: BaseTransformerArgs) -> None:
+    """Raise a ValueError naming the model.* setting to change when the shapes or options don't fit."""
+    n_kv_heads = args.n_kv_heads or args.n_heads
+    if args.dim % args.n_heads != 0:
+        raise ValueError(f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}; "
+                         f"pick n_heads that divides dim.")
+    if (args.dim // args.n_heads) % 2 != 0:
+        raise ValueError(f"head dim {args.dim // args.n_heads} (model.dim / model.n_heads) must be even for RoPE.")
+    if args.n_heads % n_kv_heads != 0:
+        raise ValueError(f"model.n_heads={args.n_heads} is not a multiple of model.n_kv_heads={n_kv_heads}; "
+                         f"GQA needs each key/value head to serve the same number of query heads.")
+    for name, value, allowed in (("attn_impl", args.attn_impl, ATTN_IMPLS), ("attn_mask", args.attn_mask, ATTN_MASKS),
+                                 ("init_std_factor", args.init_std_factor, INIT_STD_FACTORS)):
+        if value not in allowed:
+            raise ValueError(f"model.{name}={value!r} is not supported; use one of {', '.join(allowed)}.")
+
+
+def ffn_hidden_dim(dim: int, ffn_dim_multiplier: float, multiple_of: int) -> int:
+    """SwiGLU width: 2/3 of 4*dim keeps the parameter count of a 4*dim GELU MLP, rounded up for kernels."""
+    hidden = int(ffn_dim_multiplier * int(2 * 4 * dim / 3))
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def init_trunc_normal(weight: torch.Tensor, std: float, generator: Optional[torch.Generator]) -> None:
+    """Normal(0, std) cut at 3 std, so no init outlier dominates early activations.
+
+    A sharded (DTensor) weight gets its slice of the same full draw, so weights don't depend on the sharding.
+    """
+    if isinstance(weight, DTensor):
+        full = torch.empty(weight.shape, dtype=weight.dtype, device=weight.to_local().device)
+        nn.init.trunc_normal_(full, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
+        # src_data_rank=None: every rank drew the same full tensor, so each keeps its shard without communicating.
+        weight.copy_(distribute_tensor(full, weight.device_mesh, weight.placements, src_data_rank=None))
+        return
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in fp32: bf16 sums of squares lose too many bits.
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables [max_seqlen, head_dim/2] in fp32 (halves layout, see module docstring)."""
+
+    def __init__(self, head_dim: int, max_seqlen: int, theta: float):
+        super().__init__()
+        self.head_dim, self.max_seqlen, self.theta = head_dim, max_seqlen, theta
+        # Not persistent: derived from the config, so checkpoints don't carry (or need) them.
+        self.register_buffer("cos", torch.empty(max_seqlen, head_dim // 2, dtype=torch.float32), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seqlen, head_dim // 2, dtype=torch.float32), persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Recompute the tables in place (after `to_empty` they hold garbage)."""
+        device = self.cos.device
+        exponents = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim
+        inv_freq = 1.0 / (self.theta ** exponents)
+        angles = torch.outer(torch.arange(self.max_seqlen, device=device, dtype=torch.float32), inv_freq)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+
+    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[:seq_len], self.sin[:seq_len]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, S, H, D] by position: pairs (i, i + D/2) turn by the angle in cos/sin [S, D/2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, S, H_kv, D] -> [B, S, H_kv * n_rep, D], each kv head repeated for the query heads it serves."""
+    if n_rep == 1:
+        return x
+    bsz, seq_len, n_kv_heads, head_dim = x.shape
+    return x[:, :, :, None, :].expand(bsz, seq_len, n_kv_heads, n_rep, head_dim).reshape(
+        bsz, seq_len, n_kv_heads * n_rep, head_dim)
+
+
+# ---- document-causal masks, one builder per kernel ----
+
+def doc_causal_bool_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] boolean mask for SDPA: True where query i may attend key j (j <= i, same document)."""
+    seq_len = doc_ids.shape[1]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=doc_ids.device).tril()
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (same_doc & causal)[:, None]
+
+
+def doc_causal_block_mask(doc_ids: torch.Tensor):
+    """flex_attention BlockMask for the same pattern as `doc_causal_bool_mask`."""
+    if create_block_mask is None:
+        raise RuntimeError("this torch build has no flex_attention; use model.attn_impl=sdpa.")
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    bsz, seq_len = doc_ids.shape
+    return create_block_mask(mask_mod, bsz, None, seq_len, seq_len, device=doc_ids.device)
+
+
+def doc_seqlens(doc_ids: torch.Tensor) -> list[int]:
+    """Lengths of the runs of equal doc ids, row after row: the packed layout xformers' block masks want."""
+    seqlens = []
+    for row in doc_ids.tolist():
+        run = 1
+        for previous, current in zip(row, row[1:]):
+            if current == previous:
+                run += 1
+            else:
+                seqlens.append(run)
+                run = 1
+        seqlens.append(run)
+    return seqlens
+
+
+def doc_causal_xformers_bias(doc_ids: torch.Tensor):
+    """xformers block-diagonal causal bias over the batch flattened into one sequence."""
+    from xformers.ops import fmha
+
+    return fmha.attn_bias.BlockDiagonalCausalMask.from_seqlens(doc_seqlens(doc_ids))
+
+
+def resolve_attn_impl(attn_impl: str, device: torch.device) -> str:
+    """The doc_causal kernel that can run on this device: flex/xformers need CUDA, else SDPA with a mask."""
+    if attn_impl == "xformers":
+        try:
+            import xformers.ops  # noqa: F401
+        except ImportError as e:
+            raise ValueError("model.attn_impl=xformers but xformers is not installed; install it or use "
+                             "model.attn_impl=flex (or sdpa).") from e
+        return "xformers" if device.type == "cuda" else "sdpa"
+    if attn_impl == "flex":
+        return "flex" if device.type == "cuda" and flex_attention is not None else "sdpa"
+    return "sdpa"
+
+
+def build_attention_mask(attn_mask: str, attn_impl: str, doc_ids: Optional[torch.Tensor], device: torch.device):
+    """What `attention` takes as `mask`: None (plain causal), a bool tensor, a BlockMask or an xformers bias."""
+    if attn_mask == "causal" or doc_ids is None:
+        return None
+    impl = resolve_attn_impl(attn_impl, device)
+    if impl == "flex":
+        return doc_causal_block_mask(doc_ids)
+    if impl == "xformers":
+        return doc_causal_xformers_bias(doc_ids)
+    return doc_causal_bool_mask(doc_ids)
+
+
+_compiled_flex_attention = None
+
+
+def _flex(q, k, v, block_mask, enable_gqa):
+    global _compiled_flex_attention
+    if not q.is_cuda or torch.compiler.is_compiling():
+        # In a compiled block dynamo fuses flex itself; eager CPU flex materialises scores (tests only).
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+    """Scaled dot-product attention on [B, S, H, D] tensors (k, v may have fewer heads: GQA).
+
+    `mask` comes from `build_attention_mask`; its type picks the kernel.
+    """
+    n_rep = q.shape[2] // k.shape[2]
+    if BlockMask is not None and isinstance(mask, BlockMask):
+        out = _flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, enable_gqa=n_rep > 1)
+        return out.transpose(1, 2)
+    # Repeating kv heads keeps every SDPA backend eligible (not all of them take enable_gqa).
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    if mask is None or isinstance(mask, torch.Tensor):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask, is_causal=mask is None)
+        return out.transpose(1, 2)
+    from xformers.ops import fmha
+
+    bsz, seq_len = q.shape[:2]
+    flat = [t.reshape(1, bsz * seq_len, *t.shape[2:]) for t in (q, k, v)]
+    return fmha.memory_efficient_attention(*flat, attn_bias=mask).reshape(q.shape)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, head_dim: int, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        self.head_dim, self.n_heads, self.n_kv_heads = head_dim, n_heads, n_kv_heads
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+        bsz, seq_len, _ = x.shape
+        q = self.wq(x).view(bsz, seq_len, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.wo(attention(q, k, v, mask).reshape(bsz, seq_len, -1))
+
+    def init_weights(self, in_std: float, out_std: float, generator: Optional[torch.Generator]) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            init_trunc_normal(linear.weight, in_std, generator)
+        init_trunc_normal(self.wo.weight, out_std, generator)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, in_std: float, out_std: float, generator: Optional[torch.Generator]) -> None:
+        init_trunc_normal(self.w1.weight, in_std, generator)
+        init_trunc_normal(self.w3.weight, in_std, generator)
+        init_trunc_normal(self.w2.weight, out_std, generator)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.))."""
+
+    def __init__(self, args: BaseTransformerArgs):
+        super().__init__()
+        head_dim = args.dim // args.n_heads
+        self.attention = Attention(args.dim, head_dim, args.n_heads, args.n_kv_heads or args.n_heads)
+        self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args.dim, args.ffn_dim_multiplier, args.multiple_of))
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, in_std: float, out_std: float, ffn_out_std: float,
+                         generator: Optional[torch.Generator]) -> None:
+        self.attention.init_weights(in_std, out_std, generator)
+        self.feed_forward.init_weights(in_std, ffn_out_std, generator)
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+
+
+def init_generator(device: torch.device, seed: int) -> Optional[torch.Generator]:
+    """A private RNG so init does not depend on (or disturb) the global one; None on meta (nothing to draw)."""
+    if device.type == "meta":
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class BaseTransformer(nn.Module):
+    """The stack of blocks with shared RoPE tables; embeddings and head live in the app's subclass."""
+
+    def __init__(self, args: BaseTransformerArgs):
+        super().__init__()
+        validate_transformer_args(args)
+        self.dim, self.n_layers, self.max_seqlen = args.dim, args.n_layers, args.max_seqlen
+        self.attn_impl, self.attn_mask = args.attn_impl, args.attn_mask
+        self.init_base_std, self.init_std_factor = args.init_base_std, args.init_std_factor
+        self.hidden_dim = ffn_hidden_dim(args.dim, args.ffn_dim_multiplier, args.multiple_of)
+        self.rope = RotaryEmbedding(args.dim // args.n_heads, args.max_seqlen, args.rope_theta)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+
+    def forward(self, h: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """h: [B, S, dim] embeddings; doc_ids: [B, S] document index per token, non-decreasing along a row
+        (used by attn_mask=doc_causal; None means plain causal)."""
+        seq_len = h.shape[1]
+        if seq_len > self.max_seqlen:
+            raise ValueError(f"sequence length {seq_len} exceeds model.max_seqlen={self.max_seqlen}; "
+                             f"raise model.max_seqlen or shorten the sequences (data.seq_len).")
+        if doc_ids is not None and tuple(doc_ids.shape) != tuple(h.shape[:2]):
+            raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)} but the tokens are {tuple(h.shape[:2])}.")
+        mask = build_attention_mask(self.attn_mask, self.attn_impl, doc_ids, h.device)
+        cos, sin = self.rope(seq_len)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask)
+        return h
+
+    def _depth_factor(self, layer_id: int) -> float:
+        if self.init_std_factor == "current_depth":
+            return (2 * (layer_id + 1)) ** 0.5
+        if self.init_std_factor == "global_depth":
+            return (2 * self.n_layers) ** 0.5
+        return 1.0
+
+    @torch.no_grad()
+    def init_weights(self, generator: Optional[torch.Generator] = None) -> None:
+        """Truncated-normal weights (std base/sqrt(fan_in) style, depth-scaled outputs), unit norms, RoPE tables."""
+        self.rope.reset_parameters()
+        base_std = self.init_base_std or self.dim ** -0.5
+        for layer_id, layer in enumerate(self.layers):
+            factor = self._depth_factor(layer_id)
+            layer.init_weights(base_std, base_std / factor, self.hidden_dim ** -0.5 / factor, generator)

