@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lingua.distributed import Topology
+from lingua.distributed import PreemptionFlag, Topology, log_collective
 from lingua.kd_loss import TeacherOutputs, sparsify_teacher_logits
 
 logger = logging.getLogger(__name__)
@@ -148,6 +148,7 @@ class BridgeSpec:
 def _handshake(topo: Topology, my_record: torch.Tensor) -> list[tuple[list[int], str]]:
     """All-gather every bridge member's record; returns them in bridge-group rank order."""
     records = [torch.empty_like(my_record) for _ in range(dist.get_world_size(topo.bridge_group))]
+    log_collective("all_gather handshake", topo.bridge_group, my_record)
     dist.all_gather(records, my_record.to(topo.device), group=topo.bridge_group)
     return [_unpack_record(r) for r in records]
 
@@ -216,6 +217,7 @@ class TeacherClient:
         self.total_wait_s = 0.0
         self.first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done)
         self.teacher_busy = 0.0  # teacher's busy fraction, reported in each response
+        self.teacher_preempt = False  # the teacher received a preemption signal
         self.bytes_up = self.bytes_down = 0
         self.stopped = False
         logger.info(
@@ -242,6 +244,7 @@ class TeacherClient:
             grid[:bsz, :seqlen] = tokens.to(device=self.topo.device, dtype=torch.int32)
         response = torch.empty(self.spec.response_bytes(), dtype=torch.uint8, device=self.topo.device)
         group = self.topo.bridge_group
+        log_collective(f"gather+scatter request op={OP_NAMES[op]} step={step}.{micro_step}", group, request, response)
         up = dist.gather(request, None, dst=self.teacher_rank, group=group, async_op=True)
         down = dist.scatter(response, None, src=self.teacher_rank, group=group, async_op=True)
         self.bytes_up += 4 * bsz * seqlen
@@ -269,6 +272,7 @@ class TeacherClient:
         if fields[0] != 0:
             raise TeacherError(f"Teacher rank {self.teacher_rank} failed at step {step}: {message}")
         self.teacher_busy = fields[1] / 1e6
+        self.teacher_preempt = self.teacher_preempt or bool(fields[2])
         payload = response[RECORD_BYTES:]
         tensors = []
         for (shape, dtype), (offset, nbytes) in zip(self.spec.payload_spec(), _segments(self.spec.payload_spec())):
@@ -338,6 +342,9 @@ class TeacherServer:
         self.generator = torch.Generator(device=topo.device).manual_seed(args.seed + topo.global_rank)
         self.busy_s = self.idle_s = 0.0
         self.requests = 0
+        # A signal on the teacher cannot stop anything by itself: it rides on every response, and the
+        # students fold it into their agreed control bits.
+        self.preemption = PreemptionFlag()
 
     def serve(self) -> None:
         """The loop. Returns after a STOP; raises (after telling the students) on any error."""
@@ -349,6 +356,7 @@ class TeacherServer:
         last_report = time.perf_counter()
         while True:
             wait_start = time.perf_counter()
+            log_collective("gather request (teacher)", group, request)
             dist.gather(request, gather_list, dst=self.topo.global_rank, group=group)
             work_start = time.perf_counter()
             self.idle_s += work_start - wait_start
@@ -366,7 +374,7 @@ class TeacherServer:
             busy = self.busy_s / max(self.busy_s + self.idle_s, 1e-9)
             status = 0 if error is None else 1
             for i, buf in enumerate(responses):
-                buf[:RECORD_BYTES] = _pack_record([status, int(busy * 1e6)], error or "")
+                buf[:RECORD_BYTES] = _pack_record([status, int(busy * 1e6), int(self.preemption.requested)], error or "")
             # The teacher's own slot is a throwaway; a separate buffer avoids aliasing the scatter input.
             dist.scatter(torch.empty_like(responses[mine]), responses, src=self.topo.global_rank, group=group)
             self.requests += 1

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 logger = logging.getLogger(__name__)
+comm_logger = logging.getLogger("lingua.comm")  # per-collective lines; DEBUG level only with distributed.debug
+_comm_sequence: dict[str, int] = {}
 
 
 @dataclass
@@ -228,6 +230,7 @@ def enable_debug_env(dump_dir: Optional[str]) -> None:
     for key, value in settings.items():
         os.environ.setdefault(key, value)
     dist.set_debug_level_from_env()
+    comm_logger.setLevel(logging.DEBUG)
 
 
 def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir: Optional[str] = None) -> Topology:
@@ -386,6 +389,33 @@ def clean_up() -> None:
             dist.destroy_process_group()
 
 
+def log_collective(op: str, group, *tensors) -> None:
+    """One DEBUG line per collective of ours: group name, op, shapes, per-group sequence number."""
+    if not comm_logger.isEnabledFor(logging.DEBUG):
+        return
+    name = getattr(group, "group_desc", None) or str(id(group))
+    seq = _comm_sequence[name] = _comm_sequence.get(name, 0) + 1
+    shapes = ", ".join(f"{tuple(t.shape)}:{str(t.dtype).replace('torch.', '')}" for t in tensors)
+    comm_logger.debug(f"collective #{seq} on {name}: {op} [{shapes}]")
+
+
+class HangWatch:
+    """Prints every thread's Python stack if a step is still running shortly before the collective timeout.
+
+    `arm(seconds)` re-arms the single faulthandler timer; it is cheap, so it is always on.
+    """
+
+    def __init__(self, fraction: float = 0.9):
+        self.fraction = fraction
+
+    def arm(self, timeout_s: float) -> None:
+        faulthandler.dump_traceback_later(max(1.0, timeout_s * self.fraction), repeat=False)
+
+    @staticmethod
+    def cancel() -> None:
+        faulthandler.cancel_dump_traceback_later()
+
+
 # ---- the few collectives of the training loop; each takes its group explicitly ----
 
 def dist_mean_dict(values: dict[str, float], group, device: torch.device) -> dict[str, float]:
@@ -394,6 +424,7 @@ def dist_mean_dict(values: dict[str, float], group, device: torch.device) -> dic
         return dict(values)
     keys = sorted(values)
     tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    log_collective("all_reduce(sum) dist_mean_dict", group, tensor)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     tensor /= dist.get_world_size(group)
     return dict(zip(keys, tensor.tolist()))
@@ -404,6 +435,7 @@ def dist_max(value: float, group, device: torch.device) -> float:
     if group is None or dist.get_world_size(group) == 1:
         return float(value)
     tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    log_collective("all_reduce(max) dist_max", group, tensor)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor.item()
 
@@ -414,6 +446,7 @@ def dist_gather_floats(values: list[float], group, device: torch.device) -> list
     if group is None or dist.get_world_size(group) == 1:
         return [tensor.tolist()]
     out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    log_collective("all_gather dist_gather_floats", group, tensor)
     dist.all_gather(out, tensor, group=group)
     return [t.tolist() for t in out]
 
@@ -427,6 +460,7 @@ def agree_flags(flags: dict[str, bool], group, device: torch.device) -> dict[str
         return dict(flags)
     keys = sorted(flags)
     tensor = torch.tensor([int(bool(flags[k])) for k in keys], dtype=torch.int32, device=device)
+    log_collective(f"all_reduce(max) agree_flags {keys}", group, tensor)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return {k: bool(v) for k, v in zip(keys, tensor.tolist())}
 

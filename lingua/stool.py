@@ -25,7 +25,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -453,9 +452,9 @@ class SubmititTrainJob:
         return DelayedSubmission(self, *args, **kwargs)
 
 
-def submit_submitit(args: StoolArgs, dump_dir: Path, cfg: DictConfig, layout: TeacherLayout,
-                    time_limit: Optional[str], job_name: str) -> str:
-    """Submit through submitit with the same resources, environment and dump dir; returns the job id."""
+def submitit_executor(args: StoolArgs, dump_dir: Path, layout: TeacherLayout, time_limit: Optional[str],
+                      job_name: str):
+    """A submitit SlurmExecutor with the same resources, environment and dump dir as submit.slurm."""
     import submitit
 
     if time_limit is None:
@@ -483,6 +482,13 @@ def submit_submitit(args: StoolArgs, dump_dir: Path, cfg: DictConfig, layout: Te
     if args.ngpus > 0:
         params["slurm_gres"] = f"gpu:{args.ngpus}"
     executor.update_parameters(**params)
+    return executor
+
+
+def submit_submitit(args: StoolArgs, dump_dir: Path, cfg: DictConfig, layout: TeacherLayout,
+                    time_limit: Optional[str], job_name: str) -> str:
+    """Submit `SubmititTrainJob` through submitit; returns the job id."""
+    executor = submitit_executor(args, dump_dir, layout, time_limit, job_name)
     steps = cfg.get("steps")
     job = executor.submit(SubmititTrainJob(args.script, args.python, str(dump_dir), int(steps) if steps else None))
     return str(job.job_id)
@@ -513,16 +519,18 @@ def launch(args: StoolArgs, input_fn: Callable[[str], str] = input, interactive:
 
     write_dump_dir(args, cfg, dump_dir)
     print("stool: " + "\nstool: ".join(layout.describe()))
+    # Written under submitit too: `sbatch submit.slurm` is the by-hand relaunch for both launchers.
+    script_path = dump_dir / "submit.slurm"
+    script_path.write_text(build_sbatch_script(args, dump_dir, layout, time_limit, job_name))
     if args.launcher == "submitit":
         if args.dry_run:
             print(f"stool: dry run; would submit {args.script} through submitit into {dump_dir / 'submitit'}")
             return None
         job_id = submit_submitit(args, dump_dir, cfg, layout, time_limit, job_name)
-        print(f"stool: submitted job {job_id} through submitit; logs in {dump_dir / 'submitit'}")
+        print(f"stool: submitted job {job_id} through submitit; logs in {dump_dir / 'submitit'}/, "
+              f"relaunch by hand with: sbatch {script_path}")
         return job_id
 
-    script_path = dump_dir / "submit.slurm"
-    script_path.write_text(build_sbatch_script(args, dump_dir, layout, time_limit, job_name))
     if args.dry_run:
         print(f"stool: dry run; wrote {script_path} (not submitted):\n{script_path.read_text()}")
         return None

@@ -30,7 +30,7 @@ from lingua.distillation import (
     DistillationArgs, TeacherClient, TeacherError, TeacherServer, validate_distillation_args,
 )
 from lingua.distributed import (
-    DistributedArgs, PreemptionFlag, Topology, agree_count, agree_flags, clean_up, dist_gather_floats,
+    DistributedArgs, HangWatch, PreemptionFlag, Topology, agree_count, agree_flags, clean_up, dist_gather_floats,
     dist_mean_dict, log_rank_device_map, parallelize_model, resolve_mesh_dims, set_collective_timeout, setup_torch_distributed,
 )
 from lingua.kd_loss import alpha_at, distillation_loss, kd_loss
@@ -61,6 +61,8 @@ class TrainArgs:
     probe_freq: Optional[int] = None
     enable_distillation: bool = False
     exit_after_steps: Optional[int] = None  # stop (with a checkpoint) after this many steps of this launch
+    # Exercises failure paths in tests: "<train_rank>:<step>" makes that student raise during that step.
+    inject_failure: Optional[str] = None
 
     data: DataArgs = field(default_factory=DataArgs)
     model: LMTransformerArgs = field(default_factory=LMTransformerArgs)
@@ -179,6 +181,8 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog) -> None:
     memory = MemoryMonitor(device)
     preemption = PreemptionFlag()
     timer = StepTimer()
+    hang_watch = HangWatch()
+    failure_rank, failure_step = map(int, args.inject_failure.split(":")) if args.inject_failure else (-1, -1)
     flops_per_token = get_num_flop_per_token(n_params - args.model.vocab_size * args.model.dim,
                                              args.model.n_layers, args.model.dim, args.data.seq_len)
     first_step_of_launch = state.step
@@ -198,6 +202,9 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog) -> None:
                 step_start = time.perf_counter()
                 state.step += 1
                 first_step = state.step == first_step_of_launch + 1
+                hang_watch.arm(args.distributed.init_timeout_s if first_step else args.distributed.train_timeout_s)
+                if (topo.train_rank, state.step) == (failure_rank, failure_step):
+                    raise RuntimeError(f"injected failure on train rank {failure_rank} at step {failure_step}")
                 span = phases.span("first_step") if first_step else contextlib.nullcontext()
                 with span:
                     with timer.part("data"):
@@ -218,12 +225,14 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog) -> None:
                     run_probe(model, probe, micro_batches[0], state.step)
 
                 # The one agreed control point of the step: stop, save and fail are decided together.
-                flags = agree_flags(dict(preempt=preemption.requested, nonfinite=not math.isfinite(metrics["loss/total"])),
-                                    group, device)
+                preempt = preemption.requested or (teacher is not None and teacher.teacher_preempt)
+                flags = agree_flags(dict(preempt=preempt, nonfinite=not math.isfinite(metrics["loss/total"])), group, device)
                 if first_step and topo.distributed:
                     torch.distributed.barrier(group=group)
                     set_collective_timeout(topo, args.distributed.train_timeout_s)
                 if flags["nonfinite"]:
+                    if teacher is not None:
+                        teacher.stop(state.step, error=True)  # all students agree: the teacher hears it too
                     raise FloatingPointError(f"loss is not finite at step {state.step} on at least one training rank")
 
                 step_time = time.perf_counter() - step_start
@@ -251,6 +260,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog) -> None:
         if ended == "preempted":
             requeue_if_slurm(topo)
     finally:
+        hang_watch.cancel()
         loader.close()
         preemption.restore()
         if progress is not None:

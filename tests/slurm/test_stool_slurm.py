@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.slurm.conftest import ROOT, describe_dump, job_info, wait_for, wait_for_job_end
+from tests.slurm.conftest import ROOT, describe_dump, wait_for, wait_for_job_end
 
 pytestmark = pytest.mark.slurm
 PY = sys.executable

@@ -308,3 +308,33 @@ def test_submitit_job_requeues_only_when_preempted_before_the_end(tmp_path):
     assert job.finished()
     assert job.command() == ["python", "-u", "-m", "apps.main.train", f"config={tmp_path}/config.yaml"]
     assert job.checkpoint().function is job
+
+
+def test_submitit_dry_run_writes_the_same_dump_dir(tmp_path, monkeypatch):
+    dump, script = dry_run(tmp_path, monkeypatch, launcher="submitit", ngpus=0, ntasks_per_node=3, ncpu=1)
+    assert (dump / "config.yaml").exists() and (dump / "code" / "lingua" / "stool.py").exists()
+    assert "--ntasks=3 --ntasks-per-node=3" in srun_line(script)  # the by-hand relaunch script
+    with pytest.raises(ValueError, match="torchrun_per_node"):
+        stool.resolve_args(StoolArgs(config="c.yaml", launcher="submitit", torchrun_per_node=True))
+
+
+def test_submitit_executor_resources(tmp_path, monkeypatch):
+    from submitit.slurm.slurm import SlurmExecutor
+
+    monkeypatch.setattr(SlurmExecutor, "affinity", classmethod(lambda cls: 2))  # no srun needed to build it
+    args = stool.resolve_args(StoolArgs(config="c.yaml", launcher="submitit", nodes=2, ngpus=4, ncpu=6, mem="100G",
+                                        partition="gpu", qos="high", exports={"NOTE": "x y"}, env_activate="none",
+                                        python="/env/bin/python", sbatch_extra=["--mail-type=END"]))
+    layout = stool.TeacherLayout(8, 4, "per_node", [0, 1, 2, 4, 5, 6], [3, 7])
+    executor = stool.submitit_executor(args, tmp_path, layout, "90", "kd")
+    text = executor._executor._make_submission_file_text("CMD", "uid")
+    lines = text.splitlines()
+    for expected in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gres=gpu:4",
+                     "#SBATCH --cpus-per-task=6", "#SBATCH --mem=100G", "#SBATCH --partition=gpu",
+                     "#SBATCH --qos=high", "#SBATCH --time=90", "#SBATCH --signal=USR2@120", "#SBATCH --requeue",
+                     f"#SBATCH --chdir={tmp_path}/code", "#SBATCH --job-name=kd", "#SBATCH --mail-type=END",
+                     "#SBATCH --open-mode=append", "export NOTE='x y'", "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+                     "# distillation: 2 teacher rank(s), placement per_node"]:
+        assert expected in lines, expected
+    assert "--kill-on-bad-exit=1 --distribution=block CMD" in text
+    bash_syntax_ok(text, tmp_path)

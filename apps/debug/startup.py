@@ -1,0 +1,236 @@
+"""Startup diagnostics: where do the minutes before the first training step go?
+
+    torchrun --nproc-per-node 3 -m apps.debug.startup phase=1 config=configs/distill_exps/debug_cpu.yaml
+    srun python -m apps.debug.startup phase=3 config=configs/llama_1B.yaml dump_dir=/scratch/diag
+
+Each phase adds one layer of the real startup to the previous one. Run them in order: the first
+phase that is slow names the culprit.
+
+  1  bare torch.distributed.init_process_group, one all_reduce and one barrier on the world group
+  2  our setup_torch_distributed (groups, mesh), the rank map, the first collective on every group
+  3  + tokenizer, student model build + FSDP; teacher load + handshake (with distillation on)
+  4  + data loader and the first batch
+  5  + optimizer, checkpoint load and one training step (with the teacher), as apps.main.train does
+
+Every rank writes its spans to <dump_dir>/startup_diag/startup.<rank>.jsonl and logs them; after a
+final barrier rank 0 prints min / max / slowest rank per span. Nothing else of the run is touched:
+no checkpoint is saved, no metrics or config are written. Students end by sending STOP, so the
+teacher exits cleanly.
+"""
+
+import time
+
+# Taken before torch is imported: on a shared filesystem the imports alone can take minutes.
+IMPORT_START = time.time()
+
+import logging
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from apps.main.train import (
+    TrainArgs, build_model, distillation_process, n_teacher_ranks, tokenizer_vocab, train_step, validate_args,
+)
+from lingua.args import parse_args
+from lingua.checkpoint import CheckpointManager
+from lingua.data import DataLoader
+from lingua.distillation import TeacherClient, TeacherError
+from lingua.distributed import (
+    DistributedArgs, Topology, _choose_device, _read_launch_env, all_groups, clean_up, group_name,
+    log_rank_device_map, setup_torch_distributed, split_roles,
+)
+from lingua.logger import init_logger
+from lingua.optim import build_optimizer, clip_grad_norm_
+from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
+from lingua.tokenizer import build_tokenizer
+
+logger = logging.getLogger("startup")
+
+PHASES = {
+    1: "bare init_process_group + all_reduce + barrier on the world group",
+    2: "setup_torch_distributed (groups, mesh) + rank map + first collective per group",
+    3: "phase 2 + tokenizer, student model build, teacher load and handshake",
+    4: "phase 3 + data loader and first batch",
+    5: "phase 4 + optimizer, checkpoint load and one training step",
+}
+
+
+@dataclass
+class StartupArgs(TrainArgs):
+    phase: int = 5  # 1..5, see PHASES; the rest is the training config, unchanged
+
+
+# ---------------------------------------------------------------- phase 1
+
+def bare_init(args: DistributedArgs, launch, phases: PhaseLog) -> None:
+    """torch.distributed alone, as the launcher describes the job: no groups, no mesh, no debug env."""
+    device, backend = _choose_device(args, launch.local_rank)
+    if launch.launcher == "single":
+        with socket.socket() as sock:  # one process: a private TCP store, as setup_torch_distributed does
+            sock.bind(("127.0.0.1", 0))
+            launch_addr, launch_port = "127.0.0.1", sock.getsockname()[1]
+    elif launch.master_addr is None or launch.master_port is None:
+        raise ValueError("MASTER_ADDR and MASTER_PORT must be set when launching several ranks.")
+    else:
+        launch_addr, launch_port = launch.master_addr, launch.master_port
+    init_kwargs = dict(backend=backend, init_method=f"tcp://{launch_addr}:{launch_port}", rank=launch.rank,
+                       world_size=launch.world_size, timeout=timedelta(seconds=args.init_timeout_s))
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+        init_kwargs["device_id"] = device
+    with phases.span("init_process_group"):
+        dist.init_process_group(**init_kwargs)
+    world = dist.group.WORLD
+    with phases.span("all_reduce.world"):
+        ones = torch.ones(1, device=device)
+        dist.all_reduce(ones, group=world)
+        total = ones.item()  # waits for the result, so the span covers the collective itself
+    if total != launch.world_size:
+        raise RuntimeError(f"all_reduce of ones over the world gave {total}, expected {launch.world_size}")
+    with phases.span("barrier.world"):
+        dist.barrier(group=world)
+
+
+# ---------------------------------------------------------------- phase 2
+
+def first_collectives(topo: Topology, phases: PhaseLog) -> None:
+    """One all_reduce on the world, then one barrier on each of this rank's groups (its first use).
+
+    Every rank walks its groups in the same order (world, train or teachers, bridge, mesh dims), so
+    no two ranks wait on each other in opposite orders.
+    """
+    with phases.span("all_reduce.world"):
+        ones = torch.ones(1, device=topo.device)
+        dist.all_reduce(ones, group=dist.group.WORLD)
+        ones.item()
+    for group in all_groups(topo):
+        with phases.span(f"barrier.{group_name(topo, group)}"):
+            dist.barrier(group=group)
+
+
+# ---------------------------------------------------------------- phases 3-5, student side
+
+def init_tokenizer(args: TrainArgs):
+    """The tokenizer, with model.vocab_size taken from it (the same check as train())."""
+    tokenizer = build_tokenizer(args.data.tokenizer)
+    if args.model.vocab_size not in (-1, tokenizer.n_words):
+        raise ValueError(f"model.vocab_size={args.model.vocab_size} but the tokenizer has {tokenizer.n_words} "
+                         f"tokens; leave model.vocab_size=-1 to take it from the tokenizer.")
+    args.model.vocab_size = tokenizer.n_words
+    return tokenizer
+
+
+def student_startup(args: TrainArgs, topo: Topology, phases: PhaseLog, phase: int) -> None:
+    """train()'s startup, in its order, up to `phase`; then STOP to the teacher."""
+    with phases.span("tokenizer_init"):
+        tokenizer = init_tokenizer(args)
+    with phases.span("model_build"):
+        model = build_model(args, topo)
+    teacher = None
+    if args.enable_distillation:
+        with phases.span("teacher_handshake"):
+            teacher = TeacherClient(args.distillation, topo, tokenizer_vocab(tokenizer), tokenizer.n_words,
+                                    args.data.batch_size, args.data.seq_len)
+    saved, step, loader = None, 0, None
+    try:
+        if phase >= 5:
+            with phases.span("optimizer_build"):
+                optimizer, scheduler = build_optimizer(model, args.optim, args.steps)
+            with phases.span("checkpoint_load"):
+                checkpoint = CheckpointManager(args.checkpoint, args.checkpoint.path or str(Path(args.dump_dir) / "checkpoints"),
+                                               topo.train_group, topo.train_rank, topo.train_world_size)
+                saved = checkpoint.load(model, optimizer)
+                if saved is None:  # a fresh run may start from checkpoint.init_ckpt_path
+                    saved = checkpoint.load_init(model, optimizer)
+            if saved is not None:
+                step = saved["step"]
+                scheduler.load_state_dict(saved["scheduler"])
+        if phase >= 4:
+            with phases.span("data_init"):
+                loader = DataLoader(args.data, tokenizer, topo.dp_rank, topo.dp_degree)
+                if saved is not None:
+                    loader.load_state_dict(saved["data"])
+            with phases.span("first_batch"):
+                micro_batches = [next(loader) for _ in range(args.grad_acc_steps)]
+        if phase >= 5:
+            step += 1
+            with phases.span("first_step"):
+                train_step(args, model, teacher, micro_batches, step, StepTimer(), topo.device, scheduler)
+                clip_grad_norm_(model.parameters(), args.optim.clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            if teacher is not None:
+                phases.record("first_teacher_round_trip", *teacher.first_round_trip)
+        if teacher is not None:
+            teacher.stop(step)
+    finally:
+        if loader is not None:
+            loader.close()
+
+
+# ---------------------------------------------------------------- driver
+
+def print_report(phases: PhaseLog, rank: int, world_size: int, out_dir: Path, phase: int) -> None:
+    """This rank's spans in one line; rank 0 adds the all-ranks table (files of other world sizes ignored)."""
+    logger.info(f"phase {phase} timings: " + ", ".join(f"{name} {s:.2f}s" for name, s in phases.durations.items()))
+    if rank != 0:
+        return
+    table = {}
+    for name, per_rank in read_phase_files(str(out_dir)).items():
+        current = {r: s for r, s in per_rank.items() if r < world_size}
+        if current:
+            table[name] = current
+    logger.info(f"startup phase {phase} ({PHASES[phase]}), all ranks\n" + format_phase_table(table))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    main_start = time.time()
+    args = parse_args(StartupArgs, argv)
+    if args.phase not in PHASES:
+        raise ValueError(f"phase={args.phase} is not a startup phase; pass phase=1..5: "
+                         + "; ".join(f"{n} = {what}" for n, what in PHASES.items()) + ".")
+    validate_args(args)
+    # Rank and role before any process group, so phase 1 logs and records like the others.
+    launch = _read_launch_env()
+    _, teachers = split_roles(launch.world_size, n_teacher_ranks(args), args.distributed.teacher_placement,
+                              launch.local_world_size)
+    role = "teacher" if launch.rank in teachers else "student"
+    out_dir = Path(args.dump_dir) / "startup_diag"
+    init_logger(launch.rank, role, str(out_dir / "logs" / f"rank_{launch.rank}.log"))
+    phases = PhaseLog(str(out_dir), launch.rank, role)
+    phases.record("imports", IMPORT_START, main_start)
+    logger.info(f"startup phase {args.phase}: {PHASES[args.phase]}")
+    try:
+        if args.phase == 1:
+            bare_init(args.distributed, launch, phases)
+        else:
+            with phases.span("setup_torch_distributed"):
+                topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir)
+            with phases.span("rank_map"):
+                log_rank_device_map(topo)
+            first_collectives(topo, phases)
+            if args.phase >= 3:
+                torch.manual_seed(args.seed)
+                if topo.is_teacher:
+                    distillation_process(args, topo, phases)  # load, handshake, serve until the students' STOP
+                else:
+                    student_startup(args, topo, phases, args.phase)
+        dist.barrier(group=dist.group.WORLD)  # every rank's file is complete before rank 0 reads them
+        print_report(phases, launch.rank, launch.world_size, out_dir, args.phase)
+    finally:
+        clean_up()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError, TeacherError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
