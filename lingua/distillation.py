@@ -320,7 +320,7 @@ def load_teacher(args: DistillationArgs, device: torch.device):
 class TeacherServer:
     """Teacher side: load, handshake, then answer requests until every student sent STOP."""
 
-    def __init__(self, args: DistillationArgs, topo: Topology):
+    def __init__(self, args: DistillationArgs, topo: Topology, preemption: Optional[PreemptionFlag] = None):
         assert topo.is_teacher
         self.args, self.topo = args, topo
         self.model = None
@@ -344,7 +344,7 @@ class TeacherServer:
         self.requests = 0
         # A signal on the teacher cannot stop anything by itself: it rides on every response, and the
         # students fold it into their agreed control bits.
-        self.preemption = PreemptionFlag()
+        self.preemption = preemption or PreemptionFlag()
 
     def serve(self) -> None:
         """The loop. Returns after a STOP; raises (after telling the students) on any error."""

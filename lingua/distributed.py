@@ -534,7 +534,11 @@ def _apply_activation_checkpointing(model, mode: str, no_recompute_ops) -> None:
 # ---- preemption: handlers only set a local flag; the decision is agreed in the loop ----
 
 class PreemptionFlag:
-    """SIGUSR2/SIGTERM set `requested`; the training loop agrees on it across ranks before acting."""
+    """SIGUSR2/SIGTERM set `requested`; the training loop agrees on it across ranks before acting.
+
+    The handlers stay installed until the process exits: a late signal during shutdown is ignored
+    rather than killing a rank that is saving or leaving its last barrier.
+    """
 
     def __init__(self, signals=(signal.SIGUSR2, signal.SIGTERM)):
         self.requested = False
@@ -549,6 +553,8 @@ class PreemptionFlag:
         # Logging from a signal handler can deadlock on the handler lock; write raw bytes.
         os.write(sys.stderr.fileno(), f"received {self.signal_name}: will save and stop at the next agreed point\n".encode())
 
-    def restore(self) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+    def ignore_further(self) -> None:
+        """After the stop is decided, later signals are moot: ignore them through interpreter exit
+        (Python resets its own handlers to the default action at shutdown, which would kill us)."""
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)

@@ -61,7 +61,7 @@ class TrainArgs:
     probe_freq: Optional[int] = None
     enable_distillation: bool = False
     exit_after_steps: Optional[int] = None  # stop (with a checkpoint) after this many steps of this launch
-    # Exercises failure paths in tests: "<train_rank>:<step>" makes that student raise during that step.
+    # Exercises failure paths in tests: "<train_rank>@<step>" makes that student raise during that step.
     inject_failure: Optional[str] = None
 
     data: DataArgs = field(default_factory=DataArgs)
@@ -91,10 +91,10 @@ def n_teacher_ranks(args: TrainArgs) -> int:
 
 # ---------------------------------------------------------------- teacher ranks
 
-def distillation_process(args: TrainArgs, topo: Topology, phases: PhaseLog) -> None:
+def distillation_process(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: PreemptionFlag) -> None:
     """Teacher rank: load the HF model, handshake with its students, serve until STOP."""
     with phases.span("teacher_load"):
-        server = TeacherServer(args.distillation, topo)
+        server = TeacherServer(args.distillation, topo, preemption)
     if topo.distributed:
         set_collective_timeout(topo, args.distributed.train_timeout_s)
     server.serve()
@@ -133,7 +133,7 @@ def tokenizer_vocab(tokenizer) -> dict:
     return {f"<{type(tokenizer).__name__}:{tokenizer.n_words}>": 0}
 
 
-def train(args: TrainArgs, topo: Topology, phases: PhaseLog) -> None:
+def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: PreemptionFlag) -> None:
     dump_dir = Path(args.dump_dir)
     group, device = topo.train_group, topo.device
     if topo.is_train_master:
@@ -179,10 +179,9 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog) -> None:
     # On a terminal a live progress line; otherwise the per-step log lines are the progress.
     progress = ProgressLine(args.steps) if topo.is_train_master and sys.stderr.isatty() else None
     memory = MemoryMonitor(device)
-    preemption = PreemptionFlag()
     timer = StepTimer()
     hang_watch = HangWatch()
-    failure_rank, failure_step = map(int, args.inject_failure.split(":")) if args.inject_failure else (-1, -1)
+    failure_rank, failure_step = map(int, args.inject_failure.split("@")) if args.inject_failure else (-1, -1)
     flops_per_token = get_num_flop_per_token(n_params - args.model.vocab_size * args.model.dim,
                                              args.model.n_layers, args.model.dim, args.data.seq_len)
     first_step_of_launch = state.step
@@ -262,7 +261,6 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog) -> None:
     finally:
         hang_watch.cancel()
         loader.close()
-        preemption.restore()
         if progress is not None:
             progress.close()
         if metric_logger is not None:
@@ -414,6 +412,7 @@ def print_summary(args: TrainArgs, state: TrainState, ended: str, dump_dir: Path
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(TrainArgs, argv)
     validate_args(args)
+    preemption = PreemptionFlag()  # from the start: handlers only set a flag, students agree on it each step
     # Mesh dims are checked against the launch size inside setup, before any collective.
     start = time.time()
     topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir)
@@ -424,9 +423,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         torch.manual_seed(args.seed)
         if topo.is_teacher:
-            distillation_process(args, topo, phases)
+            distillation_process(args, topo, phases, preemption)
         else:
-            train(args, topo, phases)
+            train(args, topo, phases, preemption)
+        preemption.ignore_further()
         if topo.distributed:
             torch.distributed.barrier(group=torch.distributed.group.WORLD)  # everyone ends together
         if topo.global_rank == 0:
@@ -439,6 +439,7 @@ if __name__ == "__main__":
     try:
         main()
     except (ValueError, FileNotFoundError, TeacherError) as err:
-        # A user-facing error: one sentence, no traceback.
+        # A user-facing error: one sentence, no traceback (kept at DEBUG level for developers).
+        logger.debug("traceback of the error below", exc_info=True)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -1,0 +1,83 @@
+"""Config parsing: files + dotted overrides into dataclasses, readable errors for bad keys."""
+
+from pathlib import Path
+
+import pytest
+
+from apps.main.train import TrainArgs, validate_args
+from lingua.args import dump_config, parse_args
+from lingua.distributed import DistributedArgs, resolve_mesh_dims, split_roles
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_shipped_config_parses():
+    for config in sorted((ROOT / "configs").rglob("*.yaml")):
+        args = parse_args(TrainArgs, [f"config={config}"])
+        validate_args(args)
+        assert args.steps >= 1, config
+
+
+def test_overrides_reach_nested_fields():
+    args = parse_args(TrainArgs, [f"config={ROOT / 'configs/debug_cpu.yaml'}", "steps=7", "optim.lr=0.5",
+                                  "data.sources={a: 0.25, b: 0.75}", "distillation.k=3"])
+    assert args.steps == 7 and args.optim.lr == 0.5 and args.distillation.k == 3
+    # Dicts merge with the file's (OmegaConf semantics): drop a source with weight 0.
+    assert args.data.sources == {"pydocs": 1.0, "a": 0.25, "b": 0.75}
+    assert args.model.dim == 128  # from the file
+
+
+@pytest.mark.parametrize("override, key, valid", [
+    ("stepz=3", "stepz", "steps"),
+    ("optim.lrr=1", "optim.lrr", "lr"),
+    ("data.tokenizer.nam=hf", "data.tokenizer.nam", "path"),
+])
+def test_unknown_key_names_the_key_and_the_valid_ones(override, key, valid):
+    with pytest.raises(ValueError) as err:
+        parse_args(TrainArgs, [override])
+    assert f"Unknown config key '{key}'" in str(err.value) and valid in str(err.value)
+
+
+def test_wrong_type_is_a_sentence():
+    with pytest.raises(ValueError, match="Invalid configuration"):
+        parse_args(TrainArgs, ["steps=many"])
+
+
+def test_missing_config_file():
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        parse_args(TrainArgs, ["config=nope.yaml"])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    args = parse_args(TrainArgs, [f"config={ROOT / 'configs/distill_exps/debug_cpu.yaml'}", "steps=3"])
+    dump_config(args, tmp_path / "config.yaml")
+    again = parse_args(TrainArgs, [f"config={tmp_path / 'config.yaml'}"])
+    assert again == args
+
+
+@pytest.mark.parametrize("replicate, shard, n, expected", [
+    (1, -1, 7, (1, 7)), (2, -1, 4, (2, 2)), (-1, 2, 6, (3, 2)), (2, 2, 4, (2, 2)),
+])
+def test_mesh_dims_infer_minus_one(replicate, shard, n, expected):
+    assert resolve_mesh_dims(DistributedArgs(dp_replicate=replicate, dp_shard=shard), n) == expected
+
+
+@pytest.mark.parametrize("replicate, shard, n, message", [
+    (1, 2, 3, "but there are 3 training ranks"),
+    (-1, 4, 6, "cannot be split into dp_shard=4"),
+    (-1, -1, 4, "Only one of"),
+    (0, 1, 4, "use a positive size"),
+])
+def test_mesh_dims_that_do_not_fit_are_rejected(replicate, shard, n, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_mesh_dims(DistributedArgs(dp_replicate=replicate, dp_shard=shard), n)
+
+
+def test_roles_last_ranks_and_per_node():
+    assert split_roles(8, 1, "last", 8) == (list(range(7)), [7])
+    assert split_roles(3, 0, "last", 3) == ([0, 1, 2], [])
+    assert split_roles(8, 2, "per_node", 4) == ([0, 1, 2, 4, 5, 6], [3, 7])
+    with pytest.raises(ValueError, match="cannot be split evenly among 2 teachers"):
+        split_roles(7, 2, "last", 7)
+    with pytest.raises(ValueError, match="at least one student rank"):
+        split_roles(1, 1, "last", 1)
