@@ -12,7 +12,6 @@ same order because `new_group` is collective:
 """
 
 import contextlib
-import dataclasses
 import faulthandler
 import logging
 import os
@@ -96,7 +95,7 @@ class Topology:
 
 
 @dataclass(frozen=True)
-class _LaunchEnv:
+class LaunchEnv:
     rank: int
     world_size: int
     local_rank: int
@@ -106,11 +105,11 @@ class _LaunchEnv:
     launcher: str  # "torchrun" | "slurm" | "single"
 
 
-def _read_launch_env() -> _LaunchEnv:
+def read_launch_env() -> LaunchEnv:
     """The one place that reads rank facts from the environment (torchrun, then srun)."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        return _LaunchEnv(
+        return LaunchEnv(
             int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
             int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])), env.get("MASTER_ADDR"),
             int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None, "torchrun",
@@ -118,11 +117,23 @@ def _read_launch_env() -> _LaunchEnv:
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "MASTER_ADDR" in env:
         ntasks_per_node = env.get("SLURM_NTASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1"))
         local_world = int(ntasks_per_node.split("(")[0].split(",")[0])
-        return _LaunchEnv(
+        return LaunchEnv(
             int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
             local_world, env["MASTER_ADDR"], int(env.get("MASTER_PORT", 29500)), "slurm",
         )
-    return _LaunchEnv(0, 1, 0, 1, None, None, "single")
+    return LaunchEnv(0, 1, 0, 1, None, None, "single")
+
+
+def init_method_for(launch: LaunchEnv) -> str:
+    """The rendezvous address: the launcher's MASTER_ADDR/PORT, or a private port for one process."""
+    if launch.launcher == "single":
+        # One process: a private TCP store, no environment variables needed or written.
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    if launch.master_addr is None or launch.master_port is None:
+        raise ValueError("MASTER_ADDR and MASTER_PORT must be set when launching several ranks.")
+    return f"tcp://{launch.master_addr}:{launch.master_port}"
 
 
 def resolve_mesh_dims(args: DistributedArgs, n_students: int) -> tuple[int, int]:
@@ -191,7 +202,7 @@ def split_roles(world_size: int, n_teachers: int, placement: str, local_world_si
     return students, teachers
 
 
-def _choose_device(args: DistributedArgs, local_rank: int) -> tuple[torch.device, str]:
+def choose_device(args: DistributedArgs, local_rank: int) -> tuple[torch.device, str]:
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -235,10 +246,10 @@ def enable_debug_env(dump_dir: Optional[str]) -> None:
 
 def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir: Optional[str] = None) -> Topology:
     """Initialise torch.distributed and build the Topology. Config errors raise before any collective."""
-    launch = _read_launch_env()
+    launch = read_launch_env()
     students, teachers = split_roles(launch.world_size, n_teachers, args.teacher_placement, launch.local_world_size)
     replicate, shard = resolve_mesh_dims(args, len(students))
-    device, backend = _choose_device(args, launch.local_rank)
+    device, backend = choose_device(args, launch.local_rank)
     if backend == "nccl":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = args.matmul_allow_tf32
@@ -249,17 +260,7 @@ def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` prints every stack
 
     timeout = timedelta(seconds=args.init_timeout_s)
-    if launch.launcher == "single":
-        # One process: a private TCP store, no environment variables needed or written.
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        init_method = f"tcp://127.0.0.1:{port}"
-    else:
-        if launch.master_addr is None or launch.master_port is None:
-            raise ValueError("MASTER_ADDR and MASTER_PORT must be set when launching several ranks.")
-        init_method = f"tcp://{launch.master_addr}:{launch.master_port}"
-    init_kwargs = dict(backend=backend, init_method=init_method, rank=launch.rank,
+    init_kwargs = dict(backend=backend, init_method=init_method_for(launch), rank=launch.rank,
                        world_size=launch.world_size, timeout=timeout)
     if backend == "nccl":
         init_kwargs["device_id"] = device  # eager NCCL init: no lazy "devices unknown" barrier later

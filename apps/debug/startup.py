@@ -24,7 +24,6 @@ import time
 IMPORT_START = time.time()
 
 import logging
-import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,20 +34,19 @@ import torch
 import torch.distributed as dist
 
 from apps.main.train import (
-    TrainArgs, build_model, distillation_process, n_teacher_ranks, tokenizer_vocab, train_step, validate_args,
+    TrainArgs, build_model, distillation_process, init_tokenizer, n_teacher_ranks, restore_checkpoint,
+    tokenizer_vocab, train_step, validate_args,
 )
 from lingua.args import parse_args
-from lingua.checkpoint import CheckpointManager
 from lingua.data import DataLoader
 from lingua.distillation import TeacherClient, TeacherError
 from lingua.distributed import (
-    DistributedArgs, Topology, _choose_device, _read_launch_env, all_groups, clean_up, group_name,
-    log_rank_device_map, setup_torch_distributed, split_roles,
+    DistributedArgs, PreemptionFlag, Topology, all_groups, choose_device, clean_up,
+    group_name, init_method_for, log_rank_device_map, read_launch_env, setup_torch_distributed, split_roles,
 )
 from lingua.logger import init_logger
 from lingua.optim import build_optimizer, clip_grad_norm_
 from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
-from lingua.tokenizer import build_tokenizer
 
 logger = logging.getLogger("startup")
 
@@ -70,16 +68,8 @@ class StartupArgs(TrainArgs):
 
 def bare_init(args: DistributedArgs, launch, phases: PhaseLog) -> None:
     """torch.distributed alone, as the launcher describes the job: no groups, no mesh, no debug env."""
-    device, backend = _choose_device(args, launch.local_rank)
-    if launch.launcher == "single":
-        with socket.socket() as sock:  # one process: a private TCP store, as setup_torch_distributed does
-            sock.bind(("127.0.0.1", 0))
-            launch_addr, launch_port = "127.0.0.1", sock.getsockname()[1]
-    elif launch.master_addr is None or launch.master_port is None:
-        raise ValueError("MASTER_ADDR and MASTER_PORT must be set when launching several ranks.")
-    else:
-        launch_addr, launch_port = launch.master_addr, launch.master_port
-    init_kwargs = dict(backend=backend, init_method=f"tcp://{launch_addr}:{launch_port}", rank=launch.rank,
+    device, backend = choose_device(args, launch.local_rank)
+    init_kwargs = dict(backend=backend, init_method=init_method_for(launch), rank=launch.rank,
                        world_size=launch.world_size, timeout=timedelta(seconds=args.init_timeout_s))
     if backend == "nccl":
         torch.cuda.set_device(device)
@@ -116,16 +106,6 @@ def first_collectives(topo: Topology, phases: PhaseLog) -> None:
 
 # ---------------------------------------------------------------- phases 3-5, student side
 
-def init_tokenizer(args: TrainArgs):
-    """The tokenizer, with model.vocab_size taken from it (the same check as train())."""
-    tokenizer = build_tokenizer(args.data.tokenizer)
-    if args.model.vocab_size not in (-1, tokenizer.n_words):
-        raise ValueError(f"model.vocab_size={args.model.vocab_size} but the tokenizer has {tokenizer.n_words} "
-                         f"tokens; leave model.vocab_size=-1 to take it from the tokenizer.")
-    args.model.vocab_size = tokenizer.n_words
-    return tokenizer
-
-
 def student_startup(args: TrainArgs, topo: Topology, phases: PhaseLog, phase: int) -> None:
     """train()'s startup, in its order, up to `phase`; then STOP to the teacher."""
     with phases.span("tokenizer_init"):
@@ -143,11 +123,7 @@ def student_startup(args: TrainArgs, topo: Topology, phases: PhaseLog, phase: in
             with phases.span("optimizer_build"):
                 optimizer, scheduler = build_optimizer(model, args.optim, args.steps)
             with phases.span("checkpoint_load"):
-                checkpoint = CheckpointManager(args.checkpoint, args.checkpoint.path or str(Path(args.dump_dir) / "checkpoints"),
-                                               topo.train_group, topo.train_rank, topo.train_world_size)
-                saved = checkpoint.load(model, optimizer)
-                if saved is None:  # a fresh run may start from checkpoint.init_ckpt_path
-                    saved = checkpoint.load_init(model, optimizer)
+                _, saved = restore_checkpoint(args, topo, model, optimizer)
             if saved is not None:
                 step = saved["step"]
                 scheduler.load_state_dict(saved["scheduler"])
@@ -187,7 +163,8 @@ def print_report(phases: PhaseLog, rank: int, world_size: int, out_dir: Path, ph
         current = {r: s for r, s in per_rank.items() if r < world_size}
         if current:
             table[name] = current
-    logger.info(f"startup phase {phase} ({PHASES[phase]}), all ranks\n" + format_phase_table(table))
+    logger.info(f"startup phase {phase} ({PHASES[phase]}), all ranks; per-rank spans in "
+                f"{out_dir}/startup.<rank>.jsonl\n" + format_phase_table(table))
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -198,7 +175,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                          + "; ".join(f"{n} = {what}" for n, what in PHASES.items()) + ".")
     validate_args(args)
     # Rank and role before any process group, so phase 1 logs and records like the others.
-    launch = _read_launch_env()
+    launch = read_launch_env()
     _, teachers = split_roles(launch.world_size, n_teacher_ranks(args), args.distributed.teacher_placement,
                               launch.local_world_size)
     role = "teacher" if launch.rank in teachers else "student"
@@ -219,7 +196,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             if args.phase >= 3:
                 torch.manual_seed(args.seed)
                 if topo.is_teacher:
-                    distillation_process(args, topo, phases)  # load, handshake, serve until the students' STOP
+                    # Load, handshake, serve until the students' STOP; a signal only sets the flag, as in training.
+                    distillation_process(args, topo, phases, PreemptionFlag())
                 else:
                     student_startup(args, topo, phases, args.phase)
         dist.barrier(group=dist.group.WORLD)  # every rank's file is complete before rank 0 reads them

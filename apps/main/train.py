@@ -31,7 +31,7 @@ from lingua.distillation import (
 )
 from lingua.distributed import (
     DistributedArgs, HangWatch, PreemptionFlag, Topology, agree_count, agree_flags, clean_up, dist_gather_floats,
-    dist_mean_dict, log_rank_device_map, parallelize_model, resolve_mesh_dims, set_collective_timeout, setup_torch_distributed,
+    dist_mean_dict, log_rank_device_map, parallelize_model, set_collective_timeout, setup_torch_distributed,
 )
 from lingua.kd_loss import alpha_at, distillation_loss, kd_loss
 from lingua.logger import init_logger
@@ -133,6 +133,26 @@ def tokenizer_vocab(tokenizer) -> dict:
     return {f"<{type(tokenizer).__name__}:{tokenizer.n_words}>": 0}
 
 
+def init_tokenizer(args: TrainArgs):
+    """The data tokenizer; the model's vocab size is taken from it."""
+    tokenizer = build_tokenizer(args.data.tokenizer)
+    if args.model.vocab_size not in (-1, tokenizer.n_words):
+        raise ValueError(f"model.vocab_size={args.model.vocab_size} but the tokenizer has {tokenizer.n_words} "
+                         f"tokens; leave model.vocab_size=-1 to take it from the tokenizer.")
+    args.model.vocab_size = tokenizer.n_words
+    return tokenizer
+
+
+def restore_checkpoint(args: TrainArgs, topo: Topology, model, optimizer) -> tuple[CheckpointManager, Optional[dict]]:
+    """The checkpoint manager (training group) and the train state to resume from, if any."""
+    root = args.checkpoint.path or str(Path(args.dump_dir) / "checkpoints")
+    checkpoint = CheckpointManager(args.checkpoint, root, topo.train_group, topo.train_rank, topo.train_world_size)
+    saved = checkpoint.load(model, optimizer)
+    if saved is None:  # a fresh run may start from init_ckpt_path (weights, or all with continue_training_from_init)
+        saved = checkpoint.load_init(model, optimizer)
+    return checkpoint, saved
+
+
 def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: PreemptionFlag) -> None:
     dump_dir = Path(args.dump_dir)
     group, device = topo.train_group, topo.device
@@ -140,11 +160,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
         dump_config(args, dump_dir / "config.yaml")
 
     with phases.span("tokenizer_init"):
-        tokenizer = build_tokenizer(args.data.tokenizer)
-        if args.model.vocab_size not in (-1, tokenizer.n_words):
-            raise ValueError(f"model.vocab_size={args.model.vocab_size} but the tokenizer has {tokenizer.n_words} "
-                             f"tokens; leave model.vocab_size=-1 to take it from the tokenizer.")
-        args.model.vocab_size = tokenizer.n_words
+        tokenizer = init_tokenizer(args)
 
     with phases.span("model_build"):
         model = build_model(args, topo)
@@ -159,12 +175,8 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
 
     optimizer, scheduler = build_optimizer(model, args.optim, args.steps)
     state = TrainState()
-    checkpoint = CheckpointManager(args.checkpoint, args.checkpoint.path or str(dump_dir / "checkpoints"),
-                                   group, topo.train_rank, topo.train_world_size)
     with phases.span("checkpoint_load"):
-        saved = checkpoint.load(model, optimizer)
-        if saved is None:  # a fresh run may start from init_ckpt_path (weights, or all with continue_training_from_init)
-            saved = checkpoint.load_init(model, optimizer)
+        checkpoint, saved = restore_checkpoint(args, topo, model, optimizer)
     with phases.span("data_init"):
         loader = DataLoader(args.data, tokenizer, topo.dp_rank, topo.dp_degree)
     if saved is not None:
@@ -234,21 +246,20 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
                         teacher.stop(state.step, error=True)  # all students agree: the teacher hears it too
                     raise FloatingPointError(f"loss is not finite at step {state.step} on at least one training rank")
 
-                step_time = time.perf_counter() - step_start
-                if state.step % args.logging.freq == 0 or state.step == args.steps:
-                    log_step(args, topo, state, metrics, timer, step_time, float(grad_norm), scheduler, memory,
-                             flops_per_token, metric_logger, progress, teacher)
-
                 if args.eval.every and state.step % args.eval.every == 0:
                     run_eval(args, model, tokenizer, topo, state.step, metric_logger)
 
                 stop_now = flags["preempt"] or (
                     args.exit_after_steps is not None and state.step - first_step_of_launch >= args.exit_after_steps)
-                if (args.checkpoint.dump.every and state.step % args.checkpoint.dump.every == 0) or stop_now:
-                    with timer.part("checkpoint"):
+                with timer.part("checkpoint"):
+                    if (args.checkpoint.dump.every and state.step % args.checkpoint.dump.every == 0) or stop_now:
                         save()
-                if args.checkpoint.eval.every and state.step % args.checkpoint.eval.every == 0:
-                    save(kind="eval")
+                    if args.checkpoint.eval.every and state.step % args.checkpoint.eval.every == 0:
+                        save(kind="eval")
+
+                if state.step % args.logging.freq == 0 or state.step == args.steps or stop_now:
+                    log_step(args, topo, state, metrics, timer, time.perf_counter() - step_start, float(grad_norm),
+                             scheduler, memory, flops_per_token, metric_logger, progress, teacher)
                 if stop_now:
                     ended = "preempted" if flags["preempt"] else "exit_after_steps"
                     break

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from tests.dist.conftest import base_overrides, distill_overrides, read_metrics, train_rows
+from tests.dist.conftest import distill_overrides, train_rows
 from tests.dist.launch import torchrun
 from tests.dist.test_train import assert_ok, signal_ranks
 

@@ -1,0 +1,563 @@
+"""Benchmark of online distillation: the same students with KD off and on, in one invocation.
+
+    python -m apps.bench.distill                                   # tiny random teacher, 2+1 ranks on CPU
+    python -m apps.bench.distill --config smollm2                  # SmolLM2-135M-Instruct teacher
+    python -m apps.bench.distill --config configs/distill_exps/debug.yaml --nproc 8 --steps 50 --warmup 10
+
+It launches the trainer under torchrun once per variant (and per --repeats, interleaved):
+
+    kd_off              nproc - n_teacher_ranks processes: the students alone, data prefetch on
+    kd_off_no_prefetch  the same with data.load_async=false
+    kd_on               nproc processes: the same students plus the teacher rank(s)
+
+KD off runs with nproc - n_teacher_ranks processes on purpose: launched with nproc processes, the
+teacher's rank would become one more student (a larger global batch and data-parallel group), and
+the comparison would no longer be between the same students.
+
+Every number comes from the runs' own outputs: `metrics.jsonl` (logging.freq=1 gives one row per
+step), `startup.<rank>.jsonl` (rank -> pid and role) and each rank's peak RSS (VmHWM), read from
+/proc while it runs. Times are medians over the steps after --warmup. Bridge bytes are measured
+from the client's counters when the trainer logs `kd/bytes_up` / `kd/bytes_down`, and always
+computed from `TeacherOutputs.bytes_per_token`. Writes `<out>/distill_bench.json` and
+`<out>/distill_bench.md` and prints the table.
+"""
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from apps.main.train import TrainArgs
+from lingua.args import parse_args
+from lingua.distillation import WIRE_DTYPES, BridgeSpec
+from lingua.kd_loss import TeacherOutputs
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG_PRESETS = {"tiny": "configs/distill_exps/debug_cpu.yaml", "smollm2": "configs/distill_exps/smollm2_cpu.yaml"}
+GIB = 1024 ** 3
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+FAIRNESS_NOTE = (
+    "KD off runs nproc - n_teacher_ranks processes: with nproc processes the teacher's rank would become "
+    "one more student (larger global batch and data-parallel group), so KD on and KD off would no longer "
+    "train the same students."
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    distillation: bool
+    load_async: bool
+
+
+VARIANTS = (
+    Variant("kd_off", distillation=False, load_async=True),
+    Variant("kd_off_no_prefetch", distillation=False, load_async=False),
+    Variant("kd_on", distillation=True, load_async=True),
+)
+
+
+@dataclass
+class RunRecord:
+    """One trainer launch, reduced to what the summary needs."""
+
+    rows: list[dict]  # training rows of metrics.jsonl (one per step), in step order
+    n_students: int
+    n_processes: int
+    teacher_serve_start: Optional[float] = None  # unix time the teacher's handshake ended: its busy/idle clock starts
+    peak_rss_gib: dict[str, float] = field(default_factory=dict)  # role -> max VmHWM over that role's ranks
+    cpu_s_per_step: dict[str, float] = field(default_factory=dict)  # role -> CPU seconds per window step, mean per rank
+    load_before: Optional[float] = None  # 1-minute load average when the launch started / ended
+    load_after: Optional[float] = None
+    wall_s: float = 0.0
+    command: list[str] = field(default_factory=list)
+    dump_dir: str = ""
+
+
+# ---------------------------------------------------------------- pure computations
+
+def window(rows: list[dict], warmup: int) -> list[dict]:
+    """The measured rows: steps after the warm-up."""
+    return [r for r in rows if r["step"] > warmup]
+
+
+def reference_row(rows: list[dict], warmup: int) -> Optional[dict]:
+    """The last warm-up row: cumulative counters are differenced against it (None = from the start)."""
+    before = [r for r in rows if r["step"] <= warmup]
+    return before[-1] if before else None
+
+
+def median_of(rows: list[dict], key: str) -> Optional[float]:
+    values = [r[key] for r in rows if key in r]
+    return statistics.median(values) if values else None
+
+
+def measured_bytes_per_token(rows: list[dict], warmup: int, n_students: int) -> tuple[Optional[float], Optional[float]]:
+    """(up, down) bridge bytes per token of one student over the window, from the client's counters.
+
+    `tokens` in the metrics is summed over the students; the counters are train rank 0's own.
+    """
+    last, ref = rows[-1], reference_row(rows, warmup)
+    if "kd/bytes_up" not in last or "kd/bytes_down" not in last:
+        return None, None
+    base = ref or {"tokens": 0, "kd/bytes_up": 0, "kd/bytes_down": 0}
+    tokens = (last["tokens"] - base["tokens"]) / n_students
+    if tokens <= 0:
+        return None, None
+    return (last["kd/bytes_up"] - base["kd/bytes_up"]) / tokens, (last["kd/bytes_down"] - base["kd/bytes_down"]) / tokens
+
+
+def teacher_busy_fraction(rows: list[dict], warmup: int, serve_start: Optional[float]) -> tuple[Optional[float], str]:
+    """The teacher's busy fraction over the window, and how it was obtained.
+
+    "counters": from cumulative kd/teacher_busy_s and kd/teacher_idle_s. "derived": the trainer's
+    cumulative fraction b(t) = busy(t) / (t - serve_start) is undone with the rows' timestamps, so
+    the startup idle time (students building their optimizer and data) is left out. "cumulative":
+    the trainer's own number since the handshake, when neither is possible.
+    """
+    last, ref = rows[-1], reference_row(rows, warmup)
+    if "kd/teacher_busy" not in last:
+        return None, "n/a"
+    if "kd/teacher_busy_s" in last and "kd/teacher_idle_s" in last:
+        base = ref or {"kd/teacher_busy_s": 0.0, "kd/teacher_idle_s": 0.0}
+        busy = last["kd/teacher_busy_s"] - base["kd/teacher_busy_s"]
+        idle = last["kd/teacher_idle_s"] - base["kd/teacher_idle_s"]
+        return (busy / (busy + idle) if busy + idle > 0 else None), "counters"
+    if serve_start is not None:
+        base_time, base_busy = (ref["time"], ref["kd/teacher_busy"]) if ref else (serve_start, 0.0)
+        elapsed = last["time"] - base_time
+        if elapsed > 0:
+            busy = last["kd/teacher_busy"] * (last["time"] - serve_start) - base_busy * (base_time - serve_start)
+            return min(max(busy / elapsed, 0.0), 1.0), "derived"
+    return last["kd/teacher_busy"], "cumulative"
+
+
+def cpu_seconds_between(samples: list[tuple[float, float]], start: float, end: float) -> Optional[float]:
+    """CPU seconds a process used between two wall-clock times, interpolated from its (time, cpu_s) samples."""
+
+    def cpu_at(t: float) -> Optional[float]:
+        for (t0, c0), (t1, c1) in zip(samples, samples[1:]):
+            if t0 <= t <= t1:
+                return c0 + (c1 - c0) * (t - t0) / (t1 - t0) if t1 > t0 else c1
+        return None
+
+    first, last = cpu_at(start), cpu_at(end)
+    return last - first if first is not None and last is not None else None
+
+
+def cpu_per_step(samples_by_pid: dict[int, list[tuple[float, float]]], roles: dict[int, str], rows: list[dict],
+                 warmup: int) -> dict[str, float]:
+    """role -> CPU seconds per step over the window (between the last warm-up row and the last row), mean per rank."""
+    start, last = reference_row(rows, warmup) or rows[0], rows[-1]
+    n_steps = last["step"] - start["step"]
+    per_role: dict[str, list[float]] = {}
+    for pid, samples in samples_by_pid.items():
+        seconds = cpu_seconds_between(samples, start["time"], last["time"]) if pid in roles and n_steps > 0 else None
+        if seconds is not None:
+            per_role.setdefault(roles[pid], []).append(seconds / n_steps)
+    return {role: sum(values) / len(values) for role, values in per_role.items()}
+
+
+def formula_bytes_per_token(output: str, k: int, vocab: Optional[int], wire_dtype: str, bsz: int, seqlen: int) -> dict:
+    """Bridge bytes per token from the wire format: payload (the cost model) and framed (the buffers sent).
+
+    Framed includes each request's header, the response's status record, alignment and padding to
+    the [bsz, seqlen] agreed at the handshake; it equals the payload plus a per-micro-batch constant.
+    """
+    if output == "full" and vocab is None:
+        return dict(up=4.0, down=None, framed_up=None, framed_down=None)
+    dtype = WIRE_DTYPES[wire_dtype]
+    spec = BridgeSpec(bsz, seqlen, vocab or 0, output, k, dtype)
+    tokens = bsz * seqlen
+    return dict(up=4.0, down=float(TeacherOutputs.bytes_per_token(output, k, vocab or 0, dtype)),
+                framed_up=spec.request_ints() * 4 / tokens, framed_down=spec.response_bytes() / tokens)
+
+
+def summarize(records: list[RunRecord], warmup: int) -> dict:
+    """One variant's numbers: medians over the pooled window rows of its runs, counters averaged per run."""
+    rows = [r for rec in records for r in window(rec.rows, warmup)]
+    if not rows:
+        raise ValueError(f"No step after the warm-up of {warmup} steps was logged; use more --steps than --warmup.")
+    kd_rows = [r for r in rows if "speed/teacher_wait_s" in r]  # the straggler columns exist with KD off too
+    shares = [r["speed/teacher_wait_s"] / r["speed/step_time_s"] for r in kd_rows if r["speed/step_time_s"] > 0]
+    busy = [teacher_busy_fraction(rec.rows, warmup, rec.teacher_serve_start) for rec in records]
+    measured = [measured_bytes_per_token(rec.rows, warmup, rec.n_students) for rec in records]
+    teacher_peaks = [rec.rows[-1]["kd/teacher_peak_gib"] for rec in records if "kd/teacher_peak_gib" in rec.rows[-1]]
+    teacher_rss = [rec.peak_rss_gib["teacher"] for rec in records if "teacher" in rec.peak_rss_gib]
+    loads = [x for rec in records for x in (rec.load_before, rec.load_after) if x is not None]
+
+    def mean_or_none(values):
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else None
+
+    return {
+        "runs": len(records),
+        "n_processes": records[0].n_processes,
+        "n_students": records[0].n_students,
+        "steps_measured": len(rows),
+        "step_time_s": median_of(rows, "speed/step_time_s"),
+        "step_time_min_s": min(r["speed/step_time_s"] for r in rows),
+        "step_time_max_s": max(r["speed/step_time_s"] for r in rows),
+        "slowest_rank_step_time_s": median_of(rows, "stragglers/step_max_s"),
+        "tokens_per_s": median_of(rows, "speed/tokens_per_s"),
+        "data_time_s": median_of(rows, "speed/data_time_s"),
+        "fwd_bwd_max_rank_s": median_of(rows, "stragglers/fwd_bwd_max_s"),
+        "optimizer_max_rank_s": median_of(rows, "stragglers/optimizer_max_s"),
+        "teacher_wait_s": median_of(rows, "speed/teacher_wait_s"),
+        "teacher_wait_max_rank_s": median_of(kd_rows, "stragglers/teacher_wait_max_s"),
+        "teacher_wait_share": statistics.median(shares) if shares else None,
+        "teacher_busy": mean_or_none([b for b, _ in busy]),
+        "teacher_busy_method": busy[0][1],
+        "bytes_up_per_token": mean_or_none([m[0] for m in measured]),
+        "bytes_down_per_token": mean_or_none([m[1] for m in measured]),
+        "student_cpu_s_per_step": mean_or_none([rec.cpu_s_per_step.get("student") for rec in records]),
+        "teacher_cpu_s_per_step": mean_or_none([rec.cpu_s_per_step.get("teacher") for rec in records]),
+        "student_peak_gib": max((rec.rows[-1].get("mem/peak_gib", 0.0) for rec in records), default=None),
+        "student_peak_rss_gib": max((rec.peak_rss_gib.get("student", 0.0) for rec in records), default=None) or None,
+        "teacher_peak_gib": max(teacher_peaks) if teacher_peaks else (max(teacher_rss) if teacher_rss else None),
+        "teacher_peak_source": "kd/teacher_peak_gib" if teacher_peaks else ("/proc VmHWM" if teacher_rss else "n/a"),
+        "cuda": "mem/peak_reserved_gib" in records[0].rows[-1],
+        "load_avg_1m": mean_or_none(loads),
+        "wall_s": sum(rec.wall_s for rec in records),
+    }
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def compare(summaries: dict[str, dict]) -> dict:
+    """KD on vs KD off (same students), and prefetch off vs on (KD off)."""
+    on, off, no_prefetch = summaries.get("kd_on"), summaries.get("kd_off"), summaries.get("kd_off_no_prefetch")
+    out = {}
+    if on and off:
+        out["kd_on_over_kd_off"] = {key: ratio(on[key], off[key]) for key in
+                                    ("step_time_s", "tokens_per_s", "fwd_bwd_max_rank_s", "student_cpu_s_per_step",
+                                     "student_peak_gib", "student_peak_rss_gib")}
+        out["teacher_cpu_over_student_cpu"] = ratio(on["teacher_cpu_s_per_step"], on["student_cpu_s_per_step"])
+    if off and no_prefetch:
+        out["no_prefetch_over_prefetch"] = {key: ratio(no_prefetch[key], off[key]) for key in
+                                            ("step_time_s", "tokens_per_s", "data_time_s", "fwd_bwd_max_rank_s",
+                                             "student_cpu_s_per_step")}
+    return out
+
+
+TABLE_ROWS = (
+    # label, summary key, format, ratio group shown in the last columns
+    ("processes (students + teachers)", "n_processes", "{:d}", None),
+    ("steps measured (after warm-up)", "steps_measured", "{:d}", None),
+    ("step time, median (s)", "step_time_s", "{:.4f}", "step_time_s"),
+    ("step time, min / max (s)", ("step_time_min_s", "step_time_max_s"), "{:.3f} / {:.3f}", None),
+    ("slowest student's step, median (s)", "slowest_rank_step_time_s", "{:.4f}", None),
+    ("tokens/s (all students), median", "tokens_per_s", "{:,.0f}", "tokens_per_s"),
+    ("data wait per step, median (s)", "data_time_s", "{:.5f}", "data_time_s"),
+    ("student fwd+bwd without teacher wait, slowest rank (s)", "fwd_bwd_max_rank_s", "{:.4f}", "fwd_bwd_max_rank_s"),
+    ("optimizer step, slowest rank (s)", "optimizer_max_rank_s", "{:.4f}", None),
+    ("student CPU-seconds per step (mean per student)", "student_cpu_s_per_step", "{:.4f}", "student_cpu_s_per_step"),
+    ("teacher CPU-seconds per step", "teacher_cpu_s_per_step", "{:.4f}", None),
+    ("student wait on teacher per step, median (s)", "teacher_wait_s", "{:.4f}", None),
+    ("  same, slowest student (s)", "teacher_wait_max_rank_s", "{:.4f}", None),
+    ("  share of the step, median", "teacher_wait_share", "{:.1%}", None),
+    ("teacher busy fraction (window)", "teacher_busy", "{:.1%}", None),
+    ("bridge bytes/token up, measured", "bytes_up_per_token", "{:.1f}", None),
+    ("bridge bytes/token down, measured", "bytes_down_per_token", "{:.1f}", None),
+    ("student peak memory (trainer mem/peak_gib, GiB)", "student_peak_gib", "{:.3f}", "student_peak_gib"),
+    ("student peak RSS, max over students (GiB)", "student_peak_rss_gib", "{:.3f}", "student_peak_rss_gib"),
+    ("teacher peak memory (GiB)", "teacher_peak_gib", "{:.3f}", None),
+    ("load average (1 min) during the runs", "load_avg_1m", "{:.2f}", None),
+)
+
+
+def _cell(summary: Optional[dict], key, fmt: str) -> str:
+    if summary is None:
+        return ""
+    keys = key if isinstance(key, tuple) else (key,)
+    values = [summary.get(k) for k in keys]
+    if any(v is None for v in values):
+        return "n/a"
+    return fmt.format(*values)
+
+
+def format_markdown(result: dict) -> str:
+    """The result as markdown: settings, the comparison table, bridge formula and notes."""
+    summaries, ratios = result["summaries"], result["ratios"]
+    names = [v for v in ("kd_off", "kd_off_no_prefetch", "kd_on") if v in summaries]
+    kd_ratio = ratios.get("kd_on_over_kd_off", {})
+    prefetch_ratio = ratios.get("no_prefetch_over_prefetch", {})
+    header = ["metric", *names, "KD on / KD off", "no prefetch / prefetch"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label, key, fmt, ratio_key in TABLE_ROWS:
+        cells = [_cell(summaries[n], key, fmt) for n in names]
+        ratios_cells = ["", ""]
+        if ratio_key is not None:
+            for i, group in enumerate((kd_ratio, prefetch_ratio)):
+                if group.get(ratio_key) is not None:
+                    ratios_cells[i] = f"{group[ratio_key]:.3f}x"
+        lines.append("| " + " | ".join([label, *cells, *ratios_cells]) + " |")
+    settings = result["settings"]
+    formula = result["bridge_formula"]
+    kd_on = summaries.get("kd_on", {})
+
+    def fmt_bytes(value):
+        return "n/a" if value is None else f"{value:.1f}"
+
+    def fmt_ratio(value):
+        return "n/a" if value is None else f"{value:.3f}"
+
+    notes = [
+        f"# Distillation benchmark: {settings['config']}",
+        "",
+        f"{settings['steps']} steps per run, medians over steps {settings['warmup'] + 1}..{settings['steps']}, "
+        f"{settings['repeats']} run(s) per variant (interleaved); batch {settings['batch_size']} x {settings['seq_len']}"
+        f" x grad_acc {settings['grad_acc_steps']} per student; teacher output {settings['output']} k={settings['k']} "
+        f"wire {settings['wire_dtype']}; device {settings['device']}; OMP_NUM_THREADS={settings['omp_threads']}.",
+        f"Machine: {settings['cpu_count']} CPUs, load average {settings['load_start']} at start, "
+        f"{settings['load_end']} at end.",
+        "",
+        *lines,
+        "",
+        f"Bridge bytes per token (one student): formula `TeacherOutputs.bytes_per_token` = "
+        f"{fmt_bytes(formula['down'])} down, {fmt_bytes(formula['up'])} up; measured from the client's counters = "
+        f"{fmt_bytes(kd_on.get('bytes_down_per_token'))} down, {fmt_bytes(kd_on.get('bytes_up_per_token'))} up; "
+        f"framed buffers (headers, status record, padding) = {fmt_bytes(formula['framed_down'])} down, "
+        f"{fmt_bytes(formula['framed_up'])} up.",
+        f"Teacher CPU-seconds per step / one student's: {fmt_ratio(ratios.get('teacher_cpu_over_student_cpu'))} "
+        f"(DESIGN.md section 4: s * N_T / (3 * N_S) in FLOPs for s students per teacher).",
+        "",
+        "Notes:",
+        f"- {FAIRNESS_NOTE}",
+        "- CPU-seconds per step come from /proc/<pid>/stat between the last warm-up row and the last row; on a "
+        "machine shared with other jobs they move less than wall-clock step times, which include waiting for a core.",
+        f"- Teacher busy fraction: method `{kd_on.get('teacher_busy_method', 'n/a')}` (see "
+        "`apps.bench.distill.teacher_busy_fraction`). Teacher peak memory: "
+        f"{kd_on.get('teacher_peak_source', 'n/a')}. On CPU every peak is the process RSS (VmHWM, since start); "
+        "on GPU mem/peak_gib is the CUDA peak allocated.",
+        "- logging.freq=1 (one metrics row per step, which adds one small gather per step to every variant); "
+        "periodic checkpoints off.",
+        "- On a CPU machine the teacher rank shares the cores with the students: the KD-on step time includes that "
+        "contention, which a GPU per rank would not have.",
+        "",
+        "Commands:",
+        *[f"- `{name}`: `{' '.join(cmd)}`" for name, cmd in result["commands"].items()],
+    ]
+    return "\n".join(notes) + "\n"
+
+
+# ---------------------------------------------------------------- launching and reading runs
+
+def trainer_command(nproc: int, config: str, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "--max-restarts", "0", "-m", "apps.main.train", f"config={config}", *overrides]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _peak_rss_bytes(pid: int) -> Optional[int]:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else None
+
+
+def _cpu_seconds(pid: int) -> Optional[float]:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after "(comm)": state is field 3, utime 14, stime 15
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def launch(command: list[str], log_path: Path, timeout_s: float, omp_threads: int, poll_s: float = 0.2):
+    """Run torchrun, sampling its ranks from /proc.
+
+    Returns (exit code, wall seconds, pid -> peak RSS bytes, pid -> [(unix time, CPU seconds)]).
+    """
+    env = dict(os.environ, OMP_NUM_THREADS=str(omp_threads), PYTHONUNBUFFERED="1", WANDB_MODE="disabled",
+               TOKENIZERS_PARALLELISM="false")
+    env.setdefault("HF_HUB_OFFLINE", "1")  # teachers are local directories; never wait on the network
+    peaks: dict[int, int] = {}
+    cpu_samples: dict[int, list[tuple[float, float]]] = {}
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while proc.poll() is None:
+                if time.perf_counter() - start > timeout_s:
+                    raise TimeoutError(f"the run did not finish within {timeout_s:.0f}s; raise --timeout or lower --steps "
+                                       f"(log: {log_path}).")
+                for pid in _children(proc.pid):
+                    rss = _peak_rss_bytes(pid)
+                    if rss is not None:
+                        peaks[pid] = max(peaks.get(pid, 0), rss)
+                    cpu = _cpu_seconds(pid)
+                    if cpu is not None:
+                        cpu_samples.setdefault(pid, []).append((time.time(), cpu))
+                time.sleep(poll_s)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # our own torchrun's session: its ranks, nothing else
+                proc.wait()
+    return proc.returncode, time.perf_counter() - start, peaks, cpu_samples
+
+
+def read_rows(dump_dir: Path) -> list[dict]:
+    """Training rows of metrics.jsonl (eval rows have no step time), in step order."""
+    path = dump_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted((r for r in rows if "speed/step_time_s" in r), key=lambda r: r["step"])
+
+
+def read_startup(dump_dir: Path) -> list[dict]:
+    records = []
+    for path in sorted(dump_dir.glob("startup.*.jsonl")):
+        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return records
+
+
+def read_student_vocab(dump_dir: Path) -> Optional[int]:
+    """The vocab the trainer announced ("student model: ... vocab N"), for the full-logits formula."""
+    log = dump_dir / "logs" / "rank_0.log"
+    match = re.search(r"student model: .* vocab (\d+)", log.read_text()) if log.exists() else None
+    return int(match.group(1)) if match else None
+
+
+def run_variant(variant: Variant, name: str, config: str, user_overrides: list[str], n_students: int,
+                n_teachers: int, steps: int, warmup: int, runs_dir: Path, timeout_s: float, omp_threads: int) -> RunRecord:
+    """Launch one variant into a fresh dump dir and read back what it logged."""
+    dump_dir = runs_dir / name
+    if dump_dir.exists():
+        shutil.rmtree(dump_dir)  # a leftover checkpoint would make the trainer resume instead of start
+    n_processes = n_students + (n_teachers if variant.distillation else 0)
+    overrides = [*user_overrides, f"dump_dir={dump_dir}", f"steps={steps}", "logging.freq=1",
+                 "checkpoint.dump.every=0", "checkpoint.eval.every=0", "exit_after_steps=null",
+                 f"enable_distillation={str(variant.distillation).lower()}",
+                 f"data.load_async={str(variant.load_async).lower()}"]
+    command = trainer_command(n_processes, config, overrides)
+    logger.info(f"{name}: {n_processes} processes, {steps} steps")
+    load_before = os.getloadavg()[0]
+    log_path = runs_dir / f"{name}.log"
+    rc, wall_s, peaks, cpu_samples = launch(command, log_path, timeout_s, omp_threads)
+    if rc != 0:
+        tail = "\n".join(log_path.read_text().splitlines()[-30:])
+        raise RuntimeError(f"benchmark run {name} failed with exit code {rc}; its log is {log_path}:\n{tail}")
+    rows = read_rows(dump_dir)
+    if not rows:
+        raise RuntimeError(f"benchmark run {name} wrote no metrics rows to {dump_dir / 'metrics.jsonl'}.")
+    startup = read_startup(dump_dir)
+    roles = {r["pid"]: r["role"] for r in startup}
+    peak_rss: dict[str, float] = {}
+    for pid, peak in peaks.items():
+        if pid in roles:
+            peak_rss[roles[pid]] = max(peak_rss.get(roles[pid], 0.0), peak / GIB)
+    teacher_loads = sorted((r["rank"], r["end"]) for r in startup if r["role"] == "teacher" and r["phase"] == "teacher_load")
+    return RunRecord(rows=rows, n_students=n_students, n_processes=n_processes,
+                     teacher_serve_start=teacher_loads[0][1] if teacher_loads else None, peak_rss_gib=peak_rss,
+                     cpu_s_per_step=cpu_per_step(cpu_samples, roles, rows, warmup),
+                     load_before=load_before, load_after=os.getloadavg()[0], wall_s=wall_s, command=command,
+                     dump_dir=str(dump_dir))
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="tiny",
+                        help=f"a trainer config path, or a preset: {', '.join(f'{k} ({v})' for k, v in CONFIG_PRESETS.items())}")
+    parser.add_argument("--nproc", type=int, default=3, help="processes of the KD-on run (students + teacher ranks)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per variant, interleaved; medians pool them")
+    parser.add_argument("--variants", default=",".join(v.name for v in VARIANTS))
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="trainer config override for every run (repeatable), e.g. --set data.batch_size=8")
+    parser.add_argument("--omp-threads", type=int, default=1, help="OMP_NUM_THREADS of every rank")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per run")
+    parser.add_argument("--out", default=None, help="result folder (default dumps/bench_distill/<config name>)")
+    opts = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    config = CONFIG_PRESETS.get(opts.config, opts.config)
+    args = parse_args(TrainArgs, [f"config={config}", *opts.overrides, "enable_distillation=true"])
+    n_teachers = args.distillation.n_teacher_ranks
+    n_students = opts.nproc - n_teachers
+    if n_students < 1:
+        raise ValueError(f"--nproc {opts.nproc} leaves no student next to {n_teachers} teacher rank(s); "
+                         f"use --nproc > distillation.n_teacher_ranks.")
+    if opts.steps <= opts.warmup:
+        raise ValueError(f"--steps {opts.steps} must exceed --warmup {opts.warmup} so some steps are measured.")
+    known = {v.name: v for v in VARIANTS}
+    chosen = [known[n] for n in opts.variants.split(",") if n in known]
+    if len(chosen) != len(opts.variants.split(",")):
+        raise ValueError(f"--variants {opts.variants}: choose among {', '.join(known)}.")
+
+    out_dir = Path(opts.out or f"dumps/bench_distill/{Path(config).stem}")
+    runs_dir = out_dir / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    load_start = os.getloadavg()
+    records: dict[str, list[RunRecord]] = {v.name: [] for v in chosen}
+    commands = {}
+    for repeat in range(opts.repeats):
+        for variant in chosen:
+            name = variant.name if opts.repeats == 1 else f"{variant.name}_r{repeat}"
+            record = run_variant(variant, name, config, opts.overrides, n_students, n_teachers, opts.steps,
+                                 opts.warmup, runs_dir, opts.timeout, opts.omp_threads)
+            records[variant.name].append(record)
+            commands[name] = record.command
+
+    vocab = read_student_vocab(Path(records["kd_on"][0].dump_dir)) if "kd_on" in records else None
+    summaries = {name: summarize(recs, opts.warmup) for name, recs in records.items()}
+    result = {
+        "settings": {
+            "config": config, "nproc": opts.nproc, "n_students": n_students, "n_teacher_ranks": n_teachers,
+            "steps": opts.steps, "warmup": opts.warmup, "repeats": opts.repeats, "overrides": opts.overrides,
+            "batch_size": args.data.batch_size, "seq_len": args.data.seq_len, "grad_acc_steps": args.grad_acc_steps,
+            "output": args.distillation.output, "k": args.distillation.k, "wire_dtype": args.distillation.wire_dtype,
+            "teacher_path": args.distillation.teacher_path, "vocab": vocab, "omp_threads": opts.omp_threads,
+            "device": "cuda" if summaries[chosen[0].name]["cuda"] else "cpu", "cpu_count": os.cpu_count(),
+            "torch": torch.__version__, "load_start": [round(x, 2) for x in load_start],
+            "load_end": [round(x, 2) for x in os.getloadavg()],
+        },
+        "summaries": summaries,
+        "ratios": compare(summaries),
+        "bridge_formula": formula_bytes_per_token(args.distillation.output, args.distillation.k, vocab,
+                                                  args.distillation.wire_dtype, args.data.batch_size, args.data.seq_len),
+        "commands": commands,
+        "runs": {name: [asdict(r) for r in recs] for name, recs in records.items()},
+        "note": FAIRNESS_NOTE,
+    }
+    (out_dir / "distill_bench.json").write_text(json.dumps(result, indent=1))
+    markdown = format_markdown(result)
+    (out_dir / "distill_bench.md").write_text(markdown)
+    print(markdown)
+    logger.info(f"wrote {out_dir / 'distill_bench.json'} and {out_dir / 'distill_bench.md'}")
+    return result
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError, TimeoutError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
