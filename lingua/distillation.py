@@ -385,8 +385,8 @@ class TeacherServer:
                 return
             if time.perf_counter() - last_report > 30:
                 last_report = time.perf_counter()
-                logger.info(f"served {self.requests} requests; busy {100 * busy:.0f}% "
-                            f"({'the teacher is the bottleneck' if busy > 0.9 else 'students are the bottleneck'})")
+                # Whether the teacher is the bottleneck shows on the students' side (their wait share).
+                logger.info(f"served {self.requests} requests; busy {100 * busy:.0f}% of the time")
 
     def _check_headers(self, headers: dict[int, list[int]]) -> Optional[str]:
         ops = {h[0] for h in headers.values()}

@@ -467,6 +467,7 @@ def run_variant(variant: Variant, name: str, config: str, user_overrides: list[s
     rows = read_rows(dump_dir)
     if not rows:
         raise RuntimeError(f"benchmark run {name} wrote no metrics rows to {dump_dir / 'metrics.jsonl'}.")
+    shutil.rmtree(dump_dir / "checkpoints", ignore_errors=True)  # the trainer's final save: large, never resumed from
     startup = read_startup(dump_dir)
     roles = {r["pid"]: r["role"] for r in startup}
     peak_rss: dict[str, float] = {}

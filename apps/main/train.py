@@ -364,6 +364,8 @@ def log_step(args, topo, state, metrics, timer, step_time, grad_norm, scheduler,
     if teacher is not None:
         row["speed/teacher_wait_s"] = timer.seconds.get("teacher_wait", 0.0)
         row["kd/teacher_busy"] = teacher.teacher_busy
+        # This rank's bridge bytes since launch (cumulative: a benchmark differences two rows).
+        row["kd/bytes_up"], row["kd/bytes_down"] = teacher.bytes_up, teacher.bytes_down
     mfu = estimate_mfu(flops_per_token, tokens_per_s / topo.train_world_size, device)
     if mfu is not None:
         row["speed/mfu"] = mfu
