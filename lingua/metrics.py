@@ -247,11 +247,19 @@ class ProgressLine:
         self.first_time = 0.0
         self.line_open = False
 
-    def format(self, step: int, metrics: dict) -> str:
-        """The status text for `step` (also used for the non-TTY log line)."""
+    def eta(self, step: int) -> Optional[str]:
+        """Time left at `step`, from the pace since the first step seen (None until there is one)."""
         now = time.monotonic()
         if self.first_step is None:
             self.first_step, self.first_time = step, now
+        done = step - self.first_step
+        if done <= 0 or step >= self.total_steps:
+            return None
+        return _format_duration((now - self.first_time) / done * (self.total_steps - step))
+
+    def format(self, step: int, metrics: dict) -> str:
+        """The status text for `step`."""
+        eta = self.eta(step)
         parts = [f"step {step}/{self.total_steps}"]
         loss = metrics.get("loss/total", metrics.get("loss/ce"))
         if loss is not None and math.isfinite(float(loss)):
@@ -261,9 +269,8 @@ class ProgressLine:
         wait, step_time = metrics.get("speed/teacher_wait_s"), metrics.get("speed/step_time_s")
         if wait is not None and step_time:
             parts.append(f"teacher wait {100.0 * float(wait) / float(step_time):.0f}%")
-        done = step - self.first_step
-        if done > 0 and step < self.total_steps:
-            parts.append(f"ETA {_format_duration((now - self.first_time) / done * (self.total_steps - step))}")
+        if eta is not None:
+            parts.append(f"ETA {eta}")
         return " | ".join(parts)
 
     def update(self, step: int, metrics: dict) -> None:
@@ -276,6 +283,13 @@ class ProgressLine:
             self.line_open = True
         else:
             logger.info(line)
+
+    def clear(self) -> None:
+        """Erase the in-place line so a log record can be printed; the next update() redraws it."""
+        if self.line_open:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.line_open = False
 
     def close(self) -> None:
         """End the in-place line so later output starts on a fresh line."""

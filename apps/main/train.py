@@ -106,6 +106,7 @@ def distillation_process(args: TrainArgs, topo: Topology, phases: PhaseLog, pree
 class TrainState:
     step: int = 0
     tokens: int = 0  # tokens trained on, summed over students
+    warned_teacher_bound: bool = False  # this launch only (not in state_dict)
 
     def state_dict(self) -> dict:
         return dict(step=self.step, tokens=self.tokens)
@@ -188,8 +189,8 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
     probe = ActivationProbe(model, str(dump_dir), topo.global_rank, topo.is_train_master, group) if args.probe_freq else None
     metric_logger = MetricLogger(str(dump_dir / "metrics.jsonl"), args.logging.wandb, to_dict(args), str(dump_dir)) \
         if topo.is_train_master else None
-    # On a terminal a live progress line; otherwise the per-step log lines are the progress.
-    progress = ProgressLine(args.steps) if topo.is_train_master and sys.stderr.isatty() else None
+    # Rank 0's progress: a live line on a terminal; otherwise its ETA joins the per-step log lines.
+    progress = ProgressLine(args.steps) if topo.is_train_master else None
     memory = MemoryMonitor(device)
     timer = StepTimer()
     hang_watch = HangWatch()
@@ -383,12 +384,15 @@ def log_step(args, topo, state, metrics, timer, step_time, grad_norm, scheduler,
                + f" lr {row['optim/lr']:.2e} gnorm {grad_norm:.3f} {tokens_per_s:,.0f} tok/s"
                + (f" teacher wait {100 * wait_share:.0f}%" if teacher is not None else "")
                + f" slowest r{row['stragglers/step_slowest_rank']} {row['stragglers/step_max_s']:.2f}s")
-    logger.info(message)
-    if teacher is not None and wait_share > 0.3:
+    eta = progress.eta(state.step) if progress is not None else None
+    progress.clear() if progress is not None else None  # a log line must not land inside the live line
+    logger.info(message + (f" eta {eta}" if eta else ""))
+    if teacher is not None and wait_share > 0.3 and not state.warned_teacher_bound:
+        state.warned_teacher_bound = True  # once per launch: the progress line keeps showing the share
         logger.warning(f"students spend {100 * wait_share:.0f}% of the step waiting on the teacher: the teacher is "
                        f"the bottleneck (add teacher ranks or use a smaller teacher)")
     metric_logger.log(row)
-    if progress is not None:
+    if progress is not None and progress.is_tty:
         progress.update(state.step, row)
 
 

@@ -12,11 +12,14 @@ from tests.dist.test_train import assert_ok, signal_ranks
 
 
 @pytest.mark.timeout(150)
-def test_sigusr2_to_a_student_and_the_teacher_seconds_apart(corpus, tiny_teacher, tmp_path):
+def test_sigusr2_to_the_teacher_then_a_student_half_a_second_later(corpus, tiny_teacher, tmp_path):
     dump = tmp_path / "run"
+    delivered: list[int] = []
+    # The teacher first; the student 0.5 s later, usually while the ranks are agreeing or saving.
     result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=100000), timeout=120,
-                      signal_plan=signal_ranks(dump, [(2, 0.0), (1, 2.0)]))
+                      signal_plan=signal_ranks(dump, [(2, 0.0), (1, 0.5)], delivered=delivered))
     assert_ok(result)
+    assert delivered[0] == 2
     saved = [p for p in (dump / "checkpoints").iterdir() if not p.name.endswith(".tmp")]
     assert len(saved) == 1 and int(saved[0].name) == max(train_rows(dump))
     assert "run preempted" in result.stdout and "STOP received" in result.stdout

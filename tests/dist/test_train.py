@@ -131,13 +131,26 @@ def wait_for_step(dump: Path, step: int, timeout: float = 90) -> None:
     raise AssertionError(f"step {step} never logged")
 
 
-def signal_ranks(dump: Path, ranks_and_delays: list[tuple[int, float]], after_step: int = 3):
-    """A signal_plan for torchrun(): SIGUSR2 to each rank, after `after_step` and a delay."""
+def signal_ranks(dump: Path, ranks_and_delays: list[tuple[int, float]], after_step: int = 3,
+                 delivered: list[int] | None = None):
+    """A signal_plan for torchrun(): SIGUSR2 to each rank, after `after_step` and a delay.
+
+    The first signal must reach a live rank. A later one may find its rank already gone (the
+    agreed stop, save and exit can all fit in the delay); it is then skipped. The ranks that got
+    a signal are appended to `delivered`.
+    """
     def plan(proc):
         wait_for_step(dump, after_step)
-        for rank, delay in ranks_and_delays:
+        for i, (rank, delay) in enumerate(ranks_and_delays):
             time.sleep(delay)
-            os.kill(_rank_pid(dump, rank), signal.SIGUSR2)
+            try:
+                os.kill(_rank_pid(dump, rank), signal.SIGUSR2)
+            except ProcessLookupError:
+                if i == 0:
+                    raise
+                continue
+            if delivered is not None:
+                delivered.append(rank)
     return plan
 
 

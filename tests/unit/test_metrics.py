@@ -91,3 +91,19 @@ def test_progress_line_tty_rewrites_one_line():
     text = stream.getvalue()
     assert text.count("\r") == 2 and text.endswith("\n") and text.count("\n") == 1
     assert "step 2/5 | loss 0.500" in text
+
+
+def test_progress_line_clear_erases_the_live_line_and_eta_needs_two_steps():
+    class FakeTTY(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = FakeTTY()
+    progress = ProgressLine(total_steps=10, stream=stream)
+    assert progress.eta(2) is None  # one step seen: no pace yet
+    progress.update(4, {"loss/ce": 1.0})
+    progress.clear()
+    assert stream.getvalue().endswith("\r\x1b[K") and not progress.line_open
+    progress.close()
+    assert not stream.getvalue().endswith("\n")  # nothing open to end after clear()
+    assert progress.eta(10) is None  # the last step has nothing left

@@ -49,10 +49,10 @@ print(json.dumps({
 """
 
 
-@pytest.fixture(scope="module")
-def converted_teacher(tmp_path_factory) -> Path:
-    """The converted checkpoint, built once for this module (about 30 s on 2 CPU cores)."""
-    return prepare_smollm2(tmp_path_factory.mktemp("teachers") / "smollm2-135m-instruct")
+@pytest.fixture
+def converted_teacher(smollm2_teacher) -> Path:
+    """The converted checkpoint (tests/conftest.py builds it once per session, about 30 s)."""
+    return smollm2_teacher
 
 
 @pytest.mark.timeout(180)
