@@ -3,10 +3,11 @@
 Protocol (everything on `topo.bridge_group`: teacher i + its contiguous block of students):
 
 1. Handshake: one all_gather of a fixed-size record from every bridge member. The teacher's says
-   ok/error (with the load error's text), its vocab, max positions, tokenizer fingerprint; each
-   student's says its vocab, tokenizer fingerprint and the largest batch it will send. Every rank
-   checks every record the same way, so a bad teacher path or a vocab mismatch raises the same
-   sentence on every rank within seconds, never a watchdog timeout.
+   ok/error (with the load error's text), its vocab, max positions, tokenizer fingerprint and the
+   output format (format, k) it will serve; each student's says its vocab, tokenizer fingerprint
+   and the largest batch it will send. Every rank checks every record the same way, then one
+   all_gather over the world shares each rank's verdict, so a bad teacher path (in any bridge) or
+   a vocab mismatch raises the same sentence on every rank within seconds, never a watchdog timeout.
 2. Request, once per micro-batch: each student gathers one int32 buffer onto the teacher: a header
    (op, step, micro_step, bsz, seqlen) then its tokens, padded to the largest shape announced at
    the handshake. The teacher checks the headers agree, runs one forward over all rows, and
@@ -145,6 +146,27 @@ class BridgeSpec:
         return HEADER_INTS + self.max_bsz * self.max_seqlen
 
 
+def agreed_handshake(topo: Topology, my_record: torch.Tensor, args: DistillationArgs) -> BridgeSpec:
+    """Handshake on my bridge, then every rank's verdict over the world: a failure in one bridge
+    (teacher 1 could not load) stops the ranks of every bridge with its sentence, not only its own."""
+    try:
+        spec, error = _check_handshake(topo, _handshake(topo, my_record), args), None
+    except (TeacherError, ValueError) as err:
+        spec, error = None, err
+    verdicts: list[Optional[str]] = [None] * topo.world_size
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    log_collective("all_gather_object handshake verdicts", dist.group.WORLD)
+    dist.all_gather_object(verdicts, mine, group=dist.group.WORLD)
+    if error is not None:
+        raise error
+    # A teacher's verdict first: it is the root cause the students of its bridge only repeat.
+    failed = sorted((rank not in topo.teacher_ranks, rank, verdict) for rank, verdict in enumerate(verdicts) if verdict)
+    if failed:
+        _, rank, verdict = failed[0]
+        raise TeacherError(f"the handshake failed in another bridge (rank {rank}): {verdict}")
+    return spec
+
+
 def _handshake(topo: Topology, my_record: torch.Tensor) -> list[tuple[list[int], str]]:
     """All-gather every bridge member's record; returns them in bridge-group rank order."""
     records = [torch.empty_like(my_record) for _ in range(dist.get_world_size(topo.bridge_group))]
@@ -157,9 +179,15 @@ def _check_handshake(topo: Topology, records, args: DistillationArgs) -> BridgeS
     """The same checks on every bridge member, so every rank raises the same sentence."""
     bridge_ranks = dist.get_process_group_ranks(topo.bridge_group)
     teacher_index = bridge_ranks.index(topo.my_teacher)
-    (_, t_status, t_vocab, t_fingerprint, t_max_pos, *_), t_message = records[teacher_index]
+    (_, t_status, t_vocab, t_fingerprint, t_max_pos, _, _, _, t_output, t_k, *_), t_message = records[teacher_index]
     if t_status != 0:
         raise TeacherError(f"Teacher rank {topo.my_teacher} failed to load: {t_message}")
+    if (FORMATS[t_output], t_k) != (args.output, args.k):
+        raise ValueError(
+            f"Teacher rank {topo.my_teacher} serves distillation.output={FORMATS[t_output]} k={t_k} but rank "
+            f"{topo.global_rank}'s config asks for output={args.output} k={args.k}; give every rank the same "
+            f"distillation.output and distillation.k."
+        )
     max_bsz = max_seqlen = 0
     for rank, ((kind, _, s_vocab, s_fingerprint, _, s_bsz, s_seqlen, *_), _) in zip(bridge_ranks, records):
         if rank == topo.my_teacher:
@@ -178,7 +206,7 @@ def _check_handshake(topo: Topology, records, args: DistillationArgs) -> BridgeS
         )
     # Students' logits cover their tokenizer's vocab; teacher rows beyond it are padding and are cut.
     student_vocab = next(r[0][2] for rank, r in zip(bridge_ranks, records) if rank != topo.my_teacher)
-    return BridgeSpec(max_bsz, max_seqlen, student_vocab, args.output, args.k, WIRE_DTYPES[args.wire_dtype])
+    return BridgeSpec(max_bsz, max_seqlen, student_vocab, FORMATS[t_output], t_k, WIRE_DTYPES[args.wire_dtype])
 
 
 # ---------------------------------------------------------------- student side
@@ -212,7 +240,7 @@ class TeacherClient:
         self.args, self.topo = args, topo
         self.teacher_rank = topo.my_teacher
         record = _pack_record([2, 0, n_words, tokenizer_fingerprint(vocab), 0, max_bsz, max_seqlen, topo.global_rank])
-        self.spec = _check_handshake(topo, _handshake(topo, record), args)
+        self.spec = agreed_handshake(topo, record, args)
         self.n_words = n_words
         self.total_wait_s = 0.0
         self.first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done)
@@ -320,13 +348,16 @@ def load_teacher(args: DistillationArgs, device: torch.device):
 class TeacherServer:
     """Teacher side: load, handshake, then answer requests until every student sent STOP."""
 
-    def __init__(self, args: DistillationArgs, topo: Topology, preemption: Optional[PreemptionFlag] = None):
+    def __init__(self, args: DistillationArgs, topo: Topology, preemption: Optional[PreemptionFlag] = None,
+                 inject_load_failure: bool = False):
         assert topo.is_teacher
         self.args, self.topo = args, topo
         self.model = None
         status, message, vocab, fingerprint, max_pos = 0, "", 0, 0, 0
         start = time.perf_counter()
         try:
+            if inject_load_failure:
+                raise RuntimeError("injected teacher load failure (inject_failure=teacher_load:...)")
             self.model, tokenizer = load_teacher(args, topo.device)
             vocab = int(self.model.get_output_embeddings().weight.shape[0])
             fingerprint = tokenizer_fingerprint(tokenizer.get_vocab())
@@ -336,8 +367,9 @@ class TeacherServer:
         except Exception as err:  # every rank must hear about it, not only this one
             status, message = 1, f"{type(err).__name__}: {err}"
             logger.error(f"teacher failed to load: {message}")
-        record = _pack_record([1, status, vocab, fingerprint, max_pos, 0, 0, topo.global_rank], message)
-        self.spec = _check_handshake(topo, _handshake(topo, record), args)
+        record = _pack_record([1, status, vocab, fingerprint, max_pos, 0, 0, topo.global_rank,
+                               FORMATS.index(args.output), args.k], message)
+        self.spec = agreed_handshake(topo, record, args)
         self.bridge_ranks = dist.get_process_group_ranks(topo.bridge_group)
         self.generator = torch.Generator(device=topo.device).manual_seed(args.seed + topo.global_rank)
         self.busy_s = self.idle_s = 0.0

@@ -61,7 +61,8 @@ class TrainArgs:
     probe_freq: Optional[int] = None
     enable_distillation: bool = False
     exit_after_steps: Optional[int] = None  # stop (with a checkpoint) after this many steps of this launch
-    # Exercises failure paths in tests: "<train_rank>@<step>" makes that student raise during that step.
+    # Exercises failure paths in tests: "raise:<train_rank>@<step>" (that student raises during that step),
+    # "nan:<train_rank>@<step>" (its loss is not finite), "teacher_load:<teacher_index>" (that teacher fails to load).
     inject_failure: Optional[str] = None
 
     data: DataArgs = field(default_factory=DataArgs)
@@ -75,8 +76,29 @@ class TrainArgs:
     eval: EvalArgs = field(default_factory=EvalArgs)
 
 
+@dataclass(frozen=True)
+class InjectedFailure:
+    kind: str  # "raise" | "nan" | "teacher_load"
+    rank: int  # train rank, or the teacher's index among teachers for teacher_load
+    step: int  # 0 for teacher_load
+
+
+def parse_injected_failure(spec: Optional[str]) -> Optional[InjectedFailure]:
+    if not spec:
+        return None
+    kind, _, where = spec.rpartition(":") if ":" in spec else ("raise", "", spec)
+    rank, _, step = where.partition("@")
+    valid = kind in ("raise", "nan") and rank.isdigit() and step.isdigit() or \
+        kind == "teacher_load" and rank.isdigit() and not step
+    if not valid:
+        raise ValueError(f"inject_failure={spec!r}; use raise:<train_rank>@<step>, nan:<train_rank>@<step> "
+                         f"or teacher_load:<teacher_index>.")
+    return InjectedFailure(kind, int(rank), int(step or 0))
+
+
 def validate_args(args: TrainArgs) -> None:
     """Config errors a user can make, raised before any process group exists."""
+    parse_injected_failure(args.inject_failure)
     if args.steps < 1 or args.grad_acc_steps < 1:
         raise ValueError(f"steps={args.steps} and grad_acc_steps={args.grad_acc_steps} must be >= 1.")
     if not args.dump_dir:
@@ -93,8 +115,11 @@ def n_teacher_ranks(args: TrainArgs) -> int:
 
 def distillation_process(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: PreemptionFlag) -> None:
     """Teacher rank: load the HF model, handshake with its students, serve until STOP."""
+    injected = parse_injected_failure(args.inject_failure)
+    fail_load = injected is not None and injected.kind == "teacher_load" and \
+        topo.teacher_ranks.index(topo.global_rank) == injected.rank
     with phases.span("teacher_load"):
-        server = TeacherServer(args.distillation, topo, preemption)
+        server = TeacherServer(args.distillation, topo, preemption, inject_load_failure=fail_load)
     if topo.distributed:
         set_collective_timeout(topo, args.distributed.train_timeout_s)
     server.serve()
@@ -194,7 +219,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
     memory = MemoryMonitor(device)
     timer = StepTimer()
     hang_watch = HangWatch()
-    failure_rank, failure_step = map(int, args.inject_failure.split("@")) if args.inject_failure else (-1, -1)
+    injected = parse_injected_failure(args.inject_failure)
     flops_per_token = get_num_flop_per_token(n_params - args.model.vocab_size * args.model.dim,
                                              args.model.n_layers, args.model.dim, args.data.seq_len)
     first_step_of_launch = state.step
@@ -215,8 +240,9 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
                 state.step += 1
                 first_step = state.step == first_step_of_launch + 1
                 hang_watch.arm(args.distributed.init_timeout_s if first_step else args.distributed.train_timeout_s)
-                if (topo.train_rank, state.step) == (failure_rank, failure_step):
-                    raise RuntimeError(f"injected failure on train rank {failure_rank} at step {failure_step}")
+                injected_now = injected is not None and (injected.rank, injected.step) == (topo.train_rank, state.step)
+                if injected_now and injected.kind == "raise":
+                    raise RuntimeError(f"injected failure on train rank {injected.rank} at step {injected.step}")
                 span = phases.span("first_step") if first_step else contextlib.nullcontext()
                 with span:
                     with timer.part("data"):
@@ -238,6 +264,8 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
 
                 # The one agreed control point of the step: stop, save and fail are decided together.
                 preempt = preemption.requested or (teacher is not None and teacher.teacher_preempt)
+                if injected_now and injected.kind == "nan":
+                    metrics["loss/total"] = float("nan")
                 flags = agree_flags(dict(preempt=preempt, nonfinite=not math.isfinite(metrics["loss/total"])), group, device)
                 if first_step and topo.distributed:
                     torch.distributed.barrier(group=group)

@@ -30,7 +30,7 @@ def test_sigusr2_to_the_teacher_then_a_student_seconds_apart(corpus, tiny_teache
 @pytest.mark.timeout(90)
 def test_student_raising_mid_step_ends_the_job_fast(corpus, tiny_teacher, tmp_path):
     start = time.time()
-    result = torchrun(3, distill_overrides(corpus, tiny_teacher, tmp_path / "run", steps=50, inject_failure="1@3"),
+    result = torchrun(3, distill_overrides(corpus, tiny_teacher, tmp_path / "run", steps=50, inject_failure="raise:1@3"),
                       timeout=75)
     elapsed = time.time() - start
     assert result.returncode != 0

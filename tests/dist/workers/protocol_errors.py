@@ -1,0 +1,56 @@
+"""Protocol errors between 2 students and 1 teacher end in a sentence on every rank, never a hang.
+
+Run: torchrun --nproc-per-node 3 -m tests.dist.workers.protocol_errors <teacher_dir> <mode>
+  format:      the teacher serves k=5, the students' config asks for k=6 -> the handshake fails everywhere
+  headers:     the students announce different steps -> the teacher's header check names both ranks
+  token_range: a student's token id beyond the vocab is refused before it is sent; training goes on
+Each rank prints "FAILED: <error>" or "<MODE> OK" and exits 0, so the test reads every rank's words.
+"""
+
+import sys
+
+import torch
+
+from lingua.distillation import DistillationArgs, TeacherClient, TeacherServer, load_teacher
+from lingua.distributed import DistributedArgs, clean_up, setup_torch_distributed
+from lingua.logger import init_logger
+
+
+def run(teacher_dir: str, mode: str, topo) -> None:
+    k = 6 if mode == "format" and topo.is_student else 5
+    args = DistillationArgs(teacher_path=teacher_dir, k=k, teacher_dtype="fp32")
+    if topo.is_teacher:
+        TeacherServer(args, topo).serve()
+        return
+    _, tokenizer = load_teacher(args, topo.device)
+    client = TeacherClient(args, topo, tokenizer.get_vocab(), len(tokenizer), max_bsz=2, max_seqlen=8)
+    tokens = torch.randint(0, len(tokenizer), (2, 8), generator=torch.Generator().manual_seed(topo.train_rank))
+    if mode == "headers":
+        client.submit(tokens, step=1 + topo.train_rank, micro_step=0).wait()
+    elif mode == "token_range":
+        if topo.train_rank == 0:
+            bad = tokens.clone()
+            bad[0, 3] = len(tokenizer)
+            try:
+                client.submit(bad, step=1, micro_step=0)
+                raise AssertionError("an out-of-range token id was sent to the teacher")
+            except ValueError as err:
+                print(f"REFUSED: {err}", flush=True)
+        client.submit(tokens, step=1, micro_step=0).wait()
+    client.stop(step=2)
+
+
+def main(teacher_dir: str, mode: str) -> None:
+    topo = setup_torch_distributed(DistributedArgs(init_timeout_s=60), n_teachers=1)
+    init_logger(topo.global_rank, topo.role)
+    try:
+        run(teacher_dir, mode, topo)
+        print(f"{mode.upper()} OK rank {topo.global_rank}", flush=True)
+    except Exception as err:  # the test reads each rank's sentence
+        print(f"FAILED rank {topo.global_rank}: {type(err).__name__}: {err}", flush=True)
+    finally:
+        clean_up()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
