@@ -38,6 +38,10 @@ UNLIMITED = "UNLIMITED"
 SUBMITIT_UNLIMITED_MIN = 365 * 24 * 60  # submitit needs a number even when the partition has no limit
 
 
+# Scripts whose config has `preemption_grace_s` (stool fills it from signal_grace_s).
+GRACE_AWARE_SCRIPTS = ("apps.main.train",)
+
+
 @dataclass
 class StoolArgs:
     script: str = "apps.main.train"  # module run with `python -m` on every rank
@@ -57,7 +61,7 @@ class StoolArgs:
     job_name: str = ""  # "" = the config's name, else the dump dir's name
     sbatch_extra: list[str] = field(default_factory=list)  # extra sbatch options, e.g. "--mail-type=END"
     exports: dict[str, str] = field(default_factory=dict)  # environment variables for every rank
-    signal_grace_s: int = 120  # USR2 this long before the time limit: one step plus a checkpoint
+    signal_grace_s: int = 120  # USR2 this long before the kill: one step plus a checkpoint (the trainer checks)
     dump_dir: str = ""  # "" = the training config's dump_dir
     env_activate: str = ""  # shell line run first; "" = activate this interpreter's venv/conda env; "none"
     python: str = ""  # "" = this interpreter
@@ -65,6 +69,9 @@ class StoolArgs:
     dry_run: bool = False  # write everything, print the script, submit nothing
     force: bool = False  # reuse an existing dump dir without asking
     torchrun_per_node: bool = False  # one srun task per node running torchrun, instead of one per rank
+    # submitit only: requeues after hitting the time limit (submitit's default of 3 would end a long run;
+    # the sbatch path requeues on every USR2). Preemptions by other jobs are never counted.
+    max_timeout_requeues: int = 100
     overrides: list[str] = field(default_factory=list)  # training overrides, same as after `--`
 
 
@@ -346,8 +353,8 @@ def env_lines(args: StoolArgs, code_dir: Path) -> list[str]:
     lines = [args.env_activate] if args.env_activate else []
     lines += [
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
-        "# A port derived from the job id: two jobs sharing a node do not collide; a requeue reuses it.",
-        "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+        "# Port from the job id, below the ephemeral range (32768+): jobs on a node differ; a requeue reuses it.",
+        "export MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))",
         f"export OMP_NUM_THREADS={args.ncpu}",
         f'export PYTHONPATH={shlex.quote(str(code_dir))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
     ]
@@ -468,7 +475,8 @@ def submitit_executor(args: StoolArgs, dump_dir: Path, layout: TeacherLayout, ti
         key, _, value = extra.removeprefix("#SBATCH").strip().removeprefix("--").partition("=")
         additional[key] = value if value else True
     executor = submitit.AutoExecutor(folder=str(dump_dir / "submitit"), cluster="slurm",
-                                     slurm_python=shlex.quote(args.python))
+                                     slurm_python=shlex.quote(args.python),
+                                     slurm_max_num_timeout=args.max_timeout_requeues)
     params = dict(
         name=job_name, nodes=args.nodes, tasks_per_node=args.ntasks_per_node, cpus_per_task=args.ncpu,
         timeout_min=SUBMITIT_UNLIMITED_MIN if time_limit == UNLIMITED else int(time_limit),
@@ -513,6 +521,8 @@ def launch(args: StoolArgs, input_fn: Callable[[str], str] = input, interactive:
     layout, placement = teacher_layout(cfg, args.nodes, args.ntasks_per_node)
     if placement is not None:
         OmegaConf.update(cfg, "distributed.teacher_placement", placement, force_add=True)
+    if args.script in GRACE_AWARE_SCRIPTS:  # the trainer warns if a step plus a save outlast the grace
+        OmegaConf.update(cfg, "preemption_grace_s", args.signal_grace_s, force_add=True)
     job_name = args.job_name or str(cfg.get("name") or dump_dir.name)
     time_limit = resolve_time(args, time_query)
     confirm_reuse(dump_dir, args.force, input_fn, interactive)

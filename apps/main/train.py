@@ -61,6 +61,9 @@ class TrainArgs:
     probe_freq: Optional[int] = None
     enable_distillation: bool = False
     exit_after_steps: Optional[int] = None  # stop (with a checkpoint) after this many steps of this launch
+    # Seconds between SLURM's USR2 and the kill (stool writes its signal_grace_s here); the trainer
+    # warns when one step plus a checkpoint take longer than that. 0 = unknown, no check.
+    preemption_grace_s: float = 0.0
     # Exercises failure paths in tests: "raise:<train_rank>@<step>" (that student raises during that step),
     # "nan:<train_rank>@<step>" (its loss is not finite), "teacher_load:<teacher_index>" (that teacher fails to load).
     inject_failure: Optional[str] = None
@@ -132,6 +135,7 @@ class TrainState:
     step: int = 0
     tokens: int = 0  # tokens trained on, summed over students
     warned_teacher_bound: bool = False  # this launch only (not in state_dict)
+    warned_grace: bool = False  # this launch only
 
     def state_dict(self) -> dict:
         return dict(step=self.step, tokens=self.tokens)
@@ -286,6 +290,8 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
                     if args.checkpoint.eval.every and state.step % args.checkpoint.eval.every == 0:
                         save(kind="eval")
 
+                if timer.seconds["checkpoint"] > 0 and topo.is_train_master:
+                    check_preemption_grace(args, state, time.perf_counter() - step_start, timer.seconds["checkpoint"])
                 if state.step % args.logging.freq == 0 or state.step == args.steps or stop_now:
                     log_step(args, topo, state, metrics, timer, time.perf_counter() - step_start, float(grad_norm),
                              scheduler, memory, flops_per_token, metric_logger, progress, teacher)
@@ -307,6 +313,17 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             metric_logger.close()
     if topo.is_train_master:
         print_summary(args, state, ended, dump_dir, teacher)
+
+
+def check_preemption_grace(args: TrainArgs, state: TrainState, step_s: float, save_s: float) -> None:
+    """A signal can land at the start of a step: the job needs a whole step plus a save before the kill."""
+    if args.preemption_grace_s <= 0 or state.warned_grace or step_s <= args.preemption_grace_s:
+        return
+    state.warned_grace = True
+    logger.warning(
+        f"step {state.step} with its checkpoint took {step_s:.1f}s ({save_s:.1f}s saving), more than the "
+        f"{args.preemption_grace_s:.0f}s between SLURM's USR2 and the kill (preemption_grace_s): a preempted job "
+        f"could be killed before its save completes. Resubmit with a larger stool signal_grace_s.")
 
 
 def train_step(args: TrainArgs, model, teacher: Optional[TeacherClient], micro_batches, step: int,

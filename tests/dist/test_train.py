@@ -173,12 +173,17 @@ def test_single_process_without_torchrun(corpus, tmp_path):
     import sys
 
     dump = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "apps.main.train", *base_overrides(corpus, dump, steps=2)],
+    # A grace shorter than a step plus a save (as stool writes it) gets one warning at the first save.
+    overrides = base_overrides(corpus, dump, steps=3, preemption_grace_s=0.001, **{"checkpoint.dump.every": 1})
+    result = subprocess.run([sys.executable, "-m", "apps.main.train", *overrides],
                             cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=100,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert sorted(train_rows(dump)) == [1, 2]
-    assert (dump / "checkpoints" / f"{2:010d}").is_dir()
+    assert sorted(train_rows(dump)) == [1, 2, 3]
+    assert (dump / "checkpoints" / f"{3:010d}").is_dir()
+    output = result.stdout + result.stderr
+    assert output.count("between SLURM's USR2 and the kill (preemption_grace_s)") == 1, output[-3000:]
+    assert "step 1 with its checkpoint took" in output
 
 
 @pytest.mark.timeout(420)

@@ -158,9 +158,10 @@ def kd_inputs(tmp_path_factory, trainer_ready):
     return corpus, teacher
 
 
-def distill_argv(launcher: str, partition: str, dump_dir: Path, corpus: Path, teacher: Path, steps: int) -> list[str]:
+def distill_argv(launcher: str, partition: str, dump_dir: Path, corpus: Path, teacher: Path, steps: int,
+                 **extra) -> list[str]:
     """stool options for 2 students + 1 teacher on CPU, then training overrides after `--`."""
-    overrides = {
+    overrides = {**extra,
         "steps": steps, "data.root_dir": corpus, "distillation.teacher_path": teacher,
         "data.tokenizer.path": teacher, "data.batch_size": 2, "data.seq_len": 32, "data.load_async": "false",
         "model.dim": 32, "model.max_seqlen": 32, "distillation.k": 8, "logging.freq": 1,
@@ -177,19 +178,35 @@ def train_rows(dump_dir: Path) -> list[dict]:
     return [r for r in read_rows(dump_dir) if "loss/ce" in r]
 
 
-@pytest.mark.timeout(900)
-def test_distill_job_trains_and_checkpoints(slurm_cluster, jobs, tmp_path, kd_inputs):
+@pytest.mark.timeout(1200)
+def test_distill_job_trains_checkpoints_and_relaunches_by_hand(slurm_cluster, jobs, tmp_path, kd_inputs):
+    """A job that stops at step 3 of 6 (as a crash after a save would) goes on with `sbatch submit.slurm`."""
     dump_dir = tmp_path / "dump"
-    job_id = run_stool(distill_argv("sbatch", slurm_cluster, dump_dir, *kd_inputs, steps=6), jobs)
-    info = wait_for_job_end(job_id, 780, lambda: describe_dump(dump_dir))
+    job_id = run_stool(distill_argv("sbatch", slurm_cluster, dump_dir, *kd_inputs, steps=6, exit_after_steps=3), jobs)
+    info = wait_for_job_end(job_id, 540, lambda: describe_dump(dump_dir))
     logs = describe_dump(dump_dir)
     assert info.get("JobState") == "COMPLETED", f"{info}\n{logs}"
     rows = train_rows(dump_dir)
-    assert [r["step"] for r in rows] == list(range(1, 7)), logs
+    assert [r["step"] for r in rows] == [1, 2, 3], logs
     assert all(r["loss/kd"] >= 0 and r["loss/ce"] > 0 for r in rows)
-    assert checkpoint_steps(dump_dir) == [6]
-    assert (dump_dir / "checkpoints" / f"{6:010d}" / "params.json").exists()
+    assert checkpoint_steps(dump_dir) == [3]
     assert sorted(p.name for p in (dump_dir / "logs" / job_id).iterdir()) == [f"{job_id}_{r}.log" for r in range(3)]
+    teacher_log = dump_dir / "logs" / "rank_2.log"
+    assert teacher_log.read_text().count("STOP received") == 1, logs  # the students stopped the teacher
+
+    relaunch = subprocess.run(["sbatch", "--parsable", str(dump_dir / "submit.slurm")], capture_output=True, text=True,
+                              timeout=60)
+    assert relaunch.returncode == 0, relaunch.stderr
+    second = relaunch.stdout.strip().split(";")[0]
+    jobs.append(second)
+    info = wait_for_job_end(second, 540, lambda: describe_dump(dump_dir))
+    logs = describe_dump(dump_dir)
+    assert info.get("JobState") == "COMPLETED", f"{info}\n{logs}"
+    assert [r["step"] for r in train_rows(dump_dir)] == list(range(1, 7)), logs
+    assert 6 in checkpoint_steps(dump_dir)
+    assert (dump_dir / "checkpoints" / f"{6:010d}" / "params.json").exists()
+    assert "resumed from step 3" in (dump_dir / "logs" / "rank_0.log").read_text()
+    assert teacher_log.read_text().count("STOP received") == 2, logs
 
 
 @pytest.mark.timeout(1200)
@@ -209,3 +226,5 @@ def test_distill_job_preempted_requeued_resumes(slurm_cluster, jobs, tmp_path, k
     assert [r["step"] for r in train_rows(dump_dir)] == list(range(1, steps + 1)), logs
     rank_logs = [p.read_text() for p in (dump_dir / "logs").glob("rank_*.log")]
     assert sum(f"resumed from step {saved[0]}" in text for text in rank_logs) == 2, logs  # both students
+    # The teacher was told to stop before the requeue, and again at the end.
+    assert (dump_dir / "logs" / "rank_2.log").read_text().count("STOP received") == 2, logs

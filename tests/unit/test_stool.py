@@ -131,7 +131,7 @@ def test_environment_lines(tmp_path, monkeypatch):
     lines = script.splitlines()
     start = lines.index("source /env/bin/activate")
     assert lines[start + 1] == 'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"'
-    assert "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))" in lines
+    assert "export MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))" in lines
     assert "export NCCL_DEBUG=INFO" in lines and "export NOTE='two words'" in lines
     assert lines.index("export NOTE='two words'") < lines.index(f"cd {dump}/code")
     assert sbatch_lines(script)[-2:] == ["#SBATCH --mail-type=END", "#SBATCH --comment=kd"]
@@ -151,7 +151,7 @@ def test_environment_is_set_when_the_script_runs(tmp_path, monkeypatch):
     result = subprocess.run(["bash", str(probe)], capture_output=True, text=True,
                             env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "123456",
                                  "SLURM_JOB_NODELIST": "node[7-8]"})
-    assert result.stdout.split() == ["node7", str(20000 + 123456 % 20000), "8", "two", "words"], result.stderr
+    assert result.stdout.split() == ["node7", str(10000 + 123456 % 20000), "8", "two", "words"], result.stderr
 
 
 def test_torchrun_per_node(tmp_path, monkeypatch):
@@ -178,6 +178,15 @@ def test_dry_run_writes_the_dump_dir(tmp_path, monkeypatch):
     config = yaml.safe_load((dump / "config.yaml").read_text())
     assert config["steps"] == 77 and config["optim"]["lr"] == 0.01 and config["dump_dir"] == str(dump)
     assert yaml.safe_load((dump / "stool.yaml").read_text())["overrides"] == ["steps=77", "optim.lr=0.01"]
+    # The trainer learns the USR2 grace, to warn when a step plus a save would outlast it.
+    assert config["preemption_grace_s"] == 120 and "--signal=USR2@120" in (dump / "submit.slurm").read_text()
+
+
+def test_grace_goes_only_to_the_trainer(tmp_path, monkeypatch):
+    dump, _ = dry_run(tmp_path, monkeypatch, ngpus=1, signal_grace_s=300)
+    assert yaml.safe_load((dump / "config.yaml").read_text())["preemption_grace_s"] == 300
+    dump, _ = dry_run(tmp_path, monkeypatch, ngpus=1, script="tests.slurm.fake_trainer")
+    assert "preemption_grace_s" not in yaml.safe_load((dump / "config.yaml").read_text())
 
 
 def test_submission_calls_sbatch_on_the_script(tmp_path, monkeypatch):
@@ -333,8 +342,35 @@ def test_submitit_executor_resources(tmp_path, monkeypatch):
                      "#SBATCH --cpus-per-task=6", "#SBATCH --mem=100G", "#SBATCH --partition=gpu",
                      "#SBATCH --qos=high", "#SBATCH --time=90", "#SBATCH --signal=USR2@120", "#SBATCH --requeue",
                      f"#SBATCH --chdir={tmp_path}/code", "#SBATCH --job-name=kd", "#SBATCH --mail-type=END",
-                     "#SBATCH --open-mode=append", "export NOTE='x y'", "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+                     "#SBATCH --open-mode=append", "export NOTE='x y'", "export MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))",
                      "# distillation: 2 teacher rank(s), placement per_node"]:
         assert expected in lines, expected
     assert "--kill-on-bad-exit=1 --distribution=block CMD" in text
+    assert executor._executor.max_num_timeout == 100  # not submitit's 3: a long run outlives many time limits
     bash_syntax_ok(text, tmp_path)
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("ngpus", [0, 4])
+@pytest.mark.parametrize("n_teachers", [0, 1])
+def test_every_combination_of_nodes_gpus_and_teachers(tmp_path, monkeypatch, nodes, ngpus, n_teachers):
+    """The full #SBATCH block, the srun line and the teacher layout for 1/2 nodes x CPU/GPU x KD on/off."""
+    tasks = ngpus or 3
+    options = dict(nodes=nodes, ngpus=ngpus, ncpu=2) if ngpus else dict(nodes=nodes, ngpus=0, ntasks_per_node=3, ncpu=2)
+    dump, script = dry_run(tmp_path, monkeypatch, n_teachers=n_teachers, **options)
+    gres = [f"#SBATCH --gres=gpu:{ngpus}"] if ngpus else []
+    assert sbatch_lines(script) == [
+        "#SBATCH --job-name=kd_run", f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks-per-node={tasks}", *gres,
+        "#SBATCH --cpus-per-task=2", "#SBATCH --time=60", *expected_tail(dump)]
+    world = nodes * tasks
+    assert srun_line(script) == (
+        f"srun --kill-on-bad-exit=1 --distribution=block --open-mode=append --output={dump}/logs/%j/%j_%t.log "
+        f"--ntasks={world} --ntasks-per-node={tasks} --cpus-per-task=2 /env/bin/python -u -m apps.main.train "
+        f"config={dump}/config.yaml")
+    if n_teachers:
+        last = world - 1
+        assert f"#   teacher: global rank {last} (node {last // tasks}, local rank {tasks - 1})" in script
+        assert f"#   students: global ranks 0-{last - 1}" in script
+    else:
+        assert "# distillation off: every rank is a student" in script
+    bash_syntax_ok(script, tmp_path)
