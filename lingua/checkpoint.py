@@ -38,6 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from lingua.distributed import log_collective
+
 logger = logging.getLogger(__name__)
 
 KINDS = ("dump", "eval")
@@ -142,7 +144,8 @@ class CheckpointManager:
     def is_master(self) -> bool:
         return self.train_rank == 0
 
-    def _barrier(self) -> None:
+    def _barrier(self, why: str) -> None:
+        log_collective(f"barrier checkpoint {why}", self.group)
         dist.barrier(group=self.group)
 
     def final_dir(self, step: int) -> Path:
@@ -164,7 +167,7 @@ class CheckpointManager:
             if self.is_master:
                 self._add_kind(final, kind)
                 self._apply_retention()
-            self._barrier()
+            self._barrier("re-save kind")
             return final
 
         tmp = final.with_name(final.name + ".tmp")
@@ -172,14 +175,15 @@ class CheckpointManager:
             self.root.mkdir(parents=True, exist_ok=True)
             self._remove_stale()
             tmp.mkdir()
-        self._barrier()  # nobody writes into tmp before rank 0 has cleaned up and created it
+        self._barrier("tmp dir")  # nobody writes into tmp before rank 0 has cleaned up and created it
 
         model_state, optim_state = get_state_dict(model, optimizer)
+        log_collective("dcp.save", self.group)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp), process_group=self.group)
         _write_json(tmp / train_state_name(self.train_rank), train_state)
         if self.is_master:
             _write_json(tmp / PARAMS, config)
-        self._barrier()  # every rank's shards and train state are on disk
+        self._barrier("shards written")  # every rank's shards and train state are on disk
 
         if self.is_master:
             kinds = {kind}
@@ -200,7 +204,7 @@ class CheckpointManager:
             _fsync_dir(self.root)
             self._apply_retention()
             logger.info(f"saved {kind} checkpoint of step {step} to {final} in {time.perf_counter() - start:.1f}s")
-        self._barrier()  # the checkpoint is in place for everyone before anyone moves on
+        self._barrier("rename")  # the checkpoint is in place for everyone before anyone moves on
         self._last_saved_step = step
         return final
 
@@ -267,6 +271,7 @@ class CheckpointManager:
         self._last_saved_step = None  # the weights now come from disk: a save of any step writes them out
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
+        log_collective("dcp.load", self.group)
         dcp.load(state, checkpoint_id=str(ckpt), process_group=self.group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         with open(ckpt / train_state_name(self.train_rank)) as f:
@@ -292,6 +297,7 @@ class CheckpointManager:
         """
         ckpt = self._resolve_init(path)
         state = {"model": get_model_state_dict(model)}
+        log_collective("dcp.load weights only", self.group)
         dcp.load(state, checkpoint_id=str(ckpt), process_group=self.group)
         set_model_state_dict(model, state["model"])
         logger.info(f"initialised model weights from {ckpt}")

@@ -21,6 +21,7 @@ Both collectives of a request are posted asynchronously (`submit`), so the teach
 while the student computes its own; `handle.wait()` returns the outputs.
 """
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -32,7 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lingua.distributed import PreemptionFlag, Topology, log_collective
+from lingua.distributed import HangWatch, PreemptionFlag, Topology, log_collective, set_collective_timeout
 from lingua.kd_loss import TeacherOutputs, sparsify_teacher_logits
 
 logger = logging.getLogger(__name__)
@@ -349,12 +350,12 @@ class TeacherServer:
     """Teacher side: load, handshake, then answer requests until every student sent STOP."""
 
     def __init__(self, args: DistillationArgs, topo: Topology, preemption: Optional[PreemptionFlag] = None,
-                 inject_load_failure: bool = False):
+                 inject_load_failure: bool = False, phases=None):
         assert topo.is_teacher
         self.args, self.topo = args, topo
         self.model = None
         status, message, vocab, fingerprint, max_pos = 0, "", 0, 0, 0
-        start = time.perf_counter()
+        start, start_wall = time.perf_counter(), time.time()
         try:
             if inject_load_failure:
                 raise RuntimeError("injected teacher load failure (inject_failure=teacher_load:...)")
@@ -367,9 +368,12 @@ class TeacherServer:
         except Exception as err:  # every rank must hear about it, not only this one
             status, message = 1, f"{type(err).__name__}: {err}"
             logger.error(f"teacher failed to load: {message}")
+        if phases is not None:
+            phases.record("teacher_load", start_wall, time.time())
         record = _pack_record([1, status, vocab, fingerprint, max_pos, 0, 0, topo.global_rank,
                                FORMATS.index(args.output), args.k], message)
-        self.spec = agreed_handshake(topo, record, args)
+        with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
+            self.spec = agreed_handshake(topo, record, args)
         self.bridge_ranks = dist.get_process_group_ranks(topo.bridge_group)
         self.generator = torch.Generator(device=topo.device).manual_seed(args.seed + topo.global_rank)
         self.busy_s = self.idle_s = 0.0
@@ -378,9 +382,17 @@ class TeacherServer:
         # students fold it into their agreed control bits.
         self.preemption = preemption or PreemptionFlag()
 
-    def serve(self) -> None:
-        """The loop. Returns after a STOP; raises (after telling the students) on any error."""
+    def serve(self, timeouts: Optional[tuple[float, float]] = None) -> None:
+        """The loop. Returns after a STOP; raises (after telling the students) on any error.
+
+        `timeouts` = (init, train) seconds: the first request is awaited under the generous one (the
+        students may still be loading checkpoints or compiling); once it is served the bridge has
+        met, and every group switches to the short one. Each wait arms a stack dump shortly before
+        the timeout in force, so a teacher stuck waiting says where.
+        """
         spec, group = self.spec, self.topo.bridge_group
+        hang_watch = HangWatch() if timeouts is not None else None
+        timeout_s = timeouts[0] if timeouts is not None else None
         n = len(self.bridge_ranks)
         mine = self.bridge_ranks.index(self.topo.global_rank)
         gather_list = [torch.empty(spec.request_ints(), dtype=torch.int32, device=self.topo.device) for _ in range(n)]
@@ -388,6 +400,8 @@ class TeacherServer:
         last_report = time.perf_counter()
         while True:
             wait_start = time.perf_counter()
+            if hang_watch is not None:
+                hang_watch.arm(timeout_s)
             log_collective("gather request (teacher)", group, request)
             dist.gather(request, gather_list, dst=self.topo.global_rank, group=group)
             work_start = time.perf_counter()
@@ -408,8 +422,14 @@ class TeacherServer:
             for i, buf in enumerate(responses):
                 buf[:RECORD_BYTES] = _pack_record([status, int(busy * 1e6), int(self.preemption.requested)], error or "")
             # The teacher's own slot is a throwaway; a separate buffer avoids aliasing the scatter input.
+            log_collective("scatter responses (teacher)", group, responses[mine])
             dist.scatter(torch.empty_like(responses[mine]), responses, src=self.topo.global_rank, group=group)
             self.requests += 1
+            if self.requests == 1 and timeouts is not None:
+                timeout_s = timeouts[1]
+                set_collective_timeout(self.topo, timeout_s)
+            if hang_watch is not None and (error is not None or ops == {OP_STOP}):
+                hang_watch.cancel()
             if error is not None:
                 raise TeacherError(error)
             if ops == {OP_STOP}:

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -76,6 +77,7 @@ class Topology:
     bridge_students: list[int] = field(default_factory=list)  # global ranks of my bridge's students
     mesh: Optional[DeviceMesh] = None
     group_names: dict = field(default_factory=dict)  # id(group) -> descriptive name, for logs
+    setup_spans: dict = field(default_factory=dict)  # startup phase -> (start, end) wall-clock, from setup
 
     @property
     def is_student(self) -> bool:
@@ -202,21 +204,29 @@ def split_roles(world_size: int, n_teachers: int, placement: str, local_world_si
     return students, teachers
 
 
-def choose_device(args: DistributedArgs, local_rank: int) -> tuple[torch.device, str]:
+def expected_cuda_index(local_rank: int, local_world_size: int, n_devices: int) -> int:
+    """The GPU a local rank should bind: its own index when it sees the node's GPUs, 0 when the
+    launcher gave each task one GPU (srun --gpus-per-task / --gpu-bind); else a readable error."""
+    if n_devices == 1 and local_world_size > 1:
+        return 0
+    if local_rank >= n_devices:
+        raise ValueError(
+            f"Local rank {local_rank} has no GPU: only {n_devices} visible to it for {local_world_size} local "
+            f"ranks (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). Launch at most "
+            f"{n_devices} processes per node, or give each task its own GPU."
+        )
+    return local_rank
+
+
+def choose_device(args: DistributedArgs, local_rank: int, local_world_size: int = 1) -> tuple[torch.device, str]:
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise ValueError("distributed.backend=nccl needs CUDA; use backend=gloo (or auto) on CPU.")
-        n_devices = torch.cuda.device_count()
-        if local_rank >= n_devices:
-            raise ValueError(
-                f"Local rank {local_rank} has no GPU: only {n_devices} visible "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). "
-                f"Launch at most {n_devices} processes per node."
-            )
-        return torch.device("cuda", local_rank), backend
+        index = expected_cuda_index(local_rank, local_world_size, torch.cuda.device_count())
+        return torch.device("cuda", index), backend
     if backend != "gloo":
         raise ValueError(f"distributed.backend={args.backend!r}; use auto, nccl or gloo.")
     return torch.device("cpu"), backend
@@ -249,7 +259,7 @@ def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir
     launch = read_launch_env()
     students, teachers = split_roles(launch.world_size, n_teachers, args.teacher_placement, launch.local_world_size)
     replicate, shard = resolve_mesh_dims(args, len(students))
-    device, backend = choose_device(args, launch.local_rank)
+    device, backend = choose_device(args, launch.local_rank, launch.local_world_size)
     if backend == "nccl":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = args.matmul_allow_tf32
@@ -260,11 +270,13 @@ def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` prints every stack
 
     timeout = timedelta(seconds=args.init_timeout_s)
+    init_start = time.time()
     init_kwargs = dict(backend=backend, init_method=init_method_for(launch), rank=launch.rank,
                        world_size=launch.world_size, timeout=timeout)
     if backend == "nccl":
         init_kwargs["device_id"] = device  # eager NCCL init: no lazy "devices unknown" barrier later
     dist.init_process_group(**init_kwargs)
+    spans = {"process_group_init": (init_start, time.time())}
 
     rank = launch.rank
     role = "teacher" if rank in teachers else "student"
@@ -278,6 +290,7 @@ def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir
             return group
         return None
 
+    groups_start = time.time()
     train_group = make_group(students, "train")
     teacher_group = make_group(teachers, "teachers") if teachers else None
     bridge_group, my_bridge, bridge_students = None, -1, []
@@ -289,6 +302,7 @@ def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir
             bridge_group, my_bridge, bridge_students = group, i, block
 
     mesh = _build_mesh(students, replicate, shard, args.fsdp_type, device.type, rank, make_group, train_group)
+    spans["mesh"] = (groups_start, time.time())  # every group and the students' mesh
 
     topo = Topology(
         role=role, global_rank=rank, world_size=launch.world_size, local_rank=launch.local_rank,
@@ -296,7 +310,7 @@ def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir
         backend=backend, student_ranks=students, teacher_ranks=teachers,
         train_group=train_group, teacher_group=teacher_group, bridge_group=bridge_group,
         my_bridge=my_bridge, my_teacher=teachers[my_bridge] if my_bridge >= 0 else -1,
-        bridge_students=bridge_students, mesh=mesh, group_names=group_names,
+        bridge_students=bridge_students, mesh=mesh, group_names=group_names, setup_spans=spans,
     )
     if role == "student":
         topo.train_rank = students.index(rank)
@@ -330,31 +344,53 @@ def _build_mesh(students, replicate, shard, fsdp_type, device_type, rank, make_g
 
 
 def log_rank_device_map(topo: Topology) -> None:
-    """Each rank logs its own line; rank 0 prints the whole table once. A device mismatch is an error."""
+    """Each rank logs its own line; rank 0 prints the whole table once. Then every rank checks the
+    whole table (so all raise the same sentence): a rank not on its expected GPU, or two ranks of
+    one host on the same physical GPU (seed 004's mapping bug), is an error."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
-    bound = str(topo.device)
+    row = dict(rank=topo.global_rank, local_rank=topo.local_rank, role=topo.role, host=topo.hostname,
+               cuda_visible=visible, device=str(topo.device), bridge=topo.my_bridge, gpu_uuid="", problem="")
     if topo.device.type == "cuda":
         current = torch.cuda.current_device()
-        if current != topo.local_rank:
-            raise RuntimeError(
-                f"Rank {topo.global_rank} (local rank {topo.local_rank}) is bound to cuda:{current}, expected "
-                f"cuda:{topo.local_rank}. Check CUDA_VISIBLE_DEVICES={visible} and the launcher's GPU binding."
-            )
-        bound = f"cuda:{current} ({torch.cuda.get_device_name(current)})"
-    row = dict(rank=topo.global_rank, local_rank=topo.local_rank, role=topo.role, host=topo.hostname,
-               cuda_visible=visible, device=bound, bridge=topo.my_bridge)
-    logger.info("rank map: " + " ".join(f"{k}={v}" for k, v in row.items()))
-    if not topo.distributed:
-        return
-    rows = [None] * topo.world_size
-    dist.all_gather_object(rows, row, group=dist.group.WORLD)  # at init every rank is here
-    if topo.global_rank == 0:
+        props = torch.cuda.get_device_properties(current)
+        row["device"] = f"cuda:{current} ({props.name})"
+        row["gpu_uuid"] = str(getattr(props, "uuid", "") or getattr(props, "pci_bus_id", "") or f"index{current}")
+        try:
+            expected = expected_cuda_index(topo.local_rank, topo.local_world_size, torch.cuda.device_count())
+            if current != expected:
+                row["problem"] = f"bound to cuda:{current}, expected cuda:{expected}"
+        except ValueError as err:
+            row["problem"] = str(err)
+    logger.info("rank map: " + " ".join(f"{k}={v}" for k, v in row.items() if k not in ("gpu_uuid", "problem")))
+    rows = [row]
+    if topo.distributed:
+        rows = [None] * topo.world_size
+        log_collective("all_gather_object rank map", dist.group.WORLD)
+        dist.all_gather_object(rows, row, group=dist.group.WORLD)  # at init every rank is here
+    if topo.global_rank == 0 and topo.distributed:
         header = f"{'rank':>4} {'local':>5} {'role':<7} {'host':<20} {'bridge':>6} {'CUDA_VISIBLE_DEVICES':<20} device"
         lines = [header] + [
             f"{r['rank']:>4} {r['local_rank']:>5} {r['role']:<7} {r['host'][:20]:<20} {r['bridge']:>6} "
             f"{r['cuda_visible'][:20]:<20} {r['device']}" for r in rows
         ]
         logger.info("rank -> host -> device map:\n" + "\n".join(lines))
+    problems = device_map_problems(rows)
+    if problems:
+        raise ValueError("GPU binding is wrong: " + "; ".join(problems) + ". Check CUDA_VISIBLE_DEVICES and the "
+                         "launcher's GPU binding (torchrun: one process per GPU; srun: --gpus-per-task or none).")
+
+
+def device_map_problems(rows: list[dict]) -> list[str]:
+    """Readable problems in a gathered rank map: per-rank binding errors, then GPUs shared by two ranks."""
+    problems = [f"rank {r['rank']} (local rank {r['local_rank']} on {r['host']}) {r['problem']}" for r in rows
+                if r.get("problem")]
+    owners: dict[tuple[str, str], list[int]] = {}
+    for r in rows:
+        if r.get("gpu_uuid"):
+            owners.setdefault((r["host"], r["gpu_uuid"]), []).append(r["rank"])
+    problems += [f"ranks {ranks} on {host} share one GPU ({uuid})" for (host, uuid), ranks in owners.items()
+                 if len(ranks) > 1]
+    return problems
 
 
 def group_name(topo: Topology, group) -> str:
@@ -381,6 +417,20 @@ def set_collective_timeout(topo: Topology, seconds: float) -> None:
     for group in all_groups(topo):
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
     logger.info(f"collective timeout set to {seconds:.0f}s on {len(all_groups(topo))} groups")
+
+
+def enter_training_timeout(topo: Topology, seconds: float) -> None:
+    """Students, after their first full step: a barrier on each group only students use (train and
+    mesh groups), then the short timeout on every group. The bridge needs no barrier: the first
+    request's exchange already met the teacher, which switches after serving it."""
+    if not topo.distributed:
+        return
+    for group in all_groups(topo):
+        if group is dist.group.WORLD or group is topo.bridge_group or group is topo.teacher_group:
+            continue
+        log_collective("barrier before the training timeout", group)
+        dist.barrier(group=group)
+    set_collective_timeout(topo, seconds)
 
 
 def clean_up() -> None:
@@ -419,8 +469,15 @@ class HangWatch:
 
 # ---- the few collectives of the training loop; each takes its group explicitly ----
 
+def _require_group(group, what: str) -> None:
+    """group=None is "no group" only in a single process; in a job it would silently mean the world."""
+    if group is None and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(f"{what} needs the group to reduce over (e.g. topo.train_group), not None.")
+
+
 def dist_mean_dict(values: dict[str, float], group, device: torch.device) -> dict[str, float]:
     """Mean of each value over `group` (one all_reduce for the whole dict)."""
+    _require_group(group, "dist_mean_dict")
     if group is None or dist.get_world_size(group) == 1:
         return dict(values)
     keys = sorted(values)
@@ -433,6 +490,7 @@ def dist_mean_dict(values: dict[str, float], group, device: torch.device) -> dic
 
 def dist_max(value: float, group, device: torch.device) -> float:
     """Max of a scalar over `group`."""
+    _require_group(group, "dist_max")
     if group is None or dist.get_world_size(group) == 1:
         return float(value)
     tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
@@ -466,6 +524,10 @@ def agree_flags(flags: dict[str, bool], group, device: torch.device) -> dict[str
     return {k: bool(v) for k, v in zip(keys, tensor.tolist())}
 
 
+class CountMismatch(ValueError):
+    """Ranks hold different loop lengths; raised on every rank of the group at once (it is agreed)."""
+
+
 def agree_count(count: int, group, device: torch.device, what: str, mode: str = "equal") -> int:
     """Agree on a loop length across `group` before entering the loop.
 
@@ -478,7 +540,7 @@ def agree_count(count: int, group, device: torch.device, what: str, mode: str = 
     ranks = dist.get_process_group_ranks(group) if group is not None else [0]
     detail = ", ".join(f"rank {r}: {c}" for r, c in zip(ranks, counts))
     if mode == "equal":
-        raise RuntimeError(f"Ranks disagree on the number of {what} ({detail}); refusing to enter a loop that would hang.")
+        raise CountMismatch(f"Ranks disagree on the number of {what} ({detail}); refusing to enter a loop that would hang.")
     logger.warning(f"ranks hold different numbers of {what} ({detail}); every rank runs {min(counts)}")
     return min(counts)
 

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lingua.distributed import log_collective
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # builds without distributed support
@@ -89,6 +91,7 @@ class ActivationProbe:
         if is_master:
             self.probe_dir.mkdir(parents=True, exist_ok=True)
         if group is not None:
+            log_collective("barrier probe dir", group)
             dist.barrier(group=group)
         elif dist.is_available() and dist.is_initialized():
             raise ValueError("ActivationProbe needs the process group of the ranks that probe "

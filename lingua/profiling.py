@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from lingua.distributed import log_collective
+
 logger = logging.getLogger(__name__)
 
 
@@ -172,6 +174,7 @@ def maybe_run_profiler(dump_dir: str, module: nn.Module, args: ProfilerArgs, ran
     if is_master:
         trace_dir.mkdir(parents=True, exist_ok=True)
     if group is not None:
+        log_collective("barrier trace dir", group)
         dist.barrier(group=group)
     elif dist.is_available() and dist.is_initialized():
         raise ValueError("maybe_run_profiler needs the process group of the profiled ranks "

@@ -14,6 +14,9 @@ own document only, and `attn_impl` picks the kernel:
 All give the same result up to float rounding (tests/unit/test_model.py checks it).
 """
 
+import functools
+import importlib.util
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+logger = logging.getLogger(__name__)
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -188,14 +193,18 @@ def doc_causal_xformers_bias(doc_ids: torch.Tensor):
     return fmha.attn_bias.BlockDiagonalCausalMask.from_seqlens(doc_seqlens(doc_ids))
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
 def resolve_attn_impl(attn_impl: str, device: torch.device) -> str:
     """The doc_causal kernel that can run on this device: flex/xformers need CUDA, else SDPA with a mask."""
     if attn_impl == "xformers":
-        try:
-            import xformers.ops  # noqa: F401
-        except ImportError as e:
-            raise ValueError("model.attn_impl=xformers but xformers is not installed; install it or use "
-                             "model.attn_impl=flex (or sdpa).") from e
+        if importlib.util.find_spec("xformers") is None:
+            _warn_once("model.attn_impl=xformers but xformers is not installed: using flex_attention "
+                       "(on GPU) or SDPA with a document mask instead.")
+            return resolve_attn_impl("flex", device)
         return "xformers" if device.type == "cuda" else "sdpa"
     if attn_impl == "flex":
         return "flex" if device.type == "cuda" and flex_attention is not None else "sdpa"

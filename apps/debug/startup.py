@@ -68,7 +68,7 @@ class StartupArgs(TrainArgs):
 
 def bare_init(args: DistributedArgs, launch, phases: PhaseLog) -> None:
     """torch.distributed alone, as the launcher describes the job: no groups, no mesh, no debug env."""
-    device, backend = choose_device(args, launch.local_rank)
+    device, backend = choose_device(args, launch.local_rank, launch.local_world_size)
     init_kwargs = dict(backend=backend, init_method=init_method_for(launch), rank=launch.rank,
                        world_size=launch.world_size, timeout=timedelta(seconds=args.init_timeout_s))
     if backend == "nccl":

@@ -30,8 +30,9 @@ from lingua.distillation import (
     DistillationArgs, TeacherClient, TeacherError, TeacherServer, validate_distillation_args,
 )
 from lingua.distributed import (
-    DistributedArgs, HangWatch, PreemptionFlag, Topology, agree_count, agree_flags, clean_up, dist_gather_floats,
-    dist_mean_dict, log_rank_device_map, parallelize_model, set_collective_timeout, setup_torch_distributed,
+    CountMismatch, DistributedArgs, HangWatch, PreemptionFlag, Topology, agree_count, agree_flags, clean_up,
+    dist_gather_floats,
+    dist_mean_dict, enter_training_timeout, log_rank_device_map, parallelize_model, setup_torch_distributed,
 )
 from lingua.kd_loss import alpha_at, distillation_loss, kd_loss
 from lingua.logger import init_logger
@@ -49,6 +50,9 @@ logger = logging.getLogger("train")
 class EvalArgs:
     every: int = 0  # steps between in-loop evaluations (0 = never)
     max_batches: int = 16  # per rank
+    # Ranks holding different numbers of eval batches (agreed before the loop either way):
+    # "min" = every rank runs the smallest count, with a warning naming them; "error" = stop, naming them.
+    uneven: str = "min"
 
 
 @dataclass
@@ -65,7 +69,8 @@ class TrainArgs:
     # warns when one step plus a checkpoint take longer than that. 0 = unknown, no check.
     preemption_grace_s: float = 0.0
     # Exercises failure paths in tests: "raise:<train_rank>@<step>" (that student raises during that step),
-    # "nan:<train_rank>@<step>" (its loss is not finite), "teacher_load:<teacher_index>" (that teacher fails to load).
+    # "nan:<train_rank>@<step>" (its loss is not finite), "stall:<train_rank>@<step>" (it is 4 s late to
+    # that step: a straggler), "teacher_load:<teacher_index>" (that teacher fails to load).
     inject_failure: Optional[str] = None
 
     data: DataArgs = field(default_factory=DataArgs)
@@ -79,9 +84,12 @@ class TrainArgs:
     eval: EvalArgs = field(default_factory=EvalArgs)
 
 
+STALL_S = 4.0  # how late inject_failure=stall:... makes a student
+
+
 @dataclass(frozen=True)
 class InjectedFailure:
-    kind: str  # "raise" | "nan" | "teacher_load"
+    kind: str  # "raise" | "nan" | "stall" | "teacher_load"
     rank: int  # train rank, or the teacher's index among teachers for teacher_load
     step: int  # 0 for teacher_load
 
@@ -91,11 +99,11 @@ def parse_injected_failure(spec: Optional[str]) -> Optional[InjectedFailure]:
         return None
     kind, _, where = spec.rpartition(":") if ":" in spec else ("raise", "", spec)
     rank, _, step = where.partition("@")
-    valid = kind in ("raise", "nan") and rank.isdigit() and step.isdigit() or \
+    valid = kind in ("raise", "nan", "stall") and rank.isdigit() and step.isdigit() or \
         kind == "teacher_load" and rank.isdigit() and not step
     if not valid:
-        raise ValueError(f"inject_failure={spec!r}; use raise:<train_rank>@<step>, nan:<train_rank>@<step> "
-                         f"or teacher_load:<teacher_index>.")
+        raise ValueError(f"inject_failure={spec!r}; use raise:<train_rank>@<step>, nan:<train_rank>@<step>, "
+                         f"stall:<train_rank>@<step> or teacher_load:<teacher_index>.")
     return InjectedFailure(kind, int(rank), int(step or 0))
 
 
@@ -106,6 +114,11 @@ def validate_args(args: TrainArgs) -> None:
         raise ValueError(f"steps={args.steps} and grad_acc_steps={args.grad_acc_steps} must be >= 1.")
     if not args.dump_dir:
         raise ValueError("dump_dir is empty; set dump_dir=<folder for logs, metrics and checkpoints>.")
+    for kind in ("dump", "eval"):
+        if getattr(args.checkpoint, kind).keep < 0:
+            raise ValueError(f"checkpoint.{kind}.keep={getattr(args.checkpoint, kind).keep}; use 0 (keep all) or N > 0.")
+    if args.eval.uneven not in ("min", "error"):
+        raise ValueError(f"eval.uneven={args.eval.uneven!r}; use min or error.")
     if args.enable_distillation:
         validate_distillation_args(args.distillation)
 
@@ -121,11 +134,10 @@ def distillation_process(args: TrainArgs, topo: Topology, phases: PhaseLog, pree
     injected = parse_injected_failure(args.inject_failure)
     fail_load = injected is not None and injected.kind == "teacher_load" and \
         topo.teacher_ranks.index(topo.global_rank) == injected.rank
-    with phases.span("teacher_load"):
-        server = TeacherServer(args.distillation, topo, preemption, inject_load_failure=fail_load)
-    if topo.distributed:
-        set_collective_timeout(topo, args.distributed.train_timeout_s)
-    server.serve()
+    server = TeacherServer(args.distillation, topo, preemption, inject_load_failure=fail_load, phases=phases)
+    # The generous timeout holds until the first request is served; then the short one (on every group).
+    server.serve(timeouts=(args.distributed.init_timeout_s, args.distributed.train_timeout_s)
+                 if topo.distributed else None)
 
 
 # ---------------------------------------------------------------- student ranks
@@ -186,16 +198,17 @@ def restore_checkpoint(args: TrainArgs, topo: Topology, model, optimizer) -> tup
 def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: PreemptionFlag) -> None:
     dump_dir = Path(args.dump_dir)
     group, device = topo.train_group, topo.device
-    if topo.is_train_master:
-        dump_config(args, dump_dir / "config.yaml")
-
     with phases.span("tokenizer_init"):
         tokenizer = init_tokenizer(args)
+    if topo.is_train_master:  # resolved: defaults filled, vocab from the tokenizer (mesh -1s stay: a relaunch may resize)
+        dump_config(args, dump_dir / "config.yaml")
 
     with phases.span("model_build"):
         model = build_model(args, topo)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(f"student model: {n_params / 1e6:.2f}M parameters, vocab {args.model.vocab_size}")
+    if topo.is_train_master and topo.mesh is not None:
+        logger.info(f"student mesh: {topo.mesh}")
 
     teacher = None
     if args.enable_distillation:
@@ -224,6 +237,13 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
     timer = StepTimer()
     hang_watch = HangWatch()
     injected = parse_injected_failure(args.inject_failure)
+    # Micro-batches per step is a loop length (and the teacher's request count): the same on every student.
+    try:
+        agree_count(args.grad_acc_steps, group, device, "micro-batches per step (grad_acc_steps)", mode="equal")
+    except CountMismatch:
+        if teacher is not None:  # every student raises this together: tell the teacher too
+            teacher.stop(state.step, error=True)
+        raise
     flops_per_token = get_num_flop_per_token(n_params - args.model.vocab_size * args.model.dim,
                                              args.model.n_layers, args.model.dim, args.data.seq_len)
     first_step_of_launch = state.step
@@ -247,6 +267,8 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
                 injected_now = injected is not None and (injected.rank, injected.step) == (topo.train_rank, state.step)
                 if injected_now and injected.kind == "raise":
                     raise RuntimeError(f"injected failure on train rank {injected.rank} at step {injected.step}")
+                if injected_now and injected.kind == "stall":
+                    time.sleep(STALL_S)
                 span = phases.span("first_step") if first_step else contextlib.nullcontext()
                 with span:
                     with timer.part("data"):
@@ -259,28 +281,36 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
                         optimizer.zero_grad(set_to_none=True)
                 if first_step and teacher is not None:
                     phases.record("first_teacher_round_trip", *teacher.first_round_trip)
+                if first_step and args.distributed.compile:  # torch.compile runs inside the first forward/backward
+                    phases.record("compile_warmup", time.time() - timer.seconds["fwd_bwd"], time.time())
                 state.tokens += metrics.pop("tokens") * topo.train_world_size
                 if profiler is not None:
                     profiler.step()
 
                 if probe is not None and state.step % args.probe_freq == 0:
-                    run_probe(model, probe, micro_batches[0], state.step)
+                    run_probe(args, model, probe, micro_batches[0], state.step)
 
                 # The one agreed control point of the step: stop, save and fail are decided together.
                 preempt = preemption.requested or (teacher is not None and teacher.teacher_preempt)
                 if injected_now and injected.kind == "nan":
                     metrics["loss/total"] = float("nan")
                 flags = agree_flags(dict(preempt=preempt, nonfinite=not math.isfinite(metrics["loss/total"])), group, device)
-                if first_step and topo.distributed:
-                    torch.distributed.barrier(group=group)
-                    set_collective_timeout(topo, args.distributed.train_timeout_s)
+                if first_step:
+                    enter_training_timeout(topo, args.distributed.train_timeout_s)
+                    if topo.is_train_master:  # every rank's spans are on disk by now (teacher's too)
+                        logger.info("startup phases (all ranks)\n" + format_phase_table(read_phase_files(args.dump_dir)))
                 if flags["nonfinite"]:
                     if teacher is not None:
                         teacher.stop(state.step, error=True)  # all students agree: the teacher hears it too
                     raise FloatingPointError(f"loss is not finite at step {state.step} on at least one training rank")
 
                 if args.eval.every and state.step % args.eval.every == 0:
-                    run_eval(args, model, tokenizer, topo, state.step, metric_logger)
+                    try:
+                        run_eval(args, model, tokenizer, topo, state.step, metric_logger)
+                    except CountMismatch:
+                        if teacher is not None:  # raised on every student at once: the teacher can hear it
+                            teacher.stop(state.step, error=True)
+                        raise
 
                 stop_now = flags["preempt"] or (
                     args.exit_after_steps is not None and state.step - first_step_of_launch >= args.exit_after_steps)
@@ -339,7 +369,7 @@ def train_step(args: TrainArgs, model, teacher: Optional[TeacherClient], micro_b
         # Submit first: the teacher's forward overlaps ours.
         handle = teacher.submit(input_ids, step, micro_step) if teacher is not None else None
         with timer.part("fwd_bwd"):
-            logits = model(input_ids, doc_ids=batch.get("doc_ids", None) if args.model.attn_mask == "doc_causal" else None)
+            logits = model(input_ids, doc_ids=doc_ids_for(args, batch, device))
             mask = labels != -100
             weight = int(mask.sum()) / max(n_valid, 1)  # this micro-batch's share of the step's tokens
             ce = cross_entropy_sum(logits, labels) / max(n_valid, 1)
@@ -367,10 +397,18 @@ def train_step(args: TrainArgs, model, teacher: Optional[TeacherClient], micro_b
     return metrics
 
 
-def run_probe(model, probe: ActivationProbe, batch, step: int) -> None:
+def doc_ids_for(args: TrainArgs, batch: dict, device) -> Optional[torch.Tensor]:
+    """The batch's document ids when the model masks attention per document (train, probe and eval alike)."""
+    if args.model.attn_mask != "doc_causal" or batch.get("doc_ids") is None:
+        return None
+    return batch["doc_ids"].to(device)
+
+
+def run_probe(args: TrainArgs, model, probe: ActivationProbe, batch, step: int) -> None:
     """An extra forward/backward under the probe's hooks; the teacher is not involved."""
+    device = next(model.parameters()).device
     with probe.capture(step):
-        logits = model(batch["input_ids"].to(next(model.parameters()).device))
+        logits = model(batch["input_ids"].to(device), doc_ids=doc_ids_for(args, batch, device))
         labels = batch["labels"].to(logits.device)
         (cross_entropy_sum(logits, labels) / max(int((labels != -100).sum()), 1)).backward()
     model.zero_grad(set_to_none=True)
@@ -380,12 +418,13 @@ def run_probe(model, probe: ActivationProbe, batch, step: int) -> None:
 def run_eval(args: TrainArgs, model, tokenizer, topo: Topology, step: int, metric_logger) -> None:
     """In-loop eval on the training group only; ranks first agree on how many batches to run."""
     batches = list(iterate_eval_batches(args.data, tokenizer, topo.dp_rank, topo.dp_degree, args.eval.max_batches))
-    n_batches = agree_count(len(batches), topo.train_group, topo.device, "eval batches", mode="min")
+    n_batches = agree_count(len(batches), topo.train_group, topo.device, "eval batches",
+                            mode="min" if args.eval.uneven == "min" else "equal")
     loss_sum = tokens = 0.0
     model.eval()
     for batch in batches[:n_batches]:
         labels = batch["labels"].to(topo.device)
-        logits = model(batch["input_ids"].to(topo.device))
+        logits = model(batch["input_ids"].to(topo.device), doc_ids=doc_ids_for(args, batch, topo.device))
         loss_sum += cross_entropy_sum(logits, labels).item()
         tokens += int((labels != -100).sum())
     model.train()
@@ -476,13 +515,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     validate_args(args)
     preemption = PreemptionFlag()  # from the start: handlers only set a flag, students agree on it each step
     # Mesh dims are checked against the launch size inside setup, before any collective.
-    start = time.time()
-    topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir)
-    init_logger(topo.global_rank, topo.role, str(Path(args.dump_dir) / "logs" / f"rank_{topo.global_rank}.log"))
-    phases = PhaseLog(args.dump_dir, topo.global_rank, topo.role)
-    phases.record("process_group_init", start, time.time())
-    log_rank_device_map(topo)
     try:
+        topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir)
+        init_logger(topo.global_rank, topo.role, str(Path(args.dump_dir) / "logs" / f"rank_{topo.global_rank}.log"))
+        phases = PhaseLog(args.dump_dir, topo.global_rank, topo.role)
+        for phase, (phase_start, phase_end) in topo.setup_spans.items():  # process_group_init, mesh
+            phases.record(phase, phase_start, phase_end)
+        log_rank_device_map(topo)
         torch.manual_seed(args.seed)
         if topo.is_teacher:
             distillation_process(args, topo, phases, preemption)
@@ -491,8 +530,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         preemption.ignore_further()
         if topo.distributed:
             torch.distributed.barrier(group=torch.distributed.group.WORLD)  # everyone ends together
-        if topo.global_rank == 0:
-            logger.info("startup phases (all ranks)\n" + format_phase_table(read_phase_files(args.dump_dir)))
     finally:
         clean_up()
 

@@ -12,25 +12,29 @@ from tests.dist.test_train import assert_ok, signal_ranks
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("delay_s", [0.5, 2.0])
-def test_sigusr2_to_the_teacher_then_a_student_seconds_apart(corpus, tiny_teacher, tmp_path, delay_s):
+@pytest.mark.parametrize("ranks", [(1, 2), (0, 1)], ids=["student-then-teacher", "two-students"])
+def test_sigusr2_to_two_ranks_seconds_apart(corpus, tiny_teacher, tmp_path, ranks):
     dump = tmp_path / "run"
     delivered: list[int] = []
-    # The teacher first, then a student: after 0.5 s it usually lands while the ranks agree or save;
-    # after 2 s the job may already be gone (the agreed stop fits in that), which is a clean outcome too.
-    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=100000), timeout=120,
-                      signal_plan=signal_ranks(dump, [(2, 0.0), (1, delay_s)], delivered=delivered))
+    # Student 0 is 4 s late to step 4 (a straggler), so both signals -- 2 s apart -- land while the
+    # others already wait at step 4's agreed point: one decision, one save at step 4, everyone exits 0.
+    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=100000, inject_failure="stall:0@4"),
+                      timeout=120, signal_plan=signal_ranks(dump, [(ranks[0], 0.0), (ranks[1], 2.0)],
+                                                            delivered=delivered))
     assert_ok(result)
-    assert delivered[0] == 2
+    assert delivered == list(ranks)
+    assert result.stdout.count("received SIGUSR2") + result.stderr.count("received SIGUSR2") == 2
     saved = [p for p in (dump / "checkpoints").iterdir() if not p.name.endswith(".tmp")]
-    assert len(saved) == 1 and int(saved[0].name) == max(train_rows(dump))
+    assert [int(p.name) for p in saved] == [4] and max(train_rows(dump)) == 4
     assert "run preempted" in result.stdout and "STOP received" in result.stdout
 
 
 @pytest.mark.timeout(90)
 def test_student_raising_mid_step_ends_the_job_fast(corpus, tiny_teacher, tmp_path):
     start = time.time()
-    result = torchrun(3, distill_overrides(corpus, tiny_teacher, tmp_path / "run", steps=50, inject_failure="raise:1@3"),
+    # Timeouts far above the bound below: ending in time proves nobody waited one out.
+    result = torchrun(3, distill_overrides(corpus, tiny_teacher, tmp_path / "run", steps=50, inject_failure="raise:1@3",
+                                           **{"distributed.init_timeout_s": 300, "distributed.train_timeout_s": 300}),
                       timeout=75)
     elapsed = time.time() - start
     assert result.returncode != 0
@@ -39,7 +43,8 @@ def test_student_raising_mid_step_ends_the_job_fast(corpus, tiny_teacher, tmp_pa
 
 
 @pytest.mark.timeout(150)
-def test_eval_with_different_batch_counts_per_rank(corpus, tiny_teacher, tmp_path):
+@pytest.mark.parametrize("uneven", ["min", "error"])
+def test_eval_with_different_batch_counts_per_rank(corpus, tiny_teacher, tmp_path, uneven):
     # One validation file read with a line stride: rank 0 gets the long documents, rank 1 the short ones.
     root = tmp_path / "corpus"
     (root / "text").mkdir(parents=True)
@@ -49,8 +54,15 @@ def test_eval_with_different_batch_counts_per_rank(corpus, tiny_teacher, tmp_pat
         for i in range(40):
             f.write(json.dumps({"text": ("long document " * 60) if i % 2 == 0 else "short."}) + "\n")
     dump = tmp_path / "run"
-    result = torchrun(3, distill_overrides(root, tiny_teacher, dump, steps=2, **{"eval.every": 2,
-                                                                                "eval.max_batches": 100}), timeout=120)
+    start = time.time()
+    result = torchrun(3, distill_overrides(root, tiny_teacher, dump, steps=2, **{
+        "eval.every": 2, "eval.max_batches": 100, "eval.uneven": uneven}), timeout=120)
+    if uneven == "error":  # agreed, so every student stops with the counts, and the teacher hears it
+        assert result.returncode != 0
+        assert time.time() - start < 60
+        assert result.stdout.count("Ranks disagree on the number of eval batches (rank 0: ") >= 2, result.stdout[-4000:]
+        assert "student rank(s) [0, 1] stopped on an error at step 2" in result.stdout
+        return
     assert_ok(result)
     assert "ranks hold different numbers of eval batches" in result.stdout
     evals = [r for r in read_metrics(dump) if "eval/loss" in r]
@@ -74,9 +86,17 @@ def test_debug_switch_logs_collectives_and_startup_files_are_complete(corpus, ti
     assert_ok(result)
     assert "collective #1 on bridge_0: all_gather handshake" in result.stdout
     assert "on train: all_reduce(max) agree_flags" in result.stdout
-    student_phases = {"process_group_init", "tokenizer_init", "model_build", "teacher_handshake", "checkpoint_load",
-                      "data_init", "first_step", "first_teacher_round_trip"}
-    for rank, expected in ((0, student_phases), (1, student_phases), (2, {"process_group_init", "teacher_load"})):
+    # Two phases: students barrier on their groups after the first step; the teacher switches only
+    # after serving its first request (it must not time out while students still load or compile).
+    assert "on train: barrier before the training timeout" in result.stdout
+    teacher_lines = [l for l in result.stdout.splitlines() if "[r2 teacher]" in l]
+    first_served = next(i for i, l in enumerate(teacher_lines) if "scatter responses (teacher)" in l)
+    switched = next(i for i, l in enumerate(teacher_lines) if "collective timeout set to 30s" in l)
+    assert switched > first_served, teacher_lines[:40]
+    student_phases = {"process_group_init", "mesh", "tokenizer_init", "model_build", "teacher_handshake",
+                      "checkpoint_load", "data_init", "first_step", "first_teacher_round_trip"}
+    teacher_phases = {"process_group_init", "mesh", "teacher_load", "teacher_handshake"}
+    for rank, expected in ((0, student_phases), (1, student_phases), (2, teacher_phases)):
         rows = [json.loads(l) for l in (dump / f"startup.{rank}.jsonl").read_text().splitlines()]
         assert expected <= {r["phase"] for r in rows}, (rank, rows)
         assert all(r["seconds"] >= 0 for r in rows)

@@ -39,7 +39,8 @@ def test_four_ranks_as_2x2_mesh(corpus, tmp_path):
     result = torchrun(4, base_overrides(corpus, dump, steps=4, **{"distributed.dp_replicate": 2,
                                                                   "distributed.dp_shard": 2}), timeout=240)
     assert_ok(result)
-    assert "dp_replicate" in result.stdout or len(train_rows(dump)) == 4
+    assert "student mesh: DeviceMesh" in result.stdout, result.stdout[-3000:]
+    assert "[[0, 1], [2, 3]]" in result.stdout and "mesh_dim_names=('dp_replicate', 'dp_shard')" in result.stdout
     assert sorted(train_rows(dump)) == [1, 2, 3, 4]
 
 
@@ -71,6 +72,30 @@ def test_resume_gives_the_same_losses(corpus, tmp_path):
     assert_ok(resumed)
     assert "resumed from step 4" in resumed.stdout
     a, b = train_rows(full), train_rows(split)
+    for step in range(5, 9):
+        assert b[step]["loss/ce"] == pytest.approx(a[step]["loss/ce"], abs=1e-5), step
+
+
+@pytest.mark.timeout(300)
+def test_killed_after_a_save_resumes_with_the_same_losses(corpus, tmp_path):
+    """save at step 4 -> SIGKILL at step 7 (no clean exit, no final save) -> resume: the same curve."""
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    every_4 = {"checkpoint.dump.every": 4}
+    assert_ok(torchrun(2, base_overrides(corpus, full, steps=8, **every_4), timeout=120))
+
+    def kill_during_step_7(proc):
+        wait_for_step(killed, 6)
+        time.sleep(1.0)  # rank 0 is 4 s late to step 7 (stall), so the kill lands inside it
+        os.killpg(proc.pid, signal.SIGKILL)
+
+    result = torchrun(2, base_overrides(corpus, killed, steps=8, inject_failure="stall:0@7", **every_4), timeout=120,
+                      signal_plan=kill_during_step_7)
+    assert result.returncode != 0
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == [f"{4:010d}"]
+    resumed = torchrun(2, base_overrides(corpus, killed, steps=8, **every_4), timeout=120)
+    assert_ok(resumed)
+    assert "resumed from step 4" in resumed.stdout
+    a, b = train_rows(full), train_rows(killed)  # the resumed launch's rows replace the killed one's
     for step in range(5, 9):
         assert b[step]["loss/ce"] == pytest.approx(a[step]["loss/ce"], abs=1e-5), step
 
@@ -187,22 +212,47 @@ def test_single_process_without_torchrun(corpus, tmp_path):
 
 
 @pytest.mark.timeout(420)
-def test_activation_checkpointing_bf16_and_compile_paths(corpus, tmp_path):
-    """full/selective recompute give the plain run's losses; bf16 params train; compiled blocks match eager."""
+def test_activation_checkpointing_no_shard_bf16_and_compile_paths(corpus, tmp_path):
+    """full/selective recompute and no_shard give the plain run's losses; bf16 params train; compile matches eager."""
     def run(name, steps=3, **extra):
         dump = tmp_path / name
         assert_ok(torchrun(2, base_overrides(corpus, dump, steps=steps, **extra), timeout=300))
         return train_rows(dump)
 
     plain = run("plain")
-    for mode in ("full", "selective"):
-        rows = run(mode, **{"distributed.activation_checkpointing": mode})
+    for name, option in (("full", {"distributed.activation_checkpointing": "full"}),
+                         ("selective", {"distributed.activation_checkpointing": "selective"}),
+                         ("no_shard", {"distributed.fsdp_type": "no_shard"})):  # replicated params, same math
+        rows = run(name, **option)
         for step in (1, 2, 3):
-            assert rows[step]["loss/ce"] == pytest.approx(plain[step]["loss/ce"], rel=1e-5), mode
+            assert rows[step]["loss/ce"] == pytest.approx(plain[step]["loss/ce"], rel=1e-5), name
     compiled = run("compiled", **{"distributed.compile": "true"})
     for step in (1, 2, 3):
         assert compiled[step]["loss/ce"] == pytest.approx(plain[step]["loss/ce"], rel=1e-3)
+    phases = [json.loads(l)["phase"] for l in (tmp_path / "compiled" / "startup.0.jsonl").read_text().splitlines()]
+    assert "compile_warmup" in phases and "compile_warmup" not in (tmp_path / "plain" / "startup.0.jsonl").read_text()
     bf16 = run("bf16", steps=12, **{"distributed.model_dtype": "bf16", "optim.lr": 1e-2})
     assert all(math.isfinite(r["loss/ce"]) for r in bf16.values())
     assert bf16[1]["loss/ce"] == pytest.approx(plain[1]["loss/ce"], abs=0.05)  # bf16 rounding only
     assert bf16[12]["loss/ce"] < bf16[1]["loss/ce"] - 0.3
+
+
+@pytest.mark.timeout(300)
+def test_debug_cpu_config_trains_logs_checkpoints_and_resumes(corpus, tmp_path):
+    """The README's quickstart config as shipped (prefetch, eval, checkpoints), data swapped for the test corpus."""
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "pydocs").symlink_to(corpus / "text", target_is_directory=True)  # the config's source name
+    dump = tmp_path / "run"
+    args = ["config=configs/debug_cpu.yaml", f"data.root_dir={root}", f"dump_dir={dump}"]
+    first = torchrun(2, args + ["exit_after_steps=20"], timeout=150)
+    assert_ok(first)
+    second = torchrun(2, args, timeout=150)
+    assert_ok(second)
+    assert "resumed from step 20" in second.stdout
+    rows = train_rows(dump)
+    assert sorted(rows) == list(range(5, 41, 5))  # logging.freq: 5
+    assert rows[40]["loss/ce"] < rows[5]["loss/ce"]
+    assert [r["step"] for r in read_metrics(dump) if "eval/loss" in r] == [20, 40]
+    assert sorted(p.name for p in (dump / "checkpoints").iterdir()) == [f"{20:010d}", f"{40:010d}"]
+    assert (dump / "config.yaml").exists() and "vocab_size: 258" in (dump / "config.yaml").read_text()

@@ -69,10 +69,15 @@ def find_violations(source: str, filename: str = "<string>") -> list[str]:
     return bad
 
 
-def test_every_collective_names_its_group():
+def scan_sources(finder) -> list[str]:
+    """`finder(source, filename)` over every .py file of lingua/ and apps/."""
     files = sorted(p for d in ("lingua", "apps") for p in (ROOT / d).rglob("*.py"))
     assert files, "no source files found"
-    violations = [v for f in files for v in find_violations(f.read_text(), str(f.relative_to(ROOT)))]
+    return [v for f in files for v in finder(f.read_text(), str(f.relative_to(ROOT)))]
+
+
+def test_every_collective_names_its_group():
+    violations = scan_sources(find_violations)
     assert not violations, "collectives on the implicit default group:\n" + "\n".join(violations)
 
 
@@ -98,3 +103,104 @@ def test_rule_catches_default_group_calls(snippet):
 ])
 def test_rule_accepts_named_groups(snippet):
     assert find_violations(snippet) == []
+
+
+# ---- the launcher's rank facts are read from the environment, never written into it ----
+
+RANK_FACTS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+              "MASTER_PORT"}
+ENVIRON_WRITES = {"setdefault", "pop", "update", "__setitem__", "__delitem__"}
+
+
+def _literal_keys(node: ast.AST) -> set[str]:
+    """String keys of a dict literal, or of a list/tuple literal of (key, value) pairs."""
+    if isinstance(node, ast.Dict):
+        return {k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return {e.elts[0].value for e in node.elts if isinstance(e, (ast.List, ast.Tuple)) and e.elts
+                and isinstance(e.elts[0], ast.Constant) and isinstance(e.elts[0].value, str)}
+    return set()
+
+
+def find_rank_fact_writes(source: str, filename: str = "<string>") -> list[str]:
+    """'file:line: what' for each write of a rank fact (a literal key) to os.environ / os.putenv / os.unsetenv.
+
+    Follows import aliases (`from os import environ`, `import os as o`) and plain aliases of the
+    mapping (`env = os.environ`); keys computed at run time are out of its reach.
+    """
+    tree = ast.parse(source, filename=filename)
+    imported = _qualified_names(tree)
+
+    def qualified(node):
+        parts = _dotted(node)
+        return ".".join([imported.get(parts[0], parts[0])] + parts[1:]) if parts else None
+
+    aliases = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) and qualified(node.value) == "os.environ"
+               for t in node.targets if isinstance(t, ast.Name)}
+
+    def is_environ(node):
+        return qualified(node) == "os.environ" or (isinstance(node, ast.Name) and node.id in aliases)
+
+    def key_of(node):
+        return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+    bad = []
+
+    def flag(node, keys, how):
+        for key in sorted(set(keys) & RANK_FACTS):
+            bad.append(f"{filename}:{node.lineno}: {how} writes {key} into the environment")
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Subscript) and is_environ(t.value):
+                    flag(node, {key_of(t.slice)}, "del os.environ[...]" if isinstance(node, ast.Delete)
+                         else "os.environ[...] =")
+            if isinstance(node, ast.AugAssign) and is_environ(node.target):  # os.environ |= {...}
+                flag(node, _literal_keys(node.value), "os.environ |=")
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if qualified(func) in ("os.putenv", "os.unsetenv") and node.args:
+                flag(node, {key_of(node.args[0])}, qualified(func))
+            elif isinstance(func, ast.Attribute) and func.attr in ENVIRON_WRITES and is_environ(func.value):
+                keys = {k.arg for k in node.keywords if k.arg}
+                if node.args:
+                    keys |= {key_of(node.args[0])} if func.attr != "update" else _literal_keys(node.args[0])
+                flag(node, keys, f"os.environ.{func.attr}(...)")
+    return bad
+
+
+def test_no_code_writes_rank_facts_into_the_environment():
+    writes = scan_sources(find_rank_fact_writes)
+    assert not writes, "rank facts belong to the launcher; code only reads them:\n" + "\n".join(writes)
+
+
+def test_rank_fact_detector_flags_writes_and_only_writes():
+    writes = """\
+import os
+from os import environ as E, putenv
+os.environ["RANK"] = "0"
+del os.environ["WORLD_SIZE"]
+os.environ.update({"LOCAL_RANK": "0", "OTHER": "1"})
+os.environ.update(MASTER_ADDR="localhost")
+os.environ.setdefault("MASTER_PORT", "29500")
+os.environ.pop("NODE_RANK")
+os.putenv("GROUP_RANK", "0")
+E["LOCAL_WORLD_SIZE"] = "1"
+putenv("RANK", "0")
+env = os.environ
+env["RANK"] = "0"
+"""
+    found = find_rank_fact_writes(writes)
+    assert sorted(int(f.split(":")[1]) for f in found) == list(range(3, 12)) + [13], found
+    benign = """\
+import os
+rank = int(os.environ.get("RANK", 0))
+world = os.environ["WORLD_SIZE"]
+os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+os.environ.update({"OMP_NUM_THREADS": "1"}, PYTHONUNBUFFERED="1")
+env = dict(os.environ, RANK="0")  # a copy for a child process, not a write
+"""
+    assert find_rank_fact_writes(benign) == []

@@ -107,3 +107,22 @@ def test_progress_line_clear_erases_the_live_line_and_eta_needs_two_steps():
     progress.close()
     assert not stream.getvalue().endswith("\n")  # nothing open to end after clear()
     assert progress.eta(10) is None  # the last step has nothing left
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                        ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L40S", 362e12),
+                                        ("NVIDIA L4", 121e12), ("Some Future GPU", None)])
+def test_mfu_is_achieved_over_the_device_peak(monkeypatch, name, peak):
+    """MFU = FLOPs per token x this device's tokens/s / its peak bf16 FLOP/s (a GPU is faked by name)."""
+    from apps.main.transformer import get_num_flop_per_token
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    flops_per_token = get_num_flop_per_token(1_000_000_000, n_layers=16, dim=2048, seq_len=4096)
+    assert flops_per_token == 6e9 + 12 * 16 * 2048 * 4096
+    mfu = estimate_mfu(flops_per_token, 5_000, torch.device("cuda", 0))
+    if peak is None:
+        assert mfu is None
+    else:
+        assert mfu == pytest.approx(flops_per_token * 5_000 / peak)
+        assert 0 < mfu < 1

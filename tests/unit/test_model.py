@@ -74,7 +74,7 @@ def test_future_tokens_do_not_change_earlier_logits():
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("attn_impl", ["sdpa", "flex"])
+@pytest.mark.parametrize("attn_impl", ["sdpa", "flex", "xformers"])  # xformers/flex fall back to SDPA on CPU
 def test_doc_causal_documents_do_not_see_each_other(attn_impl):
     model = build(tiny_args(attn_mask="doc_causal", attn_impl=attn_impl))
     ids = tokens(2, 16, seed=1)
@@ -118,6 +118,22 @@ def test_doc_seqlens_and_cpu_fallback():
     # flex needs CUDA; on CPU the explicit-mask SDPA path runs instead.
     assert resolve_attn_impl("flex", torch.device("cpu")) == "sdpa"
     assert resolve_attn_impl("sdpa", torch.device("cuda")) == "sdpa"
+
+
+@pytest.mark.timeout(10)
+def test_xformers_missing_falls_back_with_one_warning(monkeypatch, caplog):
+    import importlib.util
+
+    from lingua import transformer
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "xformers" else real_find_spec(name, *a))
+    transformer._warn_once.cache_clear()
+    with caplog.at_level("WARNING", logger="lingua.transformer"):
+        on_gpu = resolve_attn_impl("xformers", torch.device("cuda"))  # a device object only; no GPU needed
+        on_cpu = resolve_attn_impl("xformers", torch.device("cpu"))
+    assert on_gpu == ("flex" if flex_attention is not None else "sdpa") and on_cpu == "sdpa"
+    assert sum("xformers is not installed" in r.message for r in caplog.records) == 1
 
 
 @pytest.mark.timeout(30)
