@@ -208,7 +208,8 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(f"student model: {n_params / 1e6:.2f}M parameters, vocab {args.model.vocab_size}")
     if topo.is_train_master and topo.mesh is not None:
-        logger.info(f"student mesh: {topo.mesh}")
+        mesh = topo.mesh
+        logger.info(f"student mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))} over ranks {mesh.mesh.tolist()}")
 
     teacher = None
     if args.enable_distillation:

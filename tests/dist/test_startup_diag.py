@@ -21,7 +21,7 @@ SPANS = {
                 ("first_teacher_round_trip", 5)],
     "teacher": [("imports", 1), ("init_process_group", 1), ("setup_torch_distributed", 2), ("rank_map", 2),
                 ("all_reduce.world", 1), ("barrier.world", 1), ("barrier.teachers", 2), ("barrier.bridge_0", 2),
-                ("teacher_load", 3)],
+                ("teacher_load", 3), ("teacher_handshake", 3)],
 }
 ONLY_IN_PHASE_1 = {"init_process_group"}  # the bare init; later phases use setup_torch_distributed
 TABLE_ROW = re.compile(r"^(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+r(\d+)$")

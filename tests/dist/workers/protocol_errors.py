@@ -35,9 +35,15 @@ def run(teacher_dir: str, mode: str, topo) -> None:
                 client.submit(bad, step=1, micro_step=0)
                 raise AssertionError("an out-of-range token id was sent to the teacher")
             except ValueError as err:
-                print(f"REFUSED: {err}", flush=True)
+                say(f"REFUSED: {err}")
         client.submit(tokens, step=1, micro_step=0).wait()
     client.stop(step=2)
+
+
+def say(line: str) -> None:
+    """One write per line: ranks share the pipe, and print's separate newline could interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def main(teacher_dir: str, mode: str) -> None:
@@ -45,9 +51,9 @@ def main(teacher_dir: str, mode: str) -> None:
     init_logger(topo.global_rank, topo.role)
     try:
         run(teacher_dir, mode, topo)
-        print(f"{mode.upper()} OK rank {topo.global_rank}", flush=True)
+        say(f"{mode.upper()} OK rank {topo.global_rank}")
     except Exception as err:  # the test reads each rank's sentence
-        print(f"FAILED rank {topo.global_rank}: {type(err).__name__}: {err}", flush=True)
+        say(f"FAILED rank {topo.global_rank}: {type(err).__name__}: {err}")
     finally:
         clean_up()
 
