@@ -1,8 +1,9 @@
 """FSDP2 checkpoint resume and sharded gradient clipping, under torchrun on CPU/gloo.
 
 The first run has 2 training ranks plus a bystander rank outside the training group (as a teacher
-would be): a checkpoint barrier or DCP call on the default group would hang it. The second run
-(2 ranks) resumes from the checkpoint and must reproduce the first run's losses.
+would be): a checkpoint barrier or DCP call on the default group would hang it. A second run dies
+in the middle of saving a later step. The third (2 ranks) resumes from the last complete checkpoint
+and must reproduce the first run's losses.
 """
 
 import json
@@ -32,6 +33,11 @@ def test_fsdp2_resume_reproduces_losses_and_clip_matches_unsharded(tmp_path):
     assert {".metadata", "params.json", "checkpoint.json", "train_state_00000.json", "train_state_00001.json"} <= names
     assert len([n for n in names if n.endswith(".distcp")]) == 2  # one shard file per training rank
     assert json.loads((ckpt / "checkpoint.json").read_text())["train_world_size"] == 2
+
+    # A real crash in the middle of a 2-rank save of step 6: step 3 must stay the latest, loadable one.
+    crashed = torchrun(2, ["crash", str(ckpt_root), str(out_dir)], timeout=120, module=WORKER)
+    assert crashed.returncode != 0 and "disk full (injected" in crashed.stdout, crashed.stdout[-6000:]
+    assert sorted(p.name for p in ckpt_root.iterdir()) == ["0000000003", "0000000006.tmp"]
 
     resumed = torchrun(2, ["resume", str(ckpt_root), str(out_dir)], timeout=120, module=WORKER)
     assert resumed.returncode == 0, resumed.stdout[-6000:]

@@ -7,6 +7,8 @@ the default group would pair with it and then hang instead of finishing.
 
   first   checks clip_grad_norm_ against an unsharded reference, then trains 3 steps, saves, trains
           3 more and writes the losses of steps 4-6 to <out_dir>/first.rank<r>.json.
+  crash   trains steps 1-6 again and saves step 6, but rank 1's write fails after its shard is on
+          disk (a full disk): the job dies mid-save, leaving 0000000006.tmp next to 0000000003.
   resume  builds the model from a different seed, loads the checkpoint, trains steps 4-6 and writes
           <out_dir>/resume.rank<r>.json.
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -140,6 +143,21 @@ def main(phase: str, ckpt_root: str, out_dir: str) -> None:
         result["losses_before"], _ = train_steps(model, optimizer, scheduler, range(1, 4), train_rank)
         train_state = dict(step=3, scheduler=scheduler.state_dict(), data=dict(next_step=4, train_rank=train_rank))
         ckpt.save(model, optimizer, train_state, 3, dict(model=dict(dim=DIM), steps=N_STEPS))
+    elif phase == "crash":
+        model = build_model(0, mesh)
+        optimizer, scheduler = build_optimizer(model, OPTIM, N_STEPS)
+        train_steps(model, optimizer, scheduler, range(1, 7), train_rank)
+        if train_rank == 1:
+            real_save = dcp.save
+
+            def write_then_fail(state, *, checkpoint_id, process_group):
+                real_save(state, checkpoint_id=checkpoint_id, process_group=process_group)
+                raise OSError("disk full (injected after rank 1 wrote its shard)")
+
+            dcp.save = write_then_fail
+        train_state = dict(step=6, scheduler=scheduler.state_dict(), data=dict(next_step=7, train_rank=train_rank))
+        ckpt.save(model, optimizer, train_state, 6, dict(model=dict(dim=DIM), steps=N_STEPS))
+        raise AssertionError("the injected save failure did not happen")
     else:
         model = build_model(999, mesh)
         optimizer, scheduler = build_optimizer(model, OPTIM, N_STEPS)
