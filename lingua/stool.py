@@ -353,7 +353,7 @@ def env_lines(args: StoolArgs, code_dir: Path) -> list[str]:
     lines = [args.env_activate] if args.env_activate else []
     lines += [
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
-        "# Port from the job id, below the ephemeral range (32768+): jobs on a node differ; a requeue reuses it.",
+        "# Port from the job id, below the ephemeral range (32768+), reused by a requeue; exports= can override it.",
         "export MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))",
         f"export OMP_NUM_THREADS={args.ncpu}",
         f'export PYTHONPATH={shlex.quote(str(code_dir))}"${{PYTHONPATH:+:$PYTHONPATH}}"',

@@ -64,6 +64,7 @@ if [ "${RESUME:-0}" != 1 ] && [ -f "$DUMP_DIR/config.yaml" ]; then
 fi
 
 # The config names data/...; another DATA_DIR is passed on as overrides (the user's come last and win).
+# Expanded as ${DATA_OVERRIDES[@]+...}: bash < 4.4 (macOS /bin/bash) calls an empty array unbound under set -u.
 DATA_OVERRIDES=()
 if [ "$DATA_DIR" != data ]; then
   DATA_OVERRIDES=(distillation.teacher_path="$TEACHER_DIR" data.tokenizer.path="$TEACHER_DIR" data.root_dir="$CORPUS_DIR")
@@ -71,7 +72,7 @@ fi
 
 echo "[demo] training: 2 students + 1 teacher on CPU, outputs in $DUMP_DIR"
 "$PY" -m torch.distributed.run --standalone --nproc-per-node 3 \
-  -m apps.main.train config="$CONFIG" "${DATA_OVERRIDES[@]}" "$@"
+  -m apps.main.train config="$CONFIG" ${DATA_OVERRIDES[@]+"${DATA_OVERRIDES[@]}"} "$@"
 
 "$PY" -m apps.plots "$DUMP_DIR" --out "$DUMP_DIR/plot.png"
 ELAPSED=$(( $(date +%s) - START ))

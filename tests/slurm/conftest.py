@@ -1,7 +1,8 @@
 """A real one-node SLURM cluster for the stool tests, set up by setup/slurm_local.sh when possible.
 
 The session fixture runs the script as root when slurm is installed or apt-get can install it, and
-skips every test here with the reason otherwise. Jobs are watched with squeue / scontrol (sacct
+skips every test here with the reason otherwise; every such skip goes through `cannot_run`, so that
+LINGUA_REQUIRE_SLURM=1 (CI) turns it into a failure. Jobs are watched with squeue / scontrol (sacct
 would need slurmdbd); each wait has a hard deadline after which the job is cancelled and the test
 fails with the job's state and logs.
 """
@@ -20,7 +21,7 @@ PARTITION = "debug"
 
 
 def cannot_run(reason: str):
-    """Skip, unless LINGUA_REQUIRE_SLURM=1 (set by .ci/run): then a missing cluster fails the run."""
+    """Skip, unless LINGUA_REQUIRE_SLURM=1 (set by .ci/run): then it fails. The only way tests/slurm skips."""
     if os.environ.get("LINGUA_REQUIRE_SLURM") == "1":
         pytest.fail(f"LINGUA_REQUIRE_SLURM=1 but the SLURM tests cannot run: {reason}")
     pytest.skip(reason)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.slurm.conftest import ROOT, describe_dump, wait_for, wait_for_job_end
+from tests.slurm.conftest import ROOT, cannot_run, describe_dump, wait_for, wait_for_job_end
 
 pytestmark = pytest.mark.slurm
 PY = sys.executable
@@ -141,9 +141,9 @@ def trainer_ready():
     result = subprocess.run([PY, "-c", "import apps.main.train"], cwd=ROOT, capture_output=True, text=True,
                             timeout=180)
     if result.returncode != 0:
-        pytest.skip(f"apps.main.train is not importable yet: {result.stderr.strip().splitlines()[-1:]}")
+        cannot_run(f"apps.main.train is not importable: {result.stderr.strip().splitlines()[-1:]}")
     if not (ROOT / "configs" / "distill_exps" / "debug_cpu.yaml").exists():
-        pytest.skip("configs/distill_exps/debug_cpu.yaml does not exist yet.")
+        cannot_run("configs/distill_exps/debug_cpu.yaml does not exist.")
 
 
 @pytest.fixture(scope="module")

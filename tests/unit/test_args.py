@@ -1,5 +1,7 @@
 """Config parsing: files + dotted overrides into dataclasses, readable errors for bad keys."""
 
+import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
@@ -27,15 +29,23 @@ def test_overrides_reach_nested_fields():
     assert args.model.dim == 128  # from the file
 
 
-@pytest.mark.parametrize("override, key, valid", [
-    ("stepz=3", "stepz", "steps"),
-    ("optim.lrr=1", "optim.lrr", "lr"),
-    ("data.tokenizer.nam=hf", "data.tokenizer.nam", "path"),
+@pytest.mark.parametrize("override, key, level, valid", [
+    ("stepz=3", "stepz", "", "steps"),
+    ("optim.lrr=1", "optim.lrr", "optim", "lr"),
+    ("data.tokenizer.nam=hf", "data.tokenizer.nam", "data.tokenizer", "name"),
 ])
-def test_unknown_key_names_the_key_and_the_valid_ones(override, key, valid):
+def test_unknown_key_names_the_key_and_the_valid_ones(override, key, level, valid):
     with pytest.raises(ValueError) as err:
         parse_args(TrainArgs, [override])
-    assert f"Unknown config key '{key}'" in str(err.value) and valid in str(err.value)
+    message = str(err.value)
+    intro = f"Unknown config key '{key}'. Valid keys{' under ' + level if level else ''} are: "
+    assert message.startswith(intro), message
+    # The listed keys are exactly that level's fields, sorted (the bad key itself contains "lr", "steps"...).
+    level_args = TrainArgs
+    for name in filter(None, level.split(".")):
+        level_args = typing.get_type_hints(level_args)[name]
+    listed = message[len(intro):].removesuffix(".").split(", ")
+    assert listed == sorted(f.name for f in dataclasses.fields(level_args)) and valid in listed, message
 
 
 def test_wrong_type_is_a_sentence():

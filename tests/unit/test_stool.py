@@ -1,5 +1,6 @@
 """lingua.stool without a cluster: argument handling, the generated script line by line, dry runs."""
 
+import ast
 import subprocess
 from pathlib import Path
 
@@ -152,6 +153,36 @@ def test_environment_is_set_when_the_script_runs(tmp_path, monkeypatch):
                             env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "123456",
                                  "SLURM_JOB_NODELIST": "node[7-8]"})
     assert result.stdout.split() == ["node7", str(10000 + 123456 % 20000), "8", "two", "words"], result.stderr
+
+
+def run_env_part(tmp_path: Path, dump: Path, script: str, job_id: int) -> str:
+    """The script's lines before `cd <code>`, run with a fake scontrol; returns "$MASTER_ADDR $MASTER_PORT"."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text("#!/bin/bash\nprintf 'node7\\nnode8\\n'\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    probe = tmp_path / "env.sh"
+    probe.write_text(script.split(f"cd {dump}/code")[0] + 'echo "$MASTER_ADDR $MASTER_PORT"\n')
+    result = subprocess.run(["bash", str(probe)], capture_output=True, text=True,
+                            env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": str(job_id),
+                                 "SLURM_JOB_NODELIST": "node[7-8]"})
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_master_port_stays_below_the_ephemeral_range(tmp_path, monkeypatch):
+    """Linux hands out outgoing ports from 32768 up by default: the rendezvous port never comes from there."""
+    dump, script = dry_run(tmp_path, monkeypatch)
+    ports = {job_id: int(run_env_part(tmp_path, dump, script, job_id).split()[1])
+             for job_id in (1, 19999, 20000, 29999, 123456, 4294967294)}
+    assert ports == {1: 10001, 19999: 29999, 20000: 10000, 29999: 19999, 123456: 13456, 4294967294: 17294}
+    assert max(ports.values()) < 32768
+
+
+def test_exports_can_override_the_master_port(tmp_path, monkeypatch):
+    """The escape hatch when the derived port is taken on the first node: user exports come after it."""
+    dump, script = dry_run(tmp_path, monkeypatch, exports={"MASTER_PORT": 23456})
+    assert run_env_part(tmp_path, dump, script, 123456) == "node7 23456"
 
 
 def test_torchrun_per_node(tmp_path, monkeypatch):
@@ -374,3 +405,32 @@ def test_every_combination_of_nodes_gpus_and_teachers(tmp_path, monkeypatch, nod
     else:
         assert "# distillation off: every rank is a student" in script
     bash_syntax_ok(script, tmp_path)
+
+
+# ---------------------------------------------------------------- tests/slurm never skips quietly in CI
+
+def test_cannot_run_skips_or_fails_with_lingua_require_slurm(monkeypatch):
+    from tests.slurm.conftest import cannot_run
+
+    monkeypatch.delenv("LINGUA_REQUIRE_SLURM", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no slurmctld here"):
+        cannot_run("no slurmctld here")
+    monkeypatch.setenv("LINGUA_REQUIRE_SLURM", "1")
+    with pytest.raises(pytest.fail.Exception, match="LINGUA_REQUIRE_SLURM=1 but the SLURM tests cannot run: no slurmctld"):
+        cannot_run("no slurmctld here")
+
+
+def test_slurm_tests_skip_only_through_cannot_run():
+    """A bare pytest.skip / skipif / importorskip / xfail in tests/slurm would pass CI without a cluster."""
+    skips = {"skip", "skipif", "importorskip", "xfail"}
+    found = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "slurm").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        allowed = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "cannot_run"
+                   for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in skips and id(node) not in allowed:
+                found.append(f"{path.name}:{node.lineno}: .{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pytest"):
+                found += [f"{path.name}:{node.lineno}: import {a.name}" for a in node.names if a.name in skips]
+    assert not found, "use tests.slurm.conftest.cannot_run instead:\n" + "\n".join(found)
