@@ -11,7 +11,6 @@ same order because `new_group` is collective:
   - teachers        the teacher ranks (teacher-side coordination).
 """
 
-import contextlib
 import faulthandler
 import logging
 import os
@@ -31,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 logger = logging.getLogger(__name__)
 comm_logger = logging.getLogger("lingua.comm")  # per-collective lines; DEBUG level only with distributed.debug
 _comm_sequence: dict[str, int] = {}
+_detail_check_groups: dict[str, list] = {}  # group name -> DETAIL's gloo check group(s), see keep_detail_check_groups
 
 
 @dataclass
@@ -108,7 +108,11 @@ class LaunchEnv:
 
 
 def read_launch_env() -> LaunchEnv:
-    """The one place that reads rank facts from the environment (torchrun, then srun)."""
+    """The one place that reads rank facts from the environment (torchrun, then srun).
+
+    Several SLURM tasks that cannot meet (no MASTER_ADDR, or a batch shell that is not an srun task)
+    are a readable error: falling back to one process would run N lone rank 0s in one dump_dir.
+    """
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return LaunchEnv(
@@ -116,13 +120,29 @@ def read_launch_env() -> LaunchEnv:
             int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])), env.get("MASTER_ADDR"),
             int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None, "torchrun",
         )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "MASTER_ADDR" in env:
-        ntasks_per_node = env.get("SLURM_NTASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1"))
-        local_world = int(ntasks_per_node.split("(")[0].split(",")[0])
-        return LaunchEnv(
-            int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
-            local_world, env["MASTER_ADDR"], int(env.get("MASTER_PORT", 29500)), "slurm",
-        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        # In an srun step the step's own counts apply; the batch shell has SLURM_NTASKS but is one process.
+        ntasks = int(env.get("SLURM_STEP_NUM_TASKS", env["SLURM_NTASKS"]))
+        if ntasks > 1:
+            if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
+                raise ValueError(
+                    f"This SLURM job has {ntasks} tasks but this process was not started by srun, so it would "
+                    f"wait for ranks that never come; start one process per rank with srun (MASTER_ADDR and "
+                    f"MASTER_PORT exported), use torchrun, or submit with `python -m lingua.stool`."
+                )
+            if "MASTER_ADDR" not in env:
+                raise ValueError(
+                    f"srun started {ntasks} tasks but MASTER_ADDR is not set, so they cannot find each other; "
+                    f"export MASTER_ADDR (the first node's hostname) and MASTER_PORT before srun, or submit "
+                    f"with `python -m lingua.stool`, whose submit.slurm exports both."
+                )
+            per_node = env.get("SLURM_STEP_TASKS_PER_NODE",
+                               env.get("SLURM_NTASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1")))
+            return LaunchEnv(
+                int(env["SLURM_PROCID"]), ntasks, int(env.get("SLURM_LOCALID", 0)),
+                int(per_node.split("(")[0].split(",")[0]), env["MASTER_ADDR"], int(env.get("MASTER_PORT", 29500)),
+                "slurm",
+            )
     return LaunchEnv(0, 1, 0, 1, None, None, "single")
 
 
@@ -266,6 +286,8 @@ def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir
         torch.backends.cudnn.allow_tf32 = args.matmul_allow_tf32
     if args.debug:
         enable_debug_env(dump_dir)
+    if dist.get_debug_level() == dist.DebugLevel.DETAIL:  # ours or the user's own TORCH_DISTRIBUTED_DEBUG
+        keep_detail_check_groups()
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` prints every stack
 
@@ -410,13 +432,101 @@ def all_groups(topo: Topology) -> list:
     return unique
 
 
+def keep_detail_check_groups() -> None:
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL, remember the gloo group torch creates next to each process
+    group, keyed by group name, so the two-phase switch can change its timeout too.
+
+    DETAIL wraps every backend in a `_ProcessGroupWrapper` whose own gloo group runs a monitored
+    barrier before each collective: a missing peer is detected there, under that group's timeout.
+    torch keeps no Python handle on it, so we record it as `_create_process_group_wrapper` makes it.
+    """
+    c10d = dist.distributed_c10d
+    create = getattr(c10d, "_create_process_group_wrapper", None)
+    if create is None or getattr(create, "keeps_check_groups", False) or not hasattr(c10d, "ProcessGroupGloo"):
+        return
+
+    def create_and_keep(*args, **kwargs):
+        gloo, made = c10d.ProcessGroupGloo, []
+
+        def gloo_kept(*gloo_args, **gloo_kwargs):
+            made.append(gloo(*gloo_args, **gloo_kwargs))
+            return made[-1]
+
+        c10d.ProcessGroupGloo = gloo_kept  # only while torch builds the wrapper; groups are made on one thread
+        try:
+            wrapper = create(*args, **kwargs)
+        finally:
+            c10d.ProcessGroupGloo = gloo
+        name = kwargs.get("store_prefix", args[1] if len(args) > 1 else None)
+        _detail_check_groups.setdefault(str(name), []).extend(made)
+        return wrapper
+
+    create_and_keep.keeps_check_groups = True
+    c10d._create_process_group_wrapper = create_and_keep
+
+
+def _timeout_backends(group) -> list[tuple[str, object]]:
+    """(label, backend) for every backend whose timeout governs `group`: each device's real backend,
+    unwrapped from DETAIL's `_ProcessGroupWrapper` (`wrapped_pg`), then DETAIL's gloo check group."""
+    found: list[tuple[str, object]] = []
+    for device in getattr(group, "_device_types", [torch.device("cpu")]):
+        try:
+            backend = group._get_backend(device)
+        except RuntimeError:
+            continue
+        backend = getattr(backend, "wrapped_pg", backend)
+        if not any(known is backend for _, known in found):
+            found.append((backend.name() if hasattr(backend, "name") else type(backend).__name__, backend))
+    for check in _detail_check_groups.get(str(getattr(group, "group_name", "")), []):
+        found.append(("DETAIL checks", check))
+    labels = [label for label, _ in found]
+    return [(f"{label} {labels[:i].count(label) + 1}" if labels.count(label) > 1 else label, backend)
+            for i, (label, backend) in enumerate(found)]
+
+
+def _backend_timeout_s(backend) -> Optional[float]:
+    """The timeout a backend will apply, read from its options (None where this torch hides it)."""
+    timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else None
+
+
+def group_timeouts(group) -> dict[str, Optional[float]]:
+    """Seconds each backend of `group` will wait, read back from the backends themselves."""
+    return {label: _backend_timeout_s(backend) for label, backend in _timeout_backends(group)}
+
+
+def set_group_timeout(group, seconds: float) -> dict[str, Optional[float]]:
+    """Set every backend of `group` (gloo or NCCL, wrapped by DETAIL or not) to `seconds`; returns
+    what each backend reports afterwards. torch's own `_set_pg_timeout` skips DETAIL's wrapper."""
+    timeout = timedelta(seconds=seconds)
+    for _, backend in _timeout_backends(group):
+        setter = getattr(backend, "_set_default_timeout", None) or getattr(backend, "set_timeout", None)
+        try:
+            if setter is not None:
+                setter(timeout)
+        except RuntimeError:  # a backend that cannot switch keeps its timeout; the read-back shows it
+            continue
+    return group_timeouts(group)
+
+
 def set_collective_timeout(topo: Topology, seconds: float) -> None:
-    """Switch every group of this rank (bridges included) to a new timeout (the two-phase scheme)."""
+    """Switch every group of this rank (bridges included) to a new timeout (the two-phase scheme).
+    The log line reports what the backends read back, not what was asked."""
     if not topo.distributed:
         return
-    for group in all_groups(topo):
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
-    logger.info(f"collective timeout set to {seconds:.0f}s on {len(all_groups(topo))} groups")
+    groups = all_groups(topo)
+    effective = {}
+    for group in groups:
+        name = topo.group_names.get(id(group)) or getattr(group, "group_desc", "?")
+        for label, value in set_group_timeout(group, seconds).items():
+            effective[f"{name} ({label})"] = value
+    values = set(effective.values())
+    if len(values) == 1 and None not in values:
+        logger.info(f"collective timeout set to {values.pop():.0f}s on {len(groups)} groups "
+                    f"({len(effective)} backends, read back)")
+    else:
+        logger.warning(f"collective timeout: asked for {seconds:.0f}s, the backends report " + ", ".join(
+            f"{key}={'unknown' if v is None else f'{v:.0f}s'}" for key, v in effective.items()))
 
 
 def enter_training_timeout(topo: Topology, seconds: float) -> None:
@@ -434,10 +544,15 @@ def enter_training_timeout(topo: Topology, seconds: float) -> None:
 
 
 def clean_up() -> None:
-    """Destroy the process group on every exit path (normal, error, preemption)."""
+    """Destroy the process group on every exit path (normal, error, preemption), and say so: the
+    line in each rank's log proves that rank got out."""
     if dist.is_initialized():
-        with contextlib.suppress(Exception):
+        try:
             dist.destroy_process_group()
+            logger.info("process group destroyed")
+        except Exception as err:  # on the way out: report, never mask the exception that brought us here
+            logger.warning(f"destroying the process group failed: {type(err).__name__}: {err}")
+    _detail_check_groups.clear()
 
 
 def log_collective(op: str, group, *tensors) -> None:

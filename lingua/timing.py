@@ -50,14 +50,19 @@ class PhaseLog:
             self.record(phase, start, time.time())
 
 
-def read_phase_files(dump_dir: str) -> dict[str, dict[int, float]]:
-    """phase -> {rank: seconds} from every `startup.<rank>.jsonl` in `dump_dir`."""
+def read_phase_files(dump_dir: str, world_size: Optional[int] = None) -> dict[str, dict[int, float]]:
+    """phase -> {rank: seconds} from the `startup.<rank>.jsonl` files in `dump_dir`.
+
+    With `world_size`, only ranks 0..world_size-1 count: each of those files was rewritten by this
+    launch, while a higher rank's file is left over from an earlier, larger launch in the same dump_dir.
+    """
     table: dict[str, dict[int, float]] = defaultdict(dict)
     for path in sorted(Path(dump_dir).glob("startup.*.jsonl")):
         for line in path.read_text().splitlines():
             if line.strip():
                 row = json.loads(line)
-                table[row["phase"]][row["rank"]] = row["seconds"]
+                if world_size is None or row["rank"] < world_size:
+                    table[row["phase"]][row["rank"]] = row["seconds"]
     return dict(table)
 
 

@@ -154,15 +154,11 @@ def student_startup(args: TrainArgs, topo: Topology, phases: PhaseLog, phase: in
 # ---------------------------------------------------------------- driver
 
 def print_report(phases: PhaseLog, rank: int, world_size: int, out_dir: Path, phase: int) -> None:
-    """This rank's spans in one line; rank 0 adds the all-ranks table (files of other world sizes ignored)."""
+    """This rank's spans in one line; rank 0 adds the table of this launch's ranks (not stale higher ranks)."""
     logger.info(f"phase {phase} timings: " + ", ".join(f"{name} {s:.2f}s" for name, s in phases.durations.items()))
     if rank != 0:
         return
-    table = {}
-    for name, per_rank in read_phase_files(str(out_dir)).items():
-        current = {r: s for r, s in per_rank.items() if r < world_size}
-        if current:
-            table[name] = current
+    table = read_phase_files(str(out_dir), world_size=world_size)
     logger.info(f"startup phase {phase} ({PHASES[phase]}), all ranks; per-rank spans in "
                 f"{out_dir}/startup.<rank>.jsonl\n" + format_phase_table(table))
 

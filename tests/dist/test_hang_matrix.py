@@ -2,6 +2,7 @@
 readable error, in well under 60 s of its own."""
 
 import json
+import re
 import time
 
 import pytest
@@ -9,6 +10,26 @@ import pytest
 from tests.dist.conftest import distill_overrides, read_metrics, train_rows
 from tests.dist.launch import torchrun
 from tests.dist.test_train import assert_ok, signal_ranks
+
+
+def ranks_that_cleaned_up(stdout: str) -> set[int]:
+    """Global ranks whose log says `clean_up` destroyed their process group (the end of every exit path)."""
+    return {int(m.group(1)) for m in re.finditer(r"\[r(\d+) (?:student|teacher)\] INFO  lingua\.distributed: "
+                                                   r"process group destroyed$", stdout, flags=re.M)}
+
+
+def assert_agreed_preemption_save(result, dump) -> int:
+    """One checkpoint, at the last trained step, STOP sent by both students at that step, every rank out cleanly."""
+    assert_ok(result)
+    saved = [p for p in (dump / "checkpoints").iterdir() if not p.name.endswith(".tmp")]
+    assert len(saved) == 1, [p.name for p in saved]
+    step = int(saved[0].name)
+    assert max(train_rows(dump)) == step
+    assert len(re.findall(rf"sent STOP to teacher rank 2 at step {step}$", result.stdout, flags=re.M)) == 2, \
+        result.stdout[-4000:]
+    assert re.search(r"\[r2 teacher\] .*STOP received after", result.stdout) and "run preempted" in result.stdout
+    assert ranks_that_cleaned_up(result.stdout) == {0, 1, 2}, result.stdout[-4000:]
+    return step
 
 
 @pytest.mark.timeout(150)
@@ -21,12 +42,22 @@ def test_sigusr2_to_two_ranks_seconds_apart(corpus, tiny_teacher, tmp_path, rank
     result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=100000, inject_failure="stall:0@4"),
                       timeout=120, signal_plan=signal_ranks(dump, [(ranks[0], 0.0), (ranks[1], 2.0)],
                                                             delivered=delivered))
-    assert_ok(result)
+    assert assert_agreed_preemption_save(result, dump) == 4
     assert delivered == list(ranks)
     assert result.stdout.count("received SIGUSR2") + result.stderr.count("received SIGUSR2") == 2
-    saved = [p for p in (dump / "checkpoints").iterdir() if not p.name.endswith(".tmp")]
-    assert [int(p.name) for p in saved] == [4] and max(train_rows(dump)) == 4
-    assert "run preempted" in result.stdout and "STOP received" in result.stdout
+
+
+@pytest.mark.timeout(150)
+def test_sigusr2_to_the_teacher_alone(corpus, tiny_teacher, tmp_path):
+    # The teacher cannot stop anything itself: its bit rides on its next response, the students fold
+    # it into the agreed flags, save at that step, send STOP, and every rank (teacher too) exits 0.
+    dump = tmp_path / "run"
+    delivered: list[int] = []
+    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=100000), timeout=120,
+                      signal_plan=signal_ranks(dump, [(2, 0.0)], delivered=delivered))
+    step = assert_agreed_preemption_save(result, dump)
+    assert delivered == [2] and 3 <= step < 100000
+    assert result.stdout.count("received SIGUSR2") == 1, result.stdout[-4000:]
 
 
 @pytest.mark.timeout(90)
@@ -40,6 +71,7 @@ def test_student_raising_mid_step_ends_the_job_fast(corpus, tiny_teacher, tmp_pa
     assert result.returncode != 0
     assert "injected failure on train rank 1 at step 3" in result.stdout
     assert elapsed < 60, f"took {elapsed:.0f}s: some rank waited out a timeout"
+    assert 1 in ranks_that_cleaned_up(result.stdout), result.stdout[-4000:]  # the raising rank still cleans up
 
 
 @pytest.mark.timeout(150)
@@ -76,6 +108,21 @@ def test_debug_switch_turns_a_mismatched_collective_into_an_error(tmp_path):
     assert result.returncode != 0
     assert "ALLREDUCE" in result.stdout and "BROADCAST" in result.stdout, result.stdout[-3000:]
     assert time.time() - start < 60
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("debug", ["false", "true"], ids=["plain", "debug"])
+def test_training_timeout_really_shortens_the_wait_for_a_missing_peer(tmp_path, debug):
+    # Switched from 60 s to 3 s, rank 0 must give up on a stalled rank 1 after ~3 s, not 40 s. Under
+    # DETAIL the wait happens in the wrapper's gloo check group, which torch's own switch skips.
+    result = torchrun(2, [str(tmp_path), debug], timeout=75, module="tests.dist.workers.timeout_switch")
+    assert result.returncode != 0
+    match = re.search(r"TIMED OUT after ([\d.]+)s: (.*)", result.stdout)
+    assert match, result.stdout[-4000:]
+    assert 2.5 <= float(match.group(1)) < 15, match.group(0)
+    assert re.search(r"3000 ?ms", match.group(2)), match.group(0)
+    assert ("monitoredBarrier" in match.group(2)) == (debug == "true"), match.group(0)
+    assert result.stdout.count("collective timeout set to 3s on ") == 2, result.stdout[-4000:]  # read back, both ranks
 
 
 @pytest.mark.timeout(150)

@@ -1,4 +1,5 @@
-"""The debug switch's environment, and the two ways a stuck rank prints its Python stack.
+"""The debug switch's environment, the timeout switch with and without it, and the two ways a stuck
+rank prints its Python stack.
 
 Each case runs in a fresh interpreter: the switch sets process-wide torch state (debug level, env).
 """
@@ -69,3 +70,37 @@ def test_sigusr1_prints_every_stack_and_the_rank_goes_on():
             "print('still running')\n")
     result = survives(code, "still running")
     assert "training_step" in result.stderr and "File " in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("debug", [True, False], ids=["DETAIL", "plain"])
+def test_timeout_switch_reaches_the_backend_with_and_without_detail(tmp_path, debug):
+    # torch's _set_pg_timeout only warns on DETAIL's wrapper and leaves the timeout as it was; here the
+    # value is read back from torch itself, through the wrapper, on the world and on a new group.
+    code = ("import json, logging, torch\n"
+            "import torch.distributed as dist\n"
+            "from lingua import distributed as ld\n"
+            "logging.basicConfig(level=logging.INFO)\n"
+            f"args = ld.DistributedArgs(debug={debug}, init_timeout_s=100)\n"
+            f"topo = ld.setup_torch_distributed(args, dump_dir={str(tmp_path)!r})\n"
+            "def from_torch(group):\n"
+            "    backend = group._get_backend(torch.device('cpu'))\n"
+            "    real = getattr(backend, 'wrapped_pg', backend)\n"
+            "    return [type(backend).__name__, real.options._timeout.total_seconds()]\n"
+            "out = {}\n"
+            "for name, group in (('world', dist.group.WORLD), ('train', topo.train_group)):\n"
+            "    before = from_torch(group)\n"
+            "    reported = ld.set_group_timeout(group, 7)\n"
+            "    out[name] = dict(before=before, after=from_torch(group), reported=reported)\n"
+            "ld.clean_up()\n"
+            "print(json.dumps(out))\n")
+    result = python(code)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    backend = "_ProcessGroupWrapper" if debug else "ProcessGroupGloo"
+    for group in ("world", "train"):
+        assert out[group]["before"] == [backend, 100.0], out
+        assert out[group]["after"] == [backend, 7.0], out
+        # Under DETAIL the wrapper's own gloo check group (a missing peer is noticed there) switches too.
+        assert out[group]["reported"] == ({"gloo": 7.0, "DETAIL checks": 7.0} if debug else {"gloo": 7.0}), out
+    assert "only supported for either nccl or gloo" not in result.stderr
+    assert "INFO:lingua.distributed:process group destroyed" in result.stderr
