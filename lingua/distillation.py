@@ -3,28 +3,35 @@
 Protocol (everything on `topo.bridge_group`: teacher i + its contiguous block of students):
 
 1. Handshake: one all_gather of a fixed-size record from every bridge member. The teacher's says
-   ok/error (with the load error's text), its vocab, max positions, tokenizer fingerprint and the
-   output format (format, k) it will serve; each student's says its vocab, tokenizer fingerprint
-   and the largest batch it will send. Every rank checks every record the same way, then one
-   all_gather over the world shares each rank's verdict, so a bad teacher path (in any bridge) or
-   a vocab mismatch raises the same sentence on every rank within seconds, never a watchdog timeout.
+   ok/error (with the load error's text), its vocab, max positions and tokenizer fingerprint; each
+   student's says its vocab, tokenizer fingerprint and the largest batch it will send; both carry
+   the settings they must share (`AGREED_SETTINGS`: output format, k, wire dtype, temperature).
+   Every rank checks every record the same way, then one all_gather over the world shares each
+   rank's verdict, so a bad teacher path (in any bridge), a settings or a vocab mismatch raises the
+   same sentence on every rank within seconds, never a watchdog timeout.
 2. Request, once per micro-batch: each student gathers one int32 buffer onto the teacher: a header
-   (op, step, micro_step, bsz, seqlen) then its tokens, padded to the largest shape announced at
-   the handshake. The teacher checks the headers agree, runs one forward over all rows, and
-   scatters to each student a byte buffer: a status record, then exactly that student's rows of
-   sparse outputs (`lingua.kd_loss.TeacherOutputs`). An error on the teacher travels in the
-   status record, so students raise it instead of waiting.
+   (op, step, micro_step, bsz, seqlen, train rank, out-of-range-token flag) then its tokens, padded
+   to the largest shape announced at the handshake. The teacher checks the headers agree, runs one
+   forward over all rows, and scatters to each student a byte buffer: a status record (with the
+   teacher's busy/idle seconds and peak memory), then exactly that student's rows of sparse outputs
+   (`lingua.kd_loss.TeacherOutputs`). An error on the teacher travels in the status record, so
+   students raise it instead of waiting.
 3. STOP: the same exchange with op=STOP; the teacher answers and leaves its loop. The teacher never
    counts steps: a resumed run simply starts sending step N.
 
 Both collectives of a request are posted asynchronously (`submit`), so the teacher's forward runs
 while the student computes its own; `handle.wait()` returns the outputs.
+
+Timing on CUDA: NCCL's blocking calls only order streams, the CPU returns at once. So the teacher's
+idle time ends when the headers reach the CPU and its busy time when its stream has run the forward,
+and a student's wait starts after its own queued work and ends when the response has landed.
 """
 
 import contextlib
 import hashlib
 import json
 import logging
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,21 +42,48 @@ import torch.distributed as dist
 
 from lingua.distributed import HangWatch, PreemptionFlag, Topology, log_collective, set_collective_timeout
 from lingua.kd_loss import TeacherOutputs, sparsify_teacher_logits
+from lingua.metrics import MemoryMonitor
 
 logger = logging.getLogger(__name__)
 
 OP_FORWARD, OP_STOP, OP_ERROR = 1, 2, 3
 OP_NAMES = {OP_FORWARD: "FORWARD", OP_STOP: "STOP", OP_ERROR: "ERROR"}
-HEADER_INTS = 8  # op, step, micro_step, bsz, seqlen, train_rank, 0, 0
+HEADER_INTS = 8  # op, step, micro_step, bsz, seqlen, train_rank, bad_tokens, 0
 RECORD_FIELDS = 16  # int64 fields of a handshake record / response status
 MESSAGE_BYTES = 2048
 RECORD_BYTES = RECORD_FIELDS * 8 + MESSAGE_BYTES
 FORMATS = ("topk", "sampled", "full")
+WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+WIRE_NAMES = tuple(WIRE_DTYPES)
+# Handshake record: role (1 teacher, 2 student), status, vocab, tokenizer fingerprint, max positions,
+# max bsz, max seqlen, global rank, then the agreed settings from this index on.
+SETTINGS_FIELD = 8
+TEACHER_PREPARE_HINT = (
+    "point distillation.teacher_path at a transformers checkpoint directory, or make one: "
+    "`python -m setup.prepare_teacher --out {path}` (SmolLM2-135M-Instruct, the demo teacher) or "
+    "`python -m setup.make_tiny_teacher --out {path}` (the tiny test teacher)"
+)
 
 
 class TeacherError(RuntimeError):
     """A teacher-side failure every bridge member reports in the same words (load, request, forward)."""
-WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+# What teacher and students must agree on, each as (name, encode args -> int64, decode int64 -> value).
+AGREED_SETTINGS = (
+    ("output", lambda a: FORMATS.index(a.output), lambda v: FORMATS[v]),
+    ("k", lambda a: a.k, int),  # top-k ids, or samples per position for "sampled"
+    ("wire_dtype", lambda a: WIRE_NAMES.index(a.wire_dtype), lambda v: WIRE_NAMES[v]),
+    ("temperature", lambda a: _float_bits(a.temperature), _bits_float),  # applied by the teacher, used by the loss
+)
 
 
 @dataclass
@@ -147,11 +181,21 @@ class BridgeSpec:
         return HEADER_INTS + self.max_bsz * self.max_seqlen
 
 
+def settings_fields(args: DistillationArgs) -> list[int]:
+    """This rank's agreed settings as handshake record fields (from SETTINGS_FIELD on)."""
+    return [encode(args) for _, encode, _ in AGREED_SETTINGS]
+
+
+def _settings(fields: list[int]) -> dict:
+    return {name: decode(fields[SETTINGS_FIELD + i]) for i, (name, _, decode) in enumerate(AGREED_SETTINGS)}
+
+
 def agreed_handshake(topo: Topology, my_record: torch.Tensor, args: DistillationArgs) -> BridgeSpec:
     """Handshake on my bridge, then every rank's verdict over the world: a failure in one bridge
     (teacher 1 could not load) stops the ranks of every bridge with its sentence, not only its own."""
     try:
-        spec, error = _check_handshake(topo, _handshake(topo, my_record), args), None
+        bridge_ranks = dist.get_process_group_ranks(topo.bridge_group)
+        spec, error = check_handshake(_handshake(topo, my_record), bridge_ranks, topo.my_teacher, args), None
     except (TeacherError, ValueError) as err:
         spec, error = None, err
     verdicts: list[Optional[str]] = [None] * topo.world_size
@@ -176,27 +220,31 @@ def _handshake(topo: Topology, my_record: torch.Tensor) -> list[tuple[list[int],
     return [_unpack_record(r) for r in records]
 
 
-def _check_handshake(topo: Topology, records, args: DistillationArgs) -> BridgeSpec:
-    """The same checks on every bridge member, so every rank raises the same sentence."""
-    bridge_ranks = dist.get_process_group_ranks(topo.bridge_group)
-    teacher_index = bridge_ranks.index(topo.my_teacher)
-    (_, t_status, t_vocab, t_fingerprint, t_max_pos, _, _, _, t_output, t_k, *_), t_message = records[teacher_index]
+def check_handshake(records: list[tuple[list[int], str]], bridge_ranks: list[int], teacher_rank: int,
+                    args: DistillationArgs) -> BridgeSpec:
+    """The same checks on every bridge member (records in bridge order), so every rank raises the same sentence."""
+    t_fields, t_message = records[bridge_ranks.index(teacher_rank)]
+    _, t_status, t_vocab, t_fingerprint, t_max_pos = t_fields[:5]
     if t_status != 0:
-        raise TeacherError(f"Teacher rank {topo.my_teacher} failed to load: {t_message}")
-    if (FORMATS[t_output], t_k) != (args.output, args.k):
-        raise ValueError(
-            f"Teacher rank {topo.my_teacher} serves distillation.output={FORMATS[t_output]} k={t_k} but rank "
-            f"{topo.global_rank}'s config asks for output={args.output} k={args.k}; give every rank the same "
-            f"distillation.output and distillation.k."
-        )
+        raise TeacherError(f"Teacher rank {teacher_rank} failed to load: {t_message}")
+    served = _settings(t_fields)
+    students = [(rank, fields) for rank, (fields, _) in zip(bridge_ranks, records) if rank != teacher_rank]
+    for rank, fields in students:
+        asked = _settings(fields)
+        differ = [name for name in served if asked[name] != served[name]
+                  and not (name == "k" and served["output"] == asked["output"] == "full")]  # full sends no ids
+        if differ:
+            detail = ", ".join(f"distillation.{name} is {served[name]} on the teacher but {asked[name]} on the student"
+                               for name in differ)
+            raise ValueError(f"Teacher rank {teacher_rank} and student rank {rank} disagree: {detail}; give every "
+                             f"rank the same distillation settings (one config for the whole job).")
     max_bsz = max_seqlen = 0
-    for rank, ((kind, _, s_vocab, s_fingerprint, _, s_bsz, s_seqlen, *_), _) in zip(bridge_ranks, records):
-        if rank == topo.my_teacher:
-            continue
+    for rank, (_, _, s_vocab, s_fingerprint, _, s_bsz, s_seqlen, *_) in students:
         if s_fingerprint != t_fingerprint or s_vocab > t_vocab:
+            same_size = ", the same size but different tokens" if s_vocab == t_vocab else ""
             raise ValueError(
                 f"Student rank {rank}'s tokenizer (vocab {s_vocab}) does not match the teacher's "
-                f"(vocab {t_vocab}) at {args.teacher_path}. Students must use the teacher's tokenizer: "
+                f"(vocab {t_vocab}{same_size}) at {args.teacher_path}. Students must use the teacher's tokenizer: "
                 f"set data.tokenizer.name=hf data.tokenizer.path={args.teacher_path}."
             )
         max_bsz, max_seqlen = max(max_bsz, s_bsz), max(max_seqlen, s_seqlen)
@@ -206,8 +254,15 @@ def _check_handshake(topo: Topology, records, args: DistillationArgs) -> BridgeS
             f"positions; set data.seq_len <= {t_max_pos}."
         )
     # Students' logits cover their tokenizer's vocab; teacher rows beyond it are padding and are cut.
-    student_vocab = next(r[0][2] for rank, r in zip(bridge_ranks, records) if rank != topo.my_teacher)
-    return BridgeSpec(max_bsz, max_seqlen, student_vocab, FORMATS[t_output], t_k, WIRE_DTYPES[args.wire_dtype])
+    student_vocab = students[0][1][2]
+    return BridgeSpec(max_bsz, max_seqlen, student_vocab, served["output"], served["k"],
+                      WIRE_DTYPES[served["wire_dtype"]])
+
+
+def _synchronize(device: torch.device) -> None:
+    """Block the CPU until `device`'s current stream has run (a no-op on CPU, where nothing is queued)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 # ---------------------------------------------------------------- student side
@@ -222,9 +277,12 @@ class TeacherHandle:
         self.wait_s = 0.0
 
     def wait(self) -> TeacherOutputs:
+        device = self.client.topo.device
+        _synchronize(device)  # our own queued forward is compute, not teacher time
         start = time.perf_counter()
         for work in self.works:
             work.wait()
+        _synchronize(device)  # on NCCL wait() only orders our stream after the transfer: block until it landed
         self.wait_s = time.perf_counter() - start
         self.client.total_wait_s += self.wait_s
         if self.client.first_round_trip is None:
@@ -240,19 +298,35 @@ class TeacherClient:
         assert topo.is_student and topo.bridge_group is not None
         self.args, self.topo = args, topo
         self.teacher_rank = topo.my_teacher
-        record = _pack_record([2, 0, n_words, tokenizer_fingerprint(vocab), 0, max_bsz, max_seqlen, topo.global_rank])
+        record = _pack_record([2, 0, n_words, tokenizer_fingerprint(vocab), 0, max_bsz, max_seqlen, topo.global_rank,
+                               *settings_fields(args)])
         self.spec = agreed_handshake(topo, record, args)
         self.n_words = n_words
         self.total_wait_s = 0.0
         self.first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done)
-        self.teacher_busy = 0.0  # teacher's busy fraction, reported in each response
+        # The teacher's cumulative serving clock and peak memory, as of its latest response.
+        self.teacher_busy_s = self.teacher_idle_s = self.teacher_peak_gib = 0.0
         self.teacher_preempt = False  # the teacher received a preemption signal
-        self.bytes_up = self.bytes_down = 0
+        self.bytes_up = self.bytes_down = 0  # sizes of the buffers this rank handed to gather / got from scatter
+        # On an accelerator a host-side range check would sync every micro-batch: the teacher checks a
+        # header flag instead (both paths refuse out-of-range ids; tests drive the flag path on CPU too).
+        self.check_tokens_before_sending = topo.device.type == "cpu"
         self.stopped = False
         logger.info(
             f"teacher rank {self.teacher_rank} ready: output={self.spec.output} k={self.spec.k} "
             f"vocab={self.spec.vocab_size} buffers [{self.spec.max_bsz} x {self.spec.max_seqlen}]"
         )
+
+    @property
+    def teacher_busy(self) -> float:
+        """Fraction of the teacher's time since the handshake spent computing (vs waiting for requests)."""
+        return self.teacher_busy_s / max(self.teacher_busy_s + self.teacher_idle_s, 1e-9)
+
+    def metrics(self) -> dict[str, float]:
+        """Bridge metrics for a log row; all cumulative since launch, so a window is a difference of two rows."""
+        return {"kd/teacher_busy": self.teacher_busy, "kd/teacher_busy_s": self.teacher_busy_s,
+                "kd/teacher_idle_s": self.teacher_idle_s, "kd/teacher_peak_gib": self.teacher_peak_gib,
+                "kd/bytes_up": self.bytes_up, "kd/bytes_down": self.bytes_down}
 
     def _post(self, op: int, step: int, micro_step: int, tokens: Optional[torch.Tensor]) -> TeacherHandle:
         bsz, seqlen = (0, 0) if tokens is None else tuple(tokens.shape)
@@ -264,11 +338,14 @@ class TeacherClient:
         request = torch.zeros(self.spec.request_ints(), dtype=torch.int32, device=self.topo.device)
         request[:6] = torch.tensor([op, step, micro_step, bsz, seqlen, self.topo.train_rank], dtype=torch.int32)
         if tokens is not None:
-            if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.n_words):
-                raise ValueError(
-                    f"Token ids must be in [0, {self.n_words}) for the teacher's vocabulary, got "
-                    f"[{int(tokens.min())}, {int(tokens.max())}] at step {step}."
-                )
+            if self.check_tokens_before_sending:
+                if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.n_words):
+                    raise ValueError(
+                        f"Token ids must be in [0, {self.n_words}) for the teacher's vocabulary, got "
+                        f"[{int(tokens.min())}, {int(tokens.max())}] at step {step}."
+                    )
+            else:
+                request[6] = ((tokens < 0) | (tokens >= self.n_words)).any()
             grid = request[HEADER_INTS:].view(self.spec.max_bsz, self.spec.max_seqlen)
             grid[:bsz, :seqlen] = tokens.to(device=self.topo.device, dtype=torch.int32)
         response = torch.empty(self.spec.response_bytes(), dtype=torch.uint8, device=self.topo.device)
@@ -276,7 +353,9 @@ class TeacherClient:
         log_collective(f"gather+scatter request op={OP_NAMES[op]} step={step}.{micro_step}", group, request, response)
         up = dist.gather(request, None, dst=self.teacher_rank, group=group, async_op=True)
         down = dist.scatter(response, None, src=self.teacher_rank, group=group, async_op=True)
-        self.bytes_up += 4 * bsz * seqlen
+        # What goes over the bridge is the whole framed buffer (header/status, padding), not only the payload.
+        self.bytes_up += request.numel() * request.element_size()
+        self.bytes_down += response.numel() * response.element_size()
         return TeacherHandle(self, [up, down], response, bsz, seqlen, step)
 
     def submit(self, input_ids: torch.Tensor, step: int, micro_step: int) -> TeacherHandle:
@@ -300,14 +379,14 @@ class TeacherClient:
         fields, message = _unpack_record(response[:RECORD_BYTES])
         if fields[0] != 0:
             raise TeacherError(f"Teacher rank {self.teacher_rank} failed at step {step}: {message}")
-        self.teacher_busy = fields[1] / 1e6
-        self.teacher_preempt = self.teacher_preempt or bool(fields[2])
+        self.teacher_preempt = self.teacher_preempt or bool(fields[1])
+        self.teacher_busy_s, self.teacher_idle_s = fields[2] / 1e6, fields[3] / 1e6
+        self.teacher_peak_gib = fields[4] / 2**30
         payload = response[RECORD_BYTES:]
         tensors = []
         for (shape, dtype), (offset, nbytes) in zip(self.spec.payload_spec(), _segments(self.spec.payload_spec())):
             t = payload[offset: offset + nbytes].view(dtype).view(shape)
             tensors.append(t[:bsz, :seqlen])
-            self.bytes_down += nbytes * bsz * seqlen // (self.spec.max_bsz * self.spec.max_seqlen)
         return TeacherOutputs.from_tensors(self.spec.output, tensors)
 
 
@@ -322,27 +401,47 @@ def _teacher_dtype(args: DistillationArgs, device: torch.device) -> torch.dtype:
     return names[args.teacher_dtype]
 
 
+def _short_reason(err: BaseException, limit: int = 400) -> str:
+    """An exception as one line, cut to `limit` characters (transformers' messages can list every model type)."""
+    text = " ".join(f"{type(err).__name__}: {err}".split()).rstrip(".")  # the sentence goes on after it
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def load_teacher(args: DistillationArgs, device: torch.device):
-    """(model, tokenizer) from a local directory or a hub id; raises with a readable reason."""
+    """(model, tokenizer) from a local directory or a hub id; any failure is one sentence naming the path,
+    the reason and how to prepare a teacher."""
+    from huggingface_hub import is_offline_mode
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a progress bar per rank garbles the logs
 
     path = args.teacher_path
-    looks_local = path.startswith((".", "/", "~")) or Path(path).exists() or path.count("/") != 1
-    if looks_local and not Path(path).expanduser().is_dir():
-        raise FileNotFoundError(
-            f"teacher path '{path}' does not exist. Set distillation.teacher_path to a transformers model "
-            f"directory (python -m setup.prepare_teacher prepares SmolLM2-135M-Instruct offline)."
-        )
+    local = Path(path).expanduser()
+    hint = TEACHER_PREPARE_HINT.format(path=path)
+    # "org/name" that is not on disk may be a hub id; anything else must be a local directory.
+    hub_like = not path.startswith((".", "/", "~")) and path.count("/") == 1 and not local.exists()
+    if not hub_like and not local.is_dir():
+        what = "is a file, not a directory" if local.exists() else "does not exist"
+        raise FileNotFoundError(f"teacher path '{path}' {what}; {hint}.")
+    source = path if hub_like else str(local)
     dtype = _teacher_dtype(args, device)
     kwargs = dict(dtype=dtype)
     if args.attn_implementation:
         kwargs["attn_implementation"] = args.attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as err:  # empty dir, truncated safetensors, missing tokenizer, unknown hub id, ...
+        if hub_like:
+            offline = ", and the Hugging Face hub is offline (HF_HUB_OFFLINE)" if is_offline_mode() else ""
+            raise FileNotFoundError(
+                f"teacher path '{path}' is neither a local directory (nothing at {local.resolve()}) nor a hub model "
+                f"that could be loaded{offline}: {_short_reason(err)}; {hint}."
+            ) from err
+        raise ValueError(f"teacher directory '{path}' could not be loaded ({_short_reason(err)}); {hint}.") from err
+    model = model.to(device).eval()
     model.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 
 
@@ -370,12 +469,13 @@ class TeacherServer:
             logger.error(f"teacher failed to load: {message}")
         if phases is not None:
             phases.record("teacher_load", start_wall, time.time())
-        record = _pack_record([1, status, vocab, fingerprint, max_pos, 0, 0, topo.global_rank,
-                               FORMATS.index(args.output), args.k], message)
+        record = _pack_record([1, status, vocab, fingerprint, max_pos, 0, 0, topo.global_rank, *settings_fields(args)],
+                              message)
         with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
             self.spec = agreed_handshake(topo, record, args)
         self.bridge_ranks = dist.get_process_group_ranks(topo.bridge_group)
         self.generator = torch.Generator(device=topo.device).manual_seed(args.seed + topo.global_rank)
+        self.memory = MemoryMonitor(topo.device)
         self.busy_s = self.idle_s = 0.0
         self.requests = 0
         # A signal on the teacher cannot stop anything by itself: it rides on every response, and the
@@ -385,18 +485,20 @@ class TeacherServer:
     def serve(self, timeouts: Optional[tuple[float, float]] = None) -> None:
         """The loop. Returns after a STOP; raises (after telling the students) on any error.
 
-        `timeouts` = (init, train) seconds: the first request is awaited under the generous one (the
-        students may still be loading checkpoints or compiling); once it is served the bridge has
-        met, and every group switches to the short one. Each wait arms a stack dump shortly before
-        the timeout in force, so a teacher stuck waiting says where.
+        `timeouts` = (init, train) seconds. The generous one holds through the students' whole first
+        step (checkpoint load, compile, the first backward, optimizer, a save): every group switches
+        to the short one when a request of a later step than the first request's (or a STOP)
+        arrives -- the step comes from the headers, so a resumed run works the same. Each wait arms
+        a stack dump shortly before the timeout in force, so a teacher stuck waiting says where.
         """
-        spec, group = self.spec, self.topo.bridge_group
+        spec, group, device = self.spec, self.topo.bridge_group, self.topo.device
         hang_watch = HangWatch() if timeouts is not None else None
         timeout_s = timeouts[0] if timeouts is not None else None
+        first_step, in_training = None, False  # the step of this launch's first request; short timeout on?
         n = len(self.bridge_ranks)
         mine = self.bridge_ranks.index(self.topo.global_rank)
-        gather_list = [torch.empty(spec.request_ints(), dtype=torch.int32, device=self.topo.device) for _ in range(n)]
-        request = torch.zeros(spec.request_ints(), dtype=torch.int32, device=self.topo.device)
+        gather_list = [torch.empty(spec.request_ints(), dtype=torch.int32, device=device) for _ in range(n)]
+        request = torch.zeros(spec.request_ints(), dtype=torch.int32, device=device)
         last_report = time.perf_counter()
         while True:
             wait_start = time.perf_counter()
@@ -404,34 +506,44 @@ class TeacherServer:
                 hang_watch.arm(timeout_s)
             log_collective("gather request (teacher)", group, request)
             dist.gather(request, gather_list, dst=self.topo.global_rank, group=group)
+            students = [(r, gather_list[i]) for i, r in enumerate(self.bridge_ranks) if i != mine]
+            # One copy to the CPU for all headers; on NCCL this is where the wait for the request really ends.
+            header_rows = torch.stack([buf[:HEADER_INTS] for _, buf in students]).tolist()
             work_start = time.perf_counter()
             self.idle_s += work_start - wait_start
-            students = [(r, gather_list[i]) for i, r in enumerate(self.bridge_ranks) if i != mine]
-            headers = {r: buf[:HEADER_INTS].tolist() for r, buf in students}
+            headers = {r: h for (r, _), h in zip(students, header_rows)}
             ops = {h[0] for h in headers.values()}
-            error = self._check_headers(headers)
-            responses = [torch.zeros(spec.response_bytes(), dtype=torch.uint8, device=self.topo.device) for _ in range(n)]
+            step = header_rows[0][1]
+            if first_step is None:
+                first_step = step
+            if timeouts is not None and not in_training and (step > first_step or OP_STOP in ops):
+                # The students finished their first step (they only send a later one after it): short from now on.
+                in_training, timeout_s = True, timeouts[1]
+                set_collective_timeout(self.topo, timeout_s)
+            error = self._check_headers(headers, students)
+            responses = [torch.zeros(spec.response_bytes(), dtype=torch.uint8, device=device) for _ in range(n)]
             if error is None and ops == {OP_FORWARD}:
                 try:
-                    self._forward(students, responses)
+                    self._forward(students, headers, responses)
                 except Exception as err:
-                    error = f"teacher forward failed at step {headers[students[0][0]][1]}: {type(err).__name__}: {err}"
+                    error = f"teacher forward failed at step {step}: {type(err).__name__}: {err}"
+            _synchronize(device)  # on CUDA the forward was only queued: busy until it has run
             self.busy_s += time.perf_counter() - work_start
-            busy = self.busy_s / max(self.busy_s + self.idle_s, 1e-9)
             status = 0 if error is None else 1
-            for i, buf in enumerate(responses):
-                buf[:RECORD_BYTES] = _pack_record([status, int(busy * 1e6), int(self.preemption.requested)], error or "")
+            peak_bytes = int(self.memory.get_peak_stats()["mem/peak_gib"] * 2**30)
+            record = _pack_record([status, int(self.preemption.requested), int(self.busy_s * 1e6),
+                                   int(self.idle_s * 1e6), peak_bytes], error or "").to(device)
+            for buf in responses:
+                buf[:RECORD_BYTES] = record
             # The teacher's own slot is a throwaway; a separate buffer avoids aliasing the scatter input.
             log_collective("scatter responses (teacher)", group, responses[mine])
             dist.scatter(torch.empty_like(responses[mine]), responses, src=self.topo.global_rank, group=group)
             self.requests += 1
-            if self.requests == 1 and timeouts is not None:
-                timeout_s = timeouts[1]
-                set_collective_timeout(self.topo, timeout_s)
             if hang_watch is not None and (error is not None or ops == {OP_STOP}):
                 hang_watch.cancel()
             if error is not None:
                 raise TeacherError(error)
+            busy = self.busy_s / max(self.busy_s + self.idle_s, 1e-9)
             if ops == {OP_STOP}:
                 logger.info(f"STOP received after {self.requests - 1} requests; teacher busy {100 * busy:.0f}% of the time")
                 return
@@ -440,7 +552,7 @@ class TeacherServer:
                 # Whether the teacher is the bottleneck shows on the students' side (their wait share).
                 logger.info(f"served {self.requests} requests; busy {100 * busy:.0f}% of the time")
 
-    def _check_headers(self, headers: dict[int, list[int]]) -> Optional[str]:
+    def _check_headers(self, headers: dict[int, list[int]], students) -> Optional[str]:
         ops = {h[0] for h in headers.values()}
         if OP_ERROR in ops:
             failed = [r for r, h in headers.items() if h[0] == OP_ERROR]
@@ -453,12 +565,18 @@ class TeacherServer:
         for r, h in headers.items():
             if h[3] > self.spec.max_bsz or h[4] > self.spec.max_seqlen:
                 return f"student rank {r} sent shape [{h[3]}, {h[4]}] beyond the agreed [{self.spec.max_bsz}, {self.spec.max_seqlen}]"
+        for r, buf in students:
+            if headers[r][6]:  # flagged by the student's device-side check; only this error path syncs
+                bsz, seqlen = headers[r][3], headers[r][4]
+                tokens = buf[HEADER_INTS:].view(self.spec.max_bsz, self.spec.max_seqlen)[:bsz, :seqlen]
+                return (f"student rank {r} sent token ids outside [0, {self.spec.vocab_size}) at step {headers[r][1]} "
+                        f"(got [{int(tokens.min())}, {int(tokens.max())}]); its data must use the teacher's tokenizer")
         return None
 
     @torch.inference_mode()
-    def _forward(self, students, responses) -> None:
+    def _forward(self, students, headers: dict[int, list[int]], responses) -> None:
         spec = self.spec
-        shapes = [(buf[3].item(), buf[4].item()) for _, buf in students]
+        shapes = [(headers[r][3], headers[r][4]) for r, _ in students]
         seqlen = max(s for _, s in shapes)
         rows = [buf[HEADER_INTS:].view(spec.max_bsz, spec.max_seqlen)[:b, :seqlen] for (_, buf), (b, _) in zip(students, shapes)]
         # Right padding is invisible to a causal model's earlier positions: one forward for all students.

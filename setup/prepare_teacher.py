@@ -19,6 +19,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import struct
 import time
 from pathlib import Path
 from typing import Optional
@@ -87,8 +88,33 @@ def _check_gguf_readable(path: Path) -> None:
         ) from error
 
 
+def safetensors_problem(file: Path) -> Optional[str]:
+    """Why `file` is not a complete safetensors file, or None. Cheap: reads the header, not the tensors.
+
+    The format is an 8-byte little-endian header length, a JSON header giving each tensor's byte range
+    in the data section, then the data; a truncated copy is shorter than its header's last range.
+    """
+    size = file.stat().st_size
+    if size < 8:
+        return f"{file.name} is truncated ({size} bytes)"
+    try:
+        with open(file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if 8 + header_len > size:
+                return f"{file.name} is truncated ({size} bytes, shorter than its {header_len}-byte header)"
+            header = json.loads(f.read(header_len))
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError) as err:
+        return f"{file.name} has an unreadable header ({type(err).__name__}: {err})"
+    expected = 8 + header_len + max(ends, default=0)
+    if size != expected:
+        return f"{file.name} is truncated or corrupt ({size} bytes, its header describes {expected})"
+    return None
+
+
 def check_teacher_dir(path) -> None:
-    """Raise FileNotFoundError, naming the command to run, unless `path` holds a loadable HF teacher checkpoint."""
+    """Raise FileNotFoundError (missing files) or ValueError (a truncated or corrupt weights file), naming the
+    command to run, unless `path` holds a loadable HF teacher checkpoint."""
     path = Path(path)
     fix = (
         f"prepare it with `{PREPARE_COMMAND} --out {path}` (or, for the tiny CPU test teacher, "
@@ -114,14 +140,20 @@ def check_teacher_dir(path) -> None:
         missing.append("tokenizer_config.json")
     if missing:
         raise FileNotFoundError(f"Teacher directory {path} is incomplete (missing {', '.join(missing)}); {fix}.")
+    for weights in sorted(path.glob("*.safetensors")):
+        problem = safetensors_problem(weights)
+        if problem is not None:
+            raise ValueError(f"Teacher directory {path} is damaged: {problem}; {fix}.")
 
 
 def _is_prepared(out_dir: Path) -> bool:
-    """True if `out_dir` holds a finished conversion: all checkpoint files plus our marker."""
+    """True if `out_dir` holds a finished conversion: all checkpoint files, intact, plus our marker."""
     try:
         check_teacher_dir(out_dir)
         marker = json.loads((out_dir / MARKER_NAME).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (FileNotFoundError, ValueError) as err:  # json.JSONDecodeError is a ValueError
+        if out_dir.exists():
+            logger.warning("%s is not a finished conversion (%s); converting again", out_dir, err)
         return False
     return marker.get("dtype") == SAVE_DTYPE
 

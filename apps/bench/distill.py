@@ -15,10 +15,14 @@ teacher's rank would become one more student (a larger global batch and data-par
 the comparison would no longer be between the same students.
 
 Every number comes from the runs' own outputs: `metrics.jsonl` (logging.freq=1 gives one row per
-step), `startup.<rank>.jsonl` (rank -> pid and role) and each rank's peak RSS (VmHWM), read from
-/proc while it runs. Times are medians over the steps after --warmup. Bridge bytes are measured
-from the client's counters when the trainer logs `kd/bytes_up` / `kd/bytes_down`, and always
-computed from `TeacherOutputs.bytes_per_token`. Writes `<out>/distill_bench.json` and
+step; the keys read are `METRIC_KEYS`), `startup.<rank>.jsonl` (rank -> pid and role) and each
+rank's peak RSS (VmHWM) and CPU time, read from /proc while it runs. Times are medians over the
+steps after --warmup. Bridge bytes per token are the client's counters (`kd/bytes_up`,
+`kd/bytes_down`: the sizes of the buffers it handed to gather and received from scatter) over the
+window, printed next to the wire format's payload (`TeacherOutputs.bytes_per_token`, the cost model)
+and framed size (payload plus header, status record and padding). The teacher's busy fraction is
+its cumulative busy/idle seconds (`kd/teacher_busy_s`, `kd/teacher_idle_s`) differenced over the
+window, so its startup idle time is left out. Writes `<out>/distill_bench.json` and
 `<out>/distill_bench.md` and prints the table.
 """
 
@@ -41,7 +45,7 @@ import torch
 
 from apps.main.train import TrainArgs
 from lingua.args import parse_args
-from lingua.distillation import WIRE_DTYPES, BridgeSpec
+from lingua.distillation import TEACHER_PREPARE_HINT, WIRE_DTYPES, BridgeSpec
 from lingua.kd_loss import TeacherOutputs
 
 logger = logging.getLogger(__name__)
@@ -55,6 +59,11 @@ FAIRNESS_NOTE = (
     "one more student (larger global batch and data-parallel group), so KD on and KD off would no longer "
     "train the same students."
 )
+# Every metrics key this script reads (the trainer's log rows; the kd/ and teacher-wait ones only with KD on).
+METRIC_KEYS = ("step", "tokens", "time", "speed/step_time_s", "speed/tokens_per_s", "speed/data_time_s", "mem/peak_gib",
+               "stragglers/step_max_s", "stragglers/fwd_bwd_max_s", "stragglers/optimizer_max_s")
+KD_METRIC_KEYS = ("speed/teacher_wait_s", "stragglers/teacher_wait_max_s", "kd/teacher_busy_s", "kd/teacher_idle_s",
+                  "kd/teacher_peak_gib", "kd/bytes_up", "kd/bytes_down")
 
 
 @dataclass(frozen=True)
@@ -78,7 +87,6 @@ class RunRecord:
     rows: list[dict]  # training rows of metrics.jsonl (one per step), in step order
     n_students: int
     n_processes: int
-    teacher_serve_start: Optional[float] = None  # unix time the teacher's handshake ended: its busy/idle clock starts
     peak_rss_gib: dict[str, float] = field(default_factory=dict)  # role -> max VmHWM over that role's ranks
     cpu_s_per_step: dict[str, float] = field(default_factory=dict)  # role -> CPU seconds per window step, mean per rank
     load_before: Optional[float] = None  # 1-minute load average when the launch started / ended
@@ -121,29 +129,15 @@ def measured_bytes_per_token(rows: list[dict], warmup: int, n_students: int) -> 
     return (last["kd/bytes_up"] - base["kd/bytes_up"]) / tokens, (last["kd/bytes_down"] - base["kd/bytes_down"]) / tokens
 
 
-def teacher_busy_fraction(rows: list[dict], warmup: int, serve_start: Optional[float]) -> tuple[Optional[float], str]:
-    """The teacher's busy fraction over the window, and how it was obtained.
-
-    "counters": from cumulative kd/teacher_busy_s and kd/teacher_idle_s. "derived": the trainer's
-    cumulative fraction b(t) = busy(t) / (t - serve_start) is undone with the rows' timestamps, so
-    the startup idle time (students building their optimizer and data) is left out. "cumulative":
-    the trainer's own number since the handshake, when neither is possible.
-    """
+def teacher_busy_fraction(rows: list[dict], warmup: int) -> Optional[float]:
+    """The teacher's busy fraction over the window, from its cumulative busy and idle seconds (None with KD off)."""
     last, ref = rows[-1], reference_row(rows, warmup)
-    if "kd/teacher_busy" not in last:
-        return None, "n/a"
-    if "kd/teacher_busy_s" in last and "kd/teacher_idle_s" in last:
-        base = ref or {"kd/teacher_busy_s": 0.0, "kd/teacher_idle_s": 0.0}
-        busy = last["kd/teacher_busy_s"] - base["kd/teacher_busy_s"]
-        idle = last["kd/teacher_idle_s"] - base["kd/teacher_idle_s"]
-        return (busy / (busy + idle) if busy + idle > 0 else None), "counters"
-    if serve_start is not None:
-        base_time, base_busy = (ref["time"], ref["kd/teacher_busy"]) if ref else (serve_start, 0.0)
-        elapsed = last["time"] - base_time
-        if elapsed > 0:
-            busy = last["kd/teacher_busy"] * (last["time"] - serve_start) - base_busy * (base_time - serve_start)
-            return min(max(busy / elapsed, 0.0), 1.0), "derived"
-    return last["kd/teacher_busy"], "cumulative"
+    if "kd/teacher_busy_s" not in last:
+        return None
+    base = ref or {"kd/teacher_busy_s": 0.0, "kd/teacher_idle_s": 0.0}
+    busy = last["kd/teacher_busy_s"] - base["kd/teacher_busy_s"]
+    idle = last["kd/teacher_idle_s"] - base["kd/teacher_idle_s"]
+    return busy / (busy + idle) if busy + idle > 0 else None
 
 
 def cpu_seconds_between(samples: list[tuple[float, float]], start: float, end: float) -> Optional[float]:
@@ -194,7 +188,7 @@ def summarize(records: list[RunRecord], warmup: int) -> dict:
         raise ValueError(f"No step after the warm-up of {warmup} steps was logged; use more --steps than --warmup.")
     kd_rows = [r for r in rows if "speed/teacher_wait_s" in r]  # the straggler columns exist with KD off too
     shares = [r["speed/teacher_wait_s"] / r["speed/step_time_s"] for r in kd_rows if r["speed/step_time_s"] > 0]
-    busy = [teacher_busy_fraction(rec.rows, warmup, rec.teacher_serve_start) for rec in records]
+    busy = [teacher_busy_fraction(rec.rows, warmup) for rec in records]
     measured = [measured_bytes_per_token(rec.rows, warmup, rec.n_students) for rec in records]
     teacher_peaks = [rec.rows[-1]["kd/teacher_peak_gib"] for rec in records if "kd/teacher_peak_gib" in rec.rows[-1]]
     teacher_rss = [rec.peak_rss_gib["teacher"] for rec in records if "teacher" in rec.peak_rss_gib]
@@ -220,16 +214,15 @@ def summarize(records: list[RunRecord], warmup: int) -> dict:
         "teacher_wait_s": median_of(rows, "speed/teacher_wait_s"),
         "teacher_wait_max_rank_s": median_of(kd_rows, "stragglers/teacher_wait_max_s"),
         "teacher_wait_share": statistics.median(shares) if shares else None,
-        "teacher_busy": mean_or_none([b for b, _ in busy]),
-        "teacher_busy_method": busy[0][1],
+        "teacher_busy": mean_or_none(busy),
         "bytes_up_per_token": mean_or_none([m[0] for m in measured]),
         "bytes_down_per_token": mean_or_none([m[1] for m in measured]),
         "student_cpu_s_per_step": mean_or_none([rec.cpu_s_per_step.get("student") for rec in records]),
         "teacher_cpu_s_per_step": mean_or_none([rec.cpu_s_per_step.get("teacher") for rec in records]),
         "student_peak_gib": max((rec.rows[-1].get("mem/peak_gib", 0.0) for rec in records), default=None),
         "student_peak_rss_gib": max((rec.peak_rss_gib.get("student", 0.0) for rec in records), default=None) or None,
-        "teacher_peak_gib": max(teacher_peaks) if teacher_peaks else (max(teacher_rss) if teacher_rss else None),
-        "teacher_peak_source": "kd/teacher_peak_gib" if teacher_peaks else ("/proc VmHWM" if teacher_rss else "n/a"),
+        "teacher_peak_gib": max(teacher_peaks) if teacher_peaks else None,
+        "teacher_peak_rss_gib": max(teacher_rss) if teacher_rss else None,
         "cuda": "mem/peak_reserved_gib" in records[0].rows[-1],
         "load_avg_1m": mean_or_none(loads),
         "wall_s": sum(rec.wall_s for rec in records),
@@ -273,11 +266,12 @@ TABLE_ROWS = (
     ("  same, slowest student (s)", "teacher_wait_max_rank_s", "{:.4f}", None),
     ("  share of the step, median", "teacher_wait_share", "{:.1%}", None),
     ("teacher busy fraction (window)", "teacher_busy", "{:.1%}", None),
-    ("bridge bytes/token up, measured", "bytes_up_per_token", "{:.1f}", None),
-    ("bridge bytes/token down, measured", "bytes_down_per_token", "{:.1f}", None),
+    ("bridge bytes/token up, buffers sent", "bytes_up_per_token", "{:.1f}", None),
+    ("bridge bytes/token down, buffers received", "bytes_down_per_token", "{:.1f}", None),
     ("student peak memory (trainer mem/peak_gib, GiB)", "student_peak_gib", "{:.3f}", "student_peak_gib"),
     ("student peak RSS, max over students (GiB)", "student_peak_rss_gib", "{:.3f}", "student_peak_rss_gib"),
-    ("teacher peak memory (GiB)", "teacher_peak_gib", "{:.3f}", None),
+    ("teacher peak memory (kd/teacher_peak_gib, GiB)", "teacher_peak_gib", "{:.3f}", None),
+    ("teacher peak RSS (GiB)", "teacher_peak_rss_gib", "{:.3f}", None),
     ("load average (1 min) during the runs", "load_avg_1m", "{:.2f}", None),
 )
 
@@ -330,11 +324,11 @@ def format_markdown(result: dict) -> str:
         "",
         *lines,
         "",
-        f"Bridge bytes per token (one student): formula `TeacherOutputs.bytes_per_token` = "
-        f"{fmt_bytes(formula['down'])} down, {fmt_bytes(formula['up'])} up; measured from the client's counters = "
+        f"Bridge bytes per token (one student): counted by the client from the buffers it sent and received = "
         f"{fmt_bytes(kd_on.get('bytes_down_per_token'))} down, {fmt_bytes(kd_on.get('bytes_up_per_token'))} up; "
-        f"framed buffers (headers, status record, padding) = {fmt_bytes(formula['framed_down'])} down, "
-        f"{fmt_bytes(formula['framed_up'])} up.",
+        f"wire format: payload (`TeacherOutputs.bytes_per_token`, the cost model) = {fmt_bytes(formula['down'])} "
+        f"down, {fmt_bytes(formula['up'])} up, framed (plus header, status record, padding) = "
+        f"{fmt_bytes(formula['framed_down'])} down, {fmt_bytes(formula['framed_up'])} up.",
         f"Teacher CPU-seconds per step / one student's: {fmt_ratio(ratios.get('teacher_cpu_over_student_cpu'))} "
         f"(DESIGN.md section 4: s * N_T / (3 * N_S) in FLOPs for s students per teacher).",
         "",
@@ -342,10 +336,9 @@ def format_markdown(result: dict) -> str:
         f"- {FAIRNESS_NOTE}",
         "- CPU-seconds per step come from /proc/<pid>/stat between the last warm-up row and the last row; on a "
         "machine shared with other jobs they move less than wall-clock step times, which include waiting for a core.",
-        f"- Teacher busy fraction: method `{kd_on.get('teacher_busy_method', 'n/a')}` (see "
-        "`apps.bench.distill.teacher_busy_fraction`). Teacher peak memory: "
-        f"{kd_on.get('teacher_peak_source', 'n/a')}. On CPU every peak is the process RSS (VmHWM, since start); "
-        "on GPU mem/peak_gib is the CUDA peak allocated.",
+        "- Teacher busy fraction: the teacher's busy / (busy + idle) seconds over the window (its clock starts at "
+        "the handshake; on CUDA busy ends when its stream has run the forward). Peak memory (mem/peak_gib, "
+        "kd/teacher_peak_gib): on CPU the process RSS (VmHWM, since start), on GPU the CUDA peak allocated.",
         "- logging.freq=1 (one metrics row per step, which adds one small gather per step to every variant); "
         "periodic checkpoints off.",
         "- On a CPU machine the teacher rank shares the cores with the students: the KD-on step time includes that "
@@ -445,6 +438,17 @@ def read_student_vocab(dump_dir: Path) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
+def check_inputs(args: TrainArgs) -> None:
+    """The teacher and the corpus must be on disk before six launches are spent finding out."""
+    teacher = args.distillation.teacher_path
+    if not Path(teacher).expanduser().is_dir():
+        raise FileNotFoundError(f"teacher directory '{teacher}' does not exist; "
+                                f"{TEACHER_PREPARE_HINT.format(path=teacher)}.")
+    if args.data.root_dir and not Path(args.data.root_dir).is_dir():
+        raise FileNotFoundError(f"data.root_dir '{args.data.root_dir}' does not exist; prepare the offline corpus "
+                                f"with `python -m setup.prepare_corpus --out {args.data.root_dir}` or set data.root_dir.")
+
+
 def run_variant(variant: Variant, name: str, config: str, user_overrides: list[str], n_students: int,
                 n_teachers: int, steps: int, warmup: int, runs_dir: Path, timeout_s: float, omp_threads: int) -> RunRecord:
     """Launch one variant into a fresh dump dir and read back what it logged."""
@@ -474,9 +478,7 @@ def run_variant(variant: Variant, name: str, config: str, user_overrides: list[s
     for pid, peak in peaks.items():
         if pid in roles:
             peak_rss[roles[pid]] = max(peak_rss.get(roles[pid], 0.0), peak / GIB)
-    teacher_loads = sorted((r["rank"], r["end"]) for r in startup if r["role"] == "teacher" and r["phase"] == "teacher_load")
-    return RunRecord(rows=rows, n_students=n_students, n_processes=n_processes,
-                     teacher_serve_start=teacher_loads[0][1] if teacher_loads else None, peak_rss_gib=peak_rss,
+    return RunRecord(rows=rows, n_students=n_students, n_processes=n_processes, peak_rss_gib=peak_rss,
                      cpu_s_per_step=cpu_per_step(cpu_samples, roles, rows, warmup),
                      load_before=load_before, load_after=os.getloadavg()[0], wall_s=wall_s, command=command,
                      dump_dir=str(dump_dir))
@@ -501,6 +503,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     config = CONFIG_PRESETS.get(opts.config, opts.config)
     args = parse_args(TrainArgs, [f"config={config}", *opts.overrides, "enable_distillation=true"])
+    check_inputs(args)
     n_teachers = args.distillation.n_teacher_ranks
     n_students = opts.nproc - n_teachers
     if n_students < 1:
@@ -560,5 +563,5 @@ if __name__ == "__main__":
     try:
         main()
     except (ValueError, FileNotFoundError, TimeoutError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        sys.stderr.write(f"error: {err}\n")  # one write: ranks sharing the terminal do not interleave
         sys.exit(2)

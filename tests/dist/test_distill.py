@@ -1,9 +1,12 @@
 """Online distillation with 2 students + 1 teacher under torchrun on CPU/gloo."""
 
+import re
+import shutil
 import time
 
 import pytest
 
+from apps.bench import distill as bench
 from tests.dist.conftest import distill_overrides, read_metrics, train_rows
 from tests.dist.launch import torchrun
 from tests.dist.test_train import assert_ok, signal_ranks
@@ -33,6 +36,14 @@ def test_kd_training_resume_gradacc_probe_and_clean_stop(corpus, tiny_teacher, t
     assert any("eval/loss" in r for r in read_metrics(dump))
     # One request per micro-batch (3 steps x 2); the probe at step 2 and the eval did not call the teacher.
     assert "sent STOP to teacher" in first.stdout and "STOP received after 6 requests" in first.stdout
+    # The benchmark reads only keys the trainer logs; from these rows: bytes = the framed buffers of 2 x 32 tokens.
+    ordered = [rows[step] for step in sorted(rows)]
+    assert all(key in row for row in ordered for key in bench.METRIC_KEYS + bench.KD_METRIC_KEYS), ordered[-1]
+    summary = bench.summarize([bench.RunRecord(rows=ordered, n_students=2, n_processes=3)], warmup=1)
+    framed = bench.formula_bytes_per_token("topk", 8, None, "bf16", 2, 32)
+    assert summary["bytes_up_per_token"] == pytest.approx(framed["framed_up"])
+    assert summary["bytes_down_per_token"] == pytest.approx(framed["framed_down"])
+    assert 0 < summary["teacher_busy"] < 1 and 0 < summary["teacher_peak_gib"] < 4
     # Resume: a fresh teacher serves step 4 (it never counted steps).
     second = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=4, grad_acc_steps=2), timeout=150)
     assert_ok(second)
@@ -49,6 +60,7 @@ def test_distillation_off_trains_on_all_three_ranks(corpus, tiny_teacher, tmp_pa
     assert "role=teacher" not in result.stdout and result.stdout.count("role=student") >= 3
     rows = train_rows(dump)
     assert sorted(rows) == [1, 2, 3] and "loss/kd" not in rows[1]
+    assert all(key in rows[1] for key in bench.METRIC_KEYS) and "kd/bytes_up" not in rows[1]
     assert rows[1]["stragglers/step_slowest_rank"] in (0, 1, 2)
 
 
@@ -64,6 +76,47 @@ def test_missing_teacher_path_fails_fast_on_every_rank(corpus, tmp_path):
     assert result.stdout.count(f"teacher path '{missing}' does not exist") >= 3, result.stdout[-4000:]
 
 
+@pytest.mark.timeout(60)
+def test_truncated_teacher_weights_fail_fast_on_every_rank_naming_the_fix(corpus, tiny_teacher, tmp_path):
+    damaged = tmp_path / "damaged-teacher"
+    shutil.copytree(tiny_teacher, damaged)
+    weights = (damaged / "model.safetensors").read_bytes()
+    (damaged / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # an interrupted copy
+    start = time.time()
+    # The students' tokenizer comes from the same directory (its tokenizer files are intact), as in a real config.
+    result = torchrun(3, distill_overrides(corpus, damaged, tmp_path / "run", steps=3), timeout=45)
+    assert result.returncode != 0
+    assert time.time() - start < 30
+    sentence = (f"Teacher rank 2 failed to load: ValueError: teacher directory '{damaged}' could not be loaded "
+                f"(SafetensorError: Error while deserializing header: ")
+    fixes = (f"`python -m setup.prepare_teacher --out {damaged}`", f"`python -m setup.make_tiny_teacher --out {damaged}`")
+    lines = [line for line in result.stdout.splitlines() if sentence in line and all(fix in line for fix in fixes)]
+    # The teacher's reason reaches both students through the handshake: every rank ends with it.
+    assert len(lines) >= 3, result.stdout[-4000:]
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_teacher(tmp_path_factory):
+    """A tiny teacher whose tokenizer has the same size as tiny_teacher's (512) but other tokens."""
+    from setup.make_tiny_teacher import make_tiny_teacher
+
+    text = "Completely different words: zebra quartz javelin, oxygen wavelength; 9876543210 ~~~ <<>> {{}}.\n" * 20
+    return make_tiny_teacher(tmp_path_factory.mktemp("teacher") / "other-tokens", seed=1, corpus_text=text)
+
+
+@pytest.mark.timeout(90)
+def test_two_different_hf_tokenizers_of_the_same_size_are_refused_at_the_handshake(
+        corpus, tiny_teacher, other_tokenizer_teacher, tmp_path):
+    result = torchrun(3, distill_overrides(corpus, other_tokenizer_teacher, tmp_path / "run", steps=3,
+                                           **{"data.tokenizer.path": str(tiny_teacher)}), timeout=60)
+    assert result.returncode != 0
+    sentence = (f"Student rank 0's tokenizer (vocab 512) does not match the teacher's (vocab 512, the same size but "
+                f"different tokens) at {other_tokenizer_teacher}. Students must use the teacher's tokenizer: set "
+                f"data.tokenizer.name=hf data.tokenizer.path={other_tokenizer_teacher}.")
+    assert result.stdout.count(sentence) >= 3, result.stdout[-4000:]  # both students and the teacher
+    assert "loss/ce" not in result.stdout and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 @pytest.mark.timeout(90)
 def test_vocab_mismatch_is_reported_at_the_handshake(corpus, tiny_teacher, tmp_path):
     result = torchrun(3, distill_overrides(corpus, tiny_teacher, tmp_path / "run", steps=3,
@@ -74,11 +127,30 @@ def test_vocab_mismatch_is_reported_at_the_handshake(corpus, tiny_teacher, tmp_p
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("output,wire", [("topk", "fp32"), ("topk", "bf16"), ("sampled", "bf16"), ("full", "fp32")])
-def test_each_student_gets_exactly_its_own_rows(tiny_teacher, tmp_path, output, wire):
-    result = torchrun(3, [str(tiny_teacher), output, wire], timeout=150, module="tests.dist.workers.routing")
+@pytest.mark.parametrize("output,wire,teacher_dtype", [("topk", "fp32", "fp32"), ("topk", "bf16", "fp32"),
+                                                       ("sampled", "bf16", "fp32"), ("full", "fp32", "fp32"),
+                                                       ("topk", "fp32", "bf16")])
+def test_each_student_gets_exactly_its_own_rows(tiny_teacher, tmp_path, output, wire, teacher_dtype):
+    # One request at a time, then two micro-batches in flight (waited in order and in reverse order).
+    result = torchrun(3, [str(tiny_teacher), output, wire, teacher_dtype], timeout=150,
+                      module="tests.dist.workers.routing")
     assert_ok(result)
     assert result.stdout.count("ROUTING OK") == 2, result.stdout[-4000:]
+    # distillation.teacher_dtype=bf16 on CPU: the teacher's parameters really are bf16 (compared with fp32 above).
+    assert f"TEACHER PARAMS ['torch.{'bfloat16' if teacher_dtype == 'bf16' else 'float32'}']" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_teacher_keeps_the_init_timeout_through_the_students_first_step(tiny_teacher):
+    # The students spend 2 x 6 s inside their first step, after its first request: past the 4 s training
+    # timeout. A teacher that switched after serving its first request would time out there.
+    result = torchrun(3, [str(tiny_teacher)], timeout=100, module="tests.dist.workers.timeout_phases")
+    assert_ok(result)
+    lines = result.stdout.splitlines()
+    assert sum("PHASES OK" in line for line in lines) == 3, result.stdout[-4000:]
+    switches = [i for i, line in enumerate(lines) if "[r2 teacher]" in line and "collective timeout set to 4s" in line]
+    first_step_done = [i for i, line in enumerate(lines) if "step 5 finished on rank" in line]
+    assert len(first_step_done) == 2 and len(switches) == 1 and switches[0] > max(first_step_done), result.stdout[-4000:]
 
 
 def protocol_error_run(tiny_teacher, mode: str):
@@ -88,10 +160,13 @@ def protocol_error_run(tiny_teacher, mode: str):
 
 
 @pytest.mark.timeout(90)
-def test_teacher_and_students_disagreeing_on_the_output_format_fail_at_the_handshake(tiny_teacher):
-    out = protocol_error_run(tiny_teacher, "format")
-    assert out.count("serves distillation.output=topk k=5 but rank") == 3, out[-4000:]
-    assert "give every rank the same distillation.output and distillation.k" in out
+def test_teacher_and_students_disagreeing_on_settings_fail_at_the_handshake(tiny_teacher):
+    out = protocol_error_run(tiny_teacher, "settings")
+    sentence = ("Teacher rank 2 and student rank 0 disagree: distillation.k is 5 on the teacher but 6 on the student, "
+                "distillation.wire_dtype is bf16 on the teacher but fp32 on the student, distillation.temperature is "
+                "1.0 on the teacher but 2.0 on the student; give every rank the same distillation settings")
+    for rank in (0, 1, 2):
+        assert f"FAILED rank {rank}: ValueError: {sentence}" in out, out[-4000:]
 
 
 @pytest.mark.timeout(90)
@@ -109,6 +184,16 @@ def test_out_of_range_token_ids_are_refused_before_they_are_sent(tiny_teacher):
     out = protocol_error_run(tiny_teacher, "token_range")
     assert "REFUSED: Token ids must be in [0, " in out and "for the teacher's vocabulary" in out, out[-4000:]
     assert out.count("TOKEN_RANGE OK") == 3 and "FAILED" not in out
+
+
+@pytest.mark.timeout(90)
+def test_out_of_range_token_ids_flagged_on_the_device_path_are_refused_by_the_teacher(tiny_teacher):
+    out = protocol_error_run(tiny_teacher, "token_flag")
+    sentence = re.compile(r"student rank 0 sent token ids outside \[0, 512\) at step 1 \(got \[\d+, 512\]\); "
+                          r"its data must use the teacher's tokenizer")
+    for rank in (0, 1, 2):  # the teacher refused the request: no forward ran on the bad id, every rank says why
+        assert f"FAILED rank {rank}: TeacherError: " in out, out[-4000:]
+    assert len(sentence.findall(out)) == 3, out[-4000:]
 
 
 @pytest.mark.timeout(150)

@@ -16,7 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from setup.make_tiny_teacher import make_tiny_teacher
 from setup.prepare_corpus import prepare_python_docs_corpus
-from setup.prepare_teacher import check_teacher_dir, find_smollm2_gguf, prepare_smollm2
+from setup.prepare_teacher import (
+    MARKER_NAME, SAVE_DTYPE, _is_prepared, check_teacher_dir, find_smollm2_gguf, prepare_smollm2,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUND_TRIP_TEXT = "Hello wörld 🙂 — The capital of France is Paris.\n\tdef f(x): return x + 1  "
@@ -78,6 +80,34 @@ def test_check_teacher_dir_names_what_is_missing_and_the_command(tmp_path):
     expected = r"missing config\.json, tokenizer\.json.*python -m setup\.prepare_teacher"
     with pytest.raises(FileNotFoundError, match=expected):
         check_teacher_dir(out)
+
+
+@pytest.mark.timeout(60)
+def test_truncated_or_corrupt_weights_are_not_a_finished_conversion(tmp_path):
+    out = make_tiny_teacher(tmp_path / "teacher")
+    (out / MARKER_NAME).write_text(json.dumps({"dtype": SAVE_DTYPE}))
+    assert _is_prepared(out)
+    weights = out / "model.safetensors"
+    intact = weights.read_bytes()
+
+    weights.write_bytes(intact[: len(intact) - 1000])  # a copy cut short
+    assert not _is_prepared(out)
+    with pytest.raises(ValueError, match=rf"model\.safetensors is truncated or corrupt \({len(intact) - 1000} bytes, "
+                                         rf"its header describes {len(intact)}\).*python -m setup\.prepare_teacher"):
+        check_teacher_dir(out)
+    weights.write_bytes(intact[:100])  # cut inside the header
+    assert not _is_prepared(out)
+    with pytest.raises(ValueError, match=r"model\.safetensors is truncated \(100 bytes, shorter than its"):
+        check_teacher_dir(out)
+    weights.write_bytes(intact[:8] + b"{" * (len(intact) - 8))  # a garbled header of the right length
+    assert not _is_prepared(out)
+    with pytest.raises(ValueError, match=r"model\.safetensors has an unreadable header"):
+        check_teacher_dir(out)
+    # The demo's prepare step converts again instead of trusting the damaged directory.
+    with pytest.raises(FileNotFoundError, match=r"GGUF file .*missing\.gguf does not exist"):
+        prepare_smollm2(out, gguf_path=tmp_path / "missing.gguf")
+    weights.write_bytes(intact)
+    assert _is_prepared(out)
 
 
 def test_missing_wheel_says_what_to_install(monkeypatch):

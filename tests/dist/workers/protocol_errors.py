@@ -1,9 +1,12 @@
 """Protocol errors between 2 students and 1 teacher end in a sentence on every rank, never a hang.
 
 Run: torchrun --nproc-per-node 3 -m tests.dist.workers.protocol_errors <teacher_dir> <mode>
-  format:      the teacher serves k=5, the students' config asks for k=6 -> the handshake fails everywhere
+  settings:    the teacher serves k=5, bf16, T=1; the students ask for k=6, fp32, T=2 -> the handshake
+               fails everywhere, naming each value on both sides
   headers:     the students announce different steps -> the teacher's header check names both ranks
   token_range: a student's token id beyond the vocab is refused before it is sent; training goes on
+  token_flag:  the same bad id through the accelerator path (no host check; a header flag): the teacher
+               refuses the request and every rank raises its sentence
 Each rank prints "FAILED: <error>" or "<MODE> OK" and exits 0, so the test reads every rank's words.
 """
 
@@ -17,8 +20,9 @@ from lingua.logger import init_logger
 
 
 def run(teacher_dir: str, mode: str, topo) -> None:
-    k = 6 if mode == "format" and topo.is_student else 5
-    args = DistillationArgs(teacher_path=teacher_dir, k=k, teacher_dtype="fp32")
+    args = DistillationArgs(teacher_path=teacher_dir, k=5, teacher_dtype="fp32")
+    if mode == "settings" and topo.is_student:
+        args = DistillationArgs(teacher_path=teacher_dir, k=6, wire_dtype="fp32", temperature=2.0, teacher_dtype="fp32")
     if topo.is_teacher:
         TeacherServer(args, topo).serve()
         return
@@ -36,6 +40,11 @@ def run(teacher_dir: str, mode: str, topo) -> None:
                 raise AssertionError("an out-of-range token id was sent to the teacher")
             except ValueError as err:
                 say(f"REFUSED: {err}")
+        client.submit(tokens, step=1, micro_step=0).wait()
+    elif mode == "token_flag":
+        client.check_tokens_before_sending = False  # what a GPU student does
+        if topo.train_rank == 0:
+            tokens[1, 2] = len(tokenizer)
         client.submit(tokens, step=1, micro_step=0).wait()
     client.stop(step=2)
 

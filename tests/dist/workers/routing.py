@@ -1,60 +1,93 @@
 """Routing check: students with different batch shapes each get exactly the teacher outputs of
-their own tokens, through the wire dtype asked for.
-Run: torchrun --nproc-per-node 3 -m tests.dist.workers.routing <teacher_dir> <topk|sampled|full> <bf16|fp32>"""
+their own tokens, through the wire dtype asked for -- one request at a time, then with two
+micro-batches in flight (submit i+1 before waiting on i).
+Run: torchrun --nproc-per-node 3 -m tests.dist.workers.routing <teacher_dir> <topk|sampled|full> <bf16|fp32> [<fp32|bf16>]
+The last argument is the teacher's dtype (default fp32); every student compares with an fp32 forward
+of its own, so a bf16 teacher is checked against the fp32 one within bf16 tolerance."""
 
 import sys
+from dataclasses import replace
 
 import torch
 
 from lingua.distillation import WIRE_DTYPES, DistillationArgs, TeacherClient, TeacherServer, load_teacher
 from lingua.distributed import DistributedArgs, clean_up, setup_torch_distributed
-from lingua.kd_loss import sparsify_teacher_logits
+from lingua.kd_loss import TeacherOutputs, sparsify_teacher_logits
 from lingua.logger import init_logger
 
 SHAPES = {0: (2, 9), 1: (3, 5)}  # uneven on purpose: rows and lengths differ per student
+K = 5
+# A bf16 teacher's log-probs differ from fp32 by a few 1e-3 on the tiny teacher; its top-k may swap near-ties.
+BF16_TEACHER_ATOL = 2e-2
 
 
-def main(teacher_dir: str, output: str, wire: str) -> None:
-    args = DistillationArgs(teacher_path=teacher_dir, output=output, k=5, wire_dtype=wire, teacher_dtype="fp32")
+def check(received: TeacherOutputs, tokens: torch.Tensor, reference, output: str, wire_dtype: torch.dtype,
+          teacher_dtype: str, vocab: int) -> None:
+    """`received` must be what the teacher computes for `tokens` (the reference is an fp32 local forward)."""
+    tolerance = 1e-4 if wire_dtype == torch.float32 else 2e-2  # bf16 keeps 8 bits of mantissa
+    with torch.inference_mode():
+        logits = reference(tokens).logits.float()[..., :vocab]
+    expected = sparsify_teacher_logits(logits, output, K, 1.0, wire_dtype)
+    for got, want in zip(received.tensors(), expected.tensors()):
+        assert got.shape == want.shape, (got.shape, want.shape)
+    assert received.tensors()[0].dtype == wire_dtype
+    log_probs = torch.log_softmax(logits, dim=-1)
+    if output == "sampled":
+        # Draws are random; what was sent must be this row's log-probs at the drawn ids.
+        values, ids, neg_entropy = received.tensors()
+        assert int(ids.min()) >= 0 and int(ids.max()) < vocab
+        torch.testing.assert_close(values.float(), log_probs.gather(-1, ids.long()), atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(neg_entropy, expected.tensors()[2], atol=1e-4, rtol=1e-4)
+        return
+    if teacher_dtype == "bf16":
+        assert output == "topk", "the bf16-teacher check is written for top-k outputs"
+        values, ids, tail = received.tensors()
+        # Near-tied ids may come in another order: the sent values must be the fp32 log-probs of the
+        # sent ids, and every sent id must be within tolerance of the fp32 top-k.
+        at_ids = log_probs.gather(-1, ids.long())
+        torch.testing.assert_close(values.float(), at_ids, atol=BF16_TEACHER_ATOL + tolerance, rtol=0)
+        kth = expected.values[..., -1:].float()
+        assert bool((at_ids >= kth - BF16_TEACHER_ATOL).all()), (at_ids - kth).min()
+        torch.testing.assert_close(tail, expected.extra, atol=1e-3, rtol=0)
+        return
+    for got, want in zip(received.tensors(), expected.tensors()):
+        if got.dtype.is_floating_point:
+            torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+        else:
+            assert torch.equal(got.long(), want.long())
+
+
+def main(teacher_dir: str, output: str, wire: str, teacher_dtype: str = "fp32") -> None:
+    args = DistillationArgs(teacher_path=teacher_dir, output=output, k=K, wire_dtype=wire, teacher_dtype=teacher_dtype)
     wire_dtype = WIRE_DTYPES[wire]
-    tolerance = 1e-4 if wire == "fp32" else 2e-2  # bf16 keeps 8 bits of mantissa
     topo = setup_torch_distributed(DistributedArgs(init_timeout_s=60), n_teachers=1)
     init_logger(topo.global_rank, topo.role)
     try:
         if topo.is_teacher:
-            TeacherServer(args, topo).serve()
+            server = TeacherServer(args, topo)
+            print(f"TEACHER PARAMS {sorted(str(d) for d in {p.dtype for p in server.model.parameters()})}", flush=True)
+            server.serve()
             return
-        model, tokenizer = load_teacher(args, topo.device)
-        client = TeacherClient(args, topo, tokenizer.get_vocab(), len(tokenizer), max_bsz=4, max_seqlen=12)
+        reference, tokenizer = load_teacher(replace(args, teacher_dtype="fp32"), topo.device)
+        vocab = len(tokenizer)
+        client = TeacherClient(args, topo, tokenizer.get_vocab(), vocab, max_bsz=4, max_seqlen=12)
         generator = torch.Generator().manual_seed(topo.train_rank)
+        bsz, seqlen = SHAPES[topo.train_rank]
         for step in range(3):
-            bsz, seqlen = SHAPES[topo.train_rank]
-            tokens = torch.randint(0, len(tokenizer), (bsz, seqlen + step), generator=generator)
-            received = client.submit(tokens, step=step, micro_step=0).wait()
-            with torch.inference_mode():
-                logits = model(tokens).logits.float()[..., : len(tokenizer)]
-            expected = sparsify_teacher_logits(logits, output, 5, 1.0, wire_dtype)
-            for got, want in zip(received.tensors(), expected.tensors()):
-                assert got.shape == want.shape, (got.shape, want.shape)
-            assert received.tensors()[0].dtype == wire_dtype
-            if output == "sampled":
-                # Draws are random; what was sent must be this row's log-probs at the drawn ids.
-                values, ids, neg_entropy = received.tensors()
-                assert int(ids.min()) >= 0 and int(ids.max()) < len(tokenizer)
-                log_probs = torch.log_softmax(logits, dim=-1)
-                torch.testing.assert_close(values.float(), log_probs.gather(-1, ids.long()), atol=tolerance, rtol=tolerance)
-                torch.testing.assert_close(neg_entropy, expected.tensors()[2], atol=1e-4, rtol=1e-4)
-                continue
-            for got, want in zip(received.tensors(), expected.tensors()):
-                if got.dtype.is_floating_point:
-                    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
-                else:
-                    assert torch.equal(got.long(), want.long())
-        client.stop(step=3)
+            tokens = torch.randint(0, vocab, (bsz, seqlen + step), generator=generator)
+            check(client.submit(tokens, step=step, micro_step=0).wait(), tokens, reference, output, wire_dtype,
+                  teacher_dtype, vocab)
+        # Two micro-batches in flight, of different shapes; waited in order, then in reverse order.
+        for step, order in ((3, (0, 1)), (4, (1, 0))):
+            batches = [torch.randint(0, vocab, (bsz - m, seqlen + 2 * m), generator=generator) for m in range(2)]
+            handles = [client.submit(tokens, step=step, micro_step=m) for m, tokens in enumerate(batches)]
+            for m in order:
+                check(handles[m].wait(), batches[m], reference, output, wire_dtype, teacher_dtype, vocab)
+        client.stop(step=5)
         print(f"ROUTING OK rank {topo.global_rank}", flush=True)
     finally:
         clean_up()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    main(*sys.argv[1:])

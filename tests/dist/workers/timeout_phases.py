@@ -1,0 +1,57 @@
+"""Two-phase timeouts on the bridge: the teacher keeps the generous timeout through the students' whole
+first step (a slow first forward/backward, compile, optimizer, save), and switches to the short one
+only when the next step's first request arrives.
+
+Run: torchrun --nproc-per-node 3 -m tests.dist.workers.timeout_phases <teacher_dir>
+The students resume at step 5 (the teacher must read steps from the headers), spend SLOW_S between
+the micro-batches of that first step and again before step 6 -- longer than the TRAIN_TIMEOUT_S the
+teacher switches to -- then send step 6 and STOP promptly.
+"""
+
+import sys
+import time
+
+import torch
+
+from lingua.distillation import DistillationArgs, TeacherClient, TeacherServer, load_teacher
+from lingua.distributed import DistributedArgs, clean_up, setup_torch_distributed
+from lingua.logger import init_logger
+
+INIT_TIMEOUT_S, TRAIN_TIMEOUT_S, SLOW_S = 60, 4, 6
+FIRST_STEP = 5
+
+
+def say(line: str) -> None:
+    """One write per line: ranks share the pipe."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def main(teacher_dir: str) -> None:
+    args = DistillationArgs(teacher_path=teacher_dir, k=4, teacher_dtype="fp32")
+    topo = setup_torch_distributed(DistributedArgs(init_timeout_s=INIT_TIMEOUT_S), n_teachers=1)
+    init_logger(topo.global_rank, topo.role)
+    try:
+        if topo.is_teacher:
+            TeacherServer(args, topo).serve(timeouts=(INIT_TIMEOUT_S, TRAIN_TIMEOUT_S))
+            say(f"PHASES OK rank {topo.global_rank}")
+            return
+        _, tokenizer = load_teacher(args, topo.device)
+        client = TeacherClient(args, topo, tokenizer.get_vocab(), len(tokenizer), max_bsz=2, max_seqlen=8)
+        tokens = torch.randint(0, len(tokenizer), (2, 8), generator=torch.Generator().manual_seed(topo.train_rank))
+        # The first step of this launch: two micro-batches with slow work after each (first-step compile, save).
+        for micro_step in range(2):
+            client.submit(tokens, step=FIRST_STEP, micro_step=micro_step).wait()
+            say(f"step {FIRST_STEP}.{micro_step} served on rank {topo.global_rank}; working {SLOW_S}s")
+            time.sleep(SLOW_S)
+        say(f"step {FIRST_STEP} finished on rank {topo.global_rank}")
+        for micro_step in range(2):
+            client.submit(tokens, step=FIRST_STEP + 1, micro_step=micro_step).wait()
+        client.stop(step=FIRST_STEP + 2)
+        say(f"PHASES OK rank {topo.global_rank}")
+    finally:
+        clean_up()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,139 @@
+"""lingua.distillation without processes: the handshake's checks, teacher loading and its errors."""
+
+import os
+import shutil
+from dataclasses import replace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: tests never reach the hub
+
+import pytest
+import torch
+
+from lingua.distillation import (
+    DistillationArgs, TeacherError, _pack_record, _unpack_record, check_handshake, load_teacher, settings_fields,
+)
+from setup.make_tiny_teacher import make_tiny_teacher
+
+BRIDGE = [4, 5, 6]  # two students, then their teacher (global ranks)
+TEACHER = 6
+VOCAB, FINGERPRINT, MAX_POS = 512, 1234567, 4096
+CPU = torch.device("cpu")
+
+
+def records(teacher_args: DistillationArgs, student_args: list[DistillationArgs], status: int = 0, message: str = "",
+            student_vocab: int = VOCAB, student_fingerprint: int = FINGERPRINT):
+    """Handshake records as they come back from the all_gather (packed and unpacked like on the wire)."""
+    teacher = _pack_record([1, status, VOCAB, FINGERPRINT, MAX_POS, 0, 0, TEACHER, *settings_fields(teacher_args)],
+                           message)
+    students = [_pack_record([2, 0, student_vocab, student_fingerprint, 0, 2 + i, 16 * (i + 1), rank,
+                              *settings_fields(args)]) for i, (rank, args) in enumerate(zip(BRIDGE, student_args))]
+    return [_unpack_record(r) for r in (*students, teacher)]
+
+
+@pytest.fixture(scope="module")
+def tiny_teacher(tmp_path_factory):
+    return make_tiny_teacher(tmp_path_factory.mktemp("teacher") / "tiny", seed=0)
+
+
+def test_agreeing_ranks_get_the_teachers_settings_and_the_largest_buffers():
+    args = DistillationArgs(teacher_path="t", output="sampled", k=7, wire_dtype="fp16", temperature=1.5)
+    spec = check_handshake(records(args, [args, args]), BRIDGE, TEACHER, args)
+    assert (spec.output, spec.k, spec.wire_dtype, spec.vocab_size) == ("sampled", 7, torch.float16, VOCAB)
+    assert (spec.max_bsz, spec.max_seqlen) == (3, 32)
+
+
+@pytest.mark.parametrize("field,teacher_value,student_value,words", [
+    ("output", "topk", "sampled", "distillation.output is topk on the teacher but sampled on the student"),
+    ("k", 64, 32, "distillation.k is 64 on the teacher but 32 on the student"),
+    ("wire_dtype", "bf16", "fp32", "distillation.wire_dtype is bf16 on the teacher but fp32 on the student"),
+    ("temperature", 1.0, 2.5, "distillation.temperature is 1.0 on the teacher but 2.5 on the student"),
+])
+def test_each_setting_mismatch_names_both_values_and_both_ranks(field, teacher_value, student_value, words):
+    base = DistillationArgs(teacher_path="t")
+    teacher_args, odd = replace(base, **{field: teacher_value}), replace(base, **{field: student_value})
+    with pytest.raises(ValueError) as caught:
+        check_handshake(records(teacher_args, [teacher_args, odd]), BRIDGE, TEACHER, odd)
+    assert str(caught.value) == (f"Teacher rank 6 and student rank 5 disagree: {words}; give every rank the same "
+                                 f"distillation settings (one config for the whole job).")
+
+
+def test_several_mismatches_are_one_sentence_and_k_does_not_matter_for_full_logits():
+    teacher_args = DistillationArgs(teacher_path="t", output="full", k=64)
+    student_args = DistillationArgs(teacher_path="t", output="full", k=8, temperature=2.0, wire_dtype="fp32")
+    with pytest.raises(ValueError, match=r"student rank 4 disagree: distillation\.wire_dtype is bf16 on the teacher "
+                                         r"but fp32 on the student, distillation\.temperature is 1\.0 on the teacher "
+                                         r"but 2\.0 on the student; give"):
+        check_handshake(records(teacher_args, [student_args, student_args]), BRIDGE, TEACHER, student_args)
+    same_but_k = replace(teacher_args, k=8)
+    assert check_handshake(records(teacher_args, [same_but_k, same_but_k]), BRIDGE, TEACHER, same_but_k).output == "full"
+
+
+def test_a_teacher_that_failed_to_load_is_reported_before_any_other_check():
+    args = DistillationArgs(teacher_path="t")
+    with pytest.raises(TeacherError, match=r"^Teacher rank 6 failed to load: ValueError: broken$"):
+        check_handshake(records(args, [replace(args, k=3)] * 2, status=1, message="ValueError: broken"),
+                        BRIDGE, TEACHER, args)
+
+
+def test_tokenizers_of_the_same_size_but_different_tokens_do_not_match():
+    args = DistillationArgs(teacher_path="/teachers/a")
+    with pytest.raises(ValueError, match=r"Student rank 4's tokenizer \(vocab 512\) does not match the teacher's "
+                                         r"\(vocab 512, the same size but different tokens\) at /teachers/a\..*"
+                                         r"data\.tokenizer\.path=/teachers/a"):
+        check_handshake(records(args, [args, args], student_fingerprint=FINGERPRINT + 1), BRIDGE, TEACHER, args)
+
+
+@pytest.mark.timeout(60)
+def test_a_bf16_teacher_loads_with_bf16_params_and_matches_fp32_within_bf16_tolerance(tiny_teacher):
+    args = DistillationArgs(teacher_path=str(tiny_teacher))
+    fp32, tokenizer = load_teacher(replace(args, teacher_dtype="fp32"), CPU)
+    bf16, _ = load_teacher(replace(args, teacher_dtype="bf16"), CPU)
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in fp32.parameters()} == {torch.float32}
+    assert not any(p.requires_grad for p in bf16.parameters()) and not bf16.training
+    tokens = torch.randint(0, len(tokenizer), (3, 24), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = torch.log_softmax(fp32(tokens).logits.float(), -1)
+        got = torch.log_softmax(bf16(tokens).logits.float(), -1)
+    # bf16 keeps 8 mantissa bits: a few 1e-3 on these log-probs (~ -6.2), far below 2e-2; not bit-equal either.
+    assert 0 < float((got - want).abs().max()) < 2e-2
+
+
+@pytest.mark.timeout(60)
+def test_every_local_load_failure_names_the_path_the_reason_and_the_prepare_commands(tiny_teacher, tmp_path):
+    args = DistillationArgs(teacher_path="", teacher_dtype="fp32")
+
+    def failure(path: str) -> str:
+        with pytest.raises((ValueError, FileNotFoundError)) as caught:
+            load_teacher(replace(args, teacher_path=path), CPU)
+        text = str(caught.value)
+        assert f"`python -m setup.prepare_teacher --out {path}`" in text, text
+        assert f"`python -m setup.make_tiny_teacher --out {path}`" in text, text
+        assert "transformers checkpoint directory" in text and "\n" not in text
+        return text
+
+    assert failure(str(tmp_path / "missing")).startswith(f"teacher path '{tmp_path / 'missing'}' does not exist; ")
+    (tmp_path / "empty").mkdir()
+    assert failure(str(tmp_path / "empty")).startswith(
+        f"teacher directory '{tmp_path / 'empty'}' could not be loaded (ValueError: Unrecognized model in ")
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tiny_teacher, truncated)
+    weights = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    assert failure(str(truncated)).startswith(
+        f"teacher directory '{truncated}' could not be loaded (SafetensorError: Error while deserializing header: ")
+    (truncated / "model.safetensors").write_bytes(weights)
+    (truncated / "tokenizer.json").unlink()
+    (truncated / "tokenizer_config.json").unlink()
+    assert f"teacher directory '{truncated}' could not be loaded (" in failure(str(truncated))
+
+
+@pytest.mark.timeout(60)
+def test_a_relative_path_that_looks_like_a_hub_id_names_both_possibilities_offline(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as caught:
+        load_teacher(DistillationArgs(teacher_path="models/x"), CPU)
+    text = str(caught.value)
+    assert text.startswith(f"teacher path 'models/x' is neither a local directory (nothing at {tmp_path / 'models/x'}) "
+                           f"nor a hub model that could be loaded, and the Hugging Face hub is offline (HF_HUB_OFFLINE): ")
+    assert "`python -m setup.prepare_teacher --out models/x`" in text
