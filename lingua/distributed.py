@@ -531,8 +531,8 @@ def set_collective_timeout(topo: Topology, seconds: float) -> None:
 
 def enter_training_timeout(topo: Topology, seconds: float) -> None:
     """Students, after their first full step: a barrier on each group only students use (train and
-    mesh groups), then the short timeout on every group. The bridge needs no barrier: the first
-    request's exchange already met the teacher, which switches after serving it."""
+    mesh groups), then the short timeout on every group. The bridge needs no barrier: the teacher
+    switches by itself when the first request of a later step (or a STOP) reaches it."""
     if not topo.distributed:
         return
     for group in all_groups(topo):

@@ -206,5 +206,5 @@ if __name__ == "__main__":
     try:
         main()
     except (ValueError, FileNotFoundError, TeacherError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        sys.stderr.write(f"error: {err}\n")  # one write: ranks sharing the terminal do not interleave
         sys.exit(2)

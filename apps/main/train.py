@@ -135,7 +135,8 @@ def distillation_process(args: TrainArgs, topo: Topology, phases: PhaseLog, pree
     fail_load = injected is not None and injected.kind == "teacher_load" and \
         topo.teacher_ranks.index(topo.global_rank) == injected.rank
     server = TeacherServer(args.distillation, topo, preemption, inject_load_failure=fail_load, phases=phases)
-    # The generous timeout holds until the first request is served; then the short one (on every group).
+    # The generous timeout holds through the students' first step; a request of a later step (or STOP)
+    # switches the teacher to the short one (on every group).
     server.serve(timeouts=(args.distributed.init_timeout_s, args.distributed.train_timeout_s)
                  if topo.distributed else None)
 
@@ -245,8 +246,9 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
         if teacher is not None:  # every student raises this together: tell the teacher too
             teacher.stop(state.step, error=True)
         raise
-    flops_per_token = get_num_flop_per_token(n_params - args.model.vocab_size * args.model.dim,
-                                             args.model.n_layers, args.model.dim, args.data.seq_len)
+    # The embedding lookup is no matmul; the output head is (and with tied weights it is the only copy counted).
+    matmul_params = n_params - (0 if args.model.tie_embeddings else args.model.vocab_size * args.model.dim)
+    flops_per_token = get_num_flop_per_token(matmul_params, args.model.n_layers, args.model.dim, args.data.seq_len)
     first_step_of_launch = state.step
     last_saved_step = state.step if saved is not None else -1
     ended = "completed"
@@ -299,7 +301,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
                 if first_step:
                     enter_training_timeout(topo, args.distributed.train_timeout_s)
                     if topo.is_train_master:  # every rank's spans are on disk by now (teacher's too)
-                        logger.info("startup phases (all ranks)\n" + format_phase_table(read_phase_files(args.dump_dir)))
+                        logger.info("startup phases (all ranks)\n" + format_phase_table(read_phase_files(args.dump_dir, world_size=topo.world_size)))
                 if flags["nonfinite"]:
                     if teacher is not None:
                         teacher.stop(state.step, error=True)  # all students agree: the teacher hears it too
@@ -326,6 +328,9 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
                 if state.step % args.logging.freq == 0 or state.step == args.steps or stop_now:
                     log_step(args, topo, state, metrics, timer, time.perf_counter() - step_start, float(grad_norm),
                              scheduler, memory, flops_per_token, metric_logger, progress, teacher)
+                elif progress is not None and progress.is_tty:  # live between log steps, from rank 0's own numbers
+                    progress.update(state.step, local_progress_row(args, metrics, timer, time.perf_counter() - step_start,
+                                                                   topo.train_world_size))
                 if stop_now:
                     ended = "preempted" if flags["preempt"] else "exit_after_steps"
                     break
@@ -443,15 +448,15 @@ def log_step(args, topo, state, metrics, timer, step_time, grad_norm, scheduler,
     means = dist_mean_dict({k: v for k, v in metrics.items()}, group, device)
     parts = ("data", "fwd_bwd", "teacher_wait", "optimizer", "checkpoint")
     per_rank = dist_gather_floats([timer.seconds.get(p, 0.0) for p in parts] + [step_time], group, device)
-    tokens_per_s = args.data.batch_size * args.data.seq_len * args.grad_acc_steps * topo.train_world_size / step_time
+    tokens_per_s = tokens_per_step(args, topo.train_world_size) / step_time
     row = {"step": state.step, "tokens": state.tokens, **means, "optim/lr": scheduler.get_last_lr()[0],
            "optim/grad_norm": grad_norm, "speed/tokens_per_s": tokens_per_s, "speed/step_time_s": step_time,
            "speed/data_time_s": timer.seconds.get("data", 0.0), "time": time.time(), **memory.get_peak_stats()}
     if teacher is not None:
         row["speed/teacher_wait_s"] = timer.seconds.get("teacher_wait", 0.0)
-        row["kd/teacher_busy"] = teacher.teacher_busy
-        # This rank's bridge bytes since launch (cumulative: a benchmark differences two rows).
-        row["kd/bytes_up"], row["kd/bytes_down"] = teacher.bytes_up, teacher.bytes_down
+        # Teacher busy/idle seconds, its peak memory and this rank's bridge bytes, cumulative since launch
+        # (a benchmark differences two rows).
+        row.update(teacher.metrics())
     mfu = estimate_mfu(flops_per_token, tokens_per_s / topo.train_world_size, device)
     if mfu is not None:
         row["speed/mfu"] = mfu
@@ -479,6 +484,20 @@ def log_step(args, topo, state, metrics, timer, step_time, grad_norm, scheduler,
     metric_logger.log(row)
     if progress is not None and progress.is_tty:
         progress.update(state.step, row)
+
+
+def tokens_per_step(args: TrainArgs, n_students: int) -> int:
+    """Tokens one optimizer step consumes over all students."""
+    return args.data.batch_size * args.data.seq_len * args.grad_acc_steps * n_students
+
+
+def local_progress_row(args: TrainArgs, metrics: dict, timer: StepTimer, step_time: float, n_students: int) -> dict:
+    """The progress line's keys from this rank's step alone: no collective off the log steps."""
+    row = {"loss/total": metrics["loss/total"], "speed/tokens_per_s": tokens_per_step(args, n_students) / step_time,
+           "speed/step_time_s": step_time}
+    if "teacher_wait" in timer.seconds:
+        row["speed/teacher_wait_s"] = timer.seconds["teacher_wait"]
+    return row
 
 
 def requeue_if_slurm(topo: Topology) -> None:
@@ -541,5 +560,5 @@ if __name__ == "__main__":
     except (ValueError, FileNotFoundError, TeacherError) as err:
         # A user-facing error: one sentence, no traceback (kept at DEBUG level for developers).
         logger.debug("traceback of the error below", exc_info=True)
-        print(f"error: {err}", file=sys.stderr)
+        sys.stderr.write(f"error: {err}\n")  # one write: ranks sharing the terminal do not interleave
         sys.exit(2)

@@ -1,5 +1,5 @@
 """The no-hang matrix (2 students + 1 teacher unless noted). Every case finishes, or fails with a
-readable error, in well under 60 s of its own."""
+readable error, within SCENARIO_LIMIT_S of its own: the launch is killed and the test fails past it."""
 
 import json
 import re
@@ -10,6 +10,8 @@ import pytest
 from tests.dist.conftest import distill_overrides, read_metrics, train_rows
 from tests.dist.launch import torchrun
 from tests.dist.test_train import assert_ok, signal_ranks
+
+SCENARIO_LIMIT_S = 60  # the issue's bound for any scenario, startup included (they take 5-20 s on 2 cores)
 
 
 def ranks_that_cleaned_up(stdout: str) -> set[int]:
@@ -40,7 +42,7 @@ def test_sigusr2_to_two_ranks_seconds_apart(corpus, tiny_teacher, tmp_path, rank
     # Student 0 is 4 s late to step 4 (a straggler), so both signals -- 2 s apart -- land while the
     # others already wait at step 4's agreed point: one decision, one save at step 4, everyone exits 0.
     result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=100000, inject_failure="stall:0@4"),
-                      timeout=120, signal_plan=signal_ranks(dump, [(ranks[0], 0.0), (ranks[1], 2.0)],
+                      timeout=SCENARIO_LIMIT_S, signal_plan=signal_ranks(dump, [(ranks[0], 0.0), (ranks[1], 2.0)],
                                                             delivered=delivered))
     assert assert_agreed_preemption_save(result, dump) == 4
     assert delivered == list(ranks)
@@ -53,7 +55,7 @@ def test_sigusr2_to_the_teacher_alone(corpus, tiny_teacher, tmp_path):
     # it into the agreed flags, save at that step, send STOP, and every rank (teacher too) exits 0.
     dump = tmp_path / "run"
     delivered: list[int] = []
-    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=100000), timeout=120,
+    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=100000), timeout=SCENARIO_LIMIT_S,
                       signal_plan=signal_ranks(dump, [(2, 0.0)], delivered=delivered))
     step = assert_agreed_preemption_save(result, dump)
     assert delivered == [2] and 3 <= step < 100000
@@ -66,7 +68,7 @@ def test_student_raising_mid_step_ends_the_job_fast(corpus, tiny_teacher, tmp_pa
     # Timeouts far above the bound below: ending in time proves nobody waited one out.
     result = torchrun(3, distill_overrides(corpus, tiny_teacher, tmp_path / "run", steps=50, inject_failure="raise:1@3",
                                            **{"distributed.init_timeout_s": 300, "distributed.train_timeout_s": 300}),
-                      timeout=75)
+                      timeout=SCENARIO_LIMIT_S)
     elapsed = time.time() - start
     assert result.returncode != 0
     assert "injected failure on train rank 1 at step 3" in result.stdout
@@ -88,7 +90,7 @@ def test_eval_with_different_batch_counts_per_rank(corpus, tiny_teacher, tmp_pat
     dump = tmp_path / "run"
     start = time.time()
     result = torchrun(3, distill_overrides(root, tiny_teacher, dump, steps=2, **{
-        "eval.every": 2, "eval.max_batches": 100, "eval.uneven": uneven}), timeout=120)
+        "eval.every": 2, "eval.max_batches": 100, "eval.uneven": uneven}), timeout=SCENARIO_LIMIT_S)
     if uneven == "error":  # agreed, so every student stops with the counts, and the teacher hears it
         assert result.returncode != 0
         assert time.time() - start < 60
@@ -104,7 +106,7 @@ def test_eval_with_different_batch_counts_per_rank(corpus, tiny_teacher, tmp_pat
 @pytest.mark.timeout(90)
 def test_debug_switch_turns_a_mismatched_collective_into_an_error(tmp_path):
     start = time.time()
-    result = torchrun(2, [str(tmp_path)], timeout=75, module="tests.dist.workers.mismatch")
+    result = torchrun(2, [str(tmp_path)], timeout=SCENARIO_LIMIT_S, module="tests.dist.workers.mismatch")
     assert result.returncode != 0
     assert "ALLREDUCE" in result.stdout and "BROADCAST" in result.stdout, result.stdout[-3000:]
     assert time.time() - start < 60
@@ -115,7 +117,7 @@ def test_debug_switch_turns_a_mismatched_collective_into_an_error(tmp_path):
 def test_training_timeout_really_shortens_the_wait_for_a_missing_peer(tmp_path, debug):
     # Switched from 60 s to 3 s, rank 0 must give up on a stalled rank 1 after ~3 s, not 40 s. Under
     # DETAIL the wait happens in the wrapper's gloo check group, which torch's own switch skips.
-    result = torchrun(2, [str(tmp_path), debug], timeout=75, module="tests.dist.workers.timeout_switch")
+    result = torchrun(2, [str(tmp_path), debug], timeout=SCENARIO_LIMIT_S, module="tests.dist.workers.timeout_switch")
     assert result.returncode != 0
     match = re.search(r"TIMED OUT after ([\d.]+)s: (.*)", result.stdout)
     assert match, result.stdout[-4000:]
@@ -129,12 +131,12 @@ def test_training_timeout_really_shortens_the_wait_for_a_missing_peer(tmp_path, 
 def test_debug_switch_logs_collectives_and_startup_files_are_complete(corpus, tiny_teacher, tmp_path):
     dump = tmp_path / "run"
     result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=2, **{"distributed.debug": "true"}),
-                      timeout=120)
+                      timeout=SCENARIO_LIMIT_S)
     assert_ok(result)
     assert "collective #1 on bridge_0: all_gather handshake" in result.stdout
     assert "on train: all_reduce(max) agree_flags" in result.stdout
-    # Two phases: students barrier on their groups after the first step; the teacher switches only
-    # after serving its first request (it must not time out while students still load or compile).
+    # Two phases: students barrier on their groups after the first step; the teacher switches when the
+    # next step's request arrives, never before serving the first (students may still load or compile).
     assert "on train: barrier before the training timeout" in result.stdout
     teacher_lines = [l for l in result.stdout.splitlines() if "[r2 teacher]" in l]
     first_served = next(i for i, l in enumerate(teacher_lines) if "scatter responses (teacher)" in l)
