@@ -330,7 +330,7 @@ def format_markdown(result: dict) -> str:
         f"down, {fmt_bytes(formula['up'])} up, framed (plus header, status record, padding) = "
         f"{fmt_bytes(formula['framed_down'])} down, {fmt_bytes(formula['framed_up'])} up.",
         f"Teacher CPU-seconds per step / one student's: {fmt_ratio(ratios.get('teacher_cpu_over_student_cpu'))} "
-        f"(DESIGN.md section 4: s * N_T / (3 * N_S) in FLOPs for s students per teacher).",
+        f"(the README's cost model: s * N_T / (3 * N_S) in FLOPs for s students per teacher).",
         "",
         "Notes:",
         f"- {FAIRNESS_NOTE}",
