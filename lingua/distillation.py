@@ -214,9 +214,10 @@ def agreed_handshake(topo: Topology, my_record: torch.Tensor, args: Distillation
 
 def _handshake(topo: Topology, my_record: torch.Tensor) -> list[tuple[list[int], str]]:
     """All-gather every bridge member's record; returns them in bridge-group rank order."""
+    my_record = my_record.to(topo.device)  # input and outputs on the backend's device (NCCL: the GPU)
     records = [torch.empty_like(my_record) for _ in range(dist.get_world_size(topo.bridge_group))]
     log_collective("all_gather handshake", topo.bridge_group, my_record)
-    dist.all_gather(records, my_record.to(topo.device), group=topo.bridge_group)
+    dist.all_gather(records, my_record, group=topo.bridge_group)
     return [_unpack_record(r) for r in records]
 
 
@@ -308,9 +309,6 @@ class TeacherClient:
         self.teacher_busy_s = self.teacher_idle_s = self.teacher_peak_gib = 0.0
         self.teacher_preempt = False  # the teacher received a preemption signal
         self.bytes_up = self.bytes_down = 0  # sizes of the buffers this rank handed to gather / got from scatter
-        # On an accelerator a host-side range check would sync every micro-batch: the teacher checks a
-        # header flag instead (both paths refuse out-of-range ids; tests drive the flag path on CPU too).
-        self.check_tokens_before_sending = topo.device.type == "cpu"
         self.stopped = False
         logger.info(
             f"teacher rank {self.teacher_rank} ready: output={self.spec.output} k={self.spec.k} "
@@ -338,14 +336,9 @@ class TeacherClient:
         request = torch.zeros(self.spec.request_ints(), dtype=torch.int32, device=self.topo.device)
         request[:6] = torch.tensor([op, step, micro_step, bsz, seqlen, self.topo.train_rank], dtype=torch.int32)
         if tokens is not None:
-            if self.check_tokens_before_sending:
-                if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.n_words):
-                    raise ValueError(
-                        f"Token ids must be in [0, {self.n_words}) for the teacher's vocabulary, got "
-                        f"[{int(tokens.min())}, {int(tokens.max())}] at step {step}."
-                    )
-            else:
-                request[6] = ((tokens < 0) | (tokens >= self.n_words)).any()
+            # Out-of-range ids are flagged in the header, computed on the device (no host sync per
+            # micro-batch); the teacher refuses the request, so every student of the bridge raises together.
+            request[6] = ((tokens < 0) | (tokens >= self.n_words)).any()
             grid = request[HEADER_INTS:].view(self.spec.max_bsz, self.spec.max_seqlen)
             grid[:bsz, :seqlen] = tokens.to(device=self.topo.device, dtype=torch.int32)
         response = torch.empty(self.spec.response_bytes(), dtype=torch.uint8, device=self.topo.device)
@@ -499,45 +492,54 @@ class TeacherServer:
         mine = self.bridge_ranks.index(self.topo.global_rank)
         gather_list = [torch.empty(spec.request_ints(), dtype=torch.int32, device=device) for _ in range(n)]
         request = torch.zeros(spec.request_ints(), dtype=torch.int32, device=device)
-        last_report = time.perf_counter()
+        # Allocated once: a request writes only its rows and students read only theirs. The teacher's own
+        # slot is a throwaway; a separate output buffer avoids aliasing the scatter input.
+        responses = [torch.zeros(spec.response_bytes(), dtype=torch.uint8, device=device) for _ in range(n)]
+        scatter_out = torch.empty_like(responses[mine])
+        last_report = mark = time.perf_counter()  # mark: where the previous request's work ended
         while True:
-            wait_start = time.perf_counter()
             if hang_watch is not None:
                 hang_watch.arm(timeout_s)
             log_collective("gather request (teacher)", group, request)
             dist.gather(request, gather_list, dst=self.topo.global_rank, group=group)
             students = [(r, gather_list[i]) for i, r in enumerate(self.bridge_ranks) if i != mine]
-            # One copy to the CPU for all headers; on NCCL this is where the wait for the request really ends.
-            header_rows = torch.stack([buf[:HEADER_INTS] for _, buf in students]).tolist()
-            work_start = time.perf_counter()
-            self.idle_s += work_start - wait_start
-            headers = {r: h for (r, _), h in zip(students, header_rows)}
-            ops = {h[0] for h in headers.values()}
-            step = header_rows[0][1]
-            if first_step is None:
-                first_step = step
-            if timeouts is not None and not in_training and (step > first_step or OP_STOP in ops):
-                # The students finished their first step (they only send a later one after it): short from now on.
-                in_training, timeout_s = True, timeouts[1]
-                set_collective_timeout(self.topo, timeout_s)
-            error = self._check_headers(headers, students)
-            responses = [torch.zeros(spec.response_bytes(), dtype=torch.uint8, device=device) for _ in range(n)]
-            if error is None and ops == {OP_FORWARD}:
-                try:
+            work_start, ops, step, error = None, set(), None, None
+            # Everything between the gather and the scatter is guarded: whatever fails here (bad headers,
+            # the forward, out of memory, a CUDA error surfacing at the sync), the students get its sentence.
+            try:
+                # One copy to the CPU for all headers; on NCCL this is where the wait for the request really ends.
+                header_rows = torch.stack([buf[:HEADER_INTS] for _, buf in students]).tolist()
+                work_start = time.perf_counter()
+                headers = {r: h for (r, _), h in zip(students, header_rows)}
+                ops = {h[0] for h in headers.values()}
+                step = header_rows[0][1]
+                if first_step is None:
+                    first_step = step
+                if timeouts is not None and not in_training and (step > first_step or OP_STOP in ops):
+                    # The students finished their first step (they only send a later one after it): short from now on.
+                    in_training, timeout_s = True, timeouts[1]
+                    set_collective_timeout(self.topo, timeout_s)
+                error = self._check_headers(headers, students)
+                if error is None and ops == {OP_FORWARD}:
                     self._forward(students, headers, responses)
-                except Exception as err:
-                    error = f"teacher forward failed at step {step}: {type(err).__name__}: {err}"
-            _synchronize(device)  # on CUDA the forward was only queued: busy until it has run
-            self.busy_s += time.perf_counter() - work_start
+                _synchronize(device)  # on CUDA the forward was only queued: busy until it has run
+                peak_bytes = int(self.memory.get_peak_stats()["mem/peak_gib"] * 2**30)
+            except Exception as err:
+                where = "a request" if step is None else f"step {step}"
+                error, peak_bytes = f"teacher failed serving {where}: {type(err).__name__}: {err}", 0
+            now = time.perf_counter()
+            work_start = work_start or now
+            self.idle_s += work_start - mark
+            self.busy_s += now - work_start
             status = 0 if error is None else 1
-            peak_bytes = int(self.memory.get_peak_stats()["mem/peak_gib"] * 2**30)
             record = _pack_record([status, int(self.preemption.requested), int(self.busy_s * 1e6),
                                    int(self.idle_s * 1e6), peak_bytes], error or "").to(device)
             for buf in responses:
                 buf[:RECORD_BYTES] = record
-            # The teacher's own slot is a throwaway; a separate buffer avoids aliasing the scatter input.
             log_collective("scatter responses (teacher)", group, responses[mine])
-            dist.scatter(torch.empty_like(responses[mine]), responses, src=self.topo.global_rank, group=group)
+            dist.scatter(scatter_out, responses, src=self.topo.global_rank, group=group)
+            mark = time.perf_counter()
+            self.busy_s += mark - now  # packing and sending the responses is serving time too
             self.requests += 1
             if hang_watch is not None and (error is not None or ops == {OP_STOP}):
                 hang_watch.cancel()

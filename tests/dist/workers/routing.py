@@ -6,6 +6,7 @@ The last argument is the teacher's dtype (default fp32); every student compares 
 of its own, so a bf16 teacher is checked against the fp32 one within bf16 tolerance."""
 
 import sys
+import time
 from dataclasses import replace
 
 import torch
@@ -66,7 +67,12 @@ def main(teacher_dir: str, output: str, wire: str, teacher_dtype: str = "fp32") 
         if topo.is_teacher:
             server = TeacherServer(args, topo)
             print(f"TEACHER PARAMS {sorted(str(d) for d in {p.dtype for p in server.model.parameters()})}", flush=True)
+            start = time.perf_counter()
             server.serve()
+            # Busy and idle seconds cover the whole loop: no request's work falls between the two clocks.
+            elapsed, counted = time.perf_counter() - start, server.busy_s + server.idle_s
+            assert abs(elapsed - counted) < 0.02 * elapsed + 0.01, (elapsed, server.busy_s, server.idle_s)
+            print(f"TEACHER CLOCK OK busy {server.busy_s:.3f}s idle {server.idle_s:.3f}s of {elapsed:.3f}s", flush=True)
             return
         reference, tokenizer = load_teacher(replace(args, teacher_dtype="fp32"), topo.device)
         vocab = len(tokenizer)
