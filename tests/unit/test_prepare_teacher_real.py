@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -102,5 +103,8 @@ def test_truncated_gguf_is_named_as_corrupt(tmp_path):
 
 
 def test_missing_teacher_dir_error_names_the_command(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"does not exist; prepare it with `python -m setup\.prepare_teacher"):
-        check_teacher_dir(tmp_path / "not-prepared")
+    missing = tmp_path / "not-prepared"
+    with pytest.raises(FileNotFoundError, match=rf"does not exist; point distillation\.teacher_path at a transformers "
+                                                rf"checkpoint directory, or make one: `python -m setup\.prepare_teacher "
+                                                rf"--out {re.escape(str(missing))}`"):
+        check_teacher_dir(missing)
