@@ -7,7 +7,6 @@ KD agreement (kd/top1_agreement, kd/teacher_mass), throughput (speed/tokens_per_
 """
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -17,6 +16,8 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on cluster nodes
 import matplotlib.pyplot as plt  # noqa: E402
+
+from lingua.rundir import read_jsonl  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -43,16 +44,7 @@ def metrics_file(path: str) -> Path:
 def load_metrics(path: str) -> list[dict]:
     """The JSON rows of a dump dir's metrics.jsonl (a torn last line from a crash is skipped)."""
     file = metrics_file(path)
-    rows, bad = [], 0
-    for line in file.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            bad += 1
-    if bad:
-        logger.warning(f"{file}: skipped {bad} line(s) that are not valid JSON")
+    rows = read_jsonl(file)
     if not rows:
         raise ValueError(f"{file} holds no metrics yet; plot a run that has logged at least one step.")
     return rows

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from lingua.distributed import log_collective
+from lingua.collectives import log_collective
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,20 @@ class CheckpointManager:
         self.group = group
         self.train_rank = train_rank
         self.train_world_size = train_world_size
-        self._last_saved_step: Optional[int] = None
+        self._last_saved_step: Optional[int] = None  # the step whose weights this manager wrote last
+        self.step_on_disk: Optional[int] = None  # the step of the checkpoint saved or loaded last
+
+    def should_save(self, step: int, stop_now: bool = False, last_step: bool = False) -> list[str]:
+        """The kinds of checkpoint due after `step`: "dump" every dump.every steps, when stopping early
+        (`stop_now`: preemption, exit_after_steps) and after the last step unless that step is on disk
+        already; "eval" every eval.every steps."""
+        kinds = []
+        dump_every = self.args.dump.every
+        if (dump_every and step % dump_every == 0) or stop_now or (last_step and step != self.step_on_disk):
+            kinds.append("dump")
+        if self.args.eval.every and step % self.args.eval.every == 0:
+            kinds.append("eval")
+        return kinds
 
     @property
     def is_master(self) -> bool:
@@ -205,7 +218,7 @@ class CheckpointManager:
             self._apply_retention()
             logger.info(f"saved {kind} checkpoint of step {step} to {final} in {time.perf_counter() - start:.1f}s")
         self._barrier("rename")  # the checkpoint is in place for everyone before anyone moves on
-        self._last_saved_step = step
+        self._last_saved_step = self.step_on_disk = step
         return final
 
     def _add_kind(self, final: Path, kind: str) -> None:
@@ -276,6 +289,7 @@ class CheckpointManager:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         with open(ckpt / train_state_name(self.train_rank)) as f:
             train_state = json.load(f)
+        self.step_on_disk = read_marker(ckpt).get("step")
         logger.info(f"loaded checkpoint {ckpt} in {time.perf_counter() - start:.1f}s")
         return train_state
 

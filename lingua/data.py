@@ -1,12 +1,8 @@
 """Training data: jsonl chunks per source, weighted mixing, on-the-fly tokenization, packing, prefetch.
 
-Layout on disk (written by setup/download_prepare_hf_data.py):
-
-    <root_dir>/<source>/<name>.chunk.<i>.jsonl   training documents, one JSON object per line
-    <root_dir>/<source>/<name>.val.jsonl         validation documents (optional, for in-loop eval)
-
-Each line holds a "text" (or "content") string. Lines that are not JSON objects with such a string are
-counted and skipped (`DataLoader.bad_lines`); a few are logged in full, then only at 10, 100, 1000, ...
+The files, their sharding over data-parallel ranks and the line -> document rule (malformed lines are
+counted in `DataLoader.bad_lines` and skipped) are in `lingua/documents.py`; held-out batches for
+in-loop evaluation in `lingua/eval_data.py`.
 
 Stream: every row of a batch is a window of `seq_len + 1` consecutive tokens from one source, picked
 with probability proportional to its weight (so weights are shares of training tokens). Documents are
@@ -15,10 +11,7 @@ start of that source's next window. `input_ids = window[:-1]`, `labels = window[
 batches never contain -100), and `doc_ids` numbers the documents inside each window from 0 so that a
 doc-causal mask can keep attention within a document.
 
-Sharding over data-parallel ranks never drops a file: with F files and D ranks, if F >= D rank r reads
-files r, r+D, r+2D, ...; if F < D rank r reads file r % F, and the ranks sharing a file split its lines
-(each of the k ranks on a file takes every k-th line, starting at line r // F). Either way every line
-belongs to exactly one rank. Ranks may hold different amounts of data; each loops over its share.
+Ranks may hold different amounts of data; each loops over its share forever.
 
 State: `DataLoader.state_dict()` is a small JSON-serialisable dict with each source's read position
 (file, byte offset, line, epoch), the document cut at the last window (re-read and re-tokenized on
@@ -29,26 +22,24 @@ batches the prefetch thread built ahead are not part of it, so a restore gives b
 
 import copy
 import functools
-import json
 import logging
 import math
 import queue
 import threading
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+from lingua.documents import FileShard, MalformedLines, list_chunk_files, shard_files
 from lingua.tokenizer import Tokenizer, TokenizerArgs
 
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 IGNORE_INDEX = -100
-MALFORMED_LOGGED_IN_FULL = 5
 PREFETCH_JOIN_TIMEOUT_S = 30.0
 
 
@@ -86,88 +77,10 @@ def check_data_args(args: DataArgs, dp_rank: int, dp_degree: int) -> None:
         raise ValueError(f"Data-parallel rank {dp_rank} is outside 0..{dp_degree - 1} (dp_degree={dp_degree}).")
 
 
-def _chunk_sort_key(path: Path) -> tuple:
-    stem, _, index = path.name[: -len(".jsonl")].rpartition(".chunk.")
-    return (stem, int(index) if index.isdigit() else -1, path.name)
-
-
-def list_chunk_files(root_dir: str, source: str) -> list[Path]:
-    """The training chunk files of `source` in chunk order; readable error when there are none."""
-    directory = Path(root_dir) / source
-    if not directory.is_dir():
-        raise FileNotFoundError(f"Data source directory '{directory}' does not exist; fix data.root_dir or the "
-                                f"source name in data.sources (setup/download_prepare_hf_data.py writes this layout).")
-    files = sorted(directory.glob("*.chunk.*.jsonl"), key=_chunk_sort_key)
-    if not files:
-        raise FileNotFoundError(f"Data source directory '{directory}' has no '*.chunk.<i>.jsonl' files; prepare it "
-                                f"with setup/download_prepare_hf_data.py or remove '{source}' from data.sources.")
-    return files
-
-
-def list_val_files(root_dir: str, source: str) -> list[Path]:
-    """The validation files (`*.val.jsonl`) of `source`, sorted; empty when there are none."""
-    return sorted((Path(root_dir) / source).glob("*.val.jsonl"))
-
-
-@dataclass(frozen=True)
-class FileShard:
-    """The lines of `path` whose 0-based number is `offset` modulo `stride` (stride 1: the whole file)."""
-
-    path: str
-    stride: int = 1
-    offset: int = 0
-
-    def describe(self) -> list:
-        return [Path(self.path).name, self.stride, self.offset]
-
-
-def shard_files(files: list, dp_rank: int, dp_degree: int) -> list[FileShard]:
-    """This rank's share of `files`: round-robin files when there are enough, else strided lines of one file."""
-    n_files = len(files)
-    assert n_files > 0 and 0 <= dp_rank < dp_degree
-    if n_files >= dp_degree:
-        return [FileShard(str(path)) for path in files[dp_rank::dp_degree]]
-    sharing_ranks = range(dp_rank % n_files, dp_degree, n_files)
-    return [FileShard(str(files[dp_rank % n_files]), len(sharing_ranks), dp_rank // n_files)]
-
-
-class _MalformedLines:
-    """Counts skipped lines; logs the first few in full, then only at 10, 100, 1000, ... so logs stay short."""
-
-    def __init__(self, count: int = 0):
-        self.count = count
-
-    def text_of(self, raw: bytes, path: str, line_no: int) -> Optional[str]:
-        """The document text of a jsonl line, or None (counted) when the line is malformed."""
-        try:
-            record = json.loads(raw)
-        except ValueError:  # includes invalid UTF-8
-            return self._skip(path, line_no, "not valid JSON")
-        if not isinstance(record, dict):
-            return self._skip(path, line_no, "not a JSON object")
-        text = record.get("text", record.get("content"))
-        if text is None:
-            return self._skip(path, line_no, "no 'text' or 'content' field")
-        if not isinstance(text, str):
-            return self._skip(path, line_no, f"'text' is a {type(text).__name__}, not a string")
-        return text
-
-    def _skip(self, path: str, line_no: int, reason: str) -> None:
-        self.count += 1
-        where = f"{path}:{line_no + 1}"
-        if self.count <= MALFORMED_LOGGED_IN_FULL:
-            suffix = "; further ones are only counted (totals at 10, 100, 1000, ...)" \
-                if self.count == MALFORMED_LOGGED_IN_FULL else ""
-            logger.warning(f"skipping malformed data line {where}: {reason}{suffix}")
-        elif math.log10(self.count).is_integer():
-            logger.warning(f"{self.count} malformed data lines skipped so far (latest {where}: {reason})")
-        return None
-
-
 class _SourceReader:
     """One source's documents in this rank's shards, looping forever, from a resumable position."""
 
-    def __init__(self, name: str, shards: list[FileShard], position: dict, malformed: _MalformedLines):
+    def __init__(self, name: str, shards: list[FileShard], position: dict, malformed: MalformedLines):
         self.name = name
         self.shards = shards
         self.malformed = malformed
@@ -222,7 +135,7 @@ class _SourceReader:
         path = self.shards[location["file_index"]].path
         with open(path, "rb") as f:
             f.seek(location["offset"])
-            text = _MalformedLines().text_of(f.readline(), path, location["line"])
+            text = MalformedLines().text_of(f.readline(), path, location["line"])
         if not text:
             raise ValueError(f"The checkpointed data position {path}:{location['line'] + 1} is no longer a valid "
                              f"document; the data files changed since the checkpoint. Restore them or resume "
@@ -294,7 +207,7 @@ class _TrainStream:
         self.cumulative = np.cumsum(weights) / weights.sum()
         self.windows = state["windows"]
         self.files = {name: state["sources"][name]["files"] for name in self.names}
-        self.malformed = _MalformedLines(state["bad_lines"])
+        self.malformed = MalformedLines(state["bad_lines"])
         self.packers = {}
         try:
             for name in self.names:
@@ -477,90 +390,3 @@ class DataLoader:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _eval_documents(shards: list[FileShard], malformed: _MalformedLines) -> Iterator[str]:
-    for shard in shards:
-        with open(shard.path, "rb") as f:
-            for line_no, raw in enumerate(f):
-                if line_no % shard.stride != shard.offset or not raw.strip():
-                    continue
-                text = malformed.text_of(raw, shard.path, line_no)
-                if text:
-                    yield text
-
-
-def _eval_windows(token_lists: Iterator[list[int]], length: int) -> Iterator[tuple[list[int], list[int]]]:
-    tokens: list[int] = []
-    doc_ids: list[int] = []
-    for ids in token_lists:
-        pos = 0
-        while pos < len(ids):
-            take = min(length - len(tokens), len(ids) - pos)
-            doc_ids.extend([doc_ids[-1] + 1 if doc_ids else 0] * take)
-            tokens.extend(ids[pos:pos + take])
-            pos += take
-            if len(tokens) == length:
-                yield tokens, doc_ids
-                tokens, doc_ids = [], []
-    if len(tokens) > 1:  # a lone last token has nothing to predict
-        yield tokens, doc_ids
-
-
-def _eval_batch(windows: list[tuple[list[int], list[int]]], batch_size: int, seq_len: int,
-                pad_id: int) -> dict[str, torch.Tensor]:
-    """Pads a short last window / batch: padding has labels -100 and a document id of its own."""
-    input_ids = torch.full((batch_size, seq_len), pad_id, dtype=torch.long)
-    labels = torch.full((batch_size, seq_len), IGNORE_INDEX, dtype=torch.long)
-    doc_ids = torch.zeros((batch_size, seq_len), dtype=torch.int32)
-    for row, (tokens, docs) in enumerate(windows):
-        n_inputs = min(len(tokens), seq_len)
-        input_ids[row, :n_inputs] = torch.tensor(tokens[:n_inputs])
-        labels[row, :len(tokens) - 1] = torch.tensor(tokens[1:])
-        doc_ids[row, :n_inputs] = torch.tensor(docs[:n_inputs], dtype=torch.int32)
-        doc_ids[row, n_inputs:] = docs[n_inputs - 1] + 1
-    return dict(input_ids=input_ids, labels=labels, doc_ids=doc_ids)
-
-
-def iterate_eval_batches(args: DataArgs, tokenizer: Tokenizer, dp_rank: int, dp_degree: int,
-                         max_batches: Optional[int] = None) -> Iterator[dict[str, torch.Tensor]]:
-    """Finite batches over this rank's share of the `*.val.jsonl` files, sharded like training.
-
-    Same batch dict as training; the last window and batch are padded (labels -100), and ranks may get
-    different numbers of batches. Raises FileNotFoundError at once when there is nothing to evaluate.
-    """
-    check_data_args(args, dp_rank, dp_degree)
-    explicit = args.eval_sources is not None
-    names = list(args.eval_sources) if explicit else [name for name, w in args.sources.items() if w > 0]
-    files = {}
-    for name in names:
-        found = list_val_files(args.root_dir, name)
-        if explicit and not found:
-            raise FileNotFoundError(f"No '*.val.jsonl' file in '{Path(args.root_dir) / name}' for eval source "
-                                    f"'{name}'; add one or remove '{name}' from data.eval_sources.")
-        if found:
-            files[name] = found
-    if not files:
-        searched = ", ".join(f"'{Path(args.root_dir) / name}'" for name in names)
-        raise FileNotFoundError(f"No validation files ('*.val.jsonl') in {searched}; write them with "
-                                f"setup/download_prepare_hf_data.py or turn in-loop evaluation off.")
-    shards = [shard for name in files for shard in shard_files(files[name], dp_rank, dp_degree)]
-    pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
-    return _eval_batches(args, tokenizer, shards, pad_id, max_batches)
-
-
-def _eval_batches(args: DataArgs, tokenizer: Tokenizer, shards: list[FileShard], pad_id: int,
-                  max_batches: Optional[int]) -> Iterator[dict[str, torch.Tensor]]:
-    malformed = _MalformedLines()
-    token_lists = (tokenizer.encode(text, args.add_bos, args.add_eos) for text in _eval_documents(shards, malformed))
-    batch: list = []
-    produced = 0
-    for window in _eval_windows(token_lists, args.seq_len + 1):
-        if max_batches is not None and produced >= max_batches:
-            return
-        batch.append(window)
-        if len(batch) == args.batch_size:
-            yield _eval_batch(batch, args.batch_size, args.seq_len, pad_id)
-            produced, batch = produced + 1, []
-    if batch and (max_batches is None or produced < max_batches):
-        yield _eval_batch(batch, args.batch_size, args.seq_len, pad_id)

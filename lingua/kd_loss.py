@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -295,8 +296,14 @@ def kd_loss(
     return loss, {"kd": kd, "teacher_mass": teacher_mass, "top1_agreement": top1}
 
 
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """CE summed (not averaged) over positions whose label is not -100, in fp32, so micro-batches add up
+    exactly to one large batch; the caller divides by the step's token count."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
 def distillation_loss(ce: torch.Tensor, kd: torch.Tensor, alpha: float, temperature: float) -> torch.Tensor:
-    """(1 - alpha) * CE + alpha * T^2 * KD; T^2 keeps the KD gradient scale independent of T."""
+    """(1 - alpha) * CE + alpha * T^2 * KD (tensors or floats); T^2 keeps the KD gradient scale independent of T."""
     return (1.0 - alpha) * ce + alpha * temperature**2 * kd
 
 

@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lingua.distributed import log_collective
+from lingua.collectives import make_dir_for_group
 
 try:
     from torch.distributed.tensor import DTensor
@@ -78,8 +77,9 @@ class ActivationProbe:
     torch.compile, adding and removing the hooks makes the probed step recompile.
     """
 
-    def __init__(self, model: nn.Module, dump_dir: str, rank: int, is_master: bool, group):
+    def __init__(self, model: nn.Module, dump_dir: str, rank: int, is_master: bool, group, every: int = 1):
         self.model = model
+        self.every = every  # probe every `every` training steps (`should_run`)
         self.rank = rank
         self.probe_dir = Path(dump_dir) / "probe"
         self.path = self.probe_dir / f"probe.{rank}.jsonl"
@@ -88,14 +88,7 @@ class ActivationProbe:
             for child_name, module in parent.named_children():
                 if is_probed_module(module, parent):
                     self.modules.append((f"{parent_name}.{child_name}" if parent_name else child_name, module))
-        if is_master:
-            self.probe_dir.mkdir(parents=True, exist_ok=True)
-        if group is not None:
-            log_collective("barrier probe dir", group)
-            dist.barrier(group=group)
-        elif dist.is_available() and dist.is_initialized():
-            raise ValueError("ActivationProbe needs the process group of the ranks that probe "
-                             "(e.g. topo.train_group); it never synchronises on the default group.")
+        make_dir_for_group(self.probe_dir, is_master, group, "ActivationProbe's probe dir")
         self.step: Optional[int] = None
         self.records: dict[tuple[str, str], torch.Tensor] = {}
         self.handles: list = []
@@ -120,6 +113,9 @@ class ActivationProbe:
                 if stats is not None:
                     self.records[(name, "grad")] = stats
         return hook
+
+    def should_run(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
 
     @contextlib.contextmanager
     def capture(self, step: int):

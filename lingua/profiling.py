@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from lingua.distributed import log_collective
+from lingua.collectives import make_dir_for_group
 
 logger = logging.getLogger(__name__)
 
@@ -170,15 +169,8 @@ def maybe_run_profiler(dump_dir: str, module: nn.Module, args: ProfilerArgs, ran
                          "must both be at least 1; set profiling.run=false to disable profiling.")
     if args.profile_warmup < 0 or args.mem_warmup < 0:
         raise ValueError("profiling.profile_warmup and profiling.mem_warmup must be >= 0 (steps before recording).")
-    trace_dir = Path(dump_dir) / args.trace_folder
-    if is_master:
-        trace_dir.mkdir(parents=True, exist_ok=True)
-    if group is not None:
-        log_collective("barrier trace dir", group)
-        dist.barrier(group=group)
-    elif dist.is_available() and dist.is_initialized():
-        raise ValueError("maybe_run_profiler needs the process group of the profiled ranks "
-                         "(e.g. topo.train_group); it never synchronises on the default group.")
+    trace_dir = make_dir_for_group(Path(dump_dir) / args.trace_folder, is_master, group,
+                                   "maybe_run_profiler's trace dir")
     logger.info(f"profiling on: trace of steps [{args.profile_warmup}, {args.profile_warmup + args.profile_steps})"
                 f" into {trace_dir}")
     profiler = StepProfiler(trace_dir, module, args, rank)

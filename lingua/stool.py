@@ -22,7 +22,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -32,10 +31,10 @@ from typing import Callable, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from lingua.args import dataclass_from_dict, to_dict
+from lingua.launch import DistributedArgs, LaunchPlan
+from lingua.slurm import UNLIMITED, build_sbatch_script, submit_sbatch, submit_submitit
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-UNLIMITED = "UNLIMITED"
-SUBMITIT_UNLIMITED_MIN = 365 * 24 * 60  # submitit needs a number even when the partition has no limit
 
 
 # Scripts whose config has `preemption_grace_s` (stool fills it from signal_grace_s).
@@ -73,42 +72,6 @@ class StoolArgs:
     # the sbatch path requeues on every USR2). Preemptions by other jobs are never counted.
     max_timeout_requeues: int = 100
     overrides: list[str] = field(default_factory=list)  # training overrides, same as after `--`
-
-
-@dataclass
-class TeacherLayout:
-    world_size: int
-    ntasks_per_node: int
-    placement: str  # "last" | "per_node" | "" (no distillation)
-    student_ranks: list[int]
-    teacher_ranks: list[int]
-
-    def describe(self) -> list[str]:
-        """Human-readable lines: which global ranks (node, local rank) are teachers."""
-        nodes = self.world_size // self.ntasks_per_node
-        lines = [f"ranks: {nodes} node(s) x {self.ntasks_per_node} task(s) = {self.world_size} ranks "
-                 f"(block distribution: node i holds ranks {self.ntasks_per_node}*i..)"]
-        if not self.teacher_ranks:
-            lines.append("distillation off: every rank is a student")
-            return lines
-        lines.append(f"distillation: {len(self.teacher_ranks)} teacher rank(s), placement {self.placement}")
-        for rank in self.teacher_ranks:
-            lines.append(f"  teacher: global rank {rank} (node {rank // self.ntasks_per_node}, "
-                         f"local rank {rank % self.ntasks_per_node})")
-        lines.append(f"  students: global ranks {format_ranks(self.student_ranks)}")
-        return lines
-
-
-def format_ranks(ranks: list[int]) -> str:
-    """[0, 1, 2, 4, 5] -> "0-2,4-5"."""
-    spans, start = [], None
-    for i, rank in enumerate(ranks):
-        if start is None:
-            start = rank
-        if i + 1 == len(ranks) or ranks[i + 1] != rank + 1:
-            spans.append(str(start) if start == rank else f"{start}-{rank}")
-            start = None
-    return ",".join(spans)
 
 
 # ---------------------------------------------------------------- arguments and training config
@@ -206,27 +169,20 @@ def _absolutize_paths(node, cwd: Path):
     return node
 
 
-def teacher_layout(cfg: DictConfig, nodes: int, ntasks_per_node: int) -> tuple[TeacherLayout, Optional[str]]:
-    """Where the teachers go, and the teacher_placement to write into the config (None = leave it).
-
-    With one teacher per node (n_teacher_ranks == nodes > 1) each teacher is the last rank of its node,
-    so a bridge never leaves its node; otherwise teachers are the last global ranks.
-    """
-    from lingua.distributed import split_roles  # the trainer's own rule, so the printout cannot drift
-
-    world = nodes * ntasks_per_node
+def launch_plan(cfg: DictConfig, nodes: int, ntasks_per_node: int) -> tuple[LaunchPlan, Optional[str]]:
+    """The trainer's own LaunchPlan for this allocation (so the printout cannot drift, and a plan that
+    cannot work is refused before anything is written), and the teacher_placement to write into the
+    config (None = leave it). With one teacher per node (n_teacher_ranks == nodes > 1) each teacher is
+    the last rank of its node, so a bridge never leaves its node; otherwise teachers are the last ranks."""
     n_teachers = int(OmegaConf.select(cfg, "distillation.n_teacher_ranks", default=1)) \
         if bool(cfg.get("enable_distillation", False)) else 0
-    configured = OmegaConf.select(cfg, "distributed.teacher_placement", default=None)
+    distributed = OmegaConf.merge(OmegaConf.structured(DistributedArgs), cfg.get("distributed") or {})
     write = None
-    if configured is not None:
-        placement = configured
-    elif n_teachers and n_teachers == nodes and nodes > 1:
-        placement = write = "per_node"
-    else:
-        placement = "last"
-    students, teachers = split_roles(world, n_teachers, placement, ntasks_per_node)
-    return TeacherLayout(world, ntasks_per_node, placement if n_teachers else "", students, teachers), write
+    if OmegaConf.select(cfg, "distributed.teacher_placement", default=None) is None \
+            and n_teachers and n_teachers == nodes and nodes > 1:
+        distributed.teacher_placement = write = "per_node"
+    plan = LaunchPlan.for_launch(OmegaConf.to_object(distributed), n_teachers, nodes * ntasks_per_node, ntasks_per_node)
+    return plan, write
 
 
 # ---------------------------------------------------------------- partition time limit
@@ -326,182 +282,6 @@ def snapshot_code(root: Path, code_dirs: list[str], dest: Path) -> int:
     return len(files)
 
 
-# ---------------------------------------------------------------- the sbatch script
-
-def sbatch_options(args: StoolArgs, dump_dir: Path, time_limit: Optional[str], job_name: str) -> list[str]:
-    """The `#SBATCH` options, in order; unset optional ones are left out."""
-    logs = dump_dir / "logs"
-    lines = [f"--job-name={job_name}", f"--nodes={args.nodes}", f"--ntasks-per-node={args.ntasks_per_node}"]
-    if args.ngpus > 0:
-        lines.append(f"--gres=gpu:{args.ngpus}")
-    lines.append(f"--cpus-per-task={args.ncpu}")
-    for name in ("mem", "partition", "qos", "account", "constraint"):
-        if getattr(args, name):
-            lines.append(f"--{name}={getattr(args, name)}")
-    if time_limit is not None:
-        lines.append(f"--time={time_limit}")
-    if args.exclude:
-        lines.append(f"--exclude={args.exclude}")
-    lines += [f"--output={logs}/%j.stdout", f"--error={logs}/%j.stderr", f"--signal=USR2@{args.signal_grace_s}",
-              "--open-mode=append", "--requeue"]
-    lines += [extra.removeprefix("#SBATCH").strip() for extra in args.sbatch_extra]
-    return lines
-
-
-def env_lines(args: StoolArgs, code_dir: Path) -> list[str]:
-    """Activation, rendezvous and user exports, identical under sbatch and submitit."""
-    lines = [args.env_activate] if args.env_activate else []
-    lines += [
-        'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
-        "# Port from the job id, below the ephemeral range (32768+), reused by a requeue; exports= can override it.",
-        "export MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))",
-        f"export OMP_NUM_THREADS={args.ncpu}",
-        f'export PYTHONPATH={shlex.quote(str(code_dir))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
-    ]
-    lines += [f"export {key}={shlex.quote(str(value))}" for key, value in args.exports.items()]
-    return lines
-
-
-def launch_command(args: StoolArgs, dump_dir: Path) -> str:
-    """srun with one task per rank, or one torchrun per node."""
-    config = shlex.quote(str(dump_dir / "config.yaml"))
-    python = shlex.quote(args.python)
-    common = ["srun", "--kill-on-bad-exit=1", "--distribution=block", "--open-mode=append"]
-    if not args.torchrun_per_node:
-        return " ".join(common + [
-            f"--output={dump_dir}/logs/%j/%j_%t.log", f"--ntasks={args.nodes * args.ntasks_per_node}",
-            f"--ntasks-per-node={args.ntasks_per_node}", f"--cpus-per-task={args.ncpu}",
-            python, "-u", "-m", args.script, f"config={config}"])
-    # torchrun ignores USR2 (it would die of it); slurmstepd signals every process of the step, so the
-    # ranks still get it. Static rendezvous keeps rank = node_rank * ntasks_per_node + local_rank.
-    torchrun = (f"trap '' USR2; exec {python} -u -m torch.distributed.run --nnodes={args.nodes} "
-                f"--nproc-per-node={args.ntasks_per_node} --node-rank=$SLURM_NODEID --master-addr=$MASTER_ADDR "
-                f"--master-port=$MASTER_PORT --max-restarts=0 -m {args.script} config={config}")
-    return " ".join(common + [
-        f"--output={dump_dir}/logs/%j/%j_node%n.log", f"--ntasks={args.nodes}", "--ntasks-per-node=1",
-        f"--cpus-per-task={args.ncpu * args.ntasks_per_node}", "bash", "-c", shlex.quote(torchrun)])
-
-
-def build_sbatch_script(args: StoolArgs, dump_dir: Path, layout: TeacherLayout, time_limit: Optional[str],
-                        job_name: str) -> str:
-    """The full submit.slurm text (args already passed through `resolve_args`)."""
-    code_dir = dump_dir / "code"
-    header = ["#!/bin/bash",
-              f"# Written by lingua.stool for {args.script} with {dump_dir}/config.yaml.",
-              f"# Relaunch by hand (resumes from the latest checkpoint): sbatch {dump_dir}/submit.slurm"]
-    header += [f"# {line}" for line in layout.describe()]
-    if args.torchrun_per_node:
-        header.append("# launch: one torchrun per node (ranks read RANK/LOCAL_RANK/WORLD_SIZE)")
-    else:
-        header.append("# launch: one srun task per rank (ranks read SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS)")
-    body = [f"#SBATCH {option}" for option in sbatch_options(args, dump_dir, time_limit, job_name)]
-    body += [""] + env_lines(args, code_dir)
-    body += [
-        f"mkdir -p {shlex.quote(str(dump_dir / 'logs'))}/$SLURM_JOB_ID",
-        f"cd {shlex.quote(str(code_dir))}",
-        'echo "stool: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on '
-        '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd " "), master $MASTER_ADDR:$MASTER_PORT, '
-        '$(date -Is)"',
-        launch_command(args, dump_dir),
-    ]
-    return "\n".join(header + body) + "\n"
-
-
-# ---------------------------------------------------------------- submission
-
-def submit_sbatch(script_path: Path) -> str:
-    """sbatch the script; returns the job id."""
-    result = subprocess.run(["sbatch", "--parsable", str(script_path)], capture_output=True, text=True, timeout=120)
-    if result.returncode != 0:
-        raise RuntimeError(f"sbatch {script_path} failed: {result.stderr.strip() or result.stdout.strip()}")
-    return result.stdout.strip().split(";")[0]
-
-
-class SubmititTrainJob:
-    """What submitit runs on every task: the training command as a child process, from the snapshot.
-
-    Why a child and not in-process: submitit's USR2 handler requeues the job on rank 0 at once, which
-    would kill the ranks before the trainer's collective save. This process replaces that handler with
-    one that only notes the signal; SLURM signals every process of the step, so the trainer (the child)
-    gets USR2 too, saves at its agreed point, stops the teacher and exits 0 (it does not call
-    `scontrol requeue` when SUBMITIT_EXECUTOR is set). Then rank 0 hands over to submitit's own
-    preemption path: `checkpoint()` returns this same job, submitit pickles it, runs `scontrol requeue`
-    and exits; the requeued job starts the trainer again, which resumes from the checkpoint.
-    """
-
-    def __init__(self, script: str, python: str, dump_dir: str, steps: Optional[int]):
-        self.script, self.python, self.dump_dir, self.steps = script, python, dump_dir, steps
-
-    def command(self) -> list[str]:
-        return [self.python, "-u", "-m", self.script, f"config={Path(self.dump_dir) / 'config.yaml'}"]
-
-    def __call__(self) -> int:
-        preempted = []
-        submitit_handler = signal.signal(signal.SIGUSR2, lambda signum, frame: preempted.append(signum))
-        returncode = subprocess.run(self.command(), cwd=Path(self.dump_dir) / "code").returncode
-        signal.signal(signal.SIGUSR2, submitit_handler)
-        if returncode != 0:
-            raise RuntimeError(f"{' '.join(self.command())} exited with code {returncode}; "
-                               f"see the task logs in {self.dump_dir}/submitit/.")
-        if preempted and not self.finished() and callable(submitit_handler):
-            submitit_handler(signal.SIGUSR2, None)  # rank 0: checkpoint() + scontrol requeue + exit
-        return returncode
-
-    def finished(self) -> bool:
-        """Whether the latest checkpoint is the final step (then a late USR2 needs no requeue)."""
-        steps = sorted(int(p.name) for p in (Path(self.dump_dir) / "checkpoints").glob("[0-9]" * 10))
-        return self.steps is not None and bool(steps) and steps[-1] >= self.steps
-
-    def checkpoint(self, *args, **kwargs):
-        """submitit's preemption hook: the trainer already saved, so requeue this same job."""
-        from submitit.helpers import DelayedSubmission
-
-        return DelayedSubmission(self, *args, **kwargs)
-
-
-def submitit_executor(args: StoolArgs, dump_dir: Path, layout: TeacherLayout, time_limit: Optional[str],
-                      job_name: str):
-    """A submitit SlurmExecutor with the same resources, environment and dump dir as submit.slurm."""
-    import submitit
-
-    if time_limit is None:
-        raise ValueError("submitit needs a time limit and sinfo could not provide one; pass time=<minutes>.")
-    additional = {"requeue": True, "chdir": str(dump_dir / "code")}
-    if time_limit == UNLIMITED:
-        additional["time"] = UNLIMITED
-    if args.mem:
-        additional["mem"] = args.mem
-    for extra in args.sbatch_extra:
-        key, _, value = extra.removeprefix("#SBATCH").strip().removeprefix("--").partition("=")
-        additional[key] = value if value else True
-    executor = submitit.AutoExecutor(folder=str(dump_dir / "submitit"), cluster="slurm",
-                                     slurm_python=shlex.quote(args.python),
-                                     slurm_max_num_timeout=args.max_timeout_requeues)
-    params = dict(
-        name=job_name, nodes=args.nodes, tasks_per_node=args.ntasks_per_node, cpus_per_task=args.ncpu,
-        timeout_min=SUBMITIT_UNLIMITED_MIN if time_limit == UNLIMITED else int(time_limit),
-        slurm_signal_delay_s=args.signal_grace_s, slurm_srun_args=["--kill-on-bad-exit=1", "--distribution=block"],
-        slurm_setup=[f"# {line}" for line in layout.describe()] + env_lines(args, dump_dir / "code"),
-        slurm_additional_parameters=additional,
-    )
-    for name in ("partition", "qos", "account", "constraint", "exclude"):
-        if getattr(args, name):
-            params[f"slurm_{name}"] = getattr(args, name)
-    if args.ngpus > 0:
-        params["slurm_gres"] = f"gpu:{args.ngpus}"
-    executor.update_parameters(**params)
-    return executor
-
-
-def submit_submitit(args: StoolArgs, dump_dir: Path, cfg: DictConfig, layout: TeacherLayout,
-                    time_limit: Optional[str], job_name: str) -> str:
-    """Submit `SubmititTrainJob` through submitit; returns the job id."""
-    executor = submitit_executor(args, dump_dir, layout, time_limit, job_name)
-    steps = cfg.get("steps")
-    job = executor.submit(SubmititTrainJob(args.script, args.python, str(dump_dir), int(steps) if steps else None))
-    return str(job.job_id)
-
-
 def write_dump_dir(args: StoolArgs, cfg: DictConfig, dump_dir: Path) -> None:
     """code/ snapshot, config.yaml (what the job reads) and stool.yaml (how it was launched)."""
     dump_dir.mkdir(parents=True, exist_ok=True)
@@ -518,7 +298,7 @@ def launch(args: StoolArgs, input_fn: Callable[[str], str] = input, interactive:
     args = resolve_args(args)
     cfg = load_train_config(args)
     dump_dir = Path(cfg.dump_dir)
-    layout, placement = teacher_layout(cfg, args.nodes, args.ntasks_per_node)
+    plan, placement = launch_plan(cfg, args.nodes, args.ntasks_per_node)
     if placement is not None:
         OmegaConf.update(cfg, "distributed.teacher_placement", placement, force_add=True)
     if args.script in GRACE_AWARE_SCRIPTS:  # the trainer warns if a step plus a save outlast the grace
@@ -528,15 +308,15 @@ def launch(args: StoolArgs, input_fn: Callable[[str], str] = input, interactive:
     confirm_reuse(dump_dir, args.force, input_fn, interactive)
 
     write_dump_dir(args, cfg, dump_dir)
-    print("stool: " + "\nstool: ".join(layout.describe()))
+    print("stool: " + "\nstool: ".join(plan.describe()))
     # Written under submitit too: `sbatch submit.slurm` is the by-hand relaunch for both launchers.
     script_path = dump_dir / "submit.slurm"
-    script_path.write_text(build_sbatch_script(args, dump_dir, layout, time_limit, job_name))
+    script_path.write_text(build_sbatch_script(args, dump_dir, plan, time_limit, job_name))
     if args.launcher == "submitit":
         if args.dry_run:
             print(f"stool: dry run; would submit {args.script} through submitit into {dump_dir / 'submitit'}")
             return None
-        job_id = submit_submitit(args, dump_dir, cfg, layout, time_limit, job_name)
+        job_id = submit_submitit(args, dump_dir, cfg, plan, time_limit, job_name)
         print(f"stool: submitted job {job_id} through submitit; logs in {dump_dir / 'submitit'}/, "
               f"relaunch by hand with: sbatch {script_path}")
         return job_id

@@ -1,7 +1,7 @@
 """Startup phase spans and per-step timers.
 
 Startup: `with phases.span("model_build"): ...` appends one JSON line per phase to
-`dump_dir/startup.<rank>.jsonl`; `summarize_phases` (rank 0) prints min / max / slowest rank per phase.
+`dump_dir/startup.<rank>.jsonl`; `format_phase_table` (rank 0) prints min / max / slowest rank per phase.
 Steps: `StepTimer` accumulates seconds per named part of a step (data, teacher_wait, fwd_bwd, ...).
 """
 
@@ -11,8 +11,9 @@ import logging
 import os
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Optional
+
+from lingua.rundir import RunDir, read_startup
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ class PhaseLog:
 
     def __init__(self, dump_dir: Optional[str], rank: int, role: str):
         self.rank, self.role = rank, role
-        self.path = Path(dump_dir) / f"startup.{rank}.jsonl" if dump_dir else None
+        self.path = RunDir(dump_dir).startup(rank) if dump_dir else None
         self.durations: dict[str, float] = {}
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -51,18 +52,10 @@ class PhaseLog:
 
 
 def read_phase_files(dump_dir: str, world_size: Optional[int] = None) -> dict[str, dict[int, float]]:
-    """phase -> {rank: seconds} from the `startup.<rank>.jsonl` files in `dump_dir`.
-
-    With `world_size`, only ranks 0..world_size-1 count: each of those files was rewritten by this
-    launch, while a higher rank's file is left over from an earlier, larger launch in the same dump_dir.
-    """
+    """phase -> {rank: seconds} from the `startup.<rank>.jsonl` files in `dump_dir` (see `read_startup`)."""
     table: dict[str, dict[int, float]] = defaultdict(dict)
-    for path in sorted(Path(dump_dir).glob("startup.*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                if world_size is None or row["rank"] < world_size:
-                    table[row["phase"]][row["rank"]] = row["seconds"]
+    for row in read_startup(dump_dir, world_size):
+        table[row["phase"]][row["rank"]] = row["seconds"]
     return dict(table)
 
 

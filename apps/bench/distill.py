@@ -30,36 +30,32 @@ import argparse
 import json
 import logging
 import os
-import re
 import shutil
-import signal
 import statistics
-import subprocess
-import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from omegaconf import OmegaConf
+
+from apps.bench.distill_report import FAIRNESS_NOTE, format_markdown
+from apps.bench.runs import cpu_seconds_between, launch, trainer_command
 from apps.main.train import TrainArgs
 from lingua.args import parse_args
-from lingua.distillation import WIRE_DTYPES, BridgeSpec
+from lingua.bridge import BridgeSpec
+from lingua.cli import run_cli
+from lingua.distillation import WIRE_DTYPES
 from lingua.kd_loss import TeacherOutputs
-from setup.prepare_teacher import check_teacher_dir
+from lingua.rundir import RunDir, read_startup, train_rows
+from lingua.teacher import check_teacher_dir
 
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_PRESETS = {"tiny": "configs/distill_exps/debug_cpu.yaml", "smollm2": "configs/distill_exps/smollm2_cpu.yaml"}
 GIB = 1024 ** 3
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-FAIRNESS_NOTE = (
-    "KD off runs nproc - n_teacher_ranks processes: with nproc processes the teacher's rank would become "
-    "one more student (larger global batch and data-parallel group), so KD on and KD off would no longer "
-    "train the same students."
-)
 # Every metrics key this script reads (the trainer's log rows; the kd/ and teacher-wait ones only with KD on).
 METRIC_KEYS = ("step", "tokens", "time", "speed/step_time_s", "speed/tokens_per_s", "speed/data_time_s", "mem/peak_gib",
                "stragglers/step_max_s", "stragglers/fwd_bwd_max_s", "stragglers/optimizer_max_s")
@@ -139,19 +135,6 @@ def teacher_busy_fraction(rows: list[dict], warmup: int) -> Optional[float]:
     busy = last["kd/teacher_busy_s"] - base["kd/teacher_busy_s"]
     idle = last["kd/teacher_idle_s"] - base["kd/teacher_idle_s"]
     return busy / (busy + idle) if busy + idle > 0 else None
-
-
-def cpu_seconds_between(samples: list[tuple[float, float]], start: float, end: float) -> Optional[float]:
-    """CPU seconds a process used between two wall-clock times, interpolated from its (time, cpu_s) samples."""
-
-    def cpu_at(t: float) -> Optional[float]:
-        for (t0, c0), (t1, c1) in zip(samples, samples[1:]):
-            if t0 <= t <= t1:
-                return c0 + (c1 - c0) * (t - t0) / (t1 - t0) if t1 > t0 else c1
-        return None
-
-    first, last = cpu_at(start), cpu_at(end)
-    return last - first if first is not None and last is not None else None
 
 
 def cpu_per_step(samples_by_pid: dict[int, list[tuple[float, float]]], roles: dict[int, str], rows: list[dict],
@@ -250,193 +233,15 @@ def compare(summaries: dict[str, dict]) -> dict:
     return out
 
 
-TABLE_ROWS = (
-    # label, summary key, format, ratio group shown in the last columns
-    ("processes (students + teachers)", "n_processes", "{:d}", None),
-    ("steps measured (after warm-up)", "steps_measured", "{:d}", None),
-    ("step time, median (s)", "step_time_s", "{:.4f}", "step_time_s"),
-    ("step time, min / max (s)", ("step_time_min_s", "step_time_max_s"), "{:.3f} / {:.3f}", None),
-    ("slowest student's step, median (s)", "slowest_rank_step_time_s", "{:.4f}", None),
-    ("tokens/s (all students), median", "tokens_per_s", "{:,.0f}", "tokens_per_s"),
-    ("data wait per step, median (s)", "data_time_s", "{:.5f}", "data_time_s"),
-    ("student fwd+bwd without teacher wait, slowest rank (s)", "fwd_bwd_max_rank_s", "{:.4f}", "fwd_bwd_max_rank_s"),
-    ("optimizer step, slowest rank (s)", "optimizer_max_rank_s", "{:.4f}", None),
-    ("student CPU-seconds per step (mean per student)", "student_cpu_s_per_step", "{:.4f}", "student_cpu_s_per_step"),
-    ("teacher CPU-seconds per step", "teacher_cpu_s_per_step", "{:.4f}", None),
-    ("student wait on teacher per step, median (s)", "teacher_wait_s", "{:.4f}", None),
-    ("  same, slowest student (s)", "teacher_wait_max_rank_s", "{:.4f}", None),
-    ("  share of the step, median", "teacher_wait_share", "{:.1%}", None),
-    ("teacher busy fraction (window)", "teacher_busy", "{:.1%}", None),
-    ("bridge bytes/token up, buffers sent", "bytes_up_per_token", "{:.1f}", None),
-    ("bridge bytes/token down, buffers received", "bytes_down_per_token", "{:.1f}", None),
-    ("student peak memory (trainer mem/peak_gib, GiB)", "student_peak_gib", "{:.3f}", "student_peak_gib"),
-    ("student peak RSS, max over students (GiB)", "student_peak_rss_gib", "{:.3f}", "student_peak_rss_gib"),
-    ("teacher peak memory (kd/teacher_peak_gib, GiB)", "teacher_peak_gib", "{:.3f}", None),
-    ("teacher peak RSS (GiB)", "teacher_peak_rss_gib", "{:.3f}", None),
-    ("load average (1 min) during the runs", "load_avg_1m", "{:.2f}", None),
-)
-
-
-def _cell(summary: Optional[dict], key, fmt: str) -> str:
-    if summary is None:
-        return ""
-    keys = key if isinstance(key, tuple) else (key,)
-    values = [summary.get(k) for k in keys]
-    if any(v is None for v in values):
-        return "n/a"
-    return fmt.format(*values)
-
-
-def format_markdown(result: dict) -> str:
-    """The result as markdown: settings, the comparison table, bridge formula and notes."""
-    summaries, ratios = result["summaries"], result["ratios"]
-    names = [v for v in ("kd_off", "kd_off_no_prefetch", "kd_on") if v in summaries]
-    kd_ratio = ratios.get("kd_on_over_kd_off", {})
-    prefetch_ratio = ratios.get("no_prefetch_over_prefetch", {})
-    header = ["metric", *names, "KD on / KD off", "no prefetch / prefetch"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for label, key, fmt, ratio_key in TABLE_ROWS:
-        cells = [_cell(summaries[n], key, fmt) for n in names]
-        ratios_cells = ["", ""]
-        if ratio_key is not None:
-            for i, group in enumerate((kd_ratio, prefetch_ratio)):
-                if group.get(ratio_key) is not None:
-                    ratios_cells[i] = f"{group[ratio_key]:.3f}x"
-        lines.append("| " + " | ".join([label, *cells, *ratios_cells]) + " |")
-    settings = result["settings"]
-    formula = result["bridge_formula"]
-    kd_on = summaries.get("kd_on", {})
-
-    def fmt_bytes(value):
-        return "n/a" if value is None else f"{value:.1f}"
-
-    def fmt_ratio(value):
-        return "n/a" if value is None else f"{value:.3f}"
-
-    notes = [
-        f"# Distillation benchmark: {settings['config']}",
-        "",
-        f"{settings['steps']} steps per run, medians over steps {settings['warmup'] + 1}..{settings['steps']}, "
-        f"{settings['repeats']} run(s) per variant (interleaved); batch {settings['batch_size']} x {settings['seq_len']}"
-        f" x grad_acc {settings['grad_acc_steps']} per student; teacher output {settings['output']} k={settings['k']} "
-        f"wire {settings['wire_dtype']}; device {settings['device']}; OMP_NUM_THREADS={settings['omp_threads']}.",
-        f"Machine: {settings['cpu_count']} CPUs, load average {settings['load_start']} at start, "
-        f"{settings['load_end']} at end.",
-        "",
-        *lines,
-        "",
-        f"Bridge bytes per token (one student): counted by the client from the buffers it sent and received = "
-        f"{fmt_bytes(kd_on.get('bytes_down_per_token'))} down, {fmt_bytes(kd_on.get('bytes_up_per_token'))} up; "
-        f"wire format: payload (`TeacherOutputs.bytes_per_token`, the cost model) = {fmt_bytes(formula['down'])} "
-        f"down, {fmt_bytes(formula['up'])} up, framed (plus header, status record, padding) = "
-        f"{fmt_bytes(formula['framed_down'])} down, {fmt_bytes(formula['framed_up'])} up.",
-        f"Teacher CPU-seconds per step / one student's: {fmt_ratio(ratios.get('teacher_cpu_over_student_cpu'))} "
-        f"(the README's cost model: s * N_T / (3 * N_S) in FLOPs for s students per teacher).",
-        "",
-        "Notes:",
-        f"- {FAIRNESS_NOTE}",
-        "- CPU-seconds per step come from /proc/<pid>/stat between the last warm-up row and the last row; on a "
-        "machine shared with other jobs they move less than wall-clock step times, which include waiting for a core.",
-        "- Teacher busy fraction: the teacher's busy / (busy + idle) seconds over the window (its clock starts at "
-        "the handshake; on CUDA busy ends when its stream has run the forward). Peak memory (mem/peak_gib, "
-        "kd/teacher_peak_gib): on CPU the process RSS (VmHWM, since start), on GPU the CUDA peak allocated.",
-        "- logging.freq=1 (one metrics row per step, which adds one small gather per step to every variant); "
-        "periodic checkpoints off.",
-        "- On a CPU machine the teacher rank shares the cores with the students: the KD-on step time includes that "
-        "contention, which a GPU per rank would not have.",
-        "",
-        "Commands:",
-        *[f"- `{name}`: `{' '.join(cmd)}`" for name, cmd in result["commands"].items()],
-    ]
-    return "\n".join(notes) + "\n"
-
-
-# ---------------------------------------------------------------- launching and reading runs
-
-def trainer_command(nproc: int, config: str, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "--max-restarts", "0", "-m", "apps.main.train", f"config={config}", *overrides]
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def _peak_rss_bytes(pid: int) -> Optional[int]:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
-    return int(match.group(1)) * 1024 if match else None
-
-
-def _cpu_seconds(pid: int) -> Optional[float]:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()  # after "(comm)": state is field 3, utime 14, stime 15
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def launch(command: list[str], log_path: Path, timeout_s: float, omp_threads: int, poll_s: float = 0.2):
-    """Run torchrun, sampling its ranks from /proc.
-
-    Returns (exit code, wall seconds, pid -> peak RSS bytes, pid -> [(unix time, CPU seconds)]).
-    """
-    env = dict(os.environ, OMP_NUM_THREADS=str(omp_threads), PYTHONUNBUFFERED="1", WANDB_MODE="disabled",
-               TOKENIZERS_PARALLELISM="false")
-    env.setdefault("HF_HUB_OFFLINE", "1")  # teachers are local directories; never wait on the network
-    peaks: dict[int, int] = {}
-    cpu_samples: dict[int, list[tuple[float, float]]] = {}
-    start = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            while proc.poll() is None:
-                if time.perf_counter() - start > timeout_s:
-                    raise TimeoutError(f"the run did not finish within {timeout_s:.0f}s; raise --timeout or lower --steps "
-                                       f"(log: {log_path}).")
-                for pid in _children(proc.pid):
-                    rss = _peak_rss_bytes(pid)
-                    if rss is not None:
-                        peaks[pid] = max(peaks.get(pid, 0), rss)
-                    cpu = _cpu_seconds(pid)
-                    if cpu is not None:
-                        cpu_samples.setdefault(pid, []).append((time.time(), cpu))
-                time.sleep(poll_s)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # our own torchrun's session: its ranks, nothing else
-                proc.wait()
-    return proc.returncode, time.perf_counter() - start, peaks, cpu_samples
-
-
 def read_rows(dump_dir: Path) -> list[dict]:
     """Training rows of metrics.jsonl (eval rows have no step time), in step order."""
-    path = dump_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return sorted((r for r in rows if "speed/step_time_s" in r), key=lambda r: r["step"])
-
-
-def read_startup(dump_dir: Path) -> list[dict]:
-    records = []
-    for path in sorted(dump_dir.glob("startup.*.jsonl")):
-        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return records
+    return [row for _, row in sorted(train_rows(dump_dir).items()) if "speed/step_time_s" in row]
 
 
 def read_student_vocab(dump_dir: Path) -> Optional[int]:
-    """The vocab the trainer announced ("student model: ... vocab N"), for the full-logits formula."""
-    log = dump_dir / "logs" / "rank_0.log"
-    match = re.search(r"student model: .* vocab (\d+)", log.read_text()) if log.exists() else None
-    return int(match.group(1)) if match else None
+    """The vocab the run resolved (config.yaml's model.vocab_size), for the full-logits formula."""
+    path = RunDir(dump_dir).config
+    return OmegaConf.load(path).model.vocab_size if path.exists() else None
 
 
 def check_inputs(args: TrainArgs) -> None:
@@ -558,8 +363,4 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError, TimeoutError, RuntimeError) as err:
-        sys.stderr.write(f"error: {err}\n")  # one write: ranks sharing the terminal do not interleave
-        sys.exit(2)
+    run_cli(main, also=(TimeoutError, RuntimeError))

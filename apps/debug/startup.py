@@ -24,7 +24,6 @@ import time
 IMPORT_START = time.time()
 
 import logging
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -34,18 +33,20 @@ import torch
 import torch.distributed as dist
 
 from apps.main.train import (
-    TrainArgs, build_model, distillation_process, init_tokenizer, n_teacher_ranks, restore_checkpoint,
-    tokenizer_vocab, train_step, validate_args,
+    TrainArgs, build_model, distillation_process, init_tokenizer, n_teacher_ranks, optimizer_step, restore_checkpoint,
+    train_step, validate_args,
 )
 from lingua.args import parse_args
+from lingua.cli import run_cli
 from lingua.data import DataLoader
-from lingua.distillation import TeacherClient, TeacherError
+from lingua.distiller import build_distiller
 from lingua.distributed import (
-    DistributedArgs, PreemptionFlag, Topology, all_groups, choose_device, clean_up,
-    group_name, init_method_for, log_rank_device_map, read_launch_env, setup_torch_distributed, split_roles,
+    Topology, choose_device, clean_up, init_method_for, log_rank_device_map, setup_torch_distributed,
 )
+from lingua.launch import DistributedArgs, LaunchPlan, read_launch_env
 from lingua.logger import init_logger
-from lingua.optim import build_optimizer, clip_grad_norm_
+from lingua.optim import build_optimizer
+from lingua.preemption import PreemptionFlag
 from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
 
 logger = logging.getLogger("startup")
@@ -99,8 +100,8 @@ def first_collectives(topo: Topology, phases: PhaseLog) -> None:
         ones = torch.ones(1, device=topo.device)
         dist.all_reduce(ones, group=dist.group.WORLD)
         ones.item()
-    for group in all_groups(topo):
-        with phases.span(f"barrier.{group_name(topo, group)}"):
+    for group in topo.all_groups():
+        with phases.span(f"barrier.{topo.group_name(group)}"):
             dist.barrier(group=group)
 
 
@@ -112,11 +113,8 @@ def student_startup(args: TrainArgs, topo: Topology, phases: PhaseLog, phase: in
         tokenizer = init_tokenizer(args)
     with phases.span("model_build"):
         model = build_model(args, topo)
-    teacher = None
-    if args.enable_distillation:
-        with phases.span("teacher_handshake"):
-            teacher = TeacherClient(args.distillation, topo, tokenizer_vocab(tokenizer), tokenizer.n_words,
-                                    args.data.batch_size, args.data.seq_len)
+    distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer, args.data.batch_size,
+                                args.data.seq_len, phases)
     saved, step, loader = None, 0, None
     try:
         if phase >= 5:
@@ -137,15 +135,13 @@ def student_startup(args: TrainArgs, topo: Topology, phases: PhaseLog, phase: in
         if phase >= 5:
             step += 1
             with phases.span("first_step"):
-                train_step(args, model, teacher, micro_batches, step, StepTimer(), topo.device, scheduler)
-                clip_grad_norm_(model.parameters(), args.optim.clip)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            if teacher is not None:
-                phases.record("first_teacher_round_trip", *teacher.first_round_trip)
-        if teacher is not None:
-            teacher.stop(step)
+                timer = StepTimer()
+                train_step(args, model, distiller, iter(micro_batches), step, timer, topo.device,
+                           scheduler.get_last_lr()[0] / args.optim.lr)  # the batch drawn in phase 4
+                optimizer_step(model, optimizer, scheduler, args.optim.clip, timer)
+            if distiller.first_round_trip is not None:
+                phases.record("first_teacher_round_trip", *distiller.first_round_trip)
+        distiller.stop(step)
     finally:
         if loader is not None:
             loader.close()
@@ -172,9 +168,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     validate_args(args)
     # Rank and role before any process group, so phase 1 logs and records like the others.
     launch = read_launch_env()
-    _, teachers = split_roles(launch.world_size, n_teacher_ranks(args), args.distributed.teacher_placement,
-                              launch.local_world_size)
-    role = "teacher" if launch.rank in teachers else "student"
+    role = LaunchPlan.for_launch(args.distributed, n_teacher_ranks(args), launch.world_size,
+                                 launch.local_world_size).role(launch.rank)
     out_dir = Path(args.dump_dir) / "startup_diag"
     init_logger(launch.rank, role, str(out_dir / "logs" / f"rank_{launch.rank}.log"))
     phases = PhaseLog(str(out_dir), launch.rank, role)
@@ -203,8 +198,4 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError, TeacherError) as err:
-        sys.stderr.write(f"error: {err}\n")  # one write: ranks sharing the terminal do not interleave
-        sys.exit(2)
+    run_cli(main)

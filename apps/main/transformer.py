@@ -55,6 +55,13 @@ class LMTransformer(BaseTransformer):
         self.init_weights()
 
 
+def batch_doc_ids(attn_mask: str, batch: dict, device) -> Optional[torch.Tensor]:
+    """The batch's document ids when the model masks attention per document (train, probe and eval alike)."""
+    if attn_mask != "doc_causal" or batch.get("doc_ids") is None:
+        return None
+    return batch["doc_ids"].to(device)
+
+
 def get_num_flop_per_token(num_non_embed_params: int, n_layers: int, dim: int, seq_len: int) -> int:
     """Training FLOPs per token: 6N for the matmuls (fwd + bwd) plus 12*L*D*S for attention scores."""
     return 6 * num_non_embed_params + 12 * n_layers * dim * seq_len

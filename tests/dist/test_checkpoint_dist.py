@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist.launch import torchrun
+from tests.runs import torchrun
 
 WORKER = "tests.dist.workers.checkpoint_worker"
 

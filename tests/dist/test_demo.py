@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.dist.launch import ROOT
+from tests.runs import ROOT
 
 STEPS = 4
 

@@ -7,9 +7,8 @@ import time
 import pytest
 
 from apps.bench import distill as bench
-from tests.dist.conftest import distill_overrides, read_metrics, train_rows
-from tests.dist.launch import torchrun
-from tests.dist.test_train import assert_ok, signal_ranks
+from lingua.rundir import read_metrics, train_rows
+from tests.runs import assert_ok, distill_overrides, signal_ranks, torchrun
 
 
 @pytest.mark.timeout(300)

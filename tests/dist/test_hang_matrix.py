@@ -7,17 +7,10 @@ import time
 
 import pytest
 
-from tests.dist.conftest import distill_overrides, read_metrics, train_rows
-from tests.dist.launch import torchrun
-from tests.dist.test_train import assert_ok, signal_ranks
+from lingua.rundir import read_metrics, train_rows
+from tests.runs import assert_ok, distill_overrides, ranks_that_cleaned_up, signal_ranks, torchrun
 
 SCENARIO_LIMIT_S = 60  # the issue's bound for any scenario, startup included (they take 5-20 s on 2 cores)
-
-
-def ranks_that_cleaned_up(stdout: str) -> set[int]:
-    """Global ranks whose log says `clean_up` destroyed their process group (the end of every exit path)."""
-    return {int(m.group(1)) for m in re.finditer(r"\[r(\d+) (?:student|teacher)\] INFO  lingua\.distributed: "
-                                                   r"process group destroyed$", stdout, flags=re.M)}
 
 
 def assert_agreed_preemption_save(result, dump) -> int:

@@ -6,9 +6,7 @@ import re
 import pytest
 
 from apps.debug.startup import main as startup_main
-from tests.dist.conftest import distill_overrides
-from tests.dist.launch import torchrun
-from tests.dist.test_train import assert_ok
+from tests.runs import assert_ok, distill_overrides, torchrun
 
 STUDENTS, TEACHER = (0, 1), 2
 

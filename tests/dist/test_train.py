@@ -12,12 +12,8 @@ from pathlib import Path
 import pytest
 
 from lingua.optim import OptimArgs
-from tests.dist.conftest import base_overrides, read_metrics, train_rows
-from tests.dist.launch import torchrun, worker_pids
-
-
-def assert_ok(result):
-    assert result.returncode == 0, result.stdout[-6000:]
+from lingua.rundir import read_metrics, train_rows
+from tests.runs import assert_ok, base_overrides, signal_ranks, torchrun, wait_for_step, worker_pids
 
 
 @pytest.mark.timeout(240)
@@ -151,48 +147,6 @@ def test_grad_accumulation_equals_one_big_batch(corpus, tmp_path):
     for step in (1, 2, 3):
         assert b[step]["loss/ce"] == pytest.approx(a[step]["loss/ce"], rel=1e-5)
         assert b[step]["optim/grad_norm"] == pytest.approx(a[step]["optim/grad_norm"], rel=1e-4)
-
-
-def _rank_pid(dump: Path, rank: int, timeout: float = 60) -> int:
-    path = dump / f"startup.{rank}.jsonl"
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if path.exists() and path.read_text().strip():
-            return json.loads(path.read_text().splitlines()[0])["pid"]
-        time.sleep(0.2)
-    raise AssertionError(f"{path} never appeared")
-
-
-def wait_for_step(dump: Path, step: int, timeout: float = 90) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if any(r.get("step", 0) >= step for r in read_metrics(dump)):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"step {step} never logged")
-
-
-def signal_ranks(dump: Path, ranks_and_delays: list[tuple[int, float]], after_step: int = 3,
-                 delivered: list[int] | None = None):
-    """A signal_plan for torchrun(): SIGUSR2 to each rank, after `after_step` and a delay.
-
-    The first signal must reach a live rank. A later one may find its rank already gone (the
-    agreed stop, save and exit can all fit in the delay); it is then skipped. The ranks that got
-    a signal are appended to `delivered`.
-    """
-    def plan(proc):
-        wait_for_step(dump, after_step)
-        for i, (rank, delay) in enumerate(ranks_and_delays):
-            time.sleep(delay)
-            try:
-                os.kill(_rank_pid(dump, rank), signal.SIGUSR2)
-            except ProcessLookupError:
-                if i == 0:
-                    raise
-                continue
-            if delivered is not None:
-                delivered.append(rank)
-    return plan
 
 
 @pytest.mark.timeout(240)

@@ -150,7 +150,7 @@ def trainer_ready():
 def kd_inputs(tmp_path_factory, trainer_ready):
     """A corpus whose source is named like debug_cpu.yaml's (pydocs), and a tiny random teacher."""
     from setup.make_tiny_teacher import make_tiny_teacher
-    from tests.dist.conftest import write_corpus
+    from tests.runs import write_corpus
 
     corpus = write_corpus(tmp_path_factory.mktemp("corpus"))
     (corpus / "text").rename(corpus / "pydocs")

@@ -8,7 +8,7 @@ import pytest
 
 from apps.main.train import TrainArgs, validate_args
 from lingua.args import dump_config, parse_args
-from lingua.distributed import DistributedArgs, resolve_mesh_dims, split_roles
+from lingua.launch import LaunchPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,7 +69,7 @@ def test_resolved_config_round_trips(tmp_path):
     (1, -1, 7, (1, 7)), (2, -1, 4, (2, 2)), (-1, 2, 6, (3, 2)), (2, 2, 4, (2, 2)),
 ])
 def test_mesh_dims_infer_minus_one(replicate, shard, n, expected):
-    assert resolve_mesh_dims(DistributedArgs(dp_replicate=replicate, dp_shard=shard), n) == expected
+    assert LaunchPlan(n, n, dp_replicate=replicate, dp_shard=shard).mesh_dims == expected
 
 
 @pytest.mark.parametrize("replicate, shard, n, message", [
@@ -80,21 +80,45 @@ def test_mesh_dims_infer_minus_one(replicate, shard, n, expected):
 ])
 def test_mesh_dims_that_do_not_fit_are_rejected(replicate, shard, n, message):
     with pytest.raises(ValueError, match=message):
-        resolve_mesh_dims(DistributedArgs(dp_replicate=replicate, dp_shard=shard), n)
+        LaunchPlan(n, n, dp_replicate=replicate, dp_shard=shard)
+
+
+def roles(world: int, n_teachers: int, placement: str, local_world: int) -> tuple[list[int], list[int]]:
+    plan = LaunchPlan(world, local_world, n_teachers, placement)
+    return plan.student_ranks, plan.teacher_ranks
 
 
 def test_roles_last_ranks_and_per_node():
-    assert split_roles(8, 1, "last", 8) == (list(range(7)), [7])
-    assert split_roles(3, 0, "last", 3) == ([0, 1, 2], [])
-    assert split_roles(8, 2, "per_node", 4) == ([0, 1, 2, 4, 5, 6], [3, 7])
+    assert roles(8, 1, "last", 8) == (list(range(7)), [7])
+    assert roles(3, 0, "last", 3) == ([0, 1, 2], [])
+    assert roles(8, 2, "per_node", 4) == ([0, 1, 2, 4, 5, 6], [3, 7])
     with pytest.raises(ValueError, match="cannot be split evenly among 2 teachers"):
-        split_roles(7, 2, "last", 7)
+        roles(7, 2, "last", 7)
     with pytest.raises(ValueError, match="at least one student rank"):
-        split_roles(1, 1, "last", 1)
+        roles(1, 1, "last", 1)
+    with pytest.raises(ValueError, match=r"distributed.teacher_placement='middle'; use 'last' or 'per_node'"):
+        roles(4, 1, "middle", 4)
+
+
+def test_launch_plan_bridges_mesh_and_description():
+    plan = LaunchPlan(8, 4, n_teachers=2, teacher_placement="per_node", dp_replicate=2)
+    assert plan.bridges() == [(3, [0, 1, 2]), (7, [4, 5, 6])]
+    assert [plan.bridge_index(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [plan.role(r) for r in (2, 3)] == ["student", "teacher"]
+    assert plan.mesh_dims == (2, 3) and plan.mesh_grid() == [[0, 1, 2], [4, 5, 6]]
+    assert LaunchPlan(4, 4, fsdp_type="no_shard").mesh_grid() == [[0], [1], [2], [3]]  # replicated everywhere
+    assert plan.describe() == [
+        "ranks: 2 node(s) x 4 task(s) = 8 ranks (block distribution: node i holds ranks 4*i..)",
+        "distillation: 2 teacher rank(s), placement per_node",
+        "  teacher: global rank 3 (node 0, local rank 3)", "  teacher: global rank 7 (node 1, local rank 3)",
+        "  students: global ranks 0-2,4-6"]
+    assert LaunchPlan(3, 3).bridges() == [] and LaunchPlan(3, 3).bridge_index(0) == -1
+    with pytest.raises(ValueError, match="distributed.fsdp_type='hybrid'"):
+        LaunchPlan(4, 4, fsdp_type="hybrid")
 
 
 def test_injected_failure_specs_parse_or_say_what_is_valid():
-    from apps.main.train import InjectedFailure, parse_injected_failure
+    from apps.main.faults import InjectedFailure, parse_injected_failure
 
     assert parse_injected_failure(None) is None
     assert parse_injected_failure("1@3") == InjectedFailure("raise", 1, 3)

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from lingua.args import dataclass_from_dict
-from lingua.data import DataArgs, DataLoader, iterate_eval_batches, shard_files
+from lingua.data import DataArgs, DataLoader
+from lingua.documents import shard_files
+from lingua.eval_data import iterate_eval_batches
 from lingua.tokenizer import ByteTokenizer, TokenizerArgs
 from setup.download_prepare_hf_data import prepare_source, shuffle_and_split
 

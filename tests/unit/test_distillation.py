@@ -1,4 +1,4 @@
-"""lingua.distillation without processes: the handshake's checks, teacher loading and its errors."""
+"""The bridge without processes: wire records, the handshake's checks, teacher loading and its errors."""
 
 import os
 import shutil
@@ -9,10 +9,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 import pytest
 import torch
 
-from lingua.distillation import (
-    DistillationArgs, TeacherError, _pack_record, _unpack_record, check_handshake, load_teacher, settings_fields,
+from lingua.bridge import (
+    HEADER_INTS, RECORD_BYTES, HandshakeRecord, Op, RequestHeader, ResponseStatus, agreed_settings, check_handshake,
 )
-from setup.make_tiny_teacher import make_tiny_teacher
+from lingua.distillation import DistillationArgs, TeacherError
+from lingua.teacher import load_teacher
 
 BRIDGE = [4, 5, 6]  # two students, then their teacher (global ranks)
 TEACHER = 6
@@ -23,21 +24,34 @@ CPU = torch.device("cpu")
 def records(teacher_args: DistillationArgs, student_args: list[DistillationArgs], status: int = 0, message: str = "",
             student_vocab: int = VOCAB, student_fingerprint: int = FINGERPRINT):
     """Handshake records as they come back from the all_gather (packed and unpacked like on the wire)."""
-    teacher = _pack_record([1, status, VOCAB, FINGERPRINT, MAX_POS, 0, 0, TEACHER, *settings_fields(teacher_args)],
-                           message)
-    students = [_pack_record([2, 0, student_vocab, student_fingerprint, 0, 2 + i, 16 * (i + 1), rank,
-                              *settings_fields(args)]) for i, (rank, args) in enumerate(zip(BRIDGE, student_args))]
-    return [_unpack_record(r) for r in (*students, teacher)]
+    teacher = HandshakeRecord("teacher", TEACHER, VOCAB, FINGERPRINT, agreed_settings(teacher_args),
+                              loaded=status == 0, max_positions=MAX_POS, message=message)
+    students = [HandshakeRecord("student", rank, student_vocab, student_fingerprint, agreed_settings(args),
+                                max_bsz=2 + i, max_seqlen=16 * (i + 1))
+                for i, (rank, args) in enumerate(zip(BRIDGE, student_args))]
+    return [HandshakeRecord.unpack(r.pack()) for r in (*students, teacher)]
 
 
-@pytest.fixture(scope="module")
-def tiny_teacher(tmp_path_factory):
-    return make_tiny_teacher(tmp_path_factory.mktemp("teacher") / "tiny", seed=0)
+def test_wire_records_round_trip_with_their_field_names():
+    settings = agreed_settings(DistillationArgs(output="sampled", k=7, wire_dtype="fp16", temperature=1.5))
+    record = HandshakeRecord("student", 5, 49152, 2**62 + 3, settings, max_bsz=4, max_seqlen=2048)
+    packed = record.pack()
+    assert packed.dtype == torch.uint8 and packed.numel() == RECORD_BYTES
+    assert HandshakeRecord.unpack(packed) == record
+    failed = HandshakeRecord("teacher", 6, 0, 0, settings, loaded=False, message="OSError: no such file é")
+    assert HandshakeRecord.unpack(failed.pack()) == failed
+    status = ResponseStatus(ok=True, teacher_preempt=True, busy_s=12.5, idle_s=0.25, peak_bytes=3 * 2**30)
+    assert ResponseStatus.unpack(status.pack()) == status
+    error = ResponseStatus(ok=False, message="teacher failed serving step 3: boom")
+    assert ResponseStatus.unpack(error.pack()) == error
+    header = RequestHeader(Op.FORWARD, step=12, micro_step=1, bsz=4, seqlen=128, train_rank=3, bad_tokens=1)
+    assert len(header.to_ints()) == HEADER_INTS and RequestHeader.from_ints(header.to_ints()) == header
+    assert header.describe() == "op=FORWARD step=12 micro_step=1"
 
 
 def test_agreeing_ranks_get_the_teachers_settings_and_the_largest_buffers():
     args = DistillationArgs(teacher_path="t", output="sampled", k=7, wire_dtype="fp16", temperature=1.5)
-    spec = check_handshake(records(args, [args, args]), BRIDGE, TEACHER, args)
+    spec = check_handshake(records(args, [args, args]), args)
     assert (spec.output, spec.k, spec.wire_dtype, spec.vocab_size) == ("sampled", 7, torch.float16, VOCAB)
     assert (spec.max_bsz, spec.max_seqlen) == (3, 32)
 
@@ -52,7 +66,7 @@ def test_each_setting_mismatch_names_both_values_and_both_ranks(field, teacher_v
     base = DistillationArgs(teacher_path="t")
     teacher_args, odd = replace(base, **{field: teacher_value}), replace(base, **{field: student_value})
     with pytest.raises(ValueError) as caught:
-        check_handshake(records(teacher_args, [teacher_args, odd]), BRIDGE, TEACHER, odd)
+        check_handshake(records(teacher_args, [teacher_args, odd]), odd)
     assert str(caught.value) == (f"Teacher rank 6 and student rank 5 disagree: {words}; give every rank the same "
                                  f"distillation settings (one config for the whole job).")
 
@@ -63,16 +77,15 @@ def test_several_mismatches_are_one_sentence_and_k_does_not_matter_for_full_logi
     with pytest.raises(ValueError, match=r"student rank 4 disagree: distillation\.wire_dtype is bf16 on the teacher "
                                          r"but fp32 on the student, distillation\.temperature is 1\.0 on the teacher "
                                          r"but 2\.0 on the student; give"):
-        check_handshake(records(teacher_args, [student_args, student_args]), BRIDGE, TEACHER, student_args)
+        check_handshake(records(teacher_args, [student_args, student_args]), student_args)
     same_but_k = replace(teacher_args, k=8)
-    assert check_handshake(records(teacher_args, [same_but_k, same_but_k]), BRIDGE, TEACHER, same_but_k).output == "full"
+    assert check_handshake(records(teacher_args, [same_but_k, same_but_k]), same_but_k).output == "full"
 
 
 def test_a_teacher_that_failed_to_load_is_reported_before_any_other_check():
     args = DistillationArgs(teacher_path="t")
     with pytest.raises(TeacherError, match=r"^Teacher rank 6 failed to load: ValueError: broken$"):
-        check_handshake(records(args, [replace(args, k=3)] * 2, status=1, message="ValueError: broken"),
-                        BRIDGE, TEACHER, args)
+        check_handshake(records(args, [replace(args, k=3)] * 2, status=1, message="ValueError: broken"), args)
 
 
 def test_tokenizers_of_the_same_size_but_different_tokens_do_not_match():
@@ -80,7 +93,7 @@ def test_tokenizers_of_the_same_size_but_different_tokens_do_not_match():
     with pytest.raises(ValueError, match=r"Student rank 4's tokenizer \(vocab 512\) does not match the teacher's "
                                          r"\(vocab 512, the same size but different tokens\) at /teachers/a\..*"
                                          r"data\.tokenizer\.path=/teachers/a"):
-        check_handshake(records(args, [args, args], student_fingerprint=FINGERPRINT + 1), BRIDGE, TEACHER, args)
+        check_handshake(records(args, [args, args], student_fingerprint=FINGERPRINT + 1), args)
 
 
 @pytest.mark.timeout(60)

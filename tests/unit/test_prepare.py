@@ -16,9 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from setup.make_tiny_teacher import make_tiny_teacher
 from setup.prepare_corpus import prepare_python_docs_corpus
-from setup.prepare_teacher import (
-    MARKER_NAME, SAVE_DTYPE, _is_prepared, check_teacher_dir, find_smollm2_gguf, prepare_smollm2,
-)
+from lingua.teacher import check_teacher_dir
+from setup.prepare_teacher import MARKER_NAME, SAVE_DTYPE, _is_prepared, find_smollm2_gguf, prepare_smollm2
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUND_TRIP_TEXT = "Hello wörld 🙂 — The capital of France is Paris.\n\tdef f(x): return x + 1  "

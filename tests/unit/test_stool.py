@@ -2,13 +2,17 @@
 
 import ast
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from lingua import stool
+from lingua import slurm, stool
+from lingua.launch import LaunchPlan
 from lingua.stool import StoolArgs
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -340,7 +344,7 @@ def test_no_time_line_when_sinfo_is_missing(tmp_path, monkeypatch):
 
 
 def test_submitit_job_requeues_only_when_preempted_before_the_end(tmp_path):
-    job = stool.SubmititTrainJob("apps.main.train", "python", str(tmp_path), steps=10)
+    job = slurm.SubmititTrainJob("apps.main.train", "python", str(tmp_path), steps=10)
     assert not job.finished()
     (tmp_path / "checkpoints" / f"{4:010d}").mkdir(parents=True)
     assert not job.finished()
@@ -365,8 +369,9 @@ def test_submitit_executor_resources(tmp_path, monkeypatch):
     args = stool.resolve_args(StoolArgs(config="c.yaml", launcher="submitit", nodes=2, ngpus=4, ncpu=6, mem="100G",
                                         partition="gpu", qos="high", exports={"NOTE": "x y"}, env_activate="none",
                                         python="/env/bin/python", sbatch_extra=["--mail-type=END"]))
-    layout = stool.TeacherLayout(8, 4, "per_node", [0, 1, 2, 4, 5, 6], [3, 7])
-    executor = stool.submitit_executor(args, tmp_path, layout, "90", "kd")
+    layout = LaunchPlan(8, 4, n_teachers=2, teacher_placement="per_node")
+    assert (layout.student_ranks, layout.teacher_ranks) == ([0, 1, 2, 4, 5, 6], [3, 7])
+    executor = slurm.submitit_executor(args, tmp_path, layout, "90", "kd")
     text = executor._executor._make_submission_file_text("CMD", "uid")
     lines = text.splitlines()
     for expected in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gres=gpu:4",
@@ -434,3 +439,18 @@ def test_slurm_tests_skip_only_through_cannot_run():
             elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pytest"):
                 found += [f"{path.name}:{node.lineno}: import {a.name}" for a in node.names if a.name in skips]
     assert not found, "use tests.slurm.conftest.cannot_run instead:\n" + "\n".join(found)
+
+
+def test_stool_and_the_launch_plan_import_without_torch():
+    """stool prints and checks the trainer's own LaunchPlan on a login node that may have no torch."""
+    code = "import sys, lingua.stool, lingua.launch; sys.exit('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_mesh_that_does_not_fit_the_allocation_is_refused_at_submission(tmp_path, monkeypatch):
+    monkeypatch.setattr(stool, "submit_sbatch", no_submit)
+    config = write_config(tmp_path, n_teachers=1, distributed={"dp_shard": 4})
+    with pytest.raises(ValueError, match=r"Mesh dp_replicate=1 x dp_shard=4 = 4 ranks, but there are 7 training ranks"):
+        stool.launch(StoolArgs(config=str(config), dry_run=True, force=True, ngpus=8, time=5))
+    assert not (tmp_path / "dump").exists()

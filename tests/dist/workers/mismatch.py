@@ -5,7 +5,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from lingua.distributed import DistributedArgs, clean_up, setup_torch_distributed
+from lingua.distributed import clean_up, setup_torch_distributed
+from lingua.launch import DistributedArgs
 from lingua.logger import init_logger
 
 

@@ -15,8 +15,12 @@ import sys
 
 import torch
 
-from lingua.distillation import DistillationArgs, TeacherClient, TeacherServer, load_teacher
-from lingua.distributed import DistributedArgs, clean_up, setup_torch_distributed
+from lingua.distillation import DistillationArgs
+from lingua.distributed import clean_up, setup_torch_distributed
+from lingua.launch import DistributedArgs
+from lingua.teacher import load_teacher
+from lingua.teacher_client import TeacherClient
+from lingua.teacher_server import TeacherServer
 from lingua.logger import init_logger
 
 

@@ -11,8 +11,12 @@ from dataclasses import replace
 
 import torch
 
-from lingua.distillation import WIRE_DTYPES, DistillationArgs, TeacherClient, TeacherServer, load_teacher
-from lingua.distributed import DistributedArgs, clean_up, setup_torch_distributed
+from lingua.distillation import WIRE_DTYPES, DistillationArgs
+from lingua.distributed import clean_up, setup_torch_distributed
+from lingua.launch import DistributedArgs
+from lingua.teacher import load_teacher
+from lingua.teacher_client import TeacherClient
+from lingua.teacher_server import TeacherServer
 from lingua.kd_loss import TeacherOutputs, sparsify_teacher_logits
 from lingua.logger import init_logger
 

@@ -13,7 +13,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from lingua.distributed import DistributedArgs, clean_up, enter_training_timeout, setup_torch_distributed
+from lingua.distributed import clean_up, setup_torch_distributed
+from lingua.launch import DistributedArgs
+from lingua.timeouts import enter_training_timeout
 from lingua.logger import init_logger
 
 TRAIN_TIMEOUT_S, STALL_S = 3, 40

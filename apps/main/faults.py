@@ -1,0 +1,60 @@
+"""Failure injection for tests: `inject_failure=<kind>:<where>` makes one rank fail on purpose.
+
+    raise:<train_rank>@<step>     that student raises during that step
+    nan:<train_rank>@<step>       its loss is not finite at that step
+    stall:<train_rank>@<step>     it is STALL_S late to that step (a straggler)
+    teacher_load:<teacher_index>  that teacher fails to load
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+STALL_S = 4.0  # how late inject_failure=stall:... makes a student
+
+
+@dataclass(frozen=True)
+class InjectedFailure:
+    kind: str  # "raise" | "nan" | "stall" | "teacher_load"
+    rank: int  # train rank, or the teacher's index among teachers for teacher_load
+    step: int  # 0 for teacher_load
+
+
+def parse_injected_failure(spec: Optional[str]) -> Optional[InjectedFailure]:
+    if not spec:
+        return None
+    kind, _, where = spec.rpartition(":") if ":" in spec else ("raise", "", spec)
+    rank, _, step = where.partition("@")
+    valid = kind in ("raise", "nan", "stall") and rank.isdigit() and step.isdigit() or \
+        kind == "teacher_load" and rank.isdigit() and not step
+    if not valid:
+        raise ValueError(f"inject_failure={spec!r}; use raise:<train_rank>@<step>, nan:<train_rank>@<step>, "
+                         f"stall:<train_rank>@<step> or teacher_load:<teacher_index>.")
+    return InjectedFailure(kind, int(rank), int(step or 0))
+
+
+class FaultInjector:
+    """The loop's one hook for injected failures; does nothing without `inject_failure`."""
+
+    def __init__(self, spec: Optional[str], train_rank: int):
+        self.failure = parse_injected_failure(spec)
+        self.train_rank = train_rank
+
+    def _due(self, kind: str, step: int) -> bool:
+        f = self.failure
+        return f is not None and f.kind == kind and (f.rank, f.step) == (self.train_rank, step)
+
+    def before_step(self, step: int) -> None:
+        if self._due("raise", step):
+            raise RuntimeError(f"injected failure on train rank {self.train_rank} at step {step}")
+        if self._due("stall", step):
+            time.sleep(STALL_S)
+
+    def loss(self, step: int, value: float) -> float:
+        """The step's loss as this rank reports it to the agreement (nan when injected)."""
+        return float("nan") if self._due("nan", step) else value
+
+    @staticmethod
+    def teacher_load_fails(spec: Optional[str], teacher_index: int) -> bool:
+        failure = parse_injected_failure(spec)
+        return failure is not None and failure.kind == "teacher_load" and failure.rank == teacher_index

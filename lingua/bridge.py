@@ -1,0 +1,293 @@
+"""The bridge protocol between a teacher and its students: named wire records and the handshake.
+
+Everything goes over `topo.bridge_group` (teacher i + its contiguous block of students):
+
+1. Handshake, once: every member all-gathers a `HandshakeRecord` (a teacher says whether it loaded,
+   its vocab, max positions and tokenizer fingerprint; a student its vocab, fingerprint and largest
+   batch; both the settings they must share, `AGREED_SETTINGS`). Every rank runs the same
+   `check_handshake` on the same records, then one all_gather over the world shares each rank's
+   verdict, so a failure in any bridge is the same sentence on every rank within seconds.
+2. Per micro-batch: each student gathers onto the teacher one int32 buffer, a `RequestHeader` then
+   its tokens padded to the agreed [max_bsz, max_seqlen]; the teacher answers with one byte buffer
+   per student, a `ResponseStatus` then that student's rows of sparse outputs laid out by
+   `BridgeSpec.payload_spec()` (see `lingua.kd_loss.TeacherOutputs`). `lingua/teacher_server.py`
+   and `lingua/teacher_client.py` are the two ends.
+3. STOP / ERROR: the same exchange with another `Op`; the teacher answers and leaves its loop.
+
+Records are fixed-size so the collectives always move the same shapes: a handshake record or a
+response status is RECORD_INTS int64 fields followed by MESSAGE_BYTES of UTF-8 text (an error).
+"""
+
+import hashlib
+import json
+import logging
+import struct
+from dataclasses import dataclass, field, fields
+from enum import IntEnum
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from lingua.collectives import log_collective
+from lingua.distillation import WIRE_DTYPES, DistillationArgs, TeacherError
+from lingua.kd_loss import FORMATS, TeacherOutputs
+
+logger = logging.getLogger(__name__)
+
+RECORD_INTS = 16  # int64 fields of a handshake record / response status
+MESSAGE_BYTES = 2048
+RECORD_BYTES = RECORD_INTS * 8 + MESSAGE_BYTES
+WIRE_NAMES = tuple(WIRE_DTYPES)
+
+
+class Op(IntEnum):
+    FORWARD = 1  # run the forward on these tokens
+    STOP = 2  # training is over (or preempted): answer and leave the loop
+    ERROR = 3  # the students agreed on an error: answer and raise it
+
+
+def pack_record(ints: list[int], message: str = "") -> torch.Tensor:
+    """RECORD_INTS int64 fields then the message, as one uint8 tensor of RECORD_BYTES (on the CPU)."""
+    record = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
+    values = torch.zeros(RECORD_INTS, dtype=torch.int64)
+    values[: len(ints)] = torch.tensor(ints, dtype=torch.int64)
+    record[: RECORD_INTS * 8] = values.view(torch.uint8)
+    encoded = message.encode()[:MESSAGE_BYTES]
+    record[RECORD_INTS * 8: RECORD_INTS * 8 + len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    return record
+
+
+def record_ints(record: torch.Tensor) -> list[int]:
+    """The int64 fields of a record (one copy to the host)."""
+    return record[: RECORD_INTS * 8].cpu().clone().view(torch.int64).tolist()
+
+
+def record_message(record: torch.Tensor) -> str:
+    return bytes(record[RECORD_INTS * 8:].cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+# What teacher and students must agree on, each as (name, encode value -> int64, decode int64 -> value).
+AGREED_SETTINGS = (
+    ("output", FORMATS.index, lambda v: FORMATS[v]),
+    ("k", int, int),  # top-k ids, or samples per position for "sampled"
+    ("wire_dtype", WIRE_NAMES.index, lambda v: WIRE_NAMES[v]),
+    ("temperature", _float_bits, _bits_float),  # applied by the teacher, used by the loss
+)
+
+
+def agreed_settings(args: DistillationArgs) -> dict:
+    """This rank's values of the settings both ends of a bridge must share."""
+    return {name: getattr(args, name) for name, _, _ in AGREED_SETTINGS}
+
+
+@dataclass
+class HandshakeRecord:
+    """What each bridge member announces once, before any request."""
+
+    role: str  # "teacher" | "student"
+    global_rank: int
+    vocab: int  # teacher: rows of its output head; student: its tokenizer's size
+    tokenizer_fingerprint: int
+    settings: dict  # AGREED_SETTINGS name -> value
+    loaded: bool = True  # teacher: False when it failed to load (`message` says why)
+    max_positions: int = 0  # teacher: the longest sequence it supports (0 = unknown)
+    max_bsz: int = 0  # student: the largest batch it will send
+    max_seqlen: int = 0
+    message: str = ""
+
+    ROLES = ("", "teacher", "student")  # wire codes 1 and 2
+
+    def pack(self) -> torch.Tensor:
+        settings = [encode(self.settings[name]) for name, encode, _ in AGREED_SETTINGS]
+        return pack_record([self.ROLES.index(self.role), int(not self.loaded), self.vocab, self.tokenizer_fingerprint,
+                            self.max_positions, self.max_bsz, self.max_seqlen, self.global_rank, *settings],
+                           self.message)
+
+    @classmethod
+    def unpack(cls, record: torch.Tensor) -> "HandshakeRecord":
+        role, failed, vocab, fingerprint, max_pos, max_bsz, max_seqlen, rank, *rest = record_ints(record)
+        settings = {name: decode(value) for (name, _, decode), value in zip(AGREED_SETTINGS, rest)}
+        return cls(cls.ROLES[role], rank, vocab, fingerprint, settings, loaded=not failed, max_positions=max_pos,
+                   max_bsz=max_bsz, max_seqlen=max_seqlen, message=record_message(record) if failed else "")
+
+
+@dataclass
+class ResponseStatus:
+    """The head of every response: the teacher's verdict on the request and its cumulative clocks."""
+
+    ok: bool = True
+    teacher_preempt: bool = False  # the teacher received a preemption signal
+    busy_s: float = 0.0  # the teacher's serving time since the handshake
+    idle_s: float = 0.0  # the teacher's waiting time since the handshake
+    peak_bytes: int = 0  # the teacher's peak memory
+    message: str = ""  # the error, when not ok
+
+    def pack(self) -> torch.Tensor:
+        return pack_record([int(not self.ok), int(self.teacher_preempt), int(self.busy_s * 1e6), int(self.idle_s * 1e6),
+                            self.peak_bytes], self.message)
+
+    @classmethod
+    def unpack(cls, record: torch.Tensor) -> "ResponseStatus":
+        failed, preempt, busy_us, idle_us, peak_bytes, *_ = record_ints(record)
+        return cls(not failed, bool(preempt), busy_us / 1e6, idle_us / 1e6, peak_bytes,
+                   record_message(record) if failed else "")
+
+
+@dataclass
+class RequestHeader:
+    """The head of every request (int32 fields in this order, HEADER_INTS in all)."""
+
+    op: int
+    step: int
+    micro_step: int
+    bsz: int
+    seqlen: int
+    train_rank: int
+    bad_tokens: int = 0  # set on the student's device when a token id is outside [0, vocab)
+    reserved: int = 0
+
+    def to_ints(self) -> list[int]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    @classmethod
+    def from_ints(cls, ints: list[int]) -> "RequestHeader":
+        return cls(*ints[:HEADER_INTS])
+
+    def describe(self) -> str:
+        return f"op={Op(self.op).name if self.op in Op._value2member_map_ else self.op} step={self.step} " \
+               f"micro_step={self.micro_step}"
+
+
+HEADER_INTS = len(fields(RequestHeader))
+
+
+def payload_segments(spec: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tuple[int, int]]:
+    """(offset, nbytes) of each wire tensor inside a response payload, 8-byte aligned."""
+    out, offset = [], 0
+    for shape, dtype in spec:
+        nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+        out.append((offset, nbytes))
+        offset += (nbytes + 7) // 8 * 8
+    return out
+
+
+@dataclass
+class BridgeSpec:
+    """What both sides agreed at the handshake: buffer shapes and output format."""
+
+    max_bsz: int
+    max_seqlen: int
+    vocab_size: int
+    output: str
+    k: int
+    wire_dtype: torch.dtype
+    segments: list = field(init=False, repr=False)  # (offset, nbytes) of each payload tensor
+
+    def __post_init__(self):
+        self.segments = payload_segments(self.payload_spec())
+
+    def payload_spec(self):
+        return TeacherOutputs.wire_spec(self.output, self.max_bsz, self.max_seqlen, self.k, self.vocab_size, self.wire_dtype)
+
+    def response_bytes(self) -> int:
+        last_offset, last_nbytes = self.segments[-1]
+        return RECORD_BYTES + (last_offset + last_nbytes + 7) // 8 * 8
+
+    def request_ints(self) -> int:
+        return HEADER_INTS + self.max_bsz * self.max_seqlen
+
+    def payload_views(self, response: torch.Tensor) -> list[torch.Tensor]:
+        """Each payload tensor as a [max_bsz, max_seqlen, ...] view into a response buffer."""
+        payload = response[RECORD_BYTES:]
+        return [payload[offset: offset + nbytes].view(dtype).view(shape)
+                for (shape, dtype), (offset, nbytes) in zip(self.payload_spec(), self.segments)]
+
+    def token_grid(self, request: torch.Tensor) -> torch.Tensor:
+        """The [max_bsz, max_seqlen] token area of a request buffer."""
+        return request[HEADER_INTS:].view(self.max_bsz, self.max_seqlen)
+
+
+def synchronize(device: torch.device) -> None:
+    """Block the CPU until `device`'s current stream has run (a no-op on CPU, where nothing is queued)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def tokenizer_fingerprint(vocab: dict[str, int]) -> int:
+    """A 63-bit hash of a token -> id map: equal iff students and teacher tokenize identically."""
+    digest = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def agreed_handshake(topo, mine: HandshakeRecord, args: DistillationArgs) -> BridgeSpec:
+    """Handshake on my bridge, then every rank's verdict over the world: a failure in one bridge
+    (teacher 1 could not load) stops the ranks of every bridge with its sentence, not only its own."""
+    try:
+        spec, error = check_handshake(_exchange(topo, mine), args), None
+    except (TeacherError, ValueError) as err:
+        spec, error = None, err
+    verdicts: list[Optional[str]] = [None] * topo.world_size
+    verdict = None if error is None else f"{type(error).__name__}: {error}"
+    log_collective("all_gather_object handshake verdicts", dist.group.WORLD)
+    dist.all_gather_object(verdicts, verdict, group=dist.group.WORLD)
+    if error is not None:
+        raise error
+    # A teacher's verdict first: it is the root cause the students of its bridge only repeat.
+    failed = sorted((rank not in topo.teacher_ranks, rank, v) for rank, v in enumerate(verdicts) if v)
+    if failed:
+        _, rank, verdict = failed[0]
+        raise TeacherError(f"the handshake failed in another bridge (rank {rank}): {verdict}")
+    return spec
+
+
+def _exchange(topo, mine: HandshakeRecord) -> list[HandshakeRecord]:
+    """All-gather every bridge member's record; returns them in bridge-group rank order."""
+    packed = mine.pack().to(topo.device)  # input and outputs on the backend's device (NCCL: the GPU)
+    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(topo.bridge_group))]
+    log_collective("all_gather handshake", topo.bridge_group, packed)
+    dist.all_gather(gathered, packed, group=topo.bridge_group)
+    return [HandshakeRecord.unpack(r) for r in gathered]
+
+
+def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> BridgeSpec:
+    """The same checks on every bridge member (the same records), so every rank raises the same sentence."""
+    teacher = next(r for r in records if r.role == "teacher")
+    if not teacher.loaded:
+        raise TeacherError(f"Teacher rank {teacher.global_rank} failed to load: {teacher.message}")
+    served = teacher.settings
+    students = [r for r in records if r.role == "student"]
+    for student in students:
+        asked = student.settings
+        differ = [name for name in served if asked[name] != served[name]
+                  and not (name == "k" and served["output"] == asked["output"] == "full")]  # full sends no ids
+        if differ:
+            detail = ", ".join(f"distillation.{name} is {served[name]} on the teacher but {asked[name]} on the student"
+                               for name in differ)
+            raise ValueError(f"Teacher rank {teacher.global_rank} and student rank {student.global_rank} disagree: "
+                             f"{detail}; give every rank the same distillation settings (one config for the whole job).")
+    for student in students:
+        if student.tokenizer_fingerprint != teacher.tokenizer_fingerprint or student.vocab > teacher.vocab:
+            same_size = ", the same size but different tokens" if student.vocab == teacher.vocab else ""
+            raise ValueError(
+                f"Student rank {student.global_rank}'s tokenizer (vocab {student.vocab}) does not match the teacher's "
+                f"(vocab {teacher.vocab}{same_size}) at {args.teacher_path}. Students must use the teacher's "
+                f"tokenizer: set data.tokenizer.name=hf data.tokenizer.path={args.teacher_path}."
+            )
+    max_bsz, max_seqlen = max(s.max_bsz for s in students), max(s.max_seqlen for s in students)
+    if max_seqlen > teacher.max_positions > 0:
+        raise ValueError(
+            f"Students send sequences of {max_seqlen} tokens but the teacher supports at most {teacher.max_positions} "
+            f"positions; set data.seq_len <= {teacher.max_positions}."
+        )
+    # Students' logits cover their tokenizer's vocab; teacher rows beyond it are padding and are cut.
+    return BridgeSpec(max_bsz, max_seqlen, students[0].vocab, served["output"], served["k"],
+                      WIRE_DTYPES[served["wire_dtype"]])

@@ -1,0 +1,119 @@
+"""The few collectives of the training loop, each on the group it is given, and the per-collective log.
+
+Every function here takes its group explicitly (the collective rule): `group=None` means "no group"
+only in a single process; in a job it would silently mean the world, so it is refused.
+`agree_flags` and `agree_count` are how ranks agree before they diverge: any decision that changes
+which collectives a rank issues (stop, save, fail, loop lengths) goes through one of them first.
+"""
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+comm_logger = logging.getLogger("lingua.comm")  # per-collective lines; DEBUG level only with distributed.debug
+_comm_sequence: dict[str, int] = {}
+
+
+def log_collective(op: str, group, *tensors) -> None:
+    """One DEBUG line per collective of ours: group name, op, shapes, per-group sequence number."""
+    if not comm_logger.isEnabledFor(logging.DEBUG):
+        return
+    name = getattr(group, "group_desc", None) or str(id(group))
+    seq = _comm_sequence[name] = _comm_sequence.get(name, 0) + 1
+    shapes = ", ".join(f"{tuple(t.shape)}:{str(t.dtype).replace('torch.', '')}" for t in tensors)
+    comm_logger.debug(f"collective #{seq} on {name}: {op} [{shapes}]")
+
+
+def _require_group(group, what: str) -> None:
+    """group=None is "no group" only in a single process; in a job it would silently mean the world."""
+    if group is None and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(f"{what} needs the group to reduce over (e.g. topo.train_group), not None.")
+
+
+def _alone(group) -> bool:
+    return group is None or dist.get_world_size(group) == 1
+
+
+def dist_mean_dict(values: dict[str, float], group, device: torch.device) -> dict[str, float]:
+    """Mean of each value over `group` (one all_reduce for the whole dict)."""
+    _require_group(group, "dist_mean_dict")
+    if _alone(group):
+        return dict(values)
+    keys = sorted(values)
+    tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    log_collective("all_reduce(sum) dist_mean_dict", group, tensor)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    tensor /= dist.get_world_size(group)
+    return dict(zip(keys, tensor.tolist()))
+
+
+def dist_gather_floats(values: list[float], group, device: torch.device) -> list[list[float]]:
+    """Every rank's list of floats (same length on all ranks), in group-rank order."""
+    _require_group(group, "dist_gather_floats")
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if _alone(group):
+        return [tensor.tolist()]
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    log_collective("all_gather dist_gather_floats", group, tensor)
+    dist.all_gather(out, tensor, group=group)
+    return [t.tolist() for t in out]
+
+
+def agree_flags(flags: dict[str, bool], group, device: torch.device) -> dict[str, bool]:
+    """A flag is set everywhere if it is set on any rank of `group` (one small all_reduce).
+
+    This is the single point per step where ranks decide to stop, save or fail together.
+    """
+    _require_group(group, "agree_flags")
+    if _alone(group):
+        return dict(flags)
+    keys = sorted(flags)
+    tensor = torch.tensor([int(bool(flags[k])) for k in keys], dtype=torch.int32, device=device)
+    log_collective(f"all_reduce(max) agree_flags {keys}", group, tensor)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return {k: bool(v) for k, v in zip(keys, tensor.tolist())}
+
+
+class AgreedError(Exception):
+    """An error every rank of a group raises at the same point, because they agreed on it (so a peer that
+    talks to other ranks, like a student to its teacher, can tell them before raising)."""
+
+
+class CountMismatch(AgreedError, ValueError):
+    """Ranks hold different loop lengths; raised on every rank of the group at once (it is agreed)."""
+
+
+def agree_count(count: int, group, device: torch.device, what: str, mode: str = "equal") -> int:
+    """Agree on a loop length across `group` before entering the loop.
+
+    mode="equal": every rank must have the same count, else an error naming each rank's count.
+    mode="min": every rank runs the smallest count (a warning names the ranks that differ).
+    """
+    counts = [int(c[0]) for c in dist_gather_floats([float(count)], group, device)]
+    if len(set(counts)) == 1:
+        return counts[0]
+    ranks = dist.get_process_group_ranks(group) if group is not None else [0]
+    detail = ", ".join(f"rank {r}: {c}" for r, c in zip(ranks, counts))
+    if mode == "equal":
+        raise CountMismatch(f"Ranks disagree on the number of {what} ({detail}); refusing to enter a loop that would hang.")
+    logger.warning(f"ranks hold different numbers of {what} ({detail}); every rank runs {min(counts)}")
+    return min(counts)
+
+
+def make_dir_for_group(path: Path, is_master: bool, group, what: str) -> Path:
+    """The master creates `path`; every rank of `group` waits until it exists (one barrier on `group`).
+
+    `group` may be None only in a single process without torch.distributed.
+    """
+    if is_master:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    if group is not None:
+        log_collective(f"barrier {what}", group)
+        dist.barrier(group=group)
+    elif dist.is_available() and dist.is_initialized():
+        raise ValueError(f"{what} needs the process group of the ranks that use it (e.g. topo.train_group); "
+                         f"it never synchronises on the default group.")
+    return Path(path)

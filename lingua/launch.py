@@ -1,0 +1,249 @@
+"""The launch before torch.distributed exists: who runs where, validated on construction. No torch here.
+
+`read_launch_env()` is the one place that reads rank facts from the environment (torchrun, then srun).
+`LaunchPlan` turns a world size and the config into roles, bridges and the students' mesh, like
+torchtitan's ParallelDims: a plan that cannot work raises a sentence before any process group
+exists. The trainer builds its `Topology` from it, and stool prints the same plan at submission.
+
+Ranks are split into students (the first `W - n_teachers`) and teachers (the last `n_teachers`, or
+the last rank of each node with `teacher_placement=per_node`); each teacher serves a contiguous block
+of students (its bridge).
+"""
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+TEACHER_PLACEMENTS = ("last", "per_node")
+FSDP_TYPES = ("full_shard", "no_shard")
+BACKENDS = ("auto", "nccl", "gloo")
+MODEL_DTYPES = ("bf16", "fp32")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+@dataclass
+class DistributedArgs:
+    # Mesh over the training (student) ranks; -1 = infer from the training world size.
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    fsdp_type: str = "full_shard"  # "full_shard" | "no_shard"
+    model_dtype: str = "bf16"  # parameter dtype under FSDP mixed precision: "bf16" | "fp32"
+    compile: bool = False
+    activation_checkpointing: str = "none"  # "none" | "full" | "selective"
+    backend: str = "auto"  # "auto" (nccl on GPU, gloo on CPU) | "nccl" | "gloo"
+    teacher_placement: str = "last"  # "last" global ranks | "per_node" (last local rank of each node)
+    # Two-phase timeouts: generous while loading/compiling, short once the first step went through.
+    init_timeout_s: float = 600.0
+    train_timeout_s: float = 300.0
+    debug: bool = False  # DETAIL checks, flight recorder dumps, per-collective logs, stack dumps
+    matmul_allow_tf32: bool = True
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: Optional[str]
+    master_port: Optional[int]
+    launcher: str  # "torchrun" | "slurm" | "single"
+
+
+def read_launch_env() -> LaunchEnv:
+    """The one place that reads rank facts from the environment (torchrun, then srun).
+
+    Several SLURM tasks that cannot meet (no MASTER_ADDR, or a batch shell that is not an srun task)
+    are a readable error: falling back to one process would run N lone rank 0s in one dump_dir.
+    """
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(
+            int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+            int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])), env.get("MASTER_ADDR"),
+            int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None, "torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        # In an srun step the step's own counts apply; the batch shell has SLURM_NTASKS but is one process.
+        ntasks = int(env.get("SLURM_STEP_NUM_TASKS", env["SLURM_NTASKS"]))
+        if ntasks > 1:
+            if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
+                raise ValueError(
+                    f"This SLURM job has {ntasks} tasks but this process was not started by srun, so it would "
+                    f"wait for ranks that never come; start one process per rank with srun (MASTER_ADDR and "
+                    f"MASTER_PORT exported), use torchrun, or submit with `python -m lingua.stool`."
+                )
+            if "MASTER_ADDR" not in env:
+                raise ValueError(
+                    f"srun started {ntasks} tasks but MASTER_ADDR is not set, so they cannot find each other; "
+                    f"export MASTER_ADDR (the first node's hostname) and MASTER_PORT before srun, or submit "
+                    f"with `python -m lingua.stool`, whose submit.slurm exports both."
+                )
+            per_node = env.get("SLURM_STEP_TASKS_PER_NODE",
+                               env.get("SLURM_NTASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1")))
+            return LaunchEnv(
+                int(env["SLURM_PROCID"]), ntasks, int(env.get("SLURM_LOCALID", 0)),
+                int(per_node.split("(")[0].split(",")[0]), env["MASTER_ADDR"], int(env.get("MASTER_PORT", 29500)),
+                "slurm",
+            )
+    return LaunchEnv(0, 1, 0, 1, None, None, "single")
+
+
+def format_ranks(ranks: list[int]) -> str:
+    """[0, 1, 2, 4, 5] -> "0-2,4-5"."""
+    spans, start = [], None
+    for i, rank in enumerate(ranks):
+        if start is None:
+            start = rank
+        if i + 1 == len(ranks) or ranks[i + 1] != rank + 1:
+            spans.append(str(start) if start == rank else f"{start}-{rank}")
+            start = None
+    return ",".join(spans)
+
+
+def resolve_mesh_dims(dp_replicate: int, dp_shard: int, n_students: int) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) for `n_students`, inferring one -1; readable error if they don't fit."""
+    replicate, shard = dp_replicate, dp_shard
+    if replicate == -1 and shard == -1:
+        raise ValueError("Only one of distributed.dp_replicate / distributed.dp_shard may be -1.")
+    for name, value in (("dp_replicate", replicate), ("dp_shard", shard)):
+        if value == 0 or value < -1:
+            raise ValueError(f"distributed.{name}={value}; use a positive size or -1 to infer it.")
+    if replicate == -1:
+        if n_students % shard:
+            raise ValueError(
+                f"{n_students} training ranks cannot be split into dp_shard={shard} groups; "
+                f"set distributed.dp_shard to a divisor of {n_students}."
+            )
+        replicate = n_students // shard
+    if shard == -1:
+        if n_students % replicate:
+            raise ValueError(
+                f"{n_students} training ranks cannot be split into dp_replicate={replicate} groups; "
+                f"set distributed.dp_replicate to a divisor of {n_students}."
+            )
+        shard = n_students // replicate
+    if replicate * shard != n_students:
+        raise ValueError(
+            f"Mesh dp_replicate={replicate} x dp_shard={shard} = {replicate * shard} ranks, but there are "
+            f"{n_students} training ranks. Set one of them to -1 to infer it, or launch with "
+            f"{replicate * shard} student ranks."
+        )
+    return replicate, shard
+
+
+def split_roles(world_size: int, n_teachers: int, placement: str, local_world_size: int) -> tuple[list[int], list[int]]:
+    """(student global ranks, teacher global ranks), validated before any collective."""
+    if n_teachers < 0:
+        raise ValueError(f"distillation.n_teacher_ranks={n_teachers} must be >= 0.")
+    if placement not in TEACHER_PLACEMENTS:
+        raise ValueError(f"distributed.teacher_placement={placement!r}; use 'last' or 'per_node'.")
+    if n_teachers == 0:
+        return list(range(world_size)), []
+    if world_size - n_teachers < 1:
+        raise ValueError(
+            f"Distillation needs at least one student rank besides {n_teachers} teacher rank(s), but the job "
+            f"has {world_size} rank(s). Launch more ranks (e.g. torchrun --nproc-per-node {n_teachers + 1}) "
+            f"or set enable_distillation=false."
+        )
+    if placement == "last":
+        teachers = list(range(world_size - n_teachers, world_size))
+    else:
+        n_nodes = world_size // local_world_size
+        if n_teachers != n_nodes or world_size % local_world_size:
+            raise ValueError(
+                f"teacher_placement=per_node needs one teacher per node ({n_nodes} nodes), "
+                f"but distillation.n_teacher_ranks={n_teachers}."
+            )
+        teachers = [(node + 1) * local_world_size - 1 for node in range(n_nodes)]
+    students = [r for r in range(world_size) if r not in teachers]
+    if len(students) % n_teachers:
+        raise ValueError(
+            f"{len(students)} student ranks cannot be split evenly among {n_teachers} teachers; "
+            f"launch a number of students divisible by distillation.n_teacher_ranks."
+        )
+    return students, teachers
+
+
+def expected_cuda_index(local_rank: int, local_world_size: int, n_devices: int) -> int:
+    """The GPU a local rank should bind: its own index when it sees the node's GPUs, 0 when the
+    launcher gave each task one GPU (srun --gpus-per-task / --gpu-bind); else a readable error."""
+    if n_devices == 1 and local_world_size > 1:
+        return 0
+    if local_rank >= n_devices:
+        raise ValueError(
+            f"Local rank {local_rank} has no GPU: only {n_devices} visible to it for {local_world_size} local "
+            f"ranks (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). Launch at most "
+            f"{n_devices} processes per node, or give each task its own GPU."
+        )
+    return local_rank
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Roles, bridges and the students' mesh of a launch of `world_size` ranks; raises if it cannot work."""
+
+    world_size: int
+    local_world_size: int
+    n_teachers: int = 0
+    teacher_placement: str = "last"
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    fsdp_type: str = "full_shard"
+    student_ranks: list[int] = field(init=False)
+    teacher_ranks: list[int] = field(init=False)
+    mesh_dims: tuple[int, int] = field(init=False)  # (dp_replicate, dp_shard), -1s resolved
+
+    def __post_init__(self):
+        if self.fsdp_type not in FSDP_TYPES:
+            raise ValueError(f"distributed.fsdp_type={self.fsdp_type!r}; use 'full_shard' or 'no_shard'.")
+        students, teachers = split_roles(self.world_size, self.n_teachers, self.teacher_placement,
+                                         self.local_world_size)
+        object.__setattr__(self, "student_ranks", students)
+        object.__setattr__(self, "teacher_ranks", teachers)
+        object.__setattr__(self, "mesh_dims", resolve_mesh_dims(self.dp_replicate, self.dp_shard, len(students)))
+
+    @classmethod
+    def for_launch(cls, args: DistributedArgs, n_teachers: int, world_size: int, local_world_size: int) -> "LaunchPlan":
+        return cls(world_size, local_world_size, n_teachers, args.teacher_placement, args.dp_replicate,
+                   args.dp_shard, args.fsdp_type)
+
+    def role(self, rank: int) -> str:
+        return "teacher" if rank in self.teacher_ranks else "student"
+
+    def bridges(self) -> list[tuple[int, list[int]]]:
+        """(teacher rank, the contiguous block of students it serves), one per teacher, in teacher order."""
+        if not self.teacher_ranks:
+            return []
+        per_teacher = len(self.student_ranks) // len(self.teacher_ranks)
+        return [(teacher, self.student_ranks[i * per_teacher:(i + 1) * per_teacher])
+                for i, teacher in enumerate(self.teacher_ranks)]
+
+    def bridge_index(self, rank: int) -> int:
+        """Index of the bridge `rank` belongs to (= its teacher's index), -1 without distillation."""
+        for i, (teacher, students) in enumerate(self.bridges()):
+            if rank == teacher or rank in students:
+                return i
+        return -1
+
+    def mesh_grid(self) -> list[list[int]]:
+        """Student global ranks as [dp_replicate][dp_shard]; no_shard replicates over every student."""
+        replicate, shard = self.mesh_dims
+        if self.fsdp_type == "no_shard":
+            replicate, shard = replicate * shard, 1
+        return [self.student_ranks[r * shard:(r + 1) * shard] for r in range(replicate)]
+
+    def describe(self) -> list[str]:
+        """Human-readable lines: nodes, which global ranks (node, local rank) are teachers, the mesh."""
+        nodes = self.world_size // self.local_world_size
+        lines = [f"ranks: {nodes} node(s) x {self.local_world_size} task(s) = {self.world_size} ranks "
+                 f"(block distribution: node i holds ranks {self.local_world_size}*i..)"]
+        if not self.teacher_ranks:
+            lines.append("distillation off: every rank is a student")
+            return lines
+        lines.append(f"distillation: {len(self.teacher_ranks)} teacher rank(s), placement {self.teacher_placement}")
+        for rank in self.teacher_ranks:
+            lines.append(f"  teacher: global rank {rank} (node {rank // self.local_world_size}, "
+                         f"local rank {rank % self.local_world_size})")
+        lines.append(f"  students: global ranks {format_ranks(self.student_ranks)}")
+        return lines

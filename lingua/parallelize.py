@@ -1,0 +1,58 @@
+"""Applying activation checkpointing, torch.compile and FSDP2 to a model built on every student."""
+
+import logging
+from functools import partial
+
+import torch
+
+from lingua.launch import DistributedArgs
+
+logger = logging.getLogger(__name__)
+
+
+def parallelize_model(model: torch.nn.Module, mesh, args: DistributedArgs, no_recompute_ops=None):
+    """Activation checkpointing, torch.compile and FSDP2 (per block, then the root) over `mesh`
+    (the students' mesh from the Topology; None in a single process: no sharding)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if args.activation_checkpointing not in ("none", "full", "selective"):
+        raise ValueError(
+            f"distributed.activation_checkpointing={args.activation_checkpointing!r}; use none, full or selective."
+        )
+    if args.model_dtype not in ("bf16", "fp32"):
+        raise ValueError(f"distributed.model_dtype={args.model_dtype!r}; use bf16 or fp32.")
+    if args.activation_checkpointing != "none":
+        _apply_activation_checkpointing(model, args.activation_checkpointing, no_recompute_ops)
+    if args.compile:
+        for i, block in enumerate(model.layers):
+            model.layers[i] = torch.compile(block)
+    if mesh is None:
+        return model
+    param_dtype = torch.bfloat16 if args.model_dtype == "bf16" else torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    shard = partial(fully_shard, mesh=mesh, mp_policy=policy)
+    n_layers = len(model.layers)
+    for i, block in enumerate(model.layers):
+        # The last block's params are needed right away by the root's backward: don't reshard them.
+        shard(block, reshard_after_forward=i < n_layers - 1)
+    shard(model, reshard_after_forward=True)
+    return model
+
+
+def _apply_activation_checkpointing(model, mode: str, no_recompute_ops) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    context_fn = None
+    if mode == "selective":
+        save_ops = set(no_recompute_ops or ())
+
+        def policy(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+        context_fn = partial(create_selective_checkpoint_contexts, policy)
+    for i, block in enumerate(model.layers):
+        kwargs = dict(preserve_rng_state=False)
+        if context_fn is not None:
+            kwargs["context_fn"] = context_fn
+        model.layers[i] = checkpoint_wrapper(block, **kwargs)

@@ -1,0 +1,49 @@
+"""Preemption: signal handlers only set a local flag; the training loop agrees on it across ranks."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+
+class PreemptionFlag:
+    """SIGUSR2/SIGTERM set `requested`; the training loop agrees on it across ranks before acting.
+
+    The handlers stay installed until the process exits: a late signal during shutdown is ignored
+    rather than killing a rank that is saving or leaving its last barrier.
+    """
+
+    def __init__(self, signals=(signal.SIGUSR2, signal.SIGTERM)):
+        self.requested = False
+        self.signal_name: Optional[str] = None
+        self._previous = {}
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+        # Logging from a signal handler can deadlock on the handler lock; write raw bytes.
+        os.write(sys.stderr.fileno(), f"received {self.signal_name}: will save and stop at the next agreed point\n".encode())
+
+    def ignore_further(self) -> None:
+        """After the stop is decided, later signals are moot: ignore them through interpreter exit
+        (Python resets its own handlers to the default action at shutdown, which would kill us)."""
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def requeue_if_slurm(is_train_master: bool) -> None:
+    """After a preemption save, one rank asks SLURM to requeue the job (submitit requeues by itself)."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not is_train_master or job_id is None or os.environ.get("SUBMITIT_EXECUTOR"):
+        return
+    result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    if result.returncode == 0:
+        logger.info(f"requeued SLURM job {job_id}")
+    else:
+        logger.error(f"scontrol requeue {job_id} failed: {result.stderr.strip()}")

@@ -1,0 +1,129 @@
+"""The teacher model: check a checkpoint directory cheaply, then load it with transformers.
+
+`check_teacher_dir` reads only file names and safetensors headers (seconds, no weights), so a launcher
+or a benchmark can refuse a missing or truncated teacher before any process starts; `load_teacher` is
+what a teacher rank runs. Both name the commands that make a teacher.
+"""
+
+import json
+import struct
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from lingua.distillation import DistillationArgs
+
+TEACHER_PREPARE_HINT = (
+    "point distillation.teacher_path at a transformers checkpoint directory, or make one: "
+    "`python -m setup.prepare_teacher --out {path}` (SmolLM2-135M-Instruct, the demo teacher) or "
+    "`python -m setup.make_tiny_teacher --out {path}` (the tiny test teacher)"
+)
+
+
+def safetensors_problem(file: Path) -> Optional[str]:
+    """Why `file` is not a complete safetensors file, or None. Cheap: reads the header, not the tensors.
+
+    The format is an 8-byte little-endian header length, a JSON header giving each tensor's byte range
+    in the data section, then the data; a truncated copy is shorter than its header's last range.
+    """
+    size = file.stat().st_size
+    if size < 8:
+        return f"{file.name} is truncated ({size} bytes)"
+    try:
+        with open(file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if 8 + header_len > size:
+                return f"{file.name} is truncated ({size} bytes, shorter than its {header_len}-byte header)"
+            header = json.loads(f.read(header_len))
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError) as err:
+        return f"{file.name} has an unreadable header ({type(err).__name__}: {err})"
+    expected = 8 + header_len + max(ends, default=0)
+    if size != expected:
+        return f"{file.name} is truncated or corrupt ({size} bytes, its header describes {expected})"
+    return None
+
+
+def check_teacher_dir(path) -> None:
+    """Raise FileNotFoundError (missing files) or ValueError (a truncated or corrupt weights file), naming the
+    command to run, unless `path` holds a loadable HF teacher checkpoint."""
+    path = Path(path)
+    fix = TEACHER_PREPARE_HINT.format(path=path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"Teacher directory {path} does not exist; {fix}.")
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        try:
+            shards = set(json.loads(index_file.read_text())["weight_map"].values())
+        except (json.JSONDecodeError, KeyError):
+            raise FileNotFoundError(f"Teacher directory {path} has an unreadable {index_file.name}; {fix}.") from None
+        missing += sorted(shard for shard in shards if not (path / shard).is_file())
+    elif not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors weights")
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
+        missing.append("tokenizer.json")
+    if not (path / "tokenizer_config.json").is_file():
+        missing.append("tokenizer_config.json")
+    if missing:
+        raise FileNotFoundError(f"Teacher directory {path} is incomplete (missing {', '.join(missing)}); {fix}.")
+    for weights in sorted(path.glob("*.safetensors")):
+        problem = safetensors_problem(weights)
+        if problem is not None:
+            raise ValueError(f"Teacher directory {path} is damaged: {problem}; {fix}.")
+
+
+def teacher_dtype(args: DistillationArgs, device: torch.device) -> torch.dtype:
+    if args.teacher_dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+    if args.teacher_dtype not in names:
+        raise ValueError(f"distillation.teacher_dtype={args.teacher_dtype!r}; use auto, bf16, fp32 or fp16.")
+    return names[args.teacher_dtype]
+
+
+def _short_reason(err: BaseException, limit: int = 400) -> str:
+    """An exception as one line, cut to `limit` characters (transformers' messages can list every model type)."""
+    text = " ".join(f"{type(err).__name__}: {err}".split()).rstrip(".")  # the sentence goes on after it
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def load_teacher(args: DistillationArgs, device: torch.device):
+    """(model, tokenizer) from a local directory or a hub id; any failure is one sentence naming the path,
+    the reason and how to prepare a teacher."""
+    from huggingface_hub import is_offline_mode
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a progress bar per rank garbles the logs
+
+    path = args.teacher_path
+    local = Path(path).expanduser()
+    hint = TEACHER_PREPARE_HINT.format(path=path)
+    # "org/name" that is not on disk may be a hub id; anything else must be a local directory.
+    hub_like = not path.startswith((".", "/", "~")) and path.count("/") == 1 and not local.exists()
+    if not hub_like and not local.is_dir():
+        what = "is a file, not a directory" if local.exists() else "does not exist"
+        raise FileNotFoundError(f"teacher path '{path}' {what}; {hint}.")
+    source = path if hub_like else str(local)
+    dtype = teacher_dtype(args, device)
+    kwargs = dict(dtype=dtype)
+    if args.attn_implementation:
+        kwargs["attn_implementation"] = args.attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as err:  # empty dir, truncated safetensors, missing tokenizer, unknown hub id, ...
+        if hub_like:
+            offline = ", and the Hugging Face hub is offline (HF_HUB_OFFLINE)" if is_offline_mode() else ""
+            raise FileNotFoundError(
+                f"teacher path '{path}' is neither a local directory (nothing at {local.resolve()}) nor a hub model "
+                f"that could be loaded{offline}: {_short_reason(err)}; {hint}."
+            ) from err
+        raise ValueError(f"teacher directory '{path}' could not be loaded ({_short_reason(err)}); {hint}.") from err
+    model = model.to(device).eval()
+    model.requires_grad_(False)
+    return model, tokenizer

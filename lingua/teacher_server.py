@@ -1,0 +1,268 @@
+"""The teacher rank: load the model, handshake with its students, then serve until STOP.
+
+Per request (`TeacherServer.serve`): receive (one gather of every student's `RequestHeader` + tokens)
+-> handle (check the headers agree, one forward over all rows under inference mode, each student's
+rows of sparse outputs written into its response buffer) -> reply (one scatter: a `ResponseStatus`
+then the outputs). Whatever fails while handling is answered too, as a status carrying the sentence,
+so students raise it instead of waiting for a timeout. The protocol itself is in `lingua/bridge.py`.
+
+Timing on CUDA: NCCL's blocking calls only order streams, the CPU returns at once. So the teacher's
+idle time ends when the headers reach the CPU and its busy time when its stream has run the forward.
+"""
+
+import contextlib
+import logging
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from lingua.bridge import (
+    HEADER_INTS, RECORD_BYTES, HandshakeRecord, Op, RequestHeader, ResponseStatus, agreed_handshake, agreed_settings,
+    synchronize, tokenizer_fingerprint,
+)
+from lingua.collectives import log_collective
+from lingua.distillation import DistillationArgs, TeacherError
+from lingua.kd_loss import TeacherOutputs, sparsify_teacher_logits
+from lingua.metrics import MemoryMonitor
+from lingua.preemption import PreemptionFlag
+from lingua.teacher import load_teacher
+from lingua.timeouts import HangWatch, set_collective_timeout
+
+logger = logging.getLogger(__name__)
+REPORT_EVERY_S = 30.0
+
+
+class ServingClock:
+    """The teacher's busy and idle seconds since the handshake; together they cover the whole loop."""
+
+    def __init__(self):
+        self.busy_s = self.idle_s = 0.0
+        self.mark = time.perf_counter()  # where the last counted interval ended
+
+    def _advance(self) -> float:
+        now = time.perf_counter()
+        elapsed, self.mark = now - self.mark, now
+        return elapsed
+
+    def request_arrived(self) -> None:
+        self.idle_s += self._advance()
+
+    def worked(self) -> None:
+        self.busy_s += self._advance()
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.busy_s / max(self.busy_s + self.idle_s, 1e-9)
+
+
+class TimeoutSwitch:
+    """The teacher's two-phase timeout. The generous one holds through the students' whole first step
+    (checkpoint load, compile, the first backward, optimizer, a save): every group switches to the
+    short one when a request of a later step than the first request's (or a STOP) arrives -- the step
+    comes from the headers, so a resumed run works the same. Each wait arms a stack dump shortly
+    before the timeout in force, so a teacher stuck waiting says where."""
+
+    def __init__(self, topo, timeouts: Optional[tuple[float, float]]):
+        self.topo, self.timeouts = topo, timeouts
+        self.timeout_s = timeouts[0] if timeouts is not None else None
+        self.hang_watch = HangWatch() if timeouts is not None else None
+        self.first_step: Optional[int] = None  # the step of this launch's first request
+        self.in_training = False
+
+    def arm(self) -> None:
+        if self.hang_watch is not None:
+            self.hang_watch.arm(self.timeout_s)
+
+    def cancel(self) -> None:
+        if self.hang_watch is not None:
+            self.hang_watch.cancel()
+
+    def observe(self, step: int, stop: bool) -> None:
+        if self.first_step is None:
+            self.first_step = step
+        if self.timeouts is not None and not self.in_training and (step > self.first_step or stop):
+            # The students finished their first step (they only send a later one after it): short from now on.
+            self.in_training, self.timeout_s = True, self.timeouts[1]
+            set_collective_timeout(self.topo, self.timeout_s)
+
+
+class TeacherServer:
+    """Teacher side: load, handshake, then answer requests until every student sent STOP."""
+
+    def __init__(self, args: DistillationArgs, topo, preemption: Optional[PreemptionFlag] = None,
+                 inject_load_failure: bool = False, phases=None):
+        assert topo.is_teacher
+        self.args, self.topo = args, topo
+        self.model = None
+        record = HandshakeRecord("teacher", topo.global_rank, 0, 0, agreed_settings(args))
+        start, start_wall = time.perf_counter(), time.time()
+        try:
+            if inject_load_failure:
+                raise RuntimeError("injected teacher load failure (inject_failure=teacher_load:...)")
+            self.model, tokenizer = load_teacher(args, topo.device)
+            record.vocab = int(self.model.get_output_embeddings().weight.shape[0])
+            record.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer.get_vocab())
+            record.max_positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+            logger.info(f"teacher {args.teacher_path} loaded in {time.perf_counter() - start:.1f}s "
+                        f"(vocab {record.vocab}, {sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M params)")
+        except Exception as err:  # every rank must hear about it, not only this one
+            record.loaded, record.message = False, f"{type(err).__name__}: {err}"
+            logger.error(f"teacher failed to load: {record.message}")
+        if phases is not None:
+            phases.record("teacher_load", start_wall, time.time())
+        with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
+            self.spec = agreed_handshake(topo, record, args)
+        self.bridge_ranks = dist.get_process_group_ranks(topo.bridge_group)
+        self.mine = self.bridge_ranks.index(topo.global_rank)
+        self.generator = torch.Generator(device=topo.device).manual_seed(args.seed + topo.global_rank)
+        self.memory = MemoryMonitor(topo.device)
+        self.clock = ServingClock()
+        self.requests = 0
+        # A signal on the teacher cannot stop anything by itself: it rides on every response, and the
+        # students fold it into their agreed control bits.
+        self.preemption = preemption or PreemptionFlag()
+        device, n = topo.device, len(self.bridge_ranks)
+        self.gathered = [torch.empty(self.spec.request_ints(), dtype=torch.int32, device=device) for _ in range(n)]
+        self.request = torch.zeros(self.spec.request_ints(), dtype=torch.int32, device=device)
+        # Allocated once: a request writes only its rows and students read only theirs. The teacher's own
+        # slot is a throwaway; a separate output buffer avoids aliasing the scatter input.
+        self.responses = [torch.zeros(self.spec.response_bytes(), dtype=torch.uint8, device=device) for _ in range(n)]
+        self.scatter_out = torch.empty_like(self.responses[self.mine])
+
+    @property
+    def busy_s(self) -> float:
+        return self.clock.busy_s
+
+    @property
+    def idle_s(self) -> float:
+        return self.clock.idle_s
+
+    def serve(self, timeouts: Optional[tuple[float, float]] = None) -> None:
+        """Receive -> handle -> reply until STOP. Returns after a STOP; raises (after answering) on any error.
+
+        `timeouts` = (init, train) seconds for the `TimeoutSwitch`; None keeps the groups' timeout."""
+        switch = TimeoutSwitch(self.topo, timeouts)
+        self.clock = ServingClock()
+        last_report = time.perf_counter()
+        while True:
+            switch.arm()
+            self._receive()
+            status, ops = self._handle(switch)
+            self._reply(status)
+            self.requests += 1
+            if not status.ok or ops == {Op.STOP}:
+                switch.cancel()
+            if not status.ok:
+                raise TeacherError(status.message)
+            if ops == {Op.STOP}:
+                logger.info(f"STOP received after {self.requests - 1} requests; teacher busy "
+                            f"{100 * self.clock.busy_fraction:.0f}% of the time")
+                return
+            if time.perf_counter() - last_report > REPORT_EVERY_S:
+                last_report = time.perf_counter()
+                # Whether the teacher is the bottleneck shows on the students' side (their wait share).
+                logger.info(f"served {self.requests} requests; busy {100 * self.clock.busy_fraction:.0f}% of the time")
+
+    def _receive(self) -> None:
+        log_collective("gather request (teacher)", self.topo.bridge_group, self.request)
+        dist.gather(self.request, self.gathered, dst=self.topo.global_rank, group=self.topo.bridge_group)
+
+    def _students(self) -> list[tuple[int, torch.Tensor]]:
+        """(global rank, gathered request buffer) of each student, in bridge order."""
+        return [(rank, self.gathered[i]) for i, rank in enumerate(self.bridge_ranks) if i != self.mine]
+
+    def _handle(self, switch: TimeoutSwitch) -> tuple[ResponseStatus, set]:
+        """The status to send for the request just received (outputs are written into the responses).
+
+        Everything between the gather and the scatter is guarded: whatever fails here (bad headers,
+        the forward, out of memory, a CUDA error surfacing at the sync), the students get its sentence."""
+        students = self._students()
+        arrived, ops, step, error, peak_bytes = False, set(), None, None, 0
+        try:
+            # One copy to the CPU for all headers; on NCCL this is where the wait for the request really ends.
+            rows = torch.stack([buf[:HEADER_INTS] for _, buf in students]).tolist()
+            self.clock.request_arrived()
+            arrived = True
+            headers = {rank: RequestHeader.from_ints(row) for (rank, _), row in zip(students, rows)}
+            ops = {h.op for h in headers.values()}
+            step = headers[students[0][0]].step
+            switch.observe(step, Op.STOP in ops)
+            error = self._check_headers(headers, students)
+            if error is None and ops == {Op.FORWARD}:
+                self._forward(students, headers)
+            synchronize(self.topo.device)  # on CUDA the forward was only queued: busy until it has run
+            peak_bytes = int(self.memory.get_peak_stats()["mem/peak_gib"] * 2**30)
+        except Exception as err:
+            where = "a request" if step is None else f"step {step}"
+            error, peak_bytes = f"teacher failed serving {where}: {type(err).__name__}: {err}", 0
+        if not arrived:
+            self.clock.request_arrived()
+        self.clock.worked()
+        return ResponseStatus(ok=error is None, teacher_preempt=self.preemption.requested, busy_s=self.clock.busy_s,
+                              idle_s=self.clock.idle_s, peak_bytes=peak_bytes, message=error or ""), ops
+
+    def _reply(self, status: ResponseStatus) -> None:
+        record = status.pack().to(self.topo.device)
+        for buf in self.responses:
+            buf[:RECORD_BYTES] = record
+        log_collective("scatter responses (teacher)", self.topo.bridge_group, self.responses[self.mine])
+        dist.scatter(self.scatter_out, self.responses, src=self.topo.global_rank, group=self.topo.bridge_group)
+        self.clock.worked()  # packing and sending the responses is serving time too
+
+    def _check_headers(self, headers: dict[int, RequestHeader], students) -> Optional[str]:
+        """None if the students asked for the same thing within the agreed shapes, else the sentence."""
+        ops = {h.op for h in headers.values()}
+        if Op.ERROR in ops:
+            failed = [r for r, h in headers.items() if h.op == Op.ERROR]
+            return f"student rank(s) {failed} stopped on an error at step {headers[failed[0]].step}"
+        if len({(h.op, h.step, h.micro_step) for h in headers.values()}) > 1:
+            detail = "; ".join(f"rank {r}: {h.describe()}" for r, h in sorted(headers.items()))
+            return f"students sent mismatched requests ({detail})"
+        for r, h in headers.items():
+            if h.bsz > self.spec.max_bsz or h.seqlen > self.spec.max_seqlen:
+                return (f"student rank {r} sent shape [{h.bsz}, {h.seqlen}] beyond the agreed "
+                        f"[{self.spec.max_bsz}, {self.spec.max_seqlen}]")
+        for r, buf in students:
+            h = headers[r]
+            if h.bad_tokens:  # flagged by the student's device-side check; only this error path syncs
+                tokens = self.spec.token_grid(buf)[:h.bsz, :h.seqlen]
+                return (f"student rank {r} sent token ids outside [0, {self.spec.vocab_size}) at step {h.step} "
+                        f"(got [{int(tokens.min())}, {int(tokens.max())}]); its data must use the teacher's tokenizer")
+        return None
+
+    @torch.inference_mode()
+    def _forward(self, students, headers: dict[int, RequestHeader]) -> None:
+        """One forward over every student's rows; each student's outputs go into its own response."""
+        seqlen = max(headers[r].seqlen for r, _ in students)
+        rows = [self.spec.token_grid(buf)[:headers[r].bsz, :seqlen] for r, buf in students]
+        # Right padding is invisible to a causal model's earlier positions: one forward for all students.
+        hidden = self._hidden_states(torch.cat(rows).long())
+        row = 0
+        for rank, _ in students:
+            header = headers[rank]
+            outputs = self._sparse_outputs(hidden[row: row + header.bsz, :header.seqlen])
+            row += header.bsz
+            views = self.spec.payload_views(self.responses[self.bridge_ranks.index(rank)])
+            for source, dest in zip(outputs.tensors(), views):
+                dest[: source.shape[0], : source.shape[1]] = source
+
+    def _hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        decoder = self.model.get_decoder()
+        return decoder(input_ids=tokens).last_hidden_state
+
+    def _sparse_outputs(self, hidden: torch.Tensor) -> TeacherOutputs:
+        """lm_head + sparsification a few rows at a time, so [rows, S, V] logits never exist at once."""
+        head = self.model.get_output_embeddings()
+        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        parts = []
+        for start in range(0, hidden.shape[0], max(1, self.args.logits_chunk_rows)):
+            logits = head(hidden[start: start + self.args.logits_chunk_rows]).float()
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            logits = logits[..., : self.spec.vocab_size]
+            parts.append(sparsify_teacher_logits(
+                logits, self.spec.output, self.spec.k, self.args.temperature, self.spec.wire_dtype, self.generator
+            ))
+        return TeacherOutputs.from_tensors(self.spec.output, [torch.cat(ts) for ts in zip(*(p.tensors() for p in parts))])

@@ -1,0 +1,160 @@
+"""Collective timeouts in two phases, and the hang watch.
+
+Generous `distributed.init_timeout_s` while loading, compiling and exchanging the first batch; then
+`distributed.train_timeout_s` on every group of a rank, bridges included, once the first step went
+through. The new value is set on every backend that governs a group -- unwrapped from DETAIL's
+`_ProcessGroupWrapper`, and DETAIL's own gloo check group too -- and read back for the log.
+`HangWatch` prints every thread's stack shortly before the timeout in force would fire.
+"""
+
+import faulthandler
+import logging
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from lingua.collectives import log_collective
+
+logger = logging.getLogger(__name__)
+_detail_check_groups: dict[str, list] = {}  # group name -> DETAIL's gloo check group(s), see keep_detail_check_groups
+
+
+def keep_detail_check_groups() -> None:
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL, remember the gloo group torch creates next to each process
+    group, keyed by group name, so the two-phase switch can change its timeout too.
+
+    DETAIL wraps every backend in a `_ProcessGroupWrapper` whose own gloo group runs a monitored
+    barrier before each collective: a missing peer is detected there, under that group's timeout.
+    torch keeps no Python handle on it, so we record it as `_create_process_group_wrapper` makes it.
+    """
+    c10d = dist.distributed_c10d
+    create = getattr(c10d, "_create_process_group_wrapper", None)
+    if create is None or getattr(create, "keeps_check_groups", False) or not hasattr(c10d, "ProcessGroupGloo"):
+        return
+
+    def create_and_keep(*args, **kwargs):
+        gloo, made = c10d.ProcessGroupGloo, []
+
+        def gloo_kept(*gloo_args, **gloo_kwargs):
+            made.append(gloo(*gloo_args, **gloo_kwargs))
+            return made[-1]
+
+        c10d.ProcessGroupGloo = gloo_kept  # only while torch builds the wrapper; groups are made on one thread
+        try:
+            wrapper = create(*args, **kwargs)
+        finally:
+            c10d.ProcessGroupGloo = gloo
+        name = kwargs.get("store_prefix", args[1] if len(args) > 1 else None)
+        _detail_check_groups.setdefault(str(name), []).extend(made)
+        return wrapper
+
+    create_and_keep.keeps_check_groups = True
+    c10d._create_process_group_wrapper = create_and_keep
+
+
+def forget_detail_check_groups() -> None:
+    """At process-group teardown: the recorded check groups die with their process groups."""
+    _detail_check_groups.clear()
+
+
+def _timeout_backends(group) -> list[tuple[str, object]]:
+    """(label, backend) for every backend whose timeout governs `group`: each device's real backend,
+    unwrapped from DETAIL's `_ProcessGroupWrapper` (`wrapped_pg`), then DETAIL's gloo check group."""
+    found: list[tuple[str, object]] = []
+    for device in getattr(group, "_device_types", [torch.device("cpu")]):
+        try:
+            backend = group._get_backend(device)
+        except RuntimeError:
+            continue
+        backend = getattr(backend, "wrapped_pg", backend)
+        if not any(known is backend for _, known in found):
+            found.append((backend.name() if hasattr(backend, "name") else type(backend).__name__, backend))
+    for check in _detail_check_groups.get(str(getattr(group, "group_name", "")), []):
+        found.append(("DETAIL checks", check))
+    labels = [label for label, _ in found]
+    return [(f"{label} {labels[:i].count(label) + 1}" if labels.count(label) > 1 else label, backend)
+            for i, (label, backend) in enumerate(found)]
+
+
+def _backend_timeout_s(backend) -> Optional[float]:
+    """The timeout a backend will apply, read from its options (None where this torch hides it)."""
+    timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else None
+
+
+def group_timeouts(group) -> dict[str, Optional[float]]:
+    """Seconds each backend of `group` will wait, read back from the backends themselves."""
+    return {label: _backend_timeout_s(backend) for label, backend in _timeout_backends(group)}
+
+
+def set_group_timeout(group, seconds: float) -> dict[str, Optional[float]]:
+    """Set every backend of `group` (gloo or NCCL, wrapped by DETAIL or not) to `seconds`; returns
+    what each backend reports afterwards. torch's own `_set_pg_timeout` skips DETAIL's wrapper."""
+    timeout = timedelta(seconds=seconds)
+    for _, backend in _timeout_backends(group):
+        setter = getattr(backend, "_set_default_timeout", None) or getattr(backend, "set_timeout", None)
+        try:
+            if setter is not None:
+                setter(timeout)
+        except RuntimeError:  # a backend that cannot switch keeps its timeout; the read-back shows it
+            continue
+    return group_timeouts(group)
+
+
+def set_collective_timeout(topo, seconds: float) -> None:
+    """Switch every group of this rank (bridges included) to a new timeout (the two-phase scheme).
+    The log line reports what the backends read back, not what was asked."""
+    if not topo.distributed:
+        return
+    groups = topo.all_groups()
+    effective = {}
+    for group in groups:
+        name = topo.group_names.get(id(group)) or getattr(group, "group_desc", "?")
+        for label, value in set_group_timeout(group, seconds).items():
+            effective[f"{name} ({label})"] = value
+    values = set(effective.values())
+    if len(values) == 1 and None not in values:
+        logger.info(f"collective timeout set to {values.pop():.0f}s on {len(groups)} groups "
+                    f"({len(effective)} backends, read back)")
+    else:
+        logger.warning(f"collective timeout: asked for {seconds:.0f}s, the backends report " + ", ".join(
+            f"{key}={'unknown' if v is None else f'{v:.0f}s'}" for key, v in effective.items()))
+
+
+def enter_training_timeout(topo, seconds: float) -> None:
+    """Students, after their first full step: a barrier on each group only students use (train and
+    mesh groups), then the short timeout on every group. The bridge needs no barrier: the teacher
+    switches by itself when the first request of a later step (or a STOP) reaches it."""
+    if not topo.distributed:
+        return
+    for group in topo.all_groups():
+        if group is dist.group.WORLD or group is topo.bridge_group or group is topo.teacher_group:
+            continue
+        log_collective("barrier before the training timeout", group)
+        dist.barrier(group=group)
+    set_collective_timeout(topo, seconds)
+
+
+class HangWatch:
+    """Prints every thread's Python stack if a step is still running shortly before the collective timeout.
+
+    `arm(seconds)` re-arms the single faulthandler timer; it is cheap, so it is always on.
+    """
+
+    def __init__(self, fraction: float = 0.9):
+        self.fraction = fraction
+
+    def arm(self, timeout_s: float) -> None:
+        faulthandler.dump_traceback_later(max(1.0, timeout_s * self.fraction), repeat=False)
+
+    @staticmethod
+    def cancel() -> None:
+        faulthandler.cancel_dump_traceback_later()
+
+    def __enter__(self) -> "HangWatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()

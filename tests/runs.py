@@ -1,0 +1,159 @@
+"""Launching runs for the tests and reading what they did: the one module the test files share.
+
+torchrun (or a worker script) on CPU/gloo with a hard timeout, so a hang is a failure, not a stuck CI;
+the overrides of the tiny standard runs (2 students, optionally + 1 tiny teacher); signals to ranks.
+Reading a run's files goes through `lingua.rundir`, as the trainer and the benchmark do.
+"""
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from lingua.rundir import RunDir, read_jsonl, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WORDS = ("the model reads tokens and predicts the next one while the teacher sends its top guesses "
+         "so that the student learns faster than from labels alone data flows through packed windows "
+         "and every rank reads its own shard of the files").split()
+
+
+def write_corpus(root: Path, n_chunks: int = 3, docs_per_chunk: int = 200, seed: int = 0) -> Path:
+    """root/text/text.chunk.<i>.jsonl and a validation file, deterministic."""
+    rng = random.Random(seed)
+    source = root / "text"
+    source.mkdir(parents=True, exist_ok=True)
+
+    def doc():
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 120))) + "."
+
+    for i in range(n_chunks):
+        with open(source / f"text.chunk.{i}.jsonl", "w") as f:
+            for _ in range(docs_per_chunk):
+                f.write(json.dumps({"text": doc()}) + "\n")
+    with open(source / "text.val.jsonl", "w") as f:
+        for _ in range(40):
+            f.write(json.dumps({"text": doc()}) + "\n")
+    return root
+
+
+def base_overrides(corpus: Path, dump_dir: Path, steps: int = 10, **extra) -> list[str]:
+    """A tiny CPU run on the test corpus with the byte tokenizer."""
+    overrides = {
+        "dump_dir": str(dump_dir), "steps": steps, "data.root_dir": str(corpus), "data.sources": "{text: 1.0}",
+        "data.batch_size": 2, "data.seq_len": 32, "data.tokenizer.name": "bytes", "model.dim": 32,
+        "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seqlen": 32,
+        "distributed.model_dtype": "fp32", "distributed.init_timeout_s": 60, "distributed.train_timeout_s": 30,
+        "logging.freq": 1, "checkpoint.dump.every": 1000, "optim.warmup": 2, "optim.lr": 3e-3,
+        "data.load_async": "false", "eval.every": 0,
+    }
+    overrides.update(extra)
+    return [f"{k}={v}" for k, v in overrides.items()]
+
+
+def distill_overrides(corpus: Path, teacher: Path, dump_dir: Path, steps: int = 6, **extra) -> list[str]:
+    """2 students + 1 tiny teacher, students on the teacher's tokenizer."""
+    kd = {"enable_distillation": "true", "distillation.teacher_path": str(teacher), "distillation.k": 8,
+          "distillation.teacher_dtype": "fp32", "data.tokenizer.name": "hf", "data.tokenizer.path": str(teacher)}
+    kd.update(extra)
+    return base_overrides(corpus, dump_dir, steps=steps, **kd)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(nproc: int, module_args: list[str], timeout: float, env: dict | None = None,
+             module: str = "apps.main.train", signal_plan=None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node nproc -m module *module_args`; a run past `timeout` is a test failure.
+
+    signal_plan: optional callable(popen) run while the job is alive (e.g. to deliver SIGUSR2).
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
+           "-m", module, *module_args]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
+                    TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        if signal_plan is not None:
+            signal_plan(proc)
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"HANG: torchrun did not finish within {timeout}s\n{out[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def assert_ok(result) -> None:
+    assert result.returncode == 0, result.stdout[-6000:]
+
+
+def worker_pids(parent_pid: int) -> list[int]:
+    """Child processes of torchrun (the ranks), in pid order."""
+    children = Path(f"/proc/{parent_pid}/task/{parent_pid}/children")
+    if not children.exists():
+        return []
+    return sorted(int(p) for p in children.read_text().split())
+
+
+def rank_pid(dump: Path, rank: int, timeout: float = 60) -> int:
+    """The pid a rank wrote into its startup file."""
+    path = RunDir(dump).startup(rank)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        rows = read_jsonl(path)
+        if rows:
+            return rows[0]["pid"]
+        time.sleep(0.2)
+    raise AssertionError(f"{path} never appeared")
+
+
+def wait_for_step(dump: Path, step: int, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(r.get("step", 0) >= step for r in read_metrics(dump)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} never logged")
+
+
+def signal_ranks(dump: Path, ranks_and_delays: list[tuple[int, float]], after_step: int = 3,
+                 delivered: list[int] | None = None):
+    """A signal_plan for torchrun(): SIGUSR2 to each rank, after `after_step` and a delay.
+
+    The first signal must reach a live rank. A later one may find its rank already gone (the
+    agreed stop, save and exit can all fit in the delay); it is then skipped. The ranks that got
+    a signal are appended to `delivered`.
+    """
+    def plan(proc):
+        wait_for_step(dump, after_step)
+        for i, (rank, delay) in enumerate(ranks_and_delays):
+            time.sleep(delay)
+            try:
+                os.kill(rank_pid(dump, rank), signal.SIGUSR2)
+            except ProcessLookupError:
+                if i == 0:
+                    raise
+                continue
+            if delivered is not None:
+                delivered.append(rank)
+    return plan
+
+
+def ranks_that_cleaned_up(stdout: str) -> set[int]:
+    """Global ranks whose log says `clean_up` destroyed their process group (the end of every exit path)."""
+    return {int(m.group(1)) for m in re.finditer(r"\[r(\d+) (?:student|teacher)\] INFO  lingua\.distributed: "
+                                                   r"process group destroyed$", stdout, flags=re.M)}
