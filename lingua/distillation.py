@@ -18,6 +18,7 @@ import torch
 from lingua.cli import UserError
 from lingua.kd_loss import DIVERGENCES, FORMATS
 
+MAX_PREFETCH = 2  # requests ahead; more only holds more response buffers without hiding more
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TEACHER_DTYPES = ("auto", "bf16", "fp32", "fp16")
 
@@ -43,6 +44,9 @@ class DistillationArgs:
     loss_chunk_size: int = 1024  # positions per chunk in the student's KD loss
     logits_chunk_rows: int = 4  # teacher rows per lm_head chunk (bounds the teacher's logits memory)
     seed: int = 0  # for the "sampled" output
+    # Teacher requests submitted ahead of the micro-batch being computed (0 = each right before its own
+    # forward), across step boundaries: with 1 the teacher's forward hides behind the student's whole step.
+    prefetch: int = 1
 
 
 def validate_distillation_args(args: DistillationArgs) -> None:
@@ -61,5 +65,7 @@ def validate_distillation_args(args: DistillationArgs) -> None:
         raise ValueError(f"distillation.temperature={args.temperature} must be positive.")
     if args.output != "full" and args.k < 1:
         raise ValueError(f"distillation.k={args.k} must be >= 1.")
+    if not 0 <= args.prefetch <= MAX_PREFETCH:
+        raise ValueError(f"distillation.prefetch={args.prefetch}; use 0 (no look-ahead), 1 or {MAX_PREFETCH}.")
     if not args.teacher_path:
         raise ValueError("Distillation is on but distillation.teacher_path is empty; set it or enable_distillation=false.")

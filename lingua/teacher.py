@@ -1,8 +1,9 @@
-"""The teacher model: check a checkpoint directory cheaply, then load it with transformers.
+"""The teacher model: check a checkpoint directory cheaply, load it with transformers, run its forward.
 
 `check_teacher_dir` reads only file names and safetensors headers (seconds, no weights), so a launcher
 or a benchmark can refuse a missing or truncated teacher before any process starts; `load_teacher` is
-what a teacher rank runs. Both name the commands that make a teacher.
+what a teacher rank runs. Both name the commands that make a teacher. `TeacherModel` is the forward
+both the online teacher and the offline cache writer use (document boundaries included).
 """
 
 import json
@@ -13,6 +14,7 @@ from typing import Optional
 import torch
 
 from lingua.distillation import DistillationArgs
+from lingua.kd_loss import TeacherOutputs, sparsify_teacher_logits
 
 TEACHER_PREPARE_HINT = (
     "point distillation.teacher_path at a transformers checkpoint directory, or make one: "
@@ -127,3 +129,61 @@ def load_teacher(args: DistillationArgs, device: torch.device):
     model = model.to(device).eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Position of each token within its own document ([N, S] int64): 0 where a new document starts."""
+    index = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - last_start
+
+
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[N, 1, S, S] bool: query i sees key j iff j <= i and both are in the same document."""
+    S = doc_ids.shape[1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+
+
+class TeacherModel:
+    """A loaded teacher and its forward: tokens [N, S] (+ document ids) -> sparse outputs. The online
+    teacher rank (lingua/teacher_server.py) and the offline cache writer both compute through it."""
+
+    def __init__(self, args: DistillationArgs, device: torch.device):
+        self.args, self.device = args, device
+        self.model, self.tokenizer = load_teacher(args, device)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+
+    @torch.inference_mode()
+    def hidden_states(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final hidden states [N, S, D]. With `doc_ids` every document is its own sequence (positions restart,
+        attention stays inside it), as the student sees it with model.attn_mask=doc_causal."""
+        kwargs = {}
+        if doc_ids is not None:
+            kwargs["position_ids"] = document_positions(doc_ids)
+            # Flash-attention kernels find the documents from the restarting position ids (varlen); the
+            # others take an explicit block-diagonal causal mask.
+            if not str(self.model.config._attn_implementation).startswith("flash_attention"):
+                kwargs["attention_mask"] = document_causal_mask(doc_ids)
+        return self.model.get_decoder()(input_ids=tokens, **kwargs).last_hidden_state
+
+    @torch.inference_mode()
+    def sparse_outputs(self, hidden: torch.Tensor, output: str, k: int, wire_dtype: torch.dtype, vocab_size: int,
+                       generator: Optional[torch.Generator] = None) -> TeacherOutputs:
+        """lm_head + sparsification a few rows at a time, so [rows, S, V] logits never exist at once; ids
+        beyond `vocab_size` (the students' vocab; teacher rows past it are padding) are cut."""
+        head = self.model.get_output_embeddings()
+        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        rows = max(1, self.args.logits_chunk_rows)
+        parts = []
+        for start in range(0, hidden.shape[0], rows):
+            logits = head(hidden[start: start + rows]).float()
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            parts.append(sparsify_teacher_logits(logits[..., :vocab_size], output, k, self.args.temperature,
+                                                 wire_dtype, generator))
+        return TeacherOutputs.from_tensors(output, [torch.cat(ts) for ts in zip(*(p.tensors() for p in parts))])

@@ -45,7 +45,7 @@ class StepReporter:
         if self.should_log(state.step, stop_now):
             self.log_step(state, metrics, timer, step_time, float(grad_norm), lr)
         elif self.progress is not None and self.progress.is_tty:  # live between log steps, from rank 0's own numbers
-            row = {"loss/total": metrics["loss/total"], "speed/tokens_per_s": self.tokens_per_step() / step_time,
+            row = {"loss/total": float(metrics["loss/total"]), "speed/tokens_per_s": self.tokens_per_step() / step_time,
                    "speed/step_time_s": step_time}
             if "teacher_wait" in timer.seconds:
                 row["speed/teacher_wait_s"] = timer.seconds["teacher_wait"]
