@@ -248,7 +248,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
                                                     scheduler.get_last_lr()[0] / args.optim.lr)
                 grad_norm = optimizer_step(model, optimizer, scheduler, args.optim.clip, timer)
             state.tokens += metrics.pop("tokens") * topo.train_world_size
-            metrics["data/bad_lines"] = loader.bad_lines  # this rank's; the log row sums them
+            metrics["data/bad_lines"] = feed.state_dict()["bad_lines"]  # this rank's, look-ahead excluded; logs sum them
             if profiler is not None:
                 profiler.step()
             if probe is not None and probe.should_run(state.step):
