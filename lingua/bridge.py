@@ -110,22 +110,26 @@ class HandshakeRecord:
     max_positions: int = 0  # teacher: the longest sequence it supports (0 = unknown)
     max_bsz: int = 0  # student: the largest batch it will send
     max_seqlen: int = 0
+    heldout_ce: Optional[float] = None  # teacher: its own CE on the students' held-out windows, when asked
     message: str = ""
 
     ROLES = ("", "teacher", "student")  # wire codes 1 and 2
 
     def pack(self) -> torch.Tensor:
         settings = [encode(self.settings[name]) for name, _, encode, _ in AGREED_SETTINGS]
+        heldout = _float_bits(float("nan") if self.heldout_ce is None else self.heldout_ce)
         return pack_record([self.ROLES.index(self.role), int(not self.loaded), self.vocab, self.tokenizer_fingerprint,
-                            self.max_positions, self.max_bsz, self.max_seqlen, self.global_rank, *settings],
+                            self.max_positions, self.max_bsz, self.max_seqlen, self.global_rank, *settings, heldout],
                            self.message)
 
     @classmethod
     def unpack(cls, record: torch.Tensor) -> "HandshakeRecord":
         role, failed, vocab, fingerprint, max_pos, max_bsz, max_seqlen, rank, *rest = record_ints(record)
         settings = {name: decode(value) for (name, _, _, decode), value in zip(AGREED_SETTINGS, rest)}
+        heldout = _bits_float(rest[len(AGREED_SETTINGS)])
         return cls(cls.ROLES[role], rank, vocab, fingerprint, settings, loaded=not failed, max_positions=max_pos,
-                   max_bsz=max_bsz, max_seqlen=max_seqlen, message=record_message(record) if failed else "")
+                   max_bsz=max_bsz, max_seqlen=max_seqlen, heldout_ce=None if heldout != heldout else heldout,
+                   message=record_message(record) if failed else "")
 
 
 @dataclass
@@ -201,6 +205,7 @@ class BridgeSpec:
     k: int
     wire_dtype: torch.dtype
     doc_boundaries: bool = False  # requests carry [max_bsz, max_seqlen] document ids after the tokens
+    teacher_heldout_ce: Optional[float] = None  # the teacher's own held-out CE, if it computed one
     segments: list = field(init=False, repr=False)  # (offset, nbytes) of each payload tensor
 
     def __post_init__(self):
@@ -307,4 +312,5 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
         )
     # Students' logits cover their tokenizer's vocab; teacher rows beyond it are padding and are cut.
     return BridgeSpec(max_bsz, max_seqlen, students[0].vocab, served["output"], served["k"],
-                      WIRE_DTYPES[served["wire_dtype"]], doc_boundaries=served["attn_mask"] == "doc_causal")
+                      WIRE_DTYPES[served["wire_dtype"]], doc_boundaries=served["attn_mask"] == "doc_causal",
+                      teacher_heldout_ce=teacher.heldout_ce)

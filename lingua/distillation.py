@@ -21,6 +21,7 @@ from lingua.kd_loss import DIVERGENCES, FORMATS
 MAX_PREFETCH = 2  # requests ahead; more only holds more response buffers without hiding more
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TEACHER_DTYPES = ("auto", "bf16", "fp32", "fp16")
+SOURCES = ("online", "cache")
 
 
 class TeacherError(UserError, RuntimeError):
@@ -44,6 +45,10 @@ class DistillationArgs:
     loss_chunk_size: int = 1024  # positions per chunk in the student's KD loss
     logits_chunk_rows: int = 4  # teacher rows per lm_head chunk (bounds the teacher's logits memory)
     seed: int = 0  # for the "sampled" output
+    # Where the teacher's outputs come from: "online" (teacher ranks, the bridge) or "cache" (an offline cache
+    # written by apps.main.teacher_cache into cache_dir; every rank is a student, the cache is the dataset).
+    source: str = "online"
+    cache_dir: Optional[str] = None
     # Teacher requests submitted ahead of the micro-batch being computed (0 = each right before its own
     # forward), across step boundaries: with 1 the teacher's forward hides behind the student's whole step.
     prefetch: int = 1
@@ -67,5 +72,13 @@ def validate_distillation_args(args: DistillationArgs) -> None:
         raise ValueError(f"distillation.k={args.k} must be >= 1.")
     if not 0 <= args.prefetch <= MAX_PREFETCH:
         raise ValueError(f"distillation.prefetch={args.prefetch}; use 0 (no look-ahead), 1 or {MAX_PREFETCH}.")
+    if args.source not in SOURCES:
+        raise ValueError(f"distillation.source={args.source!r}; use online (teacher ranks) or cache (an offline "
+                         f"teacher cache in distillation.cache_dir).")
+    if args.source == "cache":
+        if not args.cache_dir:
+            raise ValueError("distillation.source=cache needs distillation.cache_dir=<a cache written by "
+                             "apps.main.teacher_cache>.")
+        return  # the cache holds the teacher's outputs: no teacher_path needed
     if not args.teacher_path:
         raise ValueError("Distillation is on but distillation.teacher_path is empty; set it or enable_distillation=false.")

@@ -9,8 +9,9 @@
     metrics = distiller.step_metrics()                         # loss/ce, loss/total (+ loss/kd, kd/*): tensors
     distiller.stop(step, error=False)                          # drains requests in flight, then STOP
 
-Kinds: `NoDistiller` (enable_distillation=false: every rank trains on CE) and `OnlineDistiller`
-(a teacher rank behind a bridge, `lingua/teacher_client.py`). The loop never asks which one it has.
+Kinds: `NoDistiller` (enable_distillation=false: every rank trains on CE), `OnlineDistiller` (a
+teacher rank behind a bridge, `lingua/teacher_client.py`) and `CacheDistiller` (the offline teacher
+cache, `lingua/teacher_cache.py`, whose batches carry the targets). The loop never asks which one it has.
 The loss of a micro-batch is ((1 - alpha) * CE_sum + alpha * T^2 * KD_sum) / n_valid, n_valid being
 the step's count of trained-on tokens, so micro-batches add up to one large batch. Statistics stay
 on the device; the loop reads them on log steps only.
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from lingua.collectives import AgreedError
 from lingua.distillation import DistillationArgs
-from lingua.kd_loss import alpha_at, cross_entropy_sum, distillation_loss, kd_loss_and_stats
+from lingua.kd_loss import TeacherOutputs, alpha_at, cross_entropy_sum, distillation_loss, kd_loss_and_stats
 from lingua.teacher_client import TeacherClient
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class NoDistiller:
 
     first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done) of the first request
     prefetch = 0  # requests submitted ahead of the micro-batch being computed
+    teacher_heldout_ce: Optional[float] = None  # the teacher's own held-out CE, when known (logged with the eval)
 
     def begin_step(self, step: int, lr_factor: float) -> None:
         self.ce_sum: Optional[torch.Tensor] = None  # the step's CE (already divided by n_valid), summed over micro-batches, on the device
@@ -116,33 +118,25 @@ class NoDistiller:
         return "", []
 
 
-class OnlineDistiller(NoDistiller):
-    """A teacher rank serves this student's bridge; its sparse outputs feed the KD loss."""
+class KDDistiller(NoDistiller):
+    """The KD loss mixing shared by every teacher source; a subclass says where a micro-batch's targets come from."""
 
-    def __init__(self, args: DistillationArgs, client: TeacherClient, n_teachers: int, n_students: int):
-        self.args, self.client = args, client
-        self.n_teachers, self.n_students = n_teachers, n_students
-        self.prefetch = args.prefetch
+    def __init__(self, args: DistillationArgs):
+        self.args = args
         self.alpha = args.alpha
-        self.warned_teacher_bound = False  # once per launch: the progress line keeps showing the share
-
-    @property
-    def first_round_trip(self) -> Optional[tuple[float, float]]:
-        return self.client.first_round_trip
 
     def begin_step(self, step: int, lr_factor: float) -> None:
         super().begin_step(step, lr_factor)
         self.alpha = alpha_at(step, self.args.alpha, self.args.alpha_schedule, lr_factor)
         self.kd_stats = None  # (kd, teacher_mass, top1_agreement), each weighted by its micro-batch's share
-        self.client.wait_clock.new_step()
 
-    def submit(self, batch: dict, step: int, micro_step: int):
-        doc_ids = batch.get("doc_ids") if self.client.spec.doc_boundaries else None
-        return self.client.submit(batch["input_ids"], step, micro_step, doc_ids)
+    def targets(self, pending, device: torch.device, timer) -> TeacherOutputs:
+        """The teacher outputs of a micro-batch, on `device`."""
+        raise NotImplementedError
 
     def head_loss(self, labels: torch.Tensor, pending, n_valid: int, timer) -> Callable:
-        """(1 - alpha) * CE + alpha * T^2 * KD; the teacher is waited for only when the head is reached, so
-        its forward overlaps the student's trunk even without look-ahead."""
+        """(1 - alpha) * CE + alpha * T^2 * KD; the targets are asked for only when the head is reached, so an
+        online teacher's forward overlaps the student's trunk even without look-ahead."""
         args = self.args
 
         def distillation_head_loss(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -150,8 +144,7 @@ class OnlineDistiller(NoDistiller):
             mask = labels != -100
             weight_of_batch = mask.sum() / max(n_valid, 1)  # this micro-batch's share of the step's tokens
             ce = cross_entropy_sum(logits, labels) / max(n_valid, 1)
-            with timer.part("teacher_wait"):
-                teacher_outputs = pending.wait().to(logits.device)
+            teacher_outputs = self.targets(pending, logits.device, timer)
             kd, stats = kd_loss_and_stats(logits, teacher_outputs, mask, args.temperature, args.divergence,
                                           args.jsd_beta, args.loss_chunk_size)
             self._add_ce(ce)
@@ -165,6 +158,55 @@ class OnlineDistiller(NoDistiller):
         return {"loss/ce": self.ce_sum, "loss/kd": kd, "kd/teacher_mass": mass, "kd/top1_agreement": agreement,
                 "kd/alpha": self.alpha, "loss/total": distillation_loss(self.ce_sum, kd, self.alpha,
                                                                         self.args.temperature)}
+
+    def log_words(self, row: dict) -> tuple[str, str]:
+        return f" kd {row['loss/kd']:.4f} agree {row['kd/top1_agreement']:.3f}", ""
+
+    def summary(self, last_row: dict) -> tuple[str, list[str]]:
+        return (f", KD {last_row.get('loss/kd', float('nan')):.4f}, teacher-student top-1 agreement "
+                f"{last_row.get('kd/top1_agreement', float('nan')):.3f}", [])
+
+
+class CacheDistiller(KDDistiller):
+    """Targets from the offline teacher cache: they come with each batch (`batch["teacher"]`), nothing to wait for."""
+
+    def __init__(self, args: DistillationArgs, teacher_heldout_ce: Optional[float]):
+        super().__init__(args)
+        self.teacher_heldout_ce = teacher_heldout_ce
+
+    def submit(self, batch: dict, step: int, micro_step: int):
+        return batch["teacher"]
+
+    def targets(self, pending, device: torch.device, timer) -> TeacherOutputs:
+        return pending.to(device, non_blocking=True)
+
+
+class OnlineDistiller(KDDistiller):
+    """A teacher rank serves this student's bridge; its sparse outputs feed the KD loss."""
+
+    def __init__(self, args: DistillationArgs, client: TeacherClient, n_teachers: int, n_students: int):
+        super().__init__(args)
+        self.client = client
+        self.n_teachers, self.n_students = n_teachers, n_students
+        self.prefetch = args.prefetch
+        self.teacher_heldout_ce = client.teacher_heldout_ce
+        self.warned_teacher_bound = False  # once per launch: the progress line keeps showing the share
+
+    @property
+    def first_round_trip(self) -> Optional[tuple[float, float]]:
+        return self.client.first_round_trip
+
+    def begin_step(self, step: int, lr_factor: float) -> None:
+        super().begin_step(step, lr_factor)
+        self.client.wait_clock.new_step()
+
+    def submit(self, batch: dict, step: int, micro_step: int):
+        doc_ids = batch.get("doc_ids") if self.client.spec.doc_boundaries else None
+        return self.client.submit(batch["input_ids"], step, micro_step, doc_ids)
+
+    def targets(self, pending, device: torch.device, timer) -> TeacherOutputs:
+        with timer.part("teacher_wait"):
+            return pending.wait().to(device)
 
     def control_flags(self) -> dict:
         return self.client.response_flags()
@@ -186,8 +228,7 @@ class OnlineDistiller(NoDistiller):
 
     def log_words(self, row: dict) -> tuple[str, str]:
         wait_share = row.get("speed/teacher_wait_s", 0.0) / row["speed/step_time_s"]
-        return (f" kd {row['loss/kd']:.4f} agree {row['kd/top1_agreement']:.3f}",
-                f" teacher wait {100 * wait_share:.0f}%")
+        return super().log_words(row)[0], f" teacher wait {100 * wait_share:.0f}%"
 
     def check_bottleneck(self, row: dict) -> None:
         step_s, wait_s = row["speed/step_time_s"], row.get("speed/teacher_wait_s", 0.0)
@@ -207,8 +248,7 @@ class OnlineDistiller(NoDistiller):
         self.client.stop(step, error=error)
 
     def summary(self, last_row: dict) -> tuple[str, list[str]]:
-        return (f", KD {last_row.get('loss/kd', float('nan')):.4f}, teacher-student top-1 agreement "
-                f"{last_row.get('kd/top1_agreement', float('nan')):.3f}",
+        return (super().summary(last_row)[0],
                 [f"time waiting on the teacher: {self.client.total_wait_s:.1f}s on this rank "
                  f"(teacher busy {100 * self.client.teacher_busy:.0f}%)"])
 
@@ -222,10 +262,13 @@ def tokenizer_vocab(tokenizer) -> dict:
 
 
 def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tokenizer, max_bsz: int,
-                    max_seqlen: int, phases=None, attn_mask: str = "causal"):
-    """The Distiller for this student: none, or the online bridge (its handshake runs here)."""
+                    max_seqlen: int, phases=None, attn_mask: str = "causal", cache=None):
+    """The Distiller for this student: none, the offline cache (`cache`: its CacheLoader) or the online bridge
+    (whose handshake runs here)."""
     if not enable_distillation:
         return NoDistiller()
+    if cache is not None:
+        return CacheDistiller(args, cache.manifest.teacher_heldout_ce)
     with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
         client = TeacherClient(args, topo, tokenizer_vocab(tokenizer), tokenizer.n_words, max_bsz, max_seqlen,
                                attn_mask)

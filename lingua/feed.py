@@ -19,6 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
+
 
 
 @dataclass(eq=False)  # identity: a batch holds tensors
@@ -55,7 +57,8 @@ class MicroBatchFeed:
             return False
         batch = next(self.loader)
         if self.pin_memory:
-            batch = {key: value.pin_memory() for key, value in batch.items()}
+            batch = {key: value.pin_memory() if isinstance(value, torch.Tensor) else value
+                     for key, value in batch.items()}
         self.queue.append(MicroBatch(step, micro_step, batch, self.loader.state_dict()))
         return True
 

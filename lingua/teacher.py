@@ -171,19 +171,37 @@ class TeacherModel:
                 kwargs["attention_mask"] = document_causal_mask(doc_ids)
         return self.model.get_decoder()(input_ids=tokens, **kwargs).last_hidden_state
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head in fp32, with the model's final logit soft-capping where it has one (Gemma)."""
+        logits = self.model.get_output_embeddings()(hidden).float()
+        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / softcap) * softcap if softcap else logits
+
     @torch.inference_mode()
     def sparse_outputs(self, hidden: torch.Tensor, output: str, k: int, wire_dtype: torch.dtype, vocab_size: int,
                        generator: Optional[torch.Generator] = None) -> TeacherOutputs:
         """lm_head + sparsification a few rows at a time, so [rows, S, V] logits never exist at once; ids
         beyond `vocab_size` (the students' vocab; teacher rows past it are padding) are cut."""
-        head = self.model.get_output_embeddings()
-        softcap = getattr(self.model.config, "final_logit_softcapping", None)
         rows = max(1, self.args.logits_chunk_rows)
         parts = []
         for start in range(0, hidden.shape[0], rows):
-            logits = head(hidden[start: start + rows]).float()
-            if softcap:
-                logits = torch.tanh(logits / softcap) * softcap
+            logits = self.logits(hidden[start: start + rows])
             parts.append(sparsify_teacher_logits(logits[..., :vocab_size], output, k, self.args.temperature,
                                                  wire_dtype, generator))
         return TeacherOutputs.from_tensors(output, [torch.cat(ts) for ts in zip(*(p.tensors() for p in parts))])
+
+    @torch.inference_mode()
+    def heldout_ce(self, batches, vocab_size: int, doc_causal: bool) -> tuple[float, int]:
+        """(CE summed over the labelled positions, their count) of the teacher itself on held-out batches, at
+        temperature 1 and over the students' vocabulary: the reference line for the students' eval loss."""
+        loss_sum, tokens = 0.0, 0
+        for batch in batches:
+            input_ids, labels = batch["input_ids"].to(self.device), batch["labels"].to(self.device)
+            doc_ids = batch["doc_ids"].to(self.device) if doc_causal else None
+            hidden = self.hidden_states(input_ids, doc_ids)
+            for row in range(hidden.shape[0]):  # one row of logits at a time: [S, V] only
+                logits = self.logits(hidden[row])[:, :vocab_size]
+                loss_sum += float(torch.nn.functional.cross_entropy(logits, labels[row], ignore_index=-100,
+                                                                   reduction="sum"))
+            tokens += int((labels != -100).sum())
+        return loss_sum, tokens

@@ -82,6 +82,7 @@ class TeacherHandle:
     def __init__(self, client: "TeacherClient", works, response: torch.Tensor, bsz: int, seqlen: int, step: int):
         self.client, self.works, self.response = client, works, response
         self.bsz, self.seqlen, self.step = bsz, seqlen, step
+        self.request_bytes = 0
         self.submitted_at = time.time()
         self.done = False
 
@@ -93,6 +94,10 @@ class TeacherHandle:
             work.wait()
         self.done = True
         self.client.in_flight.remove(self)
+        # Counted when answered, so a look-ahead request belongs to the step that consumes it. What goes over
+        # the bridge is the whole framed buffer (header/status, padding), not only the payload.
+        self.client.bytes_up += self.request_bytes
+        self.client.bytes_down += self.response.numel() * self.response.element_size()
 
     def wait(self) -> TeacherOutputs:
         client = self.client
@@ -117,6 +122,7 @@ class TeacherClient:
         mine = HandshakeRecord("student", topo.global_rank, n_words, tokenizer_fingerprint(vocab),
                                agreed_settings(args, attn_mask), max_bsz=max_bsz, max_seqlen=max_seqlen)
         self.spec = agreed_handshake(topo, mine, args)
+        self.teacher_heldout_ce = self.spec.teacher_heldout_ce
         self.n_words = n_words
         self.device = topo.device
         self.pin = self.device.type == "cuda"  # pinned host buffers: the copy to the GPU does not block
@@ -127,7 +133,7 @@ class TeacherClient:
         self.checked: list[tuple[torch.Tensor, int]] = []  # the statuses of the last agreed step
         self.last_response: Optional[torch.Tensor] = None  # its status: the teacher's clocks, read on log steps
         self.in_training = False  # set after this launch's first step: requests then tell the teacher
-        self.bytes_up = self.bytes_down = 0  # sizes of the buffers this rank handed to gather / got from scatter
+        self.bytes_up = self.bytes_down = 0  # the buffers of answered requests: handed to gather / got from scatter
         self.stopped = False
         logger.info(
             f"teacher rank {self.teacher_rank} ready: output={self.spec.output} k={self.spec.k} "
@@ -193,10 +199,8 @@ class TeacherClient:
         log_collective(f"gather+scatter request op={op.name} step={step}.{micro_step}", group, request, response)
         up = dist.gather(request, None, dst=self.teacher_rank, group=group, async_op=True)
         down = dist.scatter(response, None, src=self.teacher_rank, group=group, async_op=True)
-        # What goes over the bridge is the whole framed buffer (header/status, padding), not only the payload.
-        self.bytes_up += request.numel() * request.element_size()
-        self.bytes_down += response.numel() * response.element_size()
         handle = TeacherHandle(self, [up, down], response, bsz, seqlen, step)
+        handle.request_bytes = request.numel() * request.element_size()
         self.in_flight.append(handle)
         self.last_response = response
         return handle

@@ -117,7 +117,7 @@ class TeacherServer:
 
     def __init__(self, args: DistillationArgs, topo, preemption: Optional[PreemptionFlag] = None,
                  inject_load_failure: bool = False, phases=None, attn_mask: str = "causal",
-                 inject_serve_failure_at: Optional[int] = None):
+                 inject_serve_failure_at: Optional[int] = None, heldout=None):
         assert topo.is_teacher
         self.args, self.topo = args, topo
         self.inject_serve_failure_at = inject_serve_failure_at  # tests: fail while serving this step
@@ -132,6 +132,10 @@ class TeacherServer:
             record.tokenizer_fingerprint = tokenizer_fingerprint(self.teacher.tokenizer.get_vocab())
             logger.info(f"teacher {args.teacher_path} loaded in {time.perf_counter() - start:.1f}s "
                         f"(vocab {record.vocab}, {self.teacher.n_params / 1e6:.1f}M params)")
+            if heldout is not None:  # (held-out batches of every student, the students' vocab): a reference line
+                loss_sum, tokens = self.teacher.heldout_ce(*heldout, doc_causal=attn_mask == "doc_causal")
+                record.heldout_ce = loss_sum / max(tokens, 1)
+                logger.info(f"teacher's held-out CE: {record.heldout_ce:.4f} over {tokens:,} tokens")
         except Exception as err:  # every rank must hear about it, not only this one
             record.loaded, record.message = False, f"{type(err).__name__}: {err}"
             logger.error(f"teacher failed to load: {record.message}")

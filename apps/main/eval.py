@@ -3,6 +3,7 @@
 import logging
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -26,9 +27,11 @@ class EvalArgs:
 class Evaluator:
     """Owns its cadence (`should_run`) and runs the eval over this rank's share of the held-out files."""
 
-    def __init__(self, args: EvalArgs, data_args, attn_mask: str, tokenizer, topo):
+    def __init__(self, args: EvalArgs, data_args, attn_mask: str, tokenizer, topo,
+                 teacher_loss: Optional[float] = None):
         self.args, self.data_args, self.attn_mask = args, data_args, attn_mask
         self.tokenizer, self.topo = tokenizer, topo
+        self.teacher_loss = teacher_loss  # the teacher's own CE on these windows: logged once, as a reference
 
     def should_run(self, step: int) -> bool:
         return bool(self.args.every) and step % self.args.every == 0
@@ -51,5 +54,9 @@ class Evaluator:
         model.train()
         totals = dist_mean_dict(dict(loss_sum=loss_sum, tokens=tokens), topo.train_group, topo.device)
         eval_loss = totals["loss_sum"] / max(totals["tokens"], 1)
-        logger.info(f"eval step {step}: loss {eval_loss:.4f} over {n_batches} batches per rank")
-        return {"step": step, "eval/loss": eval_loss, "eval/ppl": math.exp(min(eval_loss, 50))}
+        logger.info(f"eval step {step}: loss {eval_loss:.4f} over {n_batches} batches per rank"
+                    + (f" (the teacher's: {self.teacher_loss:.4f})" if self.teacher_loss is not None else ""))
+        row = {"step": step, "eval/loss": eval_loss, "eval/ppl": math.exp(min(eval_loss, 50))}
+        if self.teacher_loss is not None:
+            row["eval/teacher_loss"], self.teacher_loss = self.teacher_loss, None
+        return row

@@ -30,6 +30,7 @@ from lingua.collectives import AgreedError, agree_count, agree_flags
 from lingua.data import DataArgs, DataLoader
 from lingua.distillation import DistillationArgs, validate_distillation_args
 from lingua.distiller import build_distiller
+from lingua.eval_data import iterate_eval_batches
 from lingua.feed import MicroBatchFeed
 from lingua.distributed import Topology, clean_up, log_rank_device_map, setup_torch_distributed
 from lingua.kd_loss import cross_entropy_sum
@@ -42,6 +43,7 @@ from lingua.preemption import PreemptionFlag, requeue_if_slurm
 from lingua.probe import ActivationProbe
 from lingua.profiling import ProfilerArgs, maybe_run_profiler
 from lingua.rundir import RunDir
+from lingua.teacher_cache import open_cache, settings_manifest
 from lingua.teacher_server import TeacherServer
 from lingua.timeouts import HangWatch, enter_training_timeout
 from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
@@ -94,7 +96,29 @@ def validate_args(args: TrainArgs) -> None:
 
 
 def n_teacher_ranks(args: TrainArgs) -> int:
-    return args.distillation.n_teacher_ranks if args.enable_distillation else 0
+    online = args.enable_distillation and args.distillation.source == "online"
+    return args.distillation.n_teacher_ranks if online else 0
+
+
+def teacher_heldout(args: TrainArgs, n_students: int):
+    """(held-out batches of every student, the students' vocab) for the teacher's reference CE, or None."""
+    if not args.eval.every:
+        return None
+    tokenizer = build_tokenizer(args.data.tokenizer)
+    try:
+        batches = [batch for rank in range(n_students)
+                   for batch in iterate_eval_batches(args.data, tokenizer, rank, n_students, args.eval.max_batches)]
+    except FileNotFoundError:  # no held-out files: the students' eval says so in its own words
+        return None
+    return batches, tokenizer.n_words
+
+
+def open_training_cache(args: TrainArgs, tokenizer, topo: Topology):
+    """The offline teacher cache as this student's dataset (distillation.source=cache), or None."""
+    if not (args.enable_distillation and args.distillation.source == "cache"):
+        return None
+    wanted = settings_manifest(args.distillation, args.data, args.model.attn_mask, tokenizer)
+    return open_cache(args.distillation.cache_dir, wanted, args.data.batch_size, topo.dp_rank, topo.dp_degree)
 
 
 # ---------------------------------------------------------------- teacher ranks
@@ -103,6 +127,7 @@ def distillation_process(args: TrainArgs, topo: Topology, phases: PhaseLog, pree
     """Teacher rank: load the HF model, handshake with its students, serve until STOP."""
     index = topo.teacher_ranks.index(topo.global_rank)
     server = TeacherServer(args.distillation, topo, preemption, phases=phases, attn_mask=args.model.attn_mask,
+                           heldout=teacher_heldout(args, len(topo.student_ranks)),
                            inject_load_failure=FaultInjector.teacher_load_fails(args.inject_failure, index),
                            inject_serve_failure_at=FaultInjector.teacher_serve_fails_at(args.inject_failure, index))
     # The generous timeout holds through the students' first step; a request sent after it (or STOP)
@@ -198,14 +223,15 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
     if topo.is_train_master and topo.mesh is not None:
         mesh = topo.mesh
         logger.info(f"student mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))} over ranks {mesh.mesh.tolist()}")
+    cache = open_training_cache(args, tokenizer, topo)  # a cache written with other settings is refused here
     distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer, args.data.batch_size,
-                                args.data.seq_len, phases, attn_mask=args.model.attn_mask)
+                                args.data.seq_len, phases, attn_mask=args.model.attn_mask, cache=cache)
     optimizer, scheduler = build_optimizer(model, args.optim, args.steps)
     state = TrainState()
     with phases.span("checkpoint_load"):
         checkpoint, saved = restore_checkpoint(args, topo, model, optimizer)
     with phases.span("data_init"):
-        loader = DataLoader(args.data, tokenizer, topo.dp_rank, topo.dp_degree)
+        loader = cache or DataLoader(args.data, tokenizer, topo.dp_rank, topo.dp_degree)
     if saved is not None:
         state.step, state.tokens = saved["step"], saved["tokens"]
         scheduler.load_state_dict(saved["scheduler"])
@@ -214,7 +240,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
 
     probe = ActivationProbe(model, args.dump_dir, topo.global_rank, topo.is_train_master, group,
                             every=args.probe_freq) if args.probe_freq else None
-    evaluator = Evaluator(args.eval, args.data, args.model.attn_mask, tokenizer, topo)
+    evaluator = Evaluator(args.eval, args.data, args.model.attn_mask, tokenizer, topo, distiller.teacher_heldout_ce)
     # The embedding lookup is no matmul; the output head is (and with tied weights it is the only copy counted).
     matmul_params = n_params - (0 if args.model.tie_embeddings else args.model.vocab_size * args.model.dim)
     reporter = StepReporter(args, topo, distiller, get_num_flop_per_token(
