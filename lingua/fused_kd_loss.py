@@ -9,7 +9,8 @@ distillation): the rows are walked in chunks; per chunk the logits z = h W^T are
 the loss rows and dLoss/dz are written in closed form into the chunk's buffers, and dz is pushed
 through the head at once (grad_h = dz W, grad_W += dz^T h). Backward only scales the stored grads by
 grad_output. So one chunk of fp32 [rows, V] work lives at a time, nothing is recomputed, and the
-extra memory is grad_W ([V, D], which autograd would allocate anyway) from forward to backward.
+extra memory is grad_W ([V, D], which autograd would allocate anyway; kept in fp32 while the chunks
+add into it, then cast to the weight's dtype) from forward to backward.
 
 Gradients per position, with a = z / T, s = softmax(a), and bucket log-probs log q_b of the student:
 CE gives softmax(z) - onehot(y). KD enters as T^2 * dKD/dz = T * dKD/da, and dKD/da follows from
@@ -42,12 +43,14 @@ import torch
 
 from lingua.kd_loss import DIVERGENCES, LOG_TINY, TeacherOutputs, _check_format
 
-# Auto chunking: rows per chunk so the chunk's fp32 [rows, V] work tensors fit this many bytes. On CPU
-# 64 MiB keeps the elementwise passes near the caches while each GEMM still has >= ~100 rows at V=49k
-# (within a few % of the largest chunks' speed); a GPU needs big GEMMs to fill its SMs and has the
-# room, and a fixed budget (not a share of free memory) keeps chunk boundaries, hence rounding, the
-# same from run to run and rank to rank.
-AUTO_CHUNK_BYTES = {"cpu": 64 * 2**20, "cuda": 1024 * 2**20}
+# Auto chunking: rows per chunk so the chunk's fp32 [rows, V] work tensors fit about this many bytes.
+# CPU: 256 MiB is ~450 rows at V=49k. Measured (2-core CPU, V=49k, N=1k): with 1 thread any chunk of
+# 96-1024 rows costs the same as CE (GEMMs are ~90% of the step); with 2 threads every op pays a
+# thread-pool sync, and 113-row chunks (64 MiB) cost 1.46x CE's CPU time where 512-row ones cost 1.08x.
+# 256 MiB is still a sixth of one [N, V] fp32 tensor at N=8k. CUDA: GEMMs need ~1k+ rows to fill the
+# SMs, and 1 GiB is a small share of a GPU. A fixed budget, not a share of free memory, keeps chunk
+# boundaries (hence rounding) the same from run to run and rank to rank.
+AUTO_CHUNK_BYTES = {"cpu": 256 * 2**20, "cuda": 1024 * 2**20}
 # [rows, V] tensors of the work dtype alive at once per format (the full format builds a few more).
 WORK_TENSORS = {None: 3, "topk": 3, "sampled": 3, "full": 8}
 
