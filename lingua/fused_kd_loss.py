@@ -34,6 +34,12 @@ G_b = dKD/d(log q_b) (p = teacher probs after the reference's renormalisation an
 Masked positions (label -100) contribute exactly zero, also when their hidden states or teacher
 tensors are inf/nan: their hidden rows are zeroed before the head and every per-row coefficient
 goes through `where`, never a multiply by the mask. No step reads a device value on the host.
+
+Using it: call it where the head would run, inside the model's forward (under FSDP2 the head weight is
+then the unsharded plain tensor; a DTensor or a vocab-sharded head is not supported), with the
+tied `tok_embeddings.weight` when embeddings are tied (autograd adds the two grads). Not inside an
+activation-checkpointed region (the forward already does the backward's work), and one backward per
+call. bf16 hidden/weight: bf16 GEMMs, fp32 loss math and grad_W accumulation, grads returned in bf16.
 """
 
 import math
