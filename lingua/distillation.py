@@ -42,7 +42,10 @@ class DistillationArgs:
     teacher_dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU) | "bf16" | "fp32" | "fp16"
     attn_implementation: Optional[str] = "sdpa"
     wire_dtype: str = "bf16"  # dtype of the values sent to students: "bf16" | "fp16" | "fp32"
-    loss_chunk_size: int = 1024  # positions per chunk in the student's KD loss
+    # The student's CE + KD computed fused with its output head (lingua/fused_kd_loss.py: no [tokens, vocab]
+    # logits, KD costs about what CE does); false = logits, then CE and the chunked kd_loss on them.
+    fused_loss: bool = True
+    loss_chunk_size: int = 0  # positions per chunk of the student's loss; 0 = auto (fused: a memory budget; else 1024)
     logits_chunk_rows: int = 4  # teacher rows per lm_head chunk (bounds the teacher's logits memory)
     seed: int = 0  # for the "sampled" output
     # Where the teacher's outputs come from: "online" (teacher ranks, the bridge) or "cache" (an offline cache
@@ -70,6 +73,11 @@ def validate_distillation_args(args: DistillationArgs) -> None:
         raise ValueError(f"distillation.temperature={args.temperature} must be positive.")
     if args.output != "full" and args.k < 1:
         raise ValueError(f"distillation.k={args.k} must be >= 1.")
+    if args.loss_chunk_size < 0:
+        raise ValueError(f"distillation.loss_chunk_size={args.loss_chunk_size}; use 0 (auto) or a positive number of "
+                         f"positions per chunk.")
+    if args.divergence == "jsd" and not 0.0 < args.jsd_beta < 1.0:
+        raise ValueError(f"distillation.jsd_beta={args.jsd_beta} must be strictly between 0 and 1.")
     if not 0 <= args.prefetch <= MAX_PREFETCH:
         raise ValueError(f"distillation.prefetch={args.prefetch}; use 0 (no look-ahead), 1 or {MAX_PREFETCH}.")
     if args.source not in SOURCES:

@@ -27,11 +27,13 @@ import torch.nn.functional as F
 
 from lingua.collectives import AgreedError
 from lingua.distillation import DistillationArgs
+from lingua.fused_kd_loss import fused_linear_kd_loss
 from lingua.kd_loss import TeacherOutputs, alpha_at, cross_entropy_sum, distillation_loss, kd_loss_and_stats
 from lingua.teacher_client import TeacherClient
 
 logger = logging.getLogger(__name__)
 
+REFERENCE_CHUNK_SIZE = 1024  # positions per chunk of kd_loss when distillation.loss_chunk_size=0 (auto)
 TEACHER_BOUND_SHARE = 0.3  # warn when students wait on the teacher more than this share of a step
 
 
@@ -140,18 +142,34 @@ class KDDistiller(NoDistiller):
         args = self.args
 
         def distillation_head_loss(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            if args.fused_loss:
+                return self._fused_head_loss(hidden, weight, labels, pending, n_valid, timer)
             logits = F.linear(hidden, weight)
             mask = labels != -100
             weight_of_batch = mask.sum() / max(n_valid, 1)  # this micro-batch's share of the step's tokens
             ce = cross_entropy_sum(logits, labels) / max(n_valid, 1)
             teacher_outputs = self.targets(pending, logits.device, timer)
             kd, stats = kd_loss_and_stats(logits, teacher_outputs, mask, args.temperature, args.divergence,
-                                          args.jsd_beta, args.loss_chunk_size)
+                                          args.jsd_beta, args.loss_chunk_size or REFERENCE_CHUNK_SIZE)
             self._add_ce(ce)
-            stats = stats.double() * weight_of_batch
-            self.kd_stats = stats if self.kd_stats is None else self.kd_stats + stats
+            self._add_kd_stats(stats.double() * weight_of_batch)
             return distillation_loss(ce, kd * weight_of_batch, self.alpha, args.temperature)
         return distillation_head_loss
+
+    def _fused_head_loss(self, hidden, weight, labels, pending, n_valid: int, timer) -> torch.Tensor:
+        """The same loss and statistics without [tokens, vocab] logits: `fused_linear_kd_loss` walks the head in
+        chunks and computes both gradients in its forward."""
+        args, normalizer = self.args, max(n_valid, 1)
+        teacher_outputs = self.targets(pending, hidden.device, timer)
+        loss, sums = fused_linear_kd_loss(hidden, weight, labels, teacher_outputs, normalizer, self.alpha,
+                                          args.temperature, args.divergence, args.jsd_beta, args.loss_chunk_size)
+        sums = sums.double() / normalizer  # (CE, KD, teacher mass, top-1 agreement) summed over positions
+        self._add_ce(sums[0])
+        self._add_kd_stats(sums[1:])
+        return loss
+
+    def _add_kd_stats(self, stats: torch.Tensor) -> None:
+        self.kd_stats = stats if self.kd_stats is None else self.kd_stats + stats
 
     def step_metrics(self) -> dict:
         kd, mass, agreement = self.kd_stats.unbind()
