@@ -10,13 +10,16 @@ A distillation job splits its ranks into students and teachers (`lingua/launch.p
     lingua/kd_loss.py         the sparse teacher outputs and the KD losses
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from lingua.args import require
 from lingua.cli import UserError
-from lingua.kd_loss import DIVERGENCES, FORMATS
+from lingua.kd_loss import ALPHA_SCHEDULES, DIVERGENCES, FORMATS
+from lingua.launch import teacher_rank_count
 
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TEACHER_DTYPES = ("auto", "bf16", "fp32", "fp16")
@@ -44,22 +47,32 @@ class DistillationArgs:
     logits_chunk_rows: int = 4  # teacher rows per lm_head chunk (bounds the teacher's logits memory)
     seed: int = 0  # for the "sampled" output
 
+    def validate(self, enabled: bool = True) -> None:
+        """Every value is checked (a typo stays an error with distillation off); the teacher count and path
+        only matter with it on."""
+        for key, allowed in (("output", FORMATS), ("divergence", DIVERGENCES), ("alpha_schedule", ALPHA_SCHEDULES),
+                             ("teacher_dtype", TEACHER_DTYPES), ("wire_dtype", tuple(WIRE_DTYPES))):
+            require(getattr(self, key) in allowed, f"distillation.{key}", getattr(self, key),
+                    f"use one of {', '.join(allowed)}")
+        require(self.output != "sampled" or self.divergence == "fkl", "distillation.divergence", self.divergence,
+                "distillation.output=sampled estimates the forward KL only; set distillation.divergence=fkl")
+        require(self.divergence != "jsd" or 0.0 < self.jsd_beta < 1.0, "distillation.jsd_beta", self.jsd_beta,
+                "with distillation.divergence=jsd use a value strictly between 0 and 1")
+        require(0.0 <= self.alpha <= 1.0, "distillation.alpha", self.alpha, "use a weight in [0, 1]")
+        require(math.isfinite(self.temperature) and self.temperature > 0, "distillation.temperature",
+                self.temperature, "use a positive temperature (1.0 = the teacher's own distribution)")
+        require(self.output == "full" or self.k >= 1, "distillation.k", self.k,
+                "use a positive number of ids (or samples) per position")
+        for key in ("loss_chunk_size", "logits_chunk_rows"):
+            require(getattr(self, key) >= 1, f"distillation.{key}", getattr(self, key), "use a positive integer")
+        if enabled:
+            teacher_rank_count(True, self.n_teacher_ranks)
+            require(bool(self.teacher_path), "distillation.teacher_path", self.teacher_path,
+                    "distillation is on: point it at a transformers checkpoint directory, or set "
+                    "enable_distillation=false")
 
-def validate_distillation_args(args: DistillationArgs) -> None:
-    """Readable errors for distillation settings, before anything distributed happens."""
-    if args.output not in FORMATS:
-        raise ValueError(f"distillation.output={args.output!r}; use one of {', '.join(FORMATS)}.")
-    if args.wire_dtype not in WIRE_DTYPES:
-        raise ValueError(f"distillation.wire_dtype={args.wire_dtype!r}; use one of {', '.join(WIRE_DTYPES)}.")
-    if args.divergence not in DIVERGENCES:
-        raise ValueError(f"distillation.divergence={args.divergence!r}; use fkl, rkl or jsd.")
-    if args.output == "sampled" and args.divergence != "fkl":
-        raise ValueError("distillation.output=sampled estimates the forward KL only; set distillation.divergence=fkl.")
-    if not 0.0 <= args.alpha <= 1.0:
-        raise ValueError(f"distillation.alpha={args.alpha} must be in [0, 1].")
-    if args.temperature <= 0:
-        raise ValueError(f"distillation.temperature={args.temperature} must be positive.")
-    if args.output != "full" and args.k < 1:
-        raise ValueError(f"distillation.k={args.k} must be >= 1.")
-    if not args.teacher_path:
-        raise ValueError("Distillation is on but distillation.teacher_path is empty; set it or enable_distillation=false.")
+
+def check_seq_len_fits_teacher(seq_len: int, max_positions: int, where: str) -> None:
+    """Students' sequences must fit the teacher's positions (0 = unknown: nothing to check)."""
+    require(not 0 < max_positions < seq_len, "data.seq_len", seq_len,
+            f"the teacher supports at most {max_positions} positions ({where}); set data.seq_len <= {max_positions}")

@@ -7,11 +7,14 @@ from dataclasses import dataclass
 import torch
 
 from apps.main.transformer import batch_doc_ids
+from lingua.args import require
 from lingua.collectives import agree_count, dist_mean_dict
 from lingua.eval_data import iterate_eval_batches
 from lingua.kd_loss import cross_entropy_sum
 
 logger = logging.getLogger(__name__)
+
+EVAL_UNEVEN = ("min", "error")
 
 
 @dataclass
@@ -21,6 +24,11 @@ class EvalArgs:
     # Ranks holding different numbers of eval batches (agreed before the loop either way):
     # "min" = every rank runs the smallest count, with a warning naming them; "error" = stop, naming them.
     uneven: str = "min"
+
+    def validate(self) -> None:
+        require(self.every >= 0, "eval.every", self.every, "use a number of steps, or 0 to turn in-loop evaluation off")
+        require(self.max_batches >= 1, "eval.max_batches", self.max_batches, "use a positive number of batches per rank")
+        require(self.uneven in EVAL_UNEVEN, "eval.uneven", self.uneven, f"use one of {', '.join(EVAL_UNEVEN)}")
 
 
 class Evaluator:
