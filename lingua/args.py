@@ -22,7 +22,9 @@ T = TypeVar("T")
 
 
 def format_value(value: Any) -> str:
-    """A config value as the user would type it: strings quoted (newlines escaped), numbers plain."""
+    """A config value as the user would type it: strings quoted (newlines escaped), numbers plain, null, true/false."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
     return repr(value) if isinstance(value, str) else str(value)
 
 

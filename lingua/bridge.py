@@ -8,7 +8,8 @@ Everything goes over `topo.bridge_group` (teacher i + its contiguous block of st
    `check_handshake` on the same records, then one all_gather over the world shares each rank's
    verdict, so a failure in any bridge is the same sentence on every rank within seconds.
 2. Per micro-batch: each student gathers onto the teacher one int32 buffer, a `RequestHeader` then
-   its tokens padded to the agreed [max_bsz, max_seqlen]; the teacher answers with one byte buffer
+   its tokens padded to the agreed [max_bsz, max_seqlen] (then as many document ids with
+   model.attn_mask=doc_causal, so the teacher attends within documents like the student); the teacher answers with one byte buffer
    per student, a `ResponseStatus` then that student's rows of sparse outputs laid out by
    `BridgeSpec.payload_spec()` (see `lingua.kd_loss.TeacherOutputs`). `lingua/teacher_server.py`
    and `lingua/teacher_client.py` are the two ends.
@@ -47,9 +48,10 @@ class Op(IntEnum):
     ERROR = 3  # the students agreed on an error: answer and raise it
 
 
-def pack_record(ints: list[int], message: str = "") -> torch.Tensor:
-    """RECORD_INTS int64 fields then the message, as one uint8 tensor of RECORD_BYTES (on the CPU)."""
-    record = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
+def pack_record(ints: list[int], message: str = "", pin: bool = False) -> torch.Tensor:
+    """RECORD_INTS int64 fields then the message, as one uint8 tensor of RECORD_BYTES on the host
+    (pinned with `pin`, so the copy to a GPU does not block)."""
+    record = torch.zeros(RECORD_BYTES, dtype=torch.uint8, pin_memory=pin)
     values = torch.zeros(RECORD_INTS, dtype=torch.int64)
     values[: len(ints)] = torch.tensor(ints, dtype=torch.int64)
     record[: RECORD_INTS * 8] = values.view(torch.uint8)
@@ -75,18 +77,24 @@ def _bits_float(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
-# What teacher and students must agree on, each as (name, encode value -> int64, decode int64 -> value).
+ATTN_MASKS = ("causal", "doc_causal")
+
+# What teacher and students must agree on, each as (name, the config key it comes from, encode value -> int64,
+# decode int64 -> value).
 AGREED_SETTINGS = (
-    ("output", FORMATS.index, lambda v: FORMATS[v]),
-    ("k", int, int),  # top-k ids, or samples per position for "sampled"
-    ("wire_dtype", WIRE_NAMES.index, lambda v: WIRE_NAMES[v]),
-    ("temperature", _float_bits, _bits_float),  # applied by the teacher, used by the loss
+    ("output", "distillation.output", FORMATS.index, lambda v: FORMATS[v]),
+    ("k", "distillation.k", int, int),  # top-k ids, or samples per position for "sampled"
+    ("wire_dtype", "distillation.wire_dtype", WIRE_NAMES.index, lambda v: WIRE_NAMES[v]),
+    ("temperature", "distillation.temperature", _float_bits, _bits_float),  # applied by the teacher, used by the loss
+    # doc_causal: requests carry document ids and the teacher attends within documents, like the student.
+    ("attn_mask", "model.attn_mask", ATTN_MASKS.index, lambda v: ATTN_MASKS[v]),
 )
 
 
-def agreed_settings(args: DistillationArgs) -> dict:
+def agreed_settings(args: DistillationArgs, attn_mask: str = "causal") -> dict:
     """This rank's values of the settings both ends of a bridge must share."""
-    return {name: getattr(args, name) for name, _, _ in AGREED_SETTINGS}
+    return {"output": args.output, "k": args.k, "wire_dtype": args.wire_dtype, "temperature": args.temperature,
+            "attn_mask": attn_mask}
 
 
 @dataclass
@@ -102,22 +110,26 @@ class HandshakeRecord:
     max_positions: int = 0  # teacher: the longest sequence it supports (0 = unknown)
     max_bsz: int = 0  # student: the largest batch it will send
     max_seqlen: int = 0
+    heldout_ce: Optional[float] = None  # teacher: its own CE on the students' held-out windows, when asked
     message: str = ""
 
     ROLES = ("", "teacher", "student")  # wire codes 1 and 2
 
     def pack(self) -> torch.Tensor:
-        settings = [encode(self.settings[name]) for name, encode, _ in AGREED_SETTINGS]
+        settings = [encode(self.settings[name]) for name, _, encode, _ in AGREED_SETTINGS]
+        heldout = _float_bits(float("nan") if self.heldout_ce is None else self.heldout_ce)
         return pack_record([self.ROLES.index(self.role), int(not self.loaded), self.vocab, self.tokenizer_fingerprint,
-                            self.max_positions, self.max_bsz, self.max_seqlen, self.global_rank, *settings],
+                            self.max_positions, self.max_bsz, self.max_seqlen, self.global_rank, *settings, heldout],
                            self.message)
 
     @classmethod
     def unpack(cls, record: torch.Tensor) -> "HandshakeRecord":
         role, failed, vocab, fingerprint, max_pos, max_bsz, max_seqlen, rank, *rest = record_ints(record)
-        settings = {name: decode(value) for (name, _, decode), value in zip(AGREED_SETTINGS, rest)}
+        settings = {name: decode(value) for (name, _, _, decode), value in zip(AGREED_SETTINGS, rest)}
+        heldout = _bits_float(rest[len(AGREED_SETTINGS)])
         return cls(cls.ROLES[role], rank, vocab, fingerprint, settings, loaded=not failed, max_positions=max_pos,
-                   max_bsz=max_bsz, max_seqlen=max_seqlen, message=record_message(record) if failed else "")
+                   max_bsz=max_bsz, max_seqlen=max_seqlen, heldout_ce=None if heldout != heldout else heldout,
+                   message=record_message(record) if failed else "")
 
 
 @dataclass
@@ -131,9 +143,9 @@ class ResponseStatus:
     peak_bytes: int = 0  # the teacher's peak memory
     message: str = ""  # the error, when not ok
 
-    def pack(self) -> torch.Tensor:
+    def pack(self, pin: bool = False) -> torch.Tensor:
         return pack_record([int(not self.ok), int(self.teacher_preempt), int(self.busy_s * 1e6), int(self.idle_s * 1e6),
-                            self.peak_bytes], self.message)
+                            self.peak_bytes], self.message, pin)
 
     @classmethod
     def unpack(cls, record: torch.Tensor) -> "ResponseStatus":
@@ -152,8 +164,9 @@ class RequestHeader:
     bsz: int
     seqlen: int
     train_rank: int
-    bad_tokens: int = 0  # set on the student's device when a token id is outside [0, vocab)
-    reserved: int = 0
+    bad_tokens: int = 0  # 1 when a token id is outside [0, vocab): the teacher refuses the request
+    # 1 once the students finished this launch's first step: the teacher then switches to the training timeout.
+    in_training: int = 0
 
     def to_ints(self) -> list[int]:
         return [getattr(self, f.name) for f in fields(self)]
@@ -168,6 +181,7 @@ class RequestHeader:
 
 
 HEADER_INTS = len(fields(RequestHeader))
+BAD_TOKENS_FIELD = [f.name for f in fields(RequestHeader)].index("bad_tokens")
 
 
 def payload_segments(spec: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tuple[int, int]]:
@@ -190,6 +204,8 @@ class BridgeSpec:
     output: str
     k: int
     wire_dtype: torch.dtype
+    doc_boundaries: bool = False  # requests carry [max_bsz, max_seqlen] document ids after the tokens
+    teacher_heldout_ce: Optional[float] = None  # the teacher's own held-out CE, if it computed one
     segments: list = field(init=False, repr=False)  # (offset, nbytes) of each payload tensor
 
     def __post_init__(self):
@@ -203,7 +219,8 @@ class BridgeSpec:
         return RECORD_BYTES + (last_offset + last_nbytes + 7) // 8 * 8
 
     def request_ints(self) -> int:
-        return HEADER_INTS + self.max_bsz * self.max_seqlen
+        grid = self.max_bsz * self.max_seqlen
+        return HEADER_INTS + grid * (2 if self.doc_boundaries else 1)
 
     def payload_views(self, response: torch.Tensor) -> list[torch.Tensor]:
         """Each payload tensor as a [max_bsz, max_seqlen, ...] view into a response buffer."""
@@ -213,7 +230,12 @@ class BridgeSpec:
 
     def token_grid(self, request: torch.Tensor) -> torch.Tensor:
         """The [max_bsz, max_seqlen] token area of a request buffer."""
-        return request[HEADER_INTS:].view(self.max_bsz, self.max_seqlen)
+        return request[HEADER_INTS: HEADER_INTS + self.max_bsz * self.max_seqlen].view(self.max_bsz, self.max_seqlen)
+
+    def doc_grid(self, request: torch.Tensor) -> torch.Tensor:
+        """The [max_bsz, max_seqlen] document-id area of a request buffer (doc_boundaries only)."""
+        assert self.doc_boundaries, "this bridge sends no document ids"
+        return request[HEADER_INTS + self.max_bsz * self.max_seqlen:].view(self.max_bsz, self.max_seqlen)
 
 
 def synchronize(device: torch.device) -> None:
@@ -267,11 +289,11 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
     students = [r for r in records if r.role == "student"]
     for student in students:
         asked = student.settings
-        differ = [name for name in served if asked[name] != served[name]
+        differ = [(name, key) for name, key, _, _ in AGREED_SETTINGS if asked[name] != served[name]
                   and not (name == "k" and served["output"] == asked["output"] == "full")]  # full sends no ids
         if differ:
-            detail = ", ".join(f"distillation.{name} is {served[name]} on the teacher but {asked[name]} on the student"
-                               for name in differ)
+            detail = ", ".join(f"{key} is {served[name]} on the teacher but {asked[name]} on the student"
+                               for name, key in differ)
             raise ValueError(f"Teacher rank {teacher.global_rank} and student rank {student.global_rank} disagree: "
                              f"{detail}; give every rank the same distillation settings (one config for the whole job).")
     for student in students:
@@ -287,4 +309,5 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
     check_seq_len_fits_teacher(max_seqlen, teacher.max_positions, f"teacher rank {teacher.global_rank}")
     # Students' logits cover their tokenizer's vocab; teacher rows beyond it are padding and are cut.
     return BridgeSpec(max_bsz, max_seqlen, students[0].vocab, served["output"], served["k"],
-                      WIRE_DTYPES[served["wire_dtype"]])
+                      WIRE_DTYPES[served["wire_dtype"]], doc_boundaries=served["attn_mask"] == "doc_causal",
+                      teacher_heldout_ce=teacher.heldout_ce)

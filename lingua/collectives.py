@@ -37,16 +37,15 @@ def _alone(group) -> bool:
     return group is None or dist.get_world_size(group) == 1
 
 
-def dist_mean_dict(values: dict[str, float], group, device: torch.device) -> dict[str, float]:
-    """Mean of each value over `group` (one all_reduce for the whole dict)."""
+def dist_mean_dict(values: dict, group, device: torch.device) -> dict[str, float]:
+    """Mean of each value (Python numbers or device scalars) over `group`: one all_reduce, one host read."""
     _require_group(group, "dist_mean_dict")
-    if _alone(group):
-        return dict(values)
     keys = sorted(values)
-    tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    log_collective("all_reduce(sum) dist_mean_dict", group, tensor)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    tensor /= dist.get_world_size(group)
+    tensor = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=device).reshape(()) for k in keys])
+    if not _alone(group):
+        log_collective("all_reduce(sum) dist_mean_dict", group, tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        tensor /= dist.get_world_size(group)
     return dict(zip(keys, tensor.tolist()))
 
 
@@ -62,18 +61,19 @@ def dist_gather_floats(values: list[float], group, device: torch.device) -> list
     return [t.tolist() for t in out]
 
 
-def agree_flags(flags: dict[str, bool], group, device: torch.device) -> dict[str, bool]:
+def agree_flags(flags: dict, group, device: torch.device) -> dict[str, bool]:
     """A flag is set everywhere if it is set on any rank of `group` (one small all_reduce).
 
-    This is the single point per step where ranks decide to stop, save or fail together.
+    This is the single point per step where ranks decide to stop, save or fail together. Flags may be
+    Python bools or device tensors (a non-finite loss, a teacher's status bit): they are stacked on the
+    device, so the step's one host read is the agreed result.
     """
     _require_group(group, "agree_flags")
-    if _alone(group):
-        return dict(flags)
     keys = sorted(flags)
-    tensor = torch.tensor([int(bool(flags[k])) for k in keys], dtype=torch.int32, device=device)
-    log_collective(f"all_reduce(max) agree_flags {keys}", group, tensor)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    tensor = torch.stack([torch.as_tensor(flags[k], device=device).reshape(()).to(torch.int32) for k in keys])
+    if not _alone(group):
+        log_collective(f"all_reduce(max) agree_flags {keys}", group, tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return {k: bool(v) for k, v in zip(keys, tensor.tolist())}
 
 

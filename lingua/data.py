@@ -1,8 +1,8 @@
 """Training data: jsonl chunks per source, weighted mixing, on-the-fly tokenization, packing, prefetch.
 
 The files, their sharding over data-parallel ranks and the line -> document rule (malformed lines are
-counted in `DataLoader.bad_lines` and skipped) are in `lingua/documents.py`; held-out batches for
-in-loop evaluation in `lingua/eval_data.py`.
+skipped and counted in `DataLoader.bad_lines`, per file in the log) are in `lingua/documents.py`;
+held-out batches for in-loop evaluation in `lingua/eval_data.py`.
 
 Stream: every row of a batch is a window of `seq_len + 1` consecutive tokens from one source, picked
 with probability proportional to its weight (so weights are shares of training tokens). Documents are
@@ -16,8 +16,9 @@ Ranks may hold different amounts of data; each loops over its share forever.
 State: `DataLoader.state_dict()` is a small JSON-serialisable dict with each source's read position
 (file, byte offset, line, epoch), the document cut at the last window (re-read and re-tokenized on
 restore), the number of windows drawn (the mixing RNG is a pure function of seed, rank and window
-index) and the malformed-line count. It describes the stream just after the last batch handed out;
-batches the prefetch thread built ahead are not part of it, so a restore gives bit-identical batches.
+index) and the malformed-line counts (in all, and in each source's current file). It describes the
+stream just after the last batch handed out; batches the prefetch thread built ahead are not part of
+it, so a restore gives bit-identical batches.
 """
 
 import copy
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from lingua.args import require
-from lingua.documents import FileShard, MalformedLines, list_chunk_files, shard_files
+from lingua.documents import FileShard, MalformedLines, list_chunk_files, read_line, shard_files
 from lingua.tokenizer import Tokenizer, TokenizerArgs
 
 logger = logging.getLogger(__name__)
@@ -88,13 +89,16 @@ class _SourceReader:
         self.offset = position["offset"]
         self.line = position["line"]
         self.epoch = position["epoch"]
+        # The current file's skips so far, for its total at the end (absent from states of older code).
+        malformed.in_file[shards[self.file_index].path] = position.get("bad_lines_in_file", 0)
         self._file = None
         # A pass that starts mid-way after a restore may legitimately find nothing before wrapping.
         self._full_pass = self.file_index == 0 and self.offset == 0
         self._docs_this_pass = 0
 
     def position(self) -> dict:
-        return dict(file_index=self.file_index, offset=self.offset, line=self.line, epoch=self.epoch)
+        return dict(file_index=self.file_index, offset=self.offset, line=self.line, epoch=self.epoch,
+                    bad_lines_in_file=self.malformed.in_file.get(self.shards[self.file_index].path, 0))
 
     def next_document(self) -> tuple[str, dict]:
         """(text, location of its line) of the next valid document."""
@@ -102,23 +106,24 @@ class _SourceReader:
             if self._file is None:
                 self._file = open(self.shards[self.file_index].path, "rb")
                 self._file.seek(self.offset)
-            raw = self._file.readline()
-            if not raw:
+            raw, size = read_line(self._file)
+            if not size:
                 self._next_file()
                 continue
             shard = self.shards[self.file_index]
             location = dict(file_index=self.file_index, offset=self.offset, line=self.line)
-            self.offset += len(raw)
+            self.offset += size
             self.line += 1
-            if location["line"] % shard.stride != shard.offset or not raw.strip():
+            if location["line"] % shard.stride != shard.offset:
                 continue
             text = self.malformed.text_of(raw, shard.path, location["line"])
-            if text:
+            if text is not None:
                 self._docs_this_pass += 1
                 return text, location
 
     def _next_file(self) -> None:
         self.close()
+        self.malformed.file_done(self.shards[self.file_index])
         self.file_index, self.offset, self.line = self.file_index + 1, 0, 0
         if self.file_index < len(self.shards):
             return
@@ -135,8 +140,8 @@ class _SourceReader:
         path = self.shards[location["file_index"]].path
         with open(path, "rb") as f:
             f.seek(location["offset"])
-            text = MalformedLines().text_of(f.readline(), path, location["line"])
-        if not text:
+            text = MalformedLines().text_of(read_line(f)[0], path, location["line"])
+        if text is None:
             raise ValueError(f"The checkpointed data position {path}:{location['line'] + 1} is no longer a valid "
                              f"document; the data files changed since the checkpoint. Restore them or resume "
                              f"without the data state.")
@@ -184,7 +189,7 @@ class _SourcePacker:
 
 
 def _initial_state(shards: dict[str, list[FileShard]], dp_rank: int, dp_degree: int) -> dict:
-    sources = {name: dict(file_index=0, offset=0, line=0, epoch=0, document=None,
+    sources = {name: dict(file_index=0, offset=0, line=0, epoch=0, bad_lines_in_file=0, document=None,
                           files=[s.describe() for s in source_shards]) for name, source_shards in shards.items()}
     return dict(version=STATE_VERSION, dp_rank=dp_rank, dp_degree=dp_degree, windows=0, bad_lines=0, sources=sources)
 

@@ -21,8 +21,10 @@ from lingua.cli import UserError
 from lingua.kd_loss import ALPHA_SCHEDULES, DIVERGENCES, FORMATS
 from lingua.launch import teacher_rank_count
 
+MAX_PREFETCH = 2  # requests ahead; more only holds more response buffers without hiding more
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TEACHER_DTYPES = ("auto", "bf16", "fp32", "fp16")
+SOURCES = ("online", "cache")
 
 
 class TeacherError(UserError, RuntimeError):
@@ -43,17 +45,29 @@ class DistillationArgs:
     teacher_dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU) | "bf16" | "fp32" | "fp16"
     attn_implementation: Optional[str] = "sdpa"
     wire_dtype: str = "bf16"  # dtype of the values sent to students: "bf16" | "fp16" | "fp32"
-    loss_chunk_size: int = 1024  # positions per chunk in the student's KD loss
+    # The student's CE + KD computed fused with its output head (lingua/fused_kd_loss.py: no [tokens, vocab]
+    # logits, KD costs about what CE does); false = logits, then CE and the chunked kd_loss on them.
+    fused_loss: bool = True
+    loss_chunk_size: int = 0  # positions per chunk of the student's loss; 0 = auto (fused: a memory budget; else 1024)
     logits_chunk_rows: int = 4  # teacher rows per lm_head chunk (bounds the teacher's logits memory)
     seed: int = 0  # for the "sampled" output
+    # Where the teacher's outputs come from: "online" (teacher ranks, the bridge) or "cache" (an offline cache
+    # written by apps.main.teacher_cache into cache_dir; every rank is a student, the cache is the dataset).
+    source: str = "online"
+    cache_dir: Optional[str] = None
+    # Teacher requests submitted ahead of the micro-batch being computed (0 = each right before its own
+    # forward), across step boundaries: with 1 the teacher's forward hides behind the student's whole step.
+    prefetch: int = 1
 
     def validate(self, enabled: bool = True) -> None:
-        """Every value is checked (a typo stays an error with distillation off); the teacher count and path
-        only matter with it on."""
+        """Every value is checked (a typo stays an error with distillation off); the source, the teacher count
+        and the teacher path or cache directory only matter with it on."""
         for key, allowed in (("output", FORMATS), ("divergence", DIVERGENCES), ("alpha_schedule", ALPHA_SCHEDULES),
-                             ("teacher_dtype", TEACHER_DTYPES), ("wire_dtype", tuple(WIRE_DTYPES))):
+                             ("teacher_dtype", TEACHER_DTYPES), ("wire_dtype", tuple(WIRE_DTYPES)),
+                             ("source", SOURCES)):
             require(getattr(self, key) in allowed, f"distillation.{key}", getattr(self, key),
                     f"use one of {', '.join(allowed)}")
+        require(isinstance(self.fused_loss, bool), "distillation.fused_loss", self.fused_loss, "use true or false")
         require(self.output != "sampled" or self.divergence == "fkl", "distillation.divergence", self.divergence,
                 "distillation.output=sampled estimates the forward KL only; set distillation.divergence=fkl")
         require(self.divergence != "jsd" or 0.0 < self.jsd_beta < 1.0, "distillation.jsd_beta", self.jsd_beta,
@@ -63,13 +77,22 @@ class DistillationArgs:
                 self.temperature, "use a positive temperature (1.0 = the teacher's own distribution)")
         require(self.output == "full" or self.k >= 1, "distillation.k", self.k,
                 "use a positive number of ids (or samples) per position")
-        for key in ("loss_chunk_size", "logits_chunk_rows"):
-            require(getattr(self, key) >= 1, f"distillation.{key}", getattr(self, key), "use a positive integer")
-        if enabled:
-            teacher_rank_count(True, self.n_teacher_ranks)
-            require(bool(self.teacher_path), "distillation.teacher_path", self.teacher_path,
-                    "distillation is on: point it at a transformers checkpoint directory, or set "
-                    "enable_distillation=false")
+        require(self.loss_chunk_size >= 0, "distillation.loss_chunk_size", self.loss_chunk_size,
+                "use 0 (auto) or a positive number of positions per chunk")
+        require(self.logits_chunk_rows >= 1, "distillation.logits_chunk_rows", self.logits_chunk_rows,
+                "use a positive integer")
+        require(0 <= self.prefetch <= MAX_PREFETCH, "distillation.prefetch", self.prefetch,
+                f"use 0 (no look-ahead), 1 or {MAX_PREFETCH}")
+        if not enabled:
+            return
+        if self.source == "cache":  # the cache holds the teacher's outputs: no teacher ranks, no teacher_path
+            require(bool(self.cache_dir), "distillation.cache_dir", self.cache_dir,
+                    "distillation.source=cache needs the folder of a cache written by apps.main.teacher_cache")
+            return
+        teacher_rank_count(True, self.n_teacher_ranks)
+        require(bool(self.teacher_path), "distillation.teacher_path", self.teacher_path,
+                "distillation is on: point it at a transformers checkpoint directory, or set "
+                "enable_distillation=false")
 
 
 def check_seq_len_fits_teacher(seq_len: int, max_positions: int, where: str) -> None:

@@ -1,49 +1,95 @@
 """The Distiller: the one object the student loop asks for the KD part of a step.
 
     distiller = build_distiller(args, topo, tokenizer, phases)
-    distiller.begin_step(step, lr_factor)                    # alpha for this step
-    pending = distiller.submit(input_ids, step, micro_step)  # ask for this micro-batch's teacher targets
-    loss = distiller.loss(ce, logits, pending, mask, weight, timer)   # CE alone, or (1-a) CE + a T^2 KD
-    metrics = distiller.step_metrics(ce_sum)                 # loss/total (+ loss/kd, kd/* with a teacher)
-    distiller.stop(step, error=False)                        # at the end, or on an agreed error
+    distiller.begin_step(step, lr_factor)                      # alpha for this step, fresh stats
+    pending = distiller.submit(batch, step, micro_step)        # ask for this micro-batch's teacher targets
+    head_loss = distiller.head_loss(labels, pending, n_valid, timer)
+    loss = model(input_ids, doc_ids=..., head_loss=head_loss)  # the model calls head_loss(hidden, head_weight)
+    flags = distiller.control_flags()                          # device flags for the step's agreed point
+    metrics = distiller.step_metrics()                         # loss/ce, loss/total (+ loss/kd, kd/*): tensors
+    distiller.stop(step, error=False)                          # drains requests in flight, then STOP
 
-Kinds: `NoDistiller` (enable_distillation=false: every rank trains on CE) and `OnlineDistiller`
-(a teacher rank behind a bridge, `lingua/teacher_client.py`). The loop never asks which one it has.
+Kinds: `NoDistiller` (enable_distillation=false: every rank trains on CE), `OnlineDistiller` (a
+teacher rank behind a bridge, `lingua/teacher_client.py`) and `CacheDistiller` (the offline teacher
+cache, `lingua/teacher_cache.py`, whose batches carry the targets). The loop never asks which one it has.
+The loss of a micro-batch is ((1 - alpha) * CE_sum + alpha * T^2 * KD_sum) / n_valid, n_valid being
+the step's count of trained-on tokens, so micro-batches add up to one large batch. Statistics stay
+on the device; the loop reads them on log steps only.
 """
 
 import contextlib
 import logging
+import math
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 from lingua.collectives import AgreedError
 from lingua.distillation import DistillationArgs
-from lingua.kd_loss import alpha_at, distillation_loss, kd_loss
+from lingua.fused_kd_loss import fused_linear_kd_loss
+from lingua.kd_loss import TeacherOutputs, alpha_at, cross_entropy_sum, distillation_loss, kd_loss_and_stats
 from lingua.teacher_client import TeacherClient
 
 logger = logging.getLogger(__name__)
 
+REFERENCE_CHUNK_SIZE = 1024  # positions per chunk of kd_loss when distillation.loss_chunk_size=0 (auto)
 TEACHER_BOUND_SHARE = 0.3  # warn when students wait on the teacher more than this share of a step
 
 
-class NoDistiller:
-    """enable_distillation=false: no teacher, the loss is the CE the loop computed."""
+def teacher_ranks_to_keep_up(n_teachers: int, n_students: int, busy_share: float, step_s: float,
+                             wait_s: float) -> int:
+    """Teacher ranks that would remove the students' wait, from what was measured: the teachers need
+    busy_share * step_s of work per step today; with k times more of them each needs 1/k of it, and with
+    look-ahead that hides behind the students' own compute (step_s - wait_s). Rounded up to a count the
+    students divide evenly among."""
+    compute_s = max(step_s - wait_s, 1e-9)
+    needed = math.ceil(n_teachers * busy_share * step_s / compute_s - 1e-9)
+    candidates = [k for k in range(max(needed, 1), n_students + 1) if n_students % k == 0]
+    return candidates[0] if candidates else n_students
 
-    teacher_preempt = False  # a teacher's preemption signal, folded into the students' agreed flags
+
+class NoDistiller:
+    """enable_distillation=false: no teacher, the loss is the student's CE."""
+
     first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done) of the first request
+    prefetch = 0  # requests submitted ahead of the micro-batch being computed
+    teacher_heldout_ce: Optional[float] = None  # the teacher's own held-out CE, when known (logged with the eval)
 
     def begin_step(self, step: int, lr_factor: float) -> None:
-        pass
+        self.ce_sum: Optional[torch.Tensor] = None  # the step's CE (already divided by n_valid), summed over micro-batches, on the device
 
-    def submit(self, input_ids: torch.Tensor, step: int, micro_step: int):
+    def submit(self, batch: dict, step: int, micro_step: int):
         return None
 
-    def loss(self, ce: torch.Tensor, logits: torch.Tensor, pending, mask: torch.Tensor, weight: float, timer):
-        return ce
+    def _add_ce(self, ce: torch.Tensor) -> None:
+        ce = ce.detach().double()
+        self.ce_sum = ce if self.ce_sum is None else self.ce_sum + ce
 
-    def step_metrics(self, ce: float) -> dict:
-        return {"loss/total": ce}
+    def head_loss(self, labels: torch.Tensor, pending, n_valid: int, timer) -> Callable:
+        """The loss of a micro-batch as a function of the model's final hidden states and its head weight."""
+        def ce_loss(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            ce = cross_entropy_sum(F.linear(hidden, weight), labels) / max(n_valid, 1)
+            self._add_ce(ce)
+            return ce
+        return ce_loss
+
+    def step_metrics(self) -> dict:
+        """This step's loss metrics as device tensors (read on log steps only)."""
+        return {"loss/ce": self.ce_sum, "loss/total": self.ce_sum}
+
+    def control_flags(self) -> dict:
+        """Device flags for the step's agreed control point (the teacher's error and preemption bits)."""
+        return {}
+
+    def after_agreement(self, flags: dict) -> None:
+        """Acts on the agreed flags that concern the teacher (its error is raised here, on every student)."""
+
+    def mark_first_step_done(self) -> None:
+        """This launch's first step is over (the teacher may switch to the training timeout)."""
+
+    def drain(self) -> None:
+        pass
 
     def log_metrics(self, timer) -> dict:
         """Extra keys of a log row (teacher wait and the teacher's clocks, with a teacher)."""
@@ -74,71 +120,155 @@ class NoDistiller:
         return "", []
 
 
-class OnlineDistiller(NoDistiller):
+class KDDistiller(NoDistiller):
+    """The KD loss mixing shared by every teacher source; a subclass says where a micro-batch's targets come from."""
+
+    def __init__(self, args: DistillationArgs):
+        self.args = args
+        self.alpha = args.alpha
+
+    def begin_step(self, step: int, lr_factor: float) -> None:
+        super().begin_step(step, lr_factor)
+        self.alpha = alpha_at(step, self.args.alpha, self.args.alpha_schedule, lr_factor)
+        self.kd_stats = None  # (kd, teacher_mass, top1_agreement), each weighted by its micro-batch's share
+
+    def targets(self, pending, device: torch.device, timer) -> TeacherOutputs:
+        """The teacher outputs of a micro-batch, on `device`."""
+        raise NotImplementedError
+
+    def head_loss(self, labels: torch.Tensor, pending, n_valid: int, timer) -> Callable:
+        """(1 - alpha) * CE + alpha * T^2 * KD; the targets are asked for only when the head is reached, so an
+        online teacher's forward overlaps the student's trunk even without look-ahead."""
+        args = self.args
+
+        def distillation_head_loss(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            if args.fused_loss:
+                return self._fused_head_loss(hidden, weight, labels, pending, n_valid, timer)
+            logits = F.linear(hidden, weight)
+            mask = labels != -100
+            weight_of_batch = mask.sum() / max(n_valid, 1)  # this micro-batch's share of the step's tokens
+            ce = cross_entropy_sum(logits, labels) / max(n_valid, 1)
+            teacher_outputs = self.targets(pending, logits.device, timer)
+            kd, stats = kd_loss_and_stats(logits, teacher_outputs, mask, args.temperature, args.divergence,
+                                          args.jsd_beta, args.loss_chunk_size or REFERENCE_CHUNK_SIZE)
+            self._add_ce(ce)
+            self._add_kd_stats(stats.double() * weight_of_batch)
+            return distillation_loss(ce, kd * weight_of_batch, self.alpha, args.temperature)
+        return distillation_head_loss
+
+    def _fused_head_loss(self, hidden, weight, labels, pending, n_valid: int, timer) -> torch.Tensor:
+        """The same loss and statistics without [tokens, vocab] logits: `fused_linear_kd_loss` walks the head in
+        chunks and computes both gradients in its forward."""
+        args, normalizer = self.args, max(n_valid, 1)
+        teacher_outputs = self.targets(pending, hidden.device, timer)
+        loss, sums = fused_linear_kd_loss(hidden, weight, labels, teacher_outputs, normalizer, self.alpha,
+                                          args.temperature, args.divergence, args.jsd_beta, args.loss_chunk_size)
+        sums = sums.double() / normalizer  # (CE, KD, teacher mass, top-1 agreement) summed over positions
+        self._add_ce(sums[0])
+        self._add_kd_stats(sums[1:])
+        return loss
+
+    def _add_kd_stats(self, stats: torch.Tensor) -> None:
+        self.kd_stats = stats if self.kd_stats is None else self.kd_stats + stats
+
+    def step_metrics(self) -> dict:
+        kd, mass, agreement = self.kd_stats.unbind()
+        return {"loss/ce": self.ce_sum, "loss/kd": kd, "kd/teacher_mass": mass, "kd/top1_agreement": agreement,
+                "kd/alpha": self.alpha, "loss/total": distillation_loss(self.ce_sum, kd, self.alpha,
+                                                                        self.args.temperature)}
+
+    def log_words(self, row: dict) -> tuple[str, str]:
+        return f" kd {row['loss/kd']:.4f} agree {row['kd/top1_agreement']:.3f}", ""
+
+    def summary(self, last_row: dict) -> tuple[str, list[str]]:
+        return (f", KD {last_row.get('loss/kd', float('nan')):.4f}, teacher-student top-1 agreement "
+                f"{last_row.get('kd/top1_agreement', float('nan')):.3f}", [])
+
+
+class CacheDistiller(KDDistiller):
+    """Targets from the offline teacher cache: they come with each batch (`batch["teacher"]`), nothing to wait for."""
+
+    def __init__(self, args: DistillationArgs, teacher_heldout_ce: Optional[float]):
+        super().__init__(args)
+        self.teacher_heldout_ce = teacher_heldout_ce
+
+    def submit(self, batch: dict, step: int, micro_step: int):
+        return batch["teacher"]
+
+    def targets(self, pending, device: torch.device, timer) -> TeacherOutputs:
+        return pending.to(device, non_blocking=True)
+
+
+class OnlineDistiller(KDDistiller):
     """A teacher rank serves this student's bridge; its sparse outputs feed the KD loss."""
 
-    def __init__(self, args: DistillationArgs, client: TeacherClient):
-        self.args, self.client = args, client
-        self.alpha = args.alpha
-        self.totals: dict[str, float] = {}
+    def __init__(self, args: DistillationArgs, client: TeacherClient, n_teachers: int, n_students: int):
+        super().__init__(args)
+        self.client = client
+        self.n_teachers, self.n_students = n_teachers, n_students
+        self.prefetch = args.prefetch
+        self.teacher_heldout_ce = client.teacher_heldout_ce
         self.warned_teacher_bound = False  # once per launch: the progress line keeps showing the share
-
-    @property
-    def teacher_preempt(self) -> bool:
-        return self.client.teacher_preempt
 
     @property
     def first_round_trip(self) -> Optional[tuple[float, float]]:
         return self.client.first_round_trip
 
     def begin_step(self, step: int, lr_factor: float) -> None:
-        self.alpha = alpha_at(step, self.args.alpha, self.args.alpha_schedule, lr_factor)
-        self.totals = dict(kd=0.0, teacher_mass=0.0, top1_agreement=0.0)
+        super().begin_step(step, lr_factor)
+        self.client.wait_clock.new_step()
 
-    def submit(self, input_ids: torch.Tensor, step: int, micro_step: int):
-        return self.client.submit(input_ids, step, micro_step)
+    def submit(self, batch: dict, step: int, micro_step: int):
+        doc_ids = batch.get("doc_ids") if self.client.spec.doc_boundaries else None
+        return self.client.submit(batch["input_ids"], step, micro_step, doc_ids)
 
-    def loss(self, ce: torch.Tensor, logits: torch.Tensor, pending, mask: torch.Tensor, weight: float, timer):
-        """(1 - alpha) * CE + alpha * T^2 * KD, KD weighted by this micro-batch's share of the step's tokens."""
+    def targets(self, pending, device: torch.device, timer) -> TeacherOutputs:
         with timer.part("teacher_wait"):
-            teacher_outputs = pending.wait().to(logits.device)
-        args = self.args
-        kd, stats = kd_loss(logits, teacher_outputs, mask, args.temperature, args.divergence, args.jsd_beta,
-                            args.loss_chunk_size)
-        for key in self.totals:
-            self.totals[key] += stats[key] * weight
-        return distillation_loss(ce, kd * weight, self.alpha, args.temperature)
+            return pending.wait().to(device)
 
-    def step_metrics(self, ce: float) -> dict:
-        return {"loss/kd": self.totals["kd"], "kd/teacher_mass": self.totals["teacher_mass"],
-                "kd/top1_agreement": self.totals["top1_agreement"], "kd/alpha": self.alpha,
-                "loss/total": distillation_loss(ce, self.totals["kd"], self.alpha, self.args.temperature)}
+    def control_flags(self) -> dict:
+        return self.client.response_flags()
+
+    def after_agreement(self, flags: dict) -> None:
+        if flags.get("teacher_error"):
+            self.client.raise_teacher_error()
+
+    def mark_first_step_done(self) -> None:
+        self.client.mark_first_step_done()
+
+    def drain(self) -> None:
+        self.client.drain()
 
     def log_metrics(self, timer) -> dict:
         # Teacher busy/idle seconds, its peak memory and this rank's bridge bytes, cumulative since launch
         # (a benchmark differences two rows).
-        return {"speed/teacher_wait_s": timer.seconds.get("teacher_wait", 0.0), **self.client.metrics()}
+        return {"speed/teacher_wait_s": self.client.wait_clock.read_step(), **self.client.metrics()}
 
     def log_words(self, row: dict) -> tuple[str, str]:
         wait_share = row.get("speed/teacher_wait_s", 0.0) / row["speed/step_time_s"]
-        return (f" kd {row['loss/kd']:.4f} agree {row['kd/top1_agreement']:.3f}",
-                f" teacher wait {100 * wait_share:.0f}%")
+        return super().log_words(row)[0], f" teacher wait {100 * wait_share:.0f}%"
 
     def check_bottleneck(self, row: dict) -> None:
-        wait_share = row.get("speed/teacher_wait_s", 0.0) / row["speed/step_time_s"]
-        if wait_share > TEACHER_BOUND_SHARE and not self.warned_teacher_bound:
-            self.warned_teacher_bound = True
-            logger.warning(f"students spend {100 * wait_share:.0f}% of the step waiting on the teacher: the teacher "
-                           f"is the bottleneck (add teacher ranks or use a smaller teacher)")
+        step_s, wait_s = row["speed/step_time_s"], row.get("speed/teacher_wait_s", 0.0)
+        if wait_s / step_s <= TEACHER_BOUND_SHARE or self.warned_teacher_bound:
+            return
+        self.warned_teacher_bound = True
+        needed = teacher_ranks_to_keep_up(self.n_teachers, self.n_students, row.get("kd/teacher_busy", 1.0), step_s,
+                                          wait_s)
+        logger.warning(f"students spend {100 * wait_s / step_s:.0f}% of the step waiting on the teacher, which is busy "
+                       f"{100 * row.get('kd/teacher_busy', 0.0):.0f}% of its time: the teacher is the bottleneck. "
+                       f"About {needed} teacher rank(s) (distillation.n_teacher_ranks={needed}, today "
+                       f"{self.n_teachers}) would keep up with {self.n_students} students"
+                       + ("" if self.prefetch else ", with distillation.prefetch=1 hiding the teacher behind the "
+                          "whole student step") + "; or use a smaller teacher, or the offline cache.")
 
     def stop(self, step: int, error: bool = False) -> None:
         self.client.stop(step, error=error)
 
     def summary(self, last_row: dict) -> tuple[str, list[str]]:
-        return (f", KD {last_row.get('loss/kd', float('nan')):.4f}, teacher-student top-1 agreement "
-                f"{last_row.get('kd/top1_agreement', float('nan')):.3f}",
+        return (super().summary(last_row)[0],
                 [f"time waiting on the teacher: {self.client.total_wait_s:.1f}s on this rank "
-                f"(teacher busy {100 * self.client.teacher_busy:.0f}%)"])
+                 f"(teacher busy {100 * self.client.teacher_busy:.0f}%)"])
 
 
 def tokenizer_vocab(tokenizer) -> dict:
@@ -150,10 +280,14 @@ def tokenizer_vocab(tokenizer) -> dict:
 
 
 def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tokenizer, max_bsz: int,
-                    max_seqlen: int, phases=None):
-    """The Distiller for this student: none, or the online bridge (its handshake runs here)."""
+                    max_seqlen: int, phases=None, attn_mask: str = "causal", cache=None):
+    """The Distiller for this student: none, the offline cache (`cache`: its CacheLoader) or the online bridge
+    (whose handshake runs here)."""
     if not enable_distillation:
         return NoDistiller()
+    if cache is not None:
+        return CacheDistiller(args, cache.manifest.teacher_heldout_ce)
     with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
-        client = TeacherClient(args, topo, tokenizer_vocab(tokenizer), tokenizer.n_words, max_bsz, max_seqlen)
-    return OnlineDistiller(args, client)
+        client = TeacherClient(args, topo, tokenizer_vocab(tokenizer), tokenizer.n_words, max_bsz, max_seqlen,
+                               attn_mask)
+    return OnlineDistiller(args, client, len(topo.teacher_ranks), len(topo.student_ranks))

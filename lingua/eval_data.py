@@ -1,25 +1,29 @@
 """Held-out batches for in-loop evaluation: the `*.val.jsonl` files of the sources, sharded like training,
 tokenized and packed into windows; the last window and batch are padded (labels -100)."""
 
+import itertools
 from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
 
 from lingua.data import IGNORE_INDEX, DataArgs
-from lingua.documents import FileShard, MalformedLines, list_val_files, shard_files
+from lingua.documents import FileShard, MalformedLines, list_val_files, read_line, shard_files
 from lingua.tokenizer import Tokenizer
 
 
 def _eval_documents(shards: list[FileShard], malformed: MalformedLines) -> Iterator[str]:
     for shard in shards:
         with open(shard.path, "rb") as f:
-            for line_no, raw in enumerate(f):
-                if line_no % shard.stride != shard.offset or not raw.strip():
-                    continue
-                text = malformed.text_of(raw, shard.path, line_no)
-                if text:
-                    yield text
+            for line_no in itertools.count():
+                raw, size = read_line(f)
+                if not size:
+                    break
+                if line_no % shard.stride == shard.offset:
+                    text = malformed.text_of(raw, shard.path, line_no)
+                    if text is not None:
+                        yield text
+        malformed.file_done(shard)
 
 
 def _eval_windows(token_lists: Iterator[list[int]], length: int) -> Iterator[tuple[list[int], list[int]]]:

@@ -278,13 +278,20 @@ def kd_loss(
         raise ValueError(f"Teacher outputs {tuple(teacher.values.shape)} and mask {tuple(mask.shape)} must match the student's [B, S] = [{B}, {S}].")
     if teacher.format == "full" and teacher.values.shape[-1] != V:
         raise ValueError(f"Teacher vocabulary {teacher.values.shape[-1]} differs from the student's {V}; both must use the same tokenizer.")
+    loss, stats = kd_loss_and_stats(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size)
+    kd, teacher_mass, top1 = stats.tolist()  # a host sync: the trainer uses kd_loss_and_stats
+    return loss, {"kd": kd, "teacher_mass": teacher_mass, "top1_agreement": top1}
+
+
+def kd_loss_and_stats(student_logits: torch.Tensor, teacher: TeacherOutputs, mask: torch.Tensor, temperature: float,
+                      divergence: str = "fkl", jsd_beta: float = 0.5,
+                      chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kd_loss` with its stats as a detached device tensor [kd, teacher_mass, top1_agreement]: no host sync."""
     mask = mask.bool()
     if torch.is_grad_enabled() and student_logits.requires_grad:
-        loss, stats = _ChunkedKDLoss.apply(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size)
-    else:
-        loss, stats, _ = _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size, False)
-    kd, teacher_mass, top1 = stats.tolist()
-    return loss, {"kd": kd, "teacher_mass": teacher_mass, "top1_agreement": top1}
+        return _ChunkedKDLoss.apply(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size)
+    loss, stats, _ = _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size, False)
+    return loss, stats
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,10 @@ class DistributedArgs:
     train_timeout_s: float = 300.0
     debug: bool = False  # DETAIL checks, flight recorder dumps, per-collective logs, stack dumps
     matmul_allow_tf32: bool = True
+    # With grad_acc_steps > 1: False keeps FSDP's unsharded gradients across a step's micro-batches and
+    # reduce-scatters once, after the last (grad_acc_steps - 1 fewer reduce-scatters per step, at the cost
+    # of one unsharded gradient copy of the model per rank, in the parameters' dtype).
+    reduce_every_micro_batch: bool = True
 
     def validate(self) -> None:
         """Known choices, mesh sizes that can be inferred, and timeouts the backends can apply."""

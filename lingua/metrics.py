@@ -224,7 +224,7 @@ def estimate_mfu(flops_per_token: float, tokens_per_second: float, device) -> Op
     return flops_per_token * tokens_per_second / peak
 
 
-def _format_duration(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
@@ -264,7 +264,7 @@ class ProgressLine:
         done = step - self.first_step
         if done <= 0 or step >= self.total_steps:
             return None
-        return _format_duration((now - self.first_time) / done * (self.total_steps - step))
+        return format_duration((now - self.first_time) / done * (self.total_steps - step))
 
     def format(self, step: int, metrics: dict) -> str:
         """The status text for `step`."""

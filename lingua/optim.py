@@ -121,15 +121,16 @@ def build_optimizer(model: nn.Module, args: OptimArgs, n_steps: int) -> tuple[to
     return optimizer, scheduler
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
-    """Clip gradients to a global L2 norm of `max_norm` (skip clipping if <= 0); return the norm before.
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip gradients to a global L2 norm of `max_norm` (skip clipping if <= 0); return the norm before,
+    as a 0-d tensor on the gradients' device (reading it is a host sync: the trainer does on log steps).
 
     Works for plain tensors and for FSDP2-sharded DTensor grads, where the norm of the local shards is
     reduced over the mesh (the training group) by DTensor itself.
     """
     params = [p for p in parameters if p.grad is not None]
     if not params:
-        return 0.0
+        return torch.zeros(())
     from torch.distributed.tensor import DTensor  # here, not at import: see lingua/checkpoint.py's docstring
 
     total_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
@@ -137,4 +138,4 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> floa
         total_norm = total_norm.full_tensor()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
-    return float(total_norm)
+    return total_norm

@@ -1,8 +1,9 @@
-"""The teacher model: check a checkpoint directory cheaply, then load it with transformers.
+"""The teacher model: check a checkpoint directory cheaply, load it with transformers, run its forward.
 
 `check_teacher_dir` reads only file names and safetensors headers (seconds, no weights), so a launcher
 or a benchmark can refuse a missing or truncated teacher before any process starts; `load_teacher` is
-what a teacher rank runs. Both name the commands that make a teacher.
+what a teacher rank runs. Both name the commands that make a teacher. `TeacherModel` is the forward
+both the online teacher and the offline cache writer use (document boundaries included).
 """
 
 import json
@@ -13,6 +14,7 @@ from typing import Optional
 import torch
 
 from lingua.distillation import DistillationArgs
+from lingua.kd_loss import TeacherOutputs, sparsify_teacher_logits
 
 TEACHER_PREPARE_HINT = (
     "point distillation.teacher_path at a transformers checkpoint directory, or make one: "
@@ -138,3 +140,79 @@ def load_teacher(args: DistillationArgs, device: torch.device):
     model = model.to(device).eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Position of each token within its own document ([N, S] int64): 0 where a new document starts."""
+    index = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - last_start
+
+
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[N, 1, S, S] bool: query i sees key j iff j <= i and both are in the same document."""
+    S = doc_ids.shape[1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+
+
+class TeacherModel:
+    """A loaded teacher and its forward: tokens [N, S] (+ document ids) -> sparse outputs. The online
+    teacher rank (lingua/teacher_server.py) and the offline cache writer both compute through it."""
+
+    def __init__(self, args: DistillationArgs, device: torch.device):
+        self.args, self.device = args, device
+        self.model, self.tokenizer = load_teacher(args, device)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+
+    @torch.inference_mode()
+    def hidden_states(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final hidden states [N, S, D]. With `doc_ids` every document is its own sequence (positions restart,
+        attention stays inside it), as the student sees it with model.attn_mask=doc_causal."""
+        kwargs = {}
+        if doc_ids is not None:
+            kwargs["position_ids"] = document_positions(doc_ids)
+            # Flash-attention kernels find the documents from the restarting position ids (varlen); the
+            # others take an explicit block-diagonal causal mask.
+            if not str(self.model.config._attn_implementation).startswith("flash_attention"):
+                kwargs["attention_mask"] = document_causal_mask(doc_ids)
+        return self.model.get_decoder()(input_ids=tokens, **kwargs).last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head in fp32, with the model's final logit soft-capping where it has one (Gemma)."""
+        logits = self.model.get_output_embeddings()(hidden).float()
+        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+    @torch.inference_mode()
+    def sparse_outputs(self, hidden: torch.Tensor, output: str, k: int, wire_dtype: torch.dtype, vocab_size: int,
+                       generator: Optional[torch.Generator] = None) -> TeacherOutputs:
+        """lm_head + sparsification a few rows at a time, so [rows, S, V] logits never exist at once; ids
+        beyond `vocab_size` (the students' vocab; teacher rows past it are padding) are cut."""
+        rows = max(1, self.args.logits_chunk_rows)
+        parts = []
+        for start in range(0, hidden.shape[0], rows):
+            logits = self.logits(hidden[start: start + rows])
+            parts.append(sparsify_teacher_logits(logits[..., :vocab_size], output, k, self.args.temperature,
+                                                 wire_dtype, generator))
+        return TeacherOutputs.from_tensors(output, [torch.cat(ts) for ts in zip(*(p.tensors() for p in parts))])
+
+    @torch.inference_mode()
+    def heldout_ce(self, batches, vocab_size: int, doc_causal: bool) -> tuple[float, int]:
+        """(CE summed over the labelled positions, their count) of the teacher itself on held-out batches, at
+        temperature 1 and over the students' vocabulary: the reference line for the students' eval loss."""
+        loss_sum, tokens = 0.0, 0
+        for batch in batches:
+            input_ids, labels = batch["input_ids"].to(self.device), batch["labels"].to(self.device)
+            doc_ids = batch["doc_ids"].to(self.device) if doc_causal else None
+            hidden = self.hidden_states(input_ids, doc_ids)
+            for row in range(hidden.shape[0]):  # one row of logits at a time: [S, V] only
+                logits = self.logits(hidden[row])[:, :vocab_size]
+                loss_sum += float(torch.nn.functional.cross_entropy(logits, labels[row], ignore_index=-100,
+                                                                   reduction="sum"))
+            tokens += int((labels != -100).sum())
+        return loss_sum, tokens

@@ -3,11 +3,16 @@
     client = TeacherClient(args, topo, vocab, n_words, max_bsz, max_seqlen)   # runs the handshake
     handle = client.submit(input_ids, step, micro_step)                       # gather + scatter posted
     outputs = handle.wait()                                                   # TeacherOutputs
-    client.stop(step)
+    flags = client.response_flags()                                           # at the step's agreed point
+    client.stop(step)                                                         # drains, then STOP
 
 Both collectives of a request are posted asynchronously, so the teacher's forward runs while the
-student computes. On CUDA a student's wait starts after its own queued work and ends when the
-response has landed, so neither side's clock absorbs the other's compute.
+student computes. No host sync per micro-batch on CUDA: the request is built on the host (tokens
+come from the loader there) in pinned memory and copied without blocking; the responses' status
+words stay on the device and are read once per step, at the agreed control point
+(`response_flags`); the wait clock uses CUDA events, read on log steps. A response whose status
+says error carries stale but valid outputs (the teacher's buffers only ever hold its own
+outputs), so the step can finish before every student raises the teacher's sentence together.
 """
 
 import logging
@@ -18,14 +23,57 @@ import torch
 import torch.distributed as dist
 
 from lingua.bridge import (
-    HEADER_INTS, RECORD_BYTES, HandshakeRecord, Op, RequestHeader, ResponseStatus, agreed_handshake, agreed_settings,
-    synchronize, tokenizer_fingerprint,
+    BAD_TOKENS_FIELD, HEADER_INTS, RECORD_BYTES, HandshakeRecord, Op, RequestHeader, ResponseStatus, agreed_handshake,
+    agreed_settings, tokenizer_fingerprint,
 )
 from lingua.collectives import log_collective
 from lingua.distillation import DistillationArgs, TeacherError
 from lingua.kd_loss import TeacherOutputs
 
 logger = logging.getLogger(__name__)
+STATUS_WORDS = 2  # the response status fields read per step: failed, teacher_preempt (int64 each)
+
+
+class WaitClock:
+    """Student time blocked on the teacher. CPU (gloo): the host blocks in wait(), so the host clock.
+    CUDA (NCCL): wait() only makes the stream wait; events around it are read when asked (log steps)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.step_s = self.total_s = 0.0  # resolved seconds: this step's, and since launch
+        self.open_pairs: list[tuple] = []  # CUDA events of this step not read yet
+
+    def new_step(self) -> None:
+        self.step_s = 0.0
+        if self.cuda:
+            self.open_pairs = []
+
+    def start(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, start) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.open_pairs.append((start, end))
+            return
+        elapsed = time.perf_counter() - start
+        self.step_s += elapsed
+        self.total_s += elapsed
+
+    def read_step(self) -> float:
+        """This step's wait in seconds (on CUDA: synchronizes on the step's last event; log steps only)."""
+        if self.open_pairs:
+            self.open_pairs[-1][1].synchronize()
+            seconds = sum(a.elapsed_time(b) for a, b in self.open_pairs) / 1e3
+            self.step_s += seconds
+            self.total_s += seconds
+            self.open_pairs = []
+        return self.step_s
 
 
 class TeacherHandle:
@@ -34,104 +82,175 @@ class TeacherHandle:
     def __init__(self, client: "TeacherClient", works, response: torch.Tensor, bsz: int, seqlen: int, step: int):
         self.client, self.works, self.response = client, works, response
         self.bsz, self.seqlen, self.step = bsz, seqlen, step
+        self.request_bytes = 0
         self.submitted_at = time.time()
-        self.wait_s = 0.0
+        self.done = False
 
-    def wait(self) -> TeacherOutputs:
-        device = self.client.topo.device
-        synchronize(device)  # our own queued forward is compute, not teacher time
-        start = time.perf_counter()
+    def complete(self) -> None:
+        """Wait for both collectives (idempotent); on CUDA the stream waits, the host does not."""
+        if self.done:
+            return
         for work in self.works:
             work.wait()
-        synchronize(device)  # on NCCL wait() only orders our stream after the transfer: block until it landed
-        self.wait_s = time.perf_counter() - start
-        self.client.total_wait_s += self.wait_s
-        if self.client.first_round_trip is None:
-            self.client.first_round_trip = (self.submitted_at, time.time())
-        return self.client._decode(self.response, self.bsz, self.seqlen, self.step)
+        self.done = True
+        self.client.in_flight.remove(self)
+        # Counted when answered, so a look-ahead request belongs to the step that consumes it. What goes over
+        # the bridge is the whole framed buffer (header/status, padding), not only the payload.
+        self.client.bytes_up += self.request_bytes
+        self.client.bytes_down += self.response.numel() * self.response.element_size()
+
+    def wait(self) -> TeacherOutputs:
+        client = self.client
+        start = client.wait_clock.start()  # after our own queued work: that is compute, not teacher time
+        self.complete()
+        client.wait_clock.stop(start)
+        if client.first_round_trip is None:  # a startup span: one sync on the first response is fine
+            client.wait_clock.read_step()
+            client.first_round_trip = (self.submitted_at, time.time())
+        client.statuses.append((self.response[:RECORD_BYTES], self.step))
+        return client.payload(self.response, self.bsz, self.seqlen)
 
 
 class TeacherClient:
     """Student side of the bridge. Build it right after the student model (it runs the handshake)."""
 
     def __init__(self, args: DistillationArgs, topo, vocab: dict[str, int], n_words: int,
-                 max_bsz: int, max_seqlen: int):
+                 max_bsz: int, max_seqlen: int, attn_mask: str = "causal"):
         assert topo.is_student and topo.bridge_group is not None
         self.args, self.topo = args, topo
         self.teacher_rank = topo.my_teacher
-        mine = HandshakeRecord("student", topo.global_rank, n_words, tokenizer_fingerprint(vocab), agreed_settings(args),
-                               max_bsz=max_bsz, max_seqlen=max_seqlen)
+        mine = HandshakeRecord("student", topo.global_rank, n_words, tokenizer_fingerprint(vocab),
+                               agreed_settings(args, attn_mask), max_bsz=max_bsz, max_seqlen=max_seqlen)
         self.spec = agreed_handshake(topo, mine, args)
+        self.teacher_heldout_ce = self.spec.teacher_heldout_ce
         self.n_words = n_words
-        self.total_wait_s = 0.0
+        self.device = topo.device
+        self.pin = self.device.type == "cuda"  # pinned host buffers: the copy to the GPU does not block
+        self.wait_clock = WaitClock(self.device)
         self.first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done)
-        self.teacher = ResponseStatus()  # the teacher's latest status: its clocks, peak memory, preemption bit
-        self.teacher_preempt = False  # the teacher received a preemption signal (sticky)
-        self.bytes_up = self.bytes_down = 0  # sizes of the buffers this rank handed to gather / got from scatter
+        self.in_flight: list[TeacherHandle] = []
+        self.statuses: list[tuple[torch.Tensor, int]] = []  # (status record on the device, step), read per step
+        self.checked: list[tuple[torch.Tensor, int]] = []  # the statuses of the last agreed step
+        self.last_response: Optional[torch.Tensor] = None  # its status: the teacher's clocks, read on log steps
+        self.in_training = False  # set after this launch's first step: requests then tell the teacher
+        self.bytes_up = self.bytes_down = 0  # the buffers of answered requests: handed to gather / got from scatter
         self.stopped = False
         logger.info(
             f"teacher rank {self.teacher_rank} ready: output={self.spec.output} k={self.spec.k} "
             f"vocab={self.spec.vocab_size} buffers [{self.spec.max_bsz} x {self.spec.max_seqlen}]"
+            + (" with document ids" if self.spec.doc_boundaries else "")
         )
+
+    @property
+    def total_wait_s(self) -> float:
+        self.wait_clock.read_step()
+        return self.wait_clock.total_s
+
+    def teacher_status(self) -> ResponseStatus:
+        """The teacher's latest status (its cumulative busy/idle seconds, peak memory): one host read."""
+        if self.last_response is None:
+            return ResponseStatus()
+        return ResponseStatus.unpack(self.last_response[:RECORD_BYTES])
 
     @property
     def teacher_busy(self) -> float:
         """Fraction of the teacher's time since the handshake spent computing (vs waiting for requests)."""
-        return self.teacher.busy_s / max(self.teacher.busy_s + self.teacher.idle_s, 1e-9)
+        status = self.teacher_status()
+        return status.busy_s / max(status.busy_s + status.idle_s, 1e-9)
 
     def metrics(self) -> dict[str, float]:
         """Bridge metrics for a log row; all cumulative since launch, so a window is a difference of two rows."""
-        return {"kd/teacher_busy": self.teacher_busy, "kd/teacher_busy_s": self.teacher.busy_s,
-                "kd/teacher_idle_s": self.teacher.idle_s, "kd/teacher_peak_gib": self.teacher.peak_bytes / 2**30,
-                "kd/bytes_up": self.bytes_up, "kd/bytes_down": self.bytes_down}
+        status = self.teacher_status()
+        return {"kd/teacher_busy": status.busy_s / max(status.busy_s + status.idle_s, 1e-9),
+                "kd/teacher_busy_s": status.busy_s, "kd/teacher_idle_s": status.idle_s,
+                "kd/teacher_peak_gib": status.peak_bytes / 2**30, "kd/bytes_up": self.bytes_up,
+                "kd/bytes_down": self.bytes_down}
 
-    def _post(self, op: Op, step: int, micro_step: int, tokens: Optional[torch.Tensor]) -> TeacherHandle:
+    def _request(self, header: RequestHeader, tokens: Optional[torch.Tensor],
+                 doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """The request buffer, built on the host (pinned on CUDA) and sent to the device without blocking."""
+        request = torch.zeros(self.spec.request_ints(), dtype=torch.int32, pin_memory=self.pin)
+        request[:HEADER_INTS] = torch.tensor(header.to_ints(), dtype=torch.int32)
+        if tokens is not None:
+            tokens = tokens.cpu()  # a no-op for loader batches, which stay on the host until here
+            # Out-of-range ids are flagged for the teacher, which refuses the request: every student raises together.
+            request[BAD_TOKENS_FIELD] = ((tokens < 0) | (tokens >= self.n_words)).any()
+            self.spec.token_grid(request)[: header.bsz, : header.seqlen] = tokens
+            if self.spec.doc_boundaries:
+                self.spec.doc_grid(request)[: header.bsz, : header.seqlen] = doc_ids.cpu()
+        return request.to(self.device, non_blocking=True)
+
+    def _post(self, op: Op, step: int, micro_step: int, tokens: Optional[torch.Tensor],
+              doc_ids: Optional[torch.Tensor] = None) -> TeacherHandle:
         bsz, seqlen = (0, 0) if tokens is None else tuple(tokens.shape)
         if bsz > self.spec.max_bsz or seqlen > self.spec.max_seqlen:
             raise ValueError(
                 f"Batch of shape [{bsz}, {seqlen}] is larger than the [{self.spec.max_bsz}, {self.spec.max_seqlen}] "
                 f"announced to the teacher at the handshake."
             )
-        header = RequestHeader(op, step, micro_step, bsz, seqlen, self.topo.train_rank)
-        request = torch.zeros(self.spec.request_ints(), dtype=torch.int32, device=self.topo.device)
-        request[:HEADER_INTS] = torch.tensor(header.to_ints(), dtype=torch.int32)
-        if tokens is not None:
-            # Out-of-range ids are flagged in the header, computed on the device (no host sync per
-            # micro-batch); the teacher refuses the request, so every student of the bridge raises together.
-            request[HEADER_INTS - 2] = ((tokens < 0) | (tokens >= self.n_words)).any()
-            self.spec.token_grid(request)[:bsz, :seqlen] = tokens.to(device=self.topo.device, dtype=torch.int32)
-        response = torch.empty(self.spec.response_bytes(), dtype=torch.uint8, device=self.topo.device)
+        if self.spec.doc_boundaries and tokens is not None and doc_ids is None:
+            raise ValueError("This bridge agreed on document boundaries (model.attn_mask=doc_causal) but the "
+                             "batch has no doc_ids.")
+        header = RequestHeader(op, step, micro_step, bsz, seqlen, self.topo.train_rank,
+                               in_training=int(self.in_training))
+        request = self._request(header, tokens, doc_ids)
+        response = torch.empty(self.spec.response_bytes(), dtype=torch.uint8, device=self.device)
         group = self.topo.bridge_group
         log_collective(f"gather+scatter request op={op.name} step={step}.{micro_step}", group, request, response)
         up = dist.gather(request, None, dst=self.teacher_rank, group=group, async_op=True)
         down = dist.scatter(response, None, src=self.teacher_rank, group=group, async_op=True)
-        # What goes over the bridge is the whole framed buffer (header/status, padding), not only the payload.
-        self.bytes_up += request.numel() * request.element_size()
-        self.bytes_down += response.numel() * response.element_size()
-        return TeacherHandle(self, [up, down], response, bsz, seqlen, step)
+        handle = TeacherHandle(self, [up, down], response, bsz, seqlen, step)
+        handle.request_bytes = request.numel() * request.element_size()
+        self.in_flight.append(handle)
+        self.last_response = response
+        return handle
 
-    def submit(self, input_ids: torch.Tensor, step: int, micro_step: int) -> TeacherHandle:
-        """Send one micro-batch of tokens [bsz, seqlen]; returns a handle whose wait() gives outputs."""
-        return self._post(Op.FORWARD, step, micro_step, input_ids)
+    def submit(self, input_ids: torch.Tensor, step: int, micro_step: int,
+               doc_ids: Optional[torch.Tensor] = None) -> TeacherHandle:
+        """Send one micro-batch of tokens [bsz, seqlen] (host tensors are best: no device round trip; with
+        doc boundaries also its document ids); returns a handle whose wait() gives outputs."""
+        return self._post(Op.FORWARD, step, micro_step, input_ids, doc_ids)
+
+    def payload(self, response: torch.Tensor, bsz: int, seqlen: int) -> TeacherOutputs:
+        return TeacherOutputs.from_tensors(self.spec.output,
+                                           [view[:bsz, :seqlen] for view in self.spec.payload_views(response)])
+
+    def response_flags(self) -> dict[str, torch.Tensor]:
+        """Whether any response since the last call reported an error or the teacher's preemption signal,
+        as device tensors for the step's agreed flags (no host read here)."""
+        if not self.statuses:
+            zero = torch.zeros((), dtype=torch.int64, device=self.device)
+            return {"teacher_error": zero, "teacher_preempt": zero}
+        words = torch.stack([record[: STATUS_WORDS * 8].view(torch.int64) for record, _ in self.statuses]).amax(dim=0)
+        self.checked, self.statuses = self.statuses, []
+        return {"teacher_error": words[0], "teacher_preempt": words[1]}
+
+    def raise_teacher_error(self) -> None:
+        """After the students agreed that a response failed: the teacher's own sentence, if this bridge has it."""
+        for record, step in self.checked:
+            status = ResponseStatus.unpack(record)  # the message is decoded only here, on the error path
+            if not status.ok:
+                raise TeacherError(f"Teacher rank {self.teacher_rank} failed at step {step}: {status.message}")
+        raise TeacherError("a teacher in another bridge failed; its students' logs name the reason")
+
+    def mark_first_step_done(self) -> None:
+        """This launch's first step is over: later requests let the teacher switch to the training timeout."""
+        self.in_training = True
+
+    def drain(self) -> None:
+        """Wait for every request still in flight (before STOP, a preemption save, an agreed error)."""
+        for handle in list(self.in_flight):
+            handle.complete()
 
     def stop(self, step: int, error: bool = False) -> None:
-        """Tell the teacher to leave its loop (end of training, preemption, agreed error)."""
+        """Tell the teacher to leave its loop (end of training, preemption, agreed error), after draining."""
         if self.stopped:
             return
+        self.drain()
         handle = self._post(Op.ERROR if error else Op.STOP, step, 0, None)
-        for work in handle.works:
-            work.wait()
+        handle.complete()
         self.stopped = True
         status = ResponseStatus.unpack(handle.response[:RECORD_BYTES])
         if not status.ok and not error:
             raise TeacherError(f"Teacher rank {self.teacher_rank} reported at STOP: {status.message}")
         logger.info(f"sent STOP to teacher rank {self.teacher_rank} at step {step}")
-
-    def _decode(self, response: torch.Tensor, bsz: int, seqlen: int, step: int) -> TeacherOutputs:
-        status = ResponseStatus.unpack(response[:RECORD_BYTES])
-        if not status.ok:
-            raise TeacherError(f"Teacher rank {self.teacher_rank} failed at step {step}: {status.message}")
-        self.teacher = status
-        self.teacher_preempt = self.teacher_preempt or status.teacher_preempt
-        tensors = [view[:bsz, :seqlen] for view in self.spec.payload_views(response)]
-        return TeacherOutputs.from_tensors(self.spec.output, tensors)

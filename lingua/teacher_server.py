@@ -20,14 +20,13 @@ import torch.distributed as dist
 
 from lingua.bridge import (
     HEADER_INTS, RECORD_BYTES, HandshakeRecord, Op, RequestHeader, ResponseStatus, agreed_handshake, agreed_settings,
-    synchronize, tokenizer_fingerprint,
+    tokenizer_fingerprint,
 )
 from lingua.collectives import log_collective
 from lingua.distillation import DistillationArgs, TeacherError
-from lingua.kd_loss import TeacherOutputs, sparsify_teacher_logits
 from lingua.metrics import MemoryMonitor
 from lingua.preemption import PreemptionFlag
-from lingua.teacher import load_teacher
+from lingua.teacher import TeacherModel
 from lingua.timeouts import HangWatch, set_collective_timeout
 
 logger = logging.getLogger(__name__)
@@ -35,22 +34,51 @@ REPORT_EVERY_S = 30.0
 
 
 class ServingClock:
-    """The teacher's busy and idle seconds since the handshake; together they cover the whole loop."""
+    """The teacher's busy and idle seconds since the handshake; together they cover the whole loop.
 
-    def __init__(self):
-        self.busy_s = self.idle_s = 0.0
-        self.mark = time.perf_counter()  # where the last counted interval ended
+    CPU: the host clock (the forward runs on the host). CUDA: busy = the stream's time from a request's
+    arrival to the end of its forward, from events read when the next request arrives (reading its
+    headers waits for the stream anyway), idle = the rest; so a status reports the busy time of the
+    requests before it, and the forward needs no host sync of its own."""
 
-    def _advance(self) -> float:
-        now = time.perf_counter()
-        elapsed, self.mark = now - self.mark, now
-        return elapsed
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.start = self.mark = time.perf_counter()  # mark: where the last counted interval ended (CPU)
+        self.busy_total = self.idle_total = 0.0
+        self.pending: list = []  # CUDA: (arrival, forward done) event pairs not read yet
 
     def request_arrived(self) -> None:
-        self.idle_s += self._advance()
+        if self.cuda:
+            for begin, end in self.pending:
+                self.busy_total += begin.elapsed_time(end) / 1e3
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            self.pending = [(begin, None)]
+            return
+        now = time.perf_counter()
+        self.idle_total += now - self.mark
+        self.mark = now
 
     def worked(self) -> None:
-        self.busy_s += self._advance()
+        if self.cuda:
+            if self.pending and self.pending[-1][1] is None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.pending[-1] = (self.pending[-1][0], end)
+            return
+        now = time.perf_counter()
+        self.busy_total += now - self.mark
+        self.mark = now
+
+    @property
+    def busy_s(self) -> float:
+        return self.busy_total
+
+    @property
+    def idle_s(self) -> float:
+        if self.cuda:
+            return max(time.perf_counter() - self.start - self.busy_total, 0.0)
+        return self.idle_total
 
     @property
     def busy_fraction(self) -> float:
@@ -60,15 +88,14 @@ class ServingClock:
 class TimeoutSwitch:
     """The teacher's two-phase timeout. The generous one holds through the students' whole first step
     (checkpoint load, compile, the first backward, optimizer, a save): every group switches to the
-    short one when a request of a later step than the first request's (or a STOP) arrives -- the step
-    comes from the headers, so a resumed run works the same. Each wait arms a stack dump shortly
-    before the timeout in force, so a teacher stuck waiting says where."""
+    short one when a request marked `in_training` (sent once the students finished this launch's first
+    step; with look-ahead a request of the next step can come earlier) or a STOP arrives. Each wait
+    arms a stack dump shortly before the timeout in force, so a teacher stuck waiting says where."""
 
     def __init__(self, topo, timeouts: Optional[tuple[float, float]]):
         self.topo, self.timeouts = topo, timeouts
         self.timeout_s = timeouts[0] if timeouts is not None else None
         self.hang_watch = HangWatch() if timeouts is not None else None
-        self.first_step: Optional[int] = None  # the step of this launch's first request
         self.in_training = False
 
     def arm(self) -> None:
@@ -79,11 +106,8 @@ class TimeoutSwitch:
         if self.hang_watch is not None:
             self.hang_watch.cancel()
 
-    def observe(self, step: int, stop: bool) -> None:
-        if self.first_step is None:
-            self.first_step = step
-        if self.timeouts is not None and not self.in_training and (step > self.first_step or stop):
-            # The students finished their first step (they only send a later one after it): short from now on.
+    def observe(self, in_training: bool, stop: bool) -> None:
+        if self.timeouts is not None and not self.in_training and (in_training or stop):
             self.in_training, self.timeout_s = True, self.timeouts[1]
             set_collective_timeout(self.topo, self.timeout_s)
 
@@ -92,21 +116,26 @@ class TeacherServer:
     """Teacher side: load, handshake, then answer requests until every student sent STOP."""
 
     def __init__(self, args: DistillationArgs, topo, preemption: Optional[PreemptionFlag] = None,
-                 inject_load_failure: bool = False, phases=None):
+                 inject_load_failure: bool = False, phases=None, attn_mask: str = "causal",
+                 inject_serve_failure_at: Optional[int] = None, heldout=None):
         assert topo.is_teacher
         self.args, self.topo = args, topo
-        self.model = None
-        record = HandshakeRecord("teacher", topo.global_rank, 0, 0, agreed_settings(args))
+        self.inject_serve_failure_at = inject_serve_failure_at  # tests: fail while serving this step
+        self.teacher: Optional[TeacherModel] = None
+        record = HandshakeRecord("teacher", topo.global_rank, 0, 0, agreed_settings(args, attn_mask))
         start, start_wall = time.perf_counter(), time.time()
         try:
             if inject_load_failure:
                 raise RuntimeError("injected teacher load failure (inject_failure=teacher_load:...)")
-            self.model, tokenizer = load_teacher(args, topo.device)
-            record.vocab = int(self.model.get_output_embeddings().weight.shape[0])
-            record.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer.get_vocab())
-            record.max_positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+            self.teacher = TeacherModel(args, topo.device)
+            record.vocab, record.max_positions = self.teacher.vocab_size, self.teacher.max_positions
+            record.tokenizer_fingerprint = tokenizer_fingerprint(self.teacher.tokenizer.get_vocab())
             logger.info(f"teacher {args.teacher_path} loaded in {time.perf_counter() - start:.1f}s "
-                        f"(vocab {record.vocab}, {sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M params)")
+                        f"(vocab {record.vocab}, {self.teacher.n_params / 1e6:.1f}M params)")
+            if heldout is not None:  # (held-out batches of every student, the students' vocab): a reference line
+                loss_sum, tokens = self.teacher.heldout_ce(*heldout, doc_causal=attn_mask == "doc_causal")
+                record.heldout_ce = loss_sum / max(tokens, 1)
+                logger.info(f"teacher's held-out CE: {record.heldout_ce:.4f} over {tokens:,} tokens")
         except Exception as err:  # every rank must hear about it, not only this one
             record.loaded, record.message = False, f"{type(err).__name__}: {err}"
             logger.error(f"teacher failed to load: {record.message}")
@@ -118,7 +147,7 @@ class TeacherServer:
         self.mine = self.bridge_ranks.index(topo.global_rank)
         self.generator = torch.Generator(device=topo.device).manual_seed(args.seed + topo.global_rank)
         self.memory = MemoryMonitor(topo.device)
-        self.clock = ServingClock()
+        self.clock = ServingClock(topo.device)
         self.requests = 0
         # A signal on the teacher cannot stop anything by itself: it rides on every response, and the
         # students fold it into their agreed control bits.
@@ -144,7 +173,7 @@ class TeacherServer:
 
         `timeouts` = (init, train) seconds for the `TimeoutSwitch`; None keeps the groups' timeout."""
         switch = TimeoutSwitch(self.topo, timeouts)
-        self.clock = ServingClock()
+        self.clock = ServingClock(self.topo.device)
         last_report = time.perf_counter()
         while True:
             switch.arm()
@@ -188,11 +217,12 @@ class TeacherServer:
             headers = {rank: RequestHeader.from_ints(row) for (rank, _), row in zip(students, rows)}
             ops = {h.op for h in headers.values()}
             step = headers[students[0][0]].step
-            switch.observe(step, Op.STOP in ops)
+            switch.observe(all(h.in_training for h in headers.values()), Op.STOP in ops)
             error = self._check_headers(headers, students)
+            if step == self.inject_serve_failure_at and ops == {Op.FORWARD}:
+                raise RuntimeError("injected teacher failure (inject_failure=teacher_serve:...)")
             if error is None and ops == {Op.FORWARD}:
                 self._forward(students, headers)
-            synchronize(self.topo.device)  # on CUDA the forward was only queued: busy until it has run
             peak_bytes = int(self.memory.get_peak_stats()["mem/peak_gib"] * 2**30)
         except Exception as err:
             where = "a request" if step is None else f"step {step}"
@@ -204,7 +234,7 @@ class TeacherServer:
                               idle_s=self.clock.idle_s, peak_bytes=peak_bytes, message=error or ""), ops
 
     def _reply(self, status: ResponseStatus) -> None:
-        record = status.pack().to(self.topo.device)
+        record = status.pack(pin=self.topo.device.type == "cuda").to(self.topo.device, non_blocking=True)
         for buf in self.responses:
             buf[:RECORD_BYTES] = record
         log_collective("scatter responses (teacher)", self.topo.bridge_group, self.responses[self.mine])
@@ -236,33 +266,18 @@ class TeacherServer:
     def _forward(self, students, headers: dict[int, RequestHeader]) -> None:
         """One forward over every student's rows; each student's outputs go into its own response."""
         seqlen = max(headers[r].seqlen for r, _ in students)
-        rows = [self.spec.token_grid(buf)[:headers[r].bsz, :seqlen] for r, buf in students]
         # Right padding is invisible to a causal model's earlier positions: one forward for all students.
-        hidden = self._hidden_states(torch.cat(rows).long())
+        tokens = torch.cat([self.spec.token_grid(buf)[:headers[r].bsz, :seqlen] for r, buf in students]).long()
+        doc_ids = torch.cat([self.spec.doc_grid(buf)[:headers[r].bsz, :seqlen] for r, buf in students]) \
+            if self.spec.doc_boundaries else None
+        hidden = self.teacher.hidden_states(tokens, doc_ids)
         row = 0
         for rank, _ in students:
             header = headers[rank]
-            outputs = self._sparse_outputs(hidden[row: row + header.bsz, :header.seqlen])
+            outputs = self.teacher.sparse_outputs(hidden[row: row + header.bsz, :header.seqlen], self.spec.output,
+                                                  self.spec.k, self.spec.wire_dtype, self.spec.vocab_size,
+                                                  self.generator)
             row += header.bsz
             views = self.spec.payload_views(self.responses[self.bridge_ranks.index(rank)])
             for source, dest in zip(outputs.tensors(), views):
                 dest[: source.shape[0], : source.shape[1]] = source
-
-    def _hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        decoder = self.model.get_decoder()
-        return decoder(input_ids=tokens).last_hidden_state
-
-    def _sparse_outputs(self, hidden: torch.Tensor) -> TeacherOutputs:
-        """lm_head + sparsification a few rows at a time, so [rows, S, V] logits never exist at once."""
-        head = self.model.get_output_embeddings()
-        softcap = getattr(self.model.config, "final_logit_softcapping", None)
-        parts = []
-        for start in range(0, hidden.shape[0], max(1, self.args.logits_chunk_rows)):
-            logits = head(hidden[start: start + self.args.logits_chunk_rows]).float()
-            if softcap:
-                logits = torch.tanh(logits / softcap) * softcap
-            logits = logits[..., : self.spec.vocab_size]
-            parts.append(sparsify_teacher_logits(
-                logits, self.spec.output, self.spec.k, self.args.temperature, self.spec.wire_dtype, self.generator
-            ))
-        return TeacherOutputs.from_tensors(self.spec.output, [torch.cat(ts) for ts in zip(*(p.tensors() for p in parts))])

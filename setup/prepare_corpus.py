@@ -4,7 +4,8 @@
 
 Sources, in a fixed order: the language reference topics behind `help()` (`pydoc_data.topics`) and the
 docstrings of a fixed list of standard-library modules (module, class, function and method docs).
-Writes our data layout, `<out>/pydocs/pydocs.chunk.<i>.jsonl` plus a held-out `pydocs.val.jsonl`,
+Writes our data layout, `<out>/pydocs/pydocs.chunk.<i>.jsonl` plus a held-out `pydocs.val.jsonl`
+(whole documents, at least VAL_MIN_CHARS characters: ~38k SmolLM2 tokens, none of them in training),
 one `{"text": ...}` per line. Same Python version -> byte-identical files.
 """
 
@@ -30,8 +31,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 SOURCE_NAME = "pydocs"
 MARKER_NAME = "corpus_ready.json"
+# Bumped whenever the files' content changes, so an existing corpus directory is rebuilt.
+CORPUS_VERSION = 2
 MIN_DOC_CHARS = 200
-VAL_FRACTION = 0.02
+# Held out: whole documents from the front of the shuffled list until they hold this many characters.
+# SmolLM2's tokenizer reads this corpus at ~4.0 chars per token, so that is ~37k tokens: enough for a
+# perplexity that moves by well under 1% when a few documents change (the test checks >= 30k tokens).
+VAL_MIN_CHARS = 150_000
 SHUFFLE_SEED = 1234
 
 # Pure-Python, side-effect-free stdlib packages/modules with substantial English docstrings.
@@ -156,13 +162,26 @@ def _is_complete(source_dir: Path, n_chunks: int) -> bool:
     except (OSError, json.JSONDecodeError):
         return False
     expected = [f"{SOURCE_NAME}.chunk.{i}.jsonl" for i in range(n_chunks)] + [f"{SOURCE_NAME}.val.jsonl"]
-    return info.get("n_chunks") == n_chunks and all((source_dir / name).is_file() for name in expected)
+    return (info.get("version") == CORPUS_VERSION and info.get("n_chunks") == n_chunks
+            and all((source_dir / name).is_file() for name in expected))
 
 
 def _write_jsonl(path: Path, texts: list[str]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for text in texts:
             f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+
+
+def split_held_out(docs: list[str], min_chars: int) -> tuple[list[str], list[str]]:
+    """(held-out, train): the first documents until they hold `min_chars`, and the rest; never both."""
+    n_val, chars = 0, 0
+    while n_val < len(docs) - 1 and chars < min_chars:
+        chars += len(docs[n_val])
+        n_val += 1
+    if chars < min_chars:
+        raise ValueError(f"the corpus has only {sum(map(len, docs)):,} characters, too few to hold out "
+                         f"{min_chars:,}; this Python's docs are incomplete (is pydoc_data installed?).")
+    return docs[:n_val], docs[n_val:]
 
 
 def prepare_python_docs_corpus(out_dir, n_chunks: int = 4, force: bool = False) -> Path:
@@ -176,13 +195,13 @@ def prepare_python_docs_corpus(out_dir, n_chunks: int = 4, force: bool = False) 
 
     docs = _collect_in_fresh_interpreter()
     random.Random(SHUFFLE_SEED).shuffle(docs)
-    n_val = max(1, round(len(docs) * VAL_FRACTION))
-    val_docs, train_docs = docs[:n_val], docs[n_val:]
+    val_docs, train_docs = split_held_out(docs, VAL_MIN_CHARS)
     with atomic_output_dir(source_dir) as tmp_dir:
         for i in range(n_chunks):
             _write_jsonl(tmp_dir / f"{SOURCE_NAME}.chunk.{i}.jsonl", train_docs[i::n_chunks])
         _write_jsonl(tmp_dir / f"{SOURCE_NAME}.val.jsonl", val_docs)
         stats = {
+            "version": CORPUS_VERSION,
             "n_chunks": n_chunks,
             "n_train_docs": len(train_docs),
             "n_val_docs": len(val_docs),

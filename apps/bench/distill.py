@@ -3,11 +3,15 @@
     python -m apps.bench.distill                                   # tiny random teacher, 2+1 ranks on CPU
     python -m apps.bench.distill --config smollm2                  # SmolLM2-135M-Instruct teacher
     python -m apps.bench.distill --config configs/distill_exps/debug.yaml --nproc 8 --steps 50 --warmup 10
+    python -m apps.bench.distill --config tiny --teacher-latency-ms 0,50,100,200 --out DIR   # prefetch 0 vs 1
+
+With --teacher-latency-ms it measures the teacher look-ahead instead (apps/bench/prefetch_latency.py):
+a teacher that takes L ms per request, prefetch 0 vs 1, `DIR/results.json`. Otherwise:
 
 It launches the trainer under torchrun once per variant (and per --repeats, interleaved):
 
-    kd_off              nproc - n_teacher_ranks processes: the students alone, data prefetch on
-    kd_off_no_prefetch  the same with data.load_async=false
+    kd_off              nproc - n_teacher_ranks processes: the students alone, data loaded in a thread
+    kd_off_no_prefetch  the same with data.load_async=false (no data prefetch thread)
     kd_on               nproc processes: the same students plus the teacher rank(s)
 
 KD off runs with nproc - n_teacher_ranks processes on purpose: launched with nproc processes, the
@@ -41,6 +45,7 @@ import torch
 from omegaconf import OmegaConf
 
 from apps.bench.distill_report import FAIRNESS_NOTE, format_markdown
+from apps.bench.prefetch_latency import LATENCY_PRESET_OVERRIDES, format_latency_table, run_latency_sweep
 from apps.bench.runs import cpu_seconds_between, launch, trainer_command
 from apps.main.train import TrainArgs
 from lingua.args import parse_args
@@ -301,6 +306,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--omp-threads", type=int, default=1, help="OMP_NUM_THREADS of every rank")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per run")
     parser.add_argument("--out", default=None, help="result folder (default dumps/bench_distill/<config name>)")
+    parser.add_argument("--teacher-latency-ms", default=None, metavar="L[,L...]",
+                        help="measure prefetch 0 vs 1 with a teacher taking L ms per request (a sweep with commas)")
+    parser.add_argument("--grad-acc", type=int, default=1, help="grad_acc_steps of the --teacher-latency-ms runs")
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -321,6 +329,18 @@ def main(argv: Optional[list[str]] = None) -> dict:
         raise ValueError(f"--variants {opts.variants}: choose among {', '.join(known)}.")
 
     out_dir = Path(opts.out or f"dumps/bench_distill/{Path(config).stem}")
+    if opts.teacher_latency_ms is not None:
+        try:
+            latencies = [float(x) for x in opts.teacher_latency_ms.split(",")]
+        except ValueError:
+            raise ValueError(f"--teacher-latency-ms {opts.teacher_latency_ms}: give milliseconds, e.g. 100 or "
+                             f"0,50,100,200.") from None
+        overrides = (LATENCY_PRESET_OVERRIDES if opts.config == "tiny" else []) + opts.overrides
+        results = run_latency_sweep(config, overrides, latencies, opts.nproc, opts.steps, opts.warmup, opts.grad_acc,
+                                    out_dir, opts.timeout, opts.omp_threads, read_rows)
+        print(format_latency_table(results))
+        logger.info(f"wrote {out_dir / 'results.json'}")
+        return results
     runs_dir = out_dir / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()

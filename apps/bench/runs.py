@@ -26,9 +26,13 @@ def cpu_seconds_between(samples: list[tuple[float, float]], start: float, end: f
     return last - first if first is not None and last is not None else None
 
 
-def trainer_command(nproc: int, config: str, overrides: list[str]) -> list[str]:
+def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "--max-restarts", "0", "-m", "apps.main.train", f"config={config}", *overrides]
+            "--max-restarts", "0", "-m", module, *args]
+
+
+def trainer_command(nproc: int, config: str, overrides: list[str]) -> list[str]:
+    return torchrun_command(nproc, "apps.main.train", [f"config={config}", *overrides])
 
 
 def _children(pid: int) -> list[int]:
@@ -56,7 +60,8 @@ def _cpu_seconds(pid: int) -> Optional[float]:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-def launch(command: list[str], log_path: Path, timeout_s: float, omp_threads: int, poll_s: float = 0.2):
+def launch(command: list[str], log_path: Path, timeout_s: float, omp_threads: int, poll_s: float = 0.2,
+           extra_env: Optional[dict] = None):
     """Run torchrun, sampling its ranks from /proc.
 
     Returns (exit code, wall seconds, pid -> peak RSS bytes, pid -> [(unix time, CPU seconds)]).
@@ -64,6 +69,7 @@ def launch(command: list[str], log_path: Path, timeout_s: float, omp_threads: in
     env = dict(os.environ, OMP_NUM_THREADS=str(omp_threads), PYTHONUNBUFFERED="1", WANDB_MODE="disabled",
                TOKENIZERS_PARALLELISM="false")
     env.setdefault("HF_HUB_OFFLINE", "1")  # teachers are local directories; never wait on the network
+    env.update(extra_env or {})
     peaks: dict[int, int] = {}
     cpu_samples: dict[int, list[tuple[float, float]]] = {}
     start = time.perf_counter()

@@ -38,13 +38,14 @@ import torch
 import torch.distributed as dist
 
 from apps.main.train import (
-    TrainArgs, build_model, distillation_process, init_tokenizer, n_teacher_ranks, optimizer_step, restore_checkpoint,
-    train_step,
+    TrainArgs, build_model, distillation_process, init_tokenizer, n_teacher_ranks, open_training_cache, optimizer_step,
+    restore_checkpoint, train_step,
 )
 from lingua.args import parse_args, require
 from lingua.cli import release_sigterm, run_cli
 from lingua.data import DataLoader
 from lingua.distiller import build_distiller
+from lingua.feed import MicroBatchFeed
 from lingua.distributed import (
     Topology, choose_device, clean_up, init_method_for, log_rank_device_map, setup_torch_distributed,
 )
@@ -123,8 +124,9 @@ def student_startup(args: TrainArgs, topo: Topology, phases: PhaseLog, phase: in
         tokenizer = init_tokenizer(args)
     with phases.span("model_build"):
         model = build_model(args, topo)
+    cache = open_training_cache(args, tokenizer, topo)
     distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer, args.data.batch_size,
-                                args.data.seq_len, phases)
+                                args.data.seq_len, phases, attn_mask=args.model.attn_mask, cache=cache)
     saved, step, loader = None, 0, None
     try:
         if phase >= 5:
@@ -137,17 +139,19 @@ def student_startup(args: TrainArgs, topo: Topology, phases: PhaseLog, phase: in
                 scheduler.load_state_dict(saved["scheduler"])
         if phase >= 4:
             with phases.span("data_init"):
-                loader = DataLoader(args.data, tokenizer, topo.dp_rank, topo.dp_degree)
+                loader = cache or DataLoader(args.data, tokenizer, topo.dp_rank, topo.dp_degree)
                 if saved is not None:
                     loader.load_state_dict(saved["data"])
+            # One step's micro-batches, drawn as the trainer's feed draws them (no look-ahead beyond the step).
+            feed = MicroBatchFeed(loader, distiller, args.grad_acc_steps, last_step=step + 1)
             with phases.span("first_batch"):
-                micro_batches = [next(loader) for _ in range(args.grad_acc_steps)]
+                feed.start_step(step + 1)
         if phase >= 5:
             step += 1
             with phases.span("first_step"):
                 timer = StepTimer()
-                train_step(args, model, distiller, iter(micro_batches), step, timer, topo.device,
-                           scheduler.get_last_lr()[0] / args.optim.lr)  # the batch drawn in phase 4
+                train_step(args, model, distiller, feed, step, timer, topo.device,
+                           scheduler.get_last_lr()[0] / args.optim.lr)  # the batches drawn in phase 4
                 optimizer_step(model, optimizer, scheduler, args.optim.clip, timer)
             if distiller.first_round_trip is not None:
                 phases.record("first_teacher_round_trip", *distiller.first_round_trip)

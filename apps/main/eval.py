@@ -1,13 +1,31 @@
-"""In-loop evaluation on the training group: mean CE over the held-out `*.val.jsonl` documents."""
+"""Evaluation: in-loop held-out CE on the training group (`EvalArgs`, `Evaluator`, used by train.py), and
+the evaluation of any finished checkpoint (`CheckpointEvalArgs`, `evaluate_checkpoint`):
 
+    python -m apps.main.eval ckpt=dumps/run/checkpoints tasks=pydocs_cloze limit=100     # offline
+    python -m apps.main.eval ckpt=dumps/run/checkpoints tasks=hellaswag,arc_easy          # needs the hub
+
+A checkpoint is scored twice: held-out perplexity (mean CE per token over the corpus's `*.val.jsonl`
+documents, with the run's own tokenizer, windows and BOS/EOS framing: the number the in-loop eval logs),
+and lm-eval-harness tasks through its Hugging Face backend on the checkpoint exported with
+apps.main.export_hf. Our tasks live in apps/main/eval_tasks (offline); any other name is lm-eval's own.
+Results go to `eval.json` in the checkpoint's step directory.
+"""
+
+import json
 import logging
 import math
+import os
+import tempfile
+import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 import torch
 
 from apps.main.transformer import batch_doc_ids
 from lingua.args import require
+from lingua.cli import UserError, run_cli
 from lingua.collectives import agree_count, dist_mean_dict
 from lingua.eval_data import iterate_eval_batches
 from lingua.kd_loss import cross_entropy_sum
@@ -15,6 +33,10 @@ from lingua.kd_loss import cross_entropy_sum
 logger = logging.getLogger(__name__)
 
 EVAL_UNEVEN = ("min", "error")
+EVAL_TASKS_DIR = Path(__file__).resolve().parent / "eval_tasks"  # our lm-eval task YAMLs, one task per file
+EVAL_JSON = "eval.json"
+# Our tasks read only committed files; these keep lm-eval, datasets and transformers off the network.
+OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 @dataclass
@@ -31,12 +53,21 @@ class EvalArgs:
         require(self.uneven in EVAL_UNEVEN, "eval.uneven", self.uneven, f"use one of {', '.join(EVAL_UNEVEN)}")
 
 
+def batch_ce_sum(model, batch: dict, attn_mask: str, device) -> tuple[float, int]:
+    """(CE summed over the predicted positions, their count) for one held-out batch."""
+    labels = batch["labels"].to(device)
+    logits = model(batch["input_ids"].to(device), doc_ids=batch_doc_ids(attn_mask, batch, device))
+    return cross_entropy_sum(logits, labels).item(), int((labels != -100).sum())
+
+
 class Evaluator:
     """Owns its cadence (`should_run`) and runs the eval over this rank's share of the held-out files."""
 
-    def __init__(self, args: EvalArgs, data_args, attn_mask: str, tokenizer, topo):
+    def __init__(self, args: EvalArgs, data_args, attn_mask: str, tokenizer, topo,
+                 teacher_loss: Optional[float] = None):
         self.args, self.data_args, self.attn_mask = args, data_args, attn_mask
         self.tokenizer, self.topo = tokenizer, topo
+        self.teacher_loss = teacher_loss  # the teacher's own CE on these windows: logged once, as a reference
 
     def should_run(self, step: int) -> bool:
         return bool(self.args.every) and step % self.args.every == 0
@@ -52,12 +83,223 @@ class Evaluator:
         loss_sum = tokens = 0.0
         model.eval()
         for batch in batches[:n_batches]:
-            labels = batch["labels"].to(topo.device)
-            logits = model(batch["input_ids"].to(topo.device), doc_ids=batch_doc_ids(self.attn_mask, batch, topo.device))
-            loss_sum += cross_entropy_sum(logits, labels).item()
-            tokens += int((labels != -100).sum())
+            batch_loss, batch_tokens = batch_ce_sum(model, batch, self.attn_mask, topo.device)
+            loss_sum += batch_loss
+            tokens += batch_tokens
         model.train()
         totals = dist_mean_dict(dict(loss_sum=loss_sum, tokens=tokens), topo.train_group, topo.device)
         eval_loss = totals["loss_sum"] / max(totals["tokens"], 1)
-        logger.info(f"eval step {step}: loss {eval_loss:.4f} over {n_batches} batches per rank")
-        return {"step": step, "eval/loss": eval_loss, "eval/ppl": math.exp(min(eval_loss, 50))}
+        logger.info(f"eval step {step}: loss {eval_loss:.4f} over {n_batches} batches per rank"
+                    + (f" (the teacher's: {self.teacher_loss:.4f})" if self.teacher_loss is not None else ""))
+        row = {"step": step, "eval/loss": eval_loss, "eval/ppl": math.exp(min(eval_loss, 50))}
+        if self.teacher_loss is not None:
+            row["eval/teacher_loss"], self.teacher_loss = self.teacher_loss, None
+        return row
+
+
+# ---- evaluating a finished checkpoint: python -m apps.main.eval ckpt=... tasks=...
+
+
+@dataclass
+class CheckpointEvalArgs:
+    ckpt: str = ""  # a checkpoint step directory, or a checkpoints root (its latest step)
+    tasks: Optional[str] = "pydocs_cloze"  # comma list of lm-eval tasks; empty (`tasks=`): held-out perplexity only
+    out: Optional[str] = None  # where to write the results; None: <step dir>/eval.json
+    limit: Optional[int] = None  # examples per task (None: all); small values are for smoke tests
+    num_fewshot: Optional[int] = None  # None: each task's default (0 for pydocs_cloze)
+    batch_size: int = 8  # lm-eval's batch size (held-out batches keep the run's data.batch_size)
+    device: str = "auto"  # "auto" (cuda if available) | "cpu" | "cuda" | "cuda:1" ...
+    perplexity: bool = True  # also score the held-out *.val.jsonl documents
+    data_dir: Optional[str] = None  # corpus root holding <source>/*.val.jsonl; None: the run's data.root_dir
+    hf_dir: Optional[str] = None  # keep the exported model here; None: a temporary directory, removed after
+
+    def validate(self) -> None:
+        """What the settings alone can show, before the checkpoint is read (the rest needs its params.json)."""
+        require(bool(self.ckpt), "ckpt", self.ckpt, "pass ckpt=<a checkpoint step directory or the run's "
+                "checkpoints/ directory>")
+        require(bool(parse_tasks(self.tasks)) or self.perplexity, "perplexity", self.perplexity,
+                "with no tasks there is nothing to evaluate: pass tasks=<comma list> or leave perplexity=true")
+        require(self.batch_size >= 1, "batch_size", self.batch_size, "use a positive lm-eval batch size")
+        require(self.limit is None or self.limit >= 1, "limit", self.limit, "use a positive number of examples "
+                "per task, or null for all")
+        require(self.num_fewshot is None or self.num_fewshot >= 0, "num_fewshot", self.num_fewshot,
+                "use 0 or more examples, or null for each task's default")
+
+
+def local_task_names() -> list[str]:
+    """The tasks shipped in apps/main/eval_tasks (a YAML file per task, named like its task)."""
+    return sorted(p.stem for p in EVAL_TASKS_DIR.glob("*.yaml"))
+
+
+def parse_tasks(tasks: Optional[str]) -> list[str]:
+    names = [name.strip() for name in (tasks or "").split(",") if name.strip()]
+    return list(dict.fromkeys(names))  # in order, without repeats
+
+
+def build_task_manager(names: list[str]):
+    """lm-eval's TaskManager over our tasks, plus lm-eval's own (13 s to index) only when a name needs them."""
+    from lm_eval.tasks import TaskManager
+
+    include_defaults = not set(names) <= set(local_task_names())
+    manager = TaskManager(include_path=str(EVAL_TASKS_DIR), include_defaults=include_defaults)
+    unknown = [name for name in names if name not in manager.all_tasks]
+    if unknown:
+        raise ValueError(f"unknown lm-eval task(s) {', '.join(map(repr, unknown))}; use one of ours "
+                         f"({', '.join(local_task_names())}) or a name that `lm-eval ls tasks` lists.")
+    return manager
+
+
+def held_out_data_args(params: dict, data_dir: Optional[str]):
+    """The run's DataArgs, reading held-out files from `data_dir` when given; errors name what to pass."""
+    from lingua.args import dataclass_from_dict
+    from lingua.data import DataArgs
+    from lingua.documents import list_val_files
+
+    data_args = dataclass_from_dict(DataArgs, params.get("data", {}))
+    if data_dir is not None:
+        data_args.root_dir = data_dir
+    names = data_args.eval_sources or [name for name, weight in data_args.sources.items() if weight > 0]
+    if not data_args.root_dir or not names:
+        raise ValueError("the checkpoint's params.json names no data root or sources to find held-out files in; "
+                         "pass data_dir=<corpus root> or perplexity=false.")
+    if not any(list_val_files(data_args.root_dir, name) for name in names):
+        where = ", ".join(str(Path(data_args.root_dir) / name) for name in names)
+        raise FileNotFoundError(f"no held-out files (*.val.jsonl) in {where}; pass data_dir=<the corpus root> "
+                                f"(python -m setup.prepare_corpus writes data/corpus/pydocs/pydocs.val.jsonl) "
+                                f"or perplexity=false.")
+    return data_args
+
+
+@torch.no_grad()
+def held_out_perplexity(model, data_args, tokenizer, attn_mask: str, device) -> dict:
+    """Mean CE per predicted token over every held-out window (one rank, all batches), and its exp."""
+    loss_sum, tokens, n_batches = 0.0, 0, 0
+    for batch in iterate_eval_batches(data_args, tokenizer, dp_rank=0, dp_degree=1):
+        batch_loss, batch_tokens = batch_ce_sum(model, batch, attn_mask, device)
+        loss_sum, tokens, n_batches = loss_sum + batch_loss, tokens + batch_tokens, n_batches + 1
+    ce = loss_sum / max(tokens, 1)
+    return {"tokens": tokens, "ce": ce, "ppl": math.exp(min(ce, 50)), "batches": n_batches,
+            "seq_len": data_args.seq_len, "root_dir": str(data_args.root_dir)}
+
+
+def task_results(results: dict) -> dict:
+    """{task: {metric: value, ..., "n_samples": n, "n_shot": k}} from simple_evaluate's output.
+
+    lm-eval keys metrics as "<metric>,<filter>"; the default filter ("none") is dropped from the name.
+    """
+    tasks = {}
+    for task, values in results["results"].items():
+        metrics = {}
+        for key, value in values.items():
+            name, _, filter_name = key.partition(",")
+            if filter_name and isinstance(value, (int, float)):
+                metrics[name if filter_name == "none" else key] = float(value)
+        if task in results.get("n-samples", {}):
+            metrics["n_samples"] = results["n-samples"][task]["effective"]
+        if task in results.get("n-shot", {}):
+            metrics["n_shot"] = results["n-shot"][task]
+        tasks[task] = metrics
+    return tasks
+
+
+def hf_model_args(hf_dir: Path, add_bos: bool) -> dict:
+    """lm-eval's HFLM arguments for an exported directory: fp32 as exported, BOS exactly when training added it
+    (transformers 5 honours add_bos_token for any fast tokenizer; SmolLM2's adds no BOS by default)."""
+    return {"pretrained": str(hf_dir), "dtype": "float32", "add_bos_token": add_bos}
+
+
+def run_lm_eval(hf_dir: Path, names: list[str], manager, args: CheckpointEvalArgs, add_bos: bool,
+                device: torch.device) -> dict:
+    """lm-eval's Hugging Face backend on the exported directory; framing text with BOS as training did."""
+    import lm_eval
+
+    try:
+        results = lm_eval.simple_evaluate(model="hf", model_args=hf_model_args(hf_dir, add_bos), tasks=names,
+                                          task_manager=manager,
+                                          num_fewshot=args.num_fewshot, limit=args.limit,
+                                          batch_size=args.batch_size, device=str(device), log_samples=False)
+    except ConnectionError as err:  # a standard task's dataset on a machine without the hub
+        raise UserError(f"lm-eval could not download a task's dataset ({type(err).__name__}); standard tasks need "
+                        f"the Hugging Face hub, offline use tasks={','.join(local_task_names())}.") from None
+    return task_results(results)
+
+
+def evaluate_checkpoint(args: CheckpointEvalArgs) -> dict:
+    """Score a checkpoint (held-out perplexity + lm-eval tasks), write eval.json, return what it holds."""
+    from apps.main.export_hf import (ExportArgs, export_checkpoint, load_params, model_args_from_params,
+                                     resolve_checkpoint_dir)
+    from apps.main.generate import load_checkpoint_model, pick_device, trained_with_bos
+    from lingua.args import dataclass_from_dict
+    from lingua.tokenizer import TokenizerArgs, build_tokenizer
+
+    args.validate()
+    start = time.perf_counter()
+    step_dir = resolve_checkpoint_dir(args.ckpt)
+    params = load_params(step_dir)
+    names = parse_tasks(args.tasks)
+    tokenizer_args = dataclass_from_dict(TokenizerArgs, params.get("data", {}).get("tokenizer", {}))
+    if names and tokenizer_args.name != "hf":
+        raise ValueError(f"lm-eval tasks need a Hugging Face tokenizer but this run used "
+                         f"data.tokenizer.name={tokenizer_args.name}; pass tasks= for held-out perplexity only.")
+    # Everything a user can get wrong is checked before the slow parts (export, model, lm-eval).
+    data_args = held_out_data_args(params, args.data_dir) if args.perplexity else None
+    if names and set(names) <= set(local_task_names()):
+        for name in OFFLINE_ENV:
+            os.environ.setdefault(name, "1")
+    manager = build_task_manager(names) if names else None
+    device = pick_device(args.device)
+    add_bos = trained_with_bos(params)
+    report = {"checkpoint": str(step_dir), "step": int(step_dir.name) if step_dir.name.isdigit() else None}
+
+    if data_args is not None:
+        model = load_checkpoint_model(step_dir, params, device)
+        tokenizer = build_tokenizer(tokenizer_args)
+        attn_mask = model_args_from_params(params).attn_mask
+        report["heldout"] = held_out_perplexity(model, data_args, tokenizer, attn_mask, device)
+        del model
+        logger.info(f"held-out: CE {report['heldout']['ce']:.4f}, ppl {report['heldout']['ppl']:.2f} over "
+                    f"{report['heldout']['tokens']:,} tokens")
+    if names:
+        with tempfile.TemporaryDirectory(prefix="lingua_eval_") as tmp:
+            hf_dir = export_checkpoint(ExportArgs(ckpt=str(step_dir), out=args.hf_dir or tmp))
+            report["tasks"] = run_lm_eval(hf_dir, names, manager, args, add_bos, device)
+    report["settings"] = {"tasks": names, "limit": args.limit, "num_fewshot": args.num_fewshot,
+                          "batch_size": args.batch_size, "device": str(device), "add_bos": add_bos}
+    report["versions"] = versions(bool(names))
+    report["wall_s"] = round(time.perf_counter() - start, 2)
+    out = eval_json_path(args, step_dir)
+    tmp_out = out.with_name(out.name + ".tmp")
+    tmp_out.write_text(json.dumps(report, indent=2) + "\n")
+    tmp_out.replace(out)  # a reader never sees half a file
+    logger.info(f"wrote {out}")
+    return report
+
+
+def eval_json_path(args: CheckpointEvalArgs, step_dir: Path) -> Path:
+    return Path(args.out) if args.out else Path(step_dir) / EVAL_JSON
+
+
+def versions(with_lm_eval: bool) -> dict:
+    """Library versions behind the numbers (lm-eval scores move between its releases)."""
+    import importlib.metadata
+
+    packages = ["torch", "transformers"] + (["lm-eval"] if with_lm_eval else [])
+    return {name: importlib.metadata.version(name) for name in packages}
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    from lingua.args import parse_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(CheckpointEvalArgs, argv)
+    report = evaluate_checkpoint(args)
+    for task, metrics in report.get("tasks", {}).items():
+        print(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k in ("acc", "acc_norm")))
+    if "heldout" in report:
+        heldout = report["heldout"]
+        print(f"held-out: CE {heldout['ce']:.4f} nats/token, ppl {heldout['ppl']:.2f}, {heldout['tokens']:,} tokens")
+    print(f"wrote {eval_json_path(args, Path(report['checkpoint']))}")
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -9,6 +9,8 @@ taken). The result loads with `AutoModelForCausalLM.from_pretrained(out)`. Our R
 Tokenizer: when the run used `data.tokenizer.name=hf`, that tokenizer is saved next to the weights.
 Other tokenizers (bytes, tiktoken, sentencepiece) have no HF form here: only config and weights are
 written, and text must be encoded with `lingua.tokenizer` (bos/eos ids are still set in config.json).
+The training config is copied to `training_params.json`, so tools reading the export (generation,
+evaluation) frame text the way training did (`data.add_bos`).
 """
 
 import json
@@ -31,6 +33,7 @@ STEP_DIR = re.compile(r"^\d{10}$")
 # Wrapper prefixes that activation checkpointing / torch.compile add to parameter names.
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TRAINING_PARAMS = "training_params.json"  # the checkpoint's params.json, inside an exported directory
 
 
 @dataclass
@@ -103,7 +106,7 @@ def to_hf_config(args: LMTransformerArgs, bos_id: Optional[int] = None, eos_id: 
     from transformers import LlamaConfig
 
     n_kv_heads = args.n_kv_heads or args.n_heads
-    return LlamaConfig(
+    config = LlamaConfig(
         vocab_size=args.vocab_size,
         hidden_size=args.dim,
         intermediate_size=ffn_hidden_dim(args.dim, args.ffn_dim_multiplier, args.multiple_of),
@@ -123,6 +126,9 @@ def to_hf_config(args: LMTransformerArgs, bos_id: Optional[int] = None, eos_id: 
         dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype],
         architectures=["LlamaForCausalLM"],
     )
+    # transformers 4.x ignores rope_parameters and reads only a top-level rope_theta (defaulting to 10,000).
+    config.rope_theta = float(args.rope_theta)
+    return config
 
 
 def to_hf_state_dict(state_dict: dict[str, torch.Tensor], args: LMTransformerArgs) -> dict[str, torch.Tensor]:
@@ -155,8 +161,9 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], args: LMTransformerArg
 
 def export_to_hf(model_state_dict: dict[str, torch.Tensor], model_args: LMTransformerArgs, out_dir: str,
                  tokenizer_path: Optional[str] = None, dtype: str = "fp32", bos_id: Optional[int] = None,
-                 eos_id: Optional[int] = None) -> Path:
-    """Write config.json + model.safetensors (+ the HF tokenizer at `tokenizer_path`) to `out_dir`.
+                 eos_id: Optional[int] = None, training_params: Optional[dict] = None) -> Path:
+    """Write config.json + model.safetensors (+ the HF tokenizer at `tokenizer_path`, + `training_params`
+    as training_params.json) to `out_dir`.
 
     bos/eos ids default to the HF tokenizer's when `tokenizer_path` is given.
     """
@@ -182,6 +189,8 @@ def export_to_hf(model_state_dict: dict[str, torch.Tensor], model_args: LMTransf
     model.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+    if training_params is not None:
+        (out / TRAINING_PARAMS).write_text(json.dumps(training_params, indent=2) + "\n")
     logger.info(f"exported {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters to {out}")
     return out
 
@@ -198,12 +207,13 @@ def export_checkpoint(args: ExportArgs) -> Path:
     state_dict = load_model_state_dict(ckpt_dir)
     tokenizer_args = dataclass_from_dict(TokenizerArgs, params.get("data", {}).get("tokenizer", {}))
     if tokenizer_args.name == "hf":
-        return export_to_hf(state_dict, model_args, args.out, tokenizer_path=tokenizer_args.path, dtype=args.dtype)
+        return export_to_hf(state_dict, model_args, args.out, tokenizer_path=tokenizer_args.path, dtype=args.dtype,
+                            training_params=params)
     tokenizer = build_tokenizer(tokenizer_args)
     logger.info(f"tokenizer '{tokenizer_args.name}' has no Hugging Face form: exporting weights and config only; "
                 f"encode text with lingua.tokenizer")
     return export_to_hf(state_dict, model_args, args.out, dtype=args.dtype, bos_id=tokenizer.bos_id,
-                        eos_id=tokenizer.eos_id)
+                        eos_id=tokenizer.eos_id, training_params=params)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -1,22 +1,26 @@
 """Failure injection for tests: `inject_failure=<kind>:<where>` makes one rank fail on purpose.
 
-    raise:<train_rank>@<step>     that student raises during that step
-    nan:<train_rank>@<step>       its loss is not finite at that step
-    stall:<train_rank>@<step>     it is STALL_S late to that step (a straggler)
-    teacher_load:<teacher_index>  that teacher fails to load
+    raise:<train_rank>@<step>            that student raises during that step
+    nan:<train_rank>@<step>              its loss is not finite at that step
+    stall:<train_rank>@<step>            it is STALL_S late to that step (a straggler)
+    preempt:<train_rank>@<step>          it votes to preempt at that step, as if SIGUSR2 had just arrived
+    teacher_load:<teacher_index>         that teacher fails to load
+    teacher_serve:<teacher_index>@<step> that teacher fails while serving a request of that step
 """
 
 import time
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 STALL_S = 4.0  # how late inject_failure=stall:... makes a student
 
 
 @dataclass(frozen=True)
 class InjectedFailure:
-    kind: str  # "raise" | "nan" | "stall" | "teacher_load"
-    rank: int  # train rank, or the teacher's index among teachers for teacher_load
+    kind: str  # "raise" | "nan" | "stall" | "preempt" | "teacher_load" | "teacher_serve"
+    rank: int  # train rank, or the teacher's index among teachers for teacher_*
     step: int  # 0 for teacher_load
 
 
@@ -25,11 +29,12 @@ def parse_injected_failure(spec: Optional[str]) -> Optional[InjectedFailure]:
         return None
     kind, _, where = spec.rpartition(":") if ":" in spec else ("raise", "", spec)
     rank, _, step = where.partition("@")
-    valid = kind in ("raise", "nan", "stall") and rank.isdigit() and step.isdigit() or \
+    valid = kind in ("raise", "nan", "stall", "preempt", "teacher_serve") and rank.isdigit() and step.isdigit() or \
         kind == "teacher_load" and rank.isdigit() and not step
     if not valid:
         raise ValueError(f"inject_failure={spec!r}; use raise:<train_rank>@<step>, nan:<train_rank>@<step>, "
-                         f"stall:<train_rank>@<step> or teacher_load:<teacher_index>.")
+                         f"stall:<train_rank>@<step>, preempt:<train_rank>@<step>, teacher_load:<teacher_index> "
+                         f"or teacher_serve:<teacher_index>@<step>.")
     return InjectedFailure(kind, int(rank), int(step or 0))
 
 
@@ -50,11 +55,23 @@ class FaultInjector:
         if self._due("stall", step):
             time.sleep(STALL_S)
 
-    def loss(self, step: int, value: float) -> float:
-        """The step's loss as this rank reports it to the agreement (nan when injected)."""
-        return float("nan") if self._due("nan", step) else value
+    def preempt(self, step: int) -> bool:
+        return self._due("preempt", step)
+
+    def nonfinite(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """Whether the step's loss is not finite on this rank (a device flag for the agreement; forced when injected)."""
+        if self._due("nan", step):
+            return torch.ones((), dtype=torch.bool, device=loss.device)
+        return ~torch.isfinite(loss)
 
     @staticmethod
     def teacher_load_fails(spec: Optional[str], teacher_index: int) -> bool:
         failure = parse_injected_failure(spec)
         return failure is not None and failure.kind == "teacher_load" and failure.rank == teacher_index
+
+    @staticmethod
+    def teacher_serve_fails_at(spec: Optional[str], teacher_index: int) -> Optional[int]:
+        """The step whose request this teacher fails to serve, if any."""
+        failure = parse_injected_failure(spec)
+        hit = failure is not None and failure.kind == "teacher_serve" and failure.rank == teacher_index
+        return failure.step if hit else None

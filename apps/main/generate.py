@@ -4,25 +4,36 @@
         temperature=0.8 top_p=0.95
 
 `ckpt` is a checkpoint step directory, a checkpoints root (latest step), or a directory written by
-apps.main.export_hf (detected by its config.json). No KV cache: each new token reruns the prompt, which
+apps.main.export_hf (detected by its config.json). The prompt starts with BOS only when training
+documents did (`data.add_bos` of the run's config). No KV cache: each new token reruns the prompt, which
 is plenty for eyeballing small students.
 """
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from apps.main.export_hf import load_model_state_dict, load_params, model_args_from_params, resolve_checkpoint_dir
+from apps.main.export_hf import (TRAINING_PARAMS, load_model_state_dict, load_params, model_args_from_params,
+                                 resolve_checkpoint_dir)
 from apps.main.transformer import LMTransformer
 from lingua.args import dataclass_from_dict, parse_args
+from lingua.data import DataArgs
 from lingua.tokenizer import Tokenizer, TokenizerArgs, build_tokenizer
 
 logger = logging.getLogger(__name__)
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # input_ids [1, S] -> logits [1, S, V]
+
+
+class LoadedStudent(NamedTuple):
+    logits_fn: LogitsFn
+    tokenizer: Tokenizer
+    max_seqlen: Optional[int]
+    add_bos: bool  # the run's data.add_bos: a prompt starts the way its training documents did
 
 
 @dataclass
@@ -74,8 +85,14 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_student(ckpt: str, device: torch.device) -> tuple[LogitsFn, Tokenizer, Optional[int]]:
-    """(logits_fn, tokenizer, max_seqlen) for a DCP checkpoint or an exported HF directory."""
+def trained_with_bos(params: dict) -> bool:
+    """The run's data.add_bos (the trainer's default when its config does not say)."""
+    return bool(params.get("data", {}).get("add_bos", DataArgs.add_bos))
+
+
+def load_student(ckpt: str, device: torch.device) -> LoadedStudent:
+    """The model's logits function, tokenizer, context length and BOS rule, from a DCP checkpoint or an
+    exported HF directory (a directory without our training_params.json: BOS whenever the tokenizer has one)."""
     path = Path(ckpt)
     if (path / "config.json").is_file():
         from transformers import AutoModelForCausalLM
@@ -85,9 +102,18 @@ def load_student(ckpt: str, device: torch.device) -> tuple[LogitsFn, Tokenizer, 
             raise FileNotFoundError(f"'{path}' holds no Hugging Face tokenizer (the run used a non-HF tokenizer); "
                                     f"generate from the training checkpoint directory instead.")
         tokenizer = build_tokenizer(TokenizerArgs(name="hf", path=str(path)))
-        return (lambda ids: model(ids).logits), tokenizer, model.config.max_position_embeddings
+        params_file = path / TRAINING_PARAMS
+        add_bos = trained_with_bos(json.loads(params_file.read_text())) if params_file.is_file() else True
+        return LoadedStudent(lambda ids: model(ids).logits, tokenizer, model.config.max_position_embeddings, add_bos)
     ckpt_dir = resolve_checkpoint_dir(ckpt)
     params = load_params(ckpt_dir)
+    model = load_checkpoint_model(ckpt_dir, params, device)
+    tokenizer = build_tokenizer(dataclass_from_dict(TokenizerArgs, params.get("data", {}).get("tokenizer", {})))
+    return LoadedStudent(model, tokenizer, model_args_from_params(params).max_seqlen, trained_with_bos(params))
+
+
+def load_checkpoint_model(ckpt_dir: Path, params: dict, device: torch.device) -> LMTransformer:
+    """Our LMTransformer with the weights of a DCP checkpoint step directory, in eval mode on `device`."""
     model_args = model_args_from_params(params)
     with torch.device("meta"):
         model = LMTransformer(model_args)
@@ -100,10 +126,8 @@ def load_student(ckpt: str, device: torch.device) -> tuple[LogitsFn, Tokenizer, 
         model.load_state_dict(state_dict, strict=True)
     except RuntimeError as err:
         raise ValueError(f"the weights in {ckpt_dir} do not fit the model described by its params.json: {err}") from None
-    model.eval()
-    tokenizer = build_tokenizer(dataclass_from_dict(TokenizerArgs, params.get("data", {}).get("tokenizer", {})))
     logger.info(f"loaded {ckpt_dir} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
-    return model, tokenizer, model_args.max_seqlen
+    return model.eval()
 
 
 def generate_text(args: GenerateArgs) -> str:
@@ -111,12 +135,13 @@ def generate_text(args: GenerateArgs) -> str:
     if not args.ckpt:
         raise ValueError("pass ckpt=<checkpoint directory or exported HF directory>.")
     device = pick_device(args.device)
-    logits_fn, tokenizer, max_seqlen = load_student(args.ckpt, device)
+    student = load_student(args.ckpt, device)
+    tokenizer = student.tokenizer
     generator = torch.Generator(device=device)
     generator.manual_seed(args.seed)
-    prompt_ids = tokenizer.encode(args.prompt, add_bos=tokenizer.bos_id is not None, add_eos=False)
-    new_ids = generate_tokens(logits_fn, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
-                              max_seqlen, tokenizer.eos_id, device, generator)
+    prompt_ids = tokenizer.encode(args.prompt, add_bos=student.add_bos, add_eos=False)
+    new_ids = generate_tokens(student.logits_fn, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
+                              student.max_seqlen, tokenizer.eos_id, device, generator)
     if tokenizer.eos_id is not None and new_ids and new_ids[-1] == tokenizer.eos_id:
         new_ids = new_ids[:-1]
     return tokenizer.decode(new_ids)

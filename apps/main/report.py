@@ -45,7 +45,7 @@ class StepReporter:
         if self.should_log(state.step, stop_now):
             self.log_step(state, metrics, timer, step_time, float(grad_norm), lr)
         elif self.progress is not None and self.progress.is_tty:  # live between log steps, from rank 0's own numbers
-            row = {"loss/total": metrics["loss/total"], "speed/tokens_per_s": self.tokens_per_step() / step_time,
+            row = {"loss/total": float(metrics["loss/total"]), "speed/tokens_per_s": self.tokens_per_step() / step_time,
                    "speed/step_time_s": step_time}
             if "teacher_wait" in timer.seconds:
                 row["speed/teacher_wait_s"] = timer.seconds["teacher_wait"]
@@ -67,6 +67,7 @@ class StepReporter:
         topo = self.topo
         group, device = topo.train_group, topo.device
         means = dist_mean_dict(dict(metrics), group, device)
+        means["data/bad_lines"] = round(means["data/bad_lines"] * topo.train_world_size)  # a count: the sum
         per_rank = dist_gather_floats([timer.seconds.get(p, 0.0) for p in STEP_PARTS] + [step_time], group, device)
         tokens_per_s = self.tokens_per_step() / step_time
         row = {"step": state.step, "tokens": state.tokens, **means, "optim/lr": lr, "optim/grad_norm": grad_norm,
@@ -119,4 +120,6 @@ class StepReporter:
         lines = [f"run {ended}: {state.step} steps, {state.tokens:,} tokens",
                  f"final CE {last.get('loss/ce', float('nan')):.4f}{kd_words}", *extra,
                  f"outputs: {Path(self.args.dump_dir)} (metrics.jsonl, checkpoints/, config.yaml, logs/)"]
+        if last.get("data/bad_lines"):  # summed over the students
+            lines.insert(-1, f"skipped {last['data/bad_lines']:,} malformed data lines (warnings in logs/rank_<r>.log)")
         logger.info("summary\n  " + "\n  ".join(lines))

@@ -37,8 +37,9 @@ from lingua.collectives import AgreedError, agree_count, agree_flags
 from lingua.data import DataArgs, DataLoader
 from lingua.distillation import DistillationArgs, check_seq_len_fits_teacher
 from lingua.distiller import build_distiller
+from lingua.eval_data import eval_files, iterate_eval_batches
+from lingua.feed import MicroBatchFeed
 from lingua.distributed import RankStatus, Topology, clean_up, log_rank_device_map, setup_torch_distributed
-from lingua.eval_data import eval_files
 from lingua.kd_loss import cross_entropy_sum
 from lingua.launch import DistributedArgs, LaunchPlan, read_launch_env, teacher_rank_count
 from lingua.logger import init_logger
@@ -50,6 +51,7 @@ from lingua.probe import ActivationProbe
 from lingua.profiling import ProfilerArgs, maybe_run_profiler
 from lingua.rundir import RunDir
 from lingua.teacher import read_max_positions
+from lingua.teacher_cache import open_cache, settings_manifest
 from lingua.teacher_server import TeacherServer
 from lingua.timeouts import HangWatch, enter_training_timeout
 from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
@@ -110,7 +112,7 @@ class TrainArgs:
                 f"the model must fit data.seq_len={self.data.seq_len}; set model.max_seqlen >= {self.data.seq_len}")
         if self.eval.every:
             eval_files(self.data)
-        if self.enable_distillation and self.distillation.teacher_path:
+        if n_teacher_ranks(self) and self.distillation.teacher_path:
             # From the teacher's config.json when it is on disk (a missing teacher is the teacher's own error).
             max_positions = read_max_positions(self.distillation.teacher_path)
             check_seq_len_fits_teacher(self.data.seq_len, max_positions or 0,
@@ -120,16 +122,41 @@ class TrainArgs:
 
 
 def n_teacher_ranks(args: TrainArgs) -> int:
-    return teacher_rank_count(args.enable_distillation, args.distillation.n_teacher_ranks)
+    online = args.enable_distillation and args.distillation.source == "online"
+    return teacher_rank_count(online, args.distillation.n_teacher_ranks)
+
+
+def teacher_heldout(args: TrainArgs, n_students: int):
+    """(held-out batches of every student, the students' vocab) for the teacher's reference CE, or None."""
+    if not args.eval.every:
+        return None
+    tokenizer = build_tokenizer(args.data.tokenizer)
+    try:
+        batches = [batch for rank in range(n_students)
+                   for batch in iterate_eval_batches(args.data, tokenizer, rank, n_students, args.eval.max_batches)]
+    except FileNotFoundError:  # no held-out files: the students' eval says so in its own words
+        return None
+    return batches, tokenizer.n_words
+
+
+def open_training_cache(args: TrainArgs, tokenizer, topo: Topology):
+    """The offline teacher cache as this student's dataset (distillation.source=cache), or None."""
+    if not (args.enable_distillation and args.distillation.source == "cache"):
+        return None
+    wanted = settings_manifest(args.distillation, args.data, args.model.attn_mask, tokenizer)
+    return open_cache(args.distillation.cache_dir, wanted, args.data.batch_size, topo.dp_rank, topo.dp_degree)
 
 
 # ---------------------------------------------------------------- teacher ranks
 
 def distillation_process(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: PreemptionFlag) -> None:
     """Teacher rank: load the HF model, handshake with its students, serve until STOP."""
-    fail_load = FaultInjector.teacher_load_fails(args.inject_failure, topo.teacher_ranks.index(topo.global_rank))
-    server = TeacherServer(args.distillation, topo, preemption, inject_load_failure=fail_load, phases=phases)
-    # The generous timeout holds through the students' first step; a request of a later step (or STOP)
+    index = topo.teacher_ranks.index(topo.global_rank)
+    server = TeacherServer(args.distillation, topo, preemption, phases=phases, attn_mask=args.model.attn_mask,
+                           heldout=teacher_heldout(args, len(topo.student_ranks)),
+                           inject_load_failure=FaultInjector.teacher_load_fails(args.inject_failure, index),
+                           inject_serve_failure_at=FaultInjector.teacher_serve_fails_at(args.inject_failure, index))
+    # The generous timeout holds through the students' first step; a request sent after it (or STOP)
     # switches the teacher to the short one (on every group).
     server.serve(timeouts=(args.distributed.init_timeout_s, args.distributed.train_timeout_s)
                  if topo.distributed else None)
@@ -194,7 +221,8 @@ class FirstStepTracker:
         return self.phases.span("first_step") if step == self.first_step else contextlib.nullcontext()
 
     def after_agreement(self, step: int, timer: StepTimer) -> None:
-        """After the first step's agreed control point: record its spans, shorten the timeouts, print the table."""
+        """After the first step's agreed control point: record its spans, shorten the timeouts (the teacher's
+        with the next request), print the table."""
         if step != self.first_step:
             return
         if self.distiller.first_round_trip is not None:
@@ -202,6 +230,7 @@ class FirstStepTracker:
         if self.args.distributed.compile:  # torch.compile runs inside the first forward/backward
             self.phases.record("compile_warmup", time.time() - timer.seconds["fwd_bwd"], time.time())
         enter_training_timeout(self.topo, self.args.distributed.train_timeout_s)
+        self.distiller.mark_first_step_done()
         if self.topo.is_train_master:  # every rank's spans are on disk by now (teacher's too)
             table = format_phase_table(read_phase_files(self.args.dump_dir, world_size=self.topo.world_size))
             logger.info("startup phases (all ranks)\n" + table)
@@ -220,14 +249,15 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
     if topo.is_train_master and topo.mesh is not None:
         mesh = topo.mesh
         logger.info(f"student mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))} over ranks {mesh.mesh.tolist()}")
+    cache = open_training_cache(args, tokenizer, topo)  # a cache written with other settings is refused here
     distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer, args.data.batch_size,
-                                args.data.seq_len, phases)
+                                args.data.seq_len, phases, attn_mask=args.model.attn_mask, cache=cache)
     optimizer, scheduler = build_optimizer(model, args.optim, args.steps)
     state = TrainState()
     with phases.span("checkpoint_load"):
         checkpoint, saved = restore_checkpoint(args, topo, model, optimizer)
     with phases.span("data_init"):
-        loader = DataLoader(args.data, tokenizer, topo.dp_rank, topo.dp_degree)
+        loader = cache or DataLoader(args.data, tokenizer, topo.dp_rank, topo.dp_degree)
     if saved is not None:
         state.step, state.tokens = saved["step"], saved["tokens"]
         scheduler.load_state_dict(saved["scheduler"])
@@ -236,19 +266,22 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
 
     probe = ActivationProbe(model, args.dump_dir, topo.global_rank, topo.is_train_master, group,
                             every=args.probe_freq) if args.probe_freq else None
-    evaluator = Evaluator(args.eval, args.data, args.model.attn_mask, tokenizer, topo)
+    evaluator = Evaluator(args.eval, args.data, args.model.attn_mask, tokenizer, topo, distiller.teacher_heldout_ce)
     # The embedding lookup is no matmul; the output head is (and with tied weights it is the only copy counted).
     matmul_params = n_params - (0 if args.model.tie_embeddings else args.model.vocab_size * args.model.dim)
     reporter = StepReporter(args, topo, distiller, get_num_flop_per_token(
         matmul_params, args.model.n_layers, args.model.dim, args.data.seq_len))
     faults = FaultInjector(args.inject_failure, topo.train_rank)
     startup = FirstStepTracker(args, topo, phases, distiller, first_step=state.step + 1)
-    first_step_of_launch, timer, ended = state.step, StepTimer(), "completed"
+    timer, ended = StepTimer(), "completed"
+    last_step = args.steps if args.exit_after_steps is None else min(args.steps, state.step + args.exit_after_steps)
+    feed = MicroBatchFeed(loader, distiller, args.grad_acc_steps, distiller.prefetch, last_step,
+                          pin_memory=device.type == "cuda")
 
     def save(kinds: list[str]) -> None:
         with timer.part("checkpoint"):
             for kind in kinds:
-                train_state = dict(state.state_dict(), scheduler=scheduler.state_dict(), data=loader.state_dict())
+                train_state = dict(state.state_dict(), scheduler=scheduler.state_dict(), data=feed.state_dict())
                 checkpoint.save(model, optimizer, train_state, state.step, to_dict(args), kind=kind)
 
     with (maybe_run_profiler(args.dump_dir, model, args.profiling, topo.global_rank, topo.is_train_master,
@@ -263,30 +296,34 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             hang_watch.arm(startup.timeout_s(state.step))
             faults.before_step(state.step)
             with startup.span(state.step):
-                metrics, micro_batches = train_step(args, model, distiller, loader, state.step, timer, device,
+                metrics, micro_batches = train_step(args, model, distiller, feed, state.step, timer, device,
                                                     scheduler.get_last_lr()[0] / args.optim.lr)
                 grad_norm = optimizer_step(model, optimizer, scheduler, args.optim.clip, timer)
             state.tokens += metrics.pop("tokens") * topo.train_world_size
+            metrics["data/bad_lines"] = feed.state_dict()["bad_lines"]  # this rank's, look-ahead excluded; logs sum them
             if profiler is not None:
                 profiler.step()
             if probe is not None and probe.should_run(state.step):
                 run_probe(args, model, probe, micro_batches[0], state.step)
             # The one agreed control point of the step: stop, save and fail are decided together.
-            flags = agree_flags(dict(preempt=preemption.requested or distiller.teacher_preempt,
-                                     nonfinite=not math.isfinite(faults.loss(state.step, metrics["loss/total"]))),
-                                group, device)
+            flags = agree_flags(dict(preempt=preemption.requested or faults.preempt(state.step),
+                                     nonfinite=faults.nonfinite(state.step, metrics["loss/total"]),
+                                     **distiller.control_flags()), group, device)
+            distiller.after_agreement(flags)
             startup.after_agreement(state.step, timer)
             if flags["nonfinite"]:
                 raise NonFiniteLoss(f"loss is not finite at step {state.step} on at least one training rank")
             if evaluator.should_run(state.step):
                 reporter.log_eval(evaluator.run(model, state.step))
-            stop_now = flags["preempt"] or (args.exit_after_steps is not None
-                                            and state.step - first_step_of_launch >= args.exit_after_steps)
+            preempted = flags["preempt"] or flags.get("teacher_preempt", False)
+            stop_now = preempted or (args.exit_after_steps is not None and state.step == last_step)
+            if stop_now:
+                distiller.drain()  # look-ahead requests answered before the save and the STOP
             save(checkpoint.should_save(state.step, stop_now, last_step=state.step == args.steps))
             reporter.step_done(state, metrics, timer, time.perf_counter() - step_start, grad_norm,
                                scheduler.get_last_lr()[0], stop_now)
             if stop_now:
-                ended = "preempted" if flags["preempt"] else "exit_after_steps"
+                ended = "preempted" if preempted else "exit_after_steps"
                 break
         distiller.stop(state.step)
         if ended == "preempted":
@@ -295,30 +332,32 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
         reporter.summary(state, ended)
 
 
-def train_step(args: TrainArgs, model, distiller, loader, step: int, timer: StepTimer, device,
+def train_step(args: TrainArgs, model, distiller, feed: MicroBatchFeed, step: int, timer: StepTimer, device,
                lr_factor: float) -> tuple[dict, list[dict]]:
-    """Draw the step's micro-batches, forward/backward over them; returns this rank's loss metrics and the batches."""
+    """Forward/backward over the step's micro-batches; returns this rank's metrics (device tensors: read them on
+    log steps only) and the batches. No host sync per micro-batch: batches and requests go to the device
+    without blocking, the losses' statistics stay there."""
     with timer.part("data"):
-        micro_batches = [next(loader) for _ in range(args.grad_acc_steps)]
-    n_valid = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
+        micro_batches = feed.start_step(step)
+    # Counted on the host (loader batches are host tensors): the step's trained-on tokens normalise every loss.
+    n_valid = int(sum((mb.batch["labels"] != -100).sum() for mb in micro_batches))
     distiller.begin_step(step, lr_factor)
-    ce_sum = 0.0
-    for micro_step, batch in enumerate(micro_batches):
-        input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-        # Submit first: the teacher's forward overlaps ours.
-        pending = distiller.submit(input_ids, step, micro_step)
+    defer_reduce = not args.distributed.reduce_every_micro_batch and hasattr(model, "set_requires_gradient_sync")
+    for i, mb in enumerate(micro_batches):
+        with timer.part("data"):
+            feed.submit_ahead(mb)  # this micro-batch's teacher request and the look-ahead ones
+        input_ids, labels = (mb.batch[key].to(device, non_blocking=True) for key in ("input_ids", "labels"))
+        if defer_reduce:  # FSDP: accumulate unsharded gradients, reduce-scatter once, after the last micro-batch
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         with timer.part("fwd_bwd"):
-            logits = model(input_ids, doc_ids=batch_doc_ids(args.model.attn_mask, batch, device))
-            mask = labels != -100
-            weight = int(mask.sum()) / max(n_valid, 1)  # this micro-batch's share of the step's tokens
-            ce = cross_entropy_sum(logits, labels) / max(n_valid, 1)
-            distiller.loss(ce, logits, pending, mask, weight, timer).backward()
-        ce_sum += ce.item()
+            head_loss = distiller.head_loss(labels, mb.pending, n_valid, timer)
+            doc_ids = batch_doc_ids(args.model.attn_mask, mb.batch, device)
+            model(input_ids, doc_ids=doc_ids, head_loss=head_loss).backward()
+    feed.finish_step(step)
     # teacher_wait is nested inside fwd_bwd; report compute without it.
     timer.seconds["fwd_bwd"] -= timer.seconds.get("teacher_wait", 0.0)
-    metrics = {"loss/ce": ce_sum, "tokens": sum(b["input_ids"].numel() for b in micro_batches),
-               **distiller.step_metrics(ce_sum)}
-    return metrics, micro_batches
+    metrics = {"tokens": sum(mb.batch["input_ids"].numel() for mb in micro_batches), **distiller.step_metrics()}
+    return metrics, [mb.batch for mb in micro_batches]
 
 
 def optimizer_step(model, optimizer, scheduler, clip: float, timer: StepTimer):

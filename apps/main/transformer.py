@@ -1,7 +1,7 @@
 """The student language model: token embeddings -> transformer blocks -> norm -> vocabulary head."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -37,10 +37,17 @@ class LMTransformer(BaseTransformer):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """input_ids [B, S] -> logits [B, S, vocab_size]; doc_ids [B, S] only matters with attn_mask=doc_causal."""
-        h = super().forward(self.tok_embeddings(input_ids), doc_ids)
-        return self.output(self.norm(h))
+    def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                head_loss: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """input_ids [B, S] -> logits [B, S, vocab_size]; doc_ids [B, S] only matters with attn_mask=doc_causal.
+
+        With `head_loss`, returns head_loss(final normed hidden states, output-head weight) instead: the
+        loss computes the logits itself (chunked, never all at once), inside this forward, where FSDP has
+        the head weight unsharded."""
+        h = self.norm(super().forward(self.tok_embeddings(input_ids), doc_ids))
+        if head_loss is not None:
+            return head_loss(h, self.output.weight)
+        return self.output(h)
 
     @torch.no_grad()
     def init_weights(self, seed: Optional[int] = None) -> None:

@@ -1,8 +1,10 @@
 """Online distillation with 2 students + 1 teacher under torchrun on CPU/gloo."""
 
+import json
 import re
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -126,12 +128,13 @@ def test_vocab_mismatch_is_reported_at_the_handshake(corpus, tiny_teacher, tmp_p
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("output,wire,teacher_dtype", [("topk", "fp32", "fp32"), ("topk", "bf16", "fp32"),
-                                                       ("sampled", "bf16", "fp32"), ("full", "fp32", "fp32"),
-                                                       ("topk", "fp32", "bf16")])
-def test_each_student_gets_exactly_its_own_rows(tiny_teacher, tmp_path, output, wire, teacher_dtype):
-    # One request at a time, then two micro-batches in flight (waited in order and in reverse order).
-    result = torchrun(3, [str(tiny_teacher), output, wire, teacher_dtype], timeout=150,
+@pytest.mark.parametrize("output,wire,teacher_dtype,attn_mask", [
+    ("topk", "fp32", "fp32", "causal"), ("topk", "bf16", "fp32", "causal"), ("sampled", "bf16", "fp32", "causal"),
+    ("full", "fp32", "fp32", "causal"), ("topk", "fp32", "bf16", "causal"), ("topk", "fp32", "fp32", "doc_causal")])
+def test_each_student_gets_exactly_its_own_rows(tiny_teacher, tmp_path, output, wire, teacher_dtype, attn_mask):
+    # One request at a time, then two micro-batches in flight (waited in order and in reverse order). With
+    # doc_causal every row packs several documents: the teacher must answer as per-document forwards would.
+    result = torchrun(3, [str(tiny_teacher), output, wire, teacher_dtype, attn_mask], timeout=150,
                       module="tests.dist.workers.routing")
     assert_ok(result)
     assert result.stdout.count("ROUTING OK") == 2 and "TEACHER CLOCK OK" in result.stdout, result.stdout[-4000:]
@@ -242,3 +245,86 @@ def test_preemption_with_a_teacher_saves_stops_and_exits_zero(corpus, tiny_teach
     saved = [p for p in (dump / "checkpoints").iterdir() if not p.name.endswith(".tmp")]
     assert len(saved) == 1 and int(saved[0].name) == max(train_rows(dump))
     assert "STOP received" in result.stdout
+
+
+KD_KEYS = ("loss/ce", "loss/kd", "loss/total", "kd/teacher_mass", "kd/top1_agreement", "optim/grad_norm")
+
+
+@pytest.mark.timeout(400)
+def test_prefetch_gives_the_same_losses_and_resumes_exactly(corpus, tiny_teacher, tmp_path):
+    """prefetch 0 and 1 train bit-identically; with look-ahead a resumed run sends and trains on exactly the
+    batches the interrupted one did not (the look-ahead batch belongs to the next step)."""
+    rows = {}
+    for prefetch in (0, 1):
+        dump = tmp_path / f"prefetch{prefetch}"
+        result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=6, grad_acc_steps=2,
+                                               **{"distillation.prefetch": prefetch}), timeout=150)
+        assert_ok(result)
+        assert "STOP received after 12 requests" in result.stdout  # nothing drawn past the last step
+        rows[prefetch] = train_rows(dump)
+    for step in range(1, 7):
+        assert [rows[1][step][k] for k in KD_KEYS] == [rows[0][step][k] for k in KD_KEYS], step
+    # Preempted at step 3 with a look-ahead request of step 4 in flight: drained, saved at 3, STOP, exit 0.
+    split = tmp_path / "split"
+    first = torchrun(3, distill_overrides(corpus, tiny_teacher, split, steps=6, grad_acc_steps=2,
+                                          inject_failure="preempt:1@3"), timeout=150)
+    assert_ok(first)
+    assert "run preempted" in first.stdout and "STOP received after 7 requests" in first.stdout  # 3 x 2 + look-ahead
+    assert sorted(p.name for p in (split / "checkpoints").iterdir()) == [f"{3:010d}"]
+    second = torchrun(3, distill_overrides(corpus, tiny_teacher, split, steps=6, grad_acc_steps=2), timeout=150)
+    assert_ok(second)
+    assert "resumed from step 3" in second.stdout and "STOP received after 6 requests" in second.stdout
+    resumed = train_rows(split)
+    for step in range(1, 7):
+        assert [resumed[step][k] for k in KD_KEYS] == [rows[1][step][k] for k in KD_KEYS], step
+
+
+@pytest.mark.timeout(200)
+def test_doc_causal_students_send_document_ids_and_train(corpus, tiny_teacher, tmp_path):
+    dump = tmp_path / "run"
+    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=3, **{"model.attn_mask": "doc_causal"}),
+                      timeout=150)
+    assert_ok(result)
+    assert "buffers [2 x 32] with document ids" in result.stdout
+    rows = train_rows(dump)
+    assert sorted(rows) == [1, 2, 3] and all(r["loss/kd"] > 0 for r in rows.values())
+    # Tokens and document ids go up: twice the int32 grid of a causal bridge, plus the header.
+    assert rows[1]["kd/bytes_up"] == pytest.approx(4 * (8 + 2 * 2 * 32))  # one answered request so far
+
+
+@pytest.mark.timeout(120)
+def test_a_teacher_failing_mid_run_is_one_sentence_on_every_rank(corpus, tiny_teacher, tmp_path):
+    start = time.time()
+    result = torchrun(3, distill_overrides(corpus, tiny_teacher, tmp_path / "run", steps=8,
+                                           inject_failure="teacher_serve:0@3"), timeout=90)
+    assert result.returncode != 0
+    assert time.time() - start < 60
+    sentence = ("Teacher rank 2 failed at step 3: teacher failed serving step 3: RuntimeError: injected teacher "
+                "failure (inject_failure=teacher_serve:...)")
+    # Agreed at step 3's control point: both students raise it (the teacher raises its own words).
+    assert result.stdout.count(f"error: {sentence}") == 2, result.stdout[-4000:]
+    assert sorted(train_rows(tmp_path / "run")) == [1, 2]
+
+
+@pytest.mark.timeout(300)
+def test_no_host_read_per_micro_batch(corpus, tiny_teacher, tmp_path):
+    """Tensor -> Python conversions per step do not grow with the micro-batches: zero per micro-batch (on CUDA
+    each would be a host sync), with look-ahead and the teacher's status words read at the agreed point."""
+    per_step = {}
+    for grad_acc in (1, 3):
+        out = tmp_path / f"counts_{grad_acc}.json"
+        overrides = distill_overrides(corpus, tiny_teacher, tmp_path / f"run{grad_acc}", steps=6,
+                                      grad_acc_steps=grad_acc, **{"logging.freq": 100})
+        assert_ok(torchrun(3, [str(out), *overrides], timeout=150, module="tests.dist.workers.count_syncs"))
+        for rank in (0, 1):
+            counts = json.loads(Path(f"{out}.{rank}").read_text())
+            # Steps 2..5: past the first step's startup work, before the last step's log row.
+            per_step[grad_acc, rank] = {step: counts[str(step)] for step in range(2, 6)}
+    for rank in (0, 1):
+        for step in range(2, 6):
+            one, three = per_step[1, rank][step], per_step[3, rank][step]
+            assert one[0] == three[0], (step, one, three)
+    # What remains per step: the agreed flags, the step's token count, AdamW's per-parameter step counters
+    # (host tensors unless capturable) -- none of them per micro-batch.
+    sites = {site.split(":")[0] for site in per_step[3, 0][3][1]}
+    assert sites <= {"collectives.py", "train.py", "adamw.py", "optimizer.py", "adam.py"}, per_step[3, 0][3]

@@ -261,3 +261,22 @@ def test_progress_line_is_live_on_a_terminal(corpus, tmp_path):
     for step in (1, 2, 4, 5):  # between the log steps 3 and 6
         assert f"\rstep {step}/6 | loss " in screen, screen[-3000:]
     assert sorted(train_rows(dump)) == [3, 6]
+
+
+@pytest.mark.timeout(300)
+def test_one_gradient_reduce_scatter_per_step_trains_the_same(corpus, tmp_path):
+    """distributed.reduce_every_micro_batch=false: FSDP reduce-scatters once per step instead of once per
+    micro-batch (unsharded gradients accumulate in between), with the same losses and gradient norms."""
+    rows, counts = {}, {}
+    for every in ("true", "false"):
+        out = tmp_path / f"rs_{every}.json"
+        overrides = base_overrides(corpus, tmp_path / every, steps=3, grad_acc_steps=2,
+                                   **{"distributed.reduce_every_micro_batch": every})
+        assert_ok(torchrun(2, [str(out), *overrides], timeout=120, module="tests.dist.workers.count_reduce_scatters"))
+        rows[every] = train_rows(tmp_path / every)
+        counts[every] = [int(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    # One reduce-scatter per FSDP unit (2 blocks + the root) per backward: 3 steps x 2 micro-batches vs 3 steps.
+    assert counts["true"] == [3 * 3 * 2] * 2 and counts["false"] == [3 * 3] * 2, counts
+    for step in (1, 2, 3):
+        for key in ("loss/ce", "optim/grad_norm"):
+            assert rows["false"][step][key] == pytest.approx(rows["true"][step][key], rel=1e-5), (step, key)

@@ -226,7 +226,8 @@ def test_malformed_lines_are_counted_skipped_and_rate_limited(tmp_path, caplog):
             assert loader.bad_lines == 6 * 6 * 4 == loader.state_dict()["bad_lines"]
     assert split_documents(stream)[:7] == good + ["content field works"]
     warnings = [r for r in caplog.records if r.name == "lingua.data" and r.levelno == logging.WARNING]
-    assert len(warnings) == 5 + 2  # five in full, then the totals at 10 and 100
+    assert len(warnings) == 5 + 2 + 1  # five in full, then the totals at 10 and 100, then the file's total
+    assert warnings[-1].getMessage().endswith("web.chunk.0.jsonl: skipped 144 malformed lines")
 
 
 @pytest.mark.timeout(10)

@@ -57,13 +57,14 @@ def make_hf_tokenizer(path):
     return len(words)
 
 
-def save_dcp_checkpoint(model, args, root, step=10, tokenizer=None):
-    """A checkpoint laid out like the trainer's: DCP {"model", "optim"} + params.json."""
+def save_dcp_checkpoint(model, args, root, step=10, tokenizer=None, data=None):
+    """A checkpoint laid out like the trainer's: DCP {"model", "optim"} + params.json (`data`: more data.* keys)."""
     step_dir = root / f"{step:010d}"
     optim = {"state": {name: {"exp_avg": torch.zeros_like(p)} for name, p in model.named_parameters()},
              "param_groups": [{"lr": 1e-3}]}
     dcp.save({"model": model.state_dict(), "optim": optim}, checkpoint_id=str(step_dir))
-    params = {"model": to_dict(args), "data": {"tokenizer": tokenizer or {"name": "bytes", "path": None}}}
+    data = {"tokenizer": tokenizer or {"name": "bytes", "path": None}, **(data or {})}
+    params = {"model": to_dict(args), "data": data}
     (step_dir / "params.json").write_text(json.dumps(params))
     return step_dir
 
@@ -76,6 +77,8 @@ def test_export_round_trip_matches_hf_llama(tmp_path, tie):
     out = export_to_hf(model.state_dict(), args, str(tmp_path / "hf"), bos_id=256, eos_id=257)
     config = json.loads((out / "config.json").read_text())
     assert config["num_key_value_heads"] == 2 and config["rope_parameters"]["rope_theta"] == 5000.0
+    # transformers 4.x reads only the top-level key (without it: theta 10,000 and logits off by several units).
+    assert config["rope_theta"] == 5000.0
     assert config["tie_word_embeddings"] is tie and config["eos_token_id"] == 257
     assert (out / "model.safetensors").is_file()
     ids = torch.randint(0, BYTE_VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -156,3 +159,30 @@ def test_export_errors_are_readable(tmp_path):
     del state["layers.1.feed_forward.w2.weight"]
     with pytest.raises(ValueError, match="lacks 1 model tensors"):
         export_to_hf(state, args, str(tmp_path / "out"))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_generate_starts_prompt_with_bos_only_when_training_did(tmp_path, add_bos):
+    vocab = make_hf_tokenizer(tmp_path / "tok")
+    args = tiny_args(vocab_size=vocab)
+    model = build(args)
+    save_dcp_checkpoint(model, args, tmp_path / "ckpt", tokenizer={"name": "hf", "path": str(tmp_path / "tok")},
+                        data={"add_bos": add_bos})
+    student = load_student(str(tmp_path / "ckpt"), torch.device("cpu"))
+    assert student.add_bos is add_bos and student.tokenizer.bos_id == 1
+
+    def greedy(ckpt):
+        return generate_text(GenerateArgs(ckpt=str(ckpt), prompt="the cat sat", max_new_tokens=6, temperature=0.0,
+                                          device="cpu"))
+
+    prompts = {bos: student.tokenizer.encode("the cat sat", add_bos=bos, add_eos=False) for bos in (True, False)}
+    expected = {bos: student.tokenizer.decode(generate_tokens(model, ids, 6, temperature=0.0, eos_id=2))
+                for bos, ids in prompts.items()}
+    assert expected[True] != expected[False]  # this prompt tells the two framings apart
+    assert greedy(tmp_path / "ckpt") == expected[add_bos]
+    # The export carries the training config, so generating from it frames the prompt the same way.
+    out = export_checkpoint(ExportArgs(ckpt=str(tmp_path / "ckpt"), out=str(tmp_path / "hf")))
+    assert json.loads((out / "training_params.json").read_text())["data"]["add_bos"] is add_bos
+    assert load_student(str(out), torch.device("cpu")).add_bos is add_bos
+    assert greedy(out) == expected[add_bos]

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from setup.make_tiny_teacher import make_tiny_teacher
-from setup.prepare_corpus import prepare_python_docs_corpus
+from setup.prepare_corpus import CORPUS_VERSION, prepare_python_docs_corpus, split_held_out
 from lingua.teacher import check_teacher_dir
 from setup.prepare_teacher import MARKER_NAME, SAVE_DTYPE, _is_prepared, find_smollm2_gguf, prepare_smollm2
 
@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 ROUND_TRIP_TEXT = "Hello wörld 🙂 — The capital of France is Paris.\n\tdef f(x): return x + 1  "
 # Measured 1.33M characters on CPython 3.11; the floor leaves room for other 3.x docstrings.
 MIN_CORPUS_CHARS = 1_000_000
+# Enough held-out tokens for a perplexity worth comparing; measured 37,995 SmolLM2 tokens on CPython 3.11.
+MIN_HELD_OUT_TOKENS = 30_000
 
 
 def _read_jsonl(path: Path) -> list[str]:
@@ -132,10 +134,16 @@ def test_truncated_wheel_gguf_is_named_and_conversion_writes_nothing(tmp_path, m
     assert [p.name for p in tmp_path.iterdir()] == ["site-packages"]  # no temp dir left behind either
 
 
+@pytest.fixture(scope="module")
+def pydocs_corpus(tmp_path_factory) -> Path:
+    """The embedded corpus, written once for this module's tests."""
+    return prepare_python_docs_corpus(tmp_path_factory.mktemp("corpus") / "a", n_chunks=4)
+
+
 @pytest.mark.timeout(60)
-def test_python_docs_corpus_layout_size_and_determinism(tmp_path):
-    source_dir = prepare_python_docs_corpus(tmp_path / "a", n_chunks=4)
-    assert source_dir == tmp_path / "a" / "pydocs"
+def test_python_docs_corpus_layout_size_and_determinism(pydocs_corpus, tmp_path):
+    source_dir = pydocs_corpus
+    assert source_dir.name == "pydocs"
     chunk_files = sorted(source_dir.glob("pydocs.chunk.*.jsonl"))
     assert [p.name for p in chunk_files] == [f"pydocs.chunk.{i}.jsonl" for i in range(4)]
     train = [text for path in chunk_files for text in _read_jsonl(path)]
@@ -143,14 +151,13 @@ def test_python_docs_corpus_layout_size_and_determinism(tmp_path):
 
     assert sum(len(t) for t in train) + sum(len(t) for t in val) > MIN_CORPUS_CHARS
     assert all(len(_read_jsonl(path)) > 0.2 * len(train) for path in chunk_files)  # roughly even split
-    assert 0.01 <= len(val) / (len(train) + len(val)) <= 0.05
-    assert len(set(train)) == len(train) and not set(train) & set(val)
+    assert json.loads((source_dir / "corpus_ready.json").read_text())["version"] == CORPUS_VERSION
     every_text = "\n".join(train + val)
     assert 'The "assert" statement' in every_text and "Function json.dumps\n\nSerialize" in every_text
 
     # A second call is a no-op; a fresh process (other hash seed) writes identical bytes.
     stamp = (source_dir / "corpus_ready.json").stat().st_mtime_ns
-    prepare_python_docs_corpus(tmp_path / "a", n_chunks=4)
+    prepare_python_docs_corpus(source_dir.parent, n_chunks=4)
     assert (source_dir / "corpus_ready.json").stat().st_mtime_ns == stamp
     result = subprocess.run(
         [sys.executable, "-m", "setup.prepare_corpus", "--out", str(tmp_path / "b")],
@@ -160,3 +167,37 @@ def test_python_docs_corpus_layout_size_and_determinism(tmp_path):
     assert "train docs" in result.stdout
     for path in sorted(source_dir.iterdir()):
         assert path.read_bytes() == (tmp_path / "b" / "pydocs" / path.name).read_bytes(), path.name
+
+
+@pytest.mark.timeout(180)  # the session's SmolLM2 conversion (~30 s) may happen here
+def test_python_docs_held_out_is_30k_smollm2_tokens_and_disjoint(pydocs_corpus, smollm2_teacher):
+    train = [text for path in sorted(pydocs_corpus.glob("pydocs.chunk.*.jsonl")) for text in _read_jsonl(path)]
+    val = _read_jsonl(pydocs_corpus / "pydocs.val.jsonl")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_teacher, local_files_only=True)
+    val_tokens = sum(len(ids) for ids in tokenizer(val, add_special_tokens=False)["input_ids"])
+    assert val_tokens >= MIN_HELD_OUT_TOKENS, val_tokens
+    # No document, and no document body (the text after its title), is in both splits.
+    assert len(set(train)) == len(train) and not set(train) & set(val)
+    bodies = {text.split("\n\n", 1)[-1] for text in train}
+    assert not bodies & {text.split("\n\n", 1)[-1] for text in val}
+    assert len(val) / (len(train) + len(val)) < 0.15  # most of the corpus still trains
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="pydocs_cloze.jsonl was built from CPython 3.11's docs")
+def test_pydocs_cloze_items_are_held_out_text(pydocs_corpus):
+    from apps.main.eval_tasks.pydocs_cloze import DATA_FILE, build_items, read_texts
+
+    train = read_texts(sorted(pydocs_corpus.glob("pydocs.chunk.*.jsonl")))
+    items = build_items(read_texts([pydocs_corpus / "pydocs.val.jsonl"]), train)
+    committed = [json.loads(line) for line in DATA_FILE.read_text(encoding="utf-8").splitlines()]
+    assert committed == items, "rebuild it: python -m apps.main.eval_tasks.pydocs_cloze --corpus data/corpus/pydocs"
+    train_text = " ".join(" ".join(text.split()) for text in train)
+    assert not [item["context"] for item in items if item["context"] in train_text]
+
+
+def test_held_out_split_takes_whole_documents_up_to_the_size():
+    docs = [f"doc {i} " + "x" * 100 for i in range(10)]
+    val, train = split_held_out(docs, 250)
+    assert val == docs[:3] and train == docs[3:]
+    with pytest.raises(ValueError, match="too few to hold out"):
+        split_held_out(docs, 10_000)

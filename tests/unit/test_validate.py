@@ -61,6 +61,45 @@ def test_the_table_is_large_enough_and_names_the_issue_cases():
             "teacher_dtype", "zero_teacher_ranks", "negative_timeout", "unknown_section_key", "string_for_int"} <= launched
 
 
+@pytest.mark.parametrize("extra, sentence", [
+    ([], "cache_dir=''; pass cache_dir=<folder for the teacher cache>."),
+    (["cache_dir=c", "streams=0"], "streams=0; use a positive integer."),
+    (["cache_dir=c", "sequences_per_stream=-1"], "sequences_per_stream=-1; use 0 (the config's steps x "
+                                                 "grad_acc_steps x data.batch_size) or a positive number of windows."),
+    # The writer is the teacher, whatever the training config's source says: it needs the teacher's path.
+    (["cache_dir=c", "distillation.source=cache", "distillation.teacher_path=null"],
+     "distillation.teacher_path=null; distillation is on: point it at a transformers checkpoint directory, or set "
+     "enable_distillation=false."),
+])
+def test_the_teacher_cache_writer_validates_the_trainers_config_and_its_own_keys(extra, sentence, corpus,
+                                                                                 teacher_stub, tmp_path):
+    from apps.main.teacher_cache import TeacherCacheArgs
+
+    args = parse_args(TeacherCacheArgs, distill_overrides(corpus, teacher_stub, tmp_path) + extra)
+    with pytest.raises(ValueError) as caught:
+        args.validate(world_size=2)
+    assert str(caught.value) == sentence
+    # Every rank of the writer is a teacher: a launch of 2 is planned without teacher ranks.
+    parse_args(TeacherCacheArgs, distill_overrides(corpus, teacher_stub, tmp_path) + ["cache_dir=c"]).validate(2)
+
+
+@pytest.mark.parametrize("argv, sentence", [
+    ([], "ckpt=''; pass ckpt=<a checkpoint step directory or the run's checkpoints/ directory>."),
+    (["ckpt=x", "tasks=", "perplexity=false"], "perplexity=false; with no tasks there is nothing to evaluate: pass "
+                                               "tasks=<comma list> or leave perplexity=true."),
+    (["ckpt=x", "batch_size=0"], "batch_size=0; use a positive lm-eval batch size."),
+    (["ckpt=x", "limit=0"], "limit=0; use a positive number of examples per task, or null for all."),
+    (["ckpt=x", "num_fewshot=-1"], "num_fewshot=-1; use 0 or more examples, or null for each task's default."),
+])
+def test_checkpoint_eval_settings_are_one_sentence_before_the_checkpoint_is_read(argv, sentence):
+    from apps.main.eval import CheckpointEvalArgs
+
+    with pytest.raises(ValueError) as caught:
+        parse_args(CheckpointEvalArgs, argv).validate()
+    assert str(caught.value) == sentence
+    parse_args(CheckpointEvalArgs, ["ckpt=x"]).validate()
+
+
 def test_launch_size_is_checked_only_when_given(corpus, tmp_path):
     args = parse_args(TrainArgs, base_overrides(corpus, tmp_path, **{"distributed.dp_shard": 4}))
     args.validate()  # no launch size: the mesh is checked by the launch (LaunchPlan) alone

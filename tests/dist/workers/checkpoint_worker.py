@@ -94,7 +94,7 @@ def check_clipping(mesh, train_rank: int) -> dict:
     sharded = build_model(0, mesh)
     lm_loss(sharded, batch(1, train_rank)).backward()
     max_norm = reference_norm / 2
-    sharded_norm = clip_grad_norm_(sharded.parameters(), max_norm)
+    sharded_norm = float(clip_grad_norm_(sharded.parameters(), max_norm))
     clipped = {name: full(p.grad) for name, p in sharded.named_parameters()}
     clipped_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in clipped.values()])).item()
     scale = max_norm / (reference_norm + 1e-6)
@@ -109,7 +109,7 @@ def train_steps(model, optimizer, scheduler, steps, train_rank) -> tuple[list[fl
     for step in steps:
         loss = lm_loss(model, batch(step, train_rank))
         loss.backward()
-        grad_norms.append(clip_grad_norm_(model.parameters(), OPTIM.clip))
+        grad_norms.append(float(clip_grad_norm_(model.parameters(), OPTIM.clip)))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

@@ -47,6 +47,9 @@ def run(teacher_dir: str, mode: str, topo) -> None:
         client.submit(tokens, step=1, micro_step=0).wait()
     elif mode == "serve_failure":
         client.submit(tokens, step=1, micro_step=0).wait()
+    # The step's agreed point, as the trainer has it: statuses are read here, not per micro-batch.
+    if client.response_flags()["teacher_error"]:
+        client.raise_teacher_error()
     client.stop(step=2)
 
 

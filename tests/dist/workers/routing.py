@@ -2,8 +2,11 @@
 their own tokens, through the wire dtype asked for -- one request at a time, then with two
 micro-batches in flight (submit i+1 before waiting on i).
 Run: torchrun --nproc-per-node 3 -m tests.dist.workers.routing <teacher_dir> <topk|sampled|full> <bf16|fp32> [<fp32|bf16>]
-The last argument is the teacher's dtype (default fp32); every student compares with an fp32 forward
-of its own, so a bf16 teacher is checked against the fp32 one within bf16 tolerance."""
+     [<causal|doc_causal>]
+The fourth argument is the teacher's dtype (default fp32); every student compares with an fp32 forward
+of its own, so a bf16 teacher is checked against the fp32 one within bf16 tolerance. With doc_causal the
+rows are packed documents: the teacher must answer as if each document were its own sequence, so the
+reference runs one forward per document."""
 
 import sys
 import time
@@ -26,12 +29,29 @@ K = 5
 BF16_TEACHER_ATOL = 2e-2
 
 
+def reference_logits(reference, tokens: torch.Tensor, doc_ids) -> torch.Tensor:
+    """The fp32 reference's logits; with document ids, one forward per document of each row."""
+    with torch.inference_mode():
+        if doc_ids is None:
+            return reference(tokens).logits.float()
+        rows = []
+        for row, docs in zip(tokens, doc_ids):
+            rows.append(torch.cat([reference(row[docs == d][None]).logits.float()[0] for d in docs.unique()]))
+        return torch.stack(rows)
+
+
+def random_documents(bsz: int, seqlen: int, generator) -> torch.Tensor:
+    """[bsz, seqlen] document ids numbered from 0 in each row, documents of 1..seqlen tokens."""
+    starts = torch.rand(bsz, seqlen, generator=generator) < 0.3
+    starts[:, 0] = True
+    return starts.int().cumsum(dim=1) - 1
+
+
 def check(received: TeacherOutputs, tokens: torch.Tensor, reference, output: str, wire_dtype: torch.dtype,
-          teacher_dtype: str, vocab: int) -> None:
+          teacher_dtype: str, vocab: int, doc_ids=None) -> None:
     """`received` must be what the teacher computes for `tokens` (the reference is an fp32 local forward)."""
     tolerance = 1e-4 if wire_dtype == torch.float32 else 2e-2  # bf16 keeps 8 bits of mantissa
-    with torch.inference_mode():
-        logits = reference(tokens).logits.float()[..., :vocab]
+    logits = reference_logits(reference, tokens, doc_ids)[..., :vocab]
     expected = sparsify_teacher_logits(logits, output, K, 1.0, wire_dtype)
     for got, want in zip(received.tensors(), expected.tensors()):
         assert got.shape == want.shape, (got.shape, want.shape)
@@ -62,15 +82,16 @@ def check(received: TeacherOutputs, tokens: torch.Tensor, reference, output: str
             assert torch.equal(got.long(), want.long())
 
 
-def main(teacher_dir: str, output: str, wire: str, teacher_dtype: str = "fp32") -> None:
+def main(teacher_dir: str, output: str, wire: str, teacher_dtype: str = "fp32", attn_mask: str = "causal") -> None:
     args = DistillationArgs(teacher_path=teacher_dir, output=output, k=K, wire_dtype=wire, teacher_dtype=teacher_dtype)
     wire_dtype = WIRE_DTYPES[wire]
     topo = setup_torch_distributed(DistributedArgs(init_timeout_s=60), n_teachers=1)
     init_logger(topo.global_rank, topo.role)
     try:
         if topo.is_teacher:
-            server = TeacherServer(args, topo)
-            print(f"TEACHER PARAMS {sorted(str(d) for d in {p.dtype for p in server.model.parameters()})}", flush=True)
+            server = TeacherServer(args, topo, attn_mask=attn_mask)
+            dtypes = {p.dtype for p in server.teacher.model.parameters()}
+            print(f"TEACHER PARAMS {sorted(str(d) for d in dtypes)}", flush=True)
             start = time.perf_counter()
             server.serve()
             # Busy and idle seconds cover the whole loop: no request's work falls between the two clocks.
@@ -80,19 +101,27 @@ def main(teacher_dir: str, output: str, wire: str, teacher_dtype: str = "fp32") 
             return
         reference, tokenizer = load_teacher(replace(args, teacher_dtype="fp32"), topo.device)
         vocab = len(tokenizer)
-        client = TeacherClient(args, topo, tokenizer.get_vocab(), vocab, max_bsz=4, max_seqlen=12)
+        client = TeacherClient(args, topo, tokenizer.get_vocab(), vocab, max_bsz=4, max_seqlen=12, attn_mask=attn_mask)
         generator = torch.Generator().manual_seed(topo.train_rank)
         bsz, seqlen = SHAPES[topo.train_rank]
+
+        def make_batch(rows: int, length: int):
+            tokens = torch.randint(0, vocab, (rows, length), generator=generator)
+            return tokens, random_documents(rows, length, generator) if attn_mask == "doc_causal" else None
+
         for step in range(3):
-            tokens = torch.randint(0, vocab, (bsz, seqlen + step), generator=generator)
-            check(client.submit(tokens, step=step, micro_step=0).wait(), tokens, reference, output, wire_dtype,
-                  teacher_dtype, vocab)
+            tokens, docs = make_batch(bsz, seqlen + step)
+            check(client.submit(tokens, step=step, micro_step=0, doc_ids=docs).wait(), tokens, reference, output,
+                  wire_dtype, teacher_dtype, vocab, docs)
         # Two micro-batches in flight, of different shapes; waited in order, then in reverse order.
         for step, order in ((3, (0, 1)), (4, (1, 0))):
-            batches = [torch.randint(0, vocab, (bsz - m, seqlen + 2 * m), generator=generator) for m in range(2)]
-            handles = [client.submit(tokens, step=step, micro_step=m) for m, tokens in enumerate(batches)]
+            batches = [make_batch(bsz - m, seqlen + 2 * m) for m in range(2)]
+            handles = [client.submit(tokens, step=step, micro_step=m, doc_ids=docs)
+                       for m, (tokens, docs) in enumerate(batches)]
             for m in order:
-                check(handles[m].wait(), batches[m], reference, output, wire_dtype, teacher_dtype, vocab)
+                tokens, docs = batches[m]
+                check(handles[m].wait(), tokens, reference, output, wire_dtype, teacher_dtype, vocab, docs)
+        assert not client.response_flags()["teacher_error"]  # every status of these requests was ok
         client.stop(step=5)
         print(f"ROUTING OK rank {topo.global_rank}", flush=True)
     finally:

@@ -1,11 +1,12 @@
 """Two-phase timeouts on the bridge: the teacher keeps the generous timeout through the students' whole
 first step (a slow first forward/backward, compile, optimizer, save), and switches to the short one
-only when the next step's first request arrives.
+only when a request sent after it arrives (marked in_training: with look-ahead, a request of the next
+step can arrive while the first step is still running).
 
 Run: torchrun --nproc-per-node 3 -m tests.dist.workers.timeout_phases <teacher_dir>
-The students resume at step 5 (the teacher must read steps from the headers), spend SLOW_S between
-the micro-batches of that first step and again before step 6 -- longer than the TRAIN_TIMEOUT_S the
-teacher switches to -- then send step 6 and STOP promptly.
+The students resume at step 5, send step 6's first request as look-ahead right away (as prefetch=1
+does), spend SLOW_S between the micro-batches of that first step and again before the rest of step 6
+-- longer than the TRAIN_TIMEOUT_S the teacher switches to -- then send step 6 and STOP promptly.
 """
 
 import sys
@@ -43,14 +44,18 @@ def main(teacher_dir: str) -> None:
         _, tokenizer = load_teacher(args, topo.device)
         client = TeacherClient(args, topo, tokenizer.get_vocab(), len(tokenizer), max_bsz=2, max_seqlen=8)
         tokens = torch.randint(0, len(tokenizer), (2, 8), generator=torch.Generator().manual_seed(topo.train_rank))
-        # The first step of this launch: two micro-batches with slow work after each (first-step compile, save).
-        for micro_step in range(2):
-            client.submit(tokens, step=FIRST_STEP, micro_step=micro_step).wait()
+        # The first step of this launch: two micro-batches with slow work after each (first-step compile, save),
+        # and the next step's first request already in flight (look-ahead).
+        first = [client.submit(tokens, step=FIRST_STEP, micro_step=m) for m in range(2)]
+        look_ahead = client.submit(tokens, step=FIRST_STEP + 1, micro_step=0)
+        for micro_step, handle in enumerate(first):
+            handle.wait()
             say(f"step {FIRST_STEP}.{micro_step} served on rank {topo.global_rank}; working {SLOW_S}s")
             time.sleep(SLOW_S)
         say(f"step {FIRST_STEP} finished on rank {topo.global_rank}")
-        for micro_step in range(2):
-            client.submit(tokens, step=FIRST_STEP + 1, micro_step=micro_step).wait()
+        client.mark_first_step_done()
+        look_ahead.wait()
+        client.submit(tokens, step=FIRST_STEP + 1, micro_step=1).wait()
         client.stop(step=FIRST_STEP + 2)
         say(f"PHASES OK rank {topo.global_rank}")
     finally:

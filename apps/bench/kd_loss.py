@@ -1,0 +1,305 @@
+"""Benchmark of the output head + loss step: CE alone, today's CE + kd_loss, and the fused CE + KD loss.
+
+    python -m apps.bench.kd_loss --vocab 49152 --tokens 1024 --k 64 --out DIR
+    python -m apps.bench.kd_loss --vocab 49152 --tokens 1024 --k 64 --threads 2 --rounds 3 --out DIR
+
+Each variant runs forward + backward from the final hidden states [tokens, dim] and the head weight
+[vocab, dim] (both requiring grad, grads set to None before every repeat as a training step would):
+
+    ce            logits = hidden @ weight.T, `cross_entropy_sum` / n_valid, backward (the CE-only step today)
+    reference_kd  the same logits, CE + `kd_loss(loss_chunk_size=1024)` mixed by `distillation_loss` as
+                  `OnlineDistiller.loss` does, backward
+    fused_kd      `fused_linear_kd_loss` on the hidden states and the head weight, backward
+
+Every variant is measured in fresh processes (`--rounds` times, interleaved, so a busy machine slows
+all of them alike), one for time and one for memory, so neither peaks nor allocator states mix.
+Time: the median wall clock of --repeats fwd+bwd after --warmup (CPU time too: on a shared machine
+it is the steadier number). Memory on CPU: VmHWM after the steps minus VmRSS right before them
+(VmHWM is reset there through /proc/self/clear_refs when the kernel allows it), with glibc's mmap
+threshold fixed (`MEMORY_PHASE_ENV`); on CUDA: max_memory_allocated minus memory_allocated at the
+same point. Writes DIR/results.json and prints a markdown table.
+"""
+
+import argparse
+import gc
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from lingua.fused_kd_loss import auto_chunk_rows, fused_linear_kd_loss
+from lingua.kd_loss import (DIVERGENCES, FORMATS, TeacherOutputs, cross_entropy_sum, distillation_loss, kd_loss,
+                            sparsify_teacher_logits)
+
+ROOT = Path(__file__).resolve().parents[2]
+VARIANTS = ("ce", "reference_kd", "fused_kd")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MIB = 2**20
+TEACHER_ROWS = 64  # teacher outputs are drawn this many rows at a time, so setup stays far below the measured peak
+# glibc raises its mmap threshold (up to 32 MiB) as big blocks are freed and then keeps freed heap blocks
+# resident, so RSS would count setup garbage and miss reuse; a fixed 64 KiB threshold maps and unmaps
+# every tensor block, and VmHWM then follows live tensor memory (checked: a sampling thread agrees).
+MEMORY_PHASE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+
+
+@dataclass
+class BenchArgs:
+    vocab: int = 49152
+    tokens: int = 1024
+    dim: int = 576  # SmolLM2-135M's width
+    k: int = 64
+    format: str = "topk"
+    divergence: str = "fkl"
+    temperature: float = 1.0
+    alpha: float = 0.5
+    ignored: float = 0.0  # share of labels set to -100
+    repeats: int = 5
+    warmup: int = 1
+    rounds: int = 1
+    threads: int = 1
+    dtype: str = "float32"
+    device: str = "cpu"
+    chunk_size: int = 0  # fused loss rows per chunk; 0 = its memory-budget default
+    reference_chunk_size: int = 1024  # kd_loss chunk, the trainer's loss_chunk_size default
+    seed: int = 0
+    out: Optional[str] = None
+
+
+def check_args(args: BenchArgs) -> None:
+    """Raise ValueError with a sentence on what to change for settings the benchmark cannot run."""
+    for name in ("vocab", "tokens", "dim", "repeats", "rounds", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1.")
+    if args.warmup < 0 or args.chunk_size < 0 or args.reference_chunk_size < 1:
+        raise ValueError("--warmup and --chunk-size must be >= 0 and --reference-chunk-size >= 1.")
+    if args.format not in FORMATS:
+        raise ValueError(f"--format {args.format!r} is unknown; use one of {', '.join(FORMATS)}.")
+    if args.divergence not in DIVERGENCES:
+        raise ValueError(f"--divergence {args.divergence!r} is unknown; use one of {', '.join(DIVERGENCES)}.")
+    if args.format == "sampled" and args.divergence != "fkl":
+        raise ValueError("--format sampled supports only --divergence fkl.")
+    if args.format != "full" and not 1 <= args.k <= args.vocab:
+        raise ValueError(f"--k {args.k} must be between 1 and --vocab {args.vocab}.")
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype {args.dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
+    if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"--device {args.device!r} is not available here; use cpu (or cuda on a GPU machine).")
+    if not 0.0 <= args.ignored < 1.0 or not 0.0 <= args.alpha <= 1.0 or args.temperature <= 0:
+        raise ValueError("--ignored must be in [0, 1), --alpha in [0, 1] and --temperature positive.")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchArgs, Optional[tuple[str, str]]]:
+    """(settings, (worker variant, phase) or None) from the command line; settings are checked."""
+    parser = argparse.ArgumentParser(prog="python -m apps.bench.kd_loss", description=__doc__.split("\n")[0])
+    for name, default in asdict(BenchArgs()).items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=type(default) if default is not None else str, default=default)
+    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: measure one variant
+    parser.add_argument("--phase", choices=("time", "memory"), default="time", help=argparse.SUPPRESS)
+    namespace = vars(parser.parse_args(argv))
+    worker = namespace.pop("worker")
+    phase = namespace.pop("phase")
+    args = BenchArgs(**namespace)
+    check_args(args)
+    if worker is None and args.out is None:
+        raise ValueError("--out DIR is required: the results are written to DIR/results.json.")
+    return args, None if worker is None else (worker, phase)
+
+
+def make_inputs(args: BenchArgs):
+    """(hidden, weight, labels, teacher) on args.device, from args.seed; teacher is None for CE alone."""
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    generator = torch.Generator().manual_seed(args.seed)
+    hidden = torch.randn(args.tokens, args.dim, generator=generator).to(device, dtype).requires_grad_()
+    weight = (torch.randn(args.vocab, args.dim, generator=generator) * args.dim**-0.5).to(device, dtype).requires_grad_()
+    labels = torch.randint(0, args.vocab, (args.tokens,), generator=generator)
+    labels[torch.rand(args.tokens, generator=generator) < args.ignored] = -100
+    # A peaked teacher (logit scale 3) gives realistic top-k mass; drawn in slices to bound setup memory.
+    parts = [sparsify_teacher_logits(torch.randn(1, min(TEACHER_ROWS, args.tokens - start), args.vocab,
+                                                 generator=generator) * 3.0,
+                                     args.format, args.k, args.temperature, generator=generator)
+             for start in range(0, args.tokens, TEACHER_ROWS)]
+    tensors = [torch.cat([p.tensors()[i] for p in parts], dim=1).to(device) for i in range(len(parts[0].tensors()))]
+    teacher = TeacherOutputs.from_tensors(args.format, tensors)
+    return hidden, weight, labels.to(device), teacher
+
+
+def step_function(variant: str, args: BenchArgs, hidden, weight, labels, teacher) -> Callable[[], None]:
+    """A closure running one forward + backward of `variant` (grads of hidden and weight reset first)."""
+    n_valid = max(int((labels != -100).sum()), 1)
+    batch_labels = labels.unsqueeze(0)
+    mask = batch_labels != -100
+    share = int(mask.sum()) / n_valid
+
+    def step():
+        hidden.grad = weight.grad = None
+        if variant == "fused_kd":
+            loss, _ = fused_linear_kd_loss(hidden, weight, labels, teacher, n_valid, args.alpha, args.temperature,
+                                           args.divergence, chunk_size=args.chunk_size)
+        else:
+            logits = (hidden @ weight.T).unsqueeze(0)
+            loss = cross_entropy_sum(logits, batch_labels) / n_valid
+            if variant == "reference_kd":
+                kd, _ = kd_loss(logits, teacher, mask, args.temperature, args.divergence,
+                                chunk_size=args.reference_chunk_size)
+                loss = distillation_loss(loss, kd * share, args.alpha, args.temperature)
+        loss.backward()
+
+    return step
+
+
+def _proc_status_kib(field: str) -> int:
+    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure(variant: str, args: BenchArgs, phase: str) -> dict:
+    """One variant in this process (call it in a fresh one): phase "time" gives the median fwd+bwd wall and
+    CPU ms over --repeats after --warmup; phase "memory" the peak above the memory right before the steps."""
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    step = step_function(variant, args, *make_inputs(args))
+    cuda = args.device == "cuda"
+    gc.collect()
+    if phase == "memory":
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base, peak_reset = torch.cuda.memory_allocated(), True
+        else:
+            peak_reset = _reset_peak_rss()
+            base = _proc_status_kib("VmRSS") * 1024
+        for _ in range(args.warmup + 1):
+            step()
+        if cuda:
+            peak = torch.cuda.max_memory_allocated() - base
+        else:
+            peak = _proc_status_kib("VmHWM") * 1024 - base
+        return {"peak_mib": peak / MIB, "peak_reset": peak_reset}
+    for _ in range(args.warmup):
+        step()
+    wall, cpu = [], []
+    for _ in range(args.repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall.append(1e3 * (time.perf_counter() - wall0))
+        cpu.append(1e3 * (time.process_time() - cpu0))
+    return {"ms": statistics.median(wall), "cpu_ms": statistics.median(cpu), "all_ms": wall}
+
+
+def run_variant_subprocess(variant: str, args: BenchArgs) -> dict:
+    """`measure(variant)` for time, then for memory, each in a fresh Python process; the merged results."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in asdict(args).items() if v is not None and k != "out"]
+    results = {}
+    for phase in ("time", "memory"):
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT))
+        if phase == "memory":
+            env.update(MEMORY_PHASE_ENV)
+        result = subprocess.run([sys.executable, "-m", "apps.bench.kd_loss", "--worker", variant, "--phase", phase,
+                                 *flags], cwd=ROOT, env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"bench variant {variant} ({phase}) failed (exit {result.returncode}):\n"
+                               f"{result.stderr[-4000:]}")
+        results.update(json.loads(result.stdout.strip().splitlines()[-1]))
+    return results
+
+
+def _ratio(a: float, b: float) -> Optional[float]:
+    # Tiny runs can peak below the RSS page granularity: no ratio rather than a division by zero.
+    return a / b if b > 0 else None
+
+
+def summarize(args: BenchArgs, rounds: dict[str, list[dict]]) -> dict:
+    """results.json: the medians over rounds per variant, their spread, the ratios and the settings."""
+
+    def median(variant, key):
+        return statistics.median(r[key] for r in rounds[variant])
+
+    def spread(variant, key):
+        return [min(r[key] for r in rounds[variant]), max(r[key] for r in rounds[variant])]
+
+    names = {"ce": "ce", "reference_kd": "reference_kd", "fused_kd": "kd"}
+    results = {}
+    for variant, name in names.items():
+        results[f"{name}_ms"] = median(variant, "ms")
+        results[f"{name}_cpu_ms"] = median(variant, "cpu_ms")
+        results[f"{name}_peak_mib"] = median(variant, "peak_mib")
+        results[f"{name}_ms_range"] = spread(variant, "ms")
+        results[f"{name}_cpu_ms_range"] = spread(variant, "cpu_ms")
+    results.update({
+        "kd_over_ce_ms": _ratio(results["kd_ms"], results["ce_ms"]),
+        "kd_over_ce_cpu_ms": _ratio(results["kd_cpu_ms"], results["ce_cpu_ms"]),
+        "kd_over_ce_peak": _ratio(results["kd_peak_mib"], results["ce_peak_mib"]),
+        "reference_kd_over_ce_ms": _ratio(results["reference_kd_ms"], results["ce_ms"]),
+        "reference_kd_over_ce_peak": _ratio(results["reference_kd_peak_mib"], results["ce_peak_mib"]),
+        "reference_kd_over_kd_ms": _ratio(results["reference_kd_ms"], results["kd_ms"]),
+        "fused_chunk_rows": args.chunk_size or auto_chunk_rows(args.vocab, args.format, args.device, DTYPES[args.dtype]),
+        "peak_reset": all(r["peak_reset"] for variant in VARIANTS for r in rounds[variant]),
+        "settings": asdict(args),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores visible)",
+        "threads": args.threads,
+        "rounds": {variant: rounds[variant] for variant in VARIANTS},
+    })
+    return results
+
+
+def format_markdown(results: dict) -> str:
+    """A small table of the three variants with their ratios to CE."""
+    s = results["settings"]
+    lines = [f"V={s['vocab']} N={s['tokens']} D={s['dim']} k={s['k']} {s['format']}/{s['divergence']} "
+             f"T={s['temperature']} {s['dtype']} on {results['device']}, {results['threads']} thread(s), "
+             f"median of {s['repeats']} repeats x {s['rounds']} round(s)", "",
+             "| variant | fwd+bwd ms | CPU ms | peak MiB | time / CE | peak / CE |",
+             "|---|---:|---:|---:|---:|---:|"]
+    def ratio(a, b):
+        value = _ratio(a, b)
+        return "n/a" if value is None else f"{value:.2f}"
+
+    for label, name in (("CE only", "ce"), ("reference KD (kd_loss)", "reference_kd"), ("fused KD", "kd")):
+        lines.append(f"| {label} | {results[f'{name}_ms']:.0f} | {results[f'{name}_cpu_ms']:.0f} | "
+                     f"{results[f'{name}_peak_mib']:.0f} | {ratio(results[f'{name}_ms'], results['ce_ms'])} | "
+                     f"{ratio(results[f'{name}_peak_mib'], results['ce_peak_mib'])} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None, run_variant: Callable[[str, BenchArgs], dict] = run_variant_subprocess):
+    """Parse, run every variant --rounds times (each in a fresh process), write results.json, print the table."""
+    args, worker = parse_args(argv)
+    if worker is not None:
+        print(json.dumps(measure(worker[0], args, worker[1])))
+        return None
+    rounds = {variant: [] for variant in VARIANTS}
+    for _ in range(args.rounds):
+        for variant in VARIANTS:
+            rounds[variant].append(run_variant(variant, args))
+    results = summarize(args, rounds)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(format_markdown(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

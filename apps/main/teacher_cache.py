@@ -1,0 +1,230 @@
+"""Write the offline teacher cache: the training windows and the teacher's sparse outputs, once.
+
+    torchrun --nproc-per-node N -m apps.main.teacher_cache config=<a distillation config> cache_dir=DIR [streams=M]
+    torchrun --nproc-per-node M -m apps.main.train config=<the same config> distillation.source=cache \
+        distillation.cache_dir=DIR
+
+Every rank is a teacher: it loads the teacher, tokenizes and packs the data exactly as training does
+(`DataLoader`, stream d = what data-parallel student d of `streams` would read) and writes the shards
+assigned to it (shard i is chunk i // M of stream i % M; rank r writes shards r, r+N, ...). Shards are
+written atomically, so a rerun skips the finished ones and resumes the others from the loader state
+saved in the last finished shard of their stream. `cache.json` records the settings: training refuses
+a cache whose settings differ from its own. `index.json`, written last, marks the cache complete.
+Then a sweep over alpha, temperature or student size pays the teacher once (see lingua/teacher_cache.py).
+"""
+
+if __name__ == "__main__":  # first, before the slow imports: see lingua.cli.hold_sigterm
+    from lingua.cli import hold_sigterm
+
+    hold_sigterm()
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from apps.main.train import TrainArgs
+from lingua.args import parse_args, require
+from lingua.bridge import tokenizer_fingerprint
+from lingua.cli import release_sigterm, run_cli
+from lingua.collectives import log_collective
+from lingua.data import DataLoader
+from lingua.distiller import tokenizer_vocab
+from lingua.distillation import WIRE_DTYPES
+from lingua.distributed import clean_up, setup_torch_distributed
+from lingua.eval_data import iterate_eval_batches
+from lingua.kd_loss import TeacherOutputs
+from lingua.launch import LaunchPlan, read_launch_env
+from lingua.logger import init_logger
+from lingua.metrics import format_duration
+from lingua.teacher import TeacherModel
+from lingua.teacher_cache import (
+    INDEX, CacheManifest, describe_differences, settings_manifest, shard_location, shard_metadata, shard_path,
+    write_json_atomic, write_shard,
+)
+from lingua.tokenizer import build_tokenizer
+
+logger = logging.getLogger("teacher_cache")
+PROGRESS_EVERY_S = 10.0
+
+
+@dataclass
+class TeacherCacheArgs(TrainArgs):
+    cache_dir: str = ""
+    streams: int = 1  # data-parallel students the cache is laid out for (train from it with as many)
+    sequences_per_stream: int = 0  # windows per stream; 0 = what the config trains on: steps x grad_acc x batch
+    shard_sequences: int = 64  # windows per shard file (the unit of resuming)
+    forward_rows: int = 8  # windows per teacher forward
+
+    def validate(self, world_size: Optional[int] = None, local_world_size: Optional[int] = None) -> None:
+        """The trainer's pass for the config with an online teacher (whatever distillation.source says: this
+        job is the teacher), then the cache's own keys. Every rank is a teacher here, so the launch is planned
+        without teacher ranks."""
+        teacher = replace(self.distillation, source="online", n_teacher_ranks=1)
+        TrainArgs.validate(replace(self, enable_distillation=True, distillation=teacher))
+        require(bool(self.cache_dir), "cache_dir", self.cache_dir, "pass cache_dir=<folder for the teacher cache>")
+        for key in ("streams", "shard_sequences", "forward_rows"):
+            require(getattr(self, key) >= 1, key, getattr(self, key), "use a positive integer")
+        require(self.sequences_per_stream >= 0, "sequences_per_stream", self.sequences_per_stream,
+                "use 0 (the config's steps x grad_acc_steps x data.batch_size) or a positive number of windows")
+        if world_size is not None:
+            LaunchPlan.for_launch(self.distributed, 0, world_size, local_world_size or world_size)
+
+
+def planned_manifest(args: TeacherCacheArgs, tokenizer) -> CacheManifest:
+    wanted = args.sequences_per_stream or args.steps * args.grad_acc_steps * args.data.batch_size
+    per_stream = -(-wanted // args.shard_sequences) * args.shard_sequences  # whole shards
+    return settings_manifest(args.distillation, args.data, args.model.attn_mask, tokenizer, streams=args.streams,
+                             sequences_per_stream=per_stream, shard_sequences=args.shard_sequences)
+
+
+def check_tokenizers(tokenizer, teacher: TeacherModel, teacher_path: str) -> None:
+    """The students' tokenizer must be the teacher's, as at the online handshake."""
+    student = tokenizer_fingerprint(tokenizer_vocab(tokenizer))
+    if student != tokenizer_fingerprint(teacher.tokenizer.get_vocab()) or tokenizer.n_words > teacher.vocab_size:
+        raise ValueError(f"The data tokenizer (vocab {tokenizer.n_words}) does not match the teacher's (vocab "
+                         f"{teacher.vocab_size}) at {teacher_path}. Students must use the teacher's tokenizer: set "
+                         f"data.tokenizer.name=hf data.tokenizer.path={teacher_path}.")
+
+
+def settle_manifest(cache_dir: Path, planned: CacheManifest) -> None:
+    """Every rank reads the same manifest, so all agree: a cache started with other settings is refused."""
+    if not (cache_dir / "cache.json").is_file():
+        return
+    existing = CacheManifest.read(cache_dir)
+    differ = describe_differences(existing, planned, ("teacher_path", "tokenizer_fingerprint", "vocab_size", "output",
+                                                      "k", "temperature", "wire_dtype", "attn_mask", "data", "streams",
+                                                      "sequences_per_stream", "shard_sequences"))
+    if differ:
+        raise ValueError(f"{cache_dir} already holds a teacher cache written with other settings: {'; '.join(differ)}. "
+                         f"Use another cache_dir, or the settings it was started with to finish it.")
+
+
+class StreamReader:
+    """The window streams, each positioned where a shard needs it (resuming from a finished shard's loader state)."""
+
+    def __init__(self, args: TeacherCacheArgs, tokenizer, cache_dir: Path, manifest: CacheManifest):
+        self.args, self.tokenizer, self.cache_dir, self.manifest = args, tokenizer, cache_dir, manifest
+        self.loaders: dict[int, DataLoader] = {}
+        self.next_chunk: dict[int, int] = {}
+
+    def chunk(self, stream: int, chunk: int) -> dict:
+        """The windows of chunk `chunk` of `stream` (a batch of shard_sequences windows)."""
+        if stream not in self.loaders or self.next_chunk[stream] > chunk:
+            data = replace(self.args.data, batch_size=self.manifest.shard_sequences, load_async=False)
+            self.loaders[stream] = DataLoader(data, self.tokenizer, stream, self.manifest.streams)
+            self.next_chunk[stream] = 0
+        loader = self.loaders[stream]
+        # Start from the newest finished shard of this stream before `chunk`, instead of re-reading the files.
+        for earlier in range(chunk - 1, self.next_chunk[stream] - 1, -1):
+            metadata = shard_metadata(shard_path(self.cache_dir, earlier * self.manifest.streams + stream))
+            if metadata is not None:
+                loader.load_state_dict(metadata["loader_state"])
+                self.next_chunk[stream] = earlier + 1
+                break
+        while self.next_chunk[stream] < chunk:
+            next(loader)
+            self.next_chunk[stream] += 1
+        self.next_chunk[stream] += 1
+        return next(loader)
+
+
+def teacher_outputs(teacher: TeacherModel, batch: dict, manifest: CacheManifest, forward_rows: int, generator):
+    """The teacher's outputs for a chunk's windows, `forward_rows` windows per forward."""
+    parts = []
+    for start in range(0, batch["input_ids"].shape[0], forward_rows):
+        rows = slice(start, start + forward_rows)
+        doc_ids = batch["doc_ids"][rows].to(teacher.device) if manifest.attn_mask == "doc_causal" else None
+        hidden = teacher.hidden_states(batch["input_ids"][rows].to(teacher.device), doc_ids)
+        parts.append(teacher.sparse_outputs(hidden, manifest.output, manifest.k, WIRE_DTYPES[manifest.wire_dtype],
+                                            manifest.vocab_size, generator))
+    return TeacherOutputs.from_tensors(manifest.output, [torch.cat(ts).cpu() for ts in zip(*(p.tensors() for p in parts))])
+
+
+def heldout_reference(args: TeacherCacheArgs, tokenizer, teacher: TeacherModel, manifest: CacheManifest) -> Optional[float]:
+    """The teacher's CE on the held-out windows the students evaluate on (each stream's share), or None."""
+    try:
+        batches = [b for d in range(manifest.streams) for b in iterate_eval_batches(
+            args.data, tokenizer, d, manifest.streams, args.eval.max_batches)]
+    except FileNotFoundError:
+        return None
+    loss_sum, tokens = teacher.heldout_ce(batches, manifest.vocab_size, manifest.attn_mask == "doc_causal")
+    return loss_sum / max(tokens, 1)
+
+
+def write_cache(args: TeacherCacheArgs, topo) -> None:
+    cache_dir = Path(args.cache_dir)
+    tokenizer = build_tokenizer(args.data.tokenizer)
+    teacher = TeacherModel(args.distillation, topo.device)
+    check_tokenizers(tokenizer, teacher, str(args.distillation.teacher_path))
+    manifest = planned_manifest(args, tokenizer)
+    settle_manifest(cache_dir, manifest)
+    world, rank = topo.world_size, topo.global_rank
+    if rank == 0:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        if not (cache_dir / "cache.json").is_file():
+            manifest.write(cache_dir)
+    barrier(topo, "cache manifest")
+    mine = [i for i in range(manifest.n_shards) if i % world == rank]
+    todo = [i for i in mine if shard_metadata(shard_path(cache_dir, i)) is None]
+    logger.info(f"cache rank {rank}: {len(mine)} shard(s) of {manifest.n_shards}, {len(mine) - len(todo)} already "
+                f"written, {len(todo)} to write ({manifest.shard_sequences} windows of {args.data.seq_len} tokens each)")
+    streams = StreamReader(args, tokenizer, cache_dir, manifest)
+    start = last_report = time.perf_counter()
+    tokens_per_shard = manifest.shard_sequences * args.data.seq_len
+    for done, index in enumerate(todo, 1):
+        stream, chunk = shard_location(index, manifest.streams)
+        batch = streams.chunk(stream, chunk)
+        generator = torch.Generator(device=topo.device).manual_seed(args.distillation.seed * 1_000_003 + index)
+        outputs = teacher_outputs(teacher, batch, manifest, args.forward_rows, generator)
+        tokens = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1)
+        write_shard(shard_path(cache_dir, index), tokens, batch["doc_ids"], outputs, manifest,
+                    dict(shard=index, stream=stream, chunk=chunk,
+                         loader_state=streams.loaders[stream].state_dict()))
+        now = time.perf_counter()
+        if now - last_report > PROGRESS_EVERY_S or done == len(todo):
+            last_report, rate = now, done * tokens_per_shard / (now - start)
+            eta = format_duration((len(todo) - done) * tokens_per_shard / rate)
+            logger.info(f"cache rank {rank}: {done}/{len(todo)} shards, {done * tokens_per_shard:,} tokens, "
+                        f"{rate:,.0f} tokens/s, ETA {eta}")
+    barrier(topo, "every shard written")
+    if rank == 0:
+        manifest.teacher_heldout_ce = heldout_reference(args, tokenizer, teacher, manifest)
+        manifest.write(cache_dir)
+        missing = [i for i in range(manifest.n_shards) if shard_metadata(shard_path(cache_dir, i)) is None]
+        if missing:
+            raise RuntimeError(f"shards {missing[:5]} are not complete after every rank finished; rerun the command")
+        write_json_atomic(cache_dir / INDEX, {"shards": [shard_path(cache_dir, i).name for i in range(manifest.n_shards)],
+                                               "tokens": manifest.n_shards * tokens_per_shard})
+        reference = "" if manifest.teacher_heldout_ce is None else \
+            f"; the teacher's held-out CE is {manifest.teacher_heldout_ce:.4f}"
+        logger.info(f"teacher cache complete in {cache_dir}: {manifest.n_shards} shards, "
+                    f"{manifest.n_shards * tokens_per_shard:,} tokens{reference}")
+    barrier(topo, "cache index")
+
+
+def barrier(topo, what: str) -> None:
+    if topo.distributed:
+        log_collective(f"barrier {what}", dist.group.WORLD)
+        dist.barrier(group=dist.group.WORLD)  # every rank of this job writes the cache
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(TeacherCacheArgs, argv)
+    launch = read_launch_env()
+    args.validate(launch.world_size, launch.local_world_size)  # every config error, before any process group
+    release_sigterm()
+    try:
+        topo = setup_torch_distributed(args.distributed, 0, args.dump_dir)
+        init_logger(topo.global_rank, "cache", str(Path(args.cache_dir) / "logs" / f"rank_{topo.global_rank}.log"))
+        write_cache(args, topo)
+    finally:
+        clean_up()
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,335 @@
+"""CE + KD fused with the output head: one chunked pass, closed-form gradients, no [N, V] logits.
+
+    loss, stats = fused_linear_kd_loss(hidden, model.output.weight, labels, teacher, n_valid, alpha, T)
+    loss = ((1 - alpha) * sum_i CE_i + alpha * T^2 * sum_i KD_i) / normalizer   over positions with label != -100
+
+This is the same objective as `kd_loss.cross_entropy_sum` + `kd_loss.kd_loss` mixed by the trainer
+(`distiller.OnlineDistiller.loss`), computed differently (the idea of Liger-Kernel's fused linear
+distillation): the rows are walked in chunks; per chunk the logits z = h W^T are formed in fp32,
+the loss rows and dLoss/dz are written in closed form into the chunk's buffers, and dz is pushed
+through the head at once (grad_h = dz W, grad_W += dz^T h). Backward only scales the stored grads by
+grad_output. So one chunk of fp32 [rows, V] work lives at a time, nothing is recomputed, and the
+extra memory is grad_W ([V, D], which autograd would allocate anyway; kept in fp32 while the chunks
+add into it, then cast to the weight's dtype) from forward to backward.
+
+Gradients per position, with a = z / T, s = softmax(a), and bucket log-probs log q_b of the student:
+CE gives softmax(z) - onehot(y). KD enters as T^2 * dKD/dz = T * dKD/da, and dKD/da follows from
+G_b = dKD/d(log q_b) (p = teacher probs after the reference's renormalisation and LOG_TINY floor):
+
+    fkl   KD = sum p (log p - log q)                 G = -p
+    rkl   KD = sum q (log q - log p)                 G = q (log q - log p + 1)
+    jsd   KD = beta sum p (log p - log m) + (1 - beta) sum q (log q - log m),  m = beta p + (1 - beta) q
+                                                     G = (1 - beta) q (log q - log m)
+          (d/dq of the beta and (1 - beta) parts' log m terms cancel to -(1 - beta), leaving the above)
+
+    full     buckets = the vocabulary: dKD/da = G - q sum(G)   (fkl: q sum(p) - p)
+    topk     buckets = the k ids + "rest". log q_i = a_i - lse(a), log q_rest = lse_rest(a) - lse(a), so
+             on an id      dKD/da_i = G_i - q_i sum(G)
+             elsewhere     dKD/da_v = s_v / q_rest * (G_rest - q_rest sum(G))
+                                    = exp(a_v - lse_rest(a)) * (G_rest - q_rest sum(G))
+             (fkl: q_i - p_i on the ids, s_v (1 - p_rest / q_rest) elsewhere). exp(a_v - lse_rest) is
+             computed from the rest's own max, so a rest bucket far below the top ids stays exact.
+    sampled  KD = extra - mean_j log s(x_j);  dKD/da = s - counts / k  (counts of each id among the k)
+
+Masked positions (label -100) contribute exactly zero, also when their hidden states or teacher
+tensors are inf/nan: their hidden rows are zeroed before the head and every per-row coefficient
+goes through `where`, never a multiply by the mask. No step reads a device value on the host.
+
+Using it: call it where the head would run, inside the model's forward (under FSDP2 the head weight is
+then the unsharded plain tensor; a DTensor or a vocab-sharded head is not supported), with the
+tied `tok_embeddings.weight` when embeddings are tied (autograd adds the two grads). Not inside an
+activation-checkpointed region (the forward already does the backward's work), and one backward per
+call. bf16 hidden/weight: bf16 GEMMs, fp32 loss math and grad_W accumulation, grads returned in bf16.
+"""
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from lingua.kd_loss import DIVERGENCES, LOG_TINY, TeacherOutputs, _check_format
+
+# Auto chunking: rows per chunk so the chunk's fp32 [rows, V] work tensors fit about this many bytes.
+# CPU: 256 MiB is ~450 rows at V=49k. Measured (2-core CPU, V=49k, N=1k): with 1 thread any chunk of
+# 96-1024 rows costs the same as CE (GEMMs are ~90% of the step); with 2 threads every op pays a
+# thread-pool sync, and 113-row chunks (64 MiB) cost 1.46x CE's CPU time where 512-row ones cost 1.08x.
+# 256 MiB is still a sixth of one [N, V] fp32 tensor at N=8k. CUDA: GEMMs need ~1k+ rows to fill the
+# SMs, and 1 GiB is a small share of a GPU. A fixed budget, not a share of free memory, keeps chunk
+# boundaries (hence rounding) the same from run to run and rank to rank.
+AUTO_CHUNK_BYTES = {"cpu": 256 * 2**20, "cuda": 1024 * 2**20}
+# [rows, V] tensors of the work dtype alive at once per format (the full format builds a few more).
+WORK_TENSORS = {None: 3, "topk": 3, "sampled": 3, "full": 8}
+
+
+def auto_chunk_rows(vocab_size: int, format: Optional[str], device: Union[str, torch.device] = "cpu",
+                    dtype: torch.dtype = torch.float32) -> int:
+    """Rows per chunk such that the chunk's [rows, V] work tensors stay within AUTO_CHUNK_BYTES; at least 1."""
+    budget = AUTO_CHUNK_BYTES.get(torch.device(device).type, AUTO_CHUNK_BYTES["cuda"])
+    work_dtype = torch.promote_types(dtype, torch.float32)
+    per_row = vocab_size * torch.tensor([], dtype=work_dtype).element_size() * WORK_TENSORS[format]
+    return max(1, budget // per_row)
+
+
+def _divergence_and_grad(log_p, log_q, divergence: str, jsd_beta: float):
+    """(D(p || q) per row, G = dD/d(log q) per bucket, q), from log-probs (p = teacher, q = student)."""
+    q = log_q.exp()
+    if divergence == "fkl":
+        p = log_p.exp()
+        return (p * (log_p - log_q)).sum(-1), -p, q
+    if divergence == "rkl":
+        ratio = log_q - log_p
+        return (q * ratio).sum(-1), q * (ratio + 1.0), q
+    log_m = torch.logaddexp(log_p + math.log(jsd_beta), log_q + math.log1p(-jsd_beta))
+    q_term = q * (log_q - log_m)
+    value = jsd_beta * (log_p.exp() * (log_p - log_m)).sum(-1) + (1 - jsd_beta) * q_term.sum(-1)
+    return value, (1 - jsd_beta) * q_term, q
+
+
+def _topk_kd(a, g, values, ids, extra, mask, divergence, jsd_beta, kd_scale):
+    """KD over the k ids + rest; adds kd_scale * dKD/da into g and returns KD per row. Overwrites a."""
+    dtype, k, V = a.dtype, ids.shape[-1], a.shape[-1]
+    a_ids = a.gather(-1, ids)
+    lse_ids = a_ids.logsumexp(-1)
+    log_t = values.to(dtype)
+    tail = extra.to(dtype).clamp(0.0, 1.0)
+    # Renormalise the teacher buckets in fp32 exactly as kd_loss does (bf16 values sum to 1 only roughly).
+    log_total = torch.log(log_t.exp().sum(-1) + tail).unsqueeze(-1)
+    if k < V:
+        a.scatter_(-1, ids, float("-inf"))
+        rest_max = a.amax(-1, keepdim=True)
+        rest = a.sub_(rest_max).exp_()  # exp(a_v - rest_max) off the ids, 0 on them
+        rest_sum = rest.sum(-1)
+        lse_rest = rest_max.squeeze(-1) + rest_sum.log()
+        lse = torch.logaddexp(lse_ids, lse_rest)
+        log_q = torch.cat([a_ids - lse.unsqueeze(-1), (lse_rest - lse).unsqueeze(-1)], dim=-1)
+        log_t = torch.cat([log_t, tail.clamp_min(torch.finfo(torch.float32).tiny).log().unsqueeze(-1)], dim=-1)
+    else:
+        log_q = a_ids - lse_ids.unsqueeze(-1)
+    kd, G, q = _divergence_and_grad((log_t - log_total).clamp_min(LOG_TINY), log_q, divergence, jsd_beta)
+    bucket_grad = torch.where(mask.unsqueeze(-1), (G - q * G.sum(-1, keepdim=True)) * kd_scale, 0.0)
+    g.scatter_add_(-1, ids, bucket_grad[:, :k])
+    if k < V:
+        g.add_(rest.mul_(torch.where(mask, bucket_grad[:, k] / rest_sum, 0.0).unsqueeze(-1)))
+    return kd
+
+
+def _sampled_kd(a, g, ids, extra, mask, kd_scale):
+    """Monte-Carlo forward KL from k samples of p_T; adds kd_scale * (s - counts / k) into g. Overwrites a."""
+    k = ids.shape[-1]
+    a_samples = a.gather(-1, ids)
+    a_max = a.amax(-1, keepdim=True)
+    s = a.sub_(a_max).exp_()
+    s_sum = s.sum(-1)
+    lse = a_max.squeeze(-1) + s_sum.log()
+    kd = extra.to(a.dtype) - (a_samples - lse.unsqueeze(-1)).mean(-1)
+    g.add_(s.mul_(torch.where(mask, kd_scale / s_sum, 0.0).unsqueeze(-1)))
+    # scatter_add, not scatter: an id drawn twice counts twice.
+    g.scatter_add_(-1, ids, torch.where(mask, -kd_scale / k, 0.0).unsqueeze(-1).expand(-1, k))
+    return kd
+
+
+def _full_kd(a, g, values, mask, divergence, jsd_beta, kd_scale):
+    """Exact divergence over the vocabulary; adds kd_scale * dKD/da into g. Overwrites a."""
+    log_q = a.sub_(a.logsumexp(-1, keepdim=True))
+    log_t = values.to(a.dtype)
+    log_p = (log_t - log_t.logsumexp(-1, keepdim=True)).clamp_min_(LOG_TINY)
+    kd, G, q = _divergence_and_grad(log_p, log_q, divergence, jsd_beta)
+    G.sub_(q.mul_(G.sum(-1, keepdim=True)))
+    g.add_(torch.where(mask.unsqueeze(-1), G.mul_(kd_scale), 0.0))
+    return kd
+
+
+def _teacher_stats(values, ids, extra, format):
+    """Per row (teacher mass covered by the support, teacher top-1 id), as `kd_loss._chunk_stats` defines them."""
+    if format == "full":
+        return torch.ones(values.shape[0], dtype=torch.float32, device=values.device), values.argmax(-1)
+    top1 = ids.gather(-1, values.argmax(-1, keepdim=True)).squeeze(-1)
+    if format == "topk":
+        return 1.0 - extra.float().clamp(0.0, 1.0), top1
+    # Sampled ids repeat: count each distinct id's mass once.
+    sorted_ids, order = ids.sort(-1)
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    return (values.float().gather(-1, order).exp() * first).sum(-1), top1
+
+
+def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta,
+                chunk_size, need_grad_hidden, need_grad_weight):
+    """(loss, stats [4], grad_hidden or None, grad_weight or None) of the flattened inputs, chunk by chunk."""
+    N, D = hidden.shape
+    V = weight.shape[0]
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    mask = labels != -100
+    safe_labels = labels.masked_fill(~mask, 0).long().unsqueeze(-1)
+    # 0-dim device tensors built with full (a kernel, not a host copy): the scales stay off the host.
+    if not isinstance(normalizer, torch.Tensor):
+        normalizer = torch.full((), float(normalizer), dtype=dtype, device=hidden.device)
+    inv_norm = 1.0 / normalizer.to(device=hidden.device, dtype=dtype)
+    if teacher is None:
+        alpha = 0.0
+    ce_scale, kd_scale = (1.0 - alpha) * inv_norm, alpha * temperature * inv_norm
+    stats = torch.zeros(4, dtype=dtype, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
+    # fp32 accumulator for a bf16 head: adding bf16 partial sums chunk after chunk would round each time.
+    grad_weight = torch.zeros(V, D, dtype=dtype, device=weight.device) if need_grad_weight else None
+    for start in range(0, N, chunk_size):
+        rows = slice(start, min(start + chunk_size, N))
+        row_mask = mask[rows]
+        # where, not multiply: an inf/nan hidden row at a masked position must not reach the logits or grads.
+        h = hidden[rows].masked_fill(~row_mask.unsqueeze(-1), 0.0)
+        z = (h @ weight.T).to(dtype)
+        z_max, student_top1 = z.max(-1)
+        z_label = z.gather(-1, safe_labels[rows]).squeeze(-1)
+        g = (z - z_max.unsqueeze(-1)).exp_()
+        z_sum = g.sum(-1)
+        ce = z_max + z_sum.log() - z_label
+        g.mul_(torch.where(row_mask, ce_scale / z_sum, 0.0).unsqueeze(-1))
+        g.scatter_add_(-1, safe_labels[rows], torch.where(row_mask, -ce_scale, 0.0).unsqueeze(-1))
+        if teacher is None:
+            kd = mass = agree = torch.zeros_like(ce)
+        else:
+            values, ids, extra = (None if t is None else t[rows] for t in teacher)
+            if ids is not None:
+                # A padded position may carry any id; keep gathers in range (its row counts for nothing).
+                ids = ids.long().masked_fill(~row_mask.unsqueeze(-1), 0)
+            # KD works on a = z / T in z's buffer, which the format's function then overwrites.
+            a = z.div_(temperature) if temperature != 1.0 else z
+            if teacher.format == "topk":
+                kd = _topk_kd(a, g, values, ids, extra, row_mask, divergence, jsd_beta, kd_scale)
+            elif teacher.format == "sampled":
+                kd = _sampled_kd(a, g, ids, extra, row_mask, kd_scale)
+            else:
+                kd = _full_kd(a, g, values, row_mask, divergence, jsd_beta, kd_scale)
+            mass, teacher_top1 = _teacher_stats(values, ids, extra, teacher.format)
+            agree = (student_top1 == teacher_top1).to(dtype)
+        per_row = torch.stack([ce, kd, mass.to(dtype), agree])
+        stats += torch.where(row_mask, per_row, 0.0).sum(-1)
+        z = a = None  # free the chunk's work buffer before the grad GEMMs
+        if need_grad_hidden or need_grad_weight:
+            g = g.to(weight.dtype)
+            if need_grad_hidden:
+                torch.mm(g, weight, out=grad_hidden[rows])
+            if need_grad_weight and dtype == weight.dtype:
+                grad_weight.addmm_(g.T, h)
+            elif need_grad_weight:
+                grad_weight.add_(g.T @ h)
+    loss = ((1.0 - alpha) * stats[0] + alpha * temperature**2 * stats[1]) * inv_norm
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    return loss, stats.float(), grad_hidden, grad_weight
+
+
+class _FlatTeacher:
+    """The teacher's tensors flattened to [N, ...] rows; iterates as (values, ids, extra)."""
+
+    def __init__(self, teacher: TeacherOutputs, N: int):
+        self.format = teacher.format
+        self.values = teacher.values.reshape(N, teacher.values.shape[-1])
+        self.ids = None if teacher.ids is None else teacher.ids.reshape(N, teacher.ids.shape[-1])
+        self.extra = None if teacher.extra is None else teacher.extra.reshape(N)
+
+    def __iter__(self):
+        return iter((self.values, self.ids, self.extra))
+
+
+class _FusedLinearKDLoss(torch.autograd.Function):
+    """Forward computes the loss and both grads chunk by chunk; backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size):
+        loss, stats, ctx.grad_hidden, ctx.grad_weight = _fused_pass(
+            hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
+            ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        ctx.mark_non_differentiable(stats)
+        ctx.used = False
+        return loss, stats
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_stats):
+        if ctx.used:
+            raise RuntimeError("fused_linear_kd_loss supports a single backward pass; do not backward through it "
+                               "twice (retain_graph).")
+        ctx.used = True
+        # In place: the buffers are ours and needed once, so scaling adds no [V, D] tensor.
+        grads = [None if t is None else t.mul_(grad_loss) for t in (ctx.grad_hidden, ctx.grad_weight)]
+        ctx.grad_hidden = ctx.grad_weight = None
+        return grads[0], grads[1], None, None, None, None, None, None, None, None
+
+
+def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size):
+    if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and the head weight {tuple(weight.shape)} must be [..., D] "
+                         f"and [V, D]; pass the output head's weight (logits = hidden @ weight.T).")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and the head weight ({weight.dtype}) must share a dtype; cast "
+                         f"the hidden states to the head's dtype as the head itself would.")
+    N = hidden.numel() // hidden.shape[-1]
+    if labels.numel() != N:
+        raise ValueError(f"labels {tuple(labels.shape)} must hold one label per hidden row ({N} rows).")
+    if not isinstance(normalizer, torch.Tensor) and normalizer <= 0:
+        raise ValueError(f"normalizer={normalizer} must be positive; pass max(valid tokens in the step, 1).")
+    if temperature <= 0:
+        raise ValueError(f"Distillation temperature {temperature} must be positive.")
+    if chunk_size < 0:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1, or 0 for a size chosen from the memory budget.")
+    if teacher is None:
+        return
+    _check_format(teacher.format)
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha={alpha} must be in [0, 1] (the KD share of the loss).")
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"KD divergence {divergence!r} is unknown; use one of {', '.join(DIVERGENCES)}.")
+    if teacher.format == "sampled" and divergence != "fkl":
+        raise ValueError(f"Sampled teacher outputs only give an unbiased estimate of the forward KL; set "
+                         f"divergence=fkl (got {divergence!r}) or use topk/full outputs.")
+    if divergence == "jsd" and not 0.0 < jsd_beta < 1.0:
+        raise ValueError(f"jsd_beta={jsd_beta} must be strictly between 0 and 1.")
+    V = weight.shape[0]
+    width = teacher.values.shape[-1]
+    if math.prod(teacher.values.shape[:-1]) != N or (teacher.extra is not None and teacher.extra.numel() != N):
+        raise ValueError(f"Teacher outputs {tuple(teacher.values.shape)} must have one row per student position "
+                         f"({N}); send the teacher the same [B, S] tokens.")
+    if teacher.format == "full" and width != V:
+        raise ValueError(f"Teacher vocabulary {width} differs from the student's {V}; both must use the same tokenizer.")
+    if teacher.format == "topk" and width > V:
+        raise ValueError(f"Top-k teacher outputs with k={width} exceed the student's vocabulary {V}; lower distillation.k.")
+
+
+def fused_linear_kd_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    teacher: Optional[TeacherOutputs],
+    normalizer: Union[int, float, torch.Tensor],
+    alpha: float,
+    temperature: float,
+    divergence: str = "fkl",
+    jsd_beta: float = 0.5,
+    chunk_size: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """((1 - alpha) * CE_sum + alpha * T^2 * KD_sum) / normalizer over labels != -100, fused with the head.
+
+    hidden [N, D] or [B, S, D]: the student's final normed hidden states (any float dtype, same as
+    weight); weight [V, D]: the output head (logits = hidden @ weight.T, never materialised beyond one
+    chunk); labels [N] or [B, S], -100 = ignored; teacher: `TeacherOutputs` whose tensors lead with
+    [B, S] or [N], or None for CE alone (alpha is then ignored); normalizer: the step's valid-token
+    count (number or 0-dim tensor; sums are divided by it). KD is computed on z / T against the
+    teacher's log-probs at T exactly as `kd_loss.kd_loss` defines it, for every divergence/format
+    it accepts. chunk_size=0 picks rows per chunk from `AUTO_CHUNK_BYTES`.
+
+    Returns (loss, stats): loss is a scalar in promote(dtype, fp32) with autograd to hidden and weight
+    (grads in their dtypes; a single backward pass); stats is a detached fp32 [4] tensor of sums over
+    the masked positions: (CE, KD, teacher mass covered by the support, student argmax == teacher
+    top-1), the last three zero without a teacher. Nothing is read back to the host.
+    """
+    _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    N, V = flat_hidden.shape[0], weight.shape[0]
+    flat_teacher = None if teacher is None else _FlatTeacher(teacher, N)
+    if chunk_size == 0:
+        chunk_size = auto_chunk_rows(V, None if teacher is None else teacher.format, hidden.device, hidden.dtype)
+    args = (labels.reshape(N), flat_teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _FusedLinearKDLoss.apply(flat_hidden, weight, *args)
+    loss, stats, _, _ = _fused_pass(flat_hidden, weight, *args, False, False)
+    return loss, stats

@@ -1,0 +1,145 @@
+"""The offline teacher cache: written by apps.main.teacher_cache on 2 ranks, read as the dataset by 2 students."""
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from lingua.distillation import WIRE_DTYPES, DistillationArgs
+from lingua.rundir import train_rows
+from lingua.teacher import TeacherModel
+from lingua.teacher_cache import CacheManifest, read_shard, shard_metadata, shard_path
+from tests.runs import assert_ok, distill_overrides, torchrun
+
+KEYS = ("loss/ce", "loss/kd", "loss/total", "kd/teacher_mass", "kd/top1_agreement", "optim/grad_norm")
+
+
+def cache_overrides(corpus, teacher, cache_dir, **extra) -> list[str]:
+    """The training config's overrides plus the cache layout: 2 streams (for 2 students), shards of 4 windows."""
+    return [*distill_overrides(corpus, teacher, cache_dir / "dump", steps=6, grad_acc_steps=2, **extra),
+            f"cache_dir={cache_dir}", "streams=2", "shard_sequences=4", "forward_rows=3"]
+
+
+def from_cache(corpus, teacher, cache_dir, dump, **extra) -> list[str]:
+    return distill_overrides(corpus, teacher, dump, steps=6, grad_acc_steps=2, **{
+        "distillation.source": "cache", "distillation.cache_dir": str(cache_dir), **extra})
+
+
+@pytest.fixture(scope="module")
+def cache(corpus, tiny_teacher, tmp_path_factory) -> Path:
+    cache_dir = tmp_path_factory.mktemp("cache") / "tiny"
+    result = torchrun(2, cache_overrides(corpus, tiny_teacher, cache_dir, **{"eval.every": 3, "eval.max_batches": 2}),
+                      timeout=150, module="apps.main.teacher_cache")
+    assert_ok(result)
+    assert "teacher cache complete" in result.stdout and "tokens/s, ETA" in result.stdout
+    return cache_dir
+
+
+@pytest.mark.timeout(60)
+def test_cached_outputs_equal_a_fresh_teacher_forward_of_the_cached_tokens(cache, tiny_teacher):
+    manifest = CacheManifest.read(cache)
+    # 6 steps x 2 micro-batches x 2 windows per stream, in shards of 4: 6 shards per stream, 12 in all.
+    assert (manifest.streams, manifest.sequences_per_stream, manifest.n_shards) == (2, 24, 12)
+    assert json.loads((cache / "index.json").read_text())["tokens"] == 12 * 4 * 32
+    assert manifest.teacher_heldout_ce is not None and 0 < manifest.teacher_heldout_ce < 10
+    teacher = TeacherModel(DistillationArgs(teacher_path=str(tiny_teacher), teacher_dtype="fp32"), torch.device("cpu"))
+    for index in (0, 5, 11):
+        batch = read_shard(shard_path(cache, index), range(0, 4), manifest)
+        assert batch["teacher"].ids.dtype == torch.int32 and batch["input_ids"].shape == (4, 32)
+        hidden = teacher.hidden_states(batch["input_ids"])
+        fresh = teacher.sparse_outputs(hidden, "topk", manifest.k, WIRE_DTYPES[manifest.wire_dtype], 512)
+        for got, want in zip(batch["teacher"].tensors(), fresh.tensors()):
+            assert torch.equal(got, want.to(got.dtype)), index
+        assert torch.equal(batch["labels"][:, :-1], batch["input_ids"][:, 1:])
+        metadata = shard_metadata(shard_path(cache, index))
+        assert (metadata["stream"], metadata["chunk"]) == (index % 2, index // 2)
+
+
+@pytest.mark.timeout(300)
+def test_training_from_the_cache_equals_online_training_and_resumes_exactly(cache, corpus, tiny_teacher, tmp_path):
+    online = tmp_path / "online"
+    assert_ok(torchrun(3, distill_overrides(corpus, tiny_teacher, online, steps=6, grad_acc_steps=2,
+                                            **{"eval.every": 3, "eval.max_batches": 2}), timeout=150))
+    cached = tmp_path / "cached"
+    result = torchrun(2, from_cache(corpus, tiny_teacher, cache, cached, **{"eval.every": 3, "eval.max_batches": 2}),
+                      timeout=150)
+    assert_ok(result)
+    assert "role=teacher" not in result.stdout  # every rank is a student
+    a, b = train_rows(online), train_rows(cached)
+    for step in range(1, 7):
+        assert [b[step][k] for k in KEYS] == [a[step][k] for k in KEYS], step
+    evals = [json.loads(line) for line in (cached / "metrics.jsonl").read_text().splitlines() if "eval/loss" in line]
+    online_evals = [json.loads(line) for line in (online / "metrics.jsonl").read_text().splitlines()
+                    if "eval/loss" in line]
+    # The teacher's own held-out CE, logged once with the first eval, is the same number either way.
+    assert evals[0]["eval/teacher_loss"] == pytest.approx(online_evals[0]["eval/teacher_loss"], rel=1e-6)
+    assert "eval/teacher_loss" not in evals[1] and evals[0]["eval/loss"] == online_evals[0]["eval/loss"]
+    split = tmp_path / "split"
+    assert_ok(torchrun(2, from_cache(corpus, tiny_teacher, cache, split, exit_after_steps=4), timeout=150))
+    resumed = torchrun(2, from_cache(corpus, tiny_teacher, cache, split), timeout=150)
+    assert_ok(resumed)
+    assert "resumed from step 4" in resumed.stdout
+    c = train_rows(split)
+    for step in (5, 6):
+        assert [c[step][k] for k in KEYS] == [a[step][k] for k in KEYS], step
+
+
+@pytest.mark.timeout(200)
+def test_a_cache_with_other_settings_or_a_damaged_shard_is_one_sentence(cache, corpus, tiny_teacher, tmp_path):
+    start = time.time()
+    other = torchrun(2, from_cache(corpus, tiny_teacher, cache, tmp_path / "k", **{"distillation.k": 4,
+                                                                                   "distillation.temperature": 2.0}),
+                     timeout=60)
+    assert other.returncode != 0
+    sentence = (f"error: The teacher cache in {cache} was written with other settings: k is 8 in the cache but 4 here; "
+                f"temperature is 1.0 in the cache but 2.0 here.")
+    assert other.stdout.count(sentence) == 2, other.stdout[-3000:]
+    # Writing into the same cache_dir with other settings is refused too, before any shard is touched.
+    rewrite = torchrun(1, cache_overrides(corpus, tiny_teacher, cache, **{"distillation.k": 4}), timeout=60,
+                       module="apps.main.teacher_cache")
+    assert rewrite.returncode != 0 and "already holds a teacher cache written with other settings: k is 8 in the " \
+        "cache but 4 here" in rewrite.stdout, rewrite.stdout[-3000:]
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for item in cache.iterdir():
+        (damaged / item.name).symlink_to(item) if item.name != "shards" else None
+    (damaged / "shards").mkdir()
+    for shard in (cache / "shards").iterdir():
+        (damaged / "shards" / shard.name).write_bytes(shard.read_bytes())
+    victim = damaged / "shards" / "shard_00003.safetensors"
+    victim.write_bytes(victim.read_bytes()[:-100])
+    result = torchrun(2, from_cache(corpus, tiny_teacher, damaged, tmp_path / "d"), timeout=60)
+    assert result.returncode != 0
+    assert result.stdout.count(f"error: Teacher cache shard {victim} is damaged (") == 2, result.stdout[-3000:]
+    victim.unlink()
+    result = torchrun(2, from_cache(corpus, tiny_teacher, damaged, tmp_path / "m"), timeout=60)
+    assert result.stdout.count(f"error: Teacher cache shard {victim} is missing; run the cache command again") == 2
+    assert not re.search(r"\[rank\d\]: Traceback", result.stdout) and time.time() - start < 150  # torchrun's own may print
+
+
+@pytest.mark.timeout(200)
+def test_an_interrupted_cache_resumes_with_the_same_shards(cache, corpus, tiny_teacher, tmp_path):
+    """Shards deleted (as if never written), a half-written .tmp left: a rerun writes exactly those again (same
+    tensors, same metadata), reading its streams from the finished shards' loader states."""
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "cache.json").write_text((cache / "cache.json").read_text())
+    (partial / "shards").mkdir()
+    kept = (0, 1, 2, 7, 8)
+    for index in kept:
+        source = shard_path(cache, index)
+        (partial / "shards" / source.name).write_bytes(source.read_bytes())
+    (partial / "shards" / "shard_00004.safetensors.tmp").write_bytes(b"half a shard")
+    result = torchrun(2, cache_overrides(corpus, tiny_teacher, partial), timeout=150, module="apps.main.teacher_cache")
+    assert_ok(result)
+    assert "6 shard(s) of 12, 3 already written, 3 to write" in result.stdout  # rank 0: 0, 2, 8 kept
+    for index in range(12):
+        assert shard_metadata(shard_path(partial, index)) == shard_metadata(shard_path(cache, index)), index
+        with safe_open(str(shard_path(partial, index)), "pt") as new, safe_open(str(shard_path(cache, index)), "pt") as old:
+            assert sorted(new.keys()) == sorted(old.keys())
+            assert all(torch.equal(new.get_tensor(key), old.get_tensor(key)) for key in old.keys()), index
+    assert (partial / "index.json").is_file()

@@ -1,0 +1,79 @@
+"""apps.bench.kd_loss: argument checks and the results file, on tiny sizes measured in this process."""
+
+import json
+
+import pytest
+import torch
+
+from apps.bench import kd_loss as bench
+
+TINY = ["--vocab", "64", "--tokens", "12", "--dim", "8", "--k", "4", "--repeats", "1", "--warmup", "0"]
+
+
+@pytest.fixture
+def keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("flags,message", [
+    (["--vocab", "0"], "--vocab"),
+    (["--repeats", "0"], "--repeats"),
+    (["--format", "dense"], "--format"),
+    (["--divergence", "kl"], "--divergence"),
+    (["--format", "sampled", "--divergence", "jsd"], "sampled"),
+    (["--k", "65"], "--k"),
+    (["--dtype", "float16"], "--dtype"),
+    (["--alpha", "2"], "--alpha"),
+    (["--chunk-size", "-1"], "--chunk-size"),
+])
+def test_argument_errors(flags, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        bench.parse_args(TINY + flags + ["--out", str(tmp_path)])
+
+
+@pytest.mark.timeout(20)
+def test_out_is_required_except_for_a_worker():
+    with pytest.raises(ValueError, match="--out"):
+        bench.parse_args(TINY)
+    args, worker = bench.parse_args(TINY + ["--worker", "fused_kd", "--phase", "memory"])
+    assert worker == ("fused_kd", "memory") and args.vocab == 64 and args.temperature == 1.0 and args.out is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("format", ["topk", "sampled", "full"])
+def test_results_file_and_table(format, tmp_path, keep_threads, capsys):
+    calls = []
+
+    def in_process(variant, args):
+        calls.append(variant)
+        return {**bench.measure(variant, args, "time"), **bench.measure(variant, args, "memory")}
+
+    argv = TINY + ["--format", format, "--rounds", "2", "--ignored", "0.25", "--out", str(tmp_path)]
+    results = bench.main(argv, run_variant=in_process)
+    assert calls == list(bench.VARIANTS) * 2  # rounds interleave the variants
+    saved = json.loads((tmp_path / "results.json").read_text())
+    for key in ("ce_ms", "kd_ms", "ce_peak_mib", "kd_peak_mib", "reference_kd_ms", "reference_kd_peak_mib",
+                "kd_over_ce_ms", "kd_over_ce_peak", "reference_kd_over_ce_ms", "settings", "torch", "device",
+                "threads", "fused_chunk_rows"):
+        assert key in saved, key
+    assert saved["settings"]["format"] == format and saved["threads"] == 1 and saved["torch"] == torch.__version__
+    assert all(saved[f"{name}_ms"] > 0 for name in ("ce", "kd", "reference_kd"))
+    assert saved["kd_over_ce_ms"] == pytest.approx(saved["kd_ms"] / saved["ce_ms"])
+    assert saved["kd_over_ce_peak"] is None or saved["kd_over_ce_peak"] >= 0
+    assert len(saved["rounds"]["fused_kd"]) == 2 and saved["kd_ms_range"][0] <= saved["kd_ms"] <= saved["kd_ms_range"][1]
+    assert results["ce_ms"] == saved["ce_ms"]
+    table = capsys.readouterr().out
+    assert "| fused KD |" in table and "| CE only |" in table
+
+
+@pytest.mark.timeout(20)
+def test_inputs_follow_the_settings():
+    args, _ = bench.parse_args(TINY + ["--ignored", "0.5", "--worker", "ce"])
+    hidden, weight, labels, teacher = bench.make_inputs(args)
+    assert hidden.shape == (12, 8) and weight.shape == (64, 8) and hidden.requires_grad and weight.requires_grad
+    assert teacher.values.shape == (1, 12, 4) and 0 < int((labels == -100).sum()) < 12
+    again = bench.make_inputs(args)
+    assert torch.equal(again[0], hidden) and torch.equal(again[3].ids, teacher.ids)  # seeded
