@@ -2,17 +2,42 @@
 
     python -m apps.main.train config=configs/debug_cpu.yaml steps=20 optim.lr=1e-3
 
-Unknown keys are rejected with the valid keys at that level, before anything distributed happens.
+Parsing rejects unknown keys (naming the valid keys at that level) and values of the wrong type, each
+in one sentence; every `XArgs.validate()` then checks the values with `require`, before anything
+distributed happens. All of it raises ValueError (FileNotFoundError for a missing config file).
 """
 
 import dataclasses
+import re
+import sys
 import typing
 from pathlib import Path
 from typing import Any, Optional, Type, TypeVar
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 T = TypeVar("T")
+
+
+def format_value(value: Any) -> str:
+    """A config value as the user would type it: strings quoted (newlines escaped), numbers plain, null, true/false."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def require(ok: bool, key: str, value: Any, fix: str) -> None:
+    """Raise ValueError("<key>=<value>; <fix>.") unless `ok`: every config error names the key, the value
+    and what to set instead, e.g. "optim.lr=-0.001; use a positive learning rate."."""
+    if not ok:
+        raise ValueError(f"{key}={format_value(value)}; {fix}.")
+
+
+def one_line(text: str) -> str:
+    """`text` with its line breaks folded into spaces (OmegaConf and YAML errors span several lines)."""
+    return " ".join(str(text).split())
 
 
 def _dataclass_type(annotation) -> Optional[type]:
@@ -35,7 +60,7 @@ def check_keys(cls: type, values: Any, where: str = "") -> None:
         path = f"{where}.{key}" if where else str(key)
         if key not in fields:
             raise ValueError(
-                f"Unknown config key '{path}'. Valid keys{' under ' + where if where else ''} are: "
+                f"Unknown config key {path!r}. Valid keys{' under ' + where if where else ''} are: "
                 f"{', '.join(sorted(fields))}."
             )
         sub = _dataclass_type(hints[key])
@@ -43,30 +68,163 @@ def check_keys(cls: type, values: Any, where: str = "") -> None:
             check_keys(sub, value, path)
 
 
+def _type_words(annotation) -> str:
+    """What a value of `annotation` looks like, for "set <key> to <words>"."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is bool:
+        return "true or false"
+    if annotation is int:
+        return "an integer"
+    if annotation is float:
+        return "a number"
+    if annotation is str:
+        return "a string"
+    if dataclasses.is_dataclass(annotation):
+        return f"a mapping of {annotation.__name__} keys"
+    if origin is dict:
+        return f"a mapping of names to {_type_words(args[1]).removeprefix('a ').removeprefix('an ')}s"
+    if origin is list:
+        return f"a list of {_type_words(args[0]).removeprefix('a ').removeprefix('an ')}s"
+    if type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        return f"{_type_words(inner[0])} or null"
+    return str(annotation)
+
+
+def _fits(value: Any, annotation) -> bool:
+    """Whether a parsed value has the annotation's type, containers element by element."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if type(None) in args:
+        return value is None or _fits(value, next(a for a in args if a is not type(None)))
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation in (bool, str):
+        return isinstance(value, annotation)
+    if dataclasses.is_dataclass(annotation):
+        return isinstance(value, annotation)
+    if origin is dict:
+        return isinstance(value, dict) and all(_fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items())
+    if origin is list:
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
+    return True
+
+
+def check_types(obj: Any, where: str = "") -> None:
+    """Raise ValueError naming the first field of a parsed dataclass whose value has the wrong type
+    (OmegaConf lets nested dicts or lists through inside typed containers, e.g. data.sources={a: {b: 1}})."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        key, value = f"{where}{f.name}", getattr(obj, f.name)
+        if not _fits(value, hints[f.name]):
+            raise ValueError(f"{key}={format_value(value)} has the wrong type; set {key} to "
+                             f"{_type_words(hints[f.name])}.")
+        if dataclasses.is_dataclass(value):
+            check_types(value, f"{key}.")
+
+
+def _field_type(cls: type, dotted: str):
+    """The annotation of `a.b.c` under `cls` (None when the path leaves the dataclasses)."""
+    annotation = cls
+    for part in dotted.split("."):
+        sub = _dataclass_type(annotation)
+        if sub is None or part not in {f.name for f in dataclasses.fields(sub)}:
+            return annotation if typing.get_origin(annotation) in (dict, list) else None
+        annotation = typing.get_type_hints(sub)[part]
+    return annotation
+
+
+_OMEGACONF_CONTEXT = re.compile(r"\n\s+(full_key|object_type|reference_type)[:=].*", re.DOTALL)
+
+
+def _omegaconf_words(err: Exception) -> str:
+    """An OmegaConf or YAML error in one line, without OmegaConf's trailing key and type lines."""
+    return one_line(_OMEGACONF_CONTEXT.sub("", str(getattr(err, "msg", None) or err))).rstrip(".")
+
+
+def _locate(cls: type, values: dict, prefix: str = "") -> Optional[tuple[str, Exception]]:
+    """(dotted key, error) of the first value OmegaConf cannot merge into `cls`, merging them one at a time."""
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        sub = _dataclass_type(hints[key])
+        if sub is not None and isinstance(value, dict):
+            found = _locate(sub, value, f"{prefix}{key}.")
+        else:
+            try:
+                OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), {key: value}))
+                found = None
+            except (OmegaConfBaseException, TypeError) as err:
+                found = f"{prefix}{key}", err
+        if found is not None:
+            return found
+    return None
+
+
+def _merge_error(cls: type, values: dict, err: Exception) -> ValueError:
+    """OmegaConf's multi-line (or keyless) merge error as one sentence naming the key and the expected type."""
+    key = getattr(err, "full_key", None)
+    if not key:
+        key, err = _locate(cls, values) or (None, err)
+    message = _omegaconf_words(err)
+    if not key:
+        return ValueError(f"Invalid configuration: {message}; check the overrides and the config file.")
+    annotation = _field_type(cls, key)
+    fix = f"set {key} to {_type_words(annotation)}" if annotation is not None else f"fix {key}"
+    return ValueError(f"Invalid value for {key}: {message}; {fix}.")
+
+
 def dataclass_from_dict(cls: Type[T], values: Any) -> T:
-    """Build `cls` from a dict/DictConfig, checking keys and types with OmegaConf."""
-    if isinstance(values, (DictConfig, ListConfig)):
-        values = OmegaConf.to_container(values, resolve=True)
-    values = values or {}
-    check_keys(cls, values)
-    schema = OmegaConf.structured(cls)
+    """Build `cls` from a dict/DictConfig, checking keys and types; any problem is one ValueError sentence."""
     try:
-        merged = OmegaConf.merge(schema, values)
-    except Exception as err:  # omegaconf's validation errors are precise but verbose
-        raise ValueError(f"Invalid configuration for {cls.__name__}: {err}") from None
-    return OmegaConf.to_object(merged)
+        if isinstance(values, (DictConfig, ListConfig)):
+            values = OmegaConf.to_container(values, resolve=True)
+    except OmegaConfBaseException as err:  # an interpolation that does not resolve
+        raise _merge_error(cls, {}, err) from None
+    values = values or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"The configuration is a {type(values).__name__}, not a mapping of keys to values.")
+    check_keys(cls, values)
+    try:
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), values))
+    except (OmegaConfBaseException, TypeError) as err:  # precise but verbose, not always a ValueError or keyed
+        raise _merge_error(cls, values, err) from None
+    check_types(obj)
+    return obj
+
+
+def load_config_file(path: Any) -> DictConfig:
+    """The YAML mapping at `path`; a missing file, bad YAML or a non-mapping is one sentence."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"config={format_value(path)}; pass config=<path to a .yaml file>.")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"Config file {path!r} does not exist; pass config=<path to a .yaml>.")
+    try:
+        loaded = OmegaConf.load(path)
+    except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError) as err:
+        raise ValueError(f"Config file {path!r} is not valid YAML ({_omegaconf_words(err)}); fix the file.") from None
+    if not isinstance(loaded, DictConfig):
+        raise ValueError(f"Config file {path!r} holds a {type(loaded).__name__}, not a mapping of keys to values.")
+    return loaded
 
 
 def parse_args(cls: Type[T], argv: Optional[list[str]] = None) -> T:
     """Parse `config=path.yaml key=value a.b=c` (sys.argv by default) into `cls`."""
-    cli = OmegaConf.from_cli(argv) if argv is not None else OmegaConf.from_cli()
-    file_cfg = OmegaConf.create()
-    if "config" in cli:
-        path = Path(cli.pop("config"))
-        if not path.is_file():
-            raise FileNotFoundError(f"Config file '{path}' does not exist; pass config=<path to a .yaml>.")
-        file_cfg = OmegaConf.load(path)
-    merged = OmegaConf.merge(file_cfg, cli)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for item in argv:
+        if "=" not in item:
+            raise ValueError(f"Override {item!r} has no '='; write key=value (e.g. steps=20), without dashes.")
+    try:
+        cli = OmegaConf.from_cli(argv)
+        file_cfg = load_config_file(cli.pop("config")) if "config" in cli else OmegaConf.create()
+        merged = OmegaConf.merge(file_cfg, cli)
+    except (yaml.YAMLError, OmegaConfBaseException, TypeError) as err:
+        key = getattr(err, "full_key", None)
+        if key and _field_type(cls, key) is not None:  # e.g. model=[1, 2] next to model.dim=32
+            raise _merge_error(cls, {}, err) from None
+        raise ValueError(f"Could not parse {'the value of ' + key if key else 'the overrides'} "
+                         f"({_omegaconf_words(err)}); write key=value, with YAML values (lists [a, b], "
+                         f"mappings {{a: 1}}).") from None
     return dataclass_from_dict(cls, merged)
 
 

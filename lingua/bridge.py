@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lingua.collectives import log_collective
-from lingua.distillation import WIRE_DTYPES, DistillationArgs, TeacherError
+from lingua.distillation import WIRE_DTYPES, DistillationArgs, TeacherError, check_seq_len_fits_teacher
 from lingua.kd_loss import FORMATS, TeacherOutputs
 
 logger = logging.getLogger(__name__)
@@ -305,11 +305,8 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
                 f"tokenizer: set data.tokenizer.name=hf data.tokenizer.path={args.teacher_path}."
             )
     max_bsz, max_seqlen = max(s.max_bsz for s in students), max(s.max_seqlen for s in students)
-    if max_seqlen > teacher.max_positions > 0:
-        raise ValueError(
-            f"Students send sequences of {max_seqlen} tokens but the teacher supports at most {teacher.max_positions} "
-            f"positions; set data.seq_len <= {teacher.max_positions}."
-        )
+    # Checked at startup already when the teacher's config.json is on disk; a hub teacher is checked here.
+    check_seq_len_fits_teacher(max_seqlen, teacher.max_positions, f"teacher rank {teacher.global_rank}")
     # Students' logits cover their tokenizer's vocab; teacher rows beyond it are padding and are cut.
     return BridgeSpec(max_bsz, max_seqlen, students[0].vocab, served["output"], served["k"],
                       WIRE_DTYPES[served["wire_dtype"]], doc_boundaries=served["attn_mask"] == "doc_causal",

@@ -12,6 +12,9 @@ the next save removes. Every barrier and DCP call runs on the training group pas
 ranks of a distillation job never take part (a checkpoint on the default group hangs the job).
 
 Export: `python -m lingua.checkpoint consolidate <ckpt_dir> <out_file>`.
+
+torch.distributed.checkpoint is imported where it is used: with the DTensor stack it pulls in, it would
+cost every rank about a second before its config is even checked (the same holds for DTensor elsewhere).
 """
 
 import argparse
@@ -28,16 +31,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
+from lingua.args import require
 from lingua.collectives import log_collective
 
 logger = logging.getLogger(__name__)
@@ -56,6 +52,10 @@ class SaveEvery:
     every: int = 1000  # 0 disables this kind of checkpoint
     keep: int = 0  # how many of the newest checkpoints of this kind to keep; 0 keeps all
 
+    def validate(self, where: str) -> None:
+        require(self.every >= 0, f"{where}.every", self.every, "use a number of steps, or 0 to disable")
+        require(self.keep >= 0, f"{where}.keep", self.keep, "use 0 (keep all) or how many to keep")
+
 
 @dataclass
 class CheckpointArgs:
@@ -65,6 +65,12 @@ class CheckpointArgs:
     init_ckpt_path: Optional[str] = None  # start from these weights (fresh optimizer) if nothing to resume
     # With init_ckpt_path: also restore its optimizer and train state (continue that run in a new dump dir).
     continue_training_from_init: bool = False
+
+    def validate(self) -> None:
+        for kind in KINDS:
+            getattr(self, kind).validate(f"checkpoint.{kind}")
+        for key in ("path", "init_ckpt_path"):
+            require(getattr(self, key) != "", f"checkpoint.{key}", getattr(self, key), "use a directory, or null")
 
 
 def train_state_name(train_rank: int) -> str:
@@ -190,6 +196,9 @@ class CheckpointManager:
             tmp.mkdir()
         self._barrier("tmp dir")  # nobody writes into tmp before rank 0 has cleaned up and created it
 
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         model_state, optim_state = get_state_dict(model, optimizer)
         log_collective("dcp.save", self.group)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp), process_group=self.group)
@@ -280,6 +289,9 @@ class CheckpointManager:
                 f"{self.train_world_size}; the data-loader state is per rank, so resume with {saved_world} "
                 f"training ranks, or start a new run from its weights with checkpoint.init_ckpt_path={ckpt}."
             )
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
         start = time.perf_counter()
         self._last_saved_step = None  # the weights now come from disk: a save of any step writes them out
         model_state, optim_state = get_state_dict(model, optimizer)
@@ -309,6 +321,9 @@ class CheckpointManager:
 
         Any number of training ranks can read it (DCP reshards); the optimizer is left fresh.
         """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
         ckpt = self._resolve_init(path)
         state = {"model": get_model_state_dict(model)}
         log_collective("dcp.load weights only", self.group)
@@ -336,6 +351,8 @@ def consolidate_checkpoint(ckpt_dir: str, out_file: str) -> Path:
     Single process, no process group. Keys are the model's parameter/buffer names. Peak memory is
     the whole checkpoint (weights and optimizer state), read by `dcp_to_torch_save`.
     """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     ckpt_dir, out_file = Path(ckpt_dir), Path(out_file)
     if not (ckpt_dir / DCP_METADATA).is_file():
         raise FileNotFoundError(f"{ckpt_dir} is not a DCP checkpoint (no {DCP_METADATA}); "

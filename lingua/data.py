@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from lingua.args import require
 from lingua.documents import FileShard, MalformedLines, list_chunk_files, read_line, shard_files
 from lingua.tokenizer import Tokenizer, TokenizerArgs
 
@@ -58,24 +59,23 @@ class DataArgs:
     tokenizer: TokenizerArgs = field(default_factory=TokenizerArgs)
     eval_sources: Optional[list[str]] = None  # sources whose *.val.jsonl to evaluate; None = all that have one
 
-
-def check_data_args(args: DataArgs, dp_rank: int, dp_degree: int) -> None:
-    """Raise a readable ValueError for settings the loader cannot work with."""
-    if not args.root_dir:
-        raise ValueError("data.root_dir is not set; point it at the folder holding one sub-folder per source.")
-    if not args.sources:
-        raise ValueError("data.sources is empty; name at least one source folder with a weight, "
-                         "e.g. data.sources.fineweb_edu=1.0.")
-    for name, weight in args.sources.items():
-        if not math.isfinite(weight) or weight < 0:
-            raise ValueError(f"data.sources.{name}={weight}: weights must be finite and >= 0.")
-    if sum(args.sources.values()) <= 0:
-        raise ValueError("All data.sources weights are 0; give at least one source a positive weight.")
-    for key in ("batch_size", "seq_len", "prefetch_size"):
-        if getattr(args, key) < 1:
-            raise ValueError(f"data.{key}={getattr(args, key)} must be >= 1.")
-    if not 0 <= dp_rank < dp_degree:
-        raise ValueError(f"Data-parallel rank {dp_rank} is outside 0..{dp_degree - 1} (dp_degree={dp_degree}).")
+    def validate(self) -> None:
+        """Sizes, the tokenizer, and a training chunk file in every source with a positive weight."""
+        require(bool(self.root_dir), "data.root_dir", self.root_dir,
+                "point it at the folder holding one sub-folder per source")
+        require(bool(self.sources), "data.sources", self.sources,
+                "name at least one source folder with a weight, e.g. data.sources.fineweb_edu=1.0")
+        for name, weight in self.sources.items():
+            require(math.isfinite(weight) and weight >= 0, f"data.sources.{name}", weight,
+                    "weights are shares of the training tokens: use a finite number >= 0")
+        require(sum(self.sources.values()) > 0, "data.sources", self.sources,
+                "all weights are 0; give at least one source a positive weight")
+        for key in ("batch_size", "seq_len", "prefetch_size"):
+            require(getattr(self, key) >= 1, f"data.{key}", getattr(self, key), "use a positive number")
+        self.tokenizer.validate()
+        for name, weight in self.sources.items():
+            if weight > 0:
+                list_chunk_files(self.root_dir, name)
 
 
 class _SourceReader:
@@ -312,7 +312,8 @@ class DataLoader:
     """
 
     def __init__(self, args: DataArgs, tokenizer: Tokenizer, dp_rank: int, dp_degree: int):
-        check_data_args(args, dp_rank, dp_degree)
+        args.validate()
+        assert 0 <= dp_rank < dp_degree, (dp_rank, dp_degree)
         self.args = args
         self.tokenizer = tokenizer
         self.dp_rank, self.dp_degree = dp_rank, dp_degree

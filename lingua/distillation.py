@@ -10,13 +10,16 @@ A distillation job splits its ranks into students and teachers (`lingua/launch.p
     lingua/kd_loss.py         the sparse teacher outputs and the KD losses
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from lingua.args import require
 from lingua.cli import UserError
-from lingua.kd_loss import DIVERGENCES, FORMATS
+from lingua.kd_loss import ALPHA_SCHEDULES, DIVERGENCES, FORMATS
+from lingua.launch import teacher_rank_count
 
 MAX_PREFETCH = 2  # requests ahead; more only holds more response buffers without hiding more
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -56,37 +59,43 @@ class DistillationArgs:
     # forward), across step boundaries: with 1 the teacher's forward hides behind the student's whole step.
     prefetch: int = 1
 
+    def validate(self, enabled: bool = True) -> None:
+        """Every value is checked (a typo stays an error with distillation off); the source, the teacher count
+        and the teacher path or cache directory only matter with it on."""
+        for key, allowed in (("output", FORMATS), ("divergence", DIVERGENCES), ("alpha_schedule", ALPHA_SCHEDULES),
+                             ("teacher_dtype", TEACHER_DTYPES), ("wire_dtype", tuple(WIRE_DTYPES)),
+                             ("source", SOURCES)):
+            require(getattr(self, key) in allowed, f"distillation.{key}", getattr(self, key),
+                    f"use one of {', '.join(allowed)}")
+        require(isinstance(self.fused_loss, bool), "distillation.fused_loss", self.fused_loss, "use true or false")
+        require(self.output != "sampled" or self.divergence == "fkl", "distillation.divergence", self.divergence,
+                "distillation.output=sampled estimates the forward KL only; set distillation.divergence=fkl")
+        require(self.divergence != "jsd" or 0.0 < self.jsd_beta < 1.0, "distillation.jsd_beta", self.jsd_beta,
+                "with distillation.divergence=jsd use a value strictly between 0 and 1")
+        require(0.0 <= self.alpha <= 1.0, "distillation.alpha", self.alpha, "use a weight in [0, 1]")
+        require(math.isfinite(self.temperature) and self.temperature > 0, "distillation.temperature",
+                self.temperature, "use a positive temperature (1.0 = the teacher's own distribution)")
+        require(self.output == "full" or self.k >= 1, "distillation.k", self.k,
+                "use a positive number of ids (or samples) per position")
+        require(self.loss_chunk_size >= 0, "distillation.loss_chunk_size", self.loss_chunk_size,
+                "use 0 (auto) or a positive number of positions per chunk")
+        require(self.logits_chunk_rows >= 1, "distillation.logits_chunk_rows", self.logits_chunk_rows,
+                "use a positive integer")
+        require(0 <= self.prefetch <= MAX_PREFETCH, "distillation.prefetch", self.prefetch,
+                f"use 0 (no look-ahead), 1 or {MAX_PREFETCH}")
+        if not enabled:
+            return
+        if self.source == "cache":  # the cache holds the teacher's outputs: no teacher ranks, no teacher_path
+            require(bool(self.cache_dir), "distillation.cache_dir", self.cache_dir,
+                    "distillation.source=cache needs the folder of a cache written by apps.main.teacher_cache")
+            return
+        teacher_rank_count(True, self.n_teacher_ranks)
+        require(bool(self.teacher_path), "distillation.teacher_path", self.teacher_path,
+                "distillation is on: point it at a transformers checkpoint directory, or set "
+                "enable_distillation=false")
 
-def validate_distillation_args(args: DistillationArgs) -> None:
-    """Readable errors for distillation settings, before anything distributed happens."""
-    if args.output not in FORMATS:
-        raise ValueError(f"distillation.output={args.output!r}; use one of {', '.join(FORMATS)}.")
-    if args.wire_dtype not in WIRE_DTYPES:
-        raise ValueError(f"distillation.wire_dtype={args.wire_dtype!r}; use one of {', '.join(WIRE_DTYPES)}.")
-    if args.divergence not in DIVERGENCES:
-        raise ValueError(f"distillation.divergence={args.divergence!r}; use fkl, rkl or jsd.")
-    if args.output == "sampled" and args.divergence != "fkl":
-        raise ValueError("distillation.output=sampled estimates the forward KL only; set distillation.divergence=fkl.")
-    if not 0.0 <= args.alpha <= 1.0:
-        raise ValueError(f"distillation.alpha={args.alpha} must be in [0, 1].")
-    if args.temperature <= 0:
-        raise ValueError(f"distillation.temperature={args.temperature} must be positive.")
-    if args.output != "full" and args.k < 1:
-        raise ValueError(f"distillation.k={args.k} must be >= 1.")
-    if args.loss_chunk_size < 0:
-        raise ValueError(f"distillation.loss_chunk_size={args.loss_chunk_size}; use 0 (auto) or a positive number of "
-                         f"positions per chunk.")
-    if args.divergence == "jsd" and not 0.0 < args.jsd_beta < 1.0:
-        raise ValueError(f"distillation.jsd_beta={args.jsd_beta} must be strictly between 0 and 1.")
-    if not 0 <= args.prefetch <= MAX_PREFETCH:
-        raise ValueError(f"distillation.prefetch={args.prefetch}; use 0 (no look-ahead), 1 or {MAX_PREFETCH}.")
-    if args.source not in SOURCES:
-        raise ValueError(f"distillation.source={args.source!r}; use online (teacher ranks) or cache (an offline "
-                         f"teacher cache in distillation.cache_dir).")
-    if args.source == "cache":
-        if not args.cache_dir:
-            raise ValueError("distillation.source=cache needs distillation.cache_dir=<a cache written by "
-                             "apps.main.teacher_cache>.")
-        return  # the cache holds the teacher's outputs: no teacher_path needed
-    if not args.teacher_path:
-        raise ValueError("Distillation is on but distillation.teacher_path is empty; set it or enable_distillation=false.")
+
+def check_seq_len_fits_teacher(seq_len: int, max_positions: int, where: str) -> None:
+    """Students' sequences must fit the teacher's positions (0 = unknown: nothing to check)."""
+    require(not 0 < max_positions < seq_len, "data.seq_len", seq_len,
+            f"the teacher supports at most {max_positions} positions ({where}); set data.seq_len <= {max_positions}")

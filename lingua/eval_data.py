@@ -7,7 +7,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from lingua.data import IGNORE_INDEX, DataArgs, check_data_args
+from lingua.data import IGNORE_INDEX, DataArgs
 from lingua.documents import FileShard, MalformedLines, list_val_files, read_line, shard_files
 from lingua.tokenizer import Tokenizer
 
@@ -58,6 +58,26 @@ def _eval_batch(windows: list[tuple[list[int], list[int]]], batch_size: int, seq
     return dict(input_ids=input_ids, labels=labels, doc_ids=doc_ids)
 
 
+def eval_files(args: DataArgs) -> dict[str, list[Path]]:
+    """Source -> its `*.val.jsonl` files (data.eval_sources, or every source with a positive weight that
+    has some); FileNotFoundError when there is nothing to evaluate. Cheap: the trainer checks it at startup."""
+    explicit = args.eval_sources is not None
+    names = list(args.eval_sources) if explicit else [name for name, w in args.sources.items() if w > 0]
+    files = {}
+    for name in names:
+        found = list_val_files(args.root_dir, name)
+        if explicit and not found:
+            raise FileNotFoundError(f"No '*.val.jsonl' file in {str(Path(args.root_dir) / name)!r} for eval source "
+                                    f"{name!r}; add one or remove {name!r} from data.eval_sources.")
+        if found:
+            files[name] = found
+    if not files:
+        searched = ", ".join(repr(str(Path(args.root_dir) / name)) for name in names)
+        raise FileNotFoundError(f"No validation files ('*.val.jsonl') in {searched or 'no source'}; write them with "
+                                f"setup/download_prepare_hf_data.py or turn in-loop evaluation off (eval.every=0).")
+    return files
+
+
 def iterate_eval_batches(args: DataArgs, tokenizer: Tokenizer, dp_rank: int, dp_degree: int,
                          max_batches: Optional[int] = None) -> Iterator[dict[str, torch.Tensor]]:
     """Finite batches over this rank's share of the `*.val.jsonl` files, sharded like training.
@@ -65,21 +85,9 @@ def iterate_eval_batches(args: DataArgs, tokenizer: Tokenizer, dp_rank: int, dp_
     Same batch dict as training; the last window and batch are padded (labels -100), and ranks may get
     different numbers of batches. Raises FileNotFoundError at once when there is nothing to evaluate.
     """
-    check_data_args(args, dp_rank, dp_degree)
-    explicit = args.eval_sources is not None
-    names = list(args.eval_sources) if explicit else [name for name, w in args.sources.items() if w > 0]
-    files = {}
-    for name in names:
-        found = list_val_files(args.root_dir, name)
-        if explicit and not found:
-            raise FileNotFoundError(f"No '*.val.jsonl' file in '{Path(args.root_dir) / name}' for eval source "
-                                    f"'{name}'; add one or remove '{name}' from data.eval_sources.")
-        if found:
-            files[name] = found
-    if not files:
-        searched = ", ".join(f"'{Path(args.root_dir) / name}'" for name in names)
-        raise FileNotFoundError(f"No validation files ('*.val.jsonl') in {searched}; write them with "
-                                f"setup/download_prepare_hf_data.py or turn in-loop evaluation off.")
+    args.validate()
+    assert 0 <= dp_rank < dp_degree, (dp_rank, dp_degree)
+    files = eval_files(args)
     shards = [shard for name in files for shard in shard_files(files[name], dp_rank, dp_degree)]
     pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
     return _eval_batches(args, tokenizer, shards, pad_id, max_batches)

@@ -55,8 +55,7 @@ LOG_TINY = math.log(torch.finfo(torch.float32).tiny)
 
 
 def _check_format(format: str) -> None:
-    if format not in FORMATS:
-        raise ValueError(f"Teacher output format {format!r} is unknown; use one of {', '.join(FORMATS)}.")
+    assert format in FORMATS, f"teacher output format {format!r}; DistillationArgs.validate() names the choices"
 
 
 @dataclass
@@ -122,11 +121,8 @@ def sparsify_teacher_logits(
     entropy; full: all log-probs.
     """
     _check_format(format)
-    if temperature <= 0:
-        raise ValueError(f"Distillation temperature {temperature} must be positive.")
+    assert temperature > 0 and (format == "full" or k >= 1), (temperature, k)  # DistillationArgs.validate()
     V = logits.shape[-1]
-    if format != "full" and k < 1:
-        raise ValueError(f"Distillation k={k} must be >= 1.")
     if format == "topk" and k > V:
         raise ValueError(f"Top-k distillation with k={k} exceeds the vocabulary size {V}; lower distillation.k.")
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
@@ -271,17 +267,12 @@ def kd_loss(
     masked positions where the student's argmax is the teacher's top-1 id; for "sampled" the
     teacher's top-1 is the most likely sampled id).
     """
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"KD divergence {divergence!r} is unknown; use one of {', '.join(DIVERGENCES)}.")
+    # The settings come from a validated DistillationArgs (which explains each rule); a bad one here is our bug.
     _check_format(teacher.format)
-    if teacher.format == "sampled" and divergence != "fkl":
-        raise ValueError(f"Sampled teacher outputs only give an unbiased estimate of the forward KL; set divergence=fkl (got {divergence!r}) or use topk/full outputs.")
-    if divergence == "jsd" and not 0.0 < jsd_beta < 1.0:
-        raise ValueError(f"jsd_beta={jsd_beta} must be strictly between 0 and 1.")
-    if temperature <= 0:
-        raise ValueError(f"Distillation temperature {temperature} must be positive.")
-    if chunk_size < 1:
-        raise ValueError(f"KD loss chunk_size={chunk_size} must be >= 1.")
+    assert divergence in DIVERGENCES, divergence
+    assert teacher.format != "sampled" or divergence == "fkl", "sampled outputs only estimate the forward KL"
+    assert divergence != "jsd" or 0.0 < jsd_beta < 1.0, jsd_beta
+    assert temperature > 0 and chunk_size >= 1, (temperature, chunk_size)
     B, S, V = student_logits.shape
     if tuple(teacher.values.shape[:2]) != (B, S) or tuple(mask.shape) != (B, S):
         raise ValueError(f"Teacher outputs {tuple(teacher.values.shape)} and mask {tuple(mask.shape)} must match the student's [B, S] = [{B}, {S}].")
@@ -316,8 +307,5 @@ def distillation_loss(ce: torch.Tensor, kd: torch.Tensor, alpha: float, temperat
 
 def alpha_at(step: int, alpha: float, schedule: str, lr_factor: float) -> float:
     """KD weight at `step`: constant, or "lr" = alpha times the lr schedule's current factor."""
-    if schedule == "constant":
-        return alpha
-    if schedule == "lr":
-        return alpha * lr_factor
-    raise ValueError(f"Alpha schedule {schedule!r} is unknown; use one of {', '.join(ALPHA_SCHEDULES)}.")
+    assert schedule in ALPHA_SCHEDULES, schedule  # DistillationArgs.validate() names the choices
+    return alpha * lr_factor if schedule == "lr" else alpha

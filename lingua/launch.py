@@ -14,11 +14,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from lingua.args import require
+
 TEACHER_PLACEMENTS = ("last", "per_node")
 FSDP_TYPES = ("full_shard", "no_shard")
 BACKENDS = ("auto", "nccl", "gloo")
 MODEL_DTYPES = ("bf16", "fp32")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+MAX_TIMEOUT_S = 7 * 24 * 3600  # longer is "never" in practice, and huge values overflow the backends' clocks
 
 
 @dataclass
@@ -41,6 +44,23 @@ class DistributedArgs:
     # reduce-scatters once, after the last (grad_acc_steps - 1 fewer reduce-scatters per step, at the cost
     # of one unsharded gradient copy of the model per rank, in the parameters' dtype).
     reduce_every_micro_batch: bool = True
+
+    def validate(self) -> None:
+        """Known choices, mesh sizes that can be inferred, and timeouts the backends can apply."""
+        for key, allowed in (("backend", BACKENDS), ("fsdp_type", FSDP_TYPES), ("model_dtype", MODEL_DTYPES),
+                             ("activation_checkpointing", ACTIVATION_CHECKPOINTING),
+                             ("teacher_placement", TEACHER_PLACEMENTS)):
+            require(getattr(self, key) in allowed, f"distributed.{key}", getattr(self, key),
+                    f"use one of {', '.join(allowed)}")
+        for key in ("dp_replicate", "dp_shard"):
+            value = getattr(self, key)
+            require(value == -1 or value >= 1, f"distributed.{key}", value, "use a positive size or -1 to infer it")
+        require(self.dp_replicate != -1 or self.dp_shard != -1, "distributed.dp_replicate", self.dp_replicate,
+                "only one of distributed.dp_replicate / distributed.dp_shard may be -1")
+        for key in ("init_timeout_s", "train_timeout_s"):
+            value = getattr(self, key)
+            require(0 < value <= MAX_TIMEOUT_S, f"distributed.{key}", value,
+                    f"use a positive number of seconds (at most {MAX_TIMEOUT_S}, a week)")
 
 
 @dataclass(frozen=True)
@@ -93,6 +113,15 @@ def read_launch_env() -> LaunchEnv:
     return LaunchEnv(0, 1, 0, 1, None, None, "single")
 
 
+def teacher_rank_count(enable_distillation: bool, n_teacher_ranks: int) -> int:
+    """How many ranks of a launch are teachers: distillation.n_teacher_ranks (at least 1) with distillation on."""
+    if not enable_distillation:
+        return 0
+    require(n_teacher_ranks >= 1, "distillation.n_teacher_ranks", n_teacher_ranks,
+            "distillation needs at least one teacher rank; use 1 or more, or set enable_distillation=false")
+    return n_teacher_ranks
+
+
 def format_ranks(ranks: list[int]) -> str:
     """[0, 1, 2, 4, 5] -> "0-2,4-5"."""
     spans, start = [], None
@@ -108,11 +137,8 @@ def format_ranks(ranks: list[int]) -> str:
 def resolve_mesh_dims(dp_replicate: int, dp_shard: int, n_students: int) -> tuple[int, int]:
     """(dp_replicate, dp_shard) for `n_students`, inferring one -1; readable error if they don't fit."""
     replicate, shard = dp_replicate, dp_shard
-    if replicate == -1 and shard == -1:
-        raise ValueError("Only one of distributed.dp_replicate / distributed.dp_shard may be -1.")
-    for name, value in (("dp_replicate", replicate), ("dp_shard", shard)):
-        if value == 0 or value < -1:
-            raise ValueError(f"distributed.{name}={value}; use a positive size or -1 to infer it.")
+    # DistributedArgs.validate() names the setting; here a bad size is our bug.
+    assert {replicate, shard} != {-1} and all(v == -1 or v >= 1 for v in (replicate, shard)), (replicate, shard)
     if replicate == -1:
         if n_students % shard:
             raise ValueError(
@@ -138,10 +164,7 @@ def resolve_mesh_dims(dp_replicate: int, dp_shard: int, n_students: int) -> tupl
 
 def split_roles(world_size: int, n_teachers: int, placement: str, local_world_size: int) -> tuple[list[int], list[int]]:
     """(student global ranks, teacher global ranks), validated before any collective."""
-    if n_teachers < 0:
-        raise ValueError(f"distillation.n_teacher_ranks={n_teachers} must be >= 0.")
-    if placement not in TEACHER_PLACEMENTS:
-        raise ValueError(f"distributed.teacher_placement={placement!r}; use 'last' or 'per_node'.")
+    assert n_teachers >= 0 and placement in TEACHER_PLACEMENTS, (n_teachers, placement)  # validated config
     if n_teachers == 0:
         return list(range(world_size)), []
     if world_size - n_teachers < 1:
@@ -199,8 +222,7 @@ class LaunchPlan:
     mesh_dims: tuple[int, int] = field(init=False)  # (dp_replicate, dp_shard), -1s resolved
 
     def __post_init__(self):
-        if self.fsdp_type not in FSDP_TYPES:
-            raise ValueError(f"distributed.fsdp_type={self.fsdp_type!r}; use 'full_shard' or 'no_shard'.")
+        assert self.fsdp_type in FSDP_TYPES, self.fsdp_type  # DistributedArgs.validate() names the choices
         students, teachers = split_roles(self.world_size, self.n_teachers, self.teacher_placement,
                                          self.local_world_size)
         object.__setattr__(self, "student_ranks", students)
@@ -209,6 +231,8 @@ class LaunchPlan:
 
     @classmethod
     def for_launch(cls, args: DistributedArgs, n_teachers: int, world_size: int, local_world_size: int) -> "LaunchPlan":
+        """The plan of `args` for a launch of `world_size` ranks (`args` are validated first)."""
+        args.validate()
         return cls(world_size, local_world_size, n_teachers, args.teacher_placement, args.dp_replicate,
                    args.dp_shard, args.fsdp_type)
 

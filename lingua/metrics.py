@@ -18,6 +18,8 @@ from typing import Any, Optional, TextIO
 
 import torch
 
+from lingua.args import require
+
 logger = logging.getLogger(__name__)
 
 WANDB_MODES = ("online", "offline", "disabled")
@@ -34,11 +36,19 @@ class WandbArgs:
     mode: str = "online"  # "online" | "offline" | "disabled"; the WANDB_MODE env var wins when set
     dir: Optional[str] = None  # where wandb keeps its files; default: the dump dir
 
+    def validate(self) -> None:
+        require(self.mode in WANDB_MODES, "logging.wandb.mode", self.mode, f"use one of {', '.join(WANDB_MODES)}")
+
 
 @dataclass
 class LoggingArgs:
     freq: int = 10  # log every `freq` steps
     wandb: Optional[WandbArgs] = None  # None = jsonl only
+
+    def validate(self) -> None:
+        require(self.freq >= 1, "logging.freq", self.freq, "log every N >= 1 steps")
+        if self.wandb is not None:
+            self.wandb.validate()
 
 
 def _jsonable(value: Any) -> Any:
@@ -69,8 +79,7 @@ class MetricLogger:
     def _init_wandb(args: WandbArgs, config: dict, run_dir: Path):
         import wandb  # imported here: it is slow to import and only the train master needs it
 
-        if args.mode not in WANDB_MODES:
-            raise ValueError(f"logging.wandb.mode={args.mode!r} is not valid; use one of {', '.join(WANDB_MODES)}.")
+        args.validate()
         mode = os.environ.get("WANDB_MODE") or args.mode
         if mode == "disabled":
             logger.info("wandb disabled; metrics go to the jsonl file only")

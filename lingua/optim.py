@@ -20,8 +20,9 @@ from typing import Iterable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
+
+from lingua.args import require
 
 logger = logging.getLogger(__name__)
 
@@ -43,32 +44,29 @@ class OptimArgs:
     cosine_theta: float = 1.0  # cosine: progress is raised to this power before the cosine
     decay_fraction: float = 0.1  # wsd: fraction of all steps spent in the final decay
 
-
-def validate_optim_args(args: OptimArgs, n_steps: int) -> None:
-    """Raise a ValueError telling the user what to change if the optimizer config cannot work."""
-    if args.scheduler not in SCHEDULERS:
-        raise ValueError(f"optim.scheduler={args.scheduler!r} is unknown; use one of {', '.join(SCHEDULERS)}.")
-    if n_steps < 1:
-        raise ValueError(f"steps={n_steps}; the schedule needs at least one training step.")
-    if args.lr <= 0:
-        raise ValueError(f"optim.lr={args.lr}; use a positive learning rate.")
-    if args.warmup < 0:
-        raise ValueError(f"optim.warmup={args.warmup}; use 0 or a positive number of steps.")
-    if not 0.0 <= args.lr_min_ratio <= 1.0:
-        raise ValueError(f"optim.lr_min_ratio={args.lr_min_ratio}; use a value between 0 and 1.")
-    if args.cycle_length <= 0 or args.cosine_theta <= 0:
-        raise ValueError(f"optim.cycle_length={args.cycle_length} and optim.cosine_theta={args.cosine_theta} "
-                         "must both be positive.")
-    if not 0.0 <= args.decay_fraction <= 1.0:
-        raise ValueError(f"optim.decay_fraction={args.decay_fraction}; use a fraction between 0 and 1.")
-    if not (0.0 <= args.beta1 < 1.0 and 0.0 <= args.beta2 < 1.0):
-        raise ValueError(f"optim.beta1={args.beta1} and optim.beta2={args.beta2} must be in [0, 1).")
+    def validate(self) -> None:
+        """A known schedule and values AdamW and the schedule can work with."""
+        require(self.scheduler in SCHEDULERS, "optim.scheduler", self.scheduler, f"use one of {', '.join(SCHEDULERS)}")
+        require(math.isfinite(self.lr) and self.lr > 0, "optim.lr", self.lr, "use a positive learning rate")
+        require(self.warmup >= 0, "optim.warmup", self.warmup, "use 0 or a positive number of steps")
+        require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "optim.weight_decay", self.weight_decay,
+                "use 0 (no decay) or a positive number")
+        require(math.isfinite(self.epsilon) and self.epsilon > 0, "optim.epsilon", self.epsilon,
+                "use a small positive number such as 1e-8")
+        for key in ("beta1", "beta2"):
+            require(0.0 <= getattr(self, key) < 1.0, f"optim.{key}", getattr(self, key), "use a value in [0, 1)")
+        require(not math.isnan(self.clip), "optim.clip", self.clip,
+                "use the max gradient norm, or 0 to measure the norm without clipping")
+        for key in ("lr_min_ratio", "decay_fraction"):
+            require(0.0 <= getattr(self, key) <= 1.0, f"optim.{key}", getattr(self, key), "use a value in [0, 1]")
+        for key in ("cycle_length", "cosine_theta"):
+            value = getattr(self, key)
+            require(math.isfinite(value) and value > 0, f"optim.{key}", value, "use a positive number")
 
 
 def lr_factor(step: int, args: OptimArgs, n_steps: int) -> float:
     """Multiplier of `args.lr` for update number `step` (0-based); see the module docstring."""
-    if args.scheduler not in SCHEDULERS:
-        raise ValueError(f"optim.scheduler={args.scheduler!r} is unknown; use one of {', '.join(SCHEDULERS)}.")
+    assert args.scheduler in SCHEDULERS, args.scheduler  # OptimArgs.validate() names the choices
     if step < args.warmup:
         # (step + 1) so that the very first update already moves the weights.
         return (step + 1) / args.warmup
@@ -110,7 +108,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, args: OptimArgs, n_steps: int) -> tuple[torch.optim.Optimizer, LambdaLR]:
     """AdamW over `model` (two weight-decay groups) and its LambdaLR schedule over `n_steps` updates."""
-    validate_optim_args(args, n_steps)
+    args.validate()
+    assert n_steps >= 1, n_steps  # TrainArgs.validate() checks steps
     # foreach=None lets torch pick the multi-tensor path on GPU (DTensor included) and the plain loop on CPU;
     # fused kernels are not guaranteed for DTensor params on every backend.
     optimizer = torch.optim.AdamW(
@@ -132,6 +131,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.zeros(())
+    from torch.distributed.tensor import DTensor  # here, not at import: see lingua/checkpoint.py's docstring
+
     total_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
     if isinstance(total_norm, DTensor):
         total_norm = total_norm.full_tensor()

@@ -15,12 +15,7 @@ def parallelize_model(model: torch.nn.Module, mesh, args: DistributedArgs, no_re
     (the students' mesh from the Topology; None in a single process: no sharding)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if args.activation_checkpointing not in ("none", "full", "selective"):
-        raise ValueError(
-            f"distributed.activation_checkpointing={args.activation_checkpointing!r}; use none, full or selective."
-        )
-    if args.model_dtype not in ("bf16", "fp32"):
-        raise ValueError(f"distributed.model_dtype={args.model_dtype!r}; use bf16 or fp32.")
+    args.validate()
     if args.activation_checkpointing != "none":
         _apply_activation_checkpointing(model, args.activation_checkpointing, no_recompute_ops)
     if args.compile:
@@ -28,7 +23,7 @@ def parallelize_model(model: torch.nn.Module, mesh, args: DistributedArgs, no_re
             model.layers[i] = torch.compile(block)
     if mesh is None:
         return model
-    param_dtype = torch.bfloat16 if args.model_dtype == "bf16" else torch.float32
+    param_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.model_dtype]
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     shard = partial(fully_shard, mesh=mesh, mp_policy=policy)
     n_layers = len(model.layers)

@@ -20,11 +20,6 @@ from torch import nn
 
 from lingua.collectives import make_dir_for_group
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # builds without distributed support
-    DTensor = None
-
 logger = logging.getLogger(__name__)
 
 STAT_NAMES = ("mean", "std", "absmax", "zero_frac")
@@ -45,7 +40,9 @@ def tensor_stats(tensor: torch.Tensor) -> Optional[torch.Tensor]:
     Reductions run on the native dtype (accumulating in float) so a large bf16 activation such as
     the logits is never copied to float32.
     """
-    if DTensor is not None and isinstance(tensor, DTensor):
+    from torch.distributed.tensor import DTensor  # here, not at import: see lingua/checkpoint.py's docstring
+
+    if isinstance(tensor, DTensor):
         tensor = tensor.to_local()
     tensor = tensor.detach()
     if not tensor.is_floating_point() or tensor.numel() == 0:

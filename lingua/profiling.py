@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from lingua.args import require
 from lingua.collectives import make_dir_for_group
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,15 @@ class ProfilerArgs:
     mem_steps: int = 2
     profile_warmup: int = 102
     profile_steps: int = 2
+
+    def validate(self) -> None:
+        """Recording windows that start at a step >= 0 and last at least one step."""
+        require(bool(self.trace_folder), "profiling.trace_folder", self.trace_folder, "name a folder under dump_dir")
+        for key in ("mem_warmup", "profile_warmup"):
+            require(getattr(self, key) >= 0, f"profiling.{key}", getattr(self, key), "use 0 or more steps before recording")
+        for key in ("mem_steps", "profile_steps"):
+            require(getattr(self, key) >= 1, f"profiling.{key}", getattr(self, key),
+                    "record at least 1 step, or set profiling.run=false")
 
 
 def _is_compiled(module: nn.Module) -> bool:
@@ -164,11 +174,7 @@ def maybe_run_profiler(dump_dir: str, module: nn.Module, args: ProfilerArgs, ran
     if not args.run:
         yield None
         return
-    if args.profile_steps < 1 or args.mem_steps < 1:
-        raise ValueError(f"profiling.profile_steps={args.profile_steps} and profiling.mem_steps={args.mem_steps} "
-                         "must both be at least 1; set profiling.run=false to disable profiling.")
-    if args.profile_warmup < 0 or args.mem_warmup < 0:
-        raise ValueError("profiling.profile_warmup and profiling.mem_warmup must be >= 0 (steps before recording).")
+    args.validate()
     trace_dir = make_dir_for_group(Path(dump_dir) / args.trace_folder, is_master, group,
                                    "maybe_run_profiler's trace dir")
     logger.info(f"profiling on: trace of steps [{args.profile_warmup}, {args.profile_warmup + args.profile_steps})"

@@ -4,6 +4,7 @@
     <dump_dir>/metrics.jsonl          one JSON line per log step (train rank 0), eval rows too
     <dump_dir>/checkpoints/<step>/    DCP shards + train_state_<rank>.json + params.json
     <dump_dir>/logs/rank_<r>.log      every rank's log
+    <dump_dir>/logs/rank_<r>.status.json  running / failed / lost_peer / done, with host and pid
     <dump_dir>/startup.<r>.jsonl      per-rank startup phase timings
     <dump_dir>/probe/probe.<r>.jsonl  activation/gradient stats at probe_freq
 
@@ -43,6 +44,10 @@ class RunDir:
 
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank_{rank}.log"
+
+    def status(self, rank: int) -> Path:
+        """How the rank is doing: running, failed, lost_peer or done (`lingua.distributed.RankStatus`)."""
+        return self.logs / f"rank_{rank}.status.json"
 
     def startup(self, rank: int) -> Path:
         return self.root / f"startup.{rank}.jsonl"

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from lingua.args import dataclass_from_dict, to_dict
-from lingua.launch import DistributedArgs, LaunchPlan
+from lingua.launch import DistributedArgs, LaunchPlan, teacher_rank_count
 from lingua.slurm import UNLIMITED, build_sbatch_script, submit_sbatch, submit_submitit
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -174,8 +174,8 @@ def launch_plan(cfg: DictConfig, nodes: int, ntasks_per_node: int) -> tuple[Laun
     cannot work is refused before anything is written), and the teacher_placement to write into the
     config (None = leave it). With one teacher per node (n_teacher_ranks == nodes > 1) each teacher is
     the last rank of its node, so a bridge never leaves its node; otherwise teachers are the last ranks."""
-    n_teachers = int(OmegaConf.select(cfg, "distillation.n_teacher_ranks", default=1)) \
-        if bool(cfg.get("enable_distillation", False)) else 0
+    n_teachers = teacher_rank_count(bool(cfg.get("enable_distillation", False)),
+                                    int(OmegaConf.select(cfg, "distillation.n_teacher_ranks", default=1)))
     distributed = OmegaConf.merge(OmegaConf.structured(DistributedArgs), cfg.get("distributed") or {})
     write = None
     if OmegaConf.select(cfg, "distributed.teacher_placement", default=None) is None \

@@ -78,13 +78,24 @@ def check_teacher_dir(path) -> None:
             raise ValueError(f"Teacher directory {path} is damaged: {problem}; {fix}.")
 
 
+def read_max_positions(path) -> Optional[int]:
+    """`max_position_embeddings` from a local teacher's config.json (its text config's for a multimodal one),
+    without loading anything else; None when there is no such file or key."""
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    value = config.get("max_position_embeddings", (config.get("text_config") or {}).get("max_position_embeddings"))
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def teacher_dtype(args: DistillationArgs, device: torch.device) -> torch.dtype:
+    """The dtype to load the teacher in (distillation.teacher_dtype, validated with the config)."""
     if args.teacher_dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    names = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-    if args.teacher_dtype not in names:
-        raise ValueError(f"distillation.teacher_dtype={args.teacher_dtype!r}; use auto, bf16, fp32 or fp16.")
-    return names[args.teacher_dtype]
+    return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.teacher_dtype]
 
 
 def _short_reason(err: BaseException, limit: int = 400) -> str:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from lingua.args import require
+
 logger = logging.getLogger(__name__)
 
 TOKENIZER_NAMES = ("bytes", "tiktoken", "sp", "hf")
@@ -22,6 +24,22 @@ TOKENIZER_NAMES = ("bytes", "tiktoken", "sp", "hf")
 class TokenizerArgs:
     name: str = "bytes"  # "bytes" | "tiktoken" | "sp" | "hf"
     path: Optional[str] = None  # model file (tiktoken/sp) or Hugging Face tokenizer directory (hf)
+
+    def validate(self) -> None:
+        """The name is known and, for every tokenizer but bytes, its path points at the right kind of file."""
+        require(self.name in TOKENIZER_NAMES, "data.tokenizer.name", self.name, f"use one of {', '.join(TOKENIZER_NAMES)}")
+        if self.name == "bytes":
+            return
+        expected = "a Hugging Face tokenizer directory" if self.name == "hf" else f"a {self.name} model file"
+        require(bool(self.path), "data.tokenizer.path", self.path, f"tokenizer {self.name!r} needs {expected}")
+        path = Path(self.path)
+        if not path.exists():
+            raise FileNotFoundError(f"data.tokenizer.path={self.path!r} does not exist; set it to {expected}.")
+        if self.name == "hf":
+            require(path.is_dir(), "data.tokenizer.path", self.path, f"it is not a directory; set it to {expected} "
+                    f"(the folder with tokenizer.json / tokenizer_config.json)")
+        else:
+            require(path.is_file(), "data.tokenizer.path", self.path, f"it is not a file; set it to {expected}")
 
 
 class Tokenizer(ABC):
@@ -155,24 +173,11 @@ class HFTokenizer(Tokenizer):
 
 
 def build_tokenizer(args: TokenizerArgs) -> Tokenizer:
-    """The tokenizer named by `args`; raises a readable error for unknown names and missing files."""
-    if args.name not in TOKENIZER_NAMES:
-        raise ValueError(f"Unknown tokenizer data.tokenizer.name='{args.name}'; "
-                         f"choose one of {', '.join(TOKENIZER_NAMES)}.")
+    """The tokenizer named by `args` (checked by `args.validate()` first)."""
+    args.validate()
     if args.name == "bytes":
         return ByteTokenizer()
-    expected = "a Hugging Face tokenizer directory" if args.name == "hf" else f"a {args.name} model file"
-    if not args.path:
-        raise ValueError(f"Tokenizer '{args.name}' needs data.tokenizer.path=<{expected}>.")
-    path = Path(args.path)
-    if not path.exists():
-        raise FileNotFoundError(f"Tokenizer path '{path}' does not exist; set data.tokenizer.path to {expected}.")
-    if args.name == "hf" and not path.is_dir():
-        raise ValueError(f"Tokenizer path '{path}' is not a directory; set data.tokenizer.path to {expected} "
-                         f"(the folder with tokenizer.json / tokenizer_config.json).")
-    if args.name != "hf" and not path.is_file():
-        raise ValueError(f"Tokenizer path '{path}' is not a file; set data.tokenizer.path to {expected}.")
-    tokenizer = {"tiktoken": TikTokenTokenizer, "sp": SentencePieceTokenizer, "hf": HFTokenizer}[args.name](str(path))
-    logger.info(f"tokenizer {args.name} from {path}: {tokenizer.n_words} words, "
+    tokenizer = {"tiktoken": TikTokenTokenizer, "sp": SentencePieceTokenizer, "hf": HFTokenizer}[args.name](args.path)
+    logger.info(f"tokenizer {args.name} from {args.path}: {tokenizer.n_words} words, "
                 f"bos={tokenizer.bos_id}, eos={tokenizer.eos_id}")
     return tokenizer

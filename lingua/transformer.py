@@ -17,13 +17,15 @@ All give the same result up to float rounding (tests/unit/test_model.py checks i
 import functools
 import importlib.util
 import logging
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lingua.args import require
 
 logger = logging.getLogger(__name__)
 
@@ -54,22 +56,27 @@ class BaseTransformerArgs:
     init_base_std: Optional[float] = None  # None: dim ** -0.5
     init_std_factor: str = "disabled"  # output-projection std divisor: "disabled" | "global_depth" | "current_depth"
 
-
-def validate_transformer_args(args: BaseTransformerArgs) -> None:
-    """Raise a ValueError naming the model.* setting to change when the shapes or options don't fit."""
-    n_kv_heads = args.n_kv_heads or args.n_heads
-    if args.dim % args.n_heads != 0:
-        raise ValueError(f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}; "
-                         f"pick n_heads that divides dim.")
-    if (args.dim // args.n_heads) % 2 != 0:
-        raise ValueError(f"head dim {args.dim // args.n_heads} (model.dim / model.n_heads) must be even for RoPE.")
-    if args.n_heads % n_kv_heads != 0:
-        raise ValueError(f"model.n_heads={args.n_heads} is not a multiple of model.n_kv_heads={n_kv_heads}; "
-                         f"GQA needs each key/value head to serve the same number of query heads.")
-    for name, value, allowed in (("attn_impl", args.attn_impl, ATTN_IMPLS), ("attn_mask", args.attn_mask, ATTN_MASKS),
-                                 ("init_std_factor", args.init_std_factor, INIT_STD_FACTORS)):
-        if value not in allowed:
-            raise ValueError(f"model.{name}={value!r} is not supported; use one of {', '.join(allowed)}.")
+    def validate(self) -> None:
+        """Sizes that build a model, heads that divide evenly, known kernels and masks."""
+        for key in ("dim", "n_layers", "n_heads", "multiple_of", "max_seqlen"):
+            require(getattr(self, key) >= 1, f"model.{key}", getattr(self, key), "use a positive integer")
+        require(self.n_kv_heads is None or self.n_kv_heads >= 1, "model.n_kv_heads", self.n_kv_heads,
+                "use a positive integer, or null for one key/value head per query head")
+        for key in ("ffn_dim_multiplier", "norm_eps", "rope_theta"):
+            value = getattr(self, key)
+            require(math.isfinite(value) and value > 0, f"model.{key}", value, "use a positive number")
+        require(self.init_base_std is None or (math.isfinite(self.init_base_std) and self.init_base_std > 0),
+                "model.init_base_std", self.init_base_std, "use a positive number, or null for dim ** -0.5")
+        require(self.dim % self.n_heads == 0, "model.dim", self.dim,
+                f"it is not divisible by model.n_heads={self.n_heads}; pick n_heads that divides dim")
+        require((self.dim // self.n_heads) % 2 == 0, "model.n_heads", self.n_heads,
+                f"the head dim model.dim / model.n_heads = {self.dim // self.n_heads} must be even for RoPE")
+        n_kv_heads = self.n_kv_heads or self.n_heads
+        require(self.n_heads % n_kv_heads == 0, "model.n_kv_heads", self.n_kv_heads,
+                f"model.n_heads={self.n_heads} is not a multiple of it; GQA needs each key/value head to serve "
+                f"the same number of query heads")
+        for key, allowed in (("attn_impl", ATTN_IMPLS), ("attn_mask", ATTN_MASKS), ("init_std_factor", INIT_STD_FACTORS)):
+            require(getattr(self, key) in allowed, f"model.{key}", getattr(self, key), f"use one of {', '.join(allowed)}")
 
 
 def ffn_hidden_dim(dim: int, ffn_dim_multiplier: float, multiple_of: int) -> int:
@@ -83,6 +90,8 @@ def init_trunc_normal(weight: torch.Tensor, std: float, generator: Optional[torc
 
     A sharded (DTensor) weight gets its slice of the same full draw, so weights don't depend on the sharding.
     """
+    from torch.distributed.tensor import DTensor, distribute_tensor  # here, not at import: see lingua/checkpoint.py
+
     if isinstance(weight, DTensor):
         full = torch.empty(weight.shape, dtype=weight.dtype, device=weight.to_local().device)
         nn.init.trunc_normal_(full, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
@@ -336,7 +345,7 @@ class BaseTransformer(nn.Module):
 
     def __init__(self, args: BaseTransformerArgs):
         super().__init__()
-        validate_transformer_args(args)
+        args.validate()
         self.dim, self.n_layers, self.max_seqlen = args.dim, args.n_layers, args.max_seqlen
         self.attn_impl, self.attn_mask = args.attn_impl, args.attn_mask
         self.init_base_std, self.init_std_factor = args.init_base_std, args.init_std_factor

@@ -73,13 +73,15 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, module_args: list[str], timeout: float, env: dict | None = None,
-             module: str = "apps.main.train", signal_plan=None) -> subprocess.CompletedProcess:
+             module: str = "apps.main.train", signal_plan=None, log_dir: Path | None = None) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node nproc -m module *module_args`; a run past `timeout` is a test failure.
 
     signal_plan: optional callable(popen) run while the job is alive (e.g. to deliver SIGUSR2).
+    log_dir: torchrun also keeps each rank's stdout and stderr there (read them with `rank_outputs`).
     """
+    logs = ["--log-dir", str(log_dir), "--tee", "3"] if log_dir is not None else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0", *logs,
            "-m", module, *module_args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
                     TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
@@ -99,6 +101,20 @@ def torchrun(nproc: int, module_args: list[str], timeout: float, env: dict | Non
 
 def assert_ok(result) -> None:
     assert result.returncode == 0, result.stdout[-6000:]
+
+
+def rank_outputs(log_dir: Path) -> dict[int, dict[str, str]]:
+    """Local rank -> {"stdout": ..., "stderr": ...} as torchrun's --log-dir kept them (one node)."""
+    outputs: dict[int, dict[str, str]] = {}
+    for path in Path(log_dir).glob("*/attempt_0/*/std*.log"):
+        outputs.setdefault(int(path.parent.name), {})[path.stem] = path.read_text(errors="replace")
+    return outputs
+
+
+def rank_exit_codes(stdout: str) -> dict[int, int]:
+    """Global rank -> exit code, for every rank torchrun's failure summary lists (ranks that exited 0 are not)."""
+    return {int(rank): int(code) for rank, code in
+            re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", stdout)}
 
 
 def worker_pids(parent_pid: int) -> list[int]:

@@ -320,6 +320,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if n_students < 1:
         raise ValueError(f"--nproc {opts.nproc} leaves no student next to {n_teachers} teacher rank(s); "
                          f"use --nproc > distillation.n_teacher_ranks.")
+    args.validate(world_size=opts.nproc)  # the trainer's own pass, for the KD-on launch, before any launch
     if opts.steps <= opts.warmup:
         raise ValueError(f"--steps {opts.steps} must exceed --warmup {opts.warmup} so some steps are measured.")
     known = {v.name: v for v in VARIANTS}

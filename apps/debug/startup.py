@@ -23,6 +23,11 @@ import time
 # Taken before torch is imported: on a shared filesystem the imports alone can take minutes.
 IMPORT_START = time.time()
 
+if __name__ == "__main__":  # before the slow imports, as in apps.main.train
+    from lingua.cli import hold_sigterm
+
+    hold_sigterm()
+
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,10 +39,10 @@ import torch.distributed as dist
 
 from apps.main.train import (
     TrainArgs, build_model, distillation_process, init_tokenizer, n_teacher_ranks, open_training_cache, optimizer_step,
-    restore_checkpoint, train_step, validate_args,
+    restore_checkpoint, train_step,
 )
-from lingua.args import parse_args
-from lingua.cli import run_cli
+from lingua.args import parse_args, require
+from lingua.cli import release_sigterm, run_cli
 from lingua.data import DataLoader
 from lingua.distiller import build_distiller
 from lingua.feed import MicroBatchFeed
@@ -64,6 +69,11 @@ PHASES = {
 @dataclass
 class StartupArgs(TrainArgs):
     phase: int = 5  # 1..5, see PHASES; the rest is the training config, unchanged
+
+    def validate(self, world_size: Optional[int] = None, local_world_size: Optional[int] = None) -> None:
+        require(self.phase in PHASES, "phase", self.phase, "not a startup phase; pass phase=1..5: " + "; ".join(
+            f"{n} = {what}" for n, what in PHASES.items()))
+        super().validate(world_size, local_world_size)
 
 
 # ---------------------------------------------------------------- phase 1
@@ -166,12 +176,10 @@ def print_report(phases: PhaseLog, rank: int, world_size: int, out_dir: Path, ph
 def main(argv: Optional[list[str]] = None) -> None:
     main_start = time.time()
     args = parse_args(StartupArgs, argv)
-    if args.phase not in PHASES:
-        raise ValueError(f"phase={args.phase} is not a startup phase; pass phase=1..5: "
-                         + "; ".join(f"{n} = {what}" for n, what in PHASES.items()) + ".")
-    validate_args(args)
     # Rank and role before any process group, so phase 1 logs and records like the others.
     launch = read_launch_env()
+    args.validate(launch.world_size, launch.local_world_size)  # the trainer's own pass
+    release_sigterm()
     role = LaunchPlan.for_launch(args.distributed, n_teacher_ranks(args), launch.world_size,
                                  launch.local_world_size).role(launch.rank)
     out_dir = Path(args.dump_dir) / "startup_diag"

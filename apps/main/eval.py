@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from apps.main.transformer import batch_doc_ids
+from lingua.args import require
 from lingua.cli import UserError, run_cli
 from lingua.collectives import agree_count, dist_mean_dict
 from lingua.eval_data import iterate_eval_batches
@@ -31,6 +32,7 @@ from lingua.kd_loss import cross_entropy_sum
 
 logger = logging.getLogger(__name__)
 
+EVAL_UNEVEN = ("min", "error")
 EVAL_TASKS_DIR = Path(__file__).resolve().parent / "eval_tasks"  # our lm-eval task YAMLs, one task per file
 EVAL_JSON = "eval.json"
 # Our tasks read only committed files; these keep lm-eval, datasets and transformers off the network.
@@ -44,6 +46,11 @@ class EvalArgs:
     # Ranks holding different numbers of eval batches (agreed before the loop either way):
     # "min" = every rank runs the smallest count, with a warning naming them; "error" = stop, naming them.
     uneven: str = "min"
+
+    def validate(self) -> None:
+        require(self.every >= 0, "eval.every", self.every, "use a number of steps, or 0 to turn in-loop evaluation off")
+        require(self.max_batches >= 1, "eval.max_batches", self.max_batches, "use a positive number of batches per rank")
+        require(self.uneven in EVAL_UNEVEN, "eval.uneven", self.uneven, f"use one of {', '.join(EVAL_UNEVEN)}")
 
 
 def batch_ce_sum(model, batch: dict, attn_mask: str, device) -> tuple[float, int]:
@@ -105,6 +112,18 @@ class CheckpointEvalArgs:
     perplexity: bool = True  # also score the held-out *.val.jsonl documents
     data_dir: Optional[str] = None  # corpus root holding <source>/*.val.jsonl; None: the run's data.root_dir
     hf_dir: Optional[str] = None  # keep the exported model here; None: a temporary directory, removed after
+
+    def validate(self) -> None:
+        """What the settings alone can show, before the checkpoint is read (the rest needs its params.json)."""
+        require(bool(self.ckpt), "ckpt", self.ckpt, "pass ckpt=<a checkpoint step directory or the run's "
+                "checkpoints/ directory>")
+        require(bool(parse_tasks(self.tasks)) or self.perplexity, "perplexity", self.perplexity,
+                "with no tasks there is nothing to evaluate: pass tasks=<comma list> or leave perplexity=true")
+        require(self.batch_size >= 1, "batch_size", self.batch_size, "use a positive lm-eval batch size")
+        require(self.limit is None or self.limit >= 1, "limit", self.limit, "use a positive number of examples "
+                "per task, or null for all")
+        require(self.num_fewshot is None or self.num_fewshot >= 0, "num_fewshot", self.num_fewshot,
+                "use 0 or more examples, or null for each task's default")
 
 
 def local_task_names() -> list[str]:
@@ -213,14 +232,11 @@ def evaluate_checkpoint(args: CheckpointEvalArgs) -> dict:
     from lingua.args import dataclass_from_dict
     from lingua.tokenizer import TokenizerArgs, build_tokenizer
 
-    if not args.ckpt:
-        raise ValueError("pass ckpt=<a checkpoint step directory or the run's checkpoints/ directory>.")
+    args.validate()
     start = time.perf_counter()
     step_dir = resolve_checkpoint_dir(args.ckpt)
     params = load_params(step_dir)
     names = parse_tasks(args.tasks)
-    if not names and not args.perplexity:
-        raise ValueError("nothing to evaluate: pass tasks=<comma list> or leave perplexity=true.")
     tokenizer_args = dataclass_from_dict(TokenizerArgs, params.get("data", {}).get("tokenizer", {}))
     if names and tokenizer_args.name != "hf":
         raise ValueError(f"lm-eval tasks need a Hugging Face tokenizer but this run used "

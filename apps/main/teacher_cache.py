@@ -13,6 +13,11 @@ a cache whose settings differ from its own. `index.json`, written last, marks th
 Then a sweep over alpha, temperature or student size pays the teacher once (see lingua/teacher_cache.py).
 """
 
+if __name__ == "__main__":  # first, before the slow imports: see lingua.cli.hold_sigterm
+    from lingua.cli import hold_sigterm
+
+    hold_sigterm()
+
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -22,10 +27,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from apps.main.train import TrainArgs, validate_args
-from lingua.args import parse_args
+from apps.main.train import TrainArgs
+from lingua.args import parse_args, require
 from lingua.bridge import tokenizer_fingerprint
-from lingua.cli import run_cli
+from lingua.cli import release_sigterm, run_cli
 from lingua.collectives import log_collective
 from lingua.data import DataLoader
 from lingua.distiller import tokenizer_vocab
@@ -33,6 +38,7 @@ from lingua.distillation import WIRE_DTYPES
 from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.eval_data import iterate_eval_batches
 from lingua.kd_loss import TeacherOutputs
+from lingua.launch import LaunchPlan, read_launch_env
 from lingua.logger import init_logger
 from lingua.metrics import format_duration
 from lingua.teacher import TeacherModel
@@ -54,17 +60,19 @@ class TeacherCacheArgs(TrainArgs):
     shard_sequences: int = 64  # windows per shard file (the unit of resuming)
     forward_rows: int = 8  # windows per teacher forward
 
-
-def validate_cache_args(args: TeacherCacheArgs) -> None:
-    validate_args(replace(args, enable_distillation=True))
-    if not args.cache_dir:
-        raise ValueError("cache_dir is empty; pass cache_dir=<folder for the teacher cache>.")
-    for key in ("streams", "shard_sequences", "forward_rows"):
-        if getattr(args, key) < 1:
-            raise ValueError(f"{key}={getattr(args, key)} must be >= 1.")
-    if args.sequences_per_stream < 0:
-        raise ValueError(f"sequences_per_stream={args.sequences_per_stream}; use 0 (the config's steps x "
-                         f"grad_acc_steps x data.batch_size) or a positive number of windows.")
+    def validate(self, world_size: Optional[int] = None, local_world_size: Optional[int] = None) -> None:
+        """The trainer's pass for the config with an online teacher (whatever distillation.source says: this
+        job is the teacher), then the cache's own keys. Every rank is a teacher here, so the launch is planned
+        without teacher ranks."""
+        teacher = replace(self.distillation, source="online", n_teacher_ranks=1)
+        TrainArgs.validate(replace(self, enable_distillation=True, distillation=teacher))
+        require(bool(self.cache_dir), "cache_dir", self.cache_dir, "pass cache_dir=<folder for the teacher cache>")
+        for key in ("streams", "shard_sequences", "forward_rows"):
+            require(getattr(self, key) >= 1, key, getattr(self, key), "use a positive integer")
+        require(self.sequences_per_stream >= 0, "sequences_per_stream", self.sequences_per_stream,
+                "use 0 (the config's steps x grad_acc_steps x data.batch_size) or a positive number of windows")
+        if world_size is not None:
+            LaunchPlan.for_launch(self.distributed, 0, world_size, local_world_size or world_size)
 
 
 def planned_manifest(args: TeacherCacheArgs, tokenizer) -> CacheManifest:
@@ -207,7 +215,9 @@ def barrier(topo, what: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(TeacherCacheArgs, argv)
-    validate_cache_args(args)
+    launch = read_launch_env()
+    args.validate(launch.world_size, launch.local_world_size)  # every config error, before any process group
+    release_sigterm()
     try:
         topo = setup_torch_distributed(args.distributed, 0, args.dump_dir)
         init_logger(topo.global_rank, "cache", str(Path(args.cache_dir) / "logs" / f"rank_{topo.global_rank}.log"))

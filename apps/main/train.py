@@ -7,10 +7,17 @@ Students run `train()`; teacher ranks run `distillation_process()`. Everything d
 through the Topology returned by `setup_torch_distributed`, and every collective names its group:
 the training group for anything the students do together, a bridge group for teacher traffic.
 The loop asks one Distiller (`lingua/distiller.py`) for the KD part of each step, whatever its kind.
+`TrainArgs.validate()` checks the whole config before any process group exists.
 """
+
+if __name__ == "__main__":  # first, before the slow imports: see hold_sigterm
+    from lingua.cli import hold_sigterm
+
+    hold_sigterm()
 
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -23,18 +30,18 @@ from apps.main.report import StepReporter
 from apps.main.transformer import (
     LMTransformer, LMTransformerArgs, batch_doc_ids, get_no_recompute_ops, get_num_flop_per_token,
 )
-from lingua.args import dump_config, parse_args, to_dict
+from lingua.args import dump_config, parse_args, require, to_dict
 from lingua.checkpoint import CheckpointArgs, CheckpointManager
-from lingua.cli import run_cli
+from lingua.cli import check_no_sigterm_held, run_cli
 from lingua.collectives import AgreedError, agree_count, agree_flags
 from lingua.data import DataArgs, DataLoader
-from lingua.distillation import DistillationArgs, validate_distillation_args
+from lingua.distillation import DistillationArgs, check_seq_len_fits_teacher
 from lingua.distiller import build_distiller
-from lingua.eval_data import iterate_eval_batches
+from lingua.eval_data import eval_files, iterate_eval_batches
 from lingua.feed import MicroBatchFeed
-from lingua.distributed import Topology, clean_up, log_rank_device_map, setup_torch_distributed
+from lingua.distributed import RankStatus, Topology, clean_up, log_rank_device_map, setup_torch_distributed
 from lingua.kd_loss import cross_entropy_sum
-from lingua.launch import DistributedArgs
+from lingua.launch import DistributedArgs, LaunchPlan, read_launch_env, teacher_rank_count
 from lingua.logger import init_logger
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs, build_optimizer, clip_grad_norm_
@@ -43,6 +50,7 @@ from lingua.preemption import PreemptionFlag, requeue_if_slurm
 from lingua.probe import ActivationProbe
 from lingua.profiling import ProfilerArgs, maybe_run_profiler
 from lingua.rundir import RunDir
+from lingua.teacher import read_max_positions
 from lingua.teacher_cache import open_cache, settings_manifest
 from lingua.teacher_server import TeacherServer
 from lingua.timeouts import HangWatch, enter_training_timeout
@@ -78,26 +86,44 @@ class TrainArgs:
     profiling: ProfilerArgs = field(default_factory=ProfilerArgs)
     eval: EvalArgs = field(default_factory=EvalArgs)
 
-
-def validate_args(args: TrainArgs) -> None:
-    """Config errors a user can make, raised before any process group exists."""
-    parse_injected_failure(args.inject_failure)
-    if args.steps < 1 or args.grad_acc_steps < 1:
-        raise ValueError(f"steps={args.steps} and grad_acc_steps={args.grad_acc_steps} must be >= 1.")
-    if not args.dump_dir:
-        raise ValueError("dump_dir is empty; set dump_dir=<folder for logs, metrics and checkpoints>.")
-    for kind in ("dump", "eval"):
-        if getattr(args.checkpoint, kind).keep < 0:
-            raise ValueError(f"checkpoint.{kind}.keep={getattr(args.checkpoint, kind).keep}; use 0 (keep all) or N > 0.")
-    if args.eval.uneven not in ("min", "error"):
-        raise ValueError(f"eval.uneven={args.eval.uneven!r}; use min or error.")
-    if args.enable_distillation:
-        validate_distillation_args(args.distillation)
+    def validate(self, world_size: Optional[int] = None, local_world_size: Optional[int] = None) -> None:
+        """Every error the config alone can show (values, files it names, the launch size when given), in
+        one pass before any process group exists: each section's own `validate()`, then the rules that
+        span sections. Raises ValueError / FileNotFoundError naming the key, the value and the fix."""
+        require(self.steps >= 1, "steps", self.steps, "train for at least one step")
+        require(self.grad_acc_steps >= 1, "grad_acc_steps", self.grad_acc_steps, "use 1 (no accumulation) or more")
+        require(bool(self.dump_dir), "dump_dir", self.dump_dir, "name the folder for logs, metrics and checkpoints")
+        for key in ("probe_freq", "exit_after_steps"):
+            value = getattr(self, key)
+            require(value is None or value >= 1, key, value, "use a positive number of steps, or null")
+        require(math.isfinite(self.preemption_grace_s) and self.preemption_grace_s >= 0, "preemption_grace_s",
+                self.preemption_grace_s, "use the seconds between SLURM's USR2 and the kill, or 0 for unknown")
+        parse_injected_failure(self.inject_failure)
+        self.data.validate()
+        self.model.validate()
+        self.optim.validate()
+        self.distributed.validate()
+        self.distillation.validate(enabled=self.enable_distillation)
+        self.checkpoint.validate()
+        self.logging.validate()
+        self.profiling.validate()
+        self.eval.validate()
+        require(self.model.max_seqlen >= self.data.seq_len, "model.max_seqlen", self.model.max_seqlen,
+                f"the model must fit data.seq_len={self.data.seq_len}; set model.max_seqlen >= {self.data.seq_len}")
+        if self.eval.every:
+            eval_files(self.data)
+        if n_teacher_ranks(self) and self.distillation.teacher_path:
+            # From the teacher's config.json when it is on disk (a missing teacher is the teacher's own error).
+            max_positions = read_max_positions(self.distillation.teacher_path)
+            check_seq_len_fits_teacher(self.data.seq_len, max_positions or 0,
+                                       f"max_position_embeddings in {self.distillation.teacher_path}/config.json")
+        if world_size is not None:  # roles, bridges and the students' mesh for this many ranks
+            LaunchPlan.for_launch(self.distributed, n_teacher_ranks(self), world_size, local_world_size or world_size)
 
 
 def n_teacher_ranks(args: TrainArgs) -> int:
     online = args.enable_distillation and args.distillation.source == "online"
-    return args.distillation.n_teacher_ranks if online else 0
+    return teacher_rank_count(online, args.distillation.n_teacher_ranks)
 
 
 def teacher_heldout(args: TrainArgs, n_students: int):
@@ -356,25 +382,29 @@ def run_probe(args: TrainArgs, model, probe: ActivationProbe, batch, step: int) 
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(TrainArgs, argv)
-    validate_args(args)
-    preemption = PreemptionFlag()  # from the start: handlers only set a flag, students agree on it each step
-    # Mesh dims are checked against the launch size inside setup, before any collective.
+    launch = read_launch_env()
+    args.validate(launch.world_size, launch.local_world_size)  # every config error, before any process group
+    preemption = PreemptionFlag()  # from here on: handlers only set a flag, students agree on it each step
+    check_no_sigterm_held()  # a SIGTERM while we checked: torchrun stopping the job, another rank failed
     try:
         topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir)
         init_logger(topo.global_rank, topo.role, str(RunDir(args.dump_dir).rank_log(topo.global_rank)))
-        phases = PhaseLog(args.dump_dir, topo.global_rank, topo.role)
-        for phase, (phase_start, phase_end) in topo.setup_spans.items():  # process_group_init, mesh
-            phases.record(phase, phase_start, phase_end)
-        log_rank_device_map(topo)
-        torch.manual_seed(args.seed)
-        if topo.is_teacher:
-            distillation_process(args, topo, phases, preemption)
-        else:
-            train(args, topo, phases, preemption)
-        preemption.ignore_further()
-        if topo.distributed:
-            torch.distributed.barrier(group=torch.distributed.group.WORLD)  # everyone ends together
+        # From here a rank that fails leaves a note, and one that loses a peer names the rank that stopped.
+        with RankStatus(args.dump_dir, topo, debug=args.distributed.debug):
+            phases = PhaseLog(args.dump_dir, topo.global_rank, topo.role)
+            for phase, (phase_start, phase_end) in topo.setup_spans.items():  # process_group_init, mesh
+                phases.record(phase, phase_start, phase_end)
+            log_rank_device_map(topo)
+            torch.manual_seed(args.seed)
+            if topo.is_teacher:
+                distillation_process(args, topo, phases, preemption)
+            else:
+                train(args, topo, phases, preemption)
+            preemption.ignore_further()
+            if topo.distributed:
+                torch.distributed.barrier(group=torch.distributed.group.WORLD)  # everyone ends together
     finally:
+        preemption.ignore_further()  # a launcher's SIGTERM while we leave would only cut the exit short
         clean_up()
 
 

@@ -6,6 +6,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from lingua.args import require
 from lingua.transformer import BaseTransformer, BaseTransformerArgs, RMSNorm, init_trunc_normal, init_generator
 
 
@@ -14,6 +15,11 @@ class LMTransformerArgs(BaseTransformerArgs):
     vocab_size: int = -1  # -1: taken from the tokenizer by the trainer
     tie_embeddings: bool = False  # output head reuses tok_embeddings.weight
     seed: int = 42  # init RNG seed: same seed -> same weights on every rank
+
+    def validate(self) -> None:
+        super().validate()
+        require(self.vocab_size == -1 or self.vocab_size >= 1, "model.vocab_size", self.vocab_size,
+                "use -1 to take it from the tokenizer, or the tokenizer's vocabulary size")
 
 
 class LMTransformer(BaseTransformer):

@@ -6,17 +6,33 @@ from pathlib import Path
 
 import pytest
 
-from apps.main.train import TrainArgs, validate_args
+from apps.main.train import TrainArgs, n_teacher_ranks
 from lingua.args import dump_config, parse_args
-from lingua.launch import LaunchPlan
+from lingua.launch import DistributedArgs, LaunchPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_every_shipped_config_parses():
+def stub_inputs(args: TrainArgs) -> None:
+    """Empty stand-ins for the files a config names (relative to the cwd): data, tokenizer, teacher."""
+    for source in args.data.sources:
+        folder = Path(args.data.root_dir) / source
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{source}.chunk.0.jsonl").write_text('{"text": "a"}\n')
+        (folder / f"{source}.val.jsonl").write_text('{"text": "a"}\n')
+    tokenizer = args.data.tokenizer
+    if tokenizer.path:
+        path = Path(tokenizer.path)
+        path.mkdir(parents=True, exist_ok=True) if tokenizer.name == "hf" else \
+            (path.parent.mkdir(parents=True, exist_ok=True), path.write_text(""))
+
+
+def test_every_shipped_config_validates(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the configs name their data relative to the repository root
     for config in sorted((ROOT / "configs").rglob("*.yaml")):
         args = parse_args(TrainArgs, [f"config={config}"])
-        validate_args(args)
+        stub_inputs(args)
+        args.validate(world_size=n_teacher_ranks(args) + 2)
         assert args.steps >= 1, config
 
 
@@ -48,9 +64,30 @@ def test_unknown_key_names_the_key_and_the_valid_ones(override, key, level, vali
     assert listed == sorted(f.name for f in dataclasses.fields(level_args)) and valid in listed, message
 
 
-def test_wrong_type_is_a_sentence():
-    with pytest.raises(ValueError, match="Invalid configuration"):
-        parse_args(TrainArgs, ["steps=many"])
+@pytest.mark.parametrize("override, message", [
+    ("steps=many", "Invalid value for steps: Value 'many' of type 'str' could not be converted to Integer; "
+                   "set steps to an integer."),
+    ("data.sources={a: {b: 1}}", "data.sources={'a': {'b': 1}} has the wrong type; set data.sources to a mapping "
+                                 "of names to numbers."),
+    ("data.eval_sources=[a, [b]]", "data.eval_sources=['a', ['b']] has the wrong type; set data.eval_sources to "
+                                   "a list of strings or null."),
+    ("logging.wandb.tags=5", "Invalid value for logging.wandb.tags: Invalid value assigned: AnyNode is not a "
+                             "ListConfig, TupleConfig, list, or tuple; set logging.wandb.tags to a list of strings "
+                             "or null."),
+    ("model=3", "Invalid value for model: Merge error: int is not a subclass of LMTransformerArgs. value: 3; set "
+                "model to a mapping of LMTransformerArgs keys."),
+    ("logging.wandb.tags.0=0", "Invalid value for logging.wandb.tags: Cannot merge incompatible container types; "
+                               "set logging.wandb.tags to a list of strings or null."),
+    ("steps", "Override 'steps' has no '='; write key=value (e.g. steps=20), without dashes."),
+    ("dump_dir=${", "Invalid value for dump_dir: no viable alternative at input '${'; set dump_dir to a string."),
+    ("a=[1,", "Could not parse the overrides (while parsing a flow node did not find expected node content in "
+              "\"<unicode string>\", line 2, column 1); write key=value, with YAML values (lists [a, b], mappings {a: 1})."),
+    ("config=[a.yaml]", "config=['a.yaml']; pass config=<path to a .yaml file>."),
+])
+def test_wrong_type_is_a_sentence(override, message):
+    with pytest.raises(ValueError) as err:
+        parse_args(TrainArgs, [override])
+    assert str(err.value) == message
 
 
 def test_missing_config_file():
@@ -75,12 +112,12 @@ def test_mesh_dims_infer_minus_one(replicate, shard, n, expected):
 @pytest.mark.parametrize("replicate, shard, n, message", [
     (1, 2, 3, "but there are 3 training ranks"),
     (-1, 4, 6, "cannot be split into dp_shard=4"),
-    (-1, -1, 4, "Only one of"),
-    (0, 1, 4, "use a positive size"),
+    (-1, -1, 4, "only one of distributed.dp_replicate / distributed.dp_shard may be -1"),
+    (0, 1, 4, "distributed.dp_replicate=0; use a positive size or -1 to infer it."),
 ])
 def test_mesh_dims_that_do_not_fit_are_rejected(replicate, shard, n, message):
     with pytest.raises(ValueError, match=message):
-        LaunchPlan(n, n, dp_replicate=replicate, dp_shard=shard)
+        LaunchPlan.for_launch(DistributedArgs(dp_replicate=replicate, dp_shard=shard), 0, n, n)
 
 
 def roles(world: int, n_teachers: int, placement: str, local_world: int) -> tuple[list[int], list[int]]:
@@ -96,8 +133,8 @@ def test_roles_last_ranks_and_per_node():
         roles(7, 2, "last", 7)
     with pytest.raises(ValueError, match="at least one student rank"):
         roles(1, 1, "last", 1)
-    with pytest.raises(ValueError, match=r"distributed.teacher_placement='middle'; use 'last' or 'per_node'"):
-        roles(4, 1, "middle", 4)
+    with pytest.raises(ValueError, match=r"distributed.teacher_placement='middle'; use one of last, per_node\."):
+        LaunchPlan.for_launch(DistributedArgs(teacher_placement="middle"), 1, 4, 4)
 
 
 def test_launch_plan_bridges_mesh_and_description():
@@ -113,8 +150,8 @@ def test_launch_plan_bridges_mesh_and_description():
         "  teacher: global rank 3 (node 0, local rank 3)", "  teacher: global rank 7 (node 1, local rank 3)",
         "  students: global ranks 0-2,4-6"]
     assert LaunchPlan(3, 3).bridges() == [] and LaunchPlan(3, 3).bridge_index(0) == -1
-    with pytest.raises(ValueError, match="distributed.fsdp_type='hybrid'"):
-        LaunchPlan(4, 4, fsdp_type="hybrid")
+    with pytest.raises(ValueError, match="distributed.fsdp_type='hybrid'; use one of full_shard, no_shard."):
+        LaunchPlan.for_launch(DistributedArgs(fsdp_type="hybrid"), 0, 4, 4)
 
 
 def test_injected_failure_specs_parse_or_say_what_is_valid():

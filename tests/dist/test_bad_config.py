@@ -1,0 +1,90 @@
+"""Bad configs under torchrun, the real path: every row of tests/bad_configs.py marked `launch`, on the plain
+launch (2 ranks) and on the distillation launch (2 students + 1 tiny teacher). Each rank prints exactly one
+`error: ` sentence naming the key, exits 2, prints no traceback, and no process group is ever created.
+
+The launches are cheap because validation runs before torch.distributed (and before the DTensor stack is
+imported): about two CPU seconds per rank, plus torchrun's own start. They run two at a time; the module
+prints the table's wall and CPU seconds (run pytest with -s to see them).
+"""
+
+import resource
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+
+from tests.bad_configs import BAD_CONFIGS, BadConfig
+from tests.runs import base_overrides, distill_overrides, rank_exit_codes, rank_outputs, torchrun
+
+LAUNCHED = [bad for bad in BAD_CONFIGS if bad.launch]
+WORLD_SIZES = {"plain": 2, "distill": 3}
+LAUNCHES_AT_ONCE = 2  # on 2 cores: one launch's imports overlap the other's torchrun start-up and polling
+LAUNCH_LIMIT_S = 15.0  # per launch, start to exit (validation is seconds after the imports)
+
+
+@dataclass
+class Outcome:
+    stdout: str  # torchrun's console: every rank's lines (prefixed [default<r>]:) and its summary
+    ranks: dict  # rank -> {"stdout", "stderr"} as torchrun kept them
+    exit_codes: dict  # rank -> exit code, from torchrun's summary
+    seconds: float
+    dump_dir: object
+
+
+def launch(bad: BadConfig, kind: str, corpus, teacher, root) -> Outcome:
+    dump, logs = root / f"{bad.name}-{kind}" / "dump", root / f"{bad.name}-{kind}" / "torchrun"
+    base = base_overrides(corpus, dump, steps=3) if kind == "plain" else distill_overrides(corpus, teacher, dump, steps=3)
+    start = time.time()
+    result = torchrun(WORLD_SIZES[kind], base + bad.args(str(teacher)), timeout=60, log_dir=logs)
+    return Outcome(result.stdout, rank_outputs(logs), rank_exit_codes(result.stdout), time.time() - start, dump)
+
+
+def cpu_seconds_of_children() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # reaped descendants: torchrun and the ranks it waited for
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.fixture(scope="module")
+def outcomes(corpus, tiny_teacher, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("bad_configs")
+    jobs = [(bad, kind) for bad in LAUNCHED for kind in WORLD_SIZES]
+    start, cpu_start = time.time(), cpu_seconds_of_children()
+    with ThreadPoolExecutor(LAUNCHES_AT_ONCE) as pool:
+        done = list(pool.map(lambda job: launch(*job, corpus, tiny_teacher, root), jobs))
+    seconds = [o.seconds for o in done]
+    # CPU seconds (torchrun and every rank) say what the table costs a CI machine, whatever else runs beside it.
+    print(f"\n{len(jobs)} bad-config launches in {time.time() - start:.0f}s wall and "
+          f"{cpu_seconds_of_children() - cpu_start:.0f}s CPU, {LAUNCHES_AT_ONCE} at a time "
+          f"(each {min(seconds):.1f}-{max(seconds):.1f}s, median {sorted(seconds)[len(seconds) // 2]:.1f}s)")
+    return {(bad.name, kind): outcome for (bad, kind), outcome in zip(jobs, done)}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", WORLD_SIZES)
+@pytest.mark.parametrize("bad", LAUNCHED, ids=[b.name for b in LAUNCHED])
+def test_bad_config_is_one_sentence_on_every_rank(outcomes, bad, kind):
+    outcome = outcomes[(bad.name, kind)]
+    tail = outcome.stdout[-4000:]
+    world = WORLD_SIZES[kind]
+    assert outcome.exit_codes == {rank: 2 for rank in range(world)}, tail
+    assert sorted(outcome.ranks) == list(range(world)), tail
+    sentences = set()
+    for rank, output in outcome.ranks.items():
+        lines = (output.get("stdout", "") + output.get("stderr", "")).splitlines()
+        errors = [line for line in lines if line.startswith("error: ")]
+        assert len(errors) == 1, (rank, lines)
+        assert not any("Traceback" in line for line in lines), (rank, lines)
+        assert bad.key in errors[0], errors[0]
+        if bad.sentence is not None:
+            assert errors[0] == f"error: {bad.sentence}"
+        sentences.add(errors[0])
+    assert len(sentences) == 1, sentences  # the same words on every rank
+    # Refused before any process group: no rank got as far as torch.distributed or its log file.
+    assert "process_group_init" not in outcome.stdout and not (outcome.dump_dir / "logs").exists()
+
+
+@pytest.mark.timeout(900)
+def test_every_launch_ends_within_seconds(outcomes):
+    slow = {f"{name}-{kind}": round(o.seconds, 1) for (name, kind), o in outcomes.items() if o.seconds >= LAUNCH_LIMIT_S}
+    assert not slow, f"launches over {LAUNCH_LIMIT_S}s: {slow}"
