@@ -12,6 +12,7 @@ A distillation job splits its ranks into students and teachers (`lingua/launch.p
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -93,6 +94,12 @@ class DistillationArgs:
         require(bool(self.teacher_path), "distillation.teacher_path", self.teacher_path,
                 "distillation is on: point it at a transformers checkpoint directory, or set "
                 "enable_distillation=false")
+        # A path written as one (absolute, ./, ../, ~) cannot be a hub id: refuse it now, not at the handshake.
+        looks_local = self.teacher_path.startswith(("/", ".", "~"))
+        require(not looks_local or Path(self.teacher_path).expanduser().exists(), "distillation.teacher_path",
+                self.teacher_path, "that directory does not exist; point it at a transformers checkpoint directory "
+                "(`python -m setup.prepare_teacher --out DIR` makes SmolLM2-135M-Instruct, `python -m "
+                "setup.make_tiny_teacher --out DIR` a tiny random one)")
 
 
 def check_seq_len_fits_teacher(seq_len: int, max_positions: int, where: str) -> None:

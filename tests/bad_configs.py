@@ -114,6 +114,8 @@ BAD_CONFIGS = [
               "distributed.reduce_every_micro_batch", launch=True),
     BadConfig("no_teacher_path", {"enable_distillation": "true", "distillation.teacher_path": "null"},
               "distillation.teacher_path"),
+    BadConfig("missing_teacher_dir", {"enable_distillation": "true", "distillation.teacher_path": "/no/such/teacher"},
+              "distillation.teacher_path"),
     BadConfig("seq_len_beyond_teacher", {"enable_distillation": "true", "distillation.teacher_path": "{teacher}",
                                          "data.seq_len": 5000, "model.max_seqlen": 5000},
               "data.seq_len", launch=True),
