@@ -176,10 +176,13 @@ class TeacherModel:
         kwargs = {}
         if doc_ids is not None:
             kwargs["position_ids"] = document_positions(doc_ids)
-            # Flash-attention kernels find the documents from the restarting position ids (varlen); the
-            # others take an explicit block-diagonal causal mask.
+            # Flash-attention kernels find the documents from the restarting position ids (varlen).
+            # The others take an explicit block-diagonal causal mask, additive in the model's dtype: transformers
+            # passes a 4D mask through as it is, and eager attention adds it to the scores (a bool mask would not mask).
             if not str(self.model.config._attn_implementation).startswith("flash_attention"):
-                kwargs["attention_mask"] = document_causal_mask(doc_ids)
+                dtype = self.model.dtype
+                blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=tokens.device)
+                kwargs["attention_mask"] = torch.where(document_causal_mask(doc_ids), 0.0, blocked).to(dtype)
         return self.model.get_decoder()(input_ids=tokens, **kwargs).last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -150,3 +150,27 @@ def test_a_relative_path_that_looks_like_a_hub_id_names_both_possibilities_offli
     assert text.startswith(f"teacher path 'models/x' is neither a local directory (nothing at {tmp_path / 'models/x'}) "
                            f"nor a hub model that could be loaded, and the Hugging Face hub is offline (HF_HUB_OFFLINE): ")
     assert "`python -m setup.prepare_teacher --out models/x`" in text
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_a_packed_row_with_document_ids_equals_separate_forwards_of_its_documents(tiny_teacher, attn_implementation):
+    """model.attn_mask=doc_causal: the teacher sees each packed document as its own sequence, as the student does."""
+    from lingua.teacher import TeacherModel
+
+    teacher = TeacherModel(DistillationArgs(teacher_path=str(tiny_teacher), teacher_dtype="fp32",
+                                            attn_implementation=attn_implementation), CPU)
+    generator = torch.Generator().manual_seed(0)
+    lengths = [5, 9, 2, 16]  # a 32-token row packing four documents
+    docs = [torch.randint(0, teacher.vocab_size, (1, n), generator=generator) for n in lengths]
+    row = torch.cat(docs, dim=1)
+    doc_ids = torch.cat([torch.full((1, n), i) for i, n in enumerate(lengths)], dim=1)
+    packed = teacher.hidden_states(row, doc_ids)
+    separate = torch.cat([teacher.hidden_states(doc) for doc in docs], dim=1)
+    torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-5)
+    # Without document ids the later documents attend to the earlier ones: the check above has teeth.
+    assert not torch.allclose(teacher.hidden_states(row)[:, lengths[0]:], separate[:, lengths[0]:], atol=1e-3)
+    # And the sparse outputs the students receive agree too.
+    wire = teacher.sparse_outputs(packed, "topk", 8, torch.float32, teacher.vocab_size)
+    alone = teacher.sparse_outputs(separate, "topk", 8, torch.float32, teacher.vocab_size)
+    torch.testing.assert_close(wire.values, alone.values, rtol=1e-5, atol=1e-5)
+    assert torch.equal(wire.ids, alone.ids)
