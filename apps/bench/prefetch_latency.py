@@ -24,8 +24,9 @@ from pathlib import Path
 from apps.bench.latency_teacher import LATENCY_ENV
 from apps.bench.runs import launch, torchrun_command
 
-# The student works ~150 ms per micro-batch on 2 CPU cores with these, so C > L at L = 100 ms.
-LATENCY_PRESET_OVERRIDES = ["model.dim=256", "model.n_layers=4", "data.batch_size=8"]
+# The student computes ~150 ms per micro-batch (its forward ~50 ms) on 1 thread with these: forward < L < C
+# at L = 100 ms, so the sweep shows prefetch 0 waiting L - forward and prefetch 1 hiding L behind C.
+LATENCY_PRESET_OVERRIDES = ["model.dim=256", "model.n_layers=2", "data.batch_size=4"]
 
 
 def latency_row(rows: list[dict], warmup: int, grad_acc_steps: int, prefetch: int, latency_ms: float) -> dict:
