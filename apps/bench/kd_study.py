@@ -23,6 +23,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import statistics
 import subprocess
 import time
@@ -55,7 +56,8 @@ class Run:
     seed: int
     dump_dir: Path
     overrides: list[str]
-    wall_s: Optional[float] = None
+    wall_s: Optional[float] = None  # seconds the run took, once finished
+    started_at: float = 0.0  # perf_counter() when it was launched
     process: Optional[subprocess.Popen] = field(default=None, repr=False)
 
 
@@ -101,13 +103,13 @@ def start_run(run: Run, config: str, cache_dir: Path) -> None:
     command = torchrun_command(1, "apps.main.train", [
         f"config={config}", *run.overrides, "distillation.source=cache", f"distillation.cache_dir={cache_dir}",
         f"model.seed={run.seed}", f"dump_dir={run.dump_dir}"])
-    env = dict(__import__("os").environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     run.dump_dir.mkdir(parents=True, exist_ok=True)
     log = open(run.dump_dir / "study_run.log", "w")
     run.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
-    run.wall_s = time.perf_counter()
+    run.started_at = time.perf_counter()
     log.close()  # the child holds its own descriptor
 
 
@@ -122,7 +124,7 @@ def run_all(runs: list[Run], config: str, cache_dir: Path, parallel: int, timeou
             active.append(run)
         time.sleep(1.0)
         for run in list(active):
-            elapsed = time.perf_counter() - run.wall_s
+            elapsed = time.perf_counter() - run.started_at
             code = run.process.poll()
             if code is None and elapsed < timeout_s:
                 continue
@@ -188,7 +190,7 @@ def plot(results: dict, out: Path) -> Path:
         ax.fill_between(tokens, [min(v) for v in losses], [max(v) for v in losses], alpha=0.25)
     teacher = results.get("teacher_heldout_ce")
     if teacher is not None:
-        ax.axhline(teacher, color="black", linestyle="--", linewidth=1, label=f"teacher (SmolLM2-135M) {teacher:.2f}")
+        ax.axhline(teacher, color="black", linestyle="--", linewidth=1, label=f"teacher ({Path(results['setup']['teacher']).name}) {teacher:.2f}")
     ax.set_xlabel("training tokens")
     ax.set_ylabel("held-out CE (nats/token)")
     ax.set_title("held-out CE (band: min-max over seeds)")
@@ -222,7 +224,7 @@ def table(results: dict) -> str:
         settings = " ".join(o.replace("distillation.", "") for o in arm["overrides"])
         lines.append(f"| {name} | {settings} | {final['mean']:.4f} ± {final['std']:.4f} | {seeds} | {diff} |")
     if results.get("teacher_heldout_ce") is not None:
-        lines.append(f"| teacher | SmolLM2-135M-Instruct | {results['teacher_heldout_ce']:.4f} | | |")
+        lines.append(f"| teacher | {Path(results['setup']['teacher']).name} | {results['teacher_heldout_ce']:.4f} | | |")
     return "\n".join(lines) + "\n"
 
 

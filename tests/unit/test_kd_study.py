@@ -32,10 +32,10 @@ def test_results_pair_each_arm_with_ce_by_seed_and_render(tmp_path):
     assert paired["mean"] == pytest.approx(-0.35) and (paired["min"], paired["max"]) == pytest.approx((-0.4, -0.3))
     assert "minus_ce_paired" not in arms["ce"]
     assert arms["ce"]["final_heldout_ce"]["mean"] == pytest.approx(6.1)
-    results = {"setup": {"tokens_per_run": 400}, "teacher_heldout_ce": 3.3, "arms": arms}
+    results = {"setup": {"tokens_per_run": 400, "teacher": "data/teachers/smollm2-135m-instruct"}, "teacher_heldout_ce": 3.3, "arms": arms}
     table = kd_study.table(results)
     assert "| kd_topk64 | alpha=0.5 | 5.7500 ± 0.0707 | 5.7000, 5.8000 | -0.3500 (range -0.4000 to -0.3000) |" in table
-    assert "| teacher | SmolLM2-135M-Instruct | 3.3000 |" in table
+    assert "| teacher | smollm2-135m-instruct | 3.3000 |" in table
     png = kd_study.plot(results, tmp_path)
     assert png.stat().st_size > 10_000
 
