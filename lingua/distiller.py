@@ -50,11 +50,15 @@ def teacher_ranks_to_keep_up(n_teachers: int, n_students: int, busy_share: float
 
 
 class NoDistiller:
-    """enable_distillation=false: no teacher, the loss is the student's CE."""
+    """enable_distillation=false: no teacher, the loss is the student's CE, fused with the output head like the KD
+    loss (no [tokens, vocab] logits), so a CE baseline pays what the KD run pays for its head."""
 
     first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done) of the first request
     prefetch = 0  # requests submitted ahead of the micro-batch being computed
     teacher_heldout_ce: Optional[float] = None  # the teacher's own held-out CE, when known (logged with the eval)
+
+    def __init__(self, args: Optional[DistillationArgs] = None):
+        self.args = args or DistillationArgs()
 
     def begin_step(self, step: int, lr_factor: float) -> None:
         self.ce_sum: Optional[torch.Tensor] = None  # the step's CE (already divided by n_valid), summed over micro-batches, on the device
@@ -69,9 +73,14 @@ class NoDistiller:
     def head_loss(self, labels: torch.Tensor, pending, n_valid: int, timer) -> Callable:
         """The loss of a micro-batch as a function of the model's final hidden states and its head weight."""
         def ce_loss(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            ce = cross_entropy_sum(F.linear(hidden, weight), labels) / max(n_valid, 1)
-            self._add_ce(ce)
-            return ce
+            if not self.args.fused_loss:  # the reference: logits, then CE
+                ce = cross_entropy_sum(F.linear(hidden, weight), labels) / max(n_valid, 1)
+                self._add_ce(ce)
+                return ce
+            loss, sums = fused_linear_kd_loss(hidden, weight, labels, None, max(n_valid, 1), 0.0, 1.0,
+                                              chunk_size=self.args.loss_chunk_size)
+            self._add_ce(sums[0] / max(n_valid, 1))
+            return loss
         return ce_loss
 
     def step_metrics(self) -> dict:
@@ -124,7 +133,7 @@ class KDDistiller(NoDistiller):
     """The KD loss mixing shared by every teacher source; a subclass says where a micro-batch's targets come from."""
 
     def __init__(self, args: DistillationArgs):
-        self.args = args
+        super().__init__(args)
         self.alpha = args.alpha
 
     def begin_step(self, step: int, lr_factor: float) -> None:
@@ -284,7 +293,7 @@ def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tok
     """The Distiller for this student: none, the offline cache (`cache`: its CacheLoader) or the online bridge
     (whose handshake runs here)."""
     if not enable_distillation:
-        return NoDistiller()
+        return NoDistiller(args)
     if cache is not None:
         return CacheDistiller(args, cache.manifest.teacher_heldout_ce)
     with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
