@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lingua.args import require
-from lingua.collectives import log_collective
+from lingua.parallel.collectives import log_collective
 
 logger = logging.getLogger(__name__)
 

@@ -12,21 +12,10 @@ import signal
 import sys
 from typing import Callable
 
+from lingua.errors import USER_ERRORS, PeerStopped
+
 logger = logging.getLogger(__name__)
 _held_signals: list[int] = []
-
-
-class UserError(Exception):
-    """An error whose message tells the user what to change; subclasses are reported without a traceback."""
-
-
-class PeerStopped(Exception):
-    """Another rank stopped first and this one lost it in a collective: the message names that rank and its
-    log (this rank's traceback would only show where it was waiting)."""
-
-
-# Errors a user causes: bad config values, missing files, a failed teacher (its text says why).
-USER_ERRORS = (ValueError, FileNotFoundError, UserError)
 
 
 def hold_sigterm() -> None:

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lingua.collectives import make_dir_for_group
+from lingua.parallel.collectives import make_dir_for_group
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from lingua.args import require
-from lingua.collectives import make_dir_for_group
+from lingua.parallel.collectives import make_dir_for_group
 
 logger = logging.getLogger(__name__)
 

@@ -2,26 +2,24 @@
 
 Both launch the same ranks the same way: one srun task per rank (or one torchrun per node), the
 rendezvous exported from the first node, USR2 `signal_grace_s` before the time limit, requeue on.
+Every `args` here is the job's `StoolArgs` (lingua/stool.py); stool imports this module, never the reverse.
 """
 
 import shlex
 import signal
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from omegaconf import DictConfig
 
-from lingua.launch import LaunchPlan
-
-if TYPE_CHECKING:
-    from lingua.stool import StoolArgs
+from lingua.parallel.launch_plan import LaunchPlan
 
 UNLIMITED = "UNLIMITED"
 SUBMITIT_UNLIMITED_MIN = 365 * 24 * 60  # submitit needs a number even when the partition has no limit
 
 
-def sbatch_options(args: "StoolArgs", dump_dir: Path, time_limit: Optional[str], job_name: str) -> list[str]:
+def sbatch_options(args, dump_dir: Path, time_limit: Optional[str], job_name: str) -> list[str]:
     """The `#SBATCH` options, in order; unset optional ones are left out."""
     logs = dump_dir / "logs"
     lines = [f"--job-name={job_name}", f"--nodes={args.nodes}", f"--ntasks-per-node={args.ntasks_per_node}"]
@@ -41,7 +39,7 @@ def sbatch_options(args: "StoolArgs", dump_dir: Path, time_limit: Optional[str],
     return lines
 
 
-def env_lines(args: "StoolArgs", code_dir: Path) -> list[str]:
+def env_lines(args, code_dir: Path) -> list[str]:
     """Activation, rendezvous and user exports, identical under sbatch and submitit."""
     lines = [args.env_activate] if args.env_activate else []
     lines += [
@@ -55,7 +53,7 @@ def env_lines(args: "StoolArgs", code_dir: Path) -> list[str]:
     return lines
 
 
-def launch_command(args: "StoolArgs", dump_dir: Path) -> str:
+def launch_command(args, dump_dir: Path) -> str:
     """srun with one task per rank, or one torchrun per node."""
     config = shlex.quote(str(dump_dir / "config.yaml"))
     python = shlex.quote(args.python)
@@ -75,7 +73,7 @@ def launch_command(args: "StoolArgs", dump_dir: Path) -> str:
         f"--cpus-per-task={args.ncpu * args.ntasks_per_node}", "bash", "-c", shlex.quote(torchrun)])
 
 
-def build_sbatch_script(args: "StoolArgs", dump_dir: Path, plan: LaunchPlan, time_limit: Optional[str],
+def build_sbatch_script(args, dump_dir: Path, plan: LaunchPlan, time_limit: Optional[str],
                         job_name: str) -> str:
     """The full submit.slurm text (args already passed through `resolve_args`)."""
     code_dir = dump_dir / "code"
@@ -152,7 +150,7 @@ class SubmititTrainJob:
         return DelayedSubmission(self, *args, **kwargs)
 
 
-def submitit_executor(args: "StoolArgs", dump_dir: Path, plan: LaunchPlan, time_limit: Optional[str],
+def submitit_executor(args, dump_dir: Path, plan: LaunchPlan, time_limit: Optional[str],
                       job_name: str):
     """A submitit SlurmExecutor with the same resources, environment and dump dir as submit.slurm."""
     import submitit
@@ -186,7 +184,7 @@ def submitit_executor(args: "StoolArgs", dump_dir: Path, plan: LaunchPlan, time_
     return executor
 
 
-def submit_submitit(args: "StoolArgs", dump_dir: Path, cfg: DictConfig, plan: LaunchPlan,
+def submit_submitit(args, dump_dir: Path, cfg: DictConfig, plan: LaunchPlan,
                     time_limit: Optional[str], job_name: str) -> str:
     """Submit `SubmititTrainJob` through submitit; returns the job id."""
     executor = submitit_executor(args, dump_dir, plan, time_limit, job_name)

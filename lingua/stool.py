@@ -31,7 +31,7 @@ from typing import Callable, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from lingua.args import dataclass_from_dict, to_dict
-from lingua.launch import DistributedArgs, LaunchPlan, teacher_rank_count
+from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, teacher_rank_count
 from lingua.slurm import UNLIMITED, build_sbatch_script, submit_sbatch, submit_submitit
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -35,6 +35,12 @@ except ImportError:  # torch builds without flex attention: "flex" falls back to
     BlockMask = create_block_mask = flex_attention = None
 
 
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """CE summed (not averaged) over positions whose label is not -100, in fp32, so micro-batches add up
+    exactly to one large batch; the caller divides by the step's token count."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
 ATTN_IMPLS = ("sdpa", "flex", "xformers")
 ATTN_MASKS = ("causal", "doc_causal")
 INIT_STD_FACTORS = ("disabled", "global_depth", "current_depth")

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from lingua.teacher import check_teacher_dir
+from lingua.distillation.teacher import check_teacher_dir
 from setup.atomic_dir import atomic_output_dir
 
 logger = logging.getLogger(__name__)

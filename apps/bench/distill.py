@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-
 from omegaconf import OmegaConf
 
 from apps.bench.distill_report import FAIRNESS_NOTE, format_markdown
@@ -49,12 +48,12 @@ from apps.bench.prefetch_latency import LATENCY_PRESET_OVERRIDES, format_latency
 from apps.bench.runs import cpu_seconds_between, launch, trainer_command
 from apps.main.train import TrainArgs
 from lingua.args import parse_args
-from lingua.bridge import BridgeSpec
 from lingua.cli import run_cli
-from lingua.distillation import WIRE_DTYPES
-from lingua.kd_loss import TeacherOutputs
+from lingua.distillation.args import WIRE_DTYPES
+from lingua.distillation.bridge import BridgeSpec
+from lingua.distillation.outputs import TeacherOutputs
+from lingua.distillation.teacher import check_teacher_dir
 from lingua.rundir import RunDir, read_startup, train_rows
-from lingua.teacher import check_teacher_dir
 
 logger = logging.getLogger(__name__)
 

@@ -35,10 +35,10 @@ from apps.bench.runs import ROOT, launch, torchrun_command
 from apps.main.train import TrainArgs
 from lingua.args import parse_args
 from lingua.cli import run_cli
+from lingua.distillation.cache import INDEX, CacheManifest
+from lingua.distillation.teacher import check_teacher_dir
 from lingua.documents import list_val_files
 from lingua.rundir import eval_rows
-from lingua.teacher import check_teacher_dir
-from lingua.teacher_cache import INDEX, CacheManifest
 
 logger = logging.getLogger("kd_study")
 

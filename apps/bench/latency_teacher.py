@@ -12,7 +12,7 @@ import time
 
 from apps.main import train
 from lingua.cli import run_cli
-from lingua.teacher_server import TeacherServer
+from lingua.distillation.server import TeacherServer
 
 LATENCY_ENV = "LINGUA_BENCH_TEACHER_LATENCY_MS"
 

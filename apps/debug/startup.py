@@ -38,21 +38,33 @@ import torch
 import torch.distributed as dist
 
 from apps.main.train import (
-    TrainArgs, build_model, distillation_process, init_tokenizer, n_teacher_ranks, open_training_cache, optimizer_step,
-    restore_checkpoint, train_step,
+    TrainArgs,
+    build_model,
+    distillation_process,
+    init_tokenizer,
+    n_teacher_ranks,
+    open_training_cache,
+    optimizer_step,
+    restore_checkpoint,
+    train_step,
 )
 from lingua.args import parse_args, require
 from lingua.cli import release_sigterm, run_cli
 from lingua.data import DataLoader
-from lingua.distiller import build_distiller
-from lingua.feed import MicroBatchFeed
+from lingua.distillation.distiller import build_distiller
+from lingua.distillation.feed import MicroBatchFeed
 from lingua.distributed import (
-    Topology, choose_device, clean_up, init_method_for, log_rank_device_map, setup_torch_distributed,
+    Topology,
+    choose_device,
+    clean_up,
+    init_method_for,
+    log_rank_device_map,
+    setup_torch_distributed,
 )
-from lingua.launch import DistributedArgs, LaunchPlan, read_launch_env
 from lingua.logger import init_logger
 from lingua.optim import build_optimizer
-from lingua.preemption import PreemptionFlag
+from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, read_launch_env
+from lingua.parallel.preemption import PreemptionFlag
 from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
 
 logger = logging.getLogger("startup")
@@ -125,8 +137,8 @@ def student_startup(args: TrainArgs, topo: Topology, phases: PhaseLog, phase: in
     with phases.span("model_build"):
         model = build_model(args, topo)
     cache = open_training_cache(args, tokenizer, topo)
-    distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer, args.data.batch_size,
-                                args.data.seq_len, phases, attn_mask=args.model.attn_mask, cache=cache)
+    distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer,
+                                (args.data.batch_size, args.data.seq_len), args.model.attn_mask, cache, phases)
     saved, step, loader = None, 0, None
     try:
         if phase >= 5:
@@ -139,7 +151,7 @@ def student_startup(args: TrainArgs, topo: Topology, phases: PhaseLog, phase: in
                 scheduler.load_state_dict(saved["scheduler"])
         if phase >= 4:
             with phases.span("data_init"):
-                loader = cache or DataLoader(args.data, tokenizer, topo.dp_rank, topo.dp_degree)
+                loader = cache or DataLoader(args.data, tokenizer, topo.train_rank, topo.train_world_size)
                 if saved is not None:
                     loader.load_state_dict(saved["data"])
             # One step's micro-batches, drawn as the trainer's feed draws them (no look-ahead beyond the step).

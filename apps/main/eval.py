@@ -25,10 +25,11 @@ import torch
 
 from apps.main.transformer import batch_doc_ids
 from lingua.args import require
-from lingua.cli import UserError, run_cli
-from lingua.collectives import agree_count, dist_mean_dict
+from lingua.cli import run_cli
+from lingua.errors import UserError
 from lingua.eval_data import iterate_eval_batches
-from lingua.kd_loss import cross_entropy_sum
+from lingua.parallel.collectives import agree_count, dist_mean_dict
+from lingua.transformer import cross_entropy_sum
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class Evaluator:
     def run(self, model, step: int) -> dict:
         """The eval row of `step`; ranks first agree on how many batches to run (a CountMismatch otherwise)."""
         topo = self.topo
-        batches = list(iterate_eval_batches(self.data_args, self.tokenizer, topo.dp_rank, topo.dp_degree,
+        batches = list(iterate_eval_batches(self.data_args, self.tokenizer, topo.train_rank, topo.train_world_size,
                                             self.args.max_batches))
         n_batches = agree_count(len(batches), topo.train_group, topo.device, "eval batches",
                                 mode="min" if self.args.uneven == "min" else "equal")
@@ -226,8 +227,13 @@ def run_lm_eval(hf_dir: Path, names: list[str], manager, args: CheckpointEvalArg
 
 def evaluate_checkpoint(args: CheckpointEvalArgs) -> dict:
     """Score a checkpoint (held-out perplexity + lm-eval tasks), write eval.json, return what it holds."""
-    from apps.main.export_hf import (ExportArgs, export_checkpoint, load_params, model_args_from_params,
-                                     resolve_checkpoint_dir)
+    from apps.main.export_hf import (
+        ExportArgs,
+        export_checkpoint,
+        load_params,
+        model_args_from_params,
+        resolve_checkpoint_dir,
+    )
     from apps.main.generate import load_checkpoint_model, pick_device, trained_with_bos
     from lingua.args import dataclass_from_dict
     from lingua.tokenizer import TokenizerArgs, build_tokenizer

@@ -17,8 +17,13 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from apps.main.export_hf import (TRAINING_PARAMS, load_model_state_dict, load_params, model_args_from_params,
-                                 resolve_checkpoint_dir)
+from apps.main.export_hf import (
+    TRAINING_PARAMS,
+    load_model_state_dict,
+    load_params,
+    model_args_from_params,
+    resolve_checkpoint_dir,
+)
 from apps.main.transformer import LMTransformer
 from lingua.args import dataclass_from_dict, parse_args
 from lingua.data import DataArgs

@@ -2,17 +2,43 @@
 min/max/slowest rank per step part), the live progress line, one-time warnings, the end-of-run summary."""
 
 import logging
+import math
 import time
 from pathlib import Path
 
 from lingua.args import to_dict
-from lingua.collectives import dist_gather_floats, dist_mean_dict
 from lingua.metrics import MemoryMonitor, MetricLogger, ProgressLine, estimate_mfu
+from lingua.parallel.collectives import dist_gather_floats, dist_mean_dict
 from lingua.rundir import RunDir, read_metrics
 
 logger = logging.getLogger("train")
 
 STEP_PARTS = ("data", "fwd_bwd", "teacher_wait", "optimizer", "checkpoint")
+TEACHER_BOUND_SHARE = 0.3  # warn when students wait on the teacher more than this share of a step
+
+
+def teacher_ranks_to_keep_up(n_teachers: int, n_students: int, busy_share: float, step_s: float,
+                             wait_s: float) -> int:
+    """Teacher ranks that would remove the students' wait, from what was measured: the teachers need
+    busy_share * step_s of work per step today; with k times more of them each needs 1/k of it, and with
+    look-ahead that hides behind the students' own compute (step_s - wait_s). Rounded up to a count the
+    students divide evenly among."""
+    compute_s = max(step_s - wait_s, 1e-9)
+    needed = math.ceil(n_teachers * busy_share * step_s / compute_s - 1e-9)
+    candidates = [k for k in range(max(needed, 1), n_students + 1) if n_students % k == 0]
+    return candidates[0] if candidates else n_students
+
+
+def kd_words(row: dict) -> str:
+    """The KD part of a log line (empty without KD)."""
+    return f" kd {row['loss/kd']:.4f} agree {row['kd/top1_agreement']:.3f}" if "loss/kd" in row else ""
+
+
+def teacher_wait_words(row: dict) -> str:
+    """The teacher-wait part of a log line (online teachers only)."""
+    if "speed/teacher_wait_s" not in row:
+        return ""
+    return f" teacher wait {100 * row['speed/teacher_wait_s'] / row['speed/step_time_s']:.0f}%"
 
 
 class StepReporter:
@@ -29,6 +55,7 @@ class StepReporter:
         self.progress = ProgressLine(args.steps) if master else None
         self.memory = MemoryMonitor(topo.device)
         self.warned_grace = False  # this launch only
+        self.warned_teacher_bound = False  # once per launch: the progress line keeps showing the share
 
     def tokens_per_step(self) -> int:
         """Tokens one optimizer step consumes over all students."""
@@ -85,17 +112,32 @@ class StepReporter:
             row[f"stragglers/{part}_slowest_rank"] = topo.student_ranks[slowest]
         if not topo.is_train_master:
             return
-        kd_words, wait_words = self.distiller.log_words(row)
-        message = (f"step {state.step}/{self.args.steps} loss {row['loss/total']:.4f} ce {row['loss/ce']:.4f}{kd_words}"
-                   f" lr {lr:.2e} gnorm {grad_norm:.3f} {tokens_per_s:,.0f} tok/s{wait_words}"
+        message = (f"step {state.step}/{self.args.steps} loss {row['loss/total']:.4f} ce {row['loss/ce']:.4f}"
+                   f"{kd_words(row)} lr {lr:.2e} gnorm {grad_norm:.3f} {tokens_per_s:,.0f} tok/s{teacher_wait_words(row)}"
                    f" slowest r{row['stragglers/step_slowest_rank']} {row['stragglers/step_max_s']:.2f}s")
         eta = self.progress.eta(state.step)
         self.progress.clear()  # a log line must not land inside the live line
         logger.info(message + (f" eta {eta}" if eta else ""))
-        self.distiller.check_bottleneck(row)
+        self.check_bottleneck(row)
         self.metric_logger.log(row)
         if self.progress.is_tty:
             self.progress.update(state.step, row)
+
+    def check_bottleneck(self, row: dict) -> None:
+        """Once per launch: students waiting on the teacher for more than TEACHER_BOUND_SHARE of a step."""
+        step_s, wait_s = row["speed/step_time_s"], row.get("speed/teacher_wait_s", 0.0)
+        if wait_s / step_s <= TEACHER_BOUND_SHARE or self.warned_teacher_bound:
+            return
+        self.warned_teacher_bound = True
+        n_teachers, n_students = len(self.topo.teacher_ranks), len(self.topo.student_ranks)
+        busy = row.get("kd/teacher_busy", 1.0)
+        needed = teacher_ranks_to_keep_up(n_teachers, n_students, busy, step_s, wait_s)
+        logger.warning(f"students spend {100 * wait_s / step_s:.0f}% of the step waiting on the teacher, which is busy "
+                       f"{100 * row.get('kd/teacher_busy', 0.0):.0f}% of its time: the teacher is the bottleneck. "
+                       f"About {needed} teacher rank(s) (distillation.n_teacher_ranks={needed}, today "
+                       f"{n_teachers}) would keep up with {n_students} students"
+                       + ("" if self.distiller.prefetch else ", with distillation.prefetch=1 hiding the teacher behind "
+                          "the whole student step") + "; or use a smaller teacher, or the offline cache.")
 
     def log_eval(self, row: dict) -> None:
         if self.metric_logger is not None:
@@ -116,10 +158,14 @@ class StepReporter:
     def summary(self, state, ended: str) -> None:
         """Rank 0's last lines: how the run ended, its final losses, where its outputs are."""
         last = next((r for r in reversed(read_metrics(self.run_dir.root)) if "loss/ce" in r), {})
-        kd_words, extra = self.distiller.summary(last)
-        lines = [f"run {ended}: {state.step} steps, {state.tokens:,} tokens",
-                 f"final CE {last.get('loss/ce', float('nan')):.4f}{kd_words}", *extra,
-                 f"outputs: {Path(self.args.dump_dir)} (metrics.jsonl, checkpoints/, config.yaml, logs/)"]
+        final = f"final CE {last.get('loss/ce', float('nan')):.4f}"
+        if "loss/kd" in last:
+            final += f", KD {last['loss/kd']:.4f}, teacher-student top-1 agreement {last['kd/top1_agreement']:.3f}"
+        lines = [f"run {ended}: {state.step} steps, {state.tokens:,} tokens", final]
+        if "speed/teacher_wait_total_s" in last:
+            lines.append(f"time waiting on the teacher: {last['speed/teacher_wait_total_s']:.1f}s on this rank "
+                         f"(teacher busy {100 * last['kd/teacher_busy']:.0f}%)")
+        lines.append(f"outputs: {Path(self.args.dump_dir)} (metrics.jsonl, checkpoints/, config.yaml, logs/)")
         if last.get("data/bad_lines"):  # summed over the students
             lines.insert(-1, f"skipped {last['data/bad_lines']:,} malformed data lines (warnings in logs/rank_<r>.log)")
         logger.info("summary\n  " + "\n  ".join(lines))

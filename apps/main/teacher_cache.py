@@ -10,7 +10,7 @@ assigned to it (shard i is chunk i // M of stream i % M; rank r writes shards r,
 written atomically, so a rerun skips the finished ones and resumes the others from the loader state
 saved in the last finished shard of their stream. `cache.json` records the settings: training refuses
 a cache whose settings differ from its own. `index.json`, written last, marks the cache complete.
-Then a sweep over alpha, temperature or student size pays the teacher once (see lingua/teacher_cache.py).
+Then a sweep over alpha, temperature or student size pays the teacher once (see lingua/distillation/cache.py).
 """
 
 if __name__ == "__main__":  # first, before the slow imports: see lingua.cli.hold_sigterm
@@ -29,23 +29,30 @@ import torch.distributed as dist
 
 from apps.main.train import TrainArgs
 from lingua.args import parse_args, require
-from lingua.bridge import tokenizer_fingerprint
 from lingua.cli import release_sigterm, run_cli
-from lingua.collectives import log_collective
 from lingua.data import DataLoader
-from lingua.distiller import tokenizer_vocab
-from lingua.distillation import WIRE_DTYPES
+from lingua.distillation.args import WIRE_DTYPES
+from lingua.distillation.bridge import tokenizer_fingerprint
+from lingua.distillation.cache import (
+    INDEX,
+    CacheManifest,
+    describe_differences,
+    settings_manifest,
+    shard_location,
+    shard_metadata,
+    shard_path,
+    write_json_atomic,
+    write_shard,
+)
+from lingua.distillation.distiller import tokenizer_vocab
+from lingua.distillation.outputs import TeacherOutputs
+from lingua.distillation.teacher import TeacherModel
 from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.eval_data import iterate_eval_batches
-from lingua.kd_loss import TeacherOutputs
-from lingua.launch import LaunchPlan, read_launch_env
 from lingua.logger import init_logger
 from lingua.metrics import format_duration
-from lingua.teacher import TeacherModel
-from lingua.teacher_cache import (
-    INDEX, CacheManifest, describe_differences, settings_manifest, shard_location, shard_metadata, shard_path,
-    write_json_atomic, write_shard,
-)
+from lingua.parallel.collectives import log_collective
+from lingua.parallel.launch_plan import LaunchPlan, read_launch_env
 from lingua.tokenizer import build_tokenizer
 
 logger = logging.getLogger("teacher_cache")

@@ -6,7 +6,7 @@
 Students run `train()`; teacher ranks run `distillation_process()`. Everything distributed goes
 through the Topology returned by `setup_torch_distributed`, and every collective names its group:
 the training group for anything the students do together, a bridge group for teacher traffic.
-The loop asks one Distiller (`lingua/distiller.py`) for the KD part of each step, whatever its kind.
+The loop asks one Distiller (`lingua/distillation/distiller.py`) for the KD part of each step, whatever its kind.
 `TrainArgs.validate()` checks the whole config before any process group exists.
 """
 
@@ -28,34 +28,39 @@ from apps.main.eval import EvalArgs, Evaluator
 from apps.main.faults import FaultInjector, parse_injected_failure
 from apps.main.report import StepReporter
 from apps.main.transformer import (
-    LMTransformer, LMTransformerArgs, batch_doc_ids, get_no_recompute_ops, get_num_flop_per_token,
+    LMTransformer,
+    LMTransformerArgs,
+    batch_doc_ids,
+    get_no_recompute_ops,
+    get_num_flop_per_token,
 )
 from lingua.args import dump_config, parse_args, require, to_dict
 from lingua.checkpoint import CheckpointArgs, CheckpointManager
 from lingua.cli import check_no_sigterm_held, run_cli
-from lingua.collectives import AgreedError, agree_count, agree_flags
 from lingua.data import DataArgs, DataLoader
-from lingua.distillation import DistillationArgs, check_seq_len_fits_teacher
-from lingua.distiller import build_distiller
+from lingua.distillation.args import DistillationArgs, check_seq_len_fits_teacher
+from lingua.distillation.cache import open_cache, settings_manifest
+from lingua.distillation.distiller import build_distiller
+from lingua.distillation.feed import MicroBatchFeed
+from lingua.distillation.server import TeacherServer
+from lingua.distillation.teacher import read_max_positions
+from lingua.distributed import Topology, clean_up, log_rank_device_map, setup_torch_distributed
 from lingua.eval_data import eval_files, iterate_eval_batches
-from lingua.feed import MicroBatchFeed
-from lingua.distributed import RankStatus, Topology, clean_up, log_rank_device_map, setup_torch_distributed
-from lingua.kd_loss import cross_entropy_sum
-from lingua.launch import DistributedArgs, LaunchPlan, read_launch_env, teacher_rank_count
 from lingua.logger import init_logger
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs, build_optimizer, clip_grad_norm_
-from lingua.parallelize import parallelize_model
-from lingua.preemption import PreemptionFlag, requeue_if_slurm
+from lingua.parallel.collectives import AgreedError, agree_count, agree_flags
+from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, read_launch_env, teacher_rank_count
+from lingua.parallel.parallelize import parallelize_model
+from lingua.parallel.preemption import PreemptionFlag, requeue_if_slurm
+from lingua.parallel.rank_status import RankStatus
+from lingua.parallel.timeouts import HangWatch, enter_training_timeout
 from lingua.probe import ActivationProbe
 from lingua.profiling import ProfilerArgs, maybe_run_profiler
 from lingua.rundir import RunDir
-from lingua.teacher import read_max_positions
-from lingua.teacher_cache import open_cache, settings_manifest
-from lingua.teacher_server import TeacherServer
-from lingua.timeouts import HangWatch, enter_training_timeout
 from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
 from lingua.tokenizer import build_tokenizer
+from lingua.transformer import cross_entropy_sum
 
 logger = logging.getLogger("train")
 
@@ -144,7 +149,7 @@ def open_training_cache(args: TrainArgs, tokenizer, topo: Topology):
     if not (args.enable_distillation and args.distillation.source == "cache"):
         return None
     wanted = settings_manifest(args.distillation, args.data, args.model.attn_mask, tokenizer)
-    return open_cache(args.distillation.cache_dir, wanted, args.data.batch_size, topo.dp_rank, topo.dp_degree)
+    return open_cache(args.distillation.cache_dir, wanted, args.data.batch_size, topo.train_rank, topo.train_world_size)
 
 
 # ---------------------------------------------------------------- teacher ranks
@@ -250,14 +255,14 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
         mesh = topo.mesh
         logger.info(f"student mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))} over ranks {mesh.mesh.tolist()}")
     cache = open_training_cache(args, tokenizer, topo)  # a cache written with other settings is refused here
-    distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer, args.data.batch_size,
-                                args.data.seq_len, phases, attn_mask=args.model.attn_mask, cache=cache)
+    distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer,
+                                (args.data.batch_size, args.data.seq_len), args.model.attn_mask, cache, phases)
     optimizer, scheduler = build_optimizer(model, args.optim, args.steps)
     state = TrainState()
     with phases.span("checkpoint_load"):
         checkpoint, saved = restore_checkpoint(args, topo, model, optimizer)
     with phases.span("data_init"):
-        loader = cache or DataLoader(args.data, tokenizer, topo.dp_rank, topo.dp_degree)
+        loader = cache or DataLoader(args.data, tokenizer, topo.train_rank, topo.train_world_size)
     if saved is not None:
         state.step, state.tokens = saved["step"], saved["tokens"]
         scheduler.load_state_dict(saved["scheduler"])

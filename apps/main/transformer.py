@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lingua.args import require
-from lingua.transformer import BaseTransformer, BaseTransformerArgs, RMSNorm, init_trunc_normal, init_generator
+from lingua.transformer import BaseTransformer, BaseTransformerArgs, RMSNorm, init_generator, init_trunc_normal
 
 
 @dataclass

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lingua.distillation import WIRE_DTYPES, DistillationArgs
+from lingua.distillation.args import WIRE_DTYPES, DistillationArgs
 from lingua.rundir import train_rows
-from lingua.teacher import TeacherModel
-from lingua.teacher_cache import CacheManifest, read_shard, shard_metadata, shard_path
+from lingua.distillation.teacher import TeacherModel
+from lingua.distillation.cache import CacheManifest, read_shard, shard_metadata, shard_path
 from tests.runs import assert_ok, distill_overrides, torchrun
 
 KEYS = ("loss/ce", "loss/kd", "loss/total", "kd/teacher_mass", "kd/top1_agreement", "optim/grad_norm")

@@ -8,7 +8,7 @@ import pytest
 
 from apps.main.train import TrainArgs, n_teacher_ranks
 from lingua.args import dump_config, parse_args
-from lingua.launch import DistributedArgs, LaunchPlan
+from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 

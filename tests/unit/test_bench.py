@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from apps.bench import distill as bench
-from lingua.kd_loss import TeacherOutputs
+from lingua.distillation.outputs import TeacherOutputs
 from setup.make_tiny_teacher import make_tiny_teacher
 
 BSZ, SEQLEN, STUDENTS = 4, 128, 2

@@ -48,7 +48,7 @@ def test_debug_env_sets_current_and_older_flight_recorder_names(tmp_path):
 
 def test_hang_watch_prints_the_stack_shortly_before_the_timeout():
     code = ("import time\n"
-            "from lingua.timeouts import HangWatch\n"
+            "from lingua.parallel.timeouts import HangWatch\n"
             "def waiting_in_a_collective():\n"
             "    HangWatch(fraction=0.5).arm(2.0)\n"  # dump after 1 s, before the (pretend) 2 s timeout
             "    time.sleep(2.5)\n"
@@ -60,7 +60,7 @@ def test_hang_watch_prints_the_stack_shortly_before_the_timeout():
 
 def test_sigusr1_prints_every_stack_and_the_rank_goes_on():
     code = ("import os, signal, time\n"
-            "from lingua.distributed import clean_up, setup_torch_distributed\nfrom lingua.launch import DistributedArgs\n"
+            "from lingua.distributed import clean_up, setup_torch_distributed\nfrom lingua.parallel.launch_plan import DistributedArgs\n"
             "topo = setup_torch_distributed(DistributedArgs())\n"
             "def training_step():\n"
             "    os.kill(os.getpid(), signal.SIGUSR1)\n"
@@ -78,7 +78,7 @@ def test_timeout_switch_reaches_the_backend_with_and_without_detail(tmp_path, de
     # value is read back from torch itself, through the wrapper, on the world and on a new group.
     code = ("import json, logging, torch\n"
             "import torch.distributed as dist\n"
-            "from lingua import distributed as ld, timeouts\n"
+            "from lingua import distributed as ld\nfrom lingua.parallel import timeouts\n"
             "logging.basicConfig(level=logging.INFO)\n"
             f"args = ld.DistributedArgs(debug={debug}, init_timeout_s=100)\n"
             f"topo = ld.setup_torch_distributed(args, dump_dir={str(tmp_path)!r})\n"

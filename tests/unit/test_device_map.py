@@ -8,7 +8,7 @@ import os
 import pytest
 
 from lingua.distributed import device_map_problems
-from lingua.launch import LaunchEnv, expected_cuda_index, read_launch_env
+from lingua.parallel.launch_plan import LaunchEnv, expected_cuda_index, read_launch_env
 from lingua.timing import PhaseLog, read_phase_files
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

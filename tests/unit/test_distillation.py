@@ -9,11 +9,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 import pytest
 import torch
 
-from lingua.bridge import (
-    HEADER_INTS, RECORD_BYTES, HandshakeRecord, Op, RequestHeader, ResponseStatus, agreed_settings, check_handshake,
+from lingua.distillation.args import DistillationArgs, TeacherError
+from lingua.distillation.bridge import (
+    HEADER_INTS,
+    RECORD_BYTES,
+    HandshakeRecord,
+    Op,
+    RequestHeader,
+    ResponseStatus,
+    agreed_settings,
+    check_handshake,
 )
-from lingua.distillation import DistillationArgs, TeacherError
-from lingua.teacher import load_teacher
+from lingua.distillation.teacher import load_teacher
 
 BRIDGE = [4, 5, 6]  # two students, then their teacher (global ranks)
 TEACHER = 6
@@ -155,7 +162,7 @@ def test_a_relative_path_that_looks_like_a_hub_id_names_both_possibilities_offli
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_a_packed_row_with_document_ids_equals_separate_forwards_of_its_documents(tiny_teacher, attn_implementation):
     """model.attn_mask=doc_causal: the teacher sees each packed document as its own sequence, as the student does."""
-    from lingua.teacher import TeacherModel
+    from lingua.distillation.teacher import TeacherModel
 
     teacher = TeacherModel(DistillationArgs(teacher_path=str(tiny_teacher), teacher_dtype="fp32",
                                             attn_implementation=attn_implementation), CPU)

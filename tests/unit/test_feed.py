@@ -2,7 +2,7 @@
 
 import pytest
 
-from lingua.feed import MicroBatchFeed
+from lingua.distillation.feed import MicroBatchFeed
 
 
 class CountingLoader:

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lingua.distillation.teacher import check_teacher_dir
 from setup.make_tiny_teacher import make_tiny_teacher
 from setup.prepare_corpus import CORPUS_VERSION, prepare_python_docs_corpus, split_held_out
-from lingua.teacher import check_teacher_dir
 from setup.prepare_teacher import MARKER_NAME, SAVE_DTYPE, _is_prepared, find_smollm2_gguf, prepare_smollm2
 
 ROOT = Path(__file__).resolve().parents[2]

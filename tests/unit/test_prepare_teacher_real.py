@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 
 import pytest
 
-from lingua.teacher import check_teacher_dir
+from lingua.distillation.teacher import check_teacher_dir
 from setup.prepare_teacher import MARKER_NAME, find_smollm2_gguf, prepare_smollm2
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from lingua import slurm, stool
-from lingua.launch import LaunchPlan
+from lingua.parallel.launch_plan import LaunchPlan
 from lingua.stool import StoolArgs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -443,7 +443,7 @@ def test_slurm_tests_skip_only_through_cannot_run():
 
 def test_stool_and_the_launch_plan_import_without_torch():
     """stool prints and checks the trainer's own LaunchPlan on a login node that may have no torch."""
-    code = "import sys, lingua.stool, lingua.launch; sys.exit('torch' in sys.modules)"
+    code = "import sys, lingua.stool, lingua.parallel.launch_plan; sys.exit('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 

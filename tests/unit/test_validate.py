@@ -12,9 +12,9 @@ import pytest
 
 from apps.main.train import TrainArgs
 from lingua.args import parse_args
-from lingua.cli import PeerStopped
-from lingua.distributed import RankStatus, is_peer_loss
-from lingua.launch import LaunchPlan
+from lingua.errors import PeerStopped
+from lingua.parallel.launch_plan import LaunchPlan
+from lingua.parallel.rank_status import RankStatus, is_peer_loss
 from tests.bad_configs import BAD_CONFIGS
 from tests.runs import base_overrides, distill_overrides
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from lingua.distributed import clean_up, setup_torch_distributed
-from lingua.launch import DistributedArgs
+from lingua.parallel.launch_plan import DistributedArgs
 from lingua.logger import init_logger
 
 

@@ -15,12 +15,12 @@ import sys
 
 import torch
 
-from lingua.distillation import DistillationArgs
+from lingua.distillation.args import DistillationArgs
 from lingua.distributed import clean_up, setup_torch_distributed
-from lingua.launch import DistributedArgs
-from lingua.teacher import load_teacher
-from lingua.teacher_client import TeacherClient
-from lingua.teacher_server import TeacherServer
+from lingua.parallel.launch_plan import DistributedArgs
+from lingua.distillation.teacher import load_teacher
+from lingua.distillation.client import TeacherClient
+from lingua.distillation.server import TeacherServer
 from lingua.logger import init_logger
 
 

@@ -14,13 +14,13 @@ from dataclasses import replace
 
 import torch
 
-from lingua.distillation import WIRE_DTYPES, DistillationArgs
+from lingua.distillation.args import WIRE_DTYPES, DistillationArgs
 from lingua.distributed import clean_up, setup_torch_distributed
-from lingua.launch import DistributedArgs
-from lingua.teacher import load_teacher
-from lingua.teacher_client import TeacherClient
-from lingua.teacher_server import TeacherServer
-from lingua.kd_loss import TeacherOutputs, sparsify_teacher_logits
+from lingua.parallel.launch_plan import DistributedArgs
+from lingua.distillation.teacher import load_teacher
+from lingua.distillation.client import TeacherClient
+from lingua.distillation.server import TeacherServer
+from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
 from lingua.logger import init_logger
 
 SHAPES = {0: (2, 9), 1: (3, 5)}  # uneven on purpose: rows and lengths differ per student

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from lingua.distributed import clean_up, setup_torch_distributed
-from lingua.launch import DistributedArgs
-from lingua.timeouts import enter_training_timeout
+from lingua.parallel.launch_plan import DistributedArgs
+from lingua.parallel.timeouts import enter_training_timeout
 from lingua.logger import init_logger
 
 TRAIN_TIMEOUT_S, STALL_S = 3, 40

@@ -1,13 +1,13 @@
 """Distillation settings, the error every bridge member reports alike, and a map of the pieces.
 
-A distillation job splits its ranks into students and teachers (`lingua/launch.py`). The pieces:
+A distillation job splits its ranks into students and teachers (`lingua/parallel/launch_plan.py`). The pieces:
 
-    lingua/distiller.py       the one object the student loop asks for the KD part of a step
-    lingua/teacher_client.py  student end of a bridge: handshake, submit/wait, STOP
-    lingua/teacher_server.py  teacher rank: load, handshake, then receive -> handle -> reply until STOP
-    lingua/bridge.py          the wire records (RequestHeader, HandshakeRecord, ResponseStatus), the handshake
-    lingua/teacher.py         finding, checking and loading a transformers teacher
-    lingua/kd_loss.py         the sparse teacher outputs and the KD losses
+    lingua/distillation/distiller.py       the one object the student loop asks for the KD part of a step
+    lingua/distillation/client.py  student end of a bridge: handshake, submit/wait, STOP
+    lingua/distillation/server.py  teacher rank: load, handshake, then receive -> handle -> reply until STOP
+    lingua/distillation/bridge.py          the wire records (RequestHeader, HandshakeRecord, ResponseStatus), the handshake
+    lingua/distillation/teacher.py         finding, checking and loading a transformers teacher
+    lingua/distillation/reference_loss.py         the sparse teacher outputs and the KD losses
 """
 
 import math
@@ -18,14 +18,16 @@ from typing import Optional
 import torch
 
 from lingua.args import require
-from lingua.cli import UserError
-from lingua.kd_loss import ALPHA_SCHEDULES, DIVERGENCES, FORMATS
-from lingua.launch import teacher_rank_count
+from lingua.distillation.divergences import DIVERGENCES
+from lingua.distillation.outputs import FORMATS
+from lingua.errors import UserError
+from lingua.parallel.launch_plan import teacher_rank_count
 
 MAX_PREFETCH = 2  # requests ahead; more only holds more response buffers without hiding more
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TEACHER_DTYPES = ("auto", "bf16", "fp32", "fp16")
 SOURCES = ("online", "cache")
+ALPHA_SCHEDULES = ("constant", "lr")
 
 
 class TeacherError(UserError, RuntimeError):
@@ -46,7 +48,7 @@ class DistillationArgs:
     teacher_dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU) | "bf16" | "fp32" | "fp16"
     attn_implementation: Optional[str] = "sdpa"
     wire_dtype: str = "bf16"  # dtype of the values sent to students: "bf16" | "fp16" | "fp32"
-    # The student's CE + KD computed fused with its output head (lingua/fused_kd_loss.py: no [tokens, vocab]
+    # The student's CE + KD computed fused with its output head (lingua/distillation/fused_loss.py: no [tokens, vocab]
     # logits, KD costs about what CE does); false = logits, then CE and the chunked kd_loss on them.
     fused_loss: bool = True
     loss_chunk_size: int = 0  # positions per chunk of the student's loss; 0 = auto (fused: a memory budget; else 1024)
@@ -106,3 +108,9 @@ def check_seq_len_fits_teacher(seq_len: int, max_positions: int, where: str) -> 
     """Students' sequences must fit the teacher's positions (0 = unknown: nothing to check)."""
     require(not 0 < max_positions < seq_len, "data.seq_len", seq_len,
             f"the teacher supports at most {max_positions} positions ({where}); set data.seq_len <= {max_positions}")
+
+
+def alpha_at(step: int, alpha: float, schedule: str, lr_factor: float) -> float:
+    """KD weight at `step`: constant, or "lr" = alpha times the lr schedule's current factor."""
+    assert schedule in ALPHA_SCHEDULES, schedule  # DistillationArgs.validate() names the choices
+    return alpha * lr_factor if schedule == "lr" else alpha

@@ -11,8 +11,8 @@ Everything goes over `topo.bridge_group` (teacher i + its contiguous block of st
    its tokens padded to the agreed [max_bsz, max_seqlen] (then as many document ids with
    model.attn_mask=doc_causal, so the teacher attends within documents like the student); the teacher answers with one byte buffer
    per student, a `ResponseStatus` then that student's rows of sparse outputs laid out by
-   `BridgeSpec.payload_spec()` (see `lingua.kd_loss.TeacherOutputs`). `lingua/teacher_server.py`
-   and `lingua/teacher_client.py` are the two ends.
+   `BridgeSpec.payload_spec()` (see `lingua.kd_loss.TeacherOutputs`). `lingua/distillation/server.py`
+   and `lingua/distillation/client.py` are the two ends.
 3. STOP / ERROR: the same exchange with another `Op`; the teacher answers and leaves its loop.
 
 Records are fixed-size so the collectives always move the same shapes: a handshake record or a
@@ -30,9 +30,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lingua.collectives import log_collective
-from lingua.distillation import WIRE_DTYPES, DistillationArgs, TeacherError, check_seq_len_fits_teacher
-from lingua.kd_loss import FORMATS, TeacherOutputs
+from lingua.distillation.args import WIRE_DTYPES, DistillationArgs, TeacherError, check_seq_len_fits_teacher
+from lingua.distillation.outputs import FORMATS, TeacherOutputs
+from lingua.parallel.collectives import log_collective
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
-"""apps.bench.kd_loss: argument checks and the results file, on tiny sizes measured in this process."""
+"""apps.bench.loss_step: argument checks and the results file, on tiny sizes measured in this process."""
 
 import json
 
 import pytest
 import torch
 
-from apps.bench import kd_loss as bench
+from apps.bench import loss_step as bench
 
 TINY = ["--vocab", "64", "--tokens", "12", "--dim", "8", "--k", "4", "--repeats", "1", "--warmup", "0"]
 

@@ -5,7 +5,7 @@ from functools import partial
 
 import torch
 
-from lingua.launch import DistributedArgs
+from lingua.parallel.launch_plan import DistributedArgs
 
 logger = logging.getLogger(__name__)
 

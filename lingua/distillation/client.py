@@ -22,13 +22,21 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lingua.bridge import (
-    BAD_TOKENS_FIELD, HEADER_INTS, RECORD_BYTES, HandshakeRecord, Op, RequestHeader, ResponseStatus, agreed_handshake,
-    agreed_settings, tokenizer_fingerprint,
+from lingua.distillation.args import DistillationArgs, TeacherError
+from lingua.distillation.bridge import (
+    BAD_TOKENS_FIELD,
+    HEADER_INTS,
+    RECORD_BYTES,
+    HandshakeRecord,
+    Op,
+    RequestHeader,
+    ResponseStatus,
+    agreed_handshake,
+    agreed_settings,
+    tokenizer_fingerprint,
 )
-from lingua.collectives import log_collective
-from lingua.distillation import DistillationArgs, TeacherError
-from lingua.kd_loss import TeacherOutputs
+from lingua.distillation.outputs import TeacherOutputs
+from lingua.parallel.collectives import log_collective
 
 logger = logging.getLogger(__name__)
 STATUS_WORDS = 2  # the response status fields read per step: failed, teacher_preempt (int64 each)

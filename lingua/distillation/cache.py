@@ -29,11 +29,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lingua.bridge import tokenizer_fingerprint
-from lingua.distiller import tokenizer_vocab
+from lingua.distillation.bridge import tokenizer_fingerprint
+from lingua.distillation.distiller import tokenizer_vocab
+from lingua.distillation.outputs import TeacherOutputs
+from lingua.distillation.teacher import safetensors_problem
 from lingua.documents import shard_files
-from lingua.kd_loss import TeacherOutputs
-from lingua.teacher import safetensors_problem
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Benchmark of the output head + loss step: CE alone, today's CE + kd_loss, and the fused CE + KD loss.
 
-    python -m apps.bench.kd_loss --vocab 49152 --tokens 1024 --k 64 --out DIR
-    python -m apps.bench.kd_loss --vocab 49152 --tokens 1024 --k 64 --threads 2 --rounds 3 --out DIR
+    python -m apps.bench.loss_step --vocab 49152 --tokens 1024 --k 64 --out DIR
+    python -m apps.bench.loss_step --vocab 49152 --tokens 1024 --k 64 --threads 2 --rounds 3 --out DIR
 
 Each variant runs forward + backward from the final hidden states [tokens, dim] and the head weight
 [vocab, dim] (both requiring grad, grads set to None before every repeat as a training step would):
@@ -35,9 +35,11 @@ from typing import Callable, Optional
 
 import torch
 
-from lingua.fused_kd_loss import auto_chunk_rows, fused_linear_kd_loss
-from lingua.kd_loss import (DIVERGENCES, FORMATS, TeacherOutputs, cross_entropy_sum, distillation_loss, kd_loss,
-                            sparsify_teacher_logits)
+from lingua.distillation.divergences import DIVERGENCES, distillation_loss
+from lingua.distillation.fused_loss import auto_chunk_rows, fused_linear_kd_loss
+from lingua.distillation.outputs import FORMATS, TeacherOutputs, sparsify_teacher_logits
+from lingua.distillation.reference_loss import kd_loss
+from lingua.transformer import cross_entropy_sum
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("ce", "reference_kd", "fused_kd")
@@ -98,7 +100,7 @@ def check_args(args: BenchArgs) -> None:
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchArgs, Optional[tuple[str, str]]]:
     """(settings, (worker variant, phase) or None) from the command line; settings are checked."""
-    parser = argparse.ArgumentParser(prog="python -m apps.bench.kd_loss", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m apps.bench.loss_step", description=__doc__.split("\n")[0])
     for name, default in asdict(BenchArgs()).items():
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, type=type(default) if default is not None else str, default=default)
@@ -215,7 +217,7 @@ def run_variant_subprocess(variant: str, args: BenchArgs) -> dict:
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT))
         if phase == "memory":
             env.update(MEMORY_PHASE_ENV)
-        result = subprocess.run([sys.executable, "-m", "apps.bench.kd_loss", "--worker", variant, "--phase", phase,
+        result = subprocess.run([sys.executable, "-m", "apps.bench.loss_step", "--worker", variant, "--phase", phase,
                                  *flags], cwd=ROOT, env=env, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"bench variant {variant} ({phase}) failed (exit {result.returncode}):\n"

@@ -4,7 +4,7 @@ Per request (`TeacherServer.serve`): receive (one gather of every student's `Req
 -> handle (check the headers agree, one forward over all rows under inference mode, each student's
 rows of sparse outputs written into its response buffer) -> reply (one scatter: a `ResponseStatus`
 then the outputs). Whatever fails while handling is answered too, as a status carrying the sentence,
-so students raise it instead of waiting for a timeout. The protocol itself is in `lingua/bridge.py`.
+so students raise it instead of waiting for a timeout. The protocol itself is in `lingua/distillation/bridge.py`.
 
 Timing on CUDA: NCCL's blocking calls only order streams, the CPU returns at once. So the teacher's
 idle time ends when the headers reach the CPU and its busy time when its stream has run the forward.
@@ -18,16 +18,23 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lingua.bridge import (
-    HEADER_INTS, RECORD_BYTES, HandshakeRecord, Op, RequestHeader, ResponseStatus, agreed_handshake, agreed_settings,
+from lingua.distillation.args import DistillationArgs, TeacherError
+from lingua.distillation.bridge import (
+    HEADER_INTS,
+    RECORD_BYTES,
+    HandshakeRecord,
+    Op,
+    RequestHeader,
+    ResponseStatus,
+    agreed_handshake,
+    agreed_settings,
     tokenizer_fingerprint,
 )
-from lingua.collectives import log_collective
-from lingua.distillation import DistillationArgs, TeacherError
+from lingua.distillation.teacher import TeacherModel
 from lingua.metrics import MemoryMonitor
-from lingua.preemption import PreemptionFlag
-from lingua.teacher import TeacherModel
-from lingua.timeouts import HangWatch, set_collective_timeout
+from lingua.parallel.collectives import log_collective
+from lingua.parallel.preemption import PreemptionFlag
+from lingua.parallel.timeouts import HangWatch, set_collective_timeout
 
 logger = logging.getLogger(__name__)
 REPORT_EVERY_S = 30.0

@@ -22,7 +22,6 @@ from typing import Any, Optional
 import torch
 
 
-
 @dataclass(eq=False)  # identity: a batch holds tensors
 class MicroBatch:
     step: int

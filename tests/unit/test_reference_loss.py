@@ -5,13 +5,10 @@ import math
 import pytest
 import torch
 
-from lingua.kd_loss import (
-    TeacherOutputs,
-    alpha_at,
-    distillation_loss,
-    kd_loss,
-    sparsify_teacher_logits,
-)
+from lingua.distillation.args import alpha_at
+from lingua.distillation.divergences import distillation_loss
+from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
+from lingua.distillation.reference_loss import kd_loss
 
 V = 11
 DIVERGENCES = ["fkl", "rkl", "jsd"]

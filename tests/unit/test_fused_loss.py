@@ -6,9 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lingua import fused_kd_loss as fused_module
-from lingua.fused_kd_loss import auto_chunk_rows, fused_linear_kd_loss
-from lingua.kd_loss import TeacherOutputs, cross_entropy_sum, distillation_loss, kd_loss, sparsify_teacher_logits
+from lingua.distillation import fused_loss as fused_module
+from lingua.distillation.divergences import distillation_loss
+from lingua.distillation.fused_loss import auto_chunk_rows, fused_linear_kd_loss
+from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
+from lingua.distillation.reference_loss import kd_loss
+from lingua.transformer import cross_entropy_sum
 
 N, D, V, K = 10, 6, 13, 4
 CASES = [("topk", "fkl"), ("topk", "rkl"), ("topk", "jsd"), ("sampled", "fkl"), ("full", "fkl"), ("full", "rkl"),

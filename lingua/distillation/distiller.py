@@ -1,77 +1,113 @@
 """The Distiller: the one object the student loop asks for the KD part of a step.
 
-    distiller = build_distiller(args, topo, tokenizer, phases)
+    distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer,
+                                (args.data.batch_size, args.data.seq_len), args.model.attn_mask, cache, phases)
     distiller.begin_step(step, lr_factor)                      # alpha for this step, fresh stats
     pending = distiller.submit(batch, step, micro_step)        # ask for this micro-batch's teacher targets
     head_loss = distiller.head_loss(labels, pending, n_valid, timer)
     loss = model(input_ids, doc_ids=..., head_loss=head_loss)  # the model calls head_loss(hidden, head_weight)
     flags = distiller.control_flags()                          # device flags for the step's agreed point
+    distiller.after_agreement(agreed)                          # raises the teacher's error on every student
     metrics = distiller.step_metrics()                         # loss/ce, loss/total (+ loss/kd, kd/*): tensors
     distiller.stop(step, error=False)                          # drains requests in flight, then STOP
 
 Kinds: `NoDistiller` (enable_distillation=false: every rank trains on CE), `OnlineDistiller` (a
-teacher rank behind a bridge, `lingua/teacher_client.py`) and `CacheDistiller` (the offline teacher
-cache, `lingua/teacher_cache.py`, whose batches carry the targets). The loop never asks which one it has.
-The loss of a micro-batch is ((1 - alpha) * CE_sum + alpha * T^2 * KD_sum) / n_valid, n_valid being
-the step's count of trained-on tokens, so micro-batches add up to one large batch. Statistics stay
-on the device; the loop reads them on log steps only.
+teacher rank behind a bridge, `lingua/distillation/client.py`) and `CacheDistiller` (the offline teacher
+cache, `lingua/distillation/cache.py`, whose batches carry the targets). The loop never asks which one it has;
+`Distiller` lists all it may ask (what a log line or the summary says is the reporter's business,
+apps/main/report.py, from the metrics). The loss of a micro-batch is ((1 - alpha) * CE_sum + alpha * T^2 *
+KD_sum) / n_valid, n_valid being the step's count of trained-on tokens, so micro-batches add up to one large
+batch. Statistics stay on the device; the loop reads them on log steps only.
 """
 
 import contextlib
 import logging
-import math
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from lingua.collectives import AgreedError
-from lingua.distillation import DistillationArgs
-from lingua.fused_kd_loss import fused_linear_kd_loss
-from lingua.kd_loss import TeacherOutputs, alpha_at, cross_entropy_sum, distillation_loss, kd_loss_and_stats
-from lingua.teacher_client import TeacherClient
+from lingua.distillation.args import DistillationArgs, alpha_at
+from lingua.distillation.client import TeacherClient
+from lingua.distillation.divergences import distillation_loss
+from lingua.distillation.fused_loss import fused_linear_kd_loss
+from lingua.distillation.outputs import TeacherOutputs
+from lingua.distillation.reference_loss import kd_loss_and_stats
+from lingua.parallel.collectives import AgreedError
+from lingua.transformer import cross_entropy_sum
 
 logger = logging.getLogger(__name__)
 
 REFERENCE_CHUNK_SIZE = 1024  # positions per chunk of kd_loss when distillation.loss_chunk_size=0 (auto)
-TEACHER_BOUND_SHARE = 0.3  # warn when students wait on the teacher more than this share of a step
 
 
-def teacher_ranks_to_keep_up(n_teachers: int, n_students: int, busy_share: float, step_s: float,
-                             wait_s: float) -> int:
-    """Teacher ranks that would remove the students' wait, from what was measured: the teachers need
-    busy_share * step_s of work per step today; with k times more of them each needs 1/k of it, and with
-    look-ahead that hides behind the students' own compute (step_s - wait_s). Rounded up to a count the
-    students divide evenly among."""
-    compute_s = max(step_s - wait_s, 1e-9)
-    needed = math.ceil(n_teachers * busy_share * step_s / compute_s - 1e-9)
-    candidates = [k for k in range(max(needed, 1), n_students + 1) if n_students % k == 0]
-    return candidates[0] if candidates else n_students
+class Distiller:
+    """What the student loop asks of the KD part of a step; the defaults are those of a run without teacher
+    traffic (no requests, nothing to agree on, nothing to drain)."""
 
-
-class NoDistiller:
-    """enable_distillation=false: no teacher, the loss is the student's CE, fused with the output head like the KD
-    loss (no [tokens, vocab] logits), so a CE baseline pays what the KD run pays for its head."""
-
-    first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done) of the first request
     prefetch = 0  # requests submitted ahead of the micro-batch being computed
     teacher_heldout_ce: Optional[float] = None  # the teacher's own held-out CE, when known (logged with the eval)
+    first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done) of the first request
 
-    def __init__(self, args: Optional[DistillationArgs] = None):
-        self.args = args or DistillationArgs()
+    def __init__(self, args: DistillationArgs):
+        self.args = args
 
     def begin_step(self, step: int, lr_factor: float) -> None:
-        self.ce_sum: Optional[torch.Tensor] = None  # the step's CE (already divided by n_valid), summed over micro-batches, on the device
+        """A new step: fresh statistics (and the KD weight for this step)."""
+        self.ce_sum: Optional[torch.Tensor] = None  # the step's CE (divided by n_valid), summed over micro-batches
 
     def submit(self, batch: dict, step: int, micro_step: int):
+        """Ask for a micro-batch's teacher targets; returns what `head_loss` takes as `pending`."""
         return None
+
+    def head_loss(self, labels: torch.Tensor, pending, n_valid: int, timer) -> Callable:
+        """The loss of a micro-batch as a function of the model's final hidden states and its head weight."""
+        raise NotImplementedError
+
+    def step_metrics(self) -> dict:
+        """This step's loss metrics as device tensors (read on log steps only)."""
+        raise NotImplementedError
+
+    def control_flags(self) -> dict:
+        """Device flags for the step's agreed control point (the teacher's error and preemption bits)."""
+        return {}
+
+    def after_agreement(self, flags: dict) -> None:
+        """Acts on the agreed flags that concern the teacher (its error is raised here, on every student)."""
+
+    def mark_first_step_done(self) -> None:
+        """This launch's first step is over (the teacher may switch to the training timeout)."""
+
+    def log_metrics(self, timer) -> dict:
+        """Extra keys of a log row (teacher wait and the teacher's clocks, with a teacher)."""
+        return {}
+
+    def drain(self) -> None:
+        """Wait for every request in flight (before a save, STOP or an agreed error)."""
+
+    def stop(self, step: int, error: bool = False) -> None:
+        """The end of this launch (or an agreed error): the teacher leaves its loop."""
+
+    @contextlib.contextmanager
+    def stop_on_agreed_error(self, current_step: Callable[[], int]):
+        """An error the students raise together (`AgreedError`: a non-finite loss, different loop lengths)
+        reaches the teacher too, as an ERROR request, before it propagates."""
+        try:
+            yield
+        except AgreedError:
+            self.stop(current_step(), error=True)
+            raise
 
     def _add_ce(self, ce: torch.Tensor) -> None:
         ce = ce.detach().double()
         self.ce_sum = ce if self.ce_sum is None else self.ce_sum + ce
 
+
+class NoDistiller(Distiller):
+    """enable_distillation=false: no teacher, the loss is the student's CE, fused with the output head like the KD
+    loss (no [tokens, vocab] logits), so a CE baseline pays what the KD run pays for its head."""
+
     def head_loss(self, labels: torch.Tensor, pending, n_valid: int, timer) -> Callable:
-        """The loss of a micro-batch as a function of the model's final hidden states and its head weight."""
         def ce_loss(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             if not self.args.fused_loss:  # the reference: logits, then CE
                 ce = cross_entropy_sum(F.linear(hidden, weight), labels) / max(n_valid, 1)
@@ -84,52 +120,10 @@ class NoDistiller:
         return ce_loss
 
     def step_metrics(self) -> dict:
-        """This step's loss metrics as device tensors (read on log steps only)."""
         return {"loss/ce": self.ce_sum, "loss/total": self.ce_sum}
 
-    def control_flags(self) -> dict:
-        """Device flags for the step's agreed control point (the teacher's error and preemption bits)."""
-        return {}
 
-    def after_agreement(self, flags: dict) -> None:
-        """Acts on the agreed flags that concern the teacher (its error is raised here, on every student)."""
-
-    def mark_first_step_done(self) -> None:
-        """This launch's first step is over (the teacher may switch to the training timeout)."""
-
-    def drain(self) -> None:
-        pass
-
-    def log_metrics(self, timer) -> dict:
-        """Extra keys of a log row (teacher wait and the teacher's clocks, with a teacher)."""
-        return {}
-
-    def log_words(self, row: dict) -> tuple[str, str]:
-        """(loss words, speed words) for the log line."""
-        return "", ""
-
-    def check_bottleneck(self, row: dict) -> None:
-        pass
-
-    def stop(self, step: int, error: bool = False) -> None:
-        pass
-
-    @contextlib.contextmanager
-    def stop_on_agreed_error(self, current_step: Callable[[], int]):
-        """An error the students raise together (`AgreedError`: a non-finite loss, different loop lengths)
-        reaches the teacher too, as an ERROR request, before it propagates."""
-        try:
-            yield
-        except AgreedError:
-            self.stop(current_step(), error=True)
-            raise
-
-    def summary(self, last_row: dict) -> tuple[str, list[str]]:
-        """(words after "final CE x", extra lines) for the end-of-run summary."""
-        return "", []
-
-
-class KDDistiller(NoDistiller):
+class KDDistiller(Distiller):
     """The KD loss mixing shared by every teacher source; a subclass says where a micro-batch's targets come from."""
 
     def __init__(self, args: DistillationArgs):
@@ -144,7 +138,6 @@ class KDDistiller(NoDistiller):
     def targets(self, pending, device: torch.device, timer) -> TeacherOutputs:
         """The teacher outputs of a micro-batch, on `device`."""
         raise NotImplementedError
-
     def head_loss(self, labels: torch.Tensor, pending, n_valid: int, timer) -> Callable:
         """(1 - alpha) * CE + alpha * T^2 * KD; the targets are asked for only when the head is reached, so an
         online teacher's forward overlaps the student's trunk even without look-ahead."""
@@ -186,13 +179,6 @@ class KDDistiller(NoDistiller):
                 "kd/alpha": self.alpha, "loss/total": distillation_loss(self.ce_sum, kd, self.alpha,
                                                                         self.args.temperature)}
 
-    def log_words(self, row: dict) -> tuple[str, str]:
-        return f" kd {row['loss/kd']:.4f} agree {row['kd/top1_agreement']:.3f}", ""
-
-    def summary(self, last_row: dict) -> tuple[str, list[str]]:
-        return (f", KD {last_row.get('loss/kd', float('nan')):.4f}, teacher-student top-1 agreement "
-                f"{last_row.get('kd/top1_agreement', float('nan')):.3f}", [])
-
 
 class CacheDistiller(KDDistiller):
     """Targets from the offline teacher cache: they come with each batch (`batch["teacher"]`), nothing to wait for."""
@@ -211,13 +197,11 @@ class CacheDistiller(KDDistiller):
 class OnlineDistiller(KDDistiller):
     """A teacher rank serves this student's bridge; its sparse outputs feed the KD loss."""
 
-    def __init__(self, args: DistillationArgs, client: TeacherClient, n_teachers: int, n_students: int):
+    def __init__(self, args: DistillationArgs, client: TeacherClient):
         super().__init__(args)
         self.client = client
-        self.n_teachers, self.n_students = n_teachers, n_students
         self.prefetch = args.prefetch
         self.teacher_heldout_ce = client.teacher_heldout_ce
-        self.warned_teacher_bound = False  # once per launch: the progress line keeps showing the share
 
     @property
     def first_round_trip(self) -> Optional[tuple[float, float]]:
@@ -249,35 +233,13 @@ class OnlineDistiller(KDDistiller):
         self.client.drain()
 
     def log_metrics(self, timer) -> dict:
-        # Teacher busy/idle seconds, its peak memory and this rank's bridge bytes, cumulative since launch
-        # (a benchmark differences two rows).
-        return {"speed/teacher_wait_s": self.client.wait_clock.read_step(), **self.client.metrics()}
-
-    def log_words(self, row: dict) -> tuple[str, str]:
-        wait_share = row.get("speed/teacher_wait_s", 0.0) / row["speed/step_time_s"]
-        return super().log_words(row)[0], f" teacher wait {100 * wait_share:.0f}%"
-
-    def check_bottleneck(self, row: dict) -> None:
-        step_s, wait_s = row["speed/step_time_s"], row.get("speed/teacher_wait_s", 0.0)
-        if wait_s / step_s <= TEACHER_BOUND_SHARE or self.warned_teacher_bound:
-            return
-        self.warned_teacher_bound = True
-        needed = teacher_ranks_to_keep_up(self.n_teachers, self.n_students, row.get("kd/teacher_busy", 1.0), step_s,
-                                          wait_s)
-        logger.warning(f"students spend {100 * wait_s / step_s:.0f}% of the step waiting on the teacher, which is busy "
-                       f"{100 * row.get('kd/teacher_busy', 0.0):.0f}% of its time: the teacher is the bottleneck. "
-                       f"About {needed} teacher rank(s) (distillation.n_teacher_ranks={needed}, today "
-                       f"{self.n_teachers}) would keep up with {self.n_students} students"
-                       + ("" if self.prefetch else ", with distillation.prefetch=1 hiding the teacher behind the "
-                          "whole student step") + "; or use a smaller teacher, or the offline cache.")
+        # This step's wait; this rank's total wait, the teacher's busy/idle seconds, its peak memory and this
+        # rank's bridge bytes, cumulative since launch (a benchmark differences two rows).
+        return {"speed/teacher_wait_s": self.client.wait_clock.read_step(),
+                "speed/teacher_wait_total_s": self.client.wait_clock.total_s, **self.client.metrics()}
 
     def stop(self, step: int, error: bool = False) -> None:
         self.client.stop(step, error=error)
-
-    def summary(self, last_row: dict) -> tuple[str, list[str]]:
-        return (super().summary(last_row)[0],
-                [f"time waiting on the teacher: {self.client.total_wait_s:.1f}s on this rank "
-                 f"(teacher busy {100 * self.client.teacher_busy:.0f}%)"])
 
 
 def tokenizer_vocab(tokenizer) -> dict:
@@ -288,15 +250,14 @@ def tokenizer_vocab(tokenizer) -> dict:
     return {f"<{type(tokenizer).__name__}:{tokenizer.n_words}>": 0}
 
 
-def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tokenizer, max_bsz: int,
-                    max_seqlen: int, phases=None, attn_mask: str = "causal", cache=None):
+def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tokenizer, max_batch: tuple[int, int],
+                    attn_mask: str = "causal", cache=None, phases=None) -> Distiller:
     """The Distiller for this student: none, the offline cache (`cache`: its CacheLoader) or the online bridge
-    (whose handshake runs here)."""
+    (whose handshake runs here, announcing `max_batch` = the largest (batch, seq_len) this student sends)."""
     if not enable_distillation:
         return NoDistiller(args)
     if cache is not None:
         return CacheDistiller(args, cache.manifest.teacher_heldout_ce)
     with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
-        client = TeacherClient(args, topo, tokenizer_vocab(tokenizer), tokenizer.n_words, max_bsz, max_seqlen,
-                               attn_mask)
-    return OnlineDistiller(args, client, len(topo.teacher_ranks), len(topo.student_ranks))
+        client = TeacherClient(args, topo, tokenizer_vocab(tokenizer), tokenizer.n_words, *max_batch, attn_mask)
+    return OnlineDistiller(args, client)

@@ -3,8 +3,8 @@
     loss, stats = fused_linear_kd_loss(hidden, model.output.weight, labels, teacher, n_valid, alpha, T)
     loss = ((1 - alpha) * sum_i CE_i + alpha * T^2 * sum_i KD_i) / normalizer   over positions with label != -100
 
-This is the same objective as `kd_loss.cross_entropy_sum` + `kd_loss.kd_loss` mixed by the trainer
-(`distiller.OnlineDistiller.loss`), computed differently (the idea of Liger-Kernel's fused linear
+This is the same objective as CE (`lingua.transformer.cross_entropy_sum`) + `reference_loss.kd_loss` mixed by
+`divergences.distillation_loss`, computed differently (the idea of Liger-Kernel's fused linear
 distillation): the rows are walked in chunks; per chunk the logits z = h W^T are formed in fp32,
 the loss rows and dLoss/dz are written in closed form into the chunk's buffers, and dz is pushed
 through the head at once (grad_h = dz W, grad_W += dz^T h). Backward only scales the stored grads by
@@ -14,7 +14,8 @@ add into it, then cast to the weight's dtype) from forward to backward.
 
 Gradients per position, with a = z / T, s = softmax(a), and bucket log-probs log q_b of the student:
 CE gives softmax(z) - onehot(y). KD enters as T^2 * dKD/dz = T * dKD/da, and dKD/da follows from
-G_b = dKD/d(log q_b) (p = teacher probs after the reference's renormalisation and LOG_TINY floor):
+G_b = dKD/d(log q_b) (p = the teacher's buckets, `divergences.teacher_*_log_probs`; D and G come from
+`divergences.divergence`, whose docstring lists them):
 
     fkl   KD = sum p (log p - log q)                 G = -p
     rkl   KD = sum q (log q - log p)                 G = q (log q - log p + 1)
@@ -47,7 +48,16 @@ from typing import Optional, Union
 
 import torch
 
-from lingua.kd_loss import DIVERGENCES, LOG_TINY, TeacherOutputs, _check_format
+from lingua.distillation.divergences import (
+    DIVERGENCES,
+    distillation_loss,
+    divergence,
+    sampled_forward_kl,
+    teacher_full_log_probs,
+    teacher_support,
+    teacher_topk_log_probs,
+)
+from lingua.distillation.outputs import TeacherOutputs, check_format
 
 # Auto chunking: rows per chunk so the chunk's fp32 [rows, V] work tensors fit about this many bytes.
 # CPU: 256 MiB is ~450 rows at V=49k. Measured (2-core CPU, V=49k, N=1k): with 1 thread any chunk of
@@ -70,30 +80,12 @@ def auto_chunk_rows(vocab_size: int, format: Optional[str], device: Union[str, t
     return max(1, budget // per_row)
 
 
-def _divergence_and_grad(log_p, log_q, divergence: str, jsd_beta: float):
-    """(D(p || q) per row, G = dD/d(log q) per bucket, q), from log-probs (p = teacher, q = student)."""
-    q = log_q.exp()
-    if divergence == "fkl":
-        p = log_p.exp()
-        return (p * (log_p - log_q)).sum(-1), -p, q
-    if divergence == "rkl":
-        ratio = log_q - log_p
-        return (q * ratio).sum(-1), q * (ratio + 1.0), q
-    log_m = torch.logaddexp(log_p + math.log(jsd_beta), log_q + math.log1p(-jsd_beta))
-    q_term = q * (log_q - log_m)
-    value = jsd_beta * (log_p.exp() * (log_p - log_m)).sum(-1) + (1 - jsd_beta) * q_term.sum(-1)
-    return value, (1 - jsd_beta) * q_term, q
-
-
-def _topk_kd(a, g, values, ids, extra, mask, divergence, jsd_beta, kd_scale):
+def _topk_kd(a, g, values, ids, extra, mask, kind, jsd_beta, kd_scale):
     """KD over the k ids + rest; adds kd_scale * dKD/da into g and returns KD per row. Overwrites a."""
     dtype, k, V = a.dtype, ids.shape[-1], a.shape[-1]
     a_ids = a.gather(-1, ids)
     lse_ids = a_ids.logsumexp(-1)
-    log_t = values.to(dtype)
-    tail = extra.to(dtype).clamp(0.0, 1.0)
-    # Renormalise the teacher buckets in fp32 exactly as kd_loss does (bf16 values sum to 1 only roughly).
-    log_total = torch.log(log_t.exp().sum(-1) + tail).unsqueeze(-1)
+    log_p = teacher_topk_log_probs(values, extra, dtype, with_rest=k < V)
     if k < V:
         a.scatter_(-1, ids, float("-inf"))
         rest_max = a.amax(-1, keepdim=True)
@@ -102,10 +94,9 @@ def _topk_kd(a, g, values, ids, extra, mask, divergence, jsd_beta, kd_scale):
         lse_rest = rest_max.squeeze(-1) + rest_sum.log()
         lse = torch.logaddexp(lse_ids, lse_rest)
         log_q = torch.cat([a_ids - lse.unsqueeze(-1), (lse_rest - lse).unsqueeze(-1)], dim=-1)
-        log_t = torch.cat([log_t, tail.clamp_min(torch.finfo(torch.float32).tiny).log().unsqueeze(-1)], dim=-1)
     else:
         log_q = a_ids - lse_ids.unsqueeze(-1)
-    kd, G, q = _divergence_and_grad((log_t - log_total).clamp_min(LOG_TINY), log_q, divergence, jsd_beta)
+    kd, G, q = divergence(log_p, log_q, kind, jsd_beta, with_grad=True)
     bucket_grad = torch.where(mask.unsqueeze(-1), (G - q * G.sum(-1, keepdim=True)) * kd_scale, 0.0)
     g.scatter_add_(-1, ids, bucket_grad[:, :k])
     if k < V:
@@ -121,36 +112,20 @@ def _sampled_kd(a, g, ids, extra, mask, kd_scale):
     s = a.sub_(a_max).exp_()
     s_sum = s.sum(-1)
     lse = a_max.squeeze(-1) + s_sum.log()
-    kd = extra.to(a.dtype) - (a_samples - lse.unsqueeze(-1)).mean(-1)
+    kd = sampled_forward_kl(extra, a_samples - lse.unsqueeze(-1))
     g.add_(s.mul_(torch.where(mask, kd_scale / s_sum, 0.0).unsqueeze(-1)))
     # scatter_add, not scatter: an id drawn twice counts twice.
     g.scatter_add_(-1, ids, torch.where(mask, -kd_scale / k, 0.0).unsqueeze(-1).expand(-1, k))
     return kd
 
 
-def _full_kd(a, g, values, mask, divergence, jsd_beta, kd_scale):
+def _full_kd(a, g, values, mask, kind, jsd_beta, kd_scale):
     """Exact divergence over the vocabulary; adds kd_scale * dKD/da into g. Overwrites a."""
     log_q = a.sub_(a.logsumexp(-1, keepdim=True))
-    log_t = values.to(a.dtype)
-    log_p = (log_t - log_t.logsumexp(-1, keepdim=True)).clamp_min_(LOG_TINY)
-    kd, G, q = _divergence_and_grad(log_p, log_q, divergence, jsd_beta)
+    kd, G, q = divergence(teacher_full_log_probs(values, a.dtype), log_q, kind, jsd_beta, with_grad=True)
     G.sub_(q.mul_(G.sum(-1, keepdim=True)))
     g.add_(torch.where(mask.unsqueeze(-1), G.mul_(kd_scale), 0.0))
     return kd
-
-
-def _teacher_stats(values, ids, extra, format):
-    """Per row (teacher mass covered by the support, teacher top-1 id), as `kd_loss._chunk_stats` defines them."""
-    if format == "full":
-        return torch.ones(values.shape[0], dtype=torch.float32, device=values.device), values.argmax(-1)
-    top1 = ids.gather(-1, values.argmax(-1, keepdim=True)).squeeze(-1)
-    if format == "topk":
-        return 1.0 - extra.float().clamp(0.0, 1.0), top1
-    # Sampled ids repeat: count each distinct id's mass once.
-    sorted_ids, order = ids.sort(-1)
-    first = torch.ones_like(sorted_ids, dtype=torch.bool)
-    first[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
-    return (values.float().gather(-1, order).exp() * first).sum(-1), top1
 
 
 def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta,
@@ -200,7 +175,7 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
                 kd = _sampled_kd(a, g, ids, extra, row_mask, kd_scale)
             else:
                 kd = _full_kd(a, g, values, row_mask, divergence, jsd_beta, kd_scale)
-            mass, teacher_top1 = _teacher_stats(values, ids, extra, teacher.format)
+            mass, teacher_top1 = teacher_support(values, ids, extra, teacher.format)
             agree = (student_top1 == teacher_top1).to(dtype)
         per_row = torch.stack([ce, kd, mass.to(dtype), agree])
         stats += torch.where(row_mask, per_row, 0.0).sum(-1)
@@ -213,7 +188,7 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
                 grad_weight.addmm_(g.T, h)
             elif need_grad_weight:
                 grad_weight.add_(g.T @ h)
-    loss = ((1.0 - alpha) * stats[0] + alpha * temperature**2 * stats[1]) * inv_norm
+    loss = distillation_loss(stats[0], stats[1], alpha, temperature) * inv_norm
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     return loss, stats.float(), grad_hidden, grad_weight
@@ -274,7 +249,7 @@ def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature,
         raise ValueError(f"chunk_size={chunk_size} must be >= 1, or 0 for a size chosen from the memory budget.")
     if teacher is None:
         return
-    _check_format(teacher.format)
+    check_format(teacher.format)
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha={alpha} must be in [0, 1] (the KD share of the loss).")
     if divergence not in DIVERGENCES:

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lingua.collectives import log_collective
+from lingua.parallel.collectives import log_collective
 
 logger = logging.getLogger(__name__)
 _detail_check_groups: dict[str, list] = {}  # group name -> DETAIL's gloo check group(s), see keep_detail_check_groups

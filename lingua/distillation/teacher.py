@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from lingua.distillation import DistillationArgs
-from lingua.kd_loss import TeacherOutputs, sparsify_teacher_logits
+from lingua.distillation.args import DistillationArgs
+from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
 
 TEACHER_PREPARE_HINT = (
     "point distillation.teacher_path at a transformers checkpoint directory, or make one: "
@@ -160,7 +160,7 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 class TeacherModel:
     """A loaded teacher and its forward: tokens [N, S] (+ document ids) -> sparse outputs. The online
-    teacher rank (lingua/teacher_server.py) and the offline cache writer both compute through it."""
+    teacher rank (lingua/distillation/server.py) and the offline cache writer both compute through it."""
 
     def __init__(self, args: DistillationArgs, device: torch.device):
         self.args, self.device = args, device

@@ -1,0 +1,31 @@
+"""The distillation subsystem: where a student's KD targets come from and how they become its loss.
+
+Student side (the loop asks one `Distiller` for the KD part of each step):
+
+    distiller.py       Distiller: NoDistiller (CE only), OnlineDistiller (a teacher rank), CacheDistiller (a cache)
+    feed.py            MicroBatchFeed: a step's micro-batches, their teacher requests submitted ahead (look-ahead)
+    client.py          TeacherClient: the student end of a bridge (handshake, submit -> handle.wait(), STOP)
+    fused_loss.py      fused_linear_kd_loss: CE + KD fused with the output head (the default loss)
+    reference_loss.py  kd_loss on logits: the float64 check of the fused loss (distillation.fused_loss=false)
+    divergences.py     the math both losses share: fkl/rkl/jsd and their gradients, teacher buckets, CE/KD mix
+    cache.py           the offline teacher cache: manifest, safetensors shards, the loader training reads
+
+Teacher side (the last ranks run `apps.main.train.distillation_process`):
+
+    server.py          TeacherServer: load, handshake, then receive -> handle -> reply until STOP
+    teacher.py         TeacherModel: a transformers checkpoint checked, loaded and run (document boundaries too)
+    outputs.py         TeacherOutputs: the wire formats (topk, sampled, full) and sparsify_teacher_logits
+
+Both ends:
+
+    bridge.py          the wire records (RequestHeader, HandshakeRecord, ResponseStatus) and the handshake
+    args.py            DistillationArgs (the `distillation:` config section), TeacherError, alpha_at
+
+How a micro-batch flows (online): `feed.submit_ahead` -> `OnlineDistiller.submit` -> `TeacherClient.submit`
+posts a gather of [header, tokens] and a scatter of the response on the bridge group; the teacher's
+`TeacherServer.serve` receives every student's rows, runs one forward (`TeacherModel.hidden_states` then
+`sparse_outputs`), and scatters each student its own rows. In the student's forward the model calls
+`Distiller.head_loss(hidden, head_weight)`, which waits for the handle and computes `fused_linear_kd_loss`.
+With the cache, the same targets arrive inside each batch and nothing waits. The offline writer of the cache
+is an app: `apps/main/teacher_cache.py`.
+"""

@@ -1,0 +1,113 @@
+"""The house's layout: no import cycles, lingua's own modules where a lingua user looks, package maps complete."""
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("lingua", "apps")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    return {module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every project module `path` imports, anywhere in the file (a lazy import inside a function or under
+    TYPE_CHECKING is a dependency too), resolved to modules; `from pkg import name` counts `pkg.name` when
+    that is a module."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                     for alias in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:  # `import lingua.x.y` of a name inside a module
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]):
+    """One import cycle as a list of modules, or None (iterative DFS, colours white/grey/black)."""
+    colour = {node: 0 for node in graph}
+    for start in graph:
+        if colour[start]:
+            continue
+        stack = [(start, iter(sorted(graph[start])))]
+        path = [start]
+        colour[start] = 1
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                colour[node] = 2
+                stack.pop()
+                path.pop()
+            elif colour.get(child) == 1:
+                return path[path.index(child):] + [child]
+            elif colour.get(child) == 0:
+                colour[child] = 1
+                path.append(child)
+                stack.append((child, iter(sorted(graph[child]))))
+    return None
+
+
+def test_no_import_cycles():
+    modules = project_modules()
+    graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
+    # Importing a.b.c runs a/__init__ and a/b/__init__ first: a package's __init__ is a dependency too.
+    for name in list(graph):
+        parent = name.rpartition(".")[0]
+        while parent:
+            if parent in graph and parent != name:
+                graph[name].add(parent)
+            parent = parent.rpartition(".")[0]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize("module, names", [
+    ("lingua.distributed", ["setup_torch_distributed", "Topology", "DistributedArgs", "clean_up"]),
+    ("lingua.checkpoint", ["CheckpointManager", "CheckpointArgs"]),
+    ("lingua.data", ["DataArgs", "DataLoader"]),
+    ("lingua.optim", ["OptimArgs", "build_optimizer"]),
+    ("lingua.metrics", ["LoggingArgs", "MetricLogger"]),
+    ("lingua.probe", ["ActivationProbe"]),
+    ("lingua.profiling", ["ProfilerArgs", "maybe_run_profiler"]),
+    ("lingua.stool", ["StoolArgs", "main"]),
+    ("lingua.transformer", ["BaseTransformer", "cross_entropy_sum"]),
+    ("apps.main.train", ["TrainArgs", "train", "distillation_process", "main"]),
+])
+def test_lingua_modules_stay_where_a_lingua_user_looks(module, names):
+    loaded = importlib.import_module(module)
+    assert [n for n in names if not hasattr(loaded, n)] == []
+
+
+@pytest.mark.parametrize("package", ["lingua.distillation", "lingua.parallel"])
+def test_each_package_docstring_is_a_map_of_all_its_modules(package):
+    folder = ROOT / Path(*package.split("."))
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+    assert doc, f"{package}/__init__.py needs a docstring that maps the package"
+    missing = [p.name for p in folder.glob("*.py") if p.name != "__init__.py" and p.name not in doc]
+    assert missing == [], f"{package}'s map does not mention {missing}"
+    # The map imports nothing: importing one module of the package never drags in the others.
+    tree = ast.parse((folder / "__init__.py").read_text())
+    assert not [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
