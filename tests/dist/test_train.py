@@ -263,6 +263,25 @@ def test_progress_line_is_live_on_a_terminal(corpus, tmp_path):
     assert sorted(train_rows(dump)) == [3, 6]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_the_root_is_gathered_once_per_micro_batch(corpus, tmp_path):
+    """FSDP all-gathers the root (embeddings, final norm, head) in each micro-batch's forward and keeps it
+    until its backward is done: the backward gathers only the blocks resharded after forward (all but the last)."""
+    out = tmp_path / "gathers.json"
+    overrides = base_overrides(corpus, tmp_path / "run", steps=3, grad_acc_steps=2)
+    assert_ok(torchrun(2, [str(out), *overrides], timeout=150, module="tests.dist.workers.count_all_gathers"))
+    micro_batches = 3 * 2
+    for rank in (0, 1):
+        calls = json.loads(Path(f"{out}.{rank}").read_text())
+        forward = [numel for in_backward, numel in calls if not in_backward]
+        backward = [numel for in_backward, numel in calls if in_backward]
+        root_numel = forward[0]  # the root's pre-forward gathers first
+        # Forward: the root and both blocks; backward: block 0 only (the last block is kept for the root's backward).
+        assert len(forward) == 3 * micro_batches and forward.count(root_numel) == micro_batches, calls
+        assert len(backward) == micro_batches and root_numel not in backward, calls
+
+
 @pytest.mark.timeout(300)
 def test_one_gradient_reduce_scatter_per_step_trains_the_same(corpus, tmp_path):
     """distributed.reduce_every_micro_batch=false: FSDP reduce-scatters once per step instead of once per
