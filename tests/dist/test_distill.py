@@ -314,16 +314,22 @@ def test_a_teacher_failing_mid_run_is_one_sentence_on_every_rank(corpus, tiny_te
     assert sorted(train_rows(tmp_path / "run")) == [1, 2]
 
 
-@pytest.mark.timeout(300)
-def test_no_host_read_per_micro_batch(corpus, tiny_teacher, tmp_path):
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["causal", "doc_causal_on_a_terminal"])
+def test_no_host_read_per_micro_batch(corpus, tiny_teacher, tmp_path, mode):
     """Tensor -> Python conversions per step do not grow with the micro-batches: zero per micro-batch (on CUDA
-    each would be a host sync), with look-ahead and the teacher's status words read at the agreed point."""
+    each would be a host sync), with look-ahead and the teacher's status words read at the agreed point; with
+    document masks, and with rank 0's progress line redrawn every step as on a terminal."""
     per_step = {}
+    extra, env = ({"model.attn_mask": "doc_causal"}, {"COUNT_SYNCS_TTY": "1"}) if mode != "causal" else ({}, {})
     for grad_acc in (1, 3):
         out = tmp_path / f"counts_{grad_acc}.json"
         overrides = distill_overrides(corpus, tiny_teacher, tmp_path / f"run{grad_acc}", steps=6,
-                                      grad_acc_steps=grad_acc, **{"logging.freq": 100})
-        assert_ok(torchrun(3, [str(out), *overrides], timeout=150, module="tests.dist.workers.count_syncs"))
+                                      grad_acc_steps=grad_acc, **{"logging.freq": 100, **extra})
+        result = torchrun(3, [str(out), *overrides], timeout=150, env=env, module="tests.dist.workers.count_syncs")
+        assert_ok(result)
+        assert ("step 4/6 | " in result.stdout) == bool(env)  # the live line, redrawn between log steps
         for rank in (0, 1):
             counts = json.loads(Path(f"{out}.{rank}").read_text())
             # Steps 2..5: past the first step's startup work, before the last step's log row.

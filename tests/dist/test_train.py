@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -233,9 +234,27 @@ def test_debug_cpu_config_trains_logs_checkpoints_and_resumes(corpus, tmp_path):
     assert (dump / "config.yaml").exists() and "vocab_size: 258" in (dump / "config.yaml").read_text()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_the_straggler_row_names_the_late_rank(corpus, tmp_path):
+    """Student 1 is 4 s late to step 3 (stall, before any timed part); student 0 waits for it inside its
+    forward's first all-gather. The step-3 row names rank 1 as the slowest step and the latest arrival."""
+    dump = tmp_path / "run"
+    assert_ok(torchrun(2, base_overrides(corpus, dump, steps=4, inject_failure="stall:1@3"), timeout=120))
+    rows = train_rows(dump)
+    late = rows[3]
+    assert late["stragglers/step_slowest_rank"] == 1 and late["stragglers/arrival_slowest_rank"] == 1, late
+    assert late["stragglers/arrival_max_s"] - late["stragglers/arrival_min_s"] > 3.0  # of the 4 s stall
+    assert late["stragglers/fwd_bwd_slowest_rank"] == 0 and late["stragglers/fwd_bwd_max_s"] > 3.0  # the waiter
+    assert late["stragglers/step_max_s"] - late["stragglers/step_min_s"] > 3.0
+    for step in (2, 4):  # no stall: nobody waited seconds
+        assert rows[step]["stragglers/arrival_max_s"] - rows[step]["stragglers/arrival_min_s"] < 3.0
+
+
 @pytest.mark.timeout(120)
 def test_progress_line_is_live_on_a_terminal(corpus, tmp_path):
-    """On a terminal rank 0 redraws its status line every step, not only at log steps."""
+    """On a terminal rank 0 redraws its status line every step, not only at log steps; between log steps from host
+    numbers, with the last log row's loss (reading the loss every step would sync the host with the GPU)."""
     import pty
     import subprocess
     import sys
@@ -258,9 +277,12 @@ def test_progress_line_is_live_on_a_terminal(corpus, tmp_path):
     os.close(primary)
     assert proc.wait(timeout=100) == 0
     screen = b"".join(chunks).decode(errors="replace")
-    for step in (1, 2, 4, 5):  # between the log steps 3 and 6
-        assert f"\rstep {step}/6 | loss " in screen, screen[-3000:]
-    assert sorted(train_rows(dump)) == [3, 6]
+    rows = train_rows(dump)
+    assert sorted(rows) == [3, 6]
+    for step in (1, 2):  # before the first log row: progress and speed, no loss yet
+        assert re.search(rf"\rstep {step}/6 \| [0-9.]+[kMG]? tok/s", screen), screen[-3000:]
+    for step in (4, 5):  # between the log steps 3 and 6: step 3's loss
+        assert f"\rstep {step}/6 | loss {rows[3]['loss/total']:.3f} | " in screen, screen[-3000:]
 
 
 @pytest.mark.slow
