@@ -158,7 +158,8 @@ class StepReporter:
                        f"About {needed} teacher rank(s) (distillation.n_teacher_ranks={needed}, today "
                        f"{n_teachers}) would keep up with {n_students} students"
                        + ("" if self.distiller.prefetch else ", with distillation.prefetch=1 hiding the teacher behind "
-                          "the whole student step") + "; or use a smaller teacher, or the offline cache.")
+                          "the whole student step where its rank does not share cores with them")
+                       + "; or use a smaller teacher, or the offline cache.")
 
     def log_eval(self, row: dict) -> None:
         if self.metric_logger is not None:

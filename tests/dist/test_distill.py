@@ -1,6 +1,7 @@
 """Online distillation with 2 students + 1 teacher under torchrun on CPU/gloo."""
 
 import json
+import os
 import re
 import shutil
 import time
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from apps.bench import distill as bench
+from lingua.distillation.args import resolve_prefetch
 from lingua.rundir import read_metrics, train_rows
 from tests.runs import assert_ok, distill_overrides, rank_exit_codes, signal_ranks, torchrun
 
@@ -290,10 +292,14 @@ def test_prefetch_gives_the_same_losses_and_resumes_exactly(corpus, tiny_teacher
 @pytest.mark.timeout(200)
 def test_doc_causal_students_send_document_ids_and_train(corpus, tiny_teacher, tmp_path):
     dump = tmp_path / "run"
-    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=3, **{"model.attn_mask": "doc_causal"}),
+    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=3, **{"model.attn_mask": "doc_causal",
+                                                                                    "distillation.prefetch": "auto"}),
                       timeout=150)
     assert_ok(result)
     assert "buffers [2 x 32] with document ids" in result.stdout
+    # auto: from this machine's cores, for 3 ranks of 1 thread each (torchrun's OMP_NUM_THREADS=1), once.
+    prefetch, why = resolve_prefetch("auto", "cpu", 3, 1, len(os.sched_getaffinity(0)))
+    assert result.stdout.count(f"teacher look-ahead: prefetch={prefetch} ({why})") == 1, result.stdout[-4000:]
     rows = train_rows(dump)
     assert sorted(rows) == [1, 2, 3] and all(r["loss/kd"] > 0 for r in rows.values())
     # Tokens and document ids go up: twice the int32 grid of a causal bridge, plus the header.
