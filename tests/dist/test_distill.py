@@ -179,6 +179,16 @@ def test_teacher_and_students_disagreeing_on_settings_fail_at_the_handshake(tiny
         assert f"FAILED rank {rank}: ValueError: {sentence}" in out, out[-4000:]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_top_k_beyond_the_vocabulary_is_refused_at_the_handshake_on_every_rank(tiny_teacher):
+    out = protocol_error_run(tiny_teacher, "k_beyond_vocab")
+    sentence = ("ValueError: distillation.k=100000 is more than the 512 token ids the top-k is taken from (the "
+                "students' vocabulary; teacher rank 2 has 512); set distillation.k <= 512.")
+    for rank in (0, 1, 2):  # the same words on both students and the teacher, none of them from a step
+        assert f"FAILED rank {rank}: {sentence}" in out, out[-4000:]
+
+
 @pytest.mark.timeout(90)
 def test_mismatched_request_headers_name_both_students(tiny_teacher):
     out = protocol_error_run(tiny_teacher, "headers")

@@ -181,3 +181,19 @@ def test_a_packed_row_with_document_ids_equals_separate_forwards_of_its_document
     alone = teacher.sparse_outputs(separate, "topk", 8, torch.float32, teacher.vocab_size)
     torch.testing.assert_close(wire.values, alone.values, rtol=1e-5, atol=1e-5)
     assert torch.equal(wire.ids, alone.ids)
+
+
+@pytest.mark.parametrize("output,k,refused", [("topk", 500, False), ("topk", 501, True), ("topk", 100000, True),
+                                              ("sampled", 100000, False), ("full", 100000, False)])
+def test_top_k_beyond_the_students_vocabulary_is_refused_at_the_handshake(output, k, refused):
+    """The teacher's outputs are cut to the students' vocab (here 500 of the teacher's 512 rows): top-k needs k ids
+    among them. Sampling draws with replacement, so any k is a valid sample; full sends no ids."""
+    args = DistillationArgs(teacher_path="t", output=output, k=k, divergence="fkl")
+    handshake = records(args, [args, args], student_vocab=500)
+    if not refused:
+        assert check_handshake(handshake, args).k == k
+        return
+    with pytest.raises(ValueError) as caught:
+        check_handshake(handshake, args)
+    assert str(caught.value) == (f"distillation.k={k} is more than the 500 token ids the top-k is taken from (the "
+                                 f"students' vocabulary; teacher rank 6 has 512); set distillation.k <= 500.")

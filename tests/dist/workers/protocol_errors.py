@@ -8,6 +8,8 @@ Run: torchrun --nproc-per-node 3 -m tests.dist.workers.protocol_errors <teacher_
                teacher refuses the request before any forward and every rank raises its sentence
   serve_failure: the teacher fails outside its forward (out of memory while handling the request): it
                still answers, and every rank raises the teacher's sentence instead of waiting
+  k_beyond_vocab: every rank asks for top-100000 of a 512-token vocabulary -> refused at the handshake, in
+               one sentence on every rank, before any buffer sized by k exists
 Each rank prints "FAILED: <error>" or "<MODE> OK" and exits 0, so the test reads every rank's words.
 """
 
@@ -28,6 +30,8 @@ def run(teacher_dir: str, mode: str, topo) -> None:
     args = DistillationArgs(teacher_path=teacher_dir, k=5, teacher_dtype="fp32")
     if mode == "settings" and topo.is_student:
         args = DistillationArgs(teacher_path=teacher_dir, k=6, wire_dtype="fp32", temperature=2.0, teacher_dtype="fp32")
+    if mode == "k_beyond_vocab":
+        args = DistillationArgs(teacher_path=teacher_dir, k=100000, teacher_dtype="fp32")
     if topo.is_teacher:
         server = TeacherServer(args, topo)
         if mode == "serve_failure":
