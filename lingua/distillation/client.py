@@ -17,7 +17,7 @@ outputs), so the step can finish before every student raises the teacher's sente
 
 import logging
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,43 +44,51 @@ STATUS_WORDS = 2  # the response status fields read per step: failed, teacher_pr
 
 class WaitClock:
     """Student time blocked on the teacher. CPU (gloo): the host blocks in wait(), so the host clock.
-    CUDA (NCCL): wait() only makes the stream wait; events around it are read when asked (log steps)."""
+    CUDA (NCCL): wait() only makes the stream wait; the event pair around it is kept until read (log steps),
+    and pairs of steps that were never read still count in the total when a later read folds them in."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, make_event: Optional[Callable[[], object]] = None):
         self.cuda = device.type == "cuda"
+        # A timing event recorded on the current stream; tests pass a fake one to run this branch without a GPU.
+        self.make_event = make_event or (lambda: torch.cuda.Event(enable_timing=True))
         self.step_s = self.total_s = 0.0  # resolved seconds: this step's, and since launch
-        self.open_pairs: list[tuple] = []  # CUDA events of this step not read yet
+        self.step_pairs: list[tuple] = []  # CUDA (start, end) events of this step not read yet
+        self.earlier_pairs: list[tuple] = []  # CUDA events of earlier steps not read yet: the total's only
 
     def new_step(self) -> None:
         self.step_s = 0.0
-        if self.cuda:
-            self.open_pairs = []
+        self.earlier_pairs += self.step_pairs  # unread, not dropped: the next read adds them to the total
+        self.step_pairs = []
 
     def start(self):
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
+            event = self.make_event()
             event.record()
             return event
         return time.perf_counter()
 
     def stop(self, start) -> None:
         if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
+            end = self.make_event()
             end.record()
-            self.open_pairs.append((start, end))
+            self.step_pairs.append((start, end))
             return
         elapsed = time.perf_counter() - start
         self.step_s += elapsed
         self.total_s += elapsed
 
     def read_step(self) -> float:
-        """This step's wait in seconds (on CUDA: synchronizes on the step's last event; log steps only)."""
-        if self.open_pairs:
-            self.open_pairs[-1][1].synchronize()
-            seconds = sum(a.elapsed_time(b) for a, b in self.open_pairs) / 1e3
-            self.step_s += seconds
-            self.total_s += seconds
-            self.open_pairs = []
+        """This step's wait in seconds, every unread pair folded in (on CUDA: one sync, on the newest event,
+        which the stream records after all the others; log steps only)."""
+        pending = self.earlier_pairs + self.step_pairs
+        if not pending:
+            return self.step_s
+        pending[-1][1].synchronize()
+        earlier = sum(a.elapsed_time(b) for a, b in self.earlier_pairs) / 1e3
+        this_step = sum(a.elapsed_time(b) for a, b in self.step_pairs) / 1e3
+        self.step_s += this_step
+        self.total_s += earlier + this_step
+        self.earlier_pairs, self.step_pairs = [], []
         return self.step_s
 
 
