@@ -110,6 +110,9 @@ class TeacherHandle:
             work.wait()
         self.done = True
         self.client.in_flight.remove(self)
+        # Completed: from now on its status is safe to read (the teacher's clocks for the metrics). A posted
+        # buffer is not: its scatter may still be writing (CUDA: uninitialised bytes until the stream waits).
+        self.client.last_status = self.response[:RECORD_BYTES]
         # Counted when answered, so a look-ahead request belongs to the step that consumes it. What goes over
         # the bridge is the whole framed buffer (header/status, padding), not only the payload.
         self.client.bytes_up += self.request_bytes
@@ -147,7 +150,7 @@ class TeacherClient:
         self.in_flight: list[TeacherHandle] = []
         self.statuses: list[tuple[torch.Tensor, int]] = []  # (status record on the device, step), read per step
         self.checked: list[tuple[torch.Tensor, int]] = []  # the statuses of the last agreed step
-        self.last_response: Optional[torch.Tensor] = None  # its status: the teacher's clocks, read on log steps
+        self.last_status: Optional[torch.Tensor] = None  # the last completed response's status, read on log steps
         self.in_training = False  # set after this launch's first step: requests then tell the teacher
         self.bytes_up = self.bytes_down = 0  # the buffers of answered requests: handed to gather / got from scatter
         self.stopped = False
@@ -163,10 +166,11 @@ class TeacherClient:
         return self.wait_clock.total_s
 
     def teacher_status(self) -> ResponseStatus:
-        """The teacher's latest status (its cumulative busy/idle seconds, peak memory): one host read."""
-        if self.last_response is None:
+        """The teacher's status in the last completed response (its cumulative busy/idle seconds, peak memory):
+        one host read. Requests posted ahead are not looked at: their buffers may still be in flight."""
+        if self.last_status is None:
             return ResponseStatus()
-        return ResponseStatus.unpack(self.last_response[:RECORD_BYTES])
+        return ResponseStatus.unpack(self.last_status)
 
     @property
     def teacher_busy(self) -> float:
@@ -218,7 +222,6 @@ class TeacherClient:
         handle = TeacherHandle(self, [up, down], response, bsz, seqlen, step)
         handle.request_bytes = request.numel() * request.element_size()
         self.in_flight.append(handle)
-        self.last_response = response
         return handle
 
     def submit(self, input_ids: torch.Tensor, step: int, micro_step: int,

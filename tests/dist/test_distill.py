@@ -324,6 +324,14 @@ def test_a_teacher_failing_mid_run_is_one_sentence_on_every_rank(corpus, tiny_te
     assert sorted(train_rows(tmp_path / "run")) == [1, 2]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_teacher_metrics_come_from_the_completed_response_not_one_in_flight(tiny_teacher):
+    result = torchrun(3, [str(tiny_teacher)], timeout=100, module="tests.dist.workers.slow_reply")
+    assert_ok(result)
+    assert result.stdout.count("SLOW REPLY OK") == 3, result.stdout[-4000:]
+
+
 @pytest.mark.timeout(300)
 def test_no_host_read_per_micro_batch(corpus, tiny_teacher, tmp_path):
     """Tensor -> Python conversions per step do not grow with the micro-batches: zero per micro-batch (on CUDA
