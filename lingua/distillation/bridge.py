@@ -13,7 +13,9 @@ Everything goes over `topo.bridge_group` (teacher i + its contiguous block of st
    per student, a `ResponseStatus` then that student's rows of sparse outputs laid out by
    `BridgeSpec.payload_spec()` (see `lingua.kd_loss.TeacherOutputs`). `lingua/distillation/server.py`
    and `lingua/distillation/client.py` are the two ends.
-3. STOP / ERROR: the same exchange with another `Op`; the teacher answers and leaves its loop.
+3. STOP / ERROR: the same exchange with another `Op`; the teacher answers and leaves its loop. A
+   teacher that failed a request answers every later one with that error (no forward) until its
+   students send STOP or ERROR, which they do only after completing every request they posted.
 
 Records are fixed-size so the collectives always move the same shapes: a handshake record or a
 response status is RECORD_INTS int64 fields followed by MESSAGE_BYTES of UTF-8 text (an error).

@@ -13,6 +13,9 @@ words stay on the device and are read once per step, at the agreed control point
 (`response_flags`); the wait clock uses CUDA events, read on log steps. A response whose status
 says error carries stale but valid outputs (the teacher's buffers only ever hold its own
 outputs), so the step can finish before every student raises the teacher's sentence together.
+A failed teacher answers every request that way until each of its students sent ERROR (or STOP),
+and a student sends it only after completing all it posted: no request is left in flight on any
+path but a student's own unagreed failure (`report_exit` counts them; that exit aborts its groups).
 """
 
 import logging
@@ -22,7 +25,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lingua.distillation.args import DistillationArgs, TeacherError
+from lingua.distillation.args import AgreedTeacherError, DistillationArgs, TeacherError
 from lingua.distillation.bridge import (
     BAD_TOKENS_FIELD,
     HEADER_INTS,
@@ -151,6 +154,7 @@ class TeacherClient:
         self.statuses: list[tuple[torch.Tensor, int]] = []  # (status record on the device, step), read per step
         self.checked: list[tuple[torch.Tensor, int]] = []  # the statuses of the last agreed step
         self.last_status: Optional[torch.Tensor] = None  # the last completed response's status, read on log steps
+        self.unwaited_at_exit: Optional[int] = None  # posted requests never completed, counted by report_exit
         self.in_training = False  # set after this launch's first step: requests then tell the teacher
         self.bytes_up = self.bytes_down = 0  # the buffers of answered requests: handed to gather / got from scatter
         self.stopped = False
@@ -245,12 +249,14 @@ class TeacherClient:
         return {"teacher_error": words[0], "teacher_preempt": words[1]}
 
     def raise_teacher_error(self) -> None:
-        """After the students agreed that a response failed: the teacher's own sentence, if this bridge has it."""
+        """After the students agreed that a response failed: the teacher's own sentence, if this bridge has it.
+        The error is agreed, so the loop drains and sends ERROR before it propagates (`stop_on_agreed_error`):
+        the failed teacher answers every request until then, and leaves once each of its students sent ERROR."""
         for record, step in self.checked:
             status = ResponseStatus.unpack(record)  # the message is decoded only here, on the error path
             if not status.ok:
-                raise TeacherError(f"Teacher rank {self.teacher_rank} failed at step {step}: {status.message}")
-        raise TeacherError("a teacher in another bridge failed; its students' logs name the reason")
+                raise AgreedTeacherError(f"Teacher rank {self.teacher_rank} failed at step {step}: {status.message}")
+        raise AgreedTeacherError("a teacher in another bridge failed; its students' logs name the reason")
 
     def mark_first_step_done(self) -> None:
         """This launch's first step is over: later requests let the teacher switch to the training timeout."""
@@ -272,4 +278,13 @@ class TeacherClient:
         status = ResponseStatus.unpack(handle.response[:RECORD_BYTES])
         if not status.ok and not error:
             raise TeacherError(f"Teacher rank {self.teacher_rank} reported at STOP: {status.message}")
-        logger.info(f"sent STOP to teacher rank {self.teacher_rank} at step {step}")
+        logger.info(f"sent {'ERROR' if error else 'STOP'} to teacher rank {self.teacher_rank} at step {step}")
+
+    def report_exit(self) -> int:
+        """Count (and log) the posted requests never completed as this student leaves: 0 on every path but a
+        student failing on its own (not agreed), which must not wait for a teacher its peers may never reach;
+        its process groups are then aborted, which cancels them (NCCL's destroy would wait for them)."""
+        self.unwaited_at_exit = len(self.in_flight)
+        log = logger.warning if self.unwaited_at_exit else logger.info
+        log(f"teacher requests left unwaited at exit: {self.unwaited_at_exit}")
+        return self.unwaited_at_exit

@@ -5,7 +5,7 @@ the stream waits; on gloo the scatter has not written it yet).
 Run: torchrun --nproc-per-node 3 -m tests.dist.workers.slow_reply <teacher_dir>
 The teacher holds its second reply back SLOW_S seconds. Each student posts two requests, waits for the first
 and reads its metrics while the second is in flight: they must be the first response's status. Each rank
-prints "SLOW REPLY OK".
+prints "SLOW REPLY OK" (and each student its count of requests left unwaited at exit, 0).
 """
 
 import sys
@@ -61,6 +61,7 @@ def student(args: DistillationArgs, topo) -> None:
     assert {key: client.metrics()[key] for key in TEACHER_KEYS} == teacher_metrics(later)
     assert later.busy_s > completed.busy_s, (later, completed)  # the teacher's clock moved between the two
     client.stop(step=3)
+    assert client.report_exit() == 0
 
 
 def main(teacher_dir: str) -> None:
