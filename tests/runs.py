@@ -96,6 +96,9 @@ def torchrun(nproc: int, module_args: list[str], timeout: float, env: dict | Non
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise AssertionError(f"HANG: torchrun did not finish within {timeout}s\n{out[-6000:]}")
+    except BaseException:  # pytest-timeout or Ctrl-C while waiting: the job, in its own session, must not outlive us
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
