@@ -303,13 +303,34 @@ def device_map_problems(rows: list[dict]) -> list[str]:
     return problems
 
 
-def clean_up() -> None:
-    """Destroy the process group on every exit path (normal, error, preemption), and say so: the
-    line in each rank's log proves that rank got out."""
+def clean_up(error: Optional[BaseException] = None) -> None:
+    """Leave torch.distributed on every exit path (normal, error, preemption), and say so: the line in each
+    rank's log proves that rank got out.
+
+    A normal exit (`error` None) destroys the process groups ("process group destroyed"). An exceptional one
+    aborts them ("process groups aborted"): work may still be posted (a student failing on its own leaves its
+    look-ahead requests; a rank that lost a peer, the collective it lost it in), and NCCL's destroy waits for
+    pending work, until the watchdog fires, where abort cancels it. gloo drops such work either way, so on CPU
+    the two differ only in the line. A torch or backend without abort destroys instead."""
     if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-            logger.info("process group destroyed")
-        except Exception as err:  # on the way out: report, never mask the exception that brought us here
-            logger.warning(f"destroying the process group failed: {type(err).__name__}: {err}")
+        if error is None or not _abort_process_groups():
+            try:
+                dist.destroy_process_group()
+                logger.info("process group destroyed")
+            except Exception as err:  # on the way out: report, never mask the exception that brought us here
+                logger.warning(f"destroying the process group failed: {type(err).__name__}: {err}")
     forget_detail_check_groups()
+
+
+def _abort_process_groups() -> bool:
+    """Abort every process group of this rank, the world's included; False when this torch cannot."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.5; NCCL and gloo
+    if abort is None:
+        return False
+    try:
+        abort()
+    except Exception as err:  # a backend that does not implement abort: destroy instead
+        logger.warning(f"aborting the process groups failed ({type(err).__name__}: {err}); destroying them")
+        return False
+    logger.info("process groups aborted")
+    return True

@@ -391,6 +391,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args.validate(launch.world_size, launch.local_world_size)  # every config error, before any process group
     preemption = PreemptionFlag()  # from here on: handlers only set a flag, students agree on it each step
     check_no_sigterm_held()  # a SIGTERM while we checked: torchrun stopping the job, another rank failed
+    failure: Optional[BaseException] = None  # an exceptional exit aborts the process groups (clean_up)
     try:
         topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir)
         init_logger(topo.global_rank, topo.role, str(RunDir(args.dump_dir).rank_log(topo.global_rank)))
@@ -408,9 +409,12 @@ def main(argv: Optional[list[str]] = None) -> None:
             preemption.ignore_further()
             if topo.distributed:
                 torch.distributed.barrier(group=torch.distributed.group.WORLD)  # everyone ends together
+    except BaseException as err:
+        failure = err
+        raise
     finally:
         preemption.ignore_further()  # a launcher's SIGTERM while we leave would only cut the exit short
-        clean_up()
+        clean_up(failure)
 
 
 if __name__ == "__main__":
