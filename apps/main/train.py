@@ -20,6 +20,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -99,6 +100,9 @@ class TrainArgs:
         require(self.steps >= 1, "steps", self.steps, "train for at least one step")
         require(self.grad_acc_steps >= 1, "grad_acc_steps", self.grad_acc_steps, "use 1 (no accumulation) or more")
         require(bool(self.dump_dir), "dump_dir", self.dump_dir, "name the folder for logs, metrics and checkpoints")
+        blocking = next((p for p in (Path(self.dump_dir), *Path(self.dump_dir).parents) if p.exists()), None)
+        require(blocking is None or blocking.is_dir(), "dump_dir", self.dump_dir,
+                f"{blocking} is a file, not a folder; point dump_dir at a folder (it is created when missing)")
         for key in ("probe_freq", "exit_after_steps"):
             value = getattr(self, key)
             require(value is None or value >= 1, key, value, "use a positive number of steps, or null")
