@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 PEER_LOSS_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
                    "NCCL communicator was aborted", "failed to pass monitoredBarrier")
 # What they say when a collective's timeout ran out: gloo's send/recv, NCCL's watchdog and blocking wait.
-TIMEOUT_SIGNS = re.compile(r"Timed out waiting (\d+)ms|caught collective operation timeout|Timeout\(ms\)=(\d+)"
-                           r"|before timing out")
+TIMEOUT_SIGNS = re.compile(r"Timed out waiting \d+ms|caught collective operation timeout|before timing out")
+TIMEOUT_MS = re.compile(r"Timed out waiting (\d+)ms|Timeout\(ms\)=(\d+)")  # the timeout each of them reports
 FIND_PEER_S = 2.0  # how long a rank that lost a peer looks for its status file (shared filesystems lag)
 HEARTBEAT_S = 10.0  # a running rank rewrites its status at least this often (its watch thread does)
 STEP_NOTE_MIN_S = 2.0  # ... and when its step changed, at most this often
@@ -61,7 +61,7 @@ def is_collective_timeout(err: Optional[BaseException]) -> bool:
 
 def timeout_seconds(err: BaseException) -> Optional[float]:
     """The timeout the backend reports in its message, in seconds (None when it does not say)."""
-    match = TIMEOUT_SIGNS.search(str(err))
+    match = TIMEOUT_MS.search(str(err))
     value = match and (match.group(1) or match.group(2))
     return int(value) / 1000 if value else None
 
@@ -107,8 +107,9 @@ def absent_reason(record: Optional[dict], group: str, my_seq: Optional[int], hos
     sequence number `my_seq` there, from the flight recorder), or None when it did or nothing says otherwise.
 
     Its last collective on `group` comes from its hang note or its final record (both written from its own
-    flight recorder): at or past `my_seq`, it arrived. Otherwise: it ended, its process is gone or stopped
-    (on this host), it is behind on `group`, or its heartbeat stopped (any host)."""
+    flight recorder): at or past `my_seq`, it arrived. Otherwise: it failed or finished, its process is gone or
+    stopped (on this host), it is behind on `group`, or its heartbeat stopped (any host). A rank that gave up
+    waiting itself (lost_peer, timed_out) is absent only if its record shows it behind."""
     if record is None:
         return "it has no status file"
     seen = (record.get("collectives") or {}).get(group)
@@ -119,17 +120,15 @@ def absent_reason(record: Optional[dict], group: str, my_seq: Optional[int], hos
         return "it failed first"
     if state == "done":
         return "it had finished"
-    if state in ("lost_peer", "timed_out"):
-        return f"it stopped first ({state.replace('_', ' ')})"
-    process = process_state(record, host)
+    process = process_state(record, host) if state == "running" else None
     if process in ("gone", "stopped"):
         return f"its process is {process}"
     if seen is not None and my_seq is not None:
-        where = (record.get("stuck") or {}).get("where")
+        where = (record.get("stuck") or {}).get("where") if state == "running" else None
         return f"its last collective on {group} is #{seen['seq']}, this rank's #{my_seq}" + (
             f"; it is busy in {where}" if where else "")
     heartbeat = record.get("heartbeat")
-    if process is None and heartbeat is not None and now - heartbeat > STALE_HEARTBEAT_S:
+    if state == "running" and process is None and heartbeat is not None and now - heartbeat > STALE_HEARTBEAT_S:
         return f"no heartbeat for {now - heartbeat:.0f}s"
     return None
 
@@ -171,27 +170,42 @@ def timeout_sentence(step: Optional[int], group: Optional[str], op: Optional[str
     return f"{where}{waited} waiting for rank{'s' if len(missing) > 1 else ''} {who}; {logs}"
 
 
-def first_stopped(records: dict[int, Optional[dict]], host: str) -> Optional[tuple[int, str]]:
-    """(rank, how the others saw it) of the rank that stopped first, from status records: one that ranks timed
-    out waiting for (the earliest such record), else the earliest that recorded a failure, else one on `host`
-    whose process is gone while its record still says running (SIGKILL, out of memory); None if none."""
+def named_by_timeouts(records: dict[int, Optional[dict]]) -> Optional[tuple[int, str]]:
+    """(rank, how) of the rank that ranks timed out waiting for (the earliest such record), or None."""
     named = sorted((rec["time"], missing[0], rec) for rec in records.values()
                    if rec and rec["state"] == "timed_out" for missing in rec.get("missing") or [])
-    if named:
-        _, rank, rec = named[0]
-        waiting = sorted(r for r, other in records.items() if other and other["state"] == "timed_out"
-                         and any(m[0] == rank for m in other.get("missing") or []))
-        at = f" at step {rec['step']}" if rec.get("step") is not None else ""
-        return rank, (f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} timed out "
-                      f"waiting for it on {(rec.get('collective') or {}).get('group', '?')}{at}")
+    if not named:
+        return None
+    _, rank, rec = named[0]
+    waiting = sorted(r for r, other in records.items() if other and other["state"] == "timed_out"
+                     and any(m[0] == rank for m in other.get("missing") or []))
+    at = f" at step {rec['step']}" if rec.get("step") is not None else ""
+    return rank, (f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} timed out waiting for it "
+                  f"on {(rec.get('collective') or {}).get('group', '?')}{at}")
+
+
+def first_failed(records: dict[int, Optional[dict]]) -> Optional[tuple[int, str]]:
+    """(rank, how) of the earliest rank that recorded a failure of its own, or None."""
     failed = sorted((rec["time"], r) for r, rec in records.items() if rec and rec["state"] == "failed")
-    if failed:
-        return failed[0][1], "it failed"
-    gone = [r for r, rec in sorted(records.items()) if rec and rec["state"] == "running"
-            and process_state(rec, host) == "gone"]
-    if gone:
-        return gone[0], "its process is gone"
-    return None
+    return (failed[0][1], "it failed") if failed else None
+
+
+def gone_while_running(records: dict[int, Optional[dict]], host: str) -> list[int]:
+    """Ranks whose record still says running while their process on `host` is gone (SIGKILL, out of memory, a
+    watchdog abort), the earliest heartbeat first."""
+    gone = [(rec.get("heartbeat") or rec["time"], r) for r, rec in records.items()
+            if rec and rec["state"] == "running" and process_state(rec, host) == "gone"]
+    return [r for _, r in sorted(gone)]
+
+
+def first_stopped(records: dict[int, Optional[dict]], host: str) -> Optional[tuple[int, str]]:
+    """(rank, how the others saw it) of the rank that stopped first, from status records: one that ranks timed
+    out waiting for, else the earliest that recorded a failure, else one on `host` whose process is gone while its
+    record still says running; None if none."""
+    found = named_by_timeouts(records) or first_failed(records)
+    if found is None and gone_while_running(records, host):
+        found = gone_while_running(records, host)[0], "its process is gone"
+    return found
 
 
 class RankStatus:
@@ -300,10 +314,12 @@ class RankStatus:
             sentence = f"this rank ({self.topo.role}) had stopped answering: {found[1]}"
         else:
             peer, how = found
-            sentence = (f"rank {peer} ({self.topo.plan.role(peer)}) stopped"
-                        + (f" ({how})" if how.startswith("rank") else "") + f"; its log is {self.run_dir.rank_log(peer)}")
+            seen = f" ({how})" if how.startswith("rank") else ""  # "ranks 0, 1 timed out waiting for it on ..."
+            log = self.run_dir.rank_log(peer)
+            sentence = f"rank {peer} ({self.topo.plan.role(peer)}) stopped{seen}; its log is {log}"
         logger.error(f"{sentence} (here: {backend[:300]})")  # the backend's words, for this rank's log
-        self.write("lost_peer", sentence, backend_error=backend[:2000])
+        self.write("lost_peer", sentence, backend_error=backend[:2000], step=self.current_step,
+                   peer=None if found is None else found[0])
         raise PeerStopped(sentence) from None
 
     def _timed_out(self, exc: BaseException) -> None:
@@ -314,20 +330,20 @@ class RankStatus:
         if self.debug:
             logger.error("the collective that timed out", exc_info=exc)
         backend = one_line(str(exc))
-        named = self.first_stopped(wait_s=0)
-        if named is not None and named[0] == self.topo.global_rank:  # the others timed out waiting for this rank
-            sentence = f"this rank ({self.topo.role}) had stopped answering: {named[1]}"
-            logger.error(f"{sentence} (here: {backend[:300]})")
-            self.write("timed_out", sentence, backend_error=backend[:2000])
-            raise CollectiveTimeout(sentence) from None
         if self.traces:
             flight_recorder.write_trace(self.topo, self.run_dir.root, "collective timeout")
         mine = flight_recorder.last_collectives(flight_recorder.snapshot(self.topo.backend), self.topo)
-        groups = self.topo.group_members()
-        group, missing = diagnose_timeout(self.topo.global_rank, groups, mine, self.others(), self.topo.hostname,
-                                          time.time())
+        group, missing = diagnose_timeout(self.topo.global_rank, self.topo.group_members(), mine, self.others(),
+                                          self.topo.hostname, time.time())
+        named = None if missing else self.first_stopped(wait_s=0)
+        if named is not None and named[0] == self.topo.global_rank:  # the others timed out waiting for this rank
+            sentence = f"this rank ({self.topo.role}) had stopped answering: {named[1]}"
+            logger.error(f"{sentence} (here: {backend[:300]})")
+            self.write("timed_out", sentence, backend_error=backend[:2000], collectives=mine)
+            raise CollectiveTimeout(sentence) from None
         last = mine.get(group)
-        op = f"{last['op']} #{last['seq']}" if last else (last_logged_collective(group) if group else None)
+        ours = last_logged_collective(group) if group and not last else None  # no flight recorder on this torch
+        op = f"{last['op']} #{last['seq']}" if last else (f"the last of ours there: {ours}" if ours else None)
         step = self.current_step
         roles = {r: self.topo.plan.role(r) for r in range(self.topo.world_size)}
         sentence = timeout_sentence(step, group, op, timeout_seconds(exc), missing, roles, self.run_dir)

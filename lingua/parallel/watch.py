@@ -30,6 +30,7 @@ from lingua.parallel import flight_recorder
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.5
+JOIN_S = 10.0  # how long the way out waits for a dump in progress (before the process group goes)
 _active: Optional["RankWatch"] = None  # the running watch, for HangWatch.arm / cancel
 
 
@@ -111,7 +112,7 @@ class RankWatch:
         global _active
         _active = None
         self.stopping.set()
-        self.thread.join(timeout=5 * POLL_S)
+        self.thread.join(timeout=JOIN_S)
         signal.set_wakeup_fd(self.previous_wakeup_fd)
         os.close(self.wake_read)
         os.close(self.wake_write)
@@ -123,6 +124,8 @@ class RankWatch:
             self._fire(describe_frame(innermost.tb_frame if innermost is not None else None))
 
     def _run(self) -> None:
+        if self.traces:  # torch's first dump with stacks takes seconds (symbols): pay it now, not during a hang
+            flight_recorder.snapshot(self.topo.backend, stack_traces=True)
         while not self.stopping.is_set():
             ready, _, _ = select.select([self.wake_read], [], [], POLL_S)
             try:
