@@ -11,7 +11,9 @@ collective each group was in (`last_collectives`), whatever the debug switch.
 
 The analyzer needs each dump's `pg_config` (group id -> name, ranks); torch fills it for NCCL only, so
 `write_trace` fills it from the Topology's groups, and drops entries of groups it does not know (under
-TORCH_DISTRIBUTED_DEBUG=DETAIL, the wrapper's own check groups) which the analyzer would refuse.
+TORCH_DISTRIBUTED_DEBUG=DETAIL, the wrapper's own check groups) which the analyzer would refuse. Our dumps leave
+out each collective's Python stack: torch symbolizes it the first time in seconds (tens on a loaded machine), too
+slow at the moment of a hang; the hang note and the rank log say where each rank is.
 """
 
 import logging
@@ -39,14 +41,14 @@ def _dump_function(backend: str):
     return getattr(c10d, "_dump_fr_trace", None)
 
 
-def snapshot(backend: str, stack_traces: bool = False) -> Optional[dict]:
+def snapshot(backend: str) -> Optional[dict]:
     """This rank's flight recorder as torch dumps it (`entries`, `pg_config`, `pg_status`, ...), or None when
     this torch has no recorder for `backend` or it is switched off (TORCH_FR_BUFFER_SIZE=0)."""
     dump = _dump_function(backend)
     if dump is None:
         return None
     try:
-        raw = dump(includeCollectives=True, includeStackTraces=stack_traces, onlyActive=False)
+        raw = dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)
         return pickle.loads(raw) if raw else None
     except Exception as err:  # a diagnostic must never become the failure
         logger.warning(f"reading the flight recorder failed: {type(err).__name__}: {err}")
@@ -80,7 +82,7 @@ def last_collectives(record: Optional[dict], topo) -> dict[str, dict]:
 def write_trace(topo, dump_dir, reason: str) -> Optional[Path]:
     """Write this rank's flight recorder to `<dump_dir>/comm_traces/rank_<r>` (atomically) for the analyzer.
     Returns the path, or None when there is nothing to write (a torch without a recorder for this backend)."""
-    record = snapshot(topo.backend, stack_traces=True)
+    record = snapshot(topo.backend)
     if record is None:
         logger.warning(f"no flight recorder on this torch for {topo.backend}: no comm_traces/{TRACE_PREFIX}"
                        f"{topo.global_rank} ({reason})")

@@ -124,8 +124,6 @@ class RankWatch:
             self._fire(describe_frame(innermost.tb_frame if innermost is not None else None))
 
     def _run(self) -> None:
-        if self.traces:  # torch's first dump with stacks takes seconds (symbols): pay it now, not during a hang
-            flight_recorder.snapshot(self.topo.backend, stack_traces=True)
         while not self.stopping.is_set():
             ready, _, _ = select.select([self.wake_read], [], [], POLL_S)
             try:
