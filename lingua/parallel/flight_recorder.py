@@ -48,7 +48,7 @@ def snapshot(backend: str) -> Optional[dict]:
     if dump is None:
         return None
     try:
-        raw = dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)
+        raw = dump(True, False, False)  # collectives, no stacks, not only the active ones (positional on every torch)
         return pickle.loads(raw) if raw else None
     except Exception as err:  # a diagnostic must never become the failure
         logger.warning(f"reading the flight recorder failed: {type(err).__name__}: {err}")

@@ -245,6 +245,8 @@ class RankStatus:
                 return
             self.state = state
             self.fields.update(fields)
+            if self.current_step is not None:  # every write carries the freshest step
+                self.fields["step"] = self.current_step
             rank = self.topo.global_rank
             record = dict(rank=rank, role=self.topo.role, host=self.topo.hostname, pid=self.pid,
                           started=self.started, state=state, error=error, time=time.time(), **self.fields)
@@ -259,7 +261,7 @@ class RankStatus:
         """From the watch thread: the step and a fresh time, every HEARTBEAT_S, or STEP_NOTE_MIN_S after a new step."""
         since, step = time.monotonic() - self.last_write, self.current_step
         if since >= HEARTBEAT_S or (step != self.fields.get("step") and since >= STEP_NOTE_MIN_S):
-            self.write("running", step=step, heartbeat=time.time())
+            self.write("running", heartbeat=time.time())
 
     def note_stuck(self, note: dict, collectives: dict) -> None:
         """From the watch thread, when a step runs long: where this rank is and its last collective per group."""
@@ -318,9 +320,21 @@ class RankStatus:
             log = self.run_dir.rank_log(peer)
             sentence = f"rank {peer} ({self.topo.plan.role(peer)}) stopped{seen}; its log is {log}"
         logger.error(f"{sentence} (here: {backend[:300]})")  # the backend's words, for this rank's log
-        self.write("lost_peer", sentence, backend_error=backend[:2000], step=self.current_step,
-                   peer=None if found is None else found[0])
+        mine = self._last_collectives()
+        # Where this rank lost it: its last collective on a group that holds the stopped rank (any group if unknown).
+        holding = [name for name, ranks in self.topo.group_members().items()
+                   if name in mine and (found is None or found[0] in ranks)]
+        group = max(holding, key=lambda name: mine[name]["started"], default=None)
+        collective = dict(group=group, op=f"{mine[group]['op']} #{mine[group]['seq']}") if group else None
+        self.write("lost_peer", sentence, backend_error=backend[:2000], collectives=mine,
+                   collective=collective, peer=None if found is None else found[0])
         raise PeerStopped(sentence) from None
+
+    def _last_collectives(self) -> dict[str, dict]:
+        """This rank's last collective per group, from its flight recorder ({} without one)."""
+        from lingua.parallel import flight_recorder  # torch-side; status files are read without it too
+
+        return flight_recorder.last_collectives(flight_recorder.snapshot(self.topo.backend), self.topo)
 
     def _timed_out(self, exc: BaseException) -> None:
         """A collective timed out: the sentence naming group, absent ranks and step; raises CollectiveTimeout."""
@@ -332,7 +346,7 @@ class RankStatus:
         backend = one_line(str(exc))
         if self.traces:
             flight_recorder.write_trace(self.topo, self.run_dir.root, "collective timeout")
-        mine = flight_recorder.last_collectives(flight_recorder.snapshot(self.topo.backend), self.topo)
+        mine = self._last_collectives()
         group, missing = diagnose_timeout(self.topo.global_rank, self.topo.group_members(), mine, self.others(),
                                           self.topo.hostname, time.time())
         named = None if missing else self.first_stopped(wait_s=0)
@@ -348,6 +362,6 @@ class RankStatus:
         roles = {r: self.topo.plan.role(r) for r in range(self.topo.world_size)}
         sentence = timeout_sentence(step, group, op, timeout_seconds(exc), missing, roles, self.run_dir)
         logger.error(f"{sentence} (here: {backend[:300]})")
-        self.write("timed_out", sentence, backend_error=backend[:2000], collectives=mine, step=step,
+        self.write("timed_out", sentence, backend_error=backend[:2000], collectives=mine,
                    collective=dict(group=group, op=op), missing=[[rank, why] for rank, why in missing])
         raise CollectiveTimeout(sentence) from None

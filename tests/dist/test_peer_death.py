@@ -104,6 +104,8 @@ def test_a_sigkilled_student_is_named_by_the_others_on_its_host(corpus, tiny_tea
     assert (rows[1]["state"], rows[1]["process"]) == ("running", "gone")
     assert [rows[r]["state"] for r in (0, 2)] == ["lost_peer", "lost_peer"]
     assert 1 <= rows[1]["step"] <= rows[0]["step"] and rows[2]["step"] is None, rows  # teachers count no steps
+    # Where each survivor lost it: a collective of a group that holds rank 1 (the teacher's only one is the bridge).
+    assert rows[0]["stuck_in"]["group"] in ("train", "bridge_0") and rows[2]["stuck_in"]["group"] == "bridge_0", rows
     assert "first to fail: rank 1 (student): ranks 0, 2 lost it" in text
     assert f"rank 0: rank 1 (student) stopped; its log is {RunDir(dump).rank_log(1)}" in text
 

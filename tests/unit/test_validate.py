@@ -131,10 +131,20 @@ def test_a_launchers_sigterm_during_the_config_check_waits_for_this_ranks_own_se
 # ---------------------------------------------------------------- a peer rank dies
 
 class FakeTopo:
+    """What RankStatus reads of a Topology; no process groups (so no collectives in its flight recorder)."""
+
+    backend = "gloo"
+
     def __init__(self, rank: int, world_size: int = 3, hostname: str = "here"):
         self.global_rank, self.hostname = rank, hostname
         self.plan = LaunchPlan(world_size, world_size, n_teachers=1)
         self.world_size, self.role = world_size, self.plan.role(rank)
+
+    def all_groups(self) -> list:
+        return []
+
+    def group_members(self) -> dict:
+        return {}
 
 
 def test_peer_loss_is_recognised_through_the_exception_chain():
