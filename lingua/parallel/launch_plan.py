@@ -77,13 +77,8 @@ class DistributedArgs:
 
     @property
     def traces(self) -> bool:
-        """Flight recorder dumps into <dump_dir>/comm_traces and per-collective logs (debug=trace or true)."""
+        """Flight recorder dumps into <dump_dir>/comm_traces (debug=trace or true)."""
         return self.debug_mode in ("trace", "true")
-
-    @property
-    def detail(self) -> bool:
-        """TORCH_DISTRIBUTED_DEBUG=DETAIL: every collective checked against the other ranks' (debug=detail or true)."""
-        return self.debug_mode in ("detail", "true")
 
 
 @dataclass(frozen=True)

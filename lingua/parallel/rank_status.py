@@ -34,7 +34,6 @@ FIND_PEER_S = 2.0  # how long a rank that lost a peer looks for its status file 
 HEARTBEAT_S = 10.0  # a running rank rewrites its status at least this often (its watch thread does)
 STEP_NOTE_MIN_S = 2.0  # ... and when its step changed, at most this often
 STALE_HEARTBEAT_S = 3 * HEARTBEAT_S  # no heartbeat for this long: the whole process froze (or its host went away)
-ENDED = ("failed", "lost_peer", "timed_out", "done")
 
 
 def _in_chain(err: Optional[BaseException], matches) -> bool:
@@ -274,6 +273,7 @@ class RankStatus:
             return None
 
     def others(self) -> dict[int, Optional[dict]]:
+        """Every other rank's status record (None where it has none yet)."""
         return {r: self.read(r) for r in range(self.topo.world_size) if r != self.topo.global_rank}
 
     def stopped_peer(self, wait_s: float = FIND_PEER_S) -> Optional[int]:

@@ -41,6 +41,7 @@ def arm(delay_s: float, timeout_s: float, step: Optional[int]) -> None:
 
 
 def cancel() -> None:
+    """Disarm the running watch's hang timer (the heartbeat goes on)."""
     if _active is not None:
         _active.deadline = None
 
@@ -77,6 +78,7 @@ def main_thread_at() -> str:
 
 
 def describe_collectives(collectives: dict[str, dict]) -> str:
+    """`group op #seq, ...` for a log line."""
     return ", ".join(f"{name} {c['op']} #{c['seq']}" for name, c in collectives.items()) or "none recorded"
 
 
