@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 PEER_LOSS_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
                    "NCCL communicator was aborted", "failed to pass monitoredBarrier")
 # What they say when a collective's timeout ran out: gloo's send/recv, NCCL's watchdog and blocking wait.
-TIMEOUT_SIGNS = re.compile(r"Timed out waiting \d+ms|caught collective operation timeout|before timing out")
+TIMEOUT_SIGNS = re.compile(r"Timed out waiting \d+ms|caught collective operation timeout|before timing out"
+                           r"|timed out in blocking wait")
 TIMEOUT_MS = re.compile(r"Timed out waiting (\d+)ms|Timeout\(ms\)=(\d+)")  # the timeout each of them reports
 FIND_PEER_S = 2.0  # how long a rank that lost a peer looks for its status file (shared filesystems lag)
 HEARTBEAT_S = 10.0  # a running rank rewrites its status at least this often (its watch thread does)

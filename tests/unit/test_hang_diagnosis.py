@@ -31,6 +31,8 @@ from lingua.rundir import RunDir
 ROOT = Path(__file__).resolve().parents[2]
 HOST = "here"
 GLOO_RECV = "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv operation to complete"
+NCCL_BLOCKING_WAIT = ("[Rank 0] Work WorkNCCL(SeqNum=15, OpType=SCATTER, NumelIn=0, NumelOut=5504, Timeout(ms)=20000) "
+                      "timed out in blocking wait.")
 NCCL_WATCHDOG = ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=15, OpType=SCATTER, "
                  "NumelIn=0, NumelOut=5504, Timeout(ms)=20000) ran for 20013 milliseconds before timing out.")
 GROUPS = {"world": [0, 1, 2], "train": [0, 1], "bridge_0": [0, 1, 2]}
@@ -61,7 +63,8 @@ def stopped_process():
 
 
 def test_the_timeout_signs_of_gloo_and_nccl_are_not_peer_losses():
-    for text, seconds in ((GLOO_RECV, 8), (GLOO_RECV.replace("recv", "send"), 8), (NCCL_WATCHDOG, 20)):
+    for text, seconds in ((GLOO_RECV, 8), (GLOO_RECV.replace("recv", "send"), 8), (NCCL_WATCHDOG, 20),
+                          (NCCL_BLOCKING_WAIT, 20)):
         assert is_collective_timeout(RuntimeError(text)) and not is_peer_loss(RuntimeError(text))
         assert timeout_seconds(RuntimeError(text)) == seconds
     closed = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:8612")
