@@ -114,6 +114,7 @@ class RankWatch:
         global _active
         _active = None
         self.stopping.set()
+        os.write(self.wake_write, b"\0")  # wakes the thread's select now, not at its next poll
         self.thread.join(timeout=JOIN_S)
         signal.set_wakeup_fd(self.previous_wakeup_fd)
         os.close(self.wake_read)
