@@ -4,7 +4,12 @@ Per request (`TeacherServer.serve`): receive (one gather of every student's `Req
 -> handle (check the headers agree, one forward over all rows under inference mode, each student's
 rows of sparse outputs written into its response buffer) -> reply (one scatter: a `ResponseStatus`
 then the outputs). Whatever fails while handling is answered too, as a status carrying the sentence,
-so students raise it instead of waiting for a timeout. The protocol itself is in `lingua/distillation/bridge.py`.
+so students raise it instead of waiting for a timeout. After a failure the teacher stays "errored": it
+answers every later request with the same status (no forward) until its students leave with ERROR or
+STOP, then raises. The students learn of the error only at their step's agreed point, so until then
+they still finish the step's micro-batches and hold requests posted ahead; a teacher that left at once
+would strand them (on NCCL until the watchdog fires, the sentence lost). The protocol itself is in
+`lingua/distillation/bridge.py`.
 
 Timing on CUDA: NCCL's blocking calls only order streams, the CPU returns at once. So the teacher's
 idle time ends when the headers reach the CPU and its busy time when its stream has run the forward.
@@ -13,7 +18,7 @@ idle time ends when the headers reach the CPU and its busy time when its stream 
 import contextlib
 import logging
 import time
-from typing import Optional
+from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,6 +36,7 @@ from lingua.distillation.bridge import (
     tokenizer_fingerprint,
 )
 from lingua.distillation.teacher import TeacherModel
+from lingua.errors import UserError
 from lingua.metrics import MemoryMonitor
 from lingua.parallel.collectives import log_collective
 from lingua.parallel.preemption import PreemptionFlag
@@ -38,6 +44,7 @@ from lingua.parallel.timeouts import HangWatch, set_collective_timeout
 
 logger = logging.getLogger(__name__)
 REPORT_EVERY_S = 30.0
+LEAVING = frozenset({Op.STOP, Op.ERROR})  # a student sending either has left its loop: it sends nothing more
 
 
 class ServingClock:
@@ -120,7 +127,7 @@ class TimeoutSwitch:
 
 
 class TeacherServer:
-    """Teacher side: load, handshake, then answer requests until every student sent STOP."""
+    """Teacher side: load, handshake, then answer requests until every student sent STOP (or ERROR)."""
 
     def __init__(self, args: DistillationArgs, topo, preemption: Optional[PreemptionFlag] = None,
                  inject_load_failure: bool = False, phases=None, attn_mask: str = "causal",
@@ -129,6 +136,7 @@ class TeacherServer:
         self.args, self.topo = args, topo
         self.inject_serve_failure_at = inject_serve_failure_at  # tests: fail while serving this step
         self.teacher: Optional[TeacherModel] = None
+        self.failure: Optional[Exception] = None  # the exception behind the last error status, if one raised
         record = HandshakeRecord("teacher", topo.global_rank, 0, 0, agreed_settings(args, attn_mask))
         start, start_wall = time.perf_counter(), time.time()
         try:
@@ -176,7 +184,8 @@ class TeacherServer:
         return self.clock.idle_s
 
     def serve(self, timeouts: Optional[tuple[float, float]] = None) -> None:
-        """Receive -> handle -> reply until STOP. Returns after a STOP; raises (after answering) on any error.
+        """Receive -> handle -> reply until STOP. Returns after a STOP; on any error, answers every request with
+        it until the students left (`_serve_errored`), then raises it.
 
         `timeouts` = (init, train) seconds for the `TimeoutSwitch`; None keeps the groups' timeout."""
         switch = TimeoutSwitch(self.topo, timeouts)
@@ -188,11 +197,10 @@ class TeacherServer:
             status, ops = self._handle(switch)
             self._reply(status)
             self.requests += 1
-            if not status.ok or ops == {Op.STOP}:
-                switch.cancel()
             if not status.ok:
-                raise TeacherError(status.message)
+                self._serve_errored(status, ops, switch)
             if ops == {Op.STOP}:
+                switch.cancel()
                 logger.info(f"STOP received after {self.requests - 1} requests; teacher busy "
                             f"{100 * self.clock.busy_fraction:.0f}% of the time")
                 return
@@ -204,6 +212,30 @@ class TeacherServer:
     def _receive(self) -> None:
         log_collective("gather request (teacher)", self.topo.bridge_group, self.request)
         dist.gather(self.request, self.gathered, dst=self.topo.global_rank, group=self.topo.bridge_group)
+
+    def _serve_errored(self, status: ResponseStatus, ops: set, switch: TimeoutSwitch) -> NoReturn:
+        """After a failure: every later request is answered with the same error `status` (no forward; the
+        outputs stay as they were, stale but valid) until the students leave, then the failure is raised.
+
+        A student sends ERROR (or STOP) only after completing every request it posted, and all students of a
+        bridge send it in the same round (they agreed on it), so none is left waiting when this rank leaves."""
+        answered = 0
+        while not ops & LEAVING:
+            switch.arm()
+            self._receive()
+            ops = {header.op for header in self._headers(self._students()).values()}
+            self._reply(status)
+            answered += 1
+        switch.cancel()
+        logger.info(f"answered {answered} more request(s) with the error, until the students left "
+                    f"({', '.join(sorted(Op(op).name for op in ops & LEAVING))})")
+        raise TeacherError(status.message) from self.failure
+
+    @staticmethod
+    def _headers(students) -> dict[int, RequestHeader]:
+        """Each student's request header; one copy to the CPU for all (on NCCL: where the wait really ends)."""
+        rows = torch.stack([buf[:HEADER_INTS] for _, buf in students]).tolist()
+        return {rank: RequestHeader.from_ints(row) for (rank, _), row in zip(students, rows)}
 
     def _students(self) -> list[tuple[int, torch.Tensor]]:
         """(global rank, gathered request buffer) of each student, in bridge order."""
@@ -217,11 +249,9 @@ class TeacherServer:
         students = self._students()
         arrived, ops, step, error, peak_bytes = False, set(), None, None, 0
         try:
-            # One copy to the CPU for all headers; on NCCL this is where the wait for the request really ends.
-            rows = torch.stack([buf[:HEADER_INTS] for _, buf in students]).tolist()
+            headers = self._headers(students)
             self.clock.request_arrived()
             arrived = True
-            headers = {rank: RequestHeader.from_ints(row) for (rank, _), row in zip(students, rows)}
             ops = {h.op for h in headers.values()}
             step = headers[students[0][0]].step
             switch.observe(all(h.in_training for h in headers.values()), Op.STOP in ops)
@@ -234,6 +264,9 @@ class TeacherServer:
         except Exception as err:
             where = "a request" if step is None else f"step {step}"
             error, peak_bytes = f"teacher failed serving {where}: {type(err).__name__}: {err}", 0
+            self.failure = err
+            if not isinstance(err, UserError):  # a bug (ours, a library's, the device's): its traceback stays here
+                logger.error(error, exc_info=err)
         if not arrived:
             self.clock.request_arrived()
         self.clock.worked()
