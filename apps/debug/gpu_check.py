@@ -2,11 +2,12 @@
 
     bash setup/gpu_check.sh                 # or: python -m apps.debug.gpu_check [extra pytest arguments]
 
-Runs every test marked `cuda` (tests/gpu: CUDA-event step timing, flex attention for document masks, the fused
-loss's fp32 accumulation, the teacher loaded onto its GPU, no host sync per micro-batch under
+Runs every test marked `cuda` under tests/ (tests/gpu: CUDA-event step timing, flex attention for document masks,
+the fused loss's fp32 accumulation, the teacher loaded onto its GPU, no host sync per micro-batch under
 `torch.cuda.set_sync_debug_mode`, the NCCL KD run against the gloo one, a teacher failure ending every rank, a
-flight-recorder dump on a hang) and prints one row per check: passed, FAILED or skipped with the reason (a check
-that needs 2 GPUs skips on one). Exit status 0 when every check that ran passed and at least one ran, else 1.
+flight-recorder dump on a hang; and those beside the CPU tests, e.g. the teacher-wait clock's CUDA events) and
+prints one row per check: passed, FAILED or skipped with the reason (a check that needs 2 GPUs skips on one).
+Exit status 0 when every check that ran passed and at least one ran, else 1.
 """
 
 import sys
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKS = ROOT / "tests" / "gpu"
+CHECKS = ROOT / "tests"  # every test marked cuda, wherever it lives
 
 
 class CheckTable:

@@ -85,8 +85,9 @@ def auto_chunk_rows(vocab_size: int, format: Optional[str], device: Union[str, t
 
 @functools.lru_cache(maxsize=None)
 def accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this device adds a `dtype` GEMM into an fp32 tensor in one call (`torch.addmm(..., out_dtype=
-    torch.float32, out=acc)`): CUDA for fp16/bf16 from torch 2.10 on; not CPU. A tiny probe, once per device."""
+    """Whether this device adds a `dtype` GEMM into an fp32 tensor in one call (`torch.addmm(acc, ..., out_dtype=
+    torch.float32, out=acc)`): CUDA for fp16/bf16 where torch's kernel accepts an fp32 `acc` (older ones want it in
+    the inputs' dtype); not CPU. A tiny probe, once per device."""
     if dtype == torch.float32:
         return False
     acc = torch.zeros(2, 2, dtype=torch.float32, device=device)

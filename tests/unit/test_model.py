@@ -142,6 +142,28 @@ def test_auto_attention_is_flex_on_cuda_when_it_compiles(monkeypatch, caplog):
 
 
 @pytest.mark.timeout(10)
+@pytest.mark.skipif(flex_attention is None, reason="this torch build has no flex_attention")
+def test_heads_too_small_for_flex_use_sdpa_on_cuda_with_one_warning(monkeypatch, caplog):
+    """flex_attention's GPU kernels refuse heads under 16 dimensions (tiny test models have 8): auto and an explicit
+    flex fall back to the masked SDPA path with a warning, instead of failing in the first forward."""
+    import importlib.util
+
+    from lingua import transformer
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: real_find_spec("json") if name == "triton" else real_find_spec(name, *a))
+    transformer._warn_once.cache_clear()
+    cuda = torch.device("cuda")  # a device object only; no GPU needed
+    with caplog.at_level("WARNING", logger="lingua.transformer"):
+        assert resolve_attn_impl("auto", cuda, head_dim=16) == "flex"
+        assert [resolve_attn_impl(impl, cuda, head_dim=8) for impl in ("auto", "flex", "auto")] == ["sdpa"] * 3
+    warnings = [r.message for r in caplog.records]
+    assert len(warnings) == 1 and "at least 16 dimensions on GPU (this model has 8" in warnings[0], warnings
+    assert resolve_attn_impl("auto", torch.device("cpu"), head_dim=8) == "sdpa"
+
+
+@pytest.mark.timeout(10)
 def test_xformers_missing_falls_back_with_one_warning(monkeypatch, caplog):
     import importlib.util
 
