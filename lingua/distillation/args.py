@@ -1,4 +1,4 @@
-"""Distillation settings, the error every bridge member reports alike, and a map of the pieces.
+"""Distillation settings and a map of the pieces.
 
 A distillation job splits its ranks into students and teachers (`lingua/parallel/launch_plan.py`). The pieces:
 
@@ -20,7 +20,6 @@ import torch
 from lingua.args import require
 from lingua.distillation.divergences import DIVERGENCES
 from lingua.distillation.outputs import FORMATS
-from lingua.errors import UserError
 from lingua.parallel.launch_plan import teacher_rank_count
 
 MAX_PREFETCH = 2  # requests ahead; more only holds more response buffers without hiding more
@@ -28,10 +27,6 @@ WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.floa
 TEACHER_DTYPES = ("auto", "bf16", "fp32", "fp16")
 SOURCES = ("online", "cache")
 ALPHA_SCHEDULES = ("constant", "lr")
-
-
-class TeacherError(UserError, RuntimeError):
-    """A teacher-side failure every bridge member reports in the same words (load, request, forward)."""
 
 
 @dataclass

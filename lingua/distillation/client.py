@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lingua.distillation.args import DistillationArgs, TeacherError
+from lingua.distillation.args import DistillationArgs
 from lingua.distillation.bridge import (
     BAD_TOKENS_FIELD,
     HEADER_INTS,
@@ -33,9 +33,11 @@ from lingua.distillation.bridge import (
     ResponseStatus,
     agreed_handshake,
     agreed_settings,
+    teacher_failure,
     tokenizer_fingerprint,
 )
 from lingua.distillation.outputs import TeacherOutputs
+from lingua.errors import PeerStopped
 from lingua.parallel.collectives import log_collective
 
 logger = logging.getLogger(__name__)
@@ -238,8 +240,9 @@ class TeacherClient:
         for record, step in self.checked:
             status = ResponseStatus.unpack(record)  # the message is decoded only here, on the error path
             if not status.ok:
-                raise TeacherError(f"Teacher rank {self.teacher_rank} failed at step {step}: {status.message}")
-        raise TeacherError("a teacher in another bridge failed; its students' logs name the reason")
+                raise teacher_failure(f"Teacher rank {self.teacher_rank} failed at step {step}: {status.message}",
+                                      status.bug)
+        raise PeerStopped("a teacher in another bridge failed; its students' logs name the reason")
 
     def mark_first_step_done(self) -> None:
         """This launch's first step is over: later requests let the teacher switch to the training timeout."""
@@ -260,5 +263,5 @@ class TeacherClient:
         self.stopped = True
         status = ResponseStatus.unpack(handle.response[:RECORD_BYTES])
         if not status.ok and not error:
-            raise TeacherError(f"Teacher rank {self.teacher_rank} reported at STOP: {status.message}")
+            raise teacher_failure(f"Teacher rank {self.teacher_rank} reported at STOP: {status.message}", status.bug)
         logger.info(f"sent STOP to teacher rank {self.teacher_rank} at step {step}")

@@ -65,7 +65,8 @@ class RankStatus:
     whose collective loses a peer (`is_peer_loss`) reads the others' files and raises `PeerStopped` naming
     the rank that stopped first: the earliest one that recorded a failure, else one on this host whose
     process is gone (SIGKILL, out of memory), else "a peer rank". Its own traceback, which only shows where
-    it was waiting, is logged with `distributed.debug=true`.
+    it was waiting, is logged with `distributed.debug=true`. A rank that raises `PeerStopped` itself (its
+    teacher hit a bug) records `lost_peer` as well: it is never the one named.
     """
 
     def __init__(self, dump_dir: str, topo, debug: bool = False):
@@ -113,6 +114,9 @@ class RankStatus:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is None:
             self.write("done")
+            return
+        if isinstance(exc, PeerStopped):  # another rank failed first and this one already says which
+            self.write("lost_peer", one_line(str(exc)))
             return
         if not is_peer_loss(exc):
             self.write("failed", one_line(f"{type(exc).__name__}: {exc}"))

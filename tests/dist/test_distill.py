@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from apps.bench import distill as bench
-from lingua.rundir import read_metrics, train_rows
+from lingua.rundir import RunDir, read_metrics, train_rows
 from tests.runs import assert_ok, distill_overrides, rank_exit_codes, signal_ranks, torchrun
 
 
@@ -95,8 +95,8 @@ def test_truncated_teacher_weights_fail_fast_on_every_rank_naming_the_fix(corpus
     # The students' tokenizer comes from the same directory (its tokenizer files are intact), as in a real config.
     # Within the 60 s launch limit, far below the 300 s init timeout a missed handshake would wait for.
     result = torchrun(3, distill_overrides(corpus, damaged, tmp_path / "run", steps=3), timeout=60)
-    assert result.returncode != 0
-    sentence = (f"Teacher rank 2 failed to load: ValueError: teacher directory '{damaged}' could not be loaded "
+    assert rank_exit_codes(result.stdout) == {0: 2, 1: 2, 2: 2}, result.stdout[-4000:]  # a user's error everywhere
+    sentence = (f"Teacher rank 2 failed to load: teacher directory '{damaged}' could not be loaded "
                 f"(SafetensorError: Error while deserializing header: ")
     fixes = (f"`python -m setup.prepare_teacher --out {damaged}`", f"`python -m setup.make_tiny_teacher --out {damaged}`")
     lines = [line for line in result.stdout.splitlines() if sentence in line and all(fix in line for fix in fixes)]
@@ -176,7 +176,7 @@ def test_teacher_and_students_disagreeing_on_settings_fail_at_the_handshake(tiny
                 "distillation.wire_dtype is bf16 on the teacher but fp32 on the student, distillation.temperature is "
                 "1.0 on the teacher but 2.0 on the student; give every rank the same distillation settings")
     for rank in (0, 1, 2):
-        assert f"FAILED rank {rank}: ValueError: {sentence}" in out, out[-4000:]
+        assert f"FAILED rank {rank}: ConfigError: {sentence}" in out, out[-4000:]
 
 
 @pytest.mark.timeout(90)
@@ -184,8 +184,10 @@ def test_mismatched_request_headers_name_both_students(tiny_teacher):
     out = protocol_error_run(tiny_teacher, "headers")
     sentence = "students sent mismatched requests (rank 0: op=FORWARD step=1 micro_step=0; " \
                "rank 1: op=FORWARD step=2 micro_step=0)"
-    for rank in (0, 1, 2):  # both students and the teacher say it
-        assert f"FAILED rank {rank}: TeacherError: " in out, out[-4000:]
+    # Students that disagree are our bug: the teacher raises it, the students stop naming the teacher.
+    assert "FAILED rank 2: RuntimeError: " in out, out[-4000:]
+    for rank in (0, 1):
+        assert f"FAILED rank {rank}: PeerStopped: Teacher rank 2 failed at step 1: " in out, out[-4000:]
     assert out.count(sentence) == 3, out[-4000:]
 
 
@@ -202,11 +204,12 @@ def test_out_of_range_token_ids_are_refused_by_the_teacher_on_every_rank(tiny_te
 @pytest.mark.timeout(90)
 def test_a_teacher_failure_outside_the_forward_still_reaches_every_student(tiny_teacher):
     out = protocol_error_run(tiny_teacher, "serve_failure")
-    sentence = ("teacher failed serving step 1: OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB "
-                "(injected)")
-    for rank in (0, 1, 2):  # the students got the teacher's answer: an error, not a wait for the watchdog
-        assert f"FAILED rank {rank}: TeacherError: " in out, out[-4000:]
-    assert out.count(sentence) == 3, out[-4000:]
+    error = "OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB (injected)"
+    # Not a user's error: the teacher raises the original (its traceback), the students name the teacher.
+    assert f"FAILED rank 2: {error}" in out, out[-4000:]
+    for rank in (0, 1):  # the students got the teacher's answer: an error, not a wait for the watchdog
+        assert f"FAILED rank {rank}: PeerStopped: Teacher rank 2 failed at step 1: teacher failed serving step 1: " \
+               f"{error}" in out, out[-4000:]
 
 
 @pytest.mark.timeout(150)
@@ -230,8 +233,12 @@ def test_one_teacher_failing_to_load_stops_every_bridge(corpus, tiny_teacher, tm
     assert time.time() - start < 45
     # Rank 3 (teacher 1) failed; rank 2's bridge (teacher 0 + student 0) hears it through the world verdicts.
     assert result.stdout.count("injected teacher load failure") >= 4, result.stdout[-4000:]
-    assert result.stdout.count("the handshake failed in another bridge (rank 3): TeacherError: Teacher rank 3 "
-                               "failed to load") == 2, result.stdout[-4000:]
+    assert result.stdout.count("the handshake failed in another bridge (rank 3): Teacher rank 3 failed to load: "
+                               "RuntimeError: injected teacher load failure") == 2, result.stdout[-4000:]
+    # Not a user's error: rank 3 raises it with its traceback, every other rank stops naming it (exit 1 all).
+    assert rank_exit_codes(result.stdout) == {0: 1, 1: 1, 2: 1, 3: 1}, result.stdout[-4000:]
+    assert re.search(r"Traceback \(most recent call last\)(.|\n)*RuntimeError: injected teacher load failure",
+                     result.stdout), result.stdout[-4000:]
 
 
 @pytest.mark.timeout(90)
@@ -307,11 +314,15 @@ def test_a_teacher_failing_mid_run_is_one_sentence_on_every_rank(corpus, tiny_te
                                            inject_failure="teacher_serve:0@3"), timeout=90)
     assert result.returncode != 0
     assert time.time() - start < 60
+    teacher_log = RunDir(tmp_path / "run").rank_log(2)
     sentence = ("Teacher rank 2 failed at step 3: teacher failed serving step 3: RuntimeError: injected teacher "
-                "failure (inject_failure=teacher_serve:...)")
-    # Agreed at step 3's control point: both students raise it (the teacher raises its own words).
+                f"failure (inject_failure=teacher_serve:...); its traceback is in {teacher_log}")
+    # Agreed at step 3's control point: both students raise it (the teacher raises its own error).
     assert result.stdout.count(f"error: {sentence}") == 2, result.stdout[-4000:]
     assert sorted(train_rows(tmp_path / "run")) == [1, 2]
+    # Not a user's error: the teacher keeps the original traceback (console and log), every rank exits 1.
+    assert rank_exit_codes(result.stdout) == {0: 1, 1: 1, 2: 1}, result.stdout[-4000:]
+    assert re.search(r'File ".*/lingua/distillation/server\.py", line \d+, in _handle', teacher_log.read_text())
 
 
 @pytest.mark.timeout(300)
