@@ -186,8 +186,8 @@ def test_mismatched_request_headers_name_both_students(tiny_teacher):
                "rank 1: op=FORWARD step=2 micro_step=0)"
     # Students that disagree are our bug: the teacher raises it, the students stop naming the teacher.
     assert "FAILED rank 2: RuntimeError: " in out, out[-4000:]
-    for rank in (0, 1):
-        assert f"FAILED rank {rank}: PeerStopped: Teacher rank 2 failed at step 1: " in out, out[-4000:]
+    for rank in (0, 1):  # each names the step of its own request
+        assert f"FAILED rank {rank}: PeerStopped: Teacher rank 2 failed at step {1 + rank}: " in out, out[-4000:]
     assert out.count(sentence) == 3, out[-4000:]
 
 
