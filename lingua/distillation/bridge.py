@@ -62,6 +62,7 @@ class Failure(IntEnum):
 
 
 def failure_word(failed: bool, bug: bool) -> int:
+    """The `Failure` code of a record."""
     return Failure.NONE if not failed else Failure.BUG if bug else Failure.USER
 
 
@@ -143,9 +144,8 @@ class HandshakeRecord:
         settings = [encode(self.settings[name]) for name, _, encode, _ in AGREED_SETTINGS]
         heldout = _float_bits(float("nan") if self.heldout_ce is None else self.heldout_ce)
         return pack_record([self.ROLES.index(self.role), failure_word(not self.loaded, self.bug), self.vocab,
-                            self.tokenizer_fingerprint,
-                            self.max_positions, self.max_bsz, self.max_seqlen, self.global_rank, *settings, heldout],
-                           self.message)
+                            self.tokenizer_fingerprint, self.max_positions, self.max_bsz, self.max_seqlen,
+                            self.global_rank, *settings, heldout], self.message)
 
     @classmethod
     def unpack(cls, record: torch.Tensor) -> "HandshakeRecord":
@@ -153,9 +153,8 @@ class HandshakeRecord:
         settings = {name: decode(value) for (name, _, _, decode), value in zip(AGREED_SETTINGS, rest)}
         heldout = _bits_float(rest[len(AGREED_SETTINGS)])
         return cls(cls.ROLES[role], rank, vocab, fingerprint, settings, loaded=not failed, bug=failed == Failure.BUG,
-                   max_positions=max_pos,
-                   max_bsz=max_bsz, max_seqlen=max_seqlen, heldout_ce=None if heldout != heldout else heldout,
-                   message=record_message(record) if failed else "")
+                   max_positions=max_pos, max_bsz=max_bsz, max_seqlen=max_seqlen,
+                   heldout_ce=None if heldout != heldout else heldout, message=record_message(record) if failed else "")
 
 
 @dataclass
@@ -171,8 +170,8 @@ class ResponseStatus:
     bug: bool = False  # the error is a bug on the teacher, not a user error
 
     def pack(self, pin: bool = False) -> torch.Tensor:
-        return pack_record([failure_word(not self.ok, self.bug), int(self.teacher_preempt), int(self.busy_s * 1e6), int(self.idle_s * 1e6),
-                            self.peak_bytes], self.message, pin)
+        return pack_record([failure_word(not self.ok, self.bug), int(self.teacher_preempt), int(self.busy_s * 1e6),
+                            int(self.idle_s * 1e6), self.peak_bytes], self.message, pin)
 
     @classmethod
     def unpack(cls, record: torch.Tensor) -> "ResponseStatus":
