@@ -17,6 +17,8 @@ import pytest
 from tests.bad_configs import BAD_CONFIGS, BadConfig
 from tests.runs import base_overrides, distill_overrides, rank_exit_codes, rank_outputs, torchrun
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 LAUNCHED = [bad for bad in BAD_CONFIGS if bad.launch]
 WORLD_SIZES = {"plain": 2, "distill": 3}
 LAUNCHES_AT_ONCE = 2  # on 2 cores: one launch's imports overlap the other's torchrun start-up and polling

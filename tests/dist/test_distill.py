@@ -12,6 +12,8 @@ from apps.bench import distill as bench
 from lingua.rundir import read_metrics, train_rows
 from tests.runs import assert_ok, distill_overrides, rank_exit_codes, signal_ranks, torchrun
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 
 @pytest.mark.timeout(300)
 def test_kd_training_resume_gradacc_probe_and_clean_stop(corpus, tiny_teacher, tmp_path):

@@ -10,6 +10,8 @@ import pytest
 from lingua.rundir import read_metrics, train_rows
 from tests.runs import assert_ok, distill_overrides, ranks_that_cleaned_up, signal_ranks, torchrun
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 SCENARIO_LIMIT_S = 60  # the bound for any scenario, startup included (they take 5-20 s on 2 cores)
 
 

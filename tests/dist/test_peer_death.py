@@ -11,6 +11,8 @@ import pytest
 from lingua.rundir import RunDir
 from tests.runs import distill_overrides, rank_exit_codes, rank_outputs, rank_pid, torchrun, wait_for_step
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 LIMIT_S = 60  # each scenario takes 15-30 s on 2 busy cores, startup included
 
 

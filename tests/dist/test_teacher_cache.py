@@ -15,6 +15,8 @@ from lingua.distillation.teacher import TeacherModel
 from lingua.distillation.cache import CacheManifest, read_shard, shard_metadata, shard_path
 from tests.runs import assert_ok, distill_overrides, torchrun
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 KEYS = ("loss/ce", "loss/kd", "loss/total", "kd/teacher_mass", "kd/top1_agreement", "optim/grad_norm")
 
 

@@ -15,6 +15,8 @@ from lingua.optim import OptimArgs
 from lingua.rundir import read_metrics, train_rows
 from tests.runs import assert_ok, base_overrides, signal_ranks, torchrun, wait_for_step, worker_pids
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 
 @pytest.mark.timeout(240)
 def test_two_rank_fsdp_loss_decreases(corpus, tmp_path):
