@@ -1,7 +1,6 @@
 """Plain training under torchrun on CPU/gloo (no teacher): FSDP, meshes, resume, probes, grad
 accumulation, preemption. Each run has a hard timeout: a hang fails the test."""
 
-import dataclasses
 import json
 import math
 import os
@@ -11,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from lingua.optim import OptimArgs
 from lingua.rundir import read_metrics, train_rows
 from tests.runs import assert_ok, base_overrides, signal_ranks, torchrun, wait_for_step, worker_pids
 
@@ -52,25 +50,6 @@ def test_four_ranks_as_2x2_mesh(corpus, tmp_path):
     for step in (1, 2, 3, 4):  # same loss, and the clipped norm is the global one across both mesh dims
         assert b[step]["loss/ce"] == pytest.approx(a[step]["loss/ce"], rel=1e-5), step
         assert b[step]["optim/grad_norm"] == pytest.approx(a[step]["optim/grad_norm"], rel=1e-4), step
-
-
-def test_bad_world_size_rejected_before_any_collective(corpus, tmp_path):
-    start = time.time()
-    result = torchrun(3, base_overrides(corpus, tmp_path / "run", steps=2, **{"distributed.dp_shard": 2}), timeout=60)
-    assert result.returncode != 0
-    # Every rank prints the sentence (no traceback of ours) and no process group was ever created.
-    sentence = "error: Mesh dp_replicate=1 x dp_shard=2 = 2 ranks, but there are 3 training ranks"
-    assert result.stdout.count(sentence) == 3, result.stdout[-3000:]
-    assert "startup phase process_group_init" not in result.stdout
-    assert time.time() - start < 60
-
-
-def test_unknown_config_key_is_a_sentence(corpus, tmp_path):
-    result = torchrun(1, base_overrides(corpus, tmp_path / "run", **{"optim.lrr": 1}), timeout=60)
-    assert result.returncode != 0
-    valid = ", ".join(sorted(f.name for f in dataclasses.fields(OptimArgs)))
-    assert f"Unknown config key 'optim.lrr'. Valid keys under optim are: {valid}." in result.stdout, result.stdout[-2000:]
-    assert "train.py\", line" not in result.stdout  # torchrun's own traceback may follow; ours may not
 
 
 @pytest.mark.timeout(300)
