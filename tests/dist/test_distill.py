@@ -125,19 +125,29 @@ def test_vocab_mismatch_is_reported_at_the_handshake(corpus, tiny_teacher, tmp_p
     assert "data.tokenizer.name=hf" in result.stdout
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("output,wire,teacher_dtype,attn_mask", [
-    ("topk", "fp32", "fp32", "causal"), ("topk", "bf16", "fp32", "causal"), ("sampled", "bf16", "fp32", "causal"),
-    ("full", "fp32", "fp32", "causal"), ("topk", "fp32", "bf16", "causal"), ("topk", "fp32", "fp32", "doc_causal")])
-def test_each_student_gets_exactly_its_own_rows(tiny_teacher, tmp_path, output, wire, teacher_dtype, attn_mask):
+ROUTING_CASES = ["topk,fp32,fp32,causal", "topk,bf16,fp32,causal", "sampled,bf16,fp32,causal", "full,fp32,fp32,causal",
+                 "topk,fp32,bf16,causal", "topk,fp32,fp32,doc_causal"]  # output, wire, teacher dtype, attention mask
+
+
+@pytest.fixture(scope="module")
+def routing(tiny_teacher) -> str:
+    """One launch serves every case in turn (tests/dist/workers/routing.py); its console."""
+    result = torchrun(3, [str(tiny_teacher), *ROUTING_CASES], timeout=200, module="tests.dist.workers.routing")
+    assert_ok(result)
+    return result.stdout
+
+
+@pytest.mark.timeout(250)
+@pytest.mark.parametrize("case", ROUTING_CASES)
+def test_each_student_gets_exactly_its_own_rows(routing, case):
     # One request at a time, then two micro-batches in flight (waited in order and in reverse order). With
     # doc_causal every row packs several documents: the teacher must answer as per-document forwards would.
-    result = torchrun(3, [str(tiny_teacher), output, wire, teacher_dtype, attn_mask], timeout=150,
-                      module="tests.dist.workers.routing")
-    assert_ok(result)
-    assert result.stdout.count("ROUTING OK") == 2 and "TEACHER CLOCK OK" in result.stdout, result.stdout[-4000:]
+    lines = [line for line in routing.splitlines() if line.startswith(f"{case} ")]
+    assert sorted(line for line in lines if " ROUTING " in line) == [f"{case} ROUTING OK rank {r}" for r in (0, 1)], lines
+    assert any(f"{case} TEACHER CLOCK OK" in line for line in lines), lines
     # distillation.teacher_dtype=bf16 on CPU: the teacher's parameters really are bf16 (compared with fp32 above).
-    assert f"TEACHER PARAMS ['torch.{'bfloat16' if teacher_dtype == 'bf16' else 'float32'}']" in result.stdout
+    teacher_dtype = case.split(",")[2]
+    assert f"{case} TEACHER PARAMS ['torch.{'bfloat16' if teacher_dtype == 'bf16' else 'float32'}']" in lines, lines
 
 
 @pytest.mark.timeout(120)
@@ -153,50 +163,59 @@ def test_teacher_keeps_the_init_timeout_through_the_students_first_step(tiny_tea
     assert len(first_step_done) == 2 and len(switches) == 1 and switches[0] > max(first_step_done), result.stdout[-4000:]
 
 
-def protocol_error_run(tiny_teacher, mode: str):
-    result = torchrun(3, [str(tiny_teacher), mode], timeout=60, module="tests.dist.workers.protocol_errors")
+PROTOCOL_MODES = ("settings", "headers", "token_range", "serve_failure")
+
+
+@pytest.fixture(scope="module")
+def protocol_errors(tiny_teacher) -> dict[str, list[str]]:
+    """One launch runs every mode in turn (tests/dist/workers/protocol_errors.py); mode -> its lines."""
+    result = torchrun(3, [str(tiny_teacher), *PROTOCOL_MODES], timeout=100, module="tests.dist.workers.protocol_errors")
     assert_ok(result)  # each rank catches and prints its error, so the test sees all three
-    return result.stdout
+    # Every mode ended on every rank (no OK line: each one is an error) before the next one started.
+    assert all(f"FAILED {mode} rank {rank}: " in result.stdout for mode in PROTOCOL_MODES for rank in (0, 1, 2)), \
+        result.stdout[-4000:]
+    return {mode: [line for line in result.stdout.splitlines() if f"FAILED {mode} rank " in line]
+            for mode in PROTOCOL_MODES}
 
 
-@pytest.mark.timeout(90)
-def test_teacher_and_students_disagreeing_on_settings_fail_at_the_handshake(tiny_teacher):
-    out = protocol_error_run(tiny_teacher, "settings")
+@pytest.mark.timeout(150)
+def test_teacher_and_students_disagreeing_on_settings_fail_at_the_handshake(protocol_errors):
+    lines = protocol_errors["settings"]
     sentence = ("Teacher rank 2 and student rank 0 disagree: distillation.k is 5 on the teacher but 6 on the student, "
                 "distillation.wire_dtype is bf16 on the teacher but fp32 on the student, distillation.temperature is "
                 "1.0 on the teacher but 2.0 on the student; give every rank the same distillation settings")
     for rank in (0, 1, 2):
-        assert f"FAILED rank {rank}: ValueError: {sentence}" in out, out[-4000:]
+        assert any(f"FAILED settings rank {rank}: ValueError: {sentence}" in line for line in lines), lines
 
 
-@pytest.mark.timeout(90)
-def test_mismatched_request_headers_name_both_students(tiny_teacher):
-    out = protocol_error_run(tiny_teacher, "headers")
+@pytest.mark.timeout(150)
+def test_mismatched_request_headers_name_both_students(protocol_errors):
+    lines = protocol_errors["headers"]
     sentence = "students sent mismatched requests (rank 0: op=FORWARD step=1 micro_step=0; " \
                "rank 1: op=FORWARD step=2 micro_step=0)"
     for rank in (0, 1, 2):  # both students and the teacher say it
-        assert f"FAILED rank {rank}: TeacherError: " in out, out[-4000:]
-    assert out.count(sentence) == 3, out[-4000:]
+        assert any(line.startswith(f"FAILED headers rank {rank}: TeacherError: ") for line in lines), lines
+    assert sum(sentence in line for line in lines) == 3, lines
 
 
-@pytest.mark.timeout(90)
-def test_out_of_range_token_ids_are_refused_by_the_teacher_on_every_rank(tiny_teacher):
-    out = protocol_error_run(tiny_teacher, "token_range")
+@pytest.mark.timeout(150)
+def test_out_of_range_token_ids_are_refused_by_the_teacher_on_every_rank(protocol_errors):
+    lines = protocol_errors["token_range"]
     sentence = re.compile(r"student rank 0 sent token ids outside \[0, 512\) at step 1 \(got \[\d+, 512\]\); "
                           r"its data must use the teacher's tokenizer")
     for rank in (0, 1, 2):  # the teacher refused the request: no forward ran on the bad id, every rank says why
-        assert f"FAILED rank {rank}: TeacherError: " in out, out[-4000:]
-    assert len(sentence.findall(out)) == 3, out[-4000:]
+        assert any(line.startswith(f"FAILED token_range rank {rank}: TeacherError: ") for line in lines), lines
+    assert sum(bool(sentence.search(line)) for line in lines) == 3, lines
 
 
-@pytest.mark.timeout(90)
-def test_a_teacher_failure_outside_the_forward_still_reaches_every_student(tiny_teacher):
-    out = protocol_error_run(tiny_teacher, "serve_failure")
+@pytest.mark.timeout(150)
+def test_a_teacher_failure_outside_the_forward_still_reaches_every_student(protocol_errors):
+    lines = protocol_errors["serve_failure"]
     sentence = ("teacher failed serving step 1: OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB "
                 "(injected)")
     for rank in (0, 1, 2):  # the students got the teacher's answer: an error, not a wait for the watchdog
-        assert f"FAILED rank {rank}: TeacherError: " in out, out[-4000:]
-    assert out.count(sentence) == 3, out[-4000:]
+        assert any(line.startswith(f"FAILED serve_failure rank {rank}: TeacherError: ") for line in lines), lines
+    assert sum(sentence in line for line in lines) == 3, lines
 
 
 @pytest.mark.timeout(150)
