@@ -52,27 +52,40 @@ def test_four_ranks_as_2x2_mesh(corpus, tmp_path):
         assert b[step]["optim/grad_norm"] == pytest.approx(a[step]["optim/grad_norm"], rel=1e-4), step
 
 
+@pytest.fixture(scope="module")
+def eight_steps(corpus, tmp_path_factory) -> dict:
+    """The uninterrupted run the resumed ones must reproduce: 8 steps, a checkpoint every 4 (saving changes no
+    number); its rows by step."""
+    dump = tmp_path_factory.mktemp("eight_steps") / "run"
+    assert_ok(torchrun(2, base_overrides(corpus, dump, steps=8, **{"checkpoint.dump.every": 4}), timeout=120))
+    return train_rows(dump)
+
+
 @pytest.mark.timeout(300)
-def test_resume_gives_the_same_losses(corpus, tmp_path):
-    full, split = tmp_path / "full", tmp_path / "split"
-    assert_ok(torchrun(2, base_overrides(corpus, full, steps=8), timeout=120))
+def test_resume_gives_the_same_losses_and_a_partial_save_never_becomes_latest(corpus, tmp_path, eight_steps):
+    split = tmp_path / "split"
     # Interrupted after 4 steps (a checkpoint is written on exit), then resumed to the end.
     assert_ok(torchrun(2, base_overrides(corpus, split, steps=8, exit_after_steps=4), timeout=120))
     assert sorted(train_rows(split)) == [1, 2, 3, 4]
+    # What a crash in the middle of saving step 6 leaves behind: a temporary folder, half written.
+    partial = split / "checkpoints" / f"{6:010d}.tmp"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"\0" * 100)
     resumed = torchrun(2, base_overrides(corpus, split, steps=8), timeout=120)
     assert_ok(resumed)
     assert "resumed from step 4" in resumed.stdout
-    a, b = train_rows(full), train_rows(split)
+    b = train_rows(split)
     for step in range(5, 9):
-        assert b[step]["loss/ce"] == pytest.approx(a[step]["loss/ce"], abs=1e-5), step
+        assert b[step]["loss/ce"] == pytest.approx(eight_steps[step]["loss/ce"], abs=1e-5), step
+    # The next save cleaned the half-written folder up.
+    assert sorted(p.name for p in (split / "checkpoints").iterdir()) == [f"{4:010d}", f"{8:010d}"]
 
 
 @pytest.mark.timeout(300)
-def test_killed_after_a_save_resumes_with_the_same_losses(corpus, tmp_path):
+def test_killed_after_a_save_resumes_with_the_same_losses(corpus, tmp_path, eight_steps):
     """save at step 4 -> SIGKILL at step 7 (no clean exit, no final save) -> resume: the same curve."""
-    full, killed = tmp_path / "full", tmp_path / "killed"
+    killed = tmp_path / "killed"
     every_4 = {"checkpoint.dump.every": 4}
-    assert_ok(torchrun(2, base_overrides(corpus, full, steps=8, **every_4), timeout=120))
 
     def kill_during_step_7(proc):
         wait_for_step(killed, 6)
@@ -88,24 +101,9 @@ def test_killed_after_a_save_resumes_with_the_same_losses(corpus, tmp_path):
     resumed = torchrun(2, base_overrides(corpus, killed, steps=8, **every_4), timeout=120)
     assert_ok(resumed)
     assert "resumed from step 4" in resumed.stdout
-    a, b = train_rows(full), train_rows(killed)  # the resumed launch's rows replace the killed one's
+    b = train_rows(killed)  # the resumed launch's rows replace the killed one's
     for step in range(5, 9):
-        assert b[step]["loss/ce"] == pytest.approx(a[step]["loss/ce"], abs=1e-5), step
-
-
-@pytest.mark.timeout(240)
-def test_partial_save_never_becomes_latest(corpus, tmp_path):
-    dump = tmp_path / "run"
-    assert_ok(torchrun(2, base_overrides(corpus, dump, steps=4, exit_after_steps=4), timeout=120))
-    # What a crash in the middle of saving step 6 leaves behind: a temporary folder, half written.
-    partial = dump / "checkpoints" / f"{6:010d}.tmp"
-    partial.mkdir()
-    (partial / "__0_0.distcp").write_bytes(b"\0" * 100)
-    result = torchrun(2, base_overrides(corpus, dump, steps=6), timeout=120)
-    assert_ok(result)
-    assert "resumed from step 4" in result.stdout
-    assert (dump / "checkpoints" / f"{6:010d}").is_dir()
-    assert not partial.exists()
+        assert b[step]["loss/ce"] == pytest.approx(eight_steps[step]["loss/ce"], abs=1e-5), step
 
 
 @pytest.mark.timeout(240)
@@ -119,12 +117,27 @@ def test_probe_steps_write_per_rank_stats(corpus, tmp_path):
         assert all(math.isfinite(l["std"]) for l in lines)
 
 
-@pytest.mark.timeout(240)
-def test_grad_accumulation_equals_one_big_batch(corpus, tmp_path):
-    big, acc = tmp_path / "big", tmp_path / "acc"
+@pytest.fixture(scope="module")
+def reduce_scatter_runs(corpus, tmp_path_factory) -> tuple[dict, dict]:
+    """3 steps of 2 micro-batches of 2 rows, reducing gradients per micro-batch ("true", the default) and once
+    per step ("false"), counting FSDP's reduce-scatters: (rows by step, counts per rank), each by setting."""
+    root = tmp_path_factory.mktemp("reduce_scatter")
+    rows, counts = {}, {}
+    for every in ("true", "false"):
+        out = root / f"rs_{every}.json"
+        overrides = base_overrides(corpus, root / every, steps=3, grad_acc_steps=2,
+                                   **{"data.batch_size": 2, "distributed.reduce_every_micro_batch": every})
+        assert_ok(torchrun(2, [str(out), *overrides], timeout=120, module="tests.dist.workers.count_reduce_scatters"))
+        rows[every] = train_rows(root / every)
+        counts[every] = [int(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    return rows, counts
+
+
+@pytest.mark.timeout(300)
+def test_grad_accumulation_equals_one_big_batch(corpus, tmp_path, reduce_scatter_runs):
+    big = tmp_path / "big"
     assert_ok(torchrun(2, base_overrides(corpus, big, steps=3, **{"data.batch_size": 4}), timeout=120))
-    assert_ok(torchrun(2, base_overrides(corpus, acc, steps=3, grad_acc_steps=2, **{"data.batch_size": 2}), timeout=120))
-    a, b = train_rows(big), train_rows(acc)
+    a, b = train_rows(big), reduce_scatter_runs[0]["true"]  # 2 micro-batches of 2 rows
     for step in (1, 2, 3):
         assert b[step]["loss/ce"] == pytest.approx(a[step]["loss/ce"], rel=1e-5)
         assert b[step]["optim/grad_norm"] == pytest.approx(a[step]["optim/grad_norm"], rel=1e-4)
@@ -245,17 +258,10 @@ def test_progress_line_is_live_on_a_terminal(corpus, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_one_gradient_reduce_scatter_per_step_trains_the_same(corpus, tmp_path):
+def test_one_gradient_reduce_scatter_per_step_trains_the_same(reduce_scatter_runs):
     """distributed.reduce_every_micro_batch=false: FSDP reduce-scatters once per step instead of once per
     micro-batch (unsharded gradients accumulate in between), with the same losses and gradient norms."""
-    rows, counts = {}, {}
-    for every in ("true", "false"):
-        out = tmp_path / f"rs_{every}.json"
-        overrides = base_overrides(corpus, tmp_path / every, steps=3, grad_acc_steps=2,
-                                   **{"distributed.reduce_every_micro_batch": every})
-        assert_ok(torchrun(2, [str(out), *overrides], timeout=120, module="tests.dist.workers.count_reduce_scatters"))
-        rows[every] = train_rows(tmp_path / every)
-        counts[every] = [int(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    rows, counts = reduce_scatter_runs
     # One reduce-scatter per FSDP unit (2 blocks + the root) per backward: 3 steps x 2 micro-batches vs 3 steps.
     assert counts["true"] == [3 * 3 * 2] * 2 and counts["false"] == [3 * 3] * 2, counts
     for step in (1, 2, 3):
