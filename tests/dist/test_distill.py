@@ -269,19 +269,16 @@ KD_KEYS = ("loss/ce", "loss/kd", "loss/total", "kd/teacher_mass", "kd/top1_agree
 
 @pytest.mark.timeout(400)
 def test_prefetch_gives_the_same_losses_and_resumes_exactly(corpus, tiny_teacher, tmp_path):
-    """prefetch 0 and 1 train bit-identically; with look-ahead a resumed run sends and trains on exactly the
-    batches the interrupted one did not (the look-ahead batch belongs to the next step)."""
-    rows = {}
-    for prefetch in (0, 1):
-        dump = tmp_path / f"prefetch{prefetch}"
-        result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=6, grad_acc_steps=2,
-                                               **{"distillation.prefetch": prefetch}), timeout=150)
-        assert_ok(result)
-        assert "STOP received after 12 requests" in result.stdout  # nothing drawn past the last step
-        rows[prefetch] = train_rows(dump)
-    for step in range(1, 7):
-        assert [rows[1][step][k] for k in KD_KEYS] == [rows[0][step][k] for k in KD_KEYS], step
-    # Preempted at step 3 with a look-ahead request of step 4 in flight: drained, saved at 3, STOP, exit 0.
+    """prefetch 0 and 1 train bit-identically, and with look-ahead a resumed run sends and trains on exactly the
+    batches the interrupted one did not (the look-ahead batch belongs to the next step): a look-ahead run
+    preempted at step 3 and resumed gives, step for step, the numbers of an uninterrupted run without it."""
+    reference = tmp_path / "prefetch0"
+    result = torchrun(3, distill_overrides(corpus, tiny_teacher, reference, steps=6, grad_acc_steps=2,
+                                           **{"distillation.prefetch": 0}), timeout=150)
+    assert_ok(result)
+    assert "STOP received after 12 requests" in result.stdout
+    # prefetch 1 (the default), preempted at step 3 with a look-ahead request of step 4 in flight: drained,
+    # saved at 3, STOP, exit 0.
     split = tmp_path / "split"
     first = torchrun(3, distill_overrides(corpus, tiny_teacher, split, steps=6, grad_acc_steps=2,
                                           inject_failure="preempt:1@3"), timeout=150)
@@ -290,10 +287,11 @@ def test_prefetch_gives_the_same_losses_and_resumes_exactly(corpus, tiny_teacher
     assert sorted(p.name for p in (split / "checkpoints").iterdir()) == [f"{3:010d}"]
     second = torchrun(3, distill_overrides(corpus, tiny_teacher, split, steps=6, grad_acc_steps=2), timeout=150)
     assert_ok(second)
+    # 3 steps x 2 micro-batches: nothing drawn past the last step.
     assert "resumed from step 3" in second.stdout and "STOP received after 6 requests" in second.stdout
-    resumed = train_rows(split)
+    resumed, without = train_rows(split), train_rows(reference)
     for step in range(1, 7):
-        assert [resumed[step][k] for k in KD_KEYS] == [rows[1][step][k] for k in KD_KEYS], step
+        assert [resumed[step][k] for k in KD_KEYS] == [without[step][k] for k in KD_KEYS], step
 
 
 @pytest.mark.timeout(200)
