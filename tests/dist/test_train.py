@@ -161,25 +161,6 @@ def test_preemption_signal_to_one_rank_saves_and_exits_cleanly(corpus, tmp_path)
     assert max(train_rows(dump)) == last_step + 2
 
 
-@pytest.mark.timeout(120)
-def test_single_process_without_torchrun(corpus, tmp_path):
-    import subprocess
-    import sys
-
-    dump = tmp_path / "run"
-    # A grace shorter than a step plus a save (as stool writes it) gets one warning at the first save.
-    overrides = base_overrides(corpus, dump, steps=3, preemption_grace_s=0.001, **{"checkpoint.dump.every": 1})
-    result = subprocess.run([sys.executable, "-m", "apps.main.train", *overrides],
-                            cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=100,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert sorted(train_rows(dump)) == [1, 2, 3]
-    assert (dump / "checkpoints" / f"{3:010d}").is_dir()
-    output = result.stdout + result.stderr
-    assert output.count("between SLURM's USR2 and the kill (preemption_grace_s)") == 1, output[-3000:]
-    assert "step 1 with its checkpoint took" in output
-
-
 @pytest.mark.timeout(420)
 def test_activation_checkpointing_no_shard_bf16_and_compile_paths(corpus, tmp_path):
     """full/selective recompute and no_shard give the plain run's losses; bf16 params train; compile matches eager."""
@@ -228,15 +209,18 @@ def test_debug_cpu_config_trains_logs_checkpoints_and_resumes(corpus, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_progress_line_is_live_on_a_terminal(corpus, tmp_path):
-    """On a terminal rank 0 redraws its status line every step, not only at log steps."""
+def test_single_process_without_torchrun_with_a_live_progress_line(corpus, tmp_path):
+    """`python -m apps.main.train` alone trains, saves and warns; on a terminal rank 0 redraws its status line
+    every step, not only at log steps."""
     import pty
     import subprocess
     import sys
 
     dump = tmp_path / "run"
     primary, secondary = pty.openpty()
-    overrides = base_overrides(corpus, dump, steps=6, **{"logging.freq": 3})
+    # A grace shorter than a step plus a save (as stool writes it) gets one warning at the first save.
+    overrides = base_overrides(corpus, dump, steps=6, preemption_grace_s=0.001,
+                               **{"logging.freq": 3, "checkpoint.dump.every": 1})
     proc = subprocess.Popen([sys.executable, "-m", "apps.main.train", *overrides], cwd=Path(__file__).resolve().parents[2],
                             stdin=secondary, stdout=secondary, stderr=secondary, env=dict(os.environ, OMP_NUM_THREADS="1"))
     os.close(secondary)
@@ -250,11 +234,14 @@ def test_progress_line_is_live_on_a_terminal(corpus, tmp_path):
             break
         chunks.append(data)
     os.close(primary)
-    assert proc.wait(timeout=100) == 0
     screen = b"".join(chunks).decode(errors="replace")
+    assert proc.wait(timeout=100) == 0, screen[-3000:]
     for step in (1, 2, 4, 5):  # between the log steps 3 and 6
         assert f"\rstep {step}/6 | loss " in screen, screen[-3000:]
     assert sorted(train_rows(dump)) == [3, 6]
+    assert (dump / "checkpoints" / f"{6:010d}").is_dir()
+    assert screen.count("between SLURM's USR2 and the kill (preemption_grace_s)") == 1, screen[-3000:]
+    assert "step 1 with its checkpoint took" in screen
 
 
 @pytest.mark.timeout(300)
