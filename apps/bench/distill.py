@@ -53,6 +53,7 @@ from lingua.distillation.args import WIRE_DTYPES
 from lingua.distillation.bridge import BridgeSpec
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.distillation.teacher import check_teacher_dir
+from lingua.errors import ConfigError, LaunchError, MissingPathError, RunFailed
 from lingua.rundir import RunDir, read_startup, train_rows
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ def summarize(records: list[RunRecord], warmup: int) -> dict:
     """One variant's numbers: medians over the pooled window rows of its runs, counters averaged per run."""
     rows = [r for rec in records for r in window(rec.rows, warmup)]
     if not rows:
-        raise ValueError(f"No step after the warm-up of {warmup} steps was logged; use more --steps than --warmup.")
+        raise ConfigError(f"No step after the warm-up of {warmup} steps was logged; use more --steps than --warmup.")
     kd_rows = [r for r in rows if "speed/teacher_wait_s" in r]  # the straggler columns exist with KD off too
     shares = [r["speed/teacher_wait_s"] / r["speed/step_time_s"] for r in kd_rows if r["speed/step_time_s"] > 0]
     busy = [teacher_busy_fraction(rec.rows, warmup) for rec in records]
@@ -252,8 +253,8 @@ def check_inputs(args: TrainArgs) -> None:
     """The teacher and the corpus must be on disk before six launches are spent finding out."""
     check_teacher_dir(Path(args.distillation.teacher_path).expanduser())
     if args.data.root_dir and not Path(args.data.root_dir).is_dir():
-        raise FileNotFoundError(f"data.root_dir '{args.data.root_dir}' does not exist; prepare the offline corpus "
-                                f"with `python -m setup.prepare_corpus --out {args.data.root_dir}` or set data.root_dir.")
+        raise MissingPathError(f"data.root_dir '{args.data.root_dir}' does not exist; prepare the offline corpus with "
+                               f"`python -m setup.prepare_corpus --out {args.data.root_dir}` or set data.root_dir.")
 
 
 def run_variant(variant: Variant, name: str, config: str, user_overrides: list[str], n_students: int,
@@ -274,10 +275,10 @@ def run_variant(variant: Variant, name: str, config: str, user_overrides: list[s
     rc, wall_s, peaks, cpu_samples = launch(command, log_path, timeout_s, omp_threads)
     if rc != 0:
         tail = "\n".join(log_path.read_text().splitlines()[-30:])
-        raise RuntimeError(f"benchmark run {name} failed with exit code {rc}; its log is {log_path}:\n{tail}")
+        raise RunFailed(f"benchmark run {name} failed with exit code {rc}; its log is {log_path}:\n{tail}")
     rows = read_rows(dump_dir)
     if not rows:
-        raise RuntimeError(f"benchmark run {name} wrote no metrics rows to {dump_dir / 'metrics.jsonl'}.")
+        raise RunFailed(f"benchmark run {name} wrote no metrics rows to {dump_dir / 'metrics.jsonl'}.")
     shutil.rmtree(dump_dir / "checkpoints", ignore_errors=True)  # the trainer's final save: large, never resumed from
     startup = read_startup(dump_dir)
     roles = {r["pid"]: r["role"] for r in startup}
@@ -317,23 +318,23 @@ def main(argv: Optional[list[str]] = None) -> dict:
     n_teachers = args.distillation.n_teacher_ranks
     n_students = opts.nproc - n_teachers
     if n_students < 1:
-        raise ValueError(f"--nproc {opts.nproc} leaves no student next to {n_teachers} teacher rank(s); "
-                         f"use --nproc > distillation.n_teacher_ranks.")
+        raise LaunchError(f"--nproc {opts.nproc} leaves no student next to {n_teachers} teacher rank(s); "
+                          f"use --nproc > distillation.n_teacher_ranks.")
     args.validate(world_size=opts.nproc)  # the trainer's own pass, for the KD-on launch, before any launch
     if opts.steps <= opts.warmup:
-        raise ValueError(f"--steps {opts.steps} must exceed --warmup {opts.warmup} so some steps are measured.")
+        raise ConfigError(f"--steps {opts.steps} must exceed --warmup {opts.warmup} so some steps are measured.")
     known = {v.name: v for v in VARIANTS}
     chosen = [known[n] for n in opts.variants.split(",") if n in known]
     if len(chosen) != len(opts.variants.split(",")):
-        raise ValueError(f"--variants {opts.variants}: choose among {', '.join(known)}.")
+        raise ConfigError(f"--variants {opts.variants}: choose among {', '.join(known)}.")
 
     out_dir = Path(opts.out or f"dumps/bench_distill/{Path(config).stem}")
     if opts.teacher_latency_ms is not None:
         try:
             latencies = [float(x) for x in opts.teacher_latency_ms.split(",")]
         except ValueError:
-            raise ValueError(f"--teacher-latency-ms {opts.teacher_latency_ms}: give milliseconds, e.g. 100 or "
-                             f"0,50,100,200.") from None
+            raise ConfigError(f"--teacher-latency-ms {opts.teacher_latency_ms}: give milliseconds, e.g. 100 or "
+                              f"0,50,100,200.") from None
         overrides = (LATENCY_PRESET_OVERRIDES if opts.config == "tiny" else []) + opts.overrides
         results = run_latency_sweep(config, overrides, latencies, opts.nproc, opts.steps, opts.warmup, opts.grad_acc,
                                     out_dir, opts.timeout, opts.omp_threads, read_rows)
@@ -383,4 +384,4 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-    run_cli(main, also=(TimeoutError, RuntimeError))
+    run_cli(main)

@@ -6,10 +6,11 @@ rows of sparse outputs written into its response buffer) -> reply (one scatter: 
 then the outputs). Whatever fails while handling is answered too, as a status carrying the sentence,
 so students raise it instead of waiting for a timeout. After a failure the teacher stays "errored": it
 answers every later request with the same status (no forward) until its students leave with ERROR or
-STOP, then raises. The students learn of the error only at their step's agreed point, so until then
-they still finish the step's micro-batches and hold requests posted ahead; a teacher that left at once
-would strand them (on NCCL until the watchdog fires, the sentence lost). The protocol itself is in
-`lingua/distillation/bridge.py`.
+STOP, then raises the failure itself: a user error as its sentence, a bug with its original traceback (the
+students' sentence names this rank's log). The students learn of the error only at their step's agreed
+point, so until then they still finish the step's micro-batches and hold requests posted ahead; a teacher
+that left at once would strand them (on NCCL until the watchdog fires, the sentence lost). The protocol
+itself is in `lingua/distillation/bridge.py`.
 
 Timing on CUDA: NCCL's blocking calls only order streams, the CPU returns at once. So the teacher's
 idle time ends when the headers reach the CPU and its busy time when its stream has run the forward.
@@ -23,7 +24,7 @@ from typing import NoReturn, Optional
 import torch
 import torch.distributed as dist
 
-from lingua.distillation.args import DistillationArgs, TeacherError
+from lingua.distillation.args import DistillationArgs
 from lingua.distillation.bridge import (
     HEADER_INTS,
     RECORD_BYTES,
@@ -36,7 +37,8 @@ from lingua.distillation.bridge import (
     tokenizer_fingerprint,
 )
 from lingua.distillation.teacher import TeacherModel
-from lingua.errors import UserError
+from lingua.errors import PeerStopped, TeacherError, UserError, describe
+from lingua.logger import rank_log_file
 from lingua.metrics import MemoryMonitor
 from lingua.parallel.collectives import log_collective
 from lingua.parallel.preemption import PreemptionFlag
@@ -45,6 +47,17 @@ from lingua.parallel.timeouts import HangWatch, set_collective_timeout
 logger = logging.getLogger(__name__)
 REPORT_EVERY_S = 30.0
 LEAVING = frozenset({Op.STOP, Op.ERROR})  # a student sending either has left its loop: it sends nothing more
+
+
+def is_bug(err: BaseException) -> bool:
+    """Neither a user error nor a peer's stop: the teacher keeps its traceback."""
+    return not isinstance(err, (UserError, PeerStopped))
+
+
+def failure_words(err: BaseException) -> str:
+    """`err` as the students read it; a bug's words say where its traceback is (this rank's log)."""
+    log = rank_log_file()
+    return f"{describe(err)}; its traceback is in {log}" if is_bug(err) and log else describe(err)
 
 
 class ServingClock:
@@ -136,9 +149,9 @@ class TeacherServer:
         self.args, self.topo = args, topo
         self.inject_serve_failure_at = inject_serve_failure_at  # tests: fail while serving this step
         self.teacher: Optional[TeacherModel] = None
-        self.failure: Optional[Exception] = None  # the exception behind the last error status, if one raised
         record = HandshakeRecord("teacher", topo.global_rank, 0, 0, agreed_settings(args, attn_mask))
         start, start_wall = time.perf_counter(), time.time()
+        load_error: Optional[Exception] = None
         try:
             if inject_load_failure:
                 raise RuntimeError("injected teacher load failure (inject_failure=teacher_load:...)")
@@ -152,12 +165,18 @@ class TeacherServer:
                 record.heldout_ce = loss_sum / max(tokens, 1)
                 logger.info(f"teacher's held-out CE: {record.heldout_ce:.4f} over {tokens:,} tokens")
         except Exception as err:  # every rank must hear about it, not only this one
-            record.loaded, record.message = False, f"{type(err).__name__}: {err}"
+            load_error = err
+            record.loaded, record.bug, record.message = False, is_bug(err), failure_words(err)
             logger.error(f"teacher failed to load: {record.message}")
         if phases is not None:
             phases.record("teacher_load", start_wall, time.time())
         with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
-            self.spec = agreed_handshake(topo, record, args)
+            try:
+                self.spec = agreed_handshake(topo, record, args)
+            except Exception:
+                if record.bug:  # this rank's own bug with its traceback and cause; the others name this rank
+                    raise load_error from load_error.__cause__
+                raise
         self.bridge_ranks = dist.get_process_group_ranks(topo.bridge_group)
         self.mine = self.bridge_ranks.index(topo.global_rank)
         self.generator = torch.Generator(device=topo.device).manual_seed(args.seed + topo.global_rank)
@@ -194,11 +213,11 @@ class TeacherServer:
         while True:
             switch.arm()
             self._receive()
-            status, ops = self._handle(switch)
+            status, ops, failure = self._handle(switch)
             self._reply(status)
             self.requests += 1
-            if not status.ok:
-                self._serve_errored(status, ops, switch)
+            if failure is not None:
+                self._serve_errored(status, ops, switch, failure)
             if ops == {Op.STOP}:
                 switch.cancel()
                 logger.info(f"STOP received after {self.requests - 1} requests; teacher busy "
@@ -213,9 +232,9 @@ class TeacherServer:
         log_collective("gather request (teacher)", self.topo.bridge_group, self.request)
         dist.gather(self.request, self.gathered, dst=self.topo.global_rank, group=self.topo.bridge_group)
 
-    def _serve_errored(self, status: ResponseStatus, ops: set, switch: TimeoutSwitch) -> NoReturn:
+    def _serve_errored(self, status: ResponseStatus, ops: set, switch: TimeoutSwitch, failure: Exception) -> NoReturn:
         """After a failure: every later request is answered with the same error `status` (no forward; the
-        outputs stay as they were, stale but valid) until the students leave, then the failure is raised.
+        outputs stay as they were, stale but valid) until the students leave, then `failure` is raised.
 
         A student sends ERROR (or STOP) only after completing every request it posted, and all students of a
         bridge send it in the same round (they agreed on it), so none is left waiting when this rank leaves."""
@@ -229,7 +248,7 @@ class TeacherServer:
         switch.cancel()
         logger.info(f"answered {answered} more request(s) with the error, until the students left "
                     f"({', '.join(sorted(Op(op).name for op in ops & LEAVING))})")
-        raise TeacherError(status.message) from self.failure
+        raise failure
 
     @staticmethod
     def _headers(students) -> dict[int, RequestHeader]:
@@ -241,13 +260,14 @@ class TeacherServer:
         """(global rank, gathered request buffer) of each student, in bridge order."""
         return [(rank, self.gathered[i]) for i, rank in enumerate(self.bridge_ranks) if i != self.mine]
 
-    def _handle(self, switch: TimeoutSwitch) -> tuple[ResponseStatus, set]:
-        """The status to send for the request just received (outputs are written into the responses).
+    def _handle(self, switch: TimeoutSwitch) -> tuple[ResponseStatus, set, Optional[Exception]]:
+        """The status to send for the request just received (outputs are written into the responses), its ops,
+        and the error the teacher raises once it has answered (None when it served).
 
         Everything between the gather and the scatter is guarded: whatever fails here (bad headers,
         the forward, out of memory, a CUDA error surfacing at the sync), the students get its sentence."""
         students = self._students()
-        arrived, ops, step, error, peak_bytes = False, set(), None, None, 0
+        arrived, ops, step, failure, error, peak_bytes = False, set(), None, None, None, 0
         try:
             headers = self._headers(students)
             self.clock.request_arrived()
@@ -255,23 +275,23 @@ class TeacherServer:
             ops = {h.op for h in headers.values()}
             step = headers[students[0][0]].step
             switch.observe(all(h.in_training for h in headers.values()), Op.STOP in ops)
-            error = self._check_headers(headers, students)
+            failure = self._check_headers(headers, students)
+            error = None if failure is None else failure_words(failure)
             if step == self.inject_serve_failure_at and ops == {Op.FORWARD}:
                 raise RuntimeError("injected teacher failure (inject_failure=teacher_serve:...)")
-            if error is None and ops == {Op.FORWARD}:
+            if failure is None and ops == {Op.FORWARD}:
                 self._forward(students, headers)
             peak_bytes = int(self.memory.get_peak_stats()["mem/peak_gib"] * 2**30)
         except Exception as err:
             where = "a request" if step is None else f"step {step}"
-            error, peak_bytes = f"teacher failed serving {where}: {type(err).__name__}: {err}", 0
-            self.failure = err
-            if not isinstance(err, UserError):  # a bug (ours, a library's, the device's): its traceback stays here
-                logger.error(error, exc_info=err)
+            failure, error, peak_bytes = err, f"teacher failed serving {where}: {failure_words(err)}", 0
         if not arrived:
             self.clock.request_arrived()
         self.clock.worked()
-        return ResponseStatus(ok=error is None, teacher_preempt=self.preemption.requested, busy_s=self.clock.busy_s,
-                              idle_s=self.clock.idle_s, peak_bytes=peak_bytes, message=error or ""), ops
+        status = ResponseStatus(ok=failure is None, teacher_preempt=self.preemption.requested, busy_s=self.clock.busy_s,
+                                idle_s=self.clock.idle_s, peak_bytes=peak_bytes, message=error or "",
+                                bug=failure is not None and is_bug(failure))
+        return status, ops, failure
 
     def _reply(self, status: ResponseStatus) -> None:
         record = status.pack(pin=self.topo.device.type == "cuda").to(self.topo.device, non_blocking=True)
@@ -281,25 +301,27 @@ class TeacherServer:
         dist.scatter(self.scatter_out, self.responses, src=self.topo.global_rank, group=self.topo.bridge_group)
         self.clock.worked()  # packing and sending the responses is serving time too
 
-    def _check_headers(self, headers: dict[int, RequestHeader], students) -> Optional[str]:
-        """None if the students asked for the same thing within the agreed shapes, else the sentence."""
+    def _check_headers(self, headers: dict[int, RequestHeader], students) -> Optional[Exception]:
+        """None if the students asked for the same thing within the agreed shapes, else the error to answer
+        with: the students' own agreed error, a bug (their requests must never differ), or a user error."""
         ops = {h.op for h in headers.values()}
         if Op.ERROR in ops:
             failed = [r for r, h in headers.items() if h.op == Op.ERROR]
-            return f"student rank(s) {failed} stopped on an error at step {headers[failed[0]].step}"
+            return PeerStopped(f"student rank(s) {failed} stopped on an error at step {headers[failed[0]].step}")
         if len({(h.op, h.step, h.micro_step) for h in headers.values()}) > 1:
             detail = "; ".join(f"rank {r}: {h.describe()}" for r, h in sorted(headers.items()))
-            return f"students sent mismatched requests ({detail})"
+            return RuntimeError(f"students sent mismatched requests ({detail})")
         for r, h in headers.items():
             if h.bsz > self.spec.max_bsz or h.seqlen > self.spec.max_seqlen:
-                return (f"student rank {r} sent shape [{h.bsz}, {h.seqlen}] beyond the agreed "
-                        f"[{self.spec.max_bsz}, {self.spec.max_seqlen}]")
+                return RuntimeError(f"student rank {r} sent shape [{h.bsz}, {h.seqlen}] beyond the agreed "
+                                    f"[{self.spec.max_bsz}, {self.spec.max_seqlen}]")
         for r, buf in students:
             h = headers[r]
             if h.bad_tokens:  # flagged by the student's device-side check; only this error path syncs
                 tokens = self.spec.token_grid(buf)[:h.bsz, :h.seqlen]
-                return (f"student rank {r} sent token ids outside [0, {self.spec.vocab_size}) at step {h.step} "
-                        f"(got [{int(tokens.min())}, {int(tokens.max())}]); its data must use the teacher's tokenizer")
+                return TeacherError(f"student rank {r} sent token ids outside [0, {self.spec.vocab_size}) at step "
+                                    f"{h.step} (got [{int(tokens.min())}, {int(tokens.max())}]); its data must use "
+                                    f"the teacher's tokenizer")
         return None
 
     @torch.inference_mode()

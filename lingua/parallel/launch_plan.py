@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lingua.args import require
+from lingua.errors import LaunchError
 
 TEACHER_PLACEMENTS = ("last", "per_node")
 FSDP_TYPES = ("full_shard", "no_shard")
@@ -110,13 +111,13 @@ def read_launch_env() -> LaunchEnv:
         ntasks = int(env.get("SLURM_STEP_NUM_TASKS", env["SLURM_NTASKS"]))
         if ntasks > 1:
             if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
-                raise ValueError(
+                raise LaunchError(
                     f"This SLURM job has {ntasks} tasks but this process was not started by srun, so it would "
                     f"wait for ranks that never come; start one process per rank with srun (MASTER_ADDR and "
                     f"MASTER_PORT exported), use torchrun, or submit with `python -m lingua.stool`."
                 )
             if "MASTER_ADDR" not in env:
-                raise ValueError(
+                raise LaunchError(
                     f"srun started {ntasks} tasks but MASTER_ADDR is not set, so they cannot find each other; "
                     f"export MASTER_ADDR (the first node's hostname) and MASTER_PORT before srun, or submit "
                     f"with `python -m lingua.stool`, whose submit.slurm exports both."
@@ -159,20 +160,20 @@ def resolve_mesh_dims(dp_replicate: int, dp_shard: int, n_students: int) -> tupl
     assert {replicate, shard} != {-1} and all(v == -1 or v >= 1 for v in (replicate, shard)), (replicate, shard)
     if replicate == -1:
         if n_students % shard:
-            raise ValueError(
+            raise LaunchError(
                 f"{n_students} training ranks cannot be split into dp_shard={shard} groups; "
                 f"set distributed.dp_shard to a divisor of {n_students}."
             )
         replicate = n_students // shard
     if shard == -1:
         if n_students % replicate:
-            raise ValueError(
+            raise LaunchError(
                 f"{n_students} training ranks cannot be split into dp_replicate={replicate} groups; "
                 f"set distributed.dp_replicate to a divisor of {n_students}."
             )
         shard = n_students // replicate
     if replicate * shard != n_students:
-        raise ValueError(
+        raise LaunchError(
             f"Mesh dp_replicate={replicate} x dp_shard={shard} = {replicate * shard} ranks, but there are "
             f"{n_students} training ranks. Set one of them to -1 to infer it, or launch with "
             f"{replicate * shard} student ranks."
@@ -186,7 +187,7 @@ def split_roles(world_size: int, n_teachers: int, placement: str, local_world_si
     if n_teachers == 0:
         return list(range(world_size)), []
     if world_size - n_teachers < 1:
-        raise ValueError(
+        raise LaunchError(
             f"Distillation needs at least one student rank besides {n_teachers} teacher rank(s), but the job "
             f"has {world_size} rank(s). Launch more ranks (e.g. torchrun --nproc-per-node {n_teachers + 1}) "
             f"or set enable_distillation=false."
@@ -196,14 +197,14 @@ def split_roles(world_size: int, n_teachers: int, placement: str, local_world_si
     else:
         n_nodes = world_size // local_world_size
         if n_teachers != n_nodes or world_size % local_world_size:
-            raise ValueError(
+            raise LaunchError(
                 f"teacher_placement=per_node needs one teacher per node ({n_nodes} nodes), "
                 f"but distillation.n_teacher_ranks={n_teachers}."
             )
         teachers = [(node + 1) * local_world_size - 1 for node in range(n_nodes)]
     students = [r for r in range(world_size) if r not in teachers]
     if len(students) % n_teachers:
-        raise ValueError(
+        raise LaunchError(
             f"{len(students)} student ranks cannot be split evenly among {n_teachers} teachers; "
             f"launch a number of students divisible by distillation.n_teacher_ranks."
         )
@@ -216,7 +217,7 @@ def expected_cuda_index(local_rank: int, local_world_size: int, n_devices: int) 
     if n_devices == 1 and local_world_size > 1:
         return 0
     if local_rank >= n_devices:
-        raise ValueError(
+        raise LaunchError(
             f"Local rank {local_rank} has no GPU: only {n_devices} visible to it for {local_world_size} local "
             f"ranks (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). Launch at most "
             f"{n_devices} processes per node, or give each task its own GPU."
