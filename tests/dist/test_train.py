@@ -119,19 +119,22 @@ def test_probe_steps_write_per_rank_stats(corpus, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def reduce_scatter_runs(corpus, tmp_path_factory) -> tuple[dict, dict]:
+def reduce_scatter_runs(corpus, tmp_path_factory) -> tuple[dict, dict, dict]:
     """3 steps of 2 micro-batches of 2 rows, reducing gradients per micro-batch ("true", the default) and once
-    per step ("false"), counting FSDP's reduce-scatters: (rows by step, counts per rank), each by setting."""
+    per step ("false"), recording FSDP's collectives: (rows by step, reduce-scatter counts per rank, each rank's
+    all-gathers [in_backward, numel] in call order), each by setting."""
     root = tmp_path_factory.mktemp("reduce_scatter")
-    rows, counts = {}, {}
+    rows, counts, gathers = {}, {}, {}
     for every in ("true", "false"):
         out = root / f"rs_{every}.json"
         overrides = base_overrides(corpus, root / every, steps=3, grad_acc_steps=2,
                                    **{"data.batch_size": 2, "distributed.reduce_every_micro_batch": every})
-        assert_ok(torchrun(2, [str(out), *overrides], timeout=120, module="tests.dist.workers.count_reduce_scatters"))
+        assert_ok(torchrun(2, [str(out), *overrides], timeout=120, module="tests.dist.workers.count_fsdp_collectives"))
         rows[every] = train_rows(root / every)
-        counts[every] = [int(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
-    return rows, counts
+        recorded = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+        counts[every] = [r["reduce_scatters"] for r in recorded]
+        gathers[every] = [r["all_gathers"] for r in recorded]
+    return rows, counts, gathers
 
 
 @pytest.mark.timeout(300)
@@ -265,29 +268,27 @@ def test_single_process_without_torchrun_with_a_live_progress_line(corpus, tmp_p
     assert "step 1 with its checkpoint took" in screen
 
 
-@pytest.mark.timeout(200)
-def test_the_root_is_gathered_once_per_micro_batch(corpus, tmp_path):
+@pytest.mark.timeout(300)
+def test_the_root_is_gathered_once_per_micro_batch(reduce_scatter_runs):
     """FSDP all-gathers the root (embeddings, final norm, head) in each micro-batch's forward and keeps it
     until its backward is done: the backward gathers only the blocks resharded after forward (all but the last)."""
-    out = tmp_path / "gathers.json"
-    overrides = base_overrides(corpus, tmp_path / "run", steps=3, grad_acc_steps=2)
-    assert_ok(torchrun(2, [str(out), *overrides], timeout=150, module="tests.dist.workers.count_all_gathers"))
     micro_batches = 3 * 2
-    for rank in (0, 1):
-        calls = json.loads(Path(f"{out}.{rank}").read_text())
-        forward = [numel for in_backward, numel in calls if not in_backward]
-        backward = [numel for in_backward, numel in calls if in_backward]
-        root_numel = forward[0]  # the root's pre-forward gathers first
-        # Forward: the root and both blocks; backward: block 0 only (the last block is kept for the root's backward).
-        assert len(forward) == 3 * micro_batches and forward.count(root_numel) == micro_batches, calls
-        assert len(backward) == micro_batches and root_numel not in backward, calls
+    for every in ("true", "false"):  # gathering does not depend on when gradients are reduced
+        for calls in reduce_scatter_runs[2][every]:
+            forward = [numel for in_backward, numel in calls if not in_backward]
+            backward = [numel for in_backward, numel in calls if in_backward]
+            root_numel = forward[0]  # the root's pre-forward gathers first
+            # Forward: the root and both blocks; backward: block 0 only (the last block is kept for the root's
+            # backward).
+            assert len(forward) == 3 * micro_batches and forward.count(root_numel) == micro_batches, calls
+            assert len(backward) == micro_batches and root_numel not in backward, calls
 
 
 @pytest.mark.timeout(300)
 def test_one_gradient_reduce_scatter_per_step_trains_the_same(reduce_scatter_runs):
     """distributed.reduce_every_micro_batch=false: FSDP reduce-scatters once per step instead of once per
     micro-batch (unsharded gradients accumulate in between), with the same losses and gradient norms."""
-    rows, counts = reduce_scatter_runs
+    rows, counts, _ = reduce_scatter_runs
     # One reduce-scatter per FSDP unit (2 blocks + the root) per backward: 3 steps x 2 micro-batches vs 3 steps.
     assert counts["true"] == [3 * 3 * 2] * 2 and counts["false"] == [3 * 3] * 2, counts
     for step in (1, 2, 3):
