@@ -372,8 +372,11 @@ def test_a_teacher_failing_mid_run_is_its_own_sentence_on_every_rank(corpus, tin
     assert 'raise RuntimeError("injected teacher failure' in teacher_log, teacher_log[-3000:]
     answered = (grad_acc - 1) + prefetch + 1
     assert f"answered {answered} more request(s) with the error, until the students left (ERROR)" in teacher_log
-    assert all(lines[-1].endswith("lingua.distributed: process groups aborted") for lines in rank_logs.values()), \
-        {rank: lines[-3:] for rank, lines in rank_logs.items()}
+    # Every rank tore down by aborting its groups: the students' last words, the teacher's before its traceback.
+    assert all(rank_logs[rank][-1].endswith("lingua.distributed: process groups aborted") for rank in (0, 1)), \
+        {rank: rank_logs[rank][-3:] for rank in (0, 1)}
+    assert teacher_log.rstrip().endswith("RuntimeError: injected teacher failure (inject_failure=teacher_serve:...)")
+    assert "lingua.distributed: process groups aborted" in teacher_log, teacher_log[-3000:]
     assert sorted(train_rows(dump)) == [1, 2]
 
 
