@@ -9,7 +9,9 @@ padding) may fall inside a slice: those logits become -inf, so they are never ch
     topk     one gather: each slice's log-sum-exp, the log-sum-exp of what its own top-k leaves, and that
              top-k (k x teacher_tp candidates). The first rank merges: the global log-sum-exp, the k best
              candidates, and the rest mass from the slices' rests plus the candidates not chosen (a sum of
-             positive terms, as exact as the single-device log-sum-exp of the non-top-k entries).
+             positive terms, as exact as the single-device log-sum-exp of the non-top-k entries). Equal
+             log-probs may be taken in another order than one topk over the whole vocabulary would (ties are
+             an implementation detail of topk); their values are the same.
     sampled  an all-gather of each slice's log-sum-exp, then inverse-CDF sampling in float64: uniforms drawn
              from the replica's seed (the same on every rank) pick the slice by its mass and the id inside
              it; each rank answers for the draws that fell in its slice, one reduce sums them (with the
