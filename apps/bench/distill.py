@@ -305,7 +305,8 @@ def run_variant(variant: Variant, name: str, config: str, user_overrides: list[s
                  f"enable_distillation={str(variant.distillation).lower()}",
                  f"data.load_async={str(variant.load_async).lower()}"]
     if variant.teacher_tp > 1:
-        overrides += [f"distillation.teacher_tp={variant.teacher_tp}", f"distillation.n_teacher_ranks={n_teacher_ranks}"]
+        overrides += [f"distillation.teacher_tp={variant.teacher_tp}",
+                      f"distillation.n_teacher_ranks={n_teacher_ranks}"]
     command = trainer_command(n_processes, config, overrides)
     logger.info(f"{name}: {n_processes} processes, {steps} steps")
     load_before = os.getloadavg()[0]

@@ -86,7 +86,8 @@ class TeacherCacheArgs(TrainArgs):
             LaunchPlan.for_launch(self.distributed, 0, world_size, local_world_size or world_size)
             tp = self.distillation.teacher_tp
             require(world_size % tp == 0, "distillation.teacher_tp", tp,
-                    f"the cache writer's {world_size} ranks form replicas of teacher_tp ranks; launch a multiple of {tp}")
+                    f"the cache writer's {world_size} ranks form replicas of teacher_tp ranks; "
+                    f"launch a multiple of {tp}")
             tensor_parallel_replicas(list(range(world_size)), tp, local_world_size or world_size)
 
 

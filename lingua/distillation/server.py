@@ -172,7 +172,8 @@ class TeacherServer:
             logger.info(f"teacher {args.teacher_path} loaded in {time.perf_counter() - start:.1f}s "
                         f"(vocab {record.vocab}, {self.teacher.n_params / 1e6:.1f}M params)"
                         + (f", tensor-parallel over ranks {topo.replica_ranks}: vocabulary rows "
-                           f"{shard.start}-{shard.end - 1} here" if shard is not None else ""))
+                           f"{shard.start}-{shard.end - 1} and {self.teacher.n_local_params / 1e6:.1f}M params here"
+                           if shard is not None else ""))
             if heldout is not None and not tensor_parallel:
                 record.heldout_ce = self._heldout_ce(heldout, attn_mask)
         except Exception as err:  # every rank must hear about it, not only this one

@@ -104,7 +104,8 @@ def test_four_students_and_two_tp2_replicas_one_per_torchrun_node(corpus, tiny_t
     for teacher, students in ((2, (0, 1)), (6, (4, 5))):
         for rank, rows in ((teacher, "0-255"), (teacher + 1, "256-511")):
             assert f"[r{rank} teacher] INFO  lingua.distillation.server: teacher " in out
-            assert f"tensor-parallel over ranks [{teacher}, {teacher + 1}]: vocabulary rows {rows} here" in out
+            assert (f"tensor-parallel over ranks [{teacher}, {teacher + 1}]: vocabulary rows {rows} and 0.1M params "
+                    f"here") in out  # of 0.2M: each rank holds half the teacher
         for student in students:
             assert f"[r{student} student] INFO  lingua.distillation.client: teacher rank {teacher} ready" in out
     assert out.count("STOP received after 2 requests") == 2, out[-4000:]
