@@ -27,12 +27,14 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from lingua.parallel import flight_recorder
 from lingua.parallel.collectives import comm_logger, log_collective
 # DistributedArgs is the `distributed:` config section; it lives with LaunchPlan, torch-free, for stool.
 from lingua.parallel.launch_plan import DistributedArgs, LaunchEnv, LaunchPlan, expected_cuda_index, read_launch_env
@@ -147,6 +149,10 @@ class Topology:
     def group_name(self, group) -> str:
         return self.group_names.get(id(group), "?")
 
+    def group_members(self) -> dict[str, list[int]]:
+        """Name -> global ranks of every group this rank belongs to (who a timed-out collective waited for)."""
+        return {self.group_name(group): dist.get_process_group_ranks(group) for group in self.all_groups()}
+
 
 def init_method_for(launch: LaunchEnv) -> str:
     """The rendezvous address: the launcher's MASTER_ADDR/PORT, or a private port for one process."""
@@ -174,22 +180,36 @@ def choose_device(args: DistributedArgs, local_rank: int, local_world_size: int 
     return torch.device("cpu"), backend
 
 
-def enable_debug_env(dump_dir: Optional[str]) -> None:
-    """The debug switch: torch reads these at process-group creation, so set them before it."""
-    trace_dir = os.path.join(dump_dir or ".", "comm_traces")
-    os.makedirs(trace_dir, exist_ok=True)
-    settings = {
-        "TORCH_DISTRIBUTED_DEBUG": "DETAIL",  # mismatched collectives become errors naming the op
-        "TORCH_SHOW_CPP_STACKTRACES": "1",
-        # Flight recorder, under both the current and the older names.
-        "TORCH_FR_BUFFER_SIZE": "20000",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",
-        "TORCH_FR_DUMP_TEMP_FILE": os.path.join(trace_dir, "rank_"),
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(trace_dir, "rank_"),
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        # Tear down on error (not block) so the watchdog gets to write the dump.
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-    }
+def enable_debug_env(dump_dir: Optional[str], mode: str = "true") -> None:
+    """The debug switch (`distributed.debug`): torch reads these at process-group creation, so set them before it.
+    A value the user exported already is kept.
+
+    trace   the flight recorder: a bigger buffer, NCCL's watchdog dumping it on a timeout to
+            <dump_dir>/comm_traces/rank_<r> (where our own dumps go on every backend, see
+            lingua/parallel/flight_recorder.py), and a named pipe per rank that dumps a live NCCL hang on demand
+            (`echo > <dump_dir>/logs/fr_dump_pipe_<r>.pipe`). No DETAIL: its monitored barrier before every
+            collective would catch a missing peer first, so no NCCL work is queued and nothing is recorded.
+    detail  TORCH_DISTRIBUTED_DEBUG=DETAIL: a collective that differs between ranks becomes an error naming both.
+    true    both. Every mode logs each collective of ours (`lingua.comm`) and C++ stacks with torch errors.
+    TORCH_NCCL_ASYNC_ERROR_HANDLING stays at torch's default (3: tear the process down without aborting the
+    communicators, since an abort can itself hang); the watchdog writes its dump before that in every mode.
+    """
+    run = Path(dump_dir or ".")
+    settings = {"TORCH_SHOW_CPP_STACKTRACES": "1"}
+    if mode in ("trace", "true"):
+        (run / "logs").mkdir(parents=True, exist_ok=True)
+        dumps = flight_recorder.trace_dir(run)
+        dumps.mkdir(parents=True, exist_ok=True)
+        pipe = str(run / "logs" / "fr_dump_pipe_")  # torch appends "<rank>.pipe"; not in comm_traces (not a dump)
+        settings.update({
+            "TORCH_FR_BUFFER_SIZE": "20000",  # torch's default keeps 2,000 collectives
+            "TORCH_FR_DUMP_TEMP_FILE": str(dumps / flight_recorder.TRACE_PREFIX),
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": pipe,
+            "TORCH_FR_DEBUG_INFO_PIPE_FILE": pipe,  # the same pipe under the name newer torch reads
+        })
+    if mode in ("detail", "true"):
+        settings["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     for key, value in settings.items():
         os.environ.setdefault(key, value)
     dist.set_debug_level_from_env()
@@ -206,12 +226,15 @@ def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = args.matmul_allow_tf32
         torch.backends.cudnn.allow_tf32 = args.matmul_allow_tf32
-    if args.debug:
-        enable_debug_env(dump_dir)
+    if args.debug_mode != "false":
+        enable_debug_env(dump_dir, args.debug_mode)
     if dist.get_debug_level() == dist.DebugLevel.DETAIL:  # ours or the user's own TORCH_DISTRIBUTED_DEBUG
         keep_detail_check_groups()
     faulthandler.enable()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` prints every stack
+    # `kill -USR1 <pid>` prints every stack (faulthandler, from C), then reaches the rank's watch thread through the
+    # Python handler's wakeup fd (lingua/parallel/watch.py): the handler itself does nothing.
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
     if dump_dir:  # before the rendezvous: once it is through, every status file is this launch's
         RunDir(dump_dir).status(launch.rank).unlink(missing_ok=True)
 
@@ -330,13 +353,34 @@ def device_map_problems(rows: list[dict]) -> list[str]:
     return problems
 
 
-def clean_up() -> None:
-    """Destroy the process group on every exit path (normal, error, preemption), and say so: the
-    line in each rank's log proves that rank got out."""
+def clean_up(error: Optional[BaseException] = None) -> None:
+    """Leave torch.distributed on every exit path (normal, error, preemption), and say so: the line in each
+    rank's log proves that rank got out.
+
+    A normal exit (`error` None) destroys the process groups ("process group destroyed"). An exceptional one
+    aborts them ("process groups aborted"): work may still be posted (a student failing on its own leaves its
+    look-ahead requests; a rank that lost a peer, the collective it lost it in), and NCCL's destroy waits for
+    pending work, until the watchdog fires, where abort cancels it. gloo drops such work either way, so on CPU
+    the two differ only in the line. A torch or backend without abort destroys instead."""
     if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-            logger.info("process group destroyed")
-        except Exception as err:  # on the way out: report, never mask the exception that brought us here
-            logger.warning(f"destroying the process group failed: {type(err).__name__}: {err}")
+        if error is None or not _abort_process_groups():
+            try:
+                dist.destroy_process_group()
+                logger.info("process group destroyed")
+            except Exception as err:  # on the way out: report, never mask the exception that brought us here
+                logger.warning(f"destroying the process group failed: {type(err).__name__}: {err}")
     forget_detail_check_groups()
+
+
+def _abort_process_groups() -> bool:
+    """Abort every process group of this rank, the world's included; False when this torch cannot."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.5; NCCL and gloo
+    if abort is None:
+        return False
+    try:
+        abort()
+    except Exception as err:  # a backend that does not implement abort: destroy instead
+        logger.warning(f"aborting the process groups failed ({type(err).__name__}: {err}); destroying them")
+        return False
+    logger.info("process groups aborted")
+    return True

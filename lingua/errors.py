@@ -15,5 +15,10 @@ class PeerStopped(Exception):
     log (this rank's traceback would only show where it was waiting)."""
 
 
+class CollectiveTimeout(PeerStopped):
+    """A collective's timeout ran out: the message names the group, the rank(s) that did not arrive and the
+    step (the backend's own words only say how long it waited). Reported like `PeerStopped` (exit 1)."""
+
+
 # Errors a user causes: bad config values, missing files, a failed teacher (its text says why).
 USER_ERRORS = (ValueError, FileNotFoundError, UserError)

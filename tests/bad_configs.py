@@ -44,6 +44,9 @@ BAD_CONFIGS = [
     BadConfig("zero_teacher_ranks", {"enable_distillation": "true", "distillation.n_teacher_ranks": 0},
               "distillation.n_teacher_ranks", "distillation.n_teacher_ranks=0; distillation needs at least one teacher "
               "rank; use 1 or more, or set enable_distillation=false.", launch=True),
+    BadConfig("debug_mode", {"distributed.debug": "verbose"}, "distributed.debug",
+              "distributed.debug='verbose'; use false, trace (flight recorder dumps and per-collective logs, for "
+              "hangs), detail (TORCH_DISTRIBUTED_DEBUG=DETAIL, for mismatched collectives) or true (both)."),
     BadConfig("negative_timeout", {"distributed.train_timeout_s": -1}, "distributed.train_timeout_s",
               "distributed.train_timeout_s=-1.0; use a positive number of seconds (at most 604800, a week).",
               launch=True),
@@ -61,6 +64,8 @@ BAD_CONFIGS = [
     BadConfig("zero_steps", {"steps": 0}, "steps"),
     BadConfig("zero_grad_acc", {"grad_acc_steps": 0}, "grad_acc_steps"),
     BadConfig("empty_dump_dir", {"dump_dir": "''"}, "dump_dir"),
+    BadConfig("dump_dir_is_a_file", {"dump_dir": "{teacher}/config.json"}, "dump_dir"),
+    BadConfig("dump_dir_under_a_file", {"dump_dir": "{teacher}/config.json/run"}, "dump_dir"),
     BadConfig("probe_freq", {"probe_freq": 0}, "probe_freq"),
     BadConfig("exit_after_steps", {"exit_after_steps": 0}, "exit_after_steps"),
     BadConfig("grace", {"preemption_grace_s": -1}, "preemption_grace_s"),

@@ -96,6 +96,9 @@ def torchrun(nproc: int, module_args: list[str], timeout: float, env: dict | Non
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise AssertionError(f"HANG: torchrun did not finish within {timeout}s\n{out[-6000:]}")
+    except BaseException:  # pytest-timeout or Ctrl-C while waiting: the job, in its own session, must not outlive us
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
@@ -197,6 +200,8 @@ def signal_ranks(dump: Path, ranks_and_delays: list[tuple[int, float]], after_st
 
 
 def ranks_that_cleaned_up(stdout: str) -> set[int]:
-    """Global ranks whose log says `clean_up` destroyed their process group (the end of every exit path)."""
+    """Global ranks whose log says `clean_up` destroyed (normal exit) or aborted (exceptional exit) their process
+    groups: the end of every exit path."""
     return {int(m.group(1)) for m in re.finditer(r"\[r(\d+) (?:student|teacher)\] INFO  lingua\.distributed: "
-                                                   r"process group destroyed$", stdout, flags=re.M)}
+                                                   r"(?:process group destroyed|process groups aborted)$", stdout,
+                                                   flags=re.M)}

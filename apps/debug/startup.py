@@ -200,6 +200,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     phases = PhaseLog(str(out_dir), launch.rank, role)
     phases.record("imports", IMPORT_START, main_start)
     logger.info(f"startup phase {args.phase}: {PHASES[args.phase]}")
+    failure: Optional[BaseException] = None  # an exceptional exit aborts the process groups (clean_up)
     try:
         if args.phase == 1:
             bare_init(args.distributed, launch, phases)
@@ -219,8 +220,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                     student_startup(args, topo, phases, args.phase)
         dist.barrier(group=dist.group.WORLD)  # every rank's file is complete before rank 0 reads them
         print_report(phases, launch.rank, launch.world_size, out_dir, args.phase)
+    except BaseException as err:
+        failure = err
+        raise
     finally:
-        clean_up()
+        clean_up(failure)
 
 
 if __name__ == "__main__":

@@ -274,12 +274,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     launch = read_launch_env()
     args.validate(launch.world_size, launch.local_world_size)  # every config error, before any process group
     release_sigterm()
+    failure: Optional[BaseException] = None  # an exceptional exit aborts the process groups (clean_up)
     try:
         topo = setup_torch_distributed(args.distributed, 0, args.dump_dir)
         init_logger(topo.global_rank, "cache", str(Path(args.cache_dir) / "logs" / f"rank_{topo.global_rank}.log"))
         write_cache(args, topo)
+    except BaseException as err:
+        failure = err
+        raise
     finally:
-        clean_up()
+        clean_up(failure)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -56,6 +57,7 @@ from lingua.parallel.parallelize import parallelize_model
 from lingua.parallel.preemption import PreemptionFlag, requeue_if_slurm
 from lingua.parallel.rank_status import RankStatus
 from lingua.parallel.timeouts import HangWatch, enter_training_timeout
+from lingua.parallel.watch import RankWatch
 from lingua.probe import ActivationProbe
 from lingua.profiling import ProfilerArgs, maybe_run_profiler
 from lingua.rundir import RunDir
@@ -99,6 +101,9 @@ class TrainArgs:
         require(self.steps >= 1, "steps", self.steps, "train for at least one step")
         require(self.grad_acc_steps >= 1, "grad_acc_steps", self.grad_acc_steps, "use 1 (no accumulation) or more")
         require(bool(self.dump_dir), "dump_dir", self.dump_dir, "name the folder for logs, metrics and checkpoints")
+        blocking = next((p for p in (Path(self.dump_dir), *Path(self.dump_dir).parents) if p.exists()), None)
+        require(blocking is None or blocking.is_dir(), "dump_dir", self.dump_dir,
+                f"{blocking} is a file, not a folder; point dump_dir at a folder (it is created when missing)")
         for key in ("probe_freq", "exit_after_steps"):
             value = getattr(self, key)
             require(value is None or value >= 1, key, value, "use a positive number of steps, or null")
@@ -315,7 +320,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             timer.reset()
             step_start = time.perf_counter()
             state.step += 1
-            hang_watch.arm(startup.timeout_s(state.step))
+            hang_watch.arm(startup.timeout_s(state.step), step=state.step)
             faults.before_step(state.step)
             with startup.span(state.step):
                 metrics, micro_batches = train_step(args, model, distiller, feed, state.step, timer, device,
@@ -408,11 +413,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     args.validate(launch.world_size, launch.local_world_size)  # every config error, before any process group
     preemption = PreemptionFlag()  # from here on: handlers only set a flag, students agree on it each step
     check_no_sigterm_held()  # a SIGTERM while we checked: torchrun stopping the job, another rank failed
+    failure: Optional[BaseException] = None  # an exceptional exit aborts the process groups (clean_up)
     try:
         topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir, teacher_tp(args))
         init_logger(topo.global_rank, topo.role, str(RunDir(args.dump_dir).rank_log(topo.global_rank)))
         # From here a rank that fails leaves a note, and one that loses a peer names the rank that stopped.
-        with RankStatus(args.dump_dir, topo, debug=args.distributed.debug):
+        with (RankStatus(args.dump_dir, topo, debug=args.distributed.debug_mode) as status,
+              RankWatch(topo, args.dump_dir, status, traces=args.distributed.traces)):
             phases = PhaseLog(args.dump_dir, topo.global_rank, topo.role)
             for phase, (phase_start, phase_end) in topo.setup_spans.items():  # process_group_init, mesh
                 phases.record(phase, phase_start, phase_end)
@@ -425,9 +432,12 @@ def main(argv: Optional[list[str]] = None) -> None:
             preemption.ignore_further()
             if topo.distributed:
                 torch.distributed.barrier(group=torch.distributed.group.WORLD)  # everyone ends together
+    except BaseException as err:
+        failure = err
+        raise
     finally:
         preemption.ignore_further()  # a launcher's SIGTERM while we leave would only cut the exit short
-        clean_up()
+        clean_up(failure)
 
 
 if __name__ == "__main__":

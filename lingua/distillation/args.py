@@ -21,6 +21,7 @@ from lingua.args import require
 from lingua.distillation.divergences import DIVERGENCES
 from lingua.distillation.outputs import FORMATS
 from lingua.errors import UserError
+from lingua.parallel.collectives import AgreedError
 from lingua.parallel.launch_plan import teacher_rank_count
 
 MAX_PREFETCH = 2  # requests ahead; more only holds more response buffers without hiding more
@@ -32,6 +33,11 @@ ALPHA_SCHEDULES = ("constant", "lr")
 
 class TeacherError(UserError, RuntimeError):
     """A teacher-side failure every bridge member reports in the same words (load, request, forward)."""
+
+
+class AgreedTeacherError(TeacherError, AgreedError):
+    """A teacher's failure the students agreed on at a step's control point: raised on every student at once, so
+    each first completes its posted requests and tells its own teacher (ERROR) before leaving."""
 
 
 @dataclass

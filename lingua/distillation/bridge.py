@@ -13,7 +13,9 @@ Everything goes over `topo.bridge_group` (teacher i + its contiguous block of st
    per student, a `ResponseStatus` then that student's rows of sparse outputs laid out by
    `BridgeSpec.payload_spec()` (see `lingua.kd_loss.TeacherOutputs`). `lingua/distillation/server.py`
    and `lingua/distillation/client.py` are the two ends.
-3. STOP / ERROR: the same exchange with another `Op`; the teacher answers and leaves its loop.
+3. STOP / ERROR: the same exchange with another `Op`; the teacher answers and leaves its loop. A
+   teacher that failed a request answers every later one with that error (no forward) until its
+   students send STOP or ERROR, which they do only after completing every request they posted.
 
 Records are fixed-size so the collectives always move the same shapes: a handshake record or a
 response status is RECORD_INTS int64 fields followed by MESSAGE_BYTES of UTF-8 text (an error).
@@ -315,6 +317,18 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
     # Checked at startup already when the teacher's config.json is on disk; a hub teacher is checked here.
     check_seq_len_fits_teacher(max_seqlen, teacher.max_positions, f"teacher rank {teacher.global_rank}")
     # Students' logits cover their tokenizer's vocab; teacher rows beyond it are padding and are cut.
-    return BridgeSpec(max_bsz, max_seqlen, students[0].vocab, served["output"], served["k"],
+    vocab = students[0].vocab
+    check_k_fits_vocab(served["output"], served["k"], vocab, teacher)
+    return BridgeSpec(max_bsz, max_seqlen, vocab, served["output"], served["k"],
                       WIRE_DTYPES[served["wire_dtype"]], doc_boundaries=served["attn_mask"] == "doc_causal",
                       teacher_heldout_ce=teacher.heldout_ce)
+
+
+def check_k_fits_vocab(output: str, k: int, vocab: int, teacher: HandshakeRecord) -> None:
+    """Top-k ids come from the teacher's outputs cut to the students' `vocab`: k beyond it is refused here, at the
+    handshake, before any buffer sized by k exists. `sampled` draws with replacement: any k is a valid sample;
+    `full` sends no ids."""
+    if output == "topk" and k > vocab:
+        raise ValueError(f"distillation.k={k} is more than the {vocab} token ids the top-k is taken from (the "
+                         f"students' vocabulary; teacher rank {teacher.global_rank} has {teacher.vocab}); set "
+                         f"distillation.k <= {vocab}.")

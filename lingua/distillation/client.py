@@ -13,16 +13,19 @@ words stay on the device and are read once per step, at the agreed control point
 (`response_flags`); the wait clock uses CUDA events, read on log steps. A response whose status
 says error carries stale but valid outputs (the teacher's buffers only ever hold its own
 outputs), so the step can finish before every student raises the teacher's sentence together.
+A failed teacher answers every request that way until each of its students sent ERROR (or STOP),
+and a student sends it only after completing all it posted: no request is left in flight on any
+path but a student's own unagreed failure (`report_exit` counts them; that exit aborts its groups).
 """
 
 import logging
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from lingua.distillation.args import DistillationArgs, TeacherError
+from lingua.distillation.args import AgreedTeacherError, DistillationArgs, TeacherError
 from lingua.distillation.bridge import (
     BAD_TOKENS_FIELD,
     HEADER_INTS,
@@ -44,43 +47,51 @@ STATUS_WORDS = 2  # the response status fields read per step: failed, teacher_pr
 
 class WaitClock:
     """Student time blocked on the teacher. CPU (gloo): the host blocks in wait(), so the host clock.
-    CUDA (NCCL): wait() only makes the stream wait; events around it are read when asked (log steps)."""
+    CUDA (NCCL): wait() only makes the stream wait; the event pair around it is kept until read (log steps),
+    and pairs of steps that were never read still count in the total when a later read folds them in."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, make_event: Optional[Callable[[], object]] = None):
         self.cuda = device.type == "cuda"
+        # A timing event recorded on the current stream; tests pass a fake one to run this branch without a GPU.
+        self.make_event = make_event or (lambda: torch.cuda.Event(enable_timing=True))
         self.step_s = self.total_s = 0.0  # resolved seconds: this step's, and since launch
-        self.open_pairs: list[tuple] = []  # CUDA events of this step not read yet
+        self.step_pairs: list[tuple] = []  # CUDA (start, end) events of this step not read yet
+        self.earlier_pairs: list[tuple] = []  # CUDA events of earlier steps not read yet: the total's only
 
     def new_step(self) -> None:
         self.step_s = 0.0
-        if self.cuda:
-            self.open_pairs = []
+        self.earlier_pairs += self.step_pairs  # unread, not dropped: the next read adds them to the total
+        self.step_pairs = []
 
     def start(self):
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
+            event = self.make_event()
             event.record()
             return event
         return time.perf_counter()
 
     def stop(self, start) -> None:
         if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
+            end = self.make_event()
             end.record()
-            self.open_pairs.append((start, end))
+            self.step_pairs.append((start, end))
             return
         elapsed = time.perf_counter() - start
         self.step_s += elapsed
         self.total_s += elapsed
 
     def read_step(self) -> float:
-        """This step's wait in seconds (on CUDA: synchronizes on the step's last event; log steps only)."""
-        if self.open_pairs:
-            self.open_pairs[-1][1].synchronize()
-            seconds = sum(a.elapsed_time(b) for a, b in self.open_pairs) / 1e3
-            self.step_s += seconds
-            self.total_s += seconds
-            self.open_pairs = []
+        """This step's wait in seconds, every unread pair folded in (on CUDA: one sync, on the newest event,
+        which the stream records after all the others; log steps only)."""
+        pending = self.earlier_pairs + self.step_pairs
+        if not pending:
+            return self.step_s
+        pending[-1][1].synchronize()
+        earlier = sum(a.elapsed_time(b) for a, b in self.earlier_pairs) / 1e3
+        this_step = sum(a.elapsed_time(b) for a, b in self.step_pairs) / 1e3
+        self.step_s += this_step
+        self.total_s += earlier + this_step
+        self.earlier_pairs, self.step_pairs = [], []
         return self.step_s
 
 
@@ -102,6 +113,9 @@ class TeacherHandle:
             work.wait()
         self.done = True
         self.client.in_flight.remove(self)
+        # Completed: from now on its status is safe to read (the teacher's clocks for the metrics). A posted
+        # buffer is not: its scatter may still be writing (CUDA: uninitialised bytes until the stream waits).
+        self.client.last_status = self.response[:RECORD_BYTES]
         # Counted when answered, so a look-ahead request belongs to the step that consumes it. What goes over
         # the bridge is the whole framed buffer (header/status, padding), not only the payload.
         self.client.bytes_up += self.request_bytes
@@ -139,7 +153,8 @@ class TeacherClient:
         self.in_flight: list[TeacherHandle] = []
         self.statuses: list[tuple[torch.Tensor, int]] = []  # (status record on the device, step), read per step
         self.checked: list[tuple[torch.Tensor, int]] = []  # the statuses of the last agreed step
-        self.last_response: Optional[torch.Tensor] = None  # its status: the teacher's clocks, read on log steps
+        self.last_status: Optional[torch.Tensor] = None  # the last completed response's status, read on log steps
+        self.unwaited_at_exit: Optional[int] = None  # posted requests never completed, counted by report_exit
         self.in_training = False  # set after this launch's first step: requests then tell the teacher
         self.bytes_up = self.bytes_down = 0  # the buffers of answered requests: handed to gather / got from scatter
         self.stopped = False
@@ -155,10 +170,11 @@ class TeacherClient:
         return self.wait_clock.total_s
 
     def teacher_status(self) -> ResponseStatus:
-        """The teacher's latest status (its cumulative busy/idle seconds, peak memory): one host read."""
-        if self.last_response is None:
+        """The teacher's status in the last completed response (its cumulative busy/idle seconds, peak memory):
+        one host read. Requests posted ahead are not looked at: their buffers may still be in flight."""
+        if self.last_status is None:
             return ResponseStatus()
-        return ResponseStatus.unpack(self.last_response[:RECORD_BYTES])
+        return ResponseStatus.unpack(self.last_status)
 
     @property
     def teacher_busy(self) -> float:
@@ -211,7 +227,6 @@ class TeacherClient:
         handle = TeacherHandle(self, [up, down], response, bsz, seqlen, step)
         handle.request_bytes = request.numel() * request.element_size()
         self.in_flight.append(handle)
-        self.last_response = response
         return handle
 
     def submit(self, input_ids: torch.Tensor, step: int, micro_step: int,
@@ -235,12 +250,14 @@ class TeacherClient:
         return {"teacher_error": words[0], "teacher_preempt": words[1]}
 
     def raise_teacher_error(self) -> None:
-        """After the students agreed that a response failed: the teacher's own sentence, if this bridge has it."""
+        """After the students agreed that a response failed: the teacher's own sentence, if this bridge has it.
+        The error is agreed, so the loop drains and sends ERROR before it propagates (`stop_on_agreed_error`):
+        the failed teacher answers every request until then, and leaves once each of its students sent ERROR."""
         for record, step in self.checked:
             status = ResponseStatus.unpack(record)  # the message is decoded only here, on the error path
             if not status.ok:
-                raise TeacherError(f"Teacher rank {self.teacher_rank} failed at step {step}: {status.message}")
-        raise TeacherError("a teacher in another bridge failed; its students' logs name the reason")
+                raise AgreedTeacherError(f"Teacher rank {self.teacher_rank} failed at step {step}: {status.message}")
+        raise AgreedTeacherError("a teacher in another bridge failed; its students' logs name the reason")
 
     def mark_first_step_done(self) -> None:
         """This launch's first step is over: later requests let the teacher switch to the training timeout."""
@@ -262,4 +279,13 @@ class TeacherClient:
         status = ResponseStatus.unpack(handle.response[:RECORD_BYTES])
         if not status.ok and not error:
             raise TeacherError(f"Teacher rank {self.teacher_rank} reported at STOP: {status.message}")
-        logger.info(f"sent STOP to teacher rank {self.teacher_rank} at step {step}")
+        logger.info(f"sent {'ERROR' if error else 'STOP'} to teacher rank {self.teacher_rank} at step {step}")
+
+    def report_exit(self) -> int:
+        """Count (and log) the posted requests never completed as this student leaves: 0 on every path but a
+        student failing on its own (not agreed), which must not wait for a teacher its peers may never reach;
+        its process groups are then aborted, which cancels them (NCCL's destroy would wait for them)."""
+        self.unwaited_at_exit = len(self.in_flight)
+        log = logger.warning if self.unwaited_at_exit else logger.info
+        log(f"teacher requests left unwaited at exit: {self.unwaited_at_exit}")
+        return self.unwaited_at_exit

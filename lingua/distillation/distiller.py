@@ -10,6 +10,7 @@
     distiller.after_agreement(agreed)                          # raises the teacher's error on every student
     metrics = distiller.step_metrics()                         # loss/ce, loss/total (+ loss/kd, kd/*): tensors
     distiller.stop(step, error=False)                          # drains requests in flight, then STOP
+    with distiller.stop_on_agreed_error(current_step): ...     # around the loop: an agreed error drains, sends ERROR
 
 Kinds: `NoDistiller` (enable_distillation=false: every rank trains on CE), `OnlineDistiller` (a
 teacher rank behind a bridge, `lingua/distillation/client.py`) and `CacheDistiller` (the offline teacher
@@ -88,15 +89,22 @@ class Distiller:
     def stop(self, step: int, error: bool = False) -> None:
         """The end of this launch (or an agreed error): the teacher leaves its loop."""
 
+    def report_exit(self) -> None:
+        """As the loop is left, on every path: say how many teacher requests were left unwaited."""
+
     @contextlib.contextmanager
     def stop_on_agreed_error(self, current_step: Callable[[], int]):
-        """An error the students raise together (`AgreedError`: a non-finite loss, different loop lengths)
-        reaches the teacher too, as an ERROR request, before it propagates."""
+        """An error the students raise together (`AgreedError`: a non-finite loss, different loop lengths, a
+        teacher's failure) reaches the teacher too, as an ERROR request after the requests in flight, before it
+        propagates. Any other error is this rank's own: it leaves without talking to the teacher (its peers may
+        be blocked in a collective it never joins) and its process groups are aborted on the way out."""
         try:
             yield
         except AgreedError:
             self.stop(current_step(), error=True)
             raise
+        finally:
+            self.report_exit()
 
     def _add_ce(self, ce: torch.Tensor) -> None:
         ce = ce.detach().double()
@@ -240,6 +248,9 @@ class OnlineDistiller(KDDistiller):
 
     def stop(self, step: int, error: bool = False) -> None:
         self.client.stop(step, error=error)
+
+    def report_exit(self) -> None:
+        self.client.report_exit()
 
 
 def tokenizer_vocab(tokenizer) -> dict:

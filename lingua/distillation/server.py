@@ -4,7 +4,12 @@ Per request (`TeacherServer.serve`): receive (one gather of every student's `Req
 -> handle (check the headers agree, one forward over all rows under inference mode, each student's
 rows of sparse outputs written into its response buffer) -> reply (one scatter: a `ResponseStatus`
 then the outputs). Whatever fails while handling is answered too, as a status carrying the sentence,
-so students raise it instead of waiting for a timeout. The protocol itself is in `lingua/distillation/bridge.py`.
+so students raise it instead of waiting for a timeout. After a failure the teacher stays "errored": it
+answers every later request with the same status (no forward) until its students leave with ERROR or
+STOP, then raises. The students learn of the error only at their step's agreed point, so until then
+they still finish the step's micro-batches and hold requests posted ahead; a teacher that left at once
+would strand them (on NCCL until the watchdog fires, the sentence lost). The protocol itself is in
+`lingua/distillation/bridge.py`.
 
 With distillation.teacher_tp > 1 the teacher is a replica of several ranks sharded tensor-parallel: its
 first rank runs this loop on the bridge and shares each request with the others, which follow
@@ -17,7 +22,7 @@ idle time ends when the headers reach the CPU and its busy time when its stream 
 import contextlib
 import logging
 import time
-from typing import Optional
+from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +41,7 @@ from lingua.distillation.bridge import (
 )
 from lingua.distillation.replica import ReplicaLink, Round, replica_load_record, share_spec
 from lingua.distillation.teacher import TeacherModel
+from lingua.errors import UserError
 from lingua.metrics import MemoryMonitor
 from lingua.parallel.collectives import log_collective
 from lingua.parallel.preemption import PreemptionFlag
@@ -44,6 +50,7 @@ from lingua.parallel.timeouts import HangWatch, set_collective_timeout
 
 logger = logging.getLogger(__name__)
 REPORT_EVERY_S = 30.0
+LEAVING = frozenset({Op.STOP, Op.ERROR})  # a student sending either has left its loop: it sends nothing more
 
 
 class ServingClock:
@@ -148,8 +155,8 @@ class TimeoutSwitch:
 
 
 class TeacherServer:
-    """Teacher side: load, handshake, then answer requests until every student sent STOP. Every rank of a
-    tensor-parallel replica builds one; the first answers the students, the others follow it."""
+    """Teacher side: load, handshake, then answer requests until every student sent STOP (or ERROR). Every rank
+    of a tensor-parallel replica builds one; the first answers the students, the others follow it."""
 
     def __init__(self, args: DistillationArgs, topo, preemption: Optional[PreemptionFlag] = None,
                  inject_load_failure: bool = False, phases=None, attn_mask: str = "causal",
@@ -159,6 +166,7 @@ class TeacherServer:
         self.leader = topo.is_replica_leader  # always, with teacher_tp=1
         self.inject_serve_failure_at = inject_serve_failure_at  # tests: fail while serving this step
         self.teacher: Optional[TeacherModel] = None
+        self.failure: Optional[Exception] = None  # the exception behind the last error status, if one raised
         record = HandshakeRecord("teacher", topo.global_rank, 0, 0, agreed_settings(args, attn_mask))
         start, start_wall = time.perf_counter(), time.time()
         tensor_parallel = topo.teacher_tp_group is not None
@@ -234,7 +242,8 @@ class TeacherServer:
                 f"{self.memory.get_peak_stats()['mem/peak_gib']:.2f} GiB on this rank")
 
     def serve(self, timeouts: Optional[tuple[float, float]] = None) -> None:
-        """Receive -> handle -> reply until STOP. Returns after a STOP; raises (after answering) on any error.
+        """Receive -> handle -> reply until STOP. Returns after a STOP; on any error, answers every request with
+        it until the students left (`_serve_errored`), then raises it.
 
         `timeouts` = (init, train) seconds for the `TimeoutSwitch`; None keeps the groups' timeout."""
         switch = TimeoutSwitch(self.topo, timeouts)
@@ -248,12 +257,11 @@ class TeacherServer:
             status, ops = self._handle(switch)
             self._reply(status)
             self.requests += 1
-            if not status.ok or ops == {Op.STOP}:
+            if not status.ok:
+                self._serve_errored(status, ops, switch)
+            if ops == {Op.STOP}:
                 switch.cancel()
                 self._release_replica(status)
-            if not status.ok:
-                raise TeacherError(status.message)
-            if ops == {Op.STOP}:
                 logger.info(f"STOP received after {self.requests - 1} requests; teacher busy "
                             f"{100 * self.clock.busy_fraction:.0f}% of the time; {self._throughput()}")
                 return
@@ -277,8 +285,7 @@ class TeacherServer:
                     raise TeacherError(payload.message)
                 return
             students = list(zip(self.student_ranks, payload))
-            headers = {rank: RequestHeader.from_ints(row) for (rank, _), row in
-                       zip(students, torch.stack([buf[:HEADER_INTS] for _, buf in students]).tolist())}
+            headers = self._headers(students)
             switch.observe(all(h.in_training for h in headers.values()), False)
             if headers[students[0][0]].step == self.inject_serve_failure_at:
                 raise RuntimeError("injected teacher failure (inject_failure=teacher_serve:...)")
@@ -294,6 +301,31 @@ class TeacherServer:
         log_collective("gather request (teacher)", self.topo.bridge_group, self.request)
         dist.gather(self.request, self.gathered, dst=self.topo.global_rank, group=self.topo.bridge_group)
 
+    def _serve_errored(self, status: ResponseStatus, ops: set, switch: TimeoutSwitch) -> NoReturn:
+        """After a failure: every later request is answered with the same error `status` (no forward; the
+        outputs stay as they were, stale but valid) until the students leave, then the failure is raised.
+
+        A student sends ERROR (or STOP) only after completing every request it posted, and all students of a
+        bridge send it in the same round (they agreed on it), so none is left waiting when this rank leaves."""
+        answered = 0
+        while not ops & LEAVING:
+            switch.arm()
+            self._receive()
+            ops = {header.op for header in self._headers(self._students()).values()}
+            self._reply(status)
+            answered += 1
+        switch.cancel()
+        self._release_replica(status)  # followers wait for the leader's next round until the students left
+        logger.info(f"answered {answered} more request(s) with the error, until the students left "
+                    f"({', '.join(sorted(Op(op).name for op in ops & LEAVING))})")
+        raise TeacherError(status.message) from self.failure
+
+    @staticmethod
+    def _headers(students) -> dict[int, RequestHeader]:
+        """Each student's request header; one copy to the CPU for all (on NCCL: where the wait really ends)."""
+        rows = torch.stack([buf[:HEADER_INTS] for _, buf in students]).tolist()
+        return {rank: RequestHeader.from_ints(row) for (rank, _), row in zip(students, rows)}
+
     def _students(self) -> list[tuple[int, torch.Tensor]]:
         """(global rank, gathered request buffer) of each student, in bridge order."""
         return [(rank, self.gathered[i]) for i, rank in enumerate(self.bridge_ranks) if i != self.mine]
@@ -307,11 +339,9 @@ class TeacherServer:
         arrived, ops, step, error, peak_bytes, forwarded = False, set(), None, None, 0, False
         self.replica_flags = None
         try:
-            # One copy to the CPU for all headers; on NCCL this is where the wait for the request really ends.
-            rows = torch.stack([buf[:HEADER_INTS] for _, buf in students]).tolist()
+            headers = self._headers(students)
             self.clock.request_arrived()
             arrived = True
-            headers = {rank: RequestHeader.from_ints(row) for (rank, _), row in zip(students, rows)}
             ops = {h.op for h in headers.values()}
             step = headers[students[0][0]].step
             switch.observe(all(h.in_training for h in headers.values()), Op.STOP in ops)
@@ -333,6 +363,9 @@ class TeacherServer:
                 self.link.broken = True  # the others wait in a collective of this forward: no more rounds
             where = "a request" if step is None else f"step {step}"
             error, peak_bytes = f"teacher failed serving {where}: {type(err).__name__}: {err}", 0
+            self.failure = err
+            if not isinstance(err, UserError):  # a bug (ours, a library's, the device's): its traceback stays here
+                logger.error(error, exc_info=err)
         if not arrived:
             self.clock.request_arrived()
         self.clock.worked()

@@ -1,17 +1,22 @@
 """What this project adds around lingua's distributed setup (`lingua/distributed.py`: `setup_torch_distributed`,
 the `Topology`, the process groups): the launch plan before any group exists, the loop's collectives, timeouts,
-FSDP, preemption and the peer-death sentence.
+FSDP, preemption, and what a rank says when a peer dies or stops answering.
 
     launch_plan.py   DistributedArgs, read_launch_env, LaunchPlan: roles, teacher replicas (teacher_tp ranks on
                      one node), bridges, the students' mesh for a world size, validated before any process group
                      (torch-free: stool imports it)
     collectives.py   the loop's collectives, each on the group it is given; agree_flags / agree_count
                      (ranks agree before they diverge); the per-collective debug log
-    timeouts.py      the two-phase collective timeout on every group and backend; HangWatch (stack dumps)
+    timeouts.py      the two-phase collective timeout on every group and backend; HangWatch (armed per step/wait)
+    watch.py         RankWatch: each rank's watch thread (heartbeat, the hang watch's note, stacks into the
+                     rank log, SIGUSR1), which runs while the main thread waits in a collective
+    flight_recorder.py  torch's flight recorder read in-process and dumped to <dump_dir>/comm_traces/rank_<r>
+                     for PyTorch's analyzer (gloo too); each group's last collective
     parallelize.py   FSDP2, torch.compile and activation checkpointing of the student
     preemption.py    PreemptionFlag (signals only set a flag; the loop agrees on it), SLURM requeue
-    rank_status.py   RankStatus: each rank's status file; a lost peer becomes one sentence naming the rank
-                     that stopped first
+    rank_status.py   RankStatus: each rank's status file; a lost peer or a collective timeout becomes one
+                     sentence naming the group, the rank(s) and the step (the rules apps/debug/postmortem.py
+                     applies after the fact)
 
 Flow: `read_launch_env` -> `LaunchPlan.for_launch` (config errors, no torch) -> `setup_torch_distributed`
 builds the groups from the plan -> `Topology` -> every component takes its group from it.

@@ -15,16 +15,24 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 comm_logger = logging.getLogger("lingua.comm")  # per-collective lines; DEBUG level only with distributed.debug
 _comm_sequence: dict[str, int] = {}
+_last_op: dict[str, str] = {}  # group name -> our last op on it, kept at any log level (the timeout sentence)
 
 
 def log_collective(op: str, group, *tensors) -> None:
-    """One DEBUG line per collective of ours: group name, op, shapes, per-group sequence number."""
+    """One DEBUG line per collective of ours: group name, op, shapes, per-group sequence number. The op is
+    remembered per group whatever the log level (`last_logged_collective`)."""
+    name = getattr(group, "group_desc", None) or str(id(group))
+    _last_op["world" if name == "default_pg" else name] = op
     if not comm_logger.isEnabledFor(logging.DEBUG):
         return
-    name = getattr(group, "group_desc", None) or str(id(group))
     seq = _comm_sequence[name] = _comm_sequence.get(name, 0) + 1
     shapes = ", ".join(f"{tuple(t.shape)}:{str(t.dtype).replace('torch.', '')}" for t in tensors)
     comm_logger.debug(f"collective #{seq} on {name}: {op} [{shapes}]")
+
+
+def last_logged_collective(group_name: str):
+    """Our last op logged on a group (by its Topology name), or None: where a rank without a flight recorder was."""
+    return _last_op.get(group_name)
 
 
 def _require_group(group, what: str) -> None:

@@ -22,6 +22,10 @@ TEACHER_PLACEMENTS = ("last", "per_node")
 FSDP_TYPES = ("full_shard", "no_shard")
 BACKENDS = ("auto", "nccl", "gloo")
 MODEL_DTYPES = ("bf16", "fp32")
+# distributed.debug: false | trace (flight recorder dumps, for hangs) | detail (TORCH_DISTRIBUTED_DEBUG=DETAIL, for
+# mismatched collectives) | true (both); every mode but false logs each collective of ours. YAML and the command
+# line read true/false as booleans: they mean the same as the words.
+DEBUG_MODES = ("false", "true", "trace", "detail")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 MAX_TIMEOUT_S = 7 * 24 * 3600  # longer is "never" in practice, and huge values overflow the backends' clocks
 
@@ -40,7 +44,7 @@ class DistributedArgs:
     # Two-phase timeouts: generous while loading/compiling, short once the first step went through.
     init_timeout_s: float = 600.0
     train_timeout_s: float = 300.0
-    debug: bool = False  # DETAIL checks, flight recorder dumps, per-collective logs, stack dumps
+    debug: str = "false"  # one of DEBUG_MODES (see `debug_mode`); true/false may come as booleans
     matmul_allow_tf32: bool = True
     # With grad_acc_steps > 1: False keeps FSDP's unsharded gradients across a step's micro-batches and
     # reduce-scatters once, after the last (grad_acc_steps - 1 fewer reduce-scatters per step, at the cost
@@ -49,6 +53,9 @@ class DistributedArgs:
 
     def validate(self) -> None:
         """Known choices, mesh sizes that can be inferred, and timeouts the backends can apply."""
+        require(self.debug_mode in DEBUG_MODES, "distributed.debug", self.debug,
+                "use false, trace (flight recorder dumps and per-collective logs, for hangs), detail "
+                "(TORCH_DISTRIBUTED_DEBUG=DETAIL, for mismatched collectives) or true (both)")
         for key, allowed in (("backend", BACKENDS), ("fsdp_type", FSDP_TYPES), ("model_dtype", MODEL_DTYPES),
                              ("activation_checkpointing", ACTIVATION_CHECKPOINTING),
                              ("teacher_placement", TEACHER_PLACEMENTS)):
@@ -63,6 +70,17 @@ class DistributedArgs:
             value = getattr(self, key)
             require(0 < value <= MAX_TIMEOUT_S, f"distributed.{key}", value,
                     f"use a positive number of seconds (at most {MAX_TIMEOUT_S}, a week)")
+
+    @property
+    def debug_mode(self) -> str:
+        """`debug` as one lower-case word: OmegaConf turns a YAML `true` into "True" for this string field, and
+        code may pass a Python bool."""
+        return str(self.debug).strip().lower()
+
+    @property
+    def traces(self) -> bool:
+        """Flight recorder dumps into <dump_dir>/comm_traces (debug=trace or true)."""
+        return self.debug_mode in ("trace", "true")
 
 
 @dataclass(frozen=True)

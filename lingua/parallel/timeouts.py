@@ -4,7 +4,8 @@ Generous `distributed.init_timeout_s` while loading, compiling and exchanging th
 `distributed.train_timeout_s` on every group of a rank, bridges included, once the first step went
 through. The new value is set on every backend that governs a group -- unwrapped from DETAIL's
 `_ProcessGroupWrapper`, and DETAIL's own gloo check group too -- and read back for the log.
-`HangWatch` prints every thread's stack shortly before the timeout in force would fire.
+`HangWatch` says where a rank is stuck (every thread's stack, the last collectives) shortly before the
+timeout in force would fire.
 """
 
 import faulthandler
@@ -15,6 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from lingua.parallel import watch
 from lingua.parallel.collectives import log_collective
 
 logger = logging.getLogger(__name__)
@@ -138,20 +140,26 @@ def enter_training_timeout(topo, seconds: float) -> None:
 
 
 class HangWatch:
-    """Prints every thread's Python stack if a step is still running shortly before the collective timeout.
+    """Says where a step or wait is stuck shortly before the collective timeout would end it.
 
-    `arm(seconds)` re-arms the single faulthandler timer; it is cheap, so it is always on.
+    `arm(timeout_s, step)` re-arms faulthandler's single timer, which prints every thread's stack on stderr
+    from C (even while the GIL is held), and the rank's watch thread (`lingua/parallel/watch.py`, when one
+    runs), which logs where the main thread is, appends the stacks to the rank's log, notes it in the status
+    file and, with `distributed.debug=trace`, dumps the flight recorder. Cheap, so always on.
     """
 
     def __init__(self, fraction: float = 0.9):
         self.fraction = fraction
 
-    def arm(self, timeout_s: float) -> None:
-        faulthandler.dump_traceback_later(max(1.0, timeout_s * self.fraction), repeat=False)
+    def arm(self, timeout_s: float, step: Optional[int] = None) -> None:
+        delay = max(1.0, timeout_s * self.fraction)
+        faulthandler.dump_traceback_later(delay, repeat=False)
+        watch.arm(delay, timeout_s, step)
 
     @staticmethod
     def cancel() -> None:
         faulthandler.cancel_dump_traceback_later()
+        watch.cancel()
 
     def __enter__(self) -> "HangWatch":
         return self

@@ -67,6 +67,11 @@ def test_student_raising_mid_step_ends_the_job_fast(corpus, tiny_teacher, tmp_pa
     assert "injected failure on train rank 1 at step 3" in result.stdout
     assert elapsed < 60, f"took {elapsed:.0f}s: some rank waited out a timeout"
     assert 1 in ranks_that_cleaned_up(result.stdout), result.stdout[-4000:]  # the raising rank still cleans up
+    # It left its look-ahead request (of step 3) unwaited, without talking to the teacher: its groups are aborted,
+    # which cancels it (NCCL's destroy would wait for it).
+    assert "[r1 student] WARNING lingua.distillation.client: teacher requests left unwaited at exit: 1" \
+        in result.stdout, result.stdout[-4000:]
+    assert "[r1 student] INFO  lingua.distributed: process groups aborted" in result.stdout
 
 
 @pytest.mark.timeout(150)

@@ -181,3 +181,89 @@ def test_a_packed_row_with_document_ids_equals_separate_forwards_of_its_document
     alone = teacher.sparse_outputs(separate, "topk", 8, torch.float32, teacher.vocab_size)
     torch.testing.assert_close(wire.values, alone.values, rtol=1e-5, atol=1e-5)
     assert torch.equal(wire.ids, alone.ids)
+
+
+@pytest.mark.parametrize("output,k,refused", [("topk", 500, False), ("topk", 501, True), ("topk", 100000, True),
+                                              ("sampled", 100000, False), ("full", 100000, False)])
+def test_top_k_beyond_the_students_vocabulary_is_refused_at_the_handshake(output, k, refused):
+    """The teacher's outputs are cut to the students' vocab (here 500 of the teacher's 512 rows): top-k needs k ids
+    among them. Sampling draws with replacement, so any k is a valid sample; full sends no ids."""
+    args = DistillationArgs(teacher_path="t", output=output, k=k, divergence="fkl")
+    handshake = records(args, [args, args], student_vocab=500)
+    if not refused:
+        assert check_handshake(handshake, args).k == k
+        return
+    with pytest.raises(ValueError) as caught:
+        check_handshake(handshake, args)
+    assert str(caught.value) == (f"distillation.k={k} is more than the 500 token ids the top-k is taken from (the "
+                                 f"students' vocabulary; teacher rank 6 has 512); set distillation.k <= 500.")
+
+
+class FakeStream:
+    """CUDA timing events without a GPU: recorded in order at `now`; an event is complete once it, or one recorded
+    after it (one stream), was synchronized, and elapsed_time between incomplete events fails as on CUDA."""
+
+    def __init__(self):
+        self.now, self.recorded, self.completed, self.syncs = 0.0, 0, 0, 0
+
+    def event(self) -> "FakeEvent":
+        return FakeEvent(self)
+
+
+class FakeEvent:
+    def __init__(self, stream: FakeStream):
+        self.stream, self.index, self.time = stream, None, None
+
+    def record(self) -> None:
+        self.index, self.time = self.stream.recorded, self.stream.now
+        self.stream.recorded += 1
+
+    def synchronize(self) -> None:
+        self.stream.completed = max(self.stream.completed, self.index + 1)
+        self.stream.syncs += 1
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        assert max(self.index, end.index) < self.stream.completed, "elapsed_time on an event not complete yet"
+        return (end.time - self.time) * 1e3
+
+
+def test_the_wait_clock_keeps_every_cuda_event_pair_until_a_log_step_reads_them():
+    from lingua.distillation.client import WaitClock
+
+    stream = FakeStream()
+    clock = WaitClock(torch.device("cuda"), make_event=stream.event)
+
+    def wait(seconds: float) -> None:
+        start = clock.start()
+        stream.now += seconds
+        clock.stop(start)
+        stream.now += 10.0  # compute between waits is not waiting
+
+    clock.new_step()  # step 1, not a log step: its two waits are never read
+    wait(0.25)
+    wait(0.5)
+    clock.new_step()  # step 2, a log step
+    wait(1.0)
+    assert stream.syncs == 0  # no host sync before the log step reads
+    assert clock.read_step() == pytest.approx(1.0)  # this step's wait only
+    assert clock.total_s == pytest.approx(1.75)  # step 1's pairs were kept and folded in, not dropped
+    assert stream.syncs == 1  # one sync, on the newest event
+    assert (clock.read_step(), clock.total_s) == (pytest.approx(1.0), pytest.approx(1.75))  # nothing counted twice
+    clock.new_step()
+    assert clock.read_step() == 0.0 and clock.total_s == pytest.approx(1.75)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_wait_clock_on_a_real_gpu_counts_unread_steps_in_the_total():
+    from lingua.distillation.client import WaitClock
+
+    clock = WaitClock(torch.device("cuda"))
+    for _ in range(2):  # two steps of the same wait: a kernel that spins on the stream between the events
+        clock.new_step()
+        start = clock.start()
+        torch.cuda._sleep(50_000_000)
+        clock.stop(start)
+    step_s = clock.read_step()  # only the second step is read
+    assert step_s > 0
+    assert clock.total_s == pytest.approx(2 * step_s, rel=0.2)

@@ -132,10 +132,20 @@ def test_a_launchers_sigterm_during_the_config_check_waits_for_this_ranks_own_se
 # ---------------------------------------------------------------- a peer rank dies
 
 class FakeTopo:
+    """What RankStatus reads of a Topology; no process groups (so no collectives in its flight recorder)."""
+
+    backend = "gloo"
+
     def __init__(self, rank: int, world_size: int = 3, hostname: str = "here"):
         self.global_rank, self.hostname = rank, hostname
         self.plan = LaunchPlan(world_size, world_size, n_teachers=1)
         self.world_size, self.role = world_size, self.plan.role(rank)
+
+    def all_groups(self) -> list:
+        return []
+
+    def group_members(self) -> dict:
+        return {}
 
 
 def test_peer_loss_is_recognised_through_the_exception_chain():
@@ -189,3 +199,15 @@ def test_status_files_are_replaced_atomically_and_name_this_process(tmp_path):
             raise RuntimeError("boom")
     assert json.loads(status.run_dir.status(2).read_text())["error"] == "RuntimeError: boom"
     assert not list(status.run_dir.logs.glob("*.tmp"))
+
+
+def test_a_dump_dir_that_is_a_file_is_one_sentence_and_the_file_is_left_alone(corpus, tmp_path):
+    results = tmp_path / "results.txt"
+    results.write_text("a week of numbers")
+    for dump_dir in (results, results / "run"):
+        args = parse_args(TrainArgs, base_overrides(corpus, dump_dir))
+        with pytest.raises(ValueError) as caught:
+            args.validate(2)
+        assert str(caught.value) == (f"dump_dir='{dump_dir}'; {results} is a file, not a folder; point dump_dir at a "
+                                     f"folder (it is created when missing).")
+    assert results.read_text() == "a week of numbers"

@@ -8,6 +8,8 @@ Run: torchrun --nproc-per-node 3 -m tests.dist.workers.protocol_errors <teacher_
                teacher refuses the request before any forward and every rank raises its sentence
   serve_failure: the teacher fails outside its forward (out of memory while handling the request): it
                still answers, and every rank raises the teacher's sentence instead of waiting
+  k_beyond_vocab: every rank asks for top-100000 of a 512-token vocabulary -> refused at the handshake, in
+               one sentence on every rank, before any buffer sized by k exists
 Each rank prints "FAILED: <error>" or "<MODE> OK" and exits 0, so the test reads every rank's words.
 """
 
@@ -15,7 +17,7 @@ import sys
 
 import torch
 
-from lingua.distillation.args import DistillationArgs
+from lingua.distillation.args import DistillationArgs, TeacherError
 from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.parallel.launch_plan import DistributedArgs
 from lingua.distillation.teacher import load_teacher
@@ -28,6 +30,8 @@ def run(teacher_dir: str, mode: str, topo) -> None:
     args = DistillationArgs(teacher_path=teacher_dir, k=5, teacher_dtype="fp32")
     if mode == "settings" and topo.is_student:
         args = DistillationArgs(teacher_path=teacher_dir, k=6, wire_dtype="fp32", temperature=2.0, teacher_dtype="fp32")
+    if mode == "k_beyond_vocab":
+        args = DistillationArgs(teacher_path=teacher_dir, k=100000, teacher_dtype="fp32")
     if topo.is_teacher:
         server = TeacherServer(args, topo)
         if mode == "serve_failure":
@@ -47,8 +51,10 @@ def run(teacher_dir: str, mode: str, topo) -> None:
         client.submit(tokens, step=1, micro_step=0).wait()
     elif mode == "serve_failure":
         client.submit(tokens, step=1, micro_step=0).wait()
-    # The step's agreed point, as the trainer has it: statuses are read here, not per micro-batch.
+    # The step's agreed point, as the trainer has it: statuses are read here, not per micro-batch. The error is
+    # agreed, so the teacher hears ERROR before it is raised (the trainer's `stop_on_agreed_error`).
     if client.response_flags()["teacher_error"]:
+        client.stop(step=1, error=True)
         client.raise_teacher_error()
     client.stop(step=2)
 
@@ -66,7 +72,9 @@ def main(teacher_dir: str, mode: str) -> None:
         run(teacher_dir, mode, topo)
         say(f"{mode.upper()} OK rank {topo.global_rank}")
     except Exception as err:  # the test reads each rank's sentence
-        say(f"FAILED rank {topo.global_rank}: {type(err).__name__}: {err}")
+        # A teacher's failure is a TeacherError on every rank (the students' is the agreed kind): the words count.
+        name = TeacherError.__name__ if isinstance(err, TeacherError) else type(err).__name__
+        say(f"FAILED rank {topo.global_rank}: {name}: {err}")
     finally:
         clean_up()
 
