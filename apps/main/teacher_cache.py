@@ -11,7 +11,8 @@ distillation.teacher_tp=T the N ranks form N / T replicas of T consecutive ranks
 holding the teacher sharded tensor-parallel: replica j writes shards j, j + N/T, ..., its first rank
 writing the files, every rank of it running the forward. Shards are
 written atomically, so a rerun skips the finished ones and resumes the others from the loader state
-saved in the last finished shard of their stream. `cache.json` records the settings: training refuses
+saved in the last finished shard of their stream. The teacher's held-out CE (the students' reference line)
+is computed last, its batches split over the replicas. `cache.json` records the settings: training refuses
 a cache whose settings differ from its own. `index.json`, written last, marks the cache complete.
 Then a sweep over alpha, temperature or student size pays the teacher once (see lingua/distillation/cache.py).
 """
@@ -55,7 +56,7 @@ from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.eval_data import iterate_eval_batches
 from lingua.logger import init_logger
 from lingua.metrics import format_duration
-from lingua.parallel.collectives import log_collective
+from lingua.parallel.collectives import agree_flags, log_collective
 from lingua.parallel.launch_plan import LaunchPlan, read_launch_env, tensor_parallel_replicas
 from lingua.tokenizer import build_tokenizer
 
@@ -165,15 +166,40 @@ def teacher_outputs(teacher: TeacherModel, batch: dict, manifest: CacheManifest,
     return TeacherOutputs.from_tensors(manifest.output, [torch.cat(ts).cpu() for ts in zip(*(p.tensors() for p in parts))])
 
 
-def heldout_reference(args: TeacherCacheArgs, tokenizer, teacher: TeacherModel, manifest: CacheManifest) -> Optional[float]:
-    """The teacher's CE on the held-out windows the students evaluate on (each stream's share), or None."""
+def heldout_reference(args: TeacherCacheArgs, tokenizer, teacher: TeacherModel, manifest: CacheManifest, topo,
+                      replica: int, replicas: int, writer: bool) -> Optional[float]:
+    """The teacher's CE on the held-out windows the students evaluate on (each stream's share), or None (no
+    held-out files). The batches are split over the replicas, each computing its share (every rank of a
+    replica: the sharded forward needs them all), and the sums are all-reduced over the job: no rank waits
+    idle in a collective while another computes them all."""
     try:
         batches = [b for d in range(manifest.streams) for b in iterate_eval_batches(
             args.data, tokenizer, d, manifest.streams, args.eval.max_batches)]
     except FileNotFoundError:
+        batches = None
+    # Whether to compute at all decides the collectives below: every rank agrees first.
+    if agree_flags({"missing": batches is None}, dist.group.WORLD, topo.device)["missing"]:
         return None
-    loss_sum, tokens = teacher.heldout_ce(batches, manifest.vocab_size, manifest.attn_mask == "doc_causal")
+    share = batches[replica::replicas]
+    loss_sum, tokens = teacher.heldout_ce(share, manifest.vocab_size, manifest.attn_mask == "doc_causal")
+    # One rank per replica counts its share (the others of a tensor-parallel replica hold the same numbers).
+    totals = torch.tensor([loss_sum, tokens] if writer else [0.0, 0.0], dtype=torch.float64, device=topo.device)
+    if topo.distributed:
+        log_collective("all_reduce held-out CE", dist.group.WORLD, totals)
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=dist.group.WORLD)
+    loss_sum, tokens = totals.tolist()
+    logger.info(f"cache rank {topo.global_rank}: held-out CE over {len(share)} of {len(batches)} batch(es) here "
+                f"(replica {replica} of {replicas}); {loss_sum / max(tokens, 1):.4f} over {int(tokens):,} tokens in all")
     return loss_sum / max(tokens, 1)
+
+
+def check_k_fits_vocab(args: TeacherCacheArgs, tokenizer) -> None:
+    """Top-k ids come from the data tokenizer's vocabulary (the students'; the teacher's is no smaller): k beyond
+    it is refused before the teacher loads or anything is written, as the online handshake refuses it."""
+    k, vocab = args.distillation.k, tokenizer.n_words
+    if args.distillation.output == "topk" and k > vocab:
+        raise ValueError(f"distillation.k={k} is more than the {vocab} token ids the top-k is taken from (the data "
+                         f"tokenizer's vocabulary, which the students train on); set distillation.k <= {vocab}.")
 
 
 def replica_group(topo, teacher_tp: int, timeout_s: float):
@@ -207,6 +233,7 @@ def shards_to_write(cache_dir: Path, mine: list[int], tp_group, device) -> list[
 def write_cache(args: TeacherCacheArgs, topo) -> None:
     cache_dir = Path(args.cache_dir)
     tokenizer = build_tokenizer(args.data.tokenizer)
+    check_k_fits_vocab(args, tokenizer)
     tp = args.distillation.teacher_tp
     tp_group = replica_group(topo, tp, args.distributed.init_timeout_s)
     teacher = TeacherModel(args.distillation, topo.device, tp_group)
@@ -247,8 +274,7 @@ def write_cache(args: TeacherCacheArgs, topo) -> None:
             logger.info(f"cache rank {rank}: {done}/{len(todo)} shards, {done * tokens_per_shard:,} tokens, "
                         f"{rate:,.0f} tokens/s, ETA {eta}")
     barrier(topo, "every shard written")
-    if replica == 0:  # every rank of the first replica: the sharded forward needs them all
-        manifest.teacher_heldout_ce = heldout_reference(args, tokenizer, teacher, manifest)
+    manifest.teacher_heldout_ce = heldout_reference(args, tokenizer, teacher, manifest, topo, replica, replicas, writer)
     if rank == 0:
         manifest.write(cache_dir)
         missing = [i for i in range(manifest.n_shards) if shard_metadata(shard_path(cache_dir, i)) is None]
