@@ -17,6 +17,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on cluster nodes
 import matplotlib.pyplot as plt  # noqa: E402
 
+from lingua.errors import DataError, MissingPathError, UserError  # noqa: E402
 from lingua.rundir import read_jsonl  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -36,8 +37,8 @@ def metrics_file(path: str) -> Path:
     if candidate.is_dir():
         candidate = candidate / "metrics.jsonl"
     if not candidate.is_file():
-        raise FileNotFoundError(f"{candidate} does not exist; pass a dump dir that holds metrics.jsonl "
-                                f"or the path of a metrics.jsonl file.")
+        raise MissingPathError(f"{candidate} does not exist; pass a dump dir that holds metrics.jsonl "
+                               f"or the path of a metrics.jsonl file.")
     return candidate
 
 
@@ -46,7 +47,7 @@ def load_metrics(path: str) -> list[dict]:
     file = metrics_file(path)
     rows = read_jsonl(file)
     if not rows:
-        raise ValueError(f"{file} holds no metrics yet; plot a run that has logged at least one step.")
+        raise DataError(f"{file} holds no metrics yet; plot a run that has logged at least one step.")
     return rows
 
 
@@ -65,8 +66,8 @@ def plot_runs(runs: list[tuple[str, list[dict]]], out: str, x_key: str = "step")
     panels = [panel for panel in PANELS
               if any(series(rows, key, x_key)[0] for _, rows in runs for key, _ in panel[2])]
     if not panels:
-        raise ValueError(f"none of the runs has any of the plotted metrics against {x_key!r}; "
-                         f"check that the files are training metrics.jsonl files.")
+        raise DataError(f"none of the runs has any of the plotted metrics against {x_key!r}; "
+                        f"check that the files are training metrics.jsonl files.")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 3.2 * len(panels)), squeeze=False)
     for ax, (title, y_label, keys) in zip(axes[:, 0], panels):
@@ -109,7 +110,7 @@ def main(argv: Optional[list[str]] = None) -> Path:
         runs = [(label, load_metrics(path)) for label, path in zip(labels, args.paths)]
         out = args.out or str(metrics_file(args.paths[0]).parent / "plot.png")
         out_path = plot_runs(runs, out, x_key=args.x)
-    except (FileNotFoundError, ValueError) as error:
+    except UserError as error:
         parser.error(str(error))
     print(f"wrote {out_path}")
     return out_path

@@ -4,7 +4,8 @@
 
 Parsing rejects unknown keys (naming the valid keys at that level) and values of the wrong type, each
 in one sentence; every `XArgs.validate()` then checks the values with `require`, before anything
-distributed happens. All of it raises ValueError (FileNotFoundError for a missing config file).
+distributed happens. All of it raises ConfigError (MissingPathError for a missing config file), the user
+errors of lingua/errors.py.
 """
 
 import dataclasses
@@ -18,6 +19,8 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lingua.errors import ConfigError, MissingPathError
+
 T = TypeVar("T")
 
 
@@ -29,10 +32,10 @@ def format_value(value: Any) -> str:
 
 
 def require(ok: bool, key: str, value: Any, fix: str) -> None:
-    """Raise ValueError("<key>=<value>; <fix>.") unless `ok`: every config error names the key, the value
+    """Raise ConfigError("<key>=<value>; <fix>.") unless `ok`: every config error names the key, the value
     and what to set instead, e.g. "optim.lr=-0.001; use a positive learning rate."."""
     if not ok:
-        raise ValueError(f"{key}={format_value(value)}; {fix}.")
+        raise ConfigError(f"{key}={format_value(value)}; {fix}.")
 
 
 def one_line(text: str) -> str:
@@ -51,7 +54,7 @@ def _dataclass_type(annotation) -> Optional[type]:
 
 
 def check_keys(cls: type, values: Any, where: str = "") -> None:
-    """Raise ValueError naming the first key of `values` that `cls` (recursively) does not have."""
+    """Raise ConfigError naming the first key of `values` that `cls` (recursively) does not have."""
     if not isinstance(values, (dict, DictConfig)):
         return
     hints = typing.get_type_hints(cls)
@@ -59,7 +62,7 @@ def check_keys(cls: type, values: Any, where: str = "") -> None:
     for key, value in values.items():
         path = f"{where}.{key}" if where else str(key)
         if key not in fields:
-            raise ValueError(
+            raise ConfigError(
                 f"Unknown config key {path!r}. Valid keys{' under ' + where if where else ''} are: "
                 f"{', '.join(sorted(fields))}."
             )
@@ -112,13 +115,13 @@ def _fits(value: Any, annotation) -> bool:
 
 
 def check_types(obj: Any, where: str = "") -> None:
-    """Raise ValueError naming the first field of a parsed dataclass whose value has the wrong type
+    """Raise ConfigError naming the first field of a parsed dataclass whose value has the wrong type
     (OmegaConf lets nested dicts or lists through inside typed containers, e.g. data.sources={a: {b: 1}})."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         key, value = f"{where}{f.name}", getattr(obj, f.name)
         if not _fits(value, hints[f.name]):
-            raise ValueError(f"{key}={format_value(value)} has the wrong type; set {key} to "
+            raise ConfigError(f"{key}={format_value(value)} has the wrong type; set {key} to "
                              f"{_type_words(hints[f.name])}.")
         if dataclasses.is_dataclass(value):
             check_types(value, f"{key}.")
@@ -161,21 +164,21 @@ def _locate(cls: type, values: dict, prefix: str = "") -> Optional[tuple[str, Ex
     return None
 
 
-def _merge_error(cls: type, values: dict, err: Exception) -> ValueError:
+def _merge_error(cls: type, values: dict, err: Exception) -> ConfigError:
     """OmegaConf's multi-line (or keyless) merge error as one sentence naming the key and the expected type."""
     key = getattr(err, "full_key", None)
     if not key:
         key, err = _locate(cls, values) or (None, err)
     message = _omegaconf_words(err)
     if not key:
-        return ValueError(f"Invalid configuration: {message}; check the overrides and the config file.")
+        return ConfigError(f"Invalid configuration: {message}; check the overrides and the config file.")
     annotation = _field_type(cls, key)
     fix = f"set {key} to {_type_words(annotation)}" if annotation is not None else f"fix {key}"
-    return ValueError(f"Invalid value for {key}: {message}; {fix}.")
+    return ConfigError(f"Invalid value for {key}: {message}; {fix}.")
 
 
 def dataclass_from_dict(cls: Type[T], values: Any) -> T:
-    """Build `cls` from a dict/DictConfig, checking keys and types; any problem is one ValueError sentence."""
+    """Build `cls` from a dict/DictConfig, checking keys and types; any problem is one ConfigError sentence."""
     try:
         if isinstance(values, (DictConfig, ListConfig)):
             values = OmegaConf.to_container(values, resolve=True)
@@ -183,7 +186,7 @@ def dataclass_from_dict(cls: Type[T], values: Any) -> T:
         raise _merge_error(cls, {}, err) from None
     values = values or {}
     if not isinstance(values, dict):
-        raise ValueError(f"The configuration is a {type(values).__name__}, not a mapping of keys to values.")
+        raise ConfigError(f"The configuration is a {type(values).__name__}, not a mapping of keys to values.")
     check_keys(cls, values)
     try:
         obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), values))
@@ -196,15 +199,15 @@ def dataclass_from_dict(cls: Type[T], values: Any) -> T:
 def load_config_file(path: Any) -> DictConfig:
     """The YAML mapping at `path`; a missing file, bad YAML or a non-mapping is one sentence."""
     if not isinstance(path, str) or not path:
-        raise ValueError(f"config={format_value(path)}; pass config=<path to a .yaml file>.")
+        raise ConfigError(f"config={format_value(path)}; pass config=<path to a .yaml file>.")
     if not Path(path).is_file():
-        raise FileNotFoundError(f"Config file {path!r} does not exist; pass config=<path to a .yaml>.")
+        raise MissingPathError(f"Config file {path!r} does not exist; pass config=<path to a .yaml>.")
     try:
         loaded = OmegaConf.load(path)
     except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError) as err:
-        raise ValueError(f"Config file {path!r} is not valid YAML ({_omegaconf_words(err)}); fix the file.") from None
+        raise ConfigError(f"Config file {path!r} is not valid YAML ({_omegaconf_words(err)}); fix the file.") from None
     if not isinstance(loaded, DictConfig):
-        raise ValueError(f"Config file {path!r} holds a {type(loaded).__name__}, not a mapping of keys to values.")
+        raise ConfigError(f"Config file {path!r} holds a {type(loaded).__name__}, not a mapping of keys to values.")
     return loaded
 
 
@@ -213,7 +216,7 @@ def parse_args(cls: Type[T], argv: Optional[list[str]] = None) -> T:
     argv = list(sys.argv[1:] if argv is None else argv)
     for item in argv:
         if "=" not in item:
-            raise ValueError(f"Override {item!r} has no '='; write key=value (e.g. steps=20), without dashes.")
+            raise ConfigError(f"Override {item!r} has no '='; write key=value (e.g. steps=20), without dashes.")
     try:
         cli = OmegaConf.from_cli(argv)
         file_cfg = load_config_file(cli.pop("config")) if "config" in cli else OmegaConf.create()
@@ -222,7 +225,7 @@ def parse_args(cls: Type[T], argv: Optional[list[str]] = None) -> T:
         key = getattr(err, "full_key", None)
         if key and _field_type(cls, key) is not None:  # e.g. model=[1, 2] next to model.dim=32
             raise _merge_error(cls, {}, err) from None
-        raise ValueError(f"Could not parse {'the value of ' + key if key else 'the overrides'} "
+        raise ConfigError(f"Could not parse {'the value of ' + key if key else 'the overrides'} "
                          f"({_omegaconf_words(err)}); write key=value, with YAML values (lists [a, b], "
                          f"mappings {{a: 1}}).") from None
     return dataclass_from_dict(cls, merged)

@@ -34,6 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lingua.args import require
+from lingua.cli import run_cli
+from lingua.errors import DataError, LaunchError, MissingPathError
 from lingua.parallel.collectives import log_collective
 
 logger = logging.getLogger(__name__)
@@ -267,7 +269,7 @@ class CheckpointManager:
             return self.latest()
         path = Path(path)
         if not is_complete(path):
-            raise FileNotFoundError(
+            raise MissingPathError(
                 f"{path} is not a complete checkpoint (it needs {DCP_METADATA} and {MARKER}); "
                 f"point to a <step> directory under a checkpoint root, e.g. {self.root}/0000001000."
             )
@@ -284,7 +286,7 @@ class CheckpointManager:
             return None
         saved_world = read_marker(ckpt).get("train_world_size")
         if saved_world != self.train_world_size:
-            raise ValueError(
+            raise LaunchError(
                 f"checkpoint {ckpt} was written by {saved_world} training ranks but this run has "
                 f"{self.train_world_size}; the data-loader state is per rank, so resume with {saved_world} "
                 f"training ranks, or start a new run from its weights with checkpoint.init_ckpt_path={ckpt}."
@@ -310,7 +312,7 @@ class CheckpointManager:
         path = Path(path)
         ckpt = path if is_complete(path) else (complete_checkpoints(path) or [None])[-1]
         if ckpt is None:
-            raise FileNotFoundError(
+            raise MissingPathError(
                 f"checkpoint.init_ckpt_path={path} holds no complete checkpoint; point it to a <step> "
                 "directory written by this trainer (or to the checkpoint root that contains them)."
             )
@@ -355,8 +357,8 @@ def consolidate_checkpoint(ckpt_dir: str, out_file: str) -> Path:
 
     ckpt_dir, out_file = Path(ckpt_dir), Path(out_file)
     if not (ckpt_dir / DCP_METADATA).is_file():
-        raise FileNotFoundError(f"{ckpt_dir} is not a DCP checkpoint (no {DCP_METADATA}); "
-                                "pass a <step> directory from a checkpoint root.")
+        raise MissingPathError(f"{ckpt_dir} is not a DCP checkpoint (no {DCP_METADATA}); "
+                               "pass a <step> directory from a checkpoint root.")
     out_file.parent.mkdir(parents=True, exist_ok=True)
     # The full conversion lands next to the output (same filesystem), then only the weights are kept.
     fd, full_path = tempfile.mkstemp(prefix=out_file.name + ".", suffix=".full", dir=out_file.parent)
@@ -365,7 +367,7 @@ def consolidate_checkpoint(ckpt_dir: str, out_file: str) -> Path:
         dcp_to_torch_save(ckpt_dir, full_path)
         full = torch.load(full_path, map_location="cpu", mmap=True, weights_only=True)
         if "model" not in full:
-            raise ValueError(f"{ckpt_dir} has no 'model' entry; it was not written by lingua.checkpoint.")
+            raise DataError(f"{ckpt_dir} has no 'model' entry; it was not written by lingua.checkpoint.")
         weights = full["model"]
         torch.save(weights, out_file)
     finally:
@@ -387,4 +389,4 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

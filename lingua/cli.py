@@ -1,20 +1,27 @@
-"""Entry points: a user's mistake ends in one sentence on stderr and exit code 2, not a traceback.
+"""Entry points: a user's mistake ends in one sentence, a bug in its traceback.
 
     if __name__ == "__main__":
         run_cli(main)
 
-A rank that only lost its connection to a rank that stopped first (`PeerStopped`) says which one, in
-one sentence too, and exits 1. Nothing here imports torch: `hold_sigterm` runs before the slow imports.
+A `UserError` (lingua/errors.py) is one `error: <sentence>` line on stderr and exit code 2. A rank that only
+lost a rank that stopped first (`PeerStopped`) says which one, in one sentence too, and exits 1. Anything else
+is a bug: its traceback goes to stderr, to the rank's log once `init_logger` opened it, and to torchrun's error
+file (its failure summary shows it), and the exit code is 1. Nothing here imports torch at import time:
+`hold_sigterm` runs before the slow imports.
 """
 
 import logging
+import os
 import signal
 import sys
+import traceback
 from typing import Callable
 
-from lingua.errors import USER_ERRORS, PeerStopped
+from lingua.errors import PeerStopped, UserError
+from lingua.logger import FILE_ONLY, rank_log_file
 
 logger = logging.getLogger(__name__)
+ELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # where torchrun wants a failing rank's traceback (its summary)
 _held_signals: list[int] = []
 
 
@@ -39,17 +46,39 @@ def release_sigterm() -> None:
     check_no_sigterm_held()
 
 
-def run_cli(main: Callable[[], object], also: tuple = ()) -> None:
-    """Run `main()`; a user-facing error (USER_ERRORS + `also`) prints `error: <sentence>` and exits 2,
-    `PeerStopped` prints its sentence and exits 1."""
+def run_cli(main: Callable[[], object]) -> None:
+    """Run `main()`: a `UserError` prints `error: <sentence>` and exits 2, `PeerStopped` prints its sentence and
+    exits 1, any other exception (a bug) prints its traceback, logs it and exits 1."""
     try:
         main()
-    except (PeerStopped, *USER_ERRORS, *also) as err:
-        # We are leaving: a launcher's SIGTERM now (torchrun stops every rank once one exits) would only turn
-        # the exit code into -15. SIG_IGN, unlike a Python handler, survives the interpreter's shutdown.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        # The traceback stays available at DEBUG level for developers.
-        logger.debug("traceback of the error below", exc_info=True)
+    except (UserError, PeerStopped) as err:
+        _leaving()
         sentence = " ".join(str(err).split())  # one line, whatever the message held
         sys.stderr.write(f"error: {sentence}\n")  # one write: ranks sharing the terminal do not interleave
         sys.exit(1 if isinstance(err, PeerStopped) else 2)
+    except Exception as err:
+        _leaving()
+        report_bug(err)
+        sys.exit(1)
+
+
+def _leaving() -> None:
+    """We are leaving: a launcher's SIGTERM now (torchrun stops every rank once one exits) would only turn the
+    exit code into -15. SIG_IGN, unlike a Python handler, survives the interpreter's shutdown."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def report_bug(err: Exception) -> None:
+    """The traceback of `err` on stderr, in the rank's log (not again on stdout) and in torchrun's error file.
+    Call it while `err` is being handled: torchrun's error handler reads the current exception."""
+    sys.stderr.write("".join(traceback.format_exception(err)))  # one write, as for a sentence
+    if rank_log_file() is not None:
+        logger.error("stopped on this error (a bug: the traceback is on stderr too)", exc_info=err, extra=FILE_ONLY)
+    if ELASTIC_ERROR_FILE not in os.environ:  # not under torchrun: nothing to record, no torch import
+        return
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(err)  # torchrun's `record`, without re-raising
+    except Exception as unrecorded:  # the traceback is out already; a failed copy must not hide it
+        sys.stderr.write(f"(torchrun's error file not written: {type(unrecorded).__name__}: {unrecorded})\n")

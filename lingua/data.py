@@ -36,6 +36,7 @@ import torch
 
 from lingua.args import require
 from lingua.documents import FileShard, MalformedLines, list_chunk_files, read_line, shard_files
+from lingua.errors import DataError, LaunchError
 from lingua.tokenizer import Tokenizer, TokenizerArgs
 
 logger = logging.getLogger(__name__)
@@ -128,9 +129,9 @@ class _SourceReader:
         if self.file_index < len(self.shards):
             return
         if self._full_pass and self._docs_this_pass == 0:
-            raise ValueError(f"Source '{self.name}' has no valid document in this rank's share "
-                             f"{[s.describe() for s in self.shards]} ([file, stride, offset]); add documents "
-                             f"or chunk files, or train on fewer data-parallel ranks.")
+            raise DataError(f"Source '{self.name}' has no valid document in this rank's share "
+                            f"{[s.describe() for s in self.shards]} ([file, stride, offset]); add documents "
+                            f"or chunk files, or train on fewer data-parallel ranks.")
         self.file_index, self.epoch = 0, self.epoch + 1
         self._full_pass, self._docs_this_pass = True, 0
         logger.info(f"data source '{self.name}': starting epoch {self.epoch}")
@@ -142,9 +143,9 @@ class _SourceReader:
             f.seek(location["offset"])
             text = MalformedLines().text_of(read_line(f)[0], path, location["line"])
         if text is None:
-            raise ValueError(f"The checkpointed data position {path}:{location['line'] + 1} is no longer a valid "
-                             f"document; the data files changed since the checkpoint. Restore them or resume "
-                             f"without the data state.")
+            raise DataError(f"The checkpointed data position {path}:{location['line'] + 1} is no longer a valid "
+                            f"document; the data files changed since the checkpoint. Restore them or resume "
+                            f"without the data state.")
         return text
 
     def close(self) -> None:
@@ -358,12 +359,12 @@ class DataLoader:
         """Resume from `state_dict()` output; the next batches are exactly those that followed it."""
         version = state.get("version") if isinstance(state, dict) else None
         if version != STATE_VERSION:
-            raise ValueError(f"Unrecognised data loader state (version {version}, expected {STATE_VERSION}); "
-                             f"resume from a checkpoint written by this code.")
+            raise DataError(f"Unrecognised data loader state (version {version}, expected {STATE_VERSION}); "
+                            f"resume from a checkpoint written by this code.")
         if (state["dp_rank"], state["dp_degree"]) != (self.dp_rank, self.dp_degree):
-            raise ValueError(f"The data state was saved by data-parallel rank {state['dp_rank']} of "
-                             f"{state['dp_degree']} but this is rank {self.dp_rank} of {self.dp_degree}; resume with "
-                             f"the same number of training ranks.")
+            raise LaunchError(f"The data state was saved by data-parallel rank {state['dp_rank']} of "
+                              f"{state['dp_degree']} but this is rank {self.dp_rank} of {self.dp_degree}; resume with "
+                              f"the same number of training ranks.")
         fresh = _initial_state(self.shards, self.dp_rank, self.dp_degree)
         restored = copy.deepcopy(state)
         for name, source_state in fresh["sources"].items():
@@ -372,9 +373,9 @@ class DataLoader:
                 logger.info(f"data source '{name}' is new since the checkpoint; it starts from its beginning")
                 restored["sources"][name] = source_state
             elif saved["files"] != source_state["files"]:
-                raise ValueError(f"Data source '{name}' changed since the checkpoint: this rank read "
-                                 f"{saved['files']} and would now read {source_state['files']} ([file, stride, "
-                                 f"offset]); restore the original chunk files or resume without the data state.")
+                raise DataError(f"Data source '{name}' changed since the checkpoint: this rank read "
+                                f"{saved['files']} and would now read {source_state['files']} ([file, stride, "
+                                f"offset]); restore the original chunk files or resume without the data state.")
         for name in set(restored["sources"]) - set(fresh["sources"]):
             logger.info(f"data source '{name}' is no longer in data.sources; its saved position is dropped")
             del restored["sources"][name]

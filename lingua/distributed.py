@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from lingua.errors import ConfigError, LaunchError
 from lingua.parallel import flight_recorder
 from lingua.parallel.collectives import comm_logger, log_collective
 # DistributedArgs is the `distributed:` config section; it lives with LaunchPlan, torch-free, for stool.
@@ -162,7 +163,7 @@ def init_method_for(launch: LaunchEnv) -> str:
             sock.bind(("127.0.0.1", 0))
             return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
     if launch.master_addr is None or launch.master_port is None:
-        raise ValueError("MASTER_ADDR and MASTER_PORT must be set when launching several ranks.")
+        raise LaunchError("MASTER_ADDR and MASTER_PORT must be set when launching several ranks.")
     return f"tcp://{launch.master_addr}:{launch.master_port}"
 
 
@@ -172,11 +173,11 @@ def choose_device(args: DistributedArgs, local_rank: int, local_world_size: int 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         if not torch.cuda.is_available():
-            raise ValueError("distributed.backend=nccl needs CUDA; use backend=gloo (or auto) on CPU.")
+            raise LaunchError("distributed.backend=nccl needs CUDA; use backend=gloo (or auto) on CPU.")
         index = expected_cuda_index(local_rank, local_world_size, torch.cuda.device_count())
         return torch.device("cuda", index), backend
     if backend != "gloo":
-        raise ValueError(f"distributed.backend={args.backend!r}; use auto, nccl or gloo.")
+        raise ConfigError(f"distributed.backend={args.backend!r}; use auto, nccl or gloo.")
     return torch.device("cpu"), backend
 
 
@@ -319,7 +320,7 @@ def log_rank_device_map(topo: Topology) -> None:
             expected = expected_cuda_index(topo.local_rank, topo.local_world_size, torch.cuda.device_count())
             if current != expected:
                 row["problem"] = f"bound to cuda:{current}, expected cuda:{expected}"
-        except ValueError as err:
+        except LaunchError as err:
             row["problem"] = str(err)
     logger.info("rank map: " + " ".join(f"{k}={v}" for k, v in row.items() if k not in ("gpu_uuid", "problem")))
     rows = [row]
@@ -336,8 +337,8 @@ def log_rank_device_map(topo: Topology) -> None:
         logger.info("rank -> host -> device map:\n" + "\n".join(lines))
     problems = device_map_problems(rows)
     if problems:
-        raise ValueError("GPU binding is wrong: " + "; ".join(problems) + ". Check CUDA_VISIBLE_DEVICES and the "
-                         "launcher's GPU binding (torchrun: one process per GPU; srun: --gpus-per-task or none).")
+        raise LaunchError("GPU binding is wrong: " + "; ".join(problems) + ". Check CUDA_VISIBLE_DEVICES and the "
+                          "launcher's GPU binding (torchrun: one process per GPU; srun: --gpus-per-task or none).")
 
 
 def device_map_problems(rows: list[dict]) -> list[str]:

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from lingua.errors import MissingPathError
+
 logger = logging.getLogger("lingua.data")
 
 MALFORMED_LOGGED_IN_FULL = 5
@@ -60,12 +62,12 @@ def list_chunk_files(root_dir: str, source: str) -> list[Path]:
     """The training chunk files of `source` in chunk order; readable error when there are none."""
     directory = Path(root_dir) / source
     if not directory.is_dir():
-        raise FileNotFoundError(f"Data source directory {str(directory)!r} does not exist; fix data.root_dir or the "
-                                f"source name in data.sources (setup/download_prepare_hf_data.py writes this layout).")
+        raise MissingPathError(f"Data source directory {str(directory)!r} does not exist; fix data.root_dir or the "
+                               f"source name in data.sources (setup/download_prepare_hf_data.py writes this layout).")
     files = sorted(directory.glob("*.chunk.*.jsonl"), key=_chunk_sort_key)
     if not files:
-        raise FileNotFoundError(f"Data source directory {str(directory)!r} has no '*.chunk.<i>.jsonl' files; prepare "
-                                f"it with setup/download_prepare_hf_data.py or remove {source!r} from data.sources.")
+        raise MissingPathError(f"Data source directory {str(directory)!r} has no '*.chunk.<i>.jsonl' files; prepare "
+                               f"it with setup/download_prepare_hf_data.py or remove {source!r} from data.sources.")
     return files
 
 

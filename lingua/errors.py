@@ -1,8 +1,26 @@
 """The errors a user can fix, apart from bugs: how an entry point tells them from each other.
 
-`run_cli` (lingua/cli.py) reports a `UserError` as one sentence on stderr and exit code 2; anything else is a
-bug of ours or of a library and keeps its traceback (exit 1). `PeerStopped` is neither: this rank only lost a
-peer that failed first, and its sentence names that rank (exit 1).
+`run_cli` (lingua/cli.py) reports a `UserError` as one sentence on stderr and exit code 2. Anything else is a
+bug, ours or a library's, and keeps its traceback: on stderr, in the rank's log and in torchrun's failure
+summary, exit code 1. `PeerStopped` is neither: this rank only lost a peer that failed first, and its sentence
+names that rank and its log (exit 1).
+
+The family. Each member is also the builtin it replaces, so `except ValueError` and `pytest.raises(ValueError)`
+keep working:
+
+    ConfigError       a config value, an unknown key, a wrong type, a rule across keys (`lingua.args.require`)
+    LaunchError       the launch does not fit the config: world size vs mesh, teacher placement, the srun or
+                      torchrun environment, GPU binding, a checkpoint written by another number of ranks
+    MissingPathError  a path the user gave (config file, data, tokenizer, teacher, cache, checkpoint) does not
+                      exist or is incomplete
+    DataError         files or data that cannot be used as they are: a source with no valid document, teacher
+                      weights that do not load, a damaged or mismatched cache or checkpoint
+    TeacherError      a teacher's failure every bridge member reports alike: it failed to load (for a reason
+                      above), a student's request it refused (token ids beyond its vocabulary)
+    RunFailed         a run a command launched (a benchmark's or the study's training runs, the cache writer)
+                      failed or ran out of time; the sentence names the run's log, which holds its own error
+
+A bug raises a plain exception, or fails an `assert` for a state our own code should never reach.
 """
 
 
@@ -10,9 +28,34 @@ class UserError(Exception):
     """An error whose message tells the user what to change; reported without a traceback."""
 
 
+class ConfigError(UserError, ValueError):
+    """A config value, key, type or cross-key rule is wrong; the sentence names the key, the value and the fix."""
+
+
+class LaunchError(UserError, ValueError):
+    """The launch does not fit the config: the number of ranks, their placement, the launcher's environment."""
+
+
+class MissingPathError(UserError, FileNotFoundError):
+    """A path the user gave does not exist or is incomplete; the sentence says what should be there."""
+
+
+class DataError(UserError, ValueError):
+    """Files or data the user gave cannot be used as they are (damaged, mismatched, empty); the sentence says how
+    to get usable ones."""
+
+
+class TeacherError(UserError, RuntimeError):
+    """A teacher's failure (a failed load, a refused request) that every bridge member reports alike."""
+
+
+class RunFailed(UserError, RuntimeError):
+    """A run this command launched failed or ran out of time; the sentence names its log."""
+
+
 class PeerStopped(Exception):
-    """Another rank stopped first and this one lost it in a collective: the message names that rank and its
-    log (this rank's traceback would only show where it was waiting)."""
+    """Another rank stopped first (it failed, or this one lost it in a collective): the message names that
+    rank and its log (this rank's traceback would only show where it was waiting)."""
 
 
 class CollectiveTimeout(PeerStopped):
@@ -20,5 +63,7 @@ class CollectiveTimeout(PeerStopped):
     step (the backend's own words only say how long it waited). Reported like `PeerStopped` (exit 1)."""
 
 
-# Errors a user causes: bad config values, missing files, a failed teacher (its text says why).
-USER_ERRORS = (ValueError, FileNotFoundError, UserError)
+def describe(err: BaseException) -> str:
+    """An error as one rank relays it to others: a user error or a peer's stop is its sentence alone; a bug
+    keeps its type, which is half of what a developer needs."""
+    return str(err) if isinstance(err, (UserError, PeerStopped)) else f"{type(err).__name__}: {err}"

@@ -9,6 +9,7 @@ import torch
 
 from lingua.data import IGNORE_INDEX, DataArgs
 from lingua.documents import FileShard, MalformedLines, list_val_files, read_line, shard_files
+from lingua.errors import MissingPathError
 from lingua.tokenizer import Tokenizer
 
 
@@ -60,21 +61,21 @@ def _eval_batch(windows: list[tuple[list[int], list[int]]], batch_size: int, seq
 
 def eval_files(args: DataArgs) -> dict[str, list[Path]]:
     """Source -> its `*.val.jsonl` files (data.eval_sources, or every source with a positive weight that
-    has some); FileNotFoundError when there is nothing to evaluate. Cheap: the trainer checks it at startup."""
+    has some); MissingPathError when there is nothing to evaluate. Cheap: the trainer checks it at startup."""
     explicit = args.eval_sources is not None
     names = list(args.eval_sources) if explicit else [name for name, w in args.sources.items() if w > 0]
     files = {}
     for name in names:
         found = list_val_files(args.root_dir, name)
         if explicit and not found:
-            raise FileNotFoundError(f"No '*.val.jsonl' file in {str(Path(args.root_dir) / name)!r} for eval source "
-                                    f"{name!r}; add one or remove {name!r} from data.eval_sources.")
+            raise MissingPathError(f"No '*.val.jsonl' file in {str(Path(args.root_dir) / name)!r} for eval source "
+                                   f"{name!r}; add one or remove {name!r} from data.eval_sources.")
         if found:
             files[name] = found
     if not files:
         searched = ", ".join(repr(str(Path(args.root_dir) / name)) for name in names)
-        raise FileNotFoundError(f"No validation files ('*.val.jsonl') in {searched or 'no source'}; write them with "
-                                f"setup/download_prepare_hf_data.py or turn in-loop evaluation off (eval.every=0).")
+        raise MissingPathError(f"No validation files ('*.val.jsonl') in {searched or 'no source'}; write them with "
+                               f"setup/download_prepare_hf_data.py or turn in-loop evaluation off (eval.every=0).")
     return files
 
 

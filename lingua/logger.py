@@ -1,6 +1,8 @@
 """Logging: one line per event, prefixed with the global rank and its role.
 
     2026-11-22 10:00:01 [r0 student] INFO  lingua.checkpoint: saved step 100 in 1.2s
+
+A record logged with `extra=FILE_ONLY` goes to the rank's log file alone (a traceback already on stderr).
 """
 
 import logging
@@ -8,6 +10,13 @@ import sys
 import time
 from pathlib import Path
 from typing import Optional
+
+
+FILE_ONLY = {"file_only": True}  # `extra=` of a record meant for the log file, not the console
+
+
+def _not_file_only(record: logging.LogRecord) -> bool:
+    return not getattr(record, "file_only", False)
 
 
 class _RankFormatter(logging.Formatter):
@@ -34,6 +43,7 @@ def init_logger(rank: int = 0, role: str = "student", log_file: Optional[str] = 
     if log_file is not None:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
+    handlers[0].addFilter(_not_file_only)
     for handler in handlers:
         handler.setFormatter(formatter)
         handler._lingua = True  # type: ignore[attr-defined]
@@ -42,3 +52,11 @@ def init_logger(rank: int = 0, role: str = "student", log_file: Optional[str] = 
     # Libraries that are chatty at INFO stay at WARNING.
     for name in ("urllib3", "filelock", "matplotlib", "PIL", "httpx"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def rank_log_file() -> Optional[str]:
+    """The log file `init_logger` opened for this rank, or None (not initialised, or no file)."""
+    for handler in logging.getLogger().handlers:
+        if getattr(handler, "_lingua", False) and isinstance(handler, logging.FileHandler):
+            return handler.baseFilename
+    return None

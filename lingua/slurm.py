@@ -13,6 +13,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
+from lingua.errors import ConfigError, RunFailed
 from lingua.parallel.launch_plan import LaunchPlan
 
 UNLIMITED = "UNLIMITED"
@@ -104,7 +105,7 @@ def submit_sbatch(script_path: Path) -> str:
     """sbatch the script; returns the job id."""
     result = subprocess.run(["sbatch", "--parsable", str(script_path)], capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
-        raise RuntimeError(f"sbatch {script_path} failed: {result.stderr.strip() or result.stdout.strip()}")
+        raise RunFailed(f"sbatch {script_path} failed: {result.stderr.strip() or result.stdout.strip()}")
     return result.stdout.strip().split(";")[0]
 
 
@@ -132,8 +133,8 @@ class SubmititTrainJob:
         returncode = subprocess.run(self.command(), cwd=Path(self.dump_dir) / "code").returncode
         signal.signal(signal.SIGUSR2, submitit_handler)
         if returncode != 0:
-            raise RuntimeError(f"{' '.join(self.command())} exited with code {returncode}; "
-                               f"see the task logs in {self.dump_dir}/submitit/.")
+            raise RunFailed(f"{' '.join(self.command())} exited with code {returncode}; "
+                            f"see the task logs in {self.dump_dir}/submitit/.")
         if preempted and not self.finished() and callable(submitit_handler):
             submitit_handler(signal.SIGUSR2, None)  # rank 0: checkpoint() + scontrol requeue + exit
         return returncode
@@ -156,7 +157,7 @@ def submitit_executor(args, dump_dir: Path, plan: LaunchPlan, time_limit: Option
     import submitit
 
     if time_limit is None:
-        raise ValueError("submitit needs a time limit and sinfo could not provide one; pass time=<minutes>.")
+        raise ConfigError("submitit needs a time limit and sinfo could not provide one; pass time=<minutes>.")
     additional = {"requeue": True, "chdir": str(dump_dir / "code")}
     if time_limit == UNLIMITED:
         additional["time"] = UNLIMITED

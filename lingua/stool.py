@@ -31,6 +31,8 @@ from typing import Callable, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from lingua.args import dataclass_from_dict, require, to_dict
+from lingua.cli import run_cli
+from lingua.errors import ConfigError, MissingPathError
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, teacher_rank_count
 from lingua.slurm import UNLIMITED, build_sbatch_script, submit_sbatch, submit_submitit
 
@@ -92,29 +94,30 @@ def resolve_args(args: StoolArgs) -> StoolArgs:
     """Fill the derived defaults and reject settings SLURM would choke on, before anything is written."""
     args = dataclasses.replace(args)
     if not args.config:
-        raise ValueError("No training config given; pass config=<path to the training .yaml>.")
+        raise ConfigError("No training config given; pass config=<path to the training .yaml>.")
     if args.launcher not in ("sbatch", "submitit"):
-        raise ValueError(f"launcher={args.launcher!r}; use 'sbatch' or 'submitit'.")
+        raise ConfigError(f"launcher={args.launcher!r}; use 'sbatch' or 'submitit'.")
     if args.nodes < 1:
-        raise ValueError(f"nodes={args.nodes} must be >= 1.")
+        raise ConfigError(f"nodes={args.nodes} must be >= 1.")
     if args.ngpus < 0:
-        raise ValueError(f"ngpus={args.ngpus} must be >= 0 (0 = CPU partition).")
+        raise ConfigError(f"ngpus={args.ngpus} must be >= 0 (0 = CPU partition).")
     if args.ntasks_per_node is None:
         if args.ngpus == 0:
-            raise ValueError("ngpus=0 (CPU partition): set ntasks_per_node=<ranks per node> as well.")
+            raise ConfigError("ngpus=0 (CPU partition): set ntasks_per_node=<ranks per node> as well.")
         args.ntasks_per_node = args.ngpus
     if args.ntasks_per_node < 1:
-        raise ValueError(f"ntasks_per_node={args.ntasks_per_node} must be >= 1.")
+        raise ConfigError(f"ntasks_per_node={args.ntasks_per_node} must be >= 1.")
     if args.ncpu < 1:
-        raise ValueError(f"ncpu={args.ncpu} (CPUs per task) must be >= 1.")
+        raise ConfigError(f"ncpu={args.ncpu} (CPUs per task) must be >= 1.")
     if args.signal_grace_s < 1:
-        raise ValueError(f"signal_grace_s={args.signal_grace_s} must be >= 1 second.")
+        raise ConfigError(f"signal_grace_s={args.signal_grace_s} must be >= 1 second.")
     if args.time != -1 and args.time < 1:
-        raise ValueError(f"time={args.time}; give minutes >= 1, or -1 for the partition's limit.")
+        raise ConfigError(f"time={args.time}; give minutes >= 1, or -1 for the partition's limit.")
     if args.torchrun_per_node and args.launcher == "submitit":
-        raise ValueError("torchrun_per_node is only supported with launcher=sbatch.")
+        raise ConfigError("torchrun_per_node is only supported with launcher=sbatch.")
     if "lingua" not in args.code_dirs:
-        raise ValueError(f"code_dirs={list(args.code_dirs)} must include 'lingua': the job imports it from the snapshot.")
+        raise ConfigError(f"code_dirs={list(args.code_dirs)} must include 'lingua': the job imports it from the "
+                          f"snapshot.")
     if not args.python:
         args.python = sys.executable
     if not args.env_activate:
@@ -143,16 +146,16 @@ def load_train_config(args: StoolArgs, cwd: Optional[Path] = None) -> DictConfig
     cwd = Path(cwd or os.getcwd())
     path = Path(args.config)
     if not path.is_file():
-        raise FileNotFoundError(f"Training config '{path}' does not exist; pass config=<path to a .yaml>.")
+        raise MissingPathError(f"Training config '{path}' does not exist; pass config=<path to a .yaml>.")
     cfg = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(args.overrides)))
     dump_dir = args.dump_dir or cfg.get("dump_dir")
     if not dump_dir:
-        raise ValueError(f"'{path}' sets no dump_dir; set dump_dir in the yaml or pass dump_dir=<folder> to stool.")
+        raise ConfigError(f"'{path}' sets no dump_dir; set dump_dir in the yaml or pass dump_dir=<folder> to stool.")
     dump_dir = Path(dump_dir).expanduser()
     dump_dir = dump_dir if dump_dir.is_absolute() else (cwd / dump_dir)
     if re.search(r"\s", str(dump_dir)):
-        raise ValueError(f"dump_dir '{dump_dir}' contains whitespace, which #SBATCH --output cannot take; "
-                         f"choose a dump_dir without spaces.")
+        raise ConfigError(f"dump_dir '{dump_dir}' contains whitespace, which #SBATCH --output cannot take; "
+                          f"choose a dump_dir without spaces.")
     container = _absolutize_paths(OmegaConf.to_container(cfg, resolve=True), cwd)
     container["dump_dir"] = str(dump_dir.resolve())
     return OmegaConf.create(container)
@@ -199,7 +202,7 @@ def parse_slurm_time(text: str) -> Optional[int]:
         return None
     match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text)
     if not match:
-        raise ValueError(f"Cannot parse the SLURM time limit '{text}'; pass time=<minutes> to stool.")
+        raise ConfigError(f"Cannot parse the SLURM time limit '{text}'; pass time=<minutes> to stool.")
     days, a, b, c = match.groups()
     if days is not None:  # days-hours[:minutes[:seconds]]
         minutes = int(days) * 1440 + int(a) * 60 + int(b or 0) + (1 if c and int(c) else 0)
@@ -224,8 +227,8 @@ def partition_time_limit(partition: str, run: Callable = subprocess.run) -> Opti
             return parse_slurm_time(limit)
     names = ", ".join(name for name, _ in rows) or "none"
     if not partition:
-        raise ValueError(f"The cluster has no default partition (sinfo lists: {names}); pass partition=<name>.")
-    raise ValueError(f"Partition '{partition}' does not exist (sinfo lists: {names}); pass partition=<name>.")
+        raise ConfigError(f"The cluster has no default partition (sinfo lists: {names}); pass partition=<name>.")
+    raise ConfigError(f"Partition '{partition}' does not exist (sinfo lists: {names}); pass partition=<name>.")
 
 
 def resolve_time(args: StoolArgs, query: Callable[[str], Optional[int]] = partition_time_limit) -> Optional[str]:
@@ -249,8 +252,8 @@ def confirm_reuse(dump_dir: Path, force: bool, input_fn: Callable[[str], str] = 
         return
     interactive = sys.stdin.isatty() if interactive is None else interactive
     if not interactive:
-        raise ValueError(f"Dump dir {dump_dir} already exists and there is no terminal to confirm; pass force=true "
-                         f"to reuse it (checkpoints are kept, so the job resumes) or choose another dump_dir.")
+        raise ConfigError(f"Dump dir {dump_dir} already exists and there is no terminal to confirm; pass force=true "
+                          f"to reuse it (checkpoints are kept, so the job resumes) or choose another dump_dir.")
     answer = input_fn(f"Dump dir {dump_dir} exists. Replace its code/, config.yaml and submit.slurm? Checkpoints, "
                       f"metrics and logs are kept, so the job resumes from the latest checkpoint. [y/N] ")
     if answer.strip().lower() not in ("y", "yes"):
@@ -276,7 +279,7 @@ def snapshot_code(root: Path, code_dirs: list[str], dest: Path) -> int:
     """Copy the code into dest (replacing it), so a requeued job runs what was submitted."""
     missing = [d for d in code_dirs if not (root / d).is_dir()]
     if missing:
-        raise FileNotFoundError(f"code_dirs {missing} do not exist under {root}; fix code_dirs=[...].")
+        raise MissingPathError(f"code_dirs {missing} do not exist under {root}; fix code_dirs=[...].")
     if dest.exists():
         shutil.rmtree(dest)
     files = list_code_files(root, code_dirs)
@@ -340,4 +343,4 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

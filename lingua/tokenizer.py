@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from lingua.args import require
+from lingua.errors import ConfigError, MissingPathError
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class TokenizerArgs:
         require(bool(self.path), "data.tokenizer.path", self.path, f"tokenizer {self.name!r} needs {expected}")
         path = Path(self.path)
         if not path.exists():
-            raise FileNotFoundError(f"data.tokenizer.path={self.path!r} does not exist; set it to {expected}.")
+            raise MissingPathError(f"data.tokenizer.path={self.path!r} does not exist; set it to {expected}.")
         if self.name == "hf":
             require(path.is_dir(), "data.tokenizer.path", self.path, f"it is not a directory; set it to {expected} "
                     f"(the folder with tokenizer.json / tokenizer_config.json)")
@@ -100,8 +101,8 @@ def load_bpe_ranks(path: str) -> dict[bytes, int]:
             token, rank = line.split()
             ranks[base64.b64decode(token)] = int(rank)
         except ValueError:
-            raise ValueError(f"{path}:{line_no} is not a tiktoken BPE line ('<base64 token> <rank>'); "
-                             f"point data.tokenizer.path at a .tiktoken file.") from None
+            raise ConfigError(f"{path}:{line_no} is not a tiktoken BPE line ('<base64 token> <rank>'); "
+                              f"point data.tokenizer.path at a .tiktoken file.") from None
     return ranks
 
 

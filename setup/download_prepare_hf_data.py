@@ -20,6 +20,8 @@ from typing import Optional
 
 import numpy as np
 
+from lingua.cli import run_cli
+from lingua.errors import ConfigError, DataError, MissingPathError
 from setup.atomic_dir import atomic_output_dir
 
 logger = logging.getLogger(__name__)
@@ -61,13 +63,13 @@ def shuffle_and_split(input_files: list, out_dir, source: str, n_chunks: int, va
     out_dir = Path(out_dir)
     for path in input_files:
         if not path.is_file():
-            raise FileNotFoundError(f"Input file '{path}' does not exist; pass existing jsonl files.")
+            raise MissingPathError(f"Input file '{path}' does not exist; pass existing jsonl files.")
     if n_chunks < 1 or val_docs < 0:
-        raise ValueError(f"n_chunks={n_chunks} must be >= 1 and val_docs={val_docs} >= 0.")
+        raise ConfigError(f"n_chunks={n_chunks} must be >= 1 and val_docs={val_docs} >= 0.")
     n_docs = sum(1 for _ in _nonempty_lines(input_files))
     if n_docs - val_docs < n_chunks:
-        raise ValueError(f"{n_docs} documents cannot fill {n_chunks} chunks after holding out {val_docs} for "
-                         f"validation; lower --n-chunks or --val-docs, or add data.")
+        raise DataError(f"{n_docs} documents cannot fill {n_chunks} chunks after holding out {val_docs} for "
+                        f"validation; lower --n-chunks or --val-docs, or add data.")
     rng = np.random.default_rng(seed)
     val_indices = set(rng.choice(n_docs, size=val_docs, replace=False).tolist())
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -163,4 +165,4 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

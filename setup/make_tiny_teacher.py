@@ -15,6 +15,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from lingua.cli import run_cli
+from lingua.errors import ConfigError
 from setup.atomic_dir import atomic_output_dir
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ punctuation marks (commas, periods; colons: and "quotes") and code like `def f(x
 def build_tiny_tokenizer(vocab_size: int, corpus_text: Optional[str] = None) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE of exactly `vocab_size` tokens on `corpus_text` (a built-in paragraph if None)."""
     if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(
+        raise ConfigError(
             f"vocab_size={vocab_size} is too small for a byte-level tokenizer; use at least {MIN_VOCAB_SIZE}."
         )
     text = corpus_text if corpus_text is not None else DEFAULT_CORPUS
@@ -75,7 +77,7 @@ def make_tiny_teacher(
 ) -> Path:
     """Write a seeded random LlamaForCausalLM and its tokenizer (vocab `vocab_size`) to `out_dir`; return it."""
     if hidden_size % 8 != 0:
-        raise ValueError(f"hidden_size={hidden_size} must be a multiple of 8 (4 heads, each of an even size for RoPE).")
+        raise ConfigError(f"hidden_size={hidden_size} must be a multiple of 8 (4 heads, each of an even size for RoPE).")
     tokenizer = build_tiny_tokenizer(vocab_size, corpus_text)
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -118,4 +120,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

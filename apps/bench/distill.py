@@ -59,6 +59,7 @@ from lingua.distillation.args import WIRE_DTYPES
 from lingua.distillation.bridge import BridgeSpec
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.distillation.teacher import check_teacher_dir
+from lingua.errors import ConfigError, LaunchError, MissingPathError, RunFailed
 from lingua.rundir import RunDir, read_startup, train_rows
 
 logger = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ def summarize(records: list[RunRecord], warmup: int) -> dict:
     """One variant's numbers: medians over the pooled window rows of its runs, counters averaged per run."""
     rows = [r for rec in records for r in window(rec.rows, warmup)]
     if not rows:
-        raise ValueError(f"No step after the warm-up of {warmup} steps was logged; use more --steps than --warmup.")
+        raise ConfigError(f"No step after the warm-up of {warmup} steps was logged; use more --steps than --warmup.")
     kd_rows = [r for r in rows if "speed/teacher_wait_s" in r]  # the straggler columns exist with KD off too
     shares = [r["speed/teacher_wait_s"] / r["speed/step_time_s"] for r in kd_rows if r["speed/step_time_s"] > 0]
     busy = [teacher_busy_fraction(rec.rows, warmup) for rec in records]
@@ -288,8 +289,8 @@ def check_inputs(args: TrainArgs) -> None:
     """The teacher and the corpus must be on disk before six launches are spent finding out."""
     check_teacher_dir(Path(args.distillation.teacher_path).expanduser())
     if args.data.root_dir and not Path(args.data.root_dir).is_dir():
-        raise FileNotFoundError(f"data.root_dir '{args.data.root_dir}' does not exist; prepare the offline corpus "
-                                f"with `python -m setup.prepare_corpus --out {args.data.root_dir}` or set data.root_dir.")
+        raise MissingPathError(f"data.root_dir '{args.data.root_dir}' does not exist; prepare the offline corpus with "
+                               f"`python -m setup.prepare_corpus --out {args.data.root_dir}` or set data.root_dir.")
 
 
 def run_variant(variant: Variant, name: str, config: str, user_overrides: list[str], n_students: int,
@@ -314,10 +315,10 @@ def run_variant(variant: Variant, name: str, config: str, user_overrides: list[s
     rc, wall_s, peaks, cpu_samples = launch(command, log_path, timeout_s, omp_threads)
     if rc != 0:
         tail = "\n".join(log_path.read_text().splitlines()[-30:])
-        raise RuntimeError(f"benchmark run {name} failed with exit code {rc}; its log is {log_path}:\n{tail}")
+        raise RunFailed(f"benchmark run {name} failed with exit code {rc}; its log is {log_path}:\n{tail}")
     rows = read_rows(dump_dir)
     if not rows:
-        raise RuntimeError(f"benchmark run {name} wrote no metrics rows to {dump_dir / 'metrics.jsonl'}.")
+        raise RunFailed(f"benchmark run {name} wrote no metrics rows to {dump_dir / 'metrics.jsonl'}.")
     shutil.rmtree(dump_dir / "checkpoints", ignore_errors=True)  # the trainer's final save: large, never resumed from
     startup = read_startup(dump_dir)
     roles = {r["pid"]: r["role"] for r in startup}
@@ -339,7 +340,7 @@ def parse_teacher_tp(text: str) -> list[int]:
     except ValueError:
         values = []
     if not values or min(values) < 1:
-        raise ValueError(f"--teacher-tp {text}: give ranks per teacher replica, e.g. 2 or 1,2.")
+        raise ConfigError(f"--teacher-tp {text}: give ranks per teacher replica, e.g. 2 or 1,2.")
     return values
 
 
@@ -385,15 +386,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
     n_teachers = args.distillation.n_teacher_ranks
     n_students = opts.nproc - n_teachers
     if n_students < 1:
-        raise ValueError(f"--nproc {opts.nproc} leaves no student next to {n_teachers} teacher rank(s); "
-                         f"use --nproc > distillation.n_teacher_ranks.")
+        raise LaunchError(f"--nproc {opts.nproc} leaves no student next to {n_teachers} teacher rank(s); "
+                          f"use --nproc > distillation.n_teacher_ranks.")
     args.validate(world_size=opts.nproc)  # the trainer's own pass, for the KD-on launch, before any launch
     if opts.steps <= opts.warmup:
-        raise ValueError(f"--steps {opts.steps} must exceed --warmup {opts.warmup} so some steps are measured.")
+        raise ConfigError(f"--steps {opts.steps} must exceed --warmup {opts.warmup} so some steps are measured.")
     known = {v.name: v for v in VARIANTS}
     chosen = [known[n] for n in opts.variants.split(",") if n in known]
     if len(chosen) != len(opts.variants.split(",")):
-        raise ValueError(f"--variants {opts.variants}: choose among {', '.join(known)}.")
+        raise ConfigError(f"--variants {opts.variants}: choose among {', '.join(known)}.")
     chosen = with_teacher_tp(chosen, parse_teacher_tp(opts.teacher_tp))
     for variant in chosen:  # each KD-on launch's plan (its replicas), before any launch
         if variant.teacher_tp > 1:
@@ -407,8 +408,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         try:
             latencies = [float(x) for x in opts.teacher_latency_ms.split(",")]
         except ValueError:
-            raise ValueError(f"--teacher-latency-ms {opts.teacher_latency_ms}: give milliseconds, e.g. 100 or "
-                             f"0,50,100,200.") from None
+            raise ConfigError(f"--teacher-latency-ms {opts.teacher_latency_ms}: give milliseconds, e.g. 100 or "
+                              f"0,50,100,200.") from None
         overrides = (LATENCY_PRESET_OVERRIDES if opts.config == "tiny" else []) + opts.overrides
         results = run_latency_sweep(config, overrides, latencies, opts.nproc, opts.steps, opts.warmup, opts.grad_acc,
                                     out_dir, opts.timeout, opts.omp_threads, read_rows)
@@ -460,4 +461,4 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-    run_cli(main, also=(TimeoutError, RuntimeError))
+    run_cli(main)

@@ -38,6 +38,7 @@ from lingua.cli import run_cli
 from lingua.distillation.cache import INDEX, CacheManifest
 from lingua.distillation.teacher import check_teacher_dir
 from lingua.documents import list_val_files
+from lingua.errors import ConfigError, DataError, RunFailed
 from lingua.rundir import eval_rows
 
 logger = logging.getLogger("kd_study")
@@ -68,11 +69,11 @@ def study_args(config: str, overrides: list[str]) -> TrainArgs:
 
 def check_inputs(args: TrainArgs) -> None:
     if args.eval.every < 1 or args.steps % args.eval.every:
-        raise ValueError(f"eval.every={args.eval.every} must divide steps={args.steps} so every run ends on an "
-                         f"evaluation.")
+        raise ConfigError(f"eval.every={args.eval.every} must divide steps={args.steps} so every run ends on an "
+                          f"evaluation.")
     if not any(list_val_files(args.data.root_dir, source) for source in args.data.sources):
-        raise ValueError(f"no held-out *.val.jsonl under {args.data.root_dir}; run `python -m setup.prepare_corpus` "
-                         f"(or `bash setup/demo.sh`, which also prepares the teacher).")
+        raise DataError(f"no held-out *.val.jsonl under {args.data.root_dir}; run `python -m "
+                        f"setup.prepare_corpus` (or `bash setup/demo.sh`, which also prepares the teacher).")
     check_teacher_dir(args.distillation.teacher_path)
 
 
@@ -91,7 +92,7 @@ def build_cache(config: str, overrides: list[str], cache_dir: Path, ranks: int, 
         f"config={config}", *overrides, f"cache_dir={cache_dir}", "streams=1"])
     code, wall_s, _, _ = launch(command, Path(f"{cache_dir}.log"), timeout_s, omp_threads=1)
     if code != 0:
-        raise RuntimeError(f"writing the teacher cache failed (exit code {code}); its log: {cache_dir}.log")
+        raise RunFailed(f"writing the teacher cache failed (exit code {code}); its log: {cache_dir}.log")
     return wall_s
 
 
@@ -135,8 +136,8 @@ def run_all(runs: list[Run], config: str, cache_dir: Path, parallel: int, timeou
                 for other in active:
                     if other.process.poll() is None:
                         other.process.kill()
-                raise RuntimeError(f"{run.arm} seed {run.seed} failed ({code}); its log: "
-                                   f"{run.dump_dir / 'study_run.log'}")
+                raise RunFailed(f"{run.arm} seed {run.seed} failed ({code}); its log: "
+                                f"{run.dump_dir / 'study_run.log'}")
             run.wall_s = elapsed
             active.remove(run)
             logger.info(f"done {run.arm} seed {run.seed} in {elapsed:.0f}s: final held-out CE "
@@ -245,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     unknown = [a for a in options.arms.split(",") if a not in ARMS]
     if unknown:
-        raise ValueError(f"unknown arm(s) {', '.join(unknown)}; use some of {', '.join(ARMS)}.")
+        raise ConfigError(f"unknown arm(s) {', '.join(unknown)}; use some of {', '.join(ARMS)}.")
     seeds = [int(s) for s in options.seeds.split(",")]
     overrides = list(options.overrides) + ([f"steps={options.steps}"] if options.steps else [])
     args = study_args(options.config, overrides)
@@ -285,4 +286,4 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-    run_cli(main, also=(RuntimeError, TimeoutError))
+    run_cli(main)

@@ -35,10 +35,12 @@ from typing import Callable, Optional
 
 import torch
 
+from lingua.cli import run_cli
 from lingua.distillation.divergences import DIVERGENCES, distillation_loss
 from lingua.distillation.fused_loss import auto_chunk_rows, fused_linear_kd_loss
 from lingua.distillation.outputs import FORMATS, TeacherOutputs, sparsify_teacher_logits
 from lingua.distillation.reference_loss import kd_loss
+from lingua.errors import ConfigError, RunFailed
 from lingua.transformer import cross_entropy_sum
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,26 +78,26 @@ class BenchArgs:
 
 
 def check_args(args: BenchArgs) -> None:
-    """Raise ValueError with a sentence on what to change for settings the benchmark cannot run."""
+    """Raise ConfigError with a sentence on what to change for settings the benchmark cannot run."""
     for name in ("vocab", "tokens", "dim", "repeats", "rounds", "threads"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1.")
+            raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1.")
     if args.warmup < 0 or args.chunk_size < 0 or args.reference_chunk_size < 1:
-        raise ValueError("--warmup and --chunk-size must be >= 0 and --reference-chunk-size >= 1.")
+        raise ConfigError("--warmup and --chunk-size must be >= 0 and --reference-chunk-size >= 1.")
     if args.format not in FORMATS:
-        raise ValueError(f"--format {args.format!r} is unknown; use one of {', '.join(FORMATS)}.")
+        raise ConfigError(f"--format {args.format!r} is unknown; use one of {', '.join(FORMATS)}.")
     if args.divergence not in DIVERGENCES:
-        raise ValueError(f"--divergence {args.divergence!r} is unknown; use one of {', '.join(DIVERGENCES)}.")
+        raise ConfigError(f"--divergence {args.divergence!r} is unknown; use one of {', '.join(DIVERGENCES)}.")
     if args.format == "sampled" and args.divergence != "fkl":
-        raise ValueError("--format sampled supports only --divergence fkl.")
+        raise ConfigError("--format sampled supports only --divergence fkl.")
     if args.format != "full" and not 1 <= args.k <= args.vocab:
-        raise ValueError(f"--k {args.k} must be between 1 and --vocab {args.vocab}.")
+        raise ConfigError(f"--k {args.k} must be between 1 and --vocab {args.vocab}.")
     if args.dtype not in DTYPES:
-        raise ValueError(f"--dtype {args.dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
+        raise ConfigError(f"--dtype {args.dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
     if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
-        raise ValueError(f"--device {args.device!r} is not available here; use cpu (or cuda on a GPU machine).")
+        raise ConfigError(f"--device {args.device!r} is not available here; use cpu (or cuda on a GPU machine).")
     if not 0.0 <= args.ignored < 1.0 or not 0.0 <= args.alpha <= 1.0 or args.temperature <= 0:
-        raise ValueError("--ignored must be in [0, 1), --alpha in [0, 1] and --temperature positive.")
+        raise ConfigError("--ignored must be in [0, 1), --alpha in [0, 1] and --temperature positive.")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchArgs, Optional[tuple[str, str]]]:
@@ -112,7 +114,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchArgs, Optional[tu
     args = BenchArgs(**namespace)
     check_args(args)
     if worker is None and args.out is None:
-        raise ValueError("--out DIR is required: the results are written to DIR/results.json.")
+        raise ConfigError("--out DIR is required: the results are written to DIR/results.json.")
     return args, None if worker is None else (worker, phase)
 
 
@@ -220,8 +222,8 @@ def run_variant_subprocess(variant: str, args: BenchArgs) -> dict:
         result = subprocess.run([sys.executable, "-m", "apps.bench.loss_step", "--worker", variant, "--phase", phase,
                                  *flags], cwd=ROOT, env=env, capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"bench variant {variant} ({phase}) failed (exit {result.returncode}):\n"
-                               f"{result.stderr[-4000:]}")
+            raise RunFailed(f"bench variant {variant} ({phase}) failed (exit {result.returncode}):\n"
+                            f"{result.stderr[-4000:]}")
         results.update(json.loads(result.stdout.strip().splitlines()[-1]))
     return results
 
@@ -304,4 +306,4 @@ def main(argv: Optional[list[str]] = None, run_variant: Callable[[str, BenchArgs
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

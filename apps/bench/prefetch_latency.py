@@ -23,6 +23,7 @@ from pathlib import Path
 
 from apps.bench.latency_teacher import LATENCY_ENV
 from apps.bench.runs import launch, torchrun_command
+from lingua.errors import ConfigError, RunFailed
 
 # The student computes ~150 ms per micro-batch (its forward ~50 ms) on 1 thread with these: forward < L < C
 # at L = 100 ms, so the sweep shows prefetch 0 waiting L - forward and prefetch 1 hiding L behind C.
@@ -33,7 +34,7 @@ def latency_row(rows: list[dict], warmup: int, grad_acc_steps: int, prefetch: in
     """One results row from a run's metrics rows (medians over the steps after the warm-up)."""
     window = [r for r in rows if r["step"] > warmup]
     if not window:
-        raise ValueError(f"No step after the warm-up of {warmup} steps was logged; use more --steps than --warmup.")
+        raise ConfigError(f"No step after the warm-up of {warmup} steps was logged; use more --steps than --warmup.")
     step = statistics.median(r["speed/step_time_s"] for r in window)
     wait = statistics.median(r["speed/teacher_wait_s"] for r in window)
     compute = statistics.median(r["speed/step_time_s"] - r["speed/teacher_wait_s"] - r["speed/data_time_s"]
@@ -67,7 +68,7 @@ def run_latency_sweep(config: str, overrides: list[str], latencies_ms: list[floa
             rc, *_ = launch(command, log_path, timeout_s, omp_threads, extra_env={LATENCY_ENV: str(latency_ms)})
             if rc != 0:
                 tail = "\n".join(log_path.read_text().splitlines()[-30:])
-                raise RuntimeError(f"benchmark run {name} failed with exit code {rc}; its log is {log_path}:\n{tail}")
+                raise RunFailed(f"benchmark run {name} failed with exit code {rc}; its log is {log_path}:\n{tail}")
             shutil.rmtree(dump_dir / "checkpoints", ignore_errors=True)
             results["rows"].append(latency_row(read_rows(dump_dir), warmup, grad_acc_steps, prefetch, latency_ms))
             results["commands"][name] = f"{LATENCY_ENV}={latency_ms:g} " + " ".join(command)

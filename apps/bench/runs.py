@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from lingua.errors import RunFailed
+
 ROOT = Path(__file__).resolve().parents[2]
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -78,8 +80,8 @@ def launch(command: list[str], log_path: Path, timeout_s: float, omp_threads: in
         try:
             while proc.poll() is None:
                 if time.perf_counter() - start > timeout_s:
-                    raise TimeoutError(f"the run did not finish within {timeout_s:.0f}s; raise --timeout or lower --steps "
-                                       f"(log: {log_path}).")
+                    raise RunFailed(f"the run did not finish within {timeout_s:.0f}s; raise --timeout or lower --steps "
+                                    f"(log: {log_path}).")
                 for pid in _children(proc.pid):
                     rss = _peak_rss_bytes(pid)
                     if rss is not None:

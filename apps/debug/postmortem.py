@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from lingua.cli import run_cli
+from lingua.errors import ConfigError, MissingPathError
 from lingua.parallel.flight_recorder import TRACE_PREFIX, last_collectives_in_trace, read_trace, trace_dir
 from lingua.parallel.rank_status import (
     STALE_HEARTBEAT_S,
@@ -189,7 +190,7 @@ def format_report(report: dict) -> str:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one sentence through run_cli, not argparse's usage block
-        raise ValueError(f"{message}; usage: python -m apps.debug.postmortem <dump_dir> [--json]")
+        raise ConfigError(f"{message}; usage: python -m apps.debug.postmortem <dump_dir> [--json]")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -199,9 +200,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     run = RunDir(args.dump_dir)
     if not run.root.is_dir():
-        raise FileNotFoundError(f"dump_dir {args.dump_dir!r} is not a folder; pass the dump_dir of a run")
+        raise MissingPathError(f"dump_dir {args.dump_dir!r} is not a folder; pass the dump_dir of a run")
     if not ranks_in(run):
-        raise FileNotFoundError(f"{run.logs} holds no rank_<r>.status.json or rank_<r>.log: not the dump_dir of a "
+        raise MissingPathError(f"{run.logs} holds no rank_<r>.status.json or rank_<r>.log: not the dump_dir of a "
                                 f"run that started")
     report = analyse(run.root)
     sys.stdout.write((json.dumps(report) if args.json else format_report(report)) + "\n")

@@ -26,7 +26,7 @@ import torch
 from apps.main.transformer import batch_doc_ids
 from lingua.args import require
 from lingua.cli import run_cli
-from lingua.errors import UserError
+from lingua.errors import ConfigError, MissingPathError
 from lingua.eval_data import iterate_eval_batches
 from lingua.parallel.collectives import agree_count, dist_mean_dict
 from lingua.transformer import cross_entropy_sum
@@ -145,8 +145,8 @@ def build_task_manager(names: list[str]):
     manager = TaskManager(include_path=str(EVAL_TASKS_DIR), include_defaults=include_defaults)
     unknown = [name for name in names if name not in manager.all_tasks]
     if unknown:
-        raise ValueError(f"unknown lm-eval task(s) {', '.join(map(repr, unknown))}; use one of ours "
-                         f"({', '.join(local_task_names())}) or a name that `lm-eval ls tasks` lists.")
+        raise ConfigError(f"unknown lm-eval task(s) {', '.join(map(repr, unknown))}; use one of ours "
+                          f"({', '.join(local_task_names())}) or a name that `lm-eval ls tasks` lists.")
     return manager
 
 
@@ -161,13 +161,13 @@ def held_out_data_args(params: dict, data_dir: Optional[str]):
         data_args.root_dir = data_dir
     names = data_args.eval_sources or [name for name, weight in data_args.sources.items() if weight > 0]
     if not data_args.root_dir or not names:
-        raise ValueError("the checkpoint's params.json names no data root or sources to find held-out files in; "
-                         "pass data_dir=<corpus root> or perplexity=false.")
+        raise ConfigError("the checkpoint's params.json names no data root or sources to find held-out files in; "
+                          "pass data_dir=<corpus root> or perplexity=false.")
     if not any(list_val_files(data_args.root_dir, name) for name in names):
         where = ", ".join(str(Path(data_args.root_dir) / name) for name in names)
-        raise FileNotFoundError(f"no held-out files (*.val.jsonl) in {where}; pass data_dir=<the corpus root> "
-                                f"(python -m setup.prepare_corpus writes data/corpus/pydocs/pydocs.val.jsonl) "
-                                f"or perplexity=false.")
+        raise MissingPathError(f"no held-out files (*.val.jsonl) in {where}; pass data_dir=<the corpus root> "
+                               f"(python -m setup.prepare_corpus writes data/corpus/pydocs/pydocs.val.jsonl) "
+                               f"or perplexity=false.")
     return data_args
 
 
@@ -220,8 +220,8 @@ def run_lm_eval(hf_dir: Path, names: list[str], manager, args: CheckpointEvalArg
                                           num_fewshot=args.num_fewshot, limit=args.limit,
                                           batch_size=args.batch_size, device=str(device), log_samples=False)
     except ConnectionError as err:  # a standard task's dataset on a machine without the hub
-        raise UserError(f"lm-eval could not download a task's dataset ({type(err).__name__}); standard tasks need "
-                        f"the Hugging Face hub, offline use tasks={','.join(local_task_names())}.") from None
+        raise ConfigError(f"lm-eval could not download a task's dataset ({type(err).__name__}); standard tasks need "
+                          f"the Hugging Face hub, offline use tasks={','.join(local_task_names())}.") from None
     return task_results(results)
 
 
@@ -245,8 +245,8 @@ def evaluate_checkpoint(args: CheckpointEvalArgs) -> dict:
     names = parse_tasks(args.tasks)
     tokenizer_args = dataclass_from_dict(TokenizerArgs, params.get("data", {}).get("tokenizer", {}))
     if names and tokenizer_args.name != "hf":
-        raise ValueError(f"lm-eval tasks need a Hugging Face tokenizer but this run used "
-                         f"data.tokenizer.name={tokenizer_args.name}; pass tasks= for held-out perplexity only.")
+        raise ConfigError(f"lm-eval tasks need a Hugging Face tokenizer but this run used "
+                          f"data.tokenizer.name={tokenizer_args.name}; pass tasks= for held-out perplexity only.")
     # Everything a user can get wrong is checked before the slow parts (export, model, lm-eval).
     data_args = held_out_data_args(params, args.data_dir) if args.perplexity else None
     if names and set(names) <= set(local_task_names()):

@@ -25,6 +25,8 @@ import torch
 
 from apps.main.transformer import LMTransformerArgs
 from lingua.args import dataclass_from_dict, parse_args
+from lingua.cli import run_cli
+from lingua.errors import ConfigError, DataError, MissingPathError
 from lingua.transformer import ffn_hidden_dim
 
 logger = logging.getLogger(__name__)
@@ -47,15 +49,15 @@ def resolve_checkpoint_dir(path: str) -> Path:
     """The step directory to read: `path` itself if it holds params.json, else its latest finished step."""
     root = Path(path)
     if not root.is_dir():
-        raise FileNotFoundError(f"checkpoint directory '{path}' does not exist; pass ckpt=<a checkpoint step "
-                                f"directory or the run's checkpoints/ directory>.")
+        raise MissingPathError(f"checkpoint directory '{path}' does not exist; pass ckpt=<a checkpoint step "
+                               f"directory or the run's checkpoints/ directory>.")
     if (root / "params.json").is_file():
         return root
     # `.tmp` step directories are unfinished saves and never match.
     steps = sorted(p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / "params.json").is_file())
     if not steps:
-        raise FileNotFoundError(f"'{path}' holds neither params.json nor finished step directories "
-                                f"(<step:010d>/params.json); point ckpt at a checkpoint step directory.")
+        raise MissingPathError(f"'{path}' holds neither params.json nor finished step directories "
+                               f"(<step:010d>/params.json); point ckpt at a checkpoint step directory.")
     return steps[-1]
 
 
@@ -67,7 +69,7 @@ def load_params(ckpt_dir: Path) -> dict:
 def model_args_from_params(params: dict) -> LMTransformerArgs:
     """LMTransformerArgs from params.json's "model" entry."""
     if "model" not in params:
-        raise ValueError("params.json has no 'model' entry; is this a checkpoint written by apps.main.train?")
+        raise DataError("params.json has no 'model' entry; is this a checkpoint written by apps.main.train?")
     return dataclass_from_dict(LMTransformerArgs, params["model"])
 
 
@@ -84,7 +86,7 @@ def load_model_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / ".metadata").is_file():
-        raise FileNotFoundError(f"'{ckpt_dir}' has no DCP .metadata file; point ckpt at a finished checkpoint step.")
+        raise MissingPathError(f"'{ckpt_dir}' has no DCP .metadata file; point ckpt at a finished checkpoint step.")
     with tempfile.TemporaryDirectory() as tmp:
         consolidated = Path(tmp) / "consolidated.pt"
         dcp_to_torch_save(ckpt_dir, consolidated)
@@ -96,7 +98,7 @@ def load_model_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
             model = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
         state_dict = {clean_fqn(k): v.clone() for k, v in model.items() if isinstance(v, torch.Tensor)}
     if not state_dict:
-        raise ValueError(f"checkpoint '{ckpt_dir}' holds no 'model.*' tensors; is it a training checkpoint?")
+        raise DataError(f"checkpoint '{ckpt_dir}' holds no 'model.*' tensors; is it a training checkpoint?")
     return state_dict
 
 
@@ -152,8 +154,8 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], args: LMTransformerArg
     head = "tok_embeddings.weight" if args.tie_embeddings else "output.weight"
     missing = [ours for ours in [*names, head] if ours not in state_dict]
     if missing:
-        raise ValueError(f"the checkpoint lacks {len(missing)} model tensors (e.g. {missing[:3]}); its params.json "
-                         f"model config does not match its weights.")
+        raise DataError(f"the checkpoint lacks {len(missing)} model tensors (e.g. {missing[:3]}); its params.json "
+                        f"model config does not match its weights.")
     hf = {theirs: state_dict[ours] for ours, theirs in names.items()}
     hf["lm_head.weight"] = state_dict[head]
     return hf
@@ -170,12 +172,12 @@ def export_to_hf(model_state_dict: dict[str, torch.Tensor], model_args: LMTransf
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}.")
+        raise ConfigError(f"dtype={dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}.")
     tokenizer = None
     if tokenizer_path is not None:
         if not Path(tokenizer_path).is_dir():
-            raise FileNotFoundError(f"tokenizer directory '{tokenizer_path}' does not exist; fix data.tokenizer.path "
-                                    f"or export without the tokenizer.")
+            raise MissingPathError(f"tokenizer directory '{tokenizer_path}' does not exist; fix data.tokenizer.path "
+                                   f"or export without the tokenizer.")
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         bos_id = tokenizer.bos_token_id if bos_id is None else bos_id
         eos_id = tokenizer.eos_token_id if eos_id is None else eos_id
@@ -200,7 +202,7 @@ def export_checkpoint(args: ExportArgs) -> Path:
     from lingua.tokenizer import TokenizerArgs, build_tokenizer
 
     if not args.ckpt or not args.out:
-        raise ValueError("pass both ckpt=<checkpoint directory> and out=<output directory>.")
+        raise ConfigError("pass both ckpt=<checkpoint directory> and out=<output directory>.")
     ckpt_dir = resolve_checkpoint_dir(args.ckpt)
     params = load_params(ckpt_dir)
     model_args = model_args_from_params(params)
@@ -224,4 +226,4 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -1,6 +1,8 @@
 """Failure injection for tests: `inject_failure=<kind>:<where>` makes one rank fail on purpose.
 
     raise:<train_rank>@<step>            that student raises during that step
+    bug:<train_rank>@<step>              that student hits a bug during that step (a plain ValueError from a
+                                         tuple unpacked wrongly: a traceback, not a user's sentence)
     nan:<train_rank>@<step>              its loss is not finite at that step
     stall:<train_rank>@<step>            it is STALL_S late to that step (a straggler)
     preempt:<train_rank>@<step>          it votes to preempt at that step, as if SIGUSR2 had just arrived
@@ -14,12 +16,15 @@ from typing import Optional
 
 import torch
 
+from lingua.errors import ConfigError
+
 STALL_S = 4.0  # how late inject_failure=stall:... makes a student
+STEP_KINDS = ("raise", "bug", "nan", "stall", "preempt", "teacher_serve")  # the kinds given as <rank>@<step>
 
 
 @dataclass(frozen=True)
 class InjectedFailure:
-    kind: str  # "raise" | "nan" | "stall" | "preempt" | "teacher_load" | "teacher_serve"
+    kind: str  # "raise" | "bug" | "nan" | "stall" | "preempt" | "teacher_load" | "teacher_serve"
     rank: int  # train rank, or the teacher's index among teachers for teacher_*
     step: int  # 0 for teacher_load
 
@@ -29,13 +34,20 @@ def parse_injected_failure(spec: Optional[str]) -> Optional[InjectedFailure]:
         return None
     kind, _, where = spec.rpartition(":") if ":" in spec else ("raise", "", spec)
     rank, _, step = where.partition("@")
-    valid = kind in ("raise", "nan", "stall", "preempt", "teacher_serve") and rank.isdigit() and step.isdigit() or \
+    valid = kind in STEP_KINDS and rank.isdigit() and step.isdigit() or \
         kind == "teacher_load" and rank.isdigit() and not step
     if not valid:
-        raise ValueError(f"inject_failure={spec!r}; use raise:<train_rank>@<step>, nan:<train_rank>@<step>, "
-                         f"stall:<train_rank>@<step>, preempt:<train_rank>@<step>, teacher_load:<teacher_index> "
-                         f"or teacher_serve:<teacher_index>@<step>.")
+        raise ConfigError(f"inject_failure={spec!r}; use raise:<train_rank>@<step>, bug:<train_rank>@<step>, "
+                          f"nan:<train_rank>@<step>, stall:<train_rank>@<step>, preempt:<train_rank>@<step>, "
+                          f"teacher_load:<teacher_index> or teacher_serve:<teacher_index>@<step>.")
     return InjectedFailure(kind, int(rank), int(step or 0))
+
+
+def step_and_rank(step: int, train_rank: int) -> tuple[int, int]:
+    """The bug inject_failure=bug:... plants: a tuple unpacked wrongly, so Python itself raises the plain
+    `ValueError: too many values to unpack (expected 2)` here, with this file and line in its traceback."""
+    step_seen, rank_seen = (step, train_rank, "one value too many")
+    return step_seen, rank_seen
 
 
 class FaultInjector:
@@ -52,6 +64,8 @@ class FaultInjector:
     def before_step(self, step: int) -> None:
         if self._due("raise", step):
             raise RuntimeError(f"injected failure on train rank {self.train_rank} at step {step}")
+        if self._due("bug", step):
+            step_and_rank(step, self.train_rank)
         if self._due("stall", step):
             time.sleep(STALL_S)
 

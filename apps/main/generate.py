@@ -26,7 +26,9 @@ from apps.main.export_hf import (
 )
 from apps.main.transformer import LMTransformer
 from lingua.args import dataclass_from_dict, parse_args
+from lingua.cli import run_cli
 from lingua.data import DataArgs
+from lingua.errors import ConfigError, DataError, MissingPathError
 from lingua.tokenizer import Tokenizer, TokenizerArgs, build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -72,7 +74,7 @@ def generate_tokens(logits_fn: LogitsFn, prompt_ids: list[int], max_new_tokens: 
                     device: torch.device = torch.device("cpu"), generator: Optional[torch.Generator] = None) -> list[int]:
     """The new token ids (prompt excluded); stops early at `eos_id`. Context beyond max_seqlen is cut from the left."""
     if not prompt_ids:
-        raise ValueError("the prompt encodes to no tokens; pass a non-empty prompt or a tokenizer that adds bos.")
+        raise ConfigError("the prompt encodes to no tokens; pass a non-empty prompt or a tokenizer that adds bos.")
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
         context = ids[-max_seqlen:] if max_seqlen else ids
@@ -104,8 +106,8 @@ def load_student(ckpt: str, device: torch.device) -> LoadedStudent:
 
         model = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
         if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            raise FileNotFoundError(f"'{path}' holds no Hugging Face tokenizer (the run used a non-HF tokenizer); "
-                                    f"generate from the training checkpoint directory instead.")
+            raise MissingPathError(f"'{path}' holds no Hugging Face tokenizer (the run used a non-HF tokenizer); "
+                                   f"generate from the training checkpoint directory instead.")
         tokenizer = build_tokenizer(TokenizerArgs(name="hf", path=str(path)))
         params_file = path / TRAINING_PARAMS
         add_bos = trained_with_bos(json.loads(params_file.read_text())) if params_file.is_file() else True
@@ -130,7 +132,7 @@ def load_checkpoint_model(ckpt_dir: Path, params: dict, device: torch.device) ->
     try:
         model.load_state_dict(state_dict, strict=True)
     except RuntimeError as err:
-        raise ValueError(f"the weights in {ckpt_dir} do not fit the model described by its params.json: {err}") from None
+        raise DataError(f"the weights in {ckpt_dir} do not fit the model described by its params.json: {err}") from None
     logger.info(f"loaded {ckpt_dir} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
     return model.eval()
 
@@ -138,7 +140,7 @@ def load_checkpoint_model(ckpt_dir: Path, params: dict, device: torch.device) ->
 def generate_text(args: GenerateArgs) -> str:
     """The prompt's continuation as text."""
     if not args.ckpt:
-        raise ValueError("pass ckpt=<checkpoint directory or exported HF directory>.")
+        raise ConfigError("pass ckpt=<checkpoint directory or exported HF directory>.")
     device = pick_device(args.device)
     student = load_student(args.ckpt, device)
     tokenizer = student.tokenizer
@@ -159,4 +161,4 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -53,6 +53,7 @@ from lingua.distillation.distiller import tokenizer_vocab
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.distillation.teacher import TeacherModel
 from lingua.distributed import clean_up, setup_torch_distributed
+from lingua.errors import ConfigError, DataError
 from lingua.eval_data import iterate_eval_batches
 from lingua.logger import init_logger
 from lingua.metrics import format_duration
@@ -103,9 +104,9 @@ def check_tokenizers(tokenizer, teacher: TeacherModel, teacher_path: str) -> Non
     """The students' tokenizer must be the teacher's, as at the online handshake."""
     student = tokenizer_fingerprint(tokenizer_vocab(tokenizer))
     if student != tokenizer_fingerprint(teacher.tokenizer.get_vocab()) or tokenizer.n_words > teacher.vocab_size:
-        raise ValueError(f"The data tokenizer (vocab {tokenizer.n_words}) does not match the teacher's (vocab "
-                         f"{teacher.vocab_size}) at {teacher_path}. Students must use the teacher's tokenizer: set "
-                         f"data.tokenizer.name=hf data.tokenizer.path={teacher_path}.")
+        raise ConfigError(f"The data tokenizer (vocab {tokenizer.n_words}) does not match the teacher's (vocab "
+                          f"{teacher.vocab_size}) at {teacher_path}. Students must use the teacher's tokenizer: set "
+                          f"data.tokenizer.name=hf data.tokenizer.path={teacher_path}.")
 
 
 def settle_manifest(cache_dir: Path, planned: CacheManifest) -> None:
@@ -117,8 +118,8 @@ def settle_manifest(cache_dir: Path, planned: CacheManifest) -> None:
                                                       "k", "temperature", "wire_dtype", "attn_mask", "data", "streams",
                                                       "sequences_per_stream", "shard_sequences"))
     if differ:
-        raise ValueError(f"{cache_dir} already holds a teacher cache written with other settings: {'; '.join(differ)}. "
-                         f"Use another cache_dir, or the settings it was started with to finish it.")
+        raise DataError(f"{cache_dir} already holds a teacher cache written with other settings: {'; '.join(differ)}. "
+                        f"Use another cache_dir, or the settings it was started with to finish it.")
 
 
 class StreamReader:
@@ -198,8 +199,8 @@ def check_k_fits_vocab(args: TeacherCacheArgs, tokenizer) -> None:
     it is refused before the teacher loads or anything is written, as the online handshake refuses it."""
     k, vocab = args.distillation.k, tokenizer.n_words
     if args.distillation.output == "topk" and k > vocab:
-        raise ValueError(f"distillation.k={k} is more than the {vocab} token ids the top-k is taken from (the data "
-                         f"tokenizer's vocabulary, which the students train on); set distillation.k <= {vocab}.")
+        raise ConfigError(f"distillation.k={k} is more than the {vocab} token ids the top-k is taken from (the data "
+                          f"tokenizer's vocabulary, which the students train on); set distillation.k <= {vocab}.")
 
 
 def replica_group(topo, teacher_tp: int, timeout_s: float):

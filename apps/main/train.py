@@ -47,6 +47,7 @@ from lingua.distillation.server import TeacherServer
 from lingua.distillation.teacher import read_max_positions
 from lingua.distillation.tensor_parallel import heads_problem, read_teacher_config
 from lingua.distributed import Topology, clean_up, log_rank_device_map, setup_torch_distributed
+from lingua.errors import ConfigError
 from lingua.eval_data import eval_files, iterate_eval_batches
 from lingua.logger import init_logger
 from lingua.metrics import LoggingArgs
@@ -97,7 +98,7 @@ class TrainArgs:
     def validate(self, world_size: Optional[int] = None, local_world_size: Optional[int] = None) -> None:
         """Every error the config alone can show (values, files it names, the launch size when given), in
         one pass before any process group exists: each section's own `validate()`, then the rules that
-        span sections. Raises ValueError / FileNotFoundError naming the key, the value and the fix."""
+        span sections. Raises a `UserError` (lingua/errors.py) naming the key, the value and the fix."""
         require(self.steps >= 1, "steps", self.steps, "train for at least one step")
         require(self.grad_acc_steps >= 1, "grad_acc_steps", self.grad_acc_steps, "use 1 (no accumulation) or more")
         require(bool(self.dump_dir), "dump_dir", self.dump_dir, "name the folder for logs, metrics and checkpoints")
@@ -150,7 +151,7 @@ def check_heads_divide(teacher_path: str, tp: int) -> None:
     config = read_teacher_config(teacher_path)
     problem = heads_problem(config, tp, f"{teacher_path}/config.json") if config is not None else None
     if problem is not None:
-        raise ValueError(problem)
+        raise ConfigError(problem)
 
 
 def teacher_heldout(args: TrainArgs, n_students: int):
@@ -217,8 +218,8 @@ def init_tokenizer(args: TrainArgs):
     """The data tokenizer; the model's vocab size is taken from it."""
     tokenizer = build_tokenizer(args.data.tokenizer)
     if args.model.vocab_size not in (-1, tokenizer.n_words):
-        raise ValueError(f"model.vocab_size={args.model.vocab_size} but the tokenizer has {tokenizer.n_words} "
-                         f"tokens; leave model.vocab_size=-1 to take it from the tokenizer.")
+        raise ConfigError(f"model.vocab_size={args.model.vocab_size} but the tokenizer has {tokenizer.n_words} "
+                          f"tokens; leave model.vocab_size=-1 to take it from the tokenizer.")
     args.model.vocab_size = tokenizer.n_words
     return tokenizer
 

@@ -23,7 +23,7 @@ Teacher side (the last ranks run `apps.main.train.distillation_process`):
 Both ends:
 
     bridge.py          the wire records (RequestHeader, HandshakeRecord, ResponseStatus) and the handshake
-    args.py            DistillationArgs (the `distillation:` config section), TeacherError, alpha_at
+    args.py            DistillationArgs (the `distillation:` config section), alpha_at
 
 How a micro-batch flows (online): `feed.submit_ahead` -> `OnlineDistiller.submit` -> `TeacherClient.submit`
 posts a gather of [header, tokens] and a scatter of the response on the bridge group; the teacher's

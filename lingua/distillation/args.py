@@ -1,4 +1,4 @@
-"""Distillation settings, the error every bridge member reports alike, and a map of the pieces.
+"""Distillation settings and a map of the pieces.
 
 A distillation job splits its ranks into students and teachers (`lingua/parallel/launch_plan.py`). The pieces:
 
@@ -20,7 +20,7 @@ import torch
 from lingua.args import require
 from lingua.distillation.divergences import DIVERGENCES
 from lingua.distillation.outputs import FORMATS
-from lingua.errors import UserError
+from lingua.errors import PeerStopped, TeacherError
 from lingua.parallel.collectives import AgreedError
 from lingua.parallel.launch_plan import teacher_rank_count
 
@@ -31,8 +31,9 @@ SOURCES = ("online", "cache")
 ALPHA_SCHEDULES = ("constant", "lr")
 
 
-class TeacherError(UserError, RuntimeError):
-    """A teacher-side failure every bridge member reports in the same words (load, request, forward)."""
+class AgreedPeerStopped(PeerStopped, AgreedError):
+    """A teacher's bug (its traceback is in its own log) or another bridge's failed teacher, agreed on by the
+    students like `AgreedTeacherError`, and reported like any peer that stopped first."""
 
 
 class AgreedTeacherError(TeacherError, AgreedError):

@@ -17,6 +17,10 @@ Everything goes over `topo.bridge_group` (teacher i + its contiguous block of st
    teacher that failed a request answers every later one with that error (no forward) until its
    students send STOP or ERROR, which they do only after completing every request they posted.
 
+A teacher's failure travels with its kind (`Failure`): a user error is the same `TeacherError` sentence on
+every rank (exit 2); a bug keeps its traceback on the teacher, and its students stop naming the teacher
+(`PeerStopped`, exit 1).
+
 Records are fixed-size so the collectives always move the same shapes: a handshake record or a
 response status is RECORD_INTS int64 fields followed by MESSAGE_BYTES of UTF-8 text (an error).
 """
@@ -32,8 +36,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lingua.distillation.args import WIRE_DTYPES, DistillationArgs, TeacherError, check_seq_len_fits_teacher
+from lingua.distillation.args import WIRE_DTYPES, DistillationArgs, check_seq_len_fits_teacher
 from lingua.distillation.outputs import FORMATS, TeacherOutputs
+from lingua.errors import ConfigError, PeerStopped, TeacherError, UserError, describe
 from lingua.parallel.collectives import log_collective
 
 logger = logging.getLogger(__name__)
@@ -48,6 +53,25 @@ class Op(IntEnum):
     FORWARD = 1  # run the forward on these tokens
     STOP = 2  # training is over (or preempted): answer and leave the loop
     ERROR = 3  # the students agreed on an error: answer and raise it
+
+
+class Failure(IntEnum):
+    """The `failed` word of a handshake record or a response status: whether, and how, the teacher failed."""
+
+    NONE = 0
+    USER = 1  # a user error (lingua/errors.py): every rank raises its sentence
+    BUG = 2  # anything else: the teacher raises it with its traceback, its students name the teacher
+
+
+def failure_word(failed: bool, bug: bool) -> int:
+    """The `Failure` code of a record."""
+    return Failure.NONE if not failed else Failure.BUG if bug else Failure.USER
+
+
+def teacher_failure(sentence: str, bug: bool) -> Exception:
+    """What a bridge member raises for a teacher's failure: the user's error in its words, or, when the teacher
+    hit a bug (its traceback is in its own log), a stop naming it, as for any peer that failed first."""
+    return PeerStopped(sentence) if bug else TeacherError(sentence)
 
 
 def pack_record(ints: list[int], message: str = "", pin: bool = False) -> torch.Tensor:
@@ -109,6 +133,7 @@ class HandshakeRecord:
     tokenizer_fingerprint: int
     settings: dict  # AGREED_SETTINGS name -> value
     loaded: bool = True  # teacher: False when it failed to load (`message` says why)
+    bug: bool = False  # teacher: its load failed on a bug, not on a user error
     max_positions: int = 0  # teacher: the longest sequence it supports (0 = unknown)
     max_bsz: int = 0  # student: the largest batch it will send
     max_seqlen: int = 0
@@ -120,18 +145,18 @@ class HandshakeRecord:
     def pack(self) -> torch.Tensor:
         settings = [encode(self.settings[name]) for name, _, encode, _ in AGREED_SETTINGS]
         heldout = _float_bits(float("nan") if self.heldout_ce is None else self.heldout_ce)
-        return pack_record([self.ROLES.index(self.role), int(not self.loaded), self.vocab, self.tokenizer_fingerprint,
-                            self.max_positions, self.max_bsz, self.max_seqlen, self.global_rank, *settings, heldout],
-                           self.message)
+        return pack_record([self.ROLES.index(self.role), failure_word(not self.loaded, self.bug), self.vocab,
+                            self.tokenizer_fingerprint, self.max_positions, self.max_bsz, self.max_seqlen,
+                            self.global_rank, *settings, heldout], self.message)
 
     @classmethod
     def unpack(cls, record: torch.Tensor) -> "HandshakeRecord":
         role, failed, vocab, fingerprint, max_pos, max_bsz, max_seqlen, rank, *rest = record_ints(record)
         settings = {name: decode(value) for (name, _, _, decode), value in zip(AGREED_SETTINGS, rest)}
         heldout = _bits_float(rest[len(AGREED_SETTINGS)])
-        return cls(cls.ROLES[role], rank, vocab, fingerprint, settings, loaded=not failed, max_positions=max_pos,
-                   max_bsz=max_bsz, max_seqlen=max_seqlen, heldout_ce=None if heldout != heldout else heldout,
-                   message=record_message(record) if failed else "")
+        return cls(cls.ROLES[role], rank, vocab, fingerprint, settings, loaded=not failed, bug=failed == Failure.BUG,
+                   max_positions=max_pos, max_bsz=max_bsz, max_seqlen=max_seqlen,
+                   heldout_ce=None if heldout != heldout else heldout, message=record_message(record) if failed else "")
 
 
 @dataclass
@@ -145,16 +170,17 @@ class ResponseStatus:
     peak_bytes: int = 0  # the teacher's peak memory (a replica's: the largest of its ranks')
     forward_s: float = 0.0  # the part of busy_s spent in the forward and the outputs (the rest is the protocol)
     message: str = ""  # the error, when not ok
+    bug: bool = False  # the error is a bug on the teacher, not a user error
 
     def pack(self, pin: bool = False) -> torch.Tensor:
-        return pack_record([int(not self.ok), int(self.teacher_preempt), int(self.busy_s * 1e6), int(self.idle_s * 1e6),
-                            self.peak_bytes, int(self.forward_s * 1e6)], self.message, pin)
+        return pack_record([failure_word(not self.ok, self.bug), int(self.teacher_preempt), int(self.busy_s * 1e6),
+                            int(self.idle_s * 1e6), self.peak_bytes, int(self.forward_s * 1e6)], self.message, pin)
 
     @classmethod
     def unpack(cls, record: torch.Tensor) -> "ResponseStatus":
         failed, preempt, busy_us, idle_us, peak_bytes, forward_us, *_ = record_ints(record)
         return cls(not failed, bool(preempt), busy_us / 1e6, idle_us / 1e6, peak_bytes, forward_us / 1e6,
-                   record_message(record) if failed else "")
+                   record_message(record) if failed else "", bug=failed == Failure.BUG)
 
 
 @dataclass
@@ -262,10 +288,11 @@ def agreed_handshake(topo, mine: Optional[HandshakeRecord], args: DistillationAr
     try:
         if mine is not None:
             spec = check_handshake(_exchange(topo, mine), args)
-    except (TeacherError, ValueError) as err:
+    except Exception as err:  # a bug in the checks too: the other ranks must not wait for this one's verdict
         error = err
-    verdicts: list[Optional[str]] = [None] * topo.world_size
-    verdict = None if error is None else f"{type(error).__name__}: {error}"
+    # (whether it is a bug, its words) of each rank that failed
+    verdicts: list[Optional[tuple[bool, str]]] = [None] * topo.world_size
+    verdict = None if error is None else (not isinstance(error, UserError), describe(error))
     log_collective("all_gather_object handshake verdicts", dist.group.WORLD)
     dist.all_gather_object(verdicts, verdict, group=dist.group.WORLD)
     if error is not None:
@@ -273,10 +300,10 @@ def agreed_handshake(topo, mine: Optional[HandshakeRecord], args: DistillationAr
     # A teacher's verdict first: it is the root cause the students of its bridge only repeat.
     failed = sorted((rank not in topo.teacher_ranks, rank, v) for rank, v in enumerate(verdicts) if v)
     if failed:
-        _, rank, verdict = failed[0]
+        _, rank, (bug, words) = failed[0]
         if mine is None and topo.plan.bridge_index(rank) == topo.my_bridge:
-            raise TeacherError(f"the handshake of this teacher replica failed (rank {rank}): {verdict}")
-        raise TeacherError(f"the handshake failed in another bridge (rank {rank}): {verdict}")
+            raise teacher_failure(f"the handshake of this teacher replica failed (rank {rank}): {words}", bug)
+        raise teacher_failure(f"the handshake failed in another bridge (rank {rank}): {words}", bug)
     return spec
 
 
@@ -293,7 +320,7 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
     """The same checks on every bridge member (the same records), so every rank raises the same sentence."""
     teacher = next(r for r in records if r.role == "teacher")
     if not teacher.loaded:
-        raise TeacherError(f"Teacher rank {teacher.global_rank} failed to load: {teacher.message}")
+        raise teacher_failure(f"Teacher rank {teacher.global_rank} failed to load: {teacher.message}", teacher.bug)
     served = teacher.settings
     students = [r for r in records if r.role == "student"]
     for student in students:
@@ -303,12 +330,12 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
         if differ:
             detail = ", ".join(f"{key} is {served[name]} on the teacher but {asked[name]} on the student"
                                for name, key in differ)
-            raise ValueError(f"Teacher rank {teacher.global_rank} and student rank {student.global_rank} disagree: "
-                             f"{detail}; give every rank the same distillation settings (one config for the whole job).")
+            raise ConfigError(f"Teacher rank {teacher.global_rank} and student rank {student.global_rank} disagree: "
+                              f"{detail}; give every rank the same distillation settings (one config for the whole job).")
     for student in students:
         if student.tokenizer_fingerprint != teacher.tokenizer_fingerprint or student.vocab > teacher.vocab:
             same_size = ", the same size but different tokens" if student.vocab == teacher.vocab else ""
-            raise ValueError(
+            raise ConfigError(
                 f"Student rank {student.global_rank}'s tokenizer (vocab {student.vocab}) does not match the teacher's "
                 f"(vocab {teacher.vocab}{same_size}) at {args.teacher_path}. Students must use the teacher's "
                 f"tokenizer: set data.tokenizer.name=hf data.tokenizer.path={args.teacher_path}."
@@ -329,6 +356,6 @@ def check_k_fits_vocab(output: str, k: int, vocab: int, teacher: HandshakeRecord
     handshake, before any buffer sized by k exists. `sampled` draws with replacement: any k is a valid sample;
     `full` sends no ids."""
     if output == "topk" and k > vocab:
-        raise ValueError(f"distillation.k={k} is more than the {vocab} token ids the top-k is taken from (the "
+        raise ConfigError(f"distillation.k={k} is more than the {vocab} token ids the top-k is taken from (the "
                          f"students' vocabulary; teacher rank {teacher.global_rank} has {teacher.vocab}); set "
                          f"distillation.k <= {vocab}.")

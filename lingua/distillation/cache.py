@@ -34,6 +34,7 @@ from lingua.distillation.distiller import tokenizer_vocab
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.distillation.teacher import safetensors_problem
 from lingua.documents import shard_files
+from lingua.errors import DataError, LaunchError, MissingPathError
 
 logger = logging.getLogger(__name__)
 
@@ -76,17 +77,17 @@ class CacheManifest:
     def read(cls, cache_dir: Path) -> "CacheManifest":
         path = Path(cache_dir) / MANIFEST
         if not path.is_file():
-            raise FileNotFoundError(f"distillation.cache_dir={cache_dir} holds no teacher cache ({MANIFEST} is missing); "
-                                    f"{PREPARE_HINT.format(dir=cache_dir)}.")
+            raise MissingPathError(f"distillation.cache_dir={cache_dir} holds no teacher cache ({MANIFEST} is "
+                                   f"missing); {PREPARE_HINT.format(dir=cache_dir)}.")
         try:
             values = json.loads(path.read_text())
             manifest = cls(**values)
         except (json.JSONDecodeError, TypeError) as err:
-            raise ValueError(f"{path} is not a teacher cache manifest this code can read ({err}); "
-                             f"{PREPARE_HINT.format(dir=cache_dir)} into a new directory.") from None
+            raise DataError(f"{path} is not a teacher cache manifest this code can read ({err}); "
+                            f"{PREPARE_HINT.format(dir=cache_dir)} into a new directory.") from None
         if manifest.version != CACHE_VERSION:
-            raise ValueError(f"{path} is a version {manifest.version} cache, this code reads version {CACHE_VERSION}; "
-                             f"{PREPARE_HINT.format(dir=cache_dir)} into a new directory.")
+            raise DataError(f"{path} is a version {manifest.version} cache, this code reads version {CACHE_VERSION}; "
+                            f"{PREPARE_HINT.format(dir=cache_dir)} into a new directory.")
         return manifest
 
 
@@ -184,17 +185,17 @@ def check_cache_complete(cache_dir: Path, manifest: CacheManifest) -> list[Path]
     """Every shard of a finished cache, checked cheaply (file sizes against headers); one sentence otherwise."""
     cache_dir = Path(cache_dir)
     if not (cache_dir / INDEX).is_file():
-        raise FileNotFoundError(f"The teacher cache in {cache_dir} is not finished ({INDEX} is missing); run the cache "
-                                f"command again to complete it: {PREPARE_HINT.format(dir=cache_dir)}.")
+        raise MissingPathError(f"The teacher cache in {cache_dir} is not finished ({INDEX} is missing); run the cache "
+                               f"command again to complete it: {PREPARE_HINT.format(dir=cache_dir)}.")
     paths = [shard_path(cache_dir, i) for i in range(manifest.n_shards)]
     for path in paths:
         if not path.is_file():
-            raise FileNotFoundError(f"Teacher cache shard {path} is missing; run the cache command again to write it: "
-                                    f"{PREPARE_HINT.format(dir=cache_dir)}.")
+            raise MissingPathError(f"Teacher cache shard {path} is missing; run the cache command again to write it: "
+                                   f"{PREPARE_HINT.format(dir=cache_dir)}.")
         problem = safetensors_problem(path)
         if problem is not None:
-            raise ValueError(f"Teacher cache shard {path} is damaged ({problem}); delete it and run the cache command "
-                             f"again to rewrite it: {PREPARE_HINT.format(dir=cache_dir)}.")
+            raise DataError(f"Teacher cache shard {path} is damaged ({problem}); delete it and run the cache command "
+                            f"again to rewrite it: {PREPARE_HINT.format(dir=cache_dir)}.")
     return paths
 
 
@@ -251,12 +252,12 @@ class CacheLoader:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "teacher_cache":
-            raise ValueError("The checkpoint's data state is a jsonl stream, not a teacher cache position; resume "
-                             "with the data source it was trained on (distillation.source).")
+            raise DataError("The checkpoint's data state is a jsonl stream, not a teacher cache position; resume "
+                            "with the data source it was trained on (distillation.source).")
         if (state["dp_rank"], state["dp_degree"]) != (self.dp_rank, self.dp_degree):
-            raise ValueError(f"The cache position was saved by data-parallel rank {state['dp_rank']} of "
-                             f"{state['dp_degree']} but this is rank {self.dp_rank} of {self.dp_degree}; resume with "
-                             f"the same number of training ranks.")
+            raise LaunchError(f"The cache position was saved by data-parallel rank {state['dp_rank']} of "
+                              f"{state['dp_degree']} but this is rank {self.dp_rank} of {self.dp_degree}; resume with "
+                              f"the same number of training ranks.")
         self.position = {key: state[key] for key in ("shard", "row", "epoch")}
 
     def close(self) -> None:
@@ -269,8 +270,8 @@ def open_cache(cache_dir: str, wanted: CacheManifest, batch_size: int, dp_rank: 
     differ = describe_differences(manifest, wanted, ("output", "k", "temperature", "wire_dtype", "attn_mask",
                                                      "tokenizer_fingerprint", "vocab_size", "data"))
     if differ:
-        raise ValueError(f"The teacher cache in {cache_dir} was written with other settings: {'; '.join(differ)}. "
-                         f"Train with the cache's settings, or write a new cache for these: "
-                         f"{PREPARE_HINT.format(dir='<new dir>')}.")
+        raise DataError(f"The teacher cache in {cache_dir} was written with other settings: {'; '.join(differ)}. "
+                        f"Train with the cache's settings, or write a new cache for these: "
+                        f"{PREPARE_HINT.format(dir='<new dir>')}.")
     return CacheLoader(cache_dir, manifest, batch_size, dp_rank, dp_degree)
 

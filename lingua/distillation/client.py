@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lingua.distillation.args import AgreedTeacherError, DistillationArgs, TeacherError
+from lingua.distillation.args import AgreedPeerStopped, AgreedTeacherError, DistillationArgs
 from lingua.distillation.bridge import (
     BAD_TOKENS_FIELD,
     HEADER_INTS,
@@ -36,9 +36,11 @@ from lingua.distillation.bridge import (
     ResponseStatus,
     agreed_handshake,
     agreed_settings,
+    teacher_failure,
     tokenizer_fingerprint,
 )
 from lingua.distillation.outputs import TeacherOutputs
+from lingua.errors import PeerStopped
 from lingua.parallel.collectives import log_collective
 
 logger = logging.getLogger(__name__)
@@ -256,8 +258,9 @@ class TeacherClient:
         for record, step in self.checked:
             status = ResponseStatus.unpack(record)  # the message is decoded only here, on the error path
             if not status.ok:
-                raise AgreedTeacherError(f"Teacher rank {self.teacher_rank} failed at step {step}: {status.message}")
-        raise AgreedTeacherError("a teacher in another bridge failed; its students' logs name the reason")
+                sentence = f"Teacher rank {self.teacher_rank} failed at step {step}: {status.message}"
+                raise AgreedPeerStopped(sentence) if status.bug else AgreedTeacherError(sentence)
+        raise AgreedPeerStopped("a teacher in another bridge failed; its students' logs name the reason")
 
     def mark_first_step_done(self) -> None:
         """This launch's first step is over: later requests let the teacher switch to the training timeout."""
@@ -278,7 +281,7 @@ class TeacherClient:
         self.stopped = True
         status = ResponseStatus.unpack(handle.response[:RECORD_BYTES])
         if not status.ok and not error:
-            raise TeacherError(f"Teacher rank {self.teacher_rank} reported at STOP: {status.message}")
+            raise teacher_failure(f"Teacher rank {self.teacher_rank} reported at STOP: {status.message}", status.bug)
         logger.info(f"sent {'ERROR' if error else 'STOP'} to teacher rank {self.teacher_rank} at step {step}")
 
     def report_exit(self) -> int:

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from lingua.distillation.divergences import LOG_TINY
+from lingua.errors import ConfigError
 
 FORMATS = ("topk", "sampled", "full")
 
@@ -96,7 +97,7 @@ def sparsify_teacher_logits(
     assert temperature > 0 and (format == "full" or k >= 1), (temperature, k)  # DistillationArgs.validate()
     V = logits.shape[-1]
     if format == "topk" and k > V:
-        raise ValueError(f"Top-k distillation with k={k} exceeds the vocabulary size {V}; lower distillation.k.")
+        raise ConfigError(f"Top-k distillation with k={k} exceeds the vocabulary size {V}; lower distillation.k.")
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
     if format == "full":
         return TeacherOutputs("full", log_probs.to(wire_dtype))

@@ -9,10 +9,11 @@ to students. Everything between them goes over the replica's group (`topo.teache
     handshake   followers only share the world's verdicts (`agreed_handshake` with no record of their own);
                 then `share_spec` broadcasts what the bridge agreed (buffer shapes, the students' vocab).
     per request one broadcast of a round (`ReplicaLink`): FORWARD with every student's request buffer, or
-                LEAVE with the status the students get (STOP: return; an error: every follower raises its
-                sentence). After a FORWARD, every rank runs the sharded forward and its part of the outputs,
-                then one reduce (max) brings each rank's preemption flag and peak memory to the leader,
-                which writes them into the status words on the device (no host read of its own).
+                LEAVE with the status the students get (STOP: return; an error: every follower raises it as
+                the students do: a user error's sentence, or a stop naming the rank that failed, exit 1).
+                After a FORWARD, every rank runs the sharded forward and its part of the outputs, then one
+                reduce (max) brings each rank's preemption flag and peak memory to the leader, which
+                writes them into the status words on the device (no host read of its own).
 
 A follower that raises inside the forward, dies, or is killed leaves the others blocked in a collective of
 that forward: its process exits, their collective fails with a lost peer, and every rank ends with the
@@ -27,12 +28,13 @@ import torch
 import torch.distributed as dist
 
 from lingua.distillation.args import WIRE_DTYPES, DistillationArgs
-from lingua.distillation.bridge import RECORD_BYTES, BridgeSpec, HandshakeRecord, ResponseStatus
+from lingua.distillation.bridge import RECORD_BYTES, BridgeSpec, HandshakeRecord, ResponseStatus, teacher_failure
+from lingua.errors import PeerStopped
 from lingua.parallel.collectives import log_collective
 
 logger = logging.getLogger(__name__)
 
-CONTROL_INTS = 4  # round op, then room to grow; int32
+CONTROL_INTS = 4  # round op, LEAVE's "the students stopped" bit, then room to grow; int32
 STATUS_INTS = RECORD_BYTES // 4  # the LEAVE round's status record, as int32
 PREEMPT_WORD, PEAK_WORD = 1, 4  # int64 fields of a ResponseStatus record (see ResponseStatus.pack)
 
@@ -54,7 +56,8 @@ def replica_load_record(topo, mine: HandshakeRecord) -> HandshakeRecord:
     failed = [r for r in records if not r.loaded]
     if failed and mine.loaded:
         first = failed[0]
-        mine.loaded, mine.message = False, f"tensor-parallel rank {first.global_rank} of its replica: {first.message}"
+        mine.loaded, mine.bug = False, first.bug
+        mine.message = f"tensor-parallel rank {first.global_rank} of its replica: {first.message}"
     return mine
 
 
@@ -95,9 +98,10 @@ class ReplicaLink:
         torch.cat(requests, out=self.round[CONTROL_INTS + STATUS_INTS:])
         self._broadcast("forward")
 
-    def share_leave(self, status: ResponseStatus) -> None:
-        """Tell the followers to leave, with the status the students get."""
-        self.round[0] = Round.LEAVE
+    def share_leave(self, status: ResponseStatus, peer_stopped: bool = False) -> None:
+        """Tell the followers to leave, with the status the students get (`peer_stopped`: its error is the
+        students' own stop, not the teacher's)."""
+        self.round[0], self.round[1] = Round.LEAVE, int(peer_stopped)
         self.round[CONTROL_INTS:CONTROL_INTS + STATUS_INTS] = status.pack().view(torch.int32).to(self.round.device)
         self._broadcast("leave")
 
@@ -119,9 +123,16 @@ class ReplicaLink:
     # ---- a follower
 
     def next_round(self) -> tuple[Round, object]:
-        """Wait for the leader's next round: (FORWARD, the request buffers) or (LEAVE, the ResponseStatus)."""
+        """Wait for the leader's next round: (FORWARD, the request buffers) or (LEAVE, None after a STOP, else
+        the error to raise)."""
         self._broadcast("receive")
         op = Round(int(self.round[0]))
-        if op == Round.LEAVE:
-            return op, ResponseStatus.unpack(self.round[CONTROL_INTS:CONTROL_INTS + STATUS_INTS].view(torch.uint8))
-        return op, list(self.round[CONTROL_INTS + STATUS_INTS:].split(self.request_ints))
+        if op == Round.FORWARD:
+            return op, list(self.round[CONTROL_INTS + STATUS_INTS:].split(self.request_ints))
+        status = ResponseStatus.unpack(self.round[CONTROL_INTS:CONTROL_INTS + STATUS_INTS].view(torch.uint8))
+        if status.ok:
+            return op, None
+        if int(self.round[1]):  # the students stopped on an error of theirs
+            return op, PeerStopped(status.message)
+        return op, teacher_failure(f"Teacher rank {self.leader} (this replica's first rank) failed: {status.message}",
+                                   status.bug)

@@ -6,10 +6,11 @@ rows of sparse outputs written into its response buffer) -> reply (one scatter: 
 then the outputs). Whatever fails while handling is answered too, as a status carrying the sentence,
 so students raise it instead of waiting for a timeout. After a failure the teacher stays "errored": it
 answers every later request with the same status (no forward) until its students leave with ERROR or
-STOP, then raises. The students learn of the error only at their step's agreed point, so until then
-they still finish the step's micro-batches and hold requests posted ahead; a teacher that left at once
-would strand them (on NCCL until the watchdog fires, the sentence lost). The protocol itself is in
-`lingua/distillation/bridge.py`.
+STOP, then raises the failure itself: a user error as its sentence, a bug with its original traceback (the
+students' sentence names this rank's log). The students learn of the error only at their step's agreed
+point, so until then they still finish the step's micro-batches and hold requests posted ahead; a teacher
+that left at once would strand them (on NCCL until the watchdog fires, the sentence lost). The protocol
+itself is in `lingua/distillation/bridge.py`.
 
 With distillation.teacher_tp > 1 the teacher is a replica of several ranks sharded tensor-parallel: its
 first rank runs this loop on the bridge and shares each request with the others, which follow
@@ -27,7 +28,7 @@ from typing import NoReturn, Optional
 import torch
 import torch.distributed as dist
 
-from lingua.distillation.args import DistillationArgs, TeacherError
+from lingua.distillation.args import DistillationArgs
 from lingua.distillation.bridge import (
     HEADER_INTS,
     RECORD_BYTES,
@@ -41,7 +42,8 @@ from lingua.distillation.bridge import (
 )
 from lingua.distillation.replica import ReplicaLink, Round, replica_load_record, share_spec
 from lingua.distillation.teacher import TeacherModel
-from lingua.errors import UserError
+from lingua.errors import PeerStopped, TeacherError, UserError, describe
+from lingua.logger import rank_log_file
 from lingua.metrics import MemoryMonitor
 from lingua.parallel.collectives import log_collective
 from lingua.parallel.preemption import PreemptionFlag
@@ -51,6 +53,17 @@ from lingua.parallel.timeouts import HangWatch, set_collective_timeout
 logger = logging.getLogger(__name__)
 REPORT_EVERY_S = 30.0
 LEAVING = frozenset({Op.STOP, Op.ERROR})  # a student sending either has left its loop: it sends nothing more
+
+
+def is_bug(err: BaseException) -> bool:
+    """Neither a user error nor a peer's stop: the teacher keeps its traceback."""
+    return not isinstance(err, (UserError, PeerStopped))
+
+
+def failure_words(err: BaseException) -> str:
+    """`err` as the students read it; a bug's words say where its traceback is (this rank's log)."""
+    log = rank_log_file()
+    return f"{describe(err)}; its traceback is in {log}" if is_bug(err) and log else describe(err)
 
 
 class ServingClock:
@@ -166,10 +179,10 @@ class TeacherServer:
         self.leader = topo.is_replica_leader  # always, with teacher_tp=1
         self.inject_serve_failure_at = inject_serve_failure_at  # tests: fail while serving this step
         self.teacher: Optional[TeacherModel] = None
-        self.failure: Optional[Exception] = None  # the exception behind the last error status, if one raised
         record = HandshakeRecord("teacher", topo.global_rank, 0, 0, agreed_settings(args, attn_mask))
         start, start_wall = time.perf_counter(), time.time()
         tensor_parallel = topo.teacher_tp_group is not None
+        load_error: Optional[Exception] = None
         try:
             if inject_load_failure:
                 raise RuntimeError("injected teacher load failure (inject_failure=teacher_load:...)")
@@ -185,7 +198,8 @@ class TeacherServer:
             if heldout is not None and not tensor_parallel:
                 record.heldout_ce = self._heldout_ce(heldout, attn_mask)
         except Exception as err:  # every rank must hear about it, not only this one
-            record.loaded, record.message = False, f"{type(err).__name__}: {err}"
+            load_error = err
+            record.loaded, record.bug, record.message = False, is_bug(err), failure_words(err)
             logger.error(f"teacher failed to load: {record.message}")
         if tensor_parallel:
             record = replica_load_record(topo, record)  # no rank of the replica goes on alone
@@ -194,7 +208,12 @@ class TeacherServer:
         if phases is not None:
             phases.record("teacher_load", start_wall, time.time())
         with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
-            self.spec = agreed_handshake(topo, record if self.leader else None, args)
+            try:
+                self.spec = agreed_handshake(topo, record if self.leader else None, args)
+            except Exception:
+                if load_error is not None and is_bug(load_error):  # this rank's own bug with its traceback and
+                    raise load_error from load_error.__cause__   # cause; the others name this rank
+                raise
             if tensor_parallel:
                 self.spec = share_spec(topo, self.spec, args)
         # The replica's first rank seeds the draws of output=sampled: every rank of a replica draws the same.
@@ -254,11 +273,11 @@ class TeacherServer:
         while True:
             switch.arm()
             self._receive()
-            status, ops = self._handle(switch)
+            status, ops, failure = self._handle(switch)
             self._reply(status)
             self.requests += 1
-            if not status.ok:
-                self._serve_errored(status, ops, switch)
+            if failure is not None:
+                self._serve_errored(status, ops, switch, failure)
             if ops == {Op.STOP}:
                 switch.cancel()
                 self._release_replica(status)
@@ -272,7 +291,7 @@ class TeacherServer:
 
     def _follow(self, switch: TimeoutSwitch) -> None:
         """A follower of a tensor-parallel replica: the leader's rounds until LEAVE, its share of each forward.
-        Returns after a STOP; raises the students' sentence after an error the leader answered."""
+        Returns after a STOP; after an error the leader answered, raises it as the students do."""
         while True:
             switch.arm()
             op, payload = self.link.next_round()
@@ -281,8 +300,8 @@ class TeacherServer:
                 switch.cancel()
                 logger.info(f"leaving with the replica's first rank after {self.requests} requests; "
                             f"{self._throughput()}")
-                if not payload.ok:
-                    raise TeacherError(payload.message)
+                if payload is not None:  # the replica's error, as the students see it
+                    raise payload
                 return
             students = list(zip(self.student_ranks, payload))
             headers = self._headers(students)
@@ -301,9 +320,9 @@ class TeacherServer:
         log_collective("gather request (teacher)", self.topo.bridge_group, self.request)
         dist.gather(self.request, self.gathered, dst=self.topo.global_rank, group=self.topo.bridge_group)
 
-    def _serve_errored(self, status: ResponseStatus, ops: set, switch: TimeoutSwitch) -> NoReturn:
+    def _serve_errored(self, status: ResponseStatus, ops: set, switch: TimeoutSwitch, failure: Exception) -> NoReturn:
         """After a failure: every later request is answered with the same error `status` (no forward; the
-        outputs stay as they were, stale but valid) until the students leave, then the failure is raised.
+        outputs stay as they were, stale but valid) until the students leave, then `failure` is raised.
 
         A student sends ERROR (or STOP) only after completing every request it posted, and all students of a
         bridge send it in the same round (they agreed on it), so none is left waiting when this rank leaves."""
@@ -315,10 +334,10 @@ class TeacherServer:
             self._reply(status)
             answered += 1
         switch.cancel()
-        self._release_replica(status)  # followers wait for the leader's next round until the students left
+        self._release_replica(status, failure)  # followers wait for the leader's next round until the students left
         logger.info(f"answered {answered} more request(s) with the error, until the students left "
                     f"({', '.join(sorted(Op(op).name for op in ops & LEAVING))})")
-        raise TeacherError(status.message) from self.failure
+        raise failure
 
     @staticmethod
     def _headers(students) -> dict[int, RequestHeader]:
@@ -330,13 +349,14 @@ class TeacherServer:
         """(global rank, gathered request buffer) of each student, in bridge order."""
         return [(rank, self.gathered[i]) for i, rank in enumerate(self.bridge_ranks) if i != self.mine]
 
-    def _handle(self, switch: TimeoutSwitch) -> tuple[ResponseStatus, set]:
-        """The status to send for the request just received (outputs are written into the responses).
+    def _handle(self, switch: TimeoutSwitch) -> tuple[ResponseStatus, set, Optional[Exception]]:
+        """The status to send for the request just received (outputs are written into the responses), its ops,
+        and the error the teacher raises once it has answered (None when it served).
 
         Everything between the gather and the scatter is guarded: whatever fails here (bad headers,
         the forward, out of memory, a CUDA error surfacing at the sync), the students get its sentence."""
         students = self._students()
-        arrived, ops, step, error, peak_bytes, forwarded = False, set(), None, None, 0, False
+        arrived, ops, step, failure, error, peak_bytes, forwarded = False, set(), None, None, None, 0, False
         self.replica_flags = None
         try:
             headers = self._headers(students)
@@ -345,10 +365,11 @@ class TeacherServer:
             ops = {h.op for h in headers.values()}
             step = headers[students[0][0]].step
             switch.observe(all(h.in_training for h in headers.values()), Op.STOP in ops)
-            error = self._check_headers(headers, students)
+            failure = self._check_headers(headers, students)
+            error = None if failure is None else failure_words(failure)
             if step == self.inject_serve_failure_at and ops == {Op.FORWARD}:
                 raise RuntimeError("injected teacher failure (inject_failure=teacher_serve:...)")
-            if error is None and ops == {Op.FORWARD}:
+            if failure is None and ops == {Op.FORWARD}:
                 forwarded = True
                 if self.link is not None:
                     self.link.share_forward([buf for _, buf in students])
@@ -362,23 +383,22 @@ class TeacherServer:
                     raise  # a rank of the replica stopped: every rank ends with the sentence naming it
                 self.link.broken = True  # the others wait in a collective of this forward: no more rounds
             where = "a request" if step is None else f"step {step}"
-            error, peak_bytes = f"teacher failed serving {where}: {type(err).__name__}: {err}", 0
-            self.failure = err
-            if not isinstance(err, UserError):  # a bug (ours, a library's, the device's): its traceback stays here
-                logger.error(error, exc_info=err)
+            failure, error, peak_bytes = err, f"teacher failed serving {where}: {failure_words(err)}", 0
         if not arrived:
             self.clock.request_arrived()
         self.clock.worked()
-        return ResponseStatus(ok=error is None, teacher_preempt=self.preemption.requested, busy_s=self.clock.busy_s,
-                              idle_s=self.clock.idle_s, peak_bytes=peak_bytes, forward_s=self.clock.forward_s,
-                              message=error or ""), ops
+        status = ResponseStatus(ok=failure is None, teacher_preempt=self.preemption.requested, busy_s=self.clock.busy_s,
+                                idle_s=self.clock.idle_s, peak_bytes=peak_bytes, forward_s=self.clock.forward_s,
+                                message=error or "", bug=failure is not None and is_bug(failure))
+        return status, ops, failure
 
-    def _release_replica(self, status: ResponseStatus) -> None:
+    def _release_replica(self, status: ResponseStatus, failure: Optional[Exception] = None) -> None:
         """Leaving the loop (STOP, or an error the students were told): a replica's other ranks leave with the
-        same status. After a forward that failed on this rank they are stuck in one of its collectives: they
-        learn it when this rank's process is gone (the sentence naming it)."""
+        same status (and whether its error is the students' own stop). After a forward that failed on this rank
+        they are stuck in one of its collectives: they learn it when this rank's process is gone (the sentence
+        naming it)."""
         if self.link is not None and not self.link.broken:
-            self.link.share_leave(status)
+            self.link.share_leave(status, peer_stopped=isinstance(failure, PeerStopped))
 
     def _reply(self, status: ResponseStatus) -> None:
         record = status.pack(pin=self.topo.device.type == "cuda").to(self.topo.device, non_blocking=True)
@@ -390,25 +410,27 @@ class TeacherServer:
         dist.scatter(self.scatter_out, self.responses, src=self.topo.global_rank, group=self.topo.bridge_group)
         self.clock.worked()  # packing and sending the responses is serving time too
 
-    def _check_headers(self, headers: dict[int, RequestHeader], students) -> Optional[str]:
-        """None if the students asked for the same thing within the agreed shapes, else the sentence."""
+    def _check_headers(self, headers: dict[int, RequestHeader], students) -> Optional[Exception]:
+        """None if the students asked for the same thing within the agreed shapes, else the error to answer
+        with: the students' own agreed error, a bug (their requests must never differ), or a user error."""
         ops = {h.op for h in headers.values()}
         if Op.ERROR in ops:
             failed = [r for r, h in headers.items() if h.op == Op.ERROR]
-            return f"student rank(s) {failed} stopped on an error at step {headers[failed[0]].step}"
+            return PeerStopped(f"student rank(s) {failed} stopped on an error at step {headers[failed[0]].step}")
         if len({(h.op, h.step, h.micro_step) for h in headers.values()}) > 1:
             detail = "; ".join(f"rank {r}: {h.describe()}" for r, h in sorted(headers.items()))
-            return f"students sent mismatched requests ({detail})"
+            return RuntimeError(f"students sent mismatched requests ({detail})")
         for r, h in headers.items():
             if h.bsz > self.spec.max_bsz or h.seqlen > self.spec.max_seqlen:
-                return (f"student rank {r} sent shape [{h.bsz}, {h.seqlen}] beyond the agreed "
-                        f"[{self.spec.max_bsz}, {self.spec.max_seqlen}]")
+                return RuntimeError(f"student rank {r} sent shape [{h.bsz}, {h.seqlen}] beyond the agreed "
+                                    f"[{self.spec.max_bsz}, {self.spec.max_seqlen}]")
         for r, buf in students:
             h = headers[r]
             if h.bad_tokens:  # flagged by the student's device-side check; only this error path syncs
                 tokens = self.spec.token_grid(buf)[:h.bsz, :h.seqlen]
-                return (f"student rank {r} sent token ids outside [0, {self.spec.vocab_size}) at step {h.step} "
-                        f"(got [{int(tokens.min())}, {int(tokens.max())}]); its data must use the teacher's tokenizer")
+                return TeacherError(f"student rank {r} sent token ids outside [0, {self.spec.vocab_size}) at step "
+                                    f"{h.step} (got [{int(tokens.min())}, {int(tokens.max())}]); its data must use "
+                                    f"the teacher's tokenizer")
         return None
 
     def _forward(self, students, headers: dict[int, RequestHeader]) -> None:

@@ -19,6 +19,7 @@ from lingua.distillation.args import DistillationArgs
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
 from lingua.distillation.tensor_parallel import VocabShard, shard_teacher
 from lingua.distillation.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_outputs
+from lingua.errors import DataError, MissingPathError
 
 TEACHER_PREPARE_HINT = (
     "point distillation.teacher_path at a transformers checkpoint directory, or make one: "
@@ -52,12 +53,12 @@ def safetensors_problem(file: Path) -> Optional[str]:
 
 
 def check_teacher_dir(path) -> None:
-    """Raise FileNotFoundError (missing files) or ValueError (a truncated or corrupt weights file), naming the
+    """Raise MissingPathError (missing files) or DataError (a truncated or corrupt weights file), naming the
     command to run, unless `path` holds a loadable HF teacher checkpoint."""
     path = Path(path)
     fix = TEACHER_PREPARE_HINT.format(path=path)
     if not path.is_dir():
-        raise FileNotFoundError(f"Teacher directory {path} does not exist; {fix}.")
+        raise MissingPathError(f"Teacher directory {path} does not exist; {fix}.")
     missing = []
     if not (path / "config.json").is_file():
         missing.append("config.json")
@@ -66,7 +67,7 @@ def check_teacher_dir(path) -> None:
         try:
             shards = set(json.loads(index_file.read_text())["weight_map"].values())
         except (json.JSONDecodeError, KeyError):
-            raise FileNotFoundError(f"Teacher directory {path} has an unreadable {index_file.name}; {fix}.") from None
+            raise MissingPathError(f"Teacher directory {path} has an unreadable {index_file.name}; {fix}.") from None
         missing += sorted(shard for shard in shards if not (path / shard).is_file())
     elif not any(path.glob("*.safetensors")):
         missing.append("*.safetensors weights")
@@ -75,11 +76,11 @@ def check_teacher_dir(path) -> None:
     if not (path / "tokenizer_config.json").is_file():
         missing.append("tokenizer_config.json")
     if missing:
-        raise FileNotFoundError(f"Teacher directory {path} is incomplete (missing {', '.join(missing)}); {fix}.")
+        raise MissingPathError(f"Teacher directory {path} is incomplete (missing {', '.join(missing)}); {fix}.")
     for weights in sorted(path.glob("*.safetensors")):
         problem = safetensors_problem(weights)
         if problem is not None:
-            raise ValueError(f"Teacher directory {path} is damaged: {problem}; {fix}.")
+            raise DataError(f"Teacher directory {path} is damaged: {problem}; {fix}.")
 
 
 def read_max_positions(path) -> Optional[int]:
@@ -125,7 +126,7 @@ def load_teacher(args: DistillationArgs, device: torch.device, place: bool = Tru
     hub_like = not path.startswith((".", "/", "~")) and path.count("/") == 1 and not local.exists()
     if not hub_like and not local.is_dir():
         what = "is a file, not a directory" if local.exists() else "does not exist"
-        raise FileNotFoundError(f"teacher path '{path}' {what}; {hint}.")
+        raise MissingPathError(f"teacher path '{path}' {what}; {hint}.")
     source = path if hub_like else str(local)
     dtype = teacher_dtype(args, device)
     kwargs = dict(dtype=dtype)
@@ -137,11 +138,11 @@ def load_teacher(args: DistillationArgs, device: torch.device, place: bool = Tru
     except Exception as err:  # empty dir, truncated safetensors, missing tokenizer, unknown hub id, ...
         if hub_like:
             offline = ", and the Hugging Face hub is offline (HF_HUB_OFFLINE)" if is_offline_mode() else ""
-            raise FileNotFoundError(
+            raise MissingPathError(
                 f"teacher path '{path}' is neither a local directory (nothing at {local.resolve()}) nor a hub model "
                 f"that could be loaded{offline}: {_short_reason(err)}; {hint}."
             ) from err
-        raise ValueError(f"teacher directory '{path}' could not be loaded ({_short_reason(err)}); {hint}.") from err
+        raise DataError(f"teacher directory '{path}' could not be loaded ({_short_reason(err)}); {hint}.") from err
     model = (model.to(device) if place else model).eval()
     model.requires_grad_(False)
     return model, tokenizer

@@ -35,6 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from lingua.errors import ConfigError
+
 # transformers' plan styles -> torch's; None: the module stays replicated (a per-head norm, for example).
 STYLES = {
     "colwise": lambda: ColwiseParallel(),
@@ -114,11 +116,11 @@ def tensor_parallel_plan(model) -> dict:
     """The base model's plan as torch styles ({module path pattern: style}); unknown styles are refused."""
     plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
     if not plan:
-        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan in its transformers config "
+        raise ConfigError(f"{type(model).__name__} has no tensor-parallel plan in its transformers config "
                          f"(base_model_tp_plan); serve it with distillation.teacher_tp=1")
     unknown = sorted({style for style in plan.values() if style not in STYLES})
     if unknown:
-        raise ValueError(f"{type(model).__name__}'s tensor-parallel plan uses the style(s) {', '.join(unknown)}, "
+        raise ConfigError(f"{type(model).__name__}'s tensor-parallel plan uses the style(s) {', '.join(unknown)}, "
                          f"which this trainer does not map to torch's; serve it with distillation.teacher_tp=1")
     styles = {path: STYLES[style]() for path, style in plan.items() if STYLES[style] is not None}
     styles["embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
@@ -132,7 +134,7 @@ def shard_teacher(model, group, device: torch.device) -> VocabShard:
     mesh = DeviceMesh.from_group(group, device.type, mesh=torch.tensor(ranks, dtype=torch.int))
     problem = heads_problem(model.config.to_dict(), len(ranks), "its config")
     if problem is not None:  # a hub teacher, whose config.json the validation pass could not read
-        raise ValueError(problem)
+        raise ConfigError(problem)
     head = model.get_output_embeddings()
     tied = head.weight is model.get_input_embeddings().weight
     parallelize_module(model.base_model, mesh, tensor_parallel_plan(model), src_data_rank=None)

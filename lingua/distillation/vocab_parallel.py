@@ -31,6 +31,7 @@ import torch.distributed as dist
 from lingua.distillation.divergences import LOG_TINY
 from lingua.distillation.outputs import TeacherOutputs, check_format
 from lingua.distillation.tensor_parallel import VocabShard
+from lingua.errors import ConfigError
 from lingua.parallel.collectives import log_collective
 
 POSITIONS_PER_BLOCK = 1024  # sampled: float64 CDFs of this many positions at a time bound the extra memory
@@ -72,7 +73,7 @@ def vocab_parallel_outputs(logits: torch.Tensor, shard: VocabShard, format: str,
     check_format(format)
     assert temperature > 0 and (format == "full" or k >= 1), (temperature, k)  # DistillationArgs.validate()
     if format == "topk" and k > vocab_size:
-        raise ValueError(f"Top-k distillation with k={k} exceeds the vocabulary size {vocab_size}; "
+        raise ConfigError(f"Top-k distillation with k={k} exceeds the vocabulary size {vocab_size}; "
                          f"lower distillation.k.")
     z = scaled_slice(logits, shard, vocab_size, temperature)
     if format == "topk":

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lingua.errors import DataError
+
 logger = logging.getLogger(__name__)
 comm_logger = logging.getLogger("lingua.comm")  # per-collective lines; DEBUG level only with distributed.debug
 _comm_sequence: dict[str, int] = {}
@@ -90,8 +92,9 @@ class AgreedError(Exception):
     talks to other ranks, like a student to its teacher, can tell them before raising)."""
 
 
-class CountMismatch(AgreedError, ValueError):
-    """Ranks hold different loop lengths; raised on every rank of the group at once (it is agreed)."""
+class CountMismatch(AgreedError, DataError):
+    """Ranks hold different loop lengths (eval batches with eval.uneven=error); raised on every rank of the
+    group at once (it is agreed)."""
 
 
 def agree_count(count: int, group, device: torch.device, what: str, mode: str = "equal") -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lingua.args import require
+from lingua.errors import LaunchError
 
 TEACHER_PLACEMENTS = ("last", "per_node")
 FSDP_TYPES = ("full_shard", "no_shard")
@@ -112,13 +113,13 @@ def read_launch_env() -> LaunchEnv:
         ntasks = int(env.get("SLURM_STEP_NUM_TASKS", env["SLURM_NTASKS"]))
         if ntasks > 1:
             if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
-                raise ValueError(
+                raise LaunchError(
                     f"This SLURM job has {ntasks} tasks but this process was not started by srun, so it would "
                     f"wait for ranks that never come; start one process per rank with srun (MASTER_ADDR and "
                     f"MASTER_PORT exported), use torchrun, or submit with `python -m lingua.stool`."
                 )
             if "MASTER_ADDR" not in env:
-                raise ValueError(
+                raise LaunchError(
                     f"srun started {ntasks} tasks but MASTER_ADDR is not set, so they cannot find each other; "
                     f"export MASTER_ADDR (the first node's hostname) and MASTER_PORT before srun, or submit "
                     f"with `python -m lingua.stool`, whose submit.slurm exports both."
@@ -161,20 +162,20 @@ def resolve_mesh_dims(dp_replicate: int, dp_shard: int, n_students: int) -> tupl
     assert {replicate, shard} != {-1} and all(v == -1 or v >= 1 for v in (replicate, shard)), (replicate, shard)
     if replicate == -1:
         if n_students % shard:
-            raise ValueError(
+            raise LaunchError(
                 f"{n_students} training ranks cannot be split into dp_shard={shard} groups; "
                 f"set distributed.dp_shard to a divisor of {n_students}."
             )
         replicate = n_students // shard
     if shard == -1:
         if n_students % replicate:
-            raise ValueError(
+            raise LaunchError(
                 f"{n_students} training ranks cannot be split into dp_replicate={replicate} groups; "
                 f"set distributed.dp_replicate to a divisor of {n_students}."
             )
         shard = n_students // replicate
     if replicate * shard != n_students:
-        raise ValueError(
+        raise LaunchError(
             f"Mesh dp_replicate={replicate} x dp_shard={shard} = {replicate * shard} ranks, but there are "
             f"{n_students} training ranks. Set one of them to -1 to infer it, or launch with "
             f"{replicate * shard} student ranks."
@@ -189,13 +190,13 @@ def split_roles(world_size: int, n_teachers: int, placement: str, local_world_si
     if n_teachers == 0:
         return list(range(world_size)), []
     if world_size - n_teachers < 1:
-        raise ValueError(
+        raise LaunchError(
             f"Distillation needs at least one student rank besides {n_teachers} teacher rank(s), but the job "
             f"has {world_size} rank(s). Launch more ranks (e.g. torchrun --nproc-per-node {n_teachers + 1}) "
             f"or set enable_distillation=false."
         )
     if n_teachers % teacher_tp:
-        raise ValueError(f"distillation.n_teacher_ranks={n_teachers} cannot be split into teacher replicas of "
+        raise LaunchError(f"distillation.n_teacher_ranks={n_teachers} cannot be split into teacher replicas of "
                          f"distillation.teacher_tp={teacher_tp} ranks; use a multiple of {teacher_tp}.")
     if placement == "last":
         teachers = list(range(world_size - n_teachers, world_size))
@@ -203,11 +204,11 @@ def split_roles(world_size: int, n_teachers: int, placement: str, local_world_si
         n_nodes = world_size // local_world_size
         if n_teachers != n_nodes * teacher_tp or world_size % local_world_size:
             if teacher_tp == 1:
-                raise ValueError(
+                raise LaunchError(
                     f"teacher_placement=per_node needs one teacher per node ({n_nodes} nodes), "
                     f"but distillation.n_teacher_ranks={n_teachers}."
                 )
-            raise ValueError(
+            raise LaunchError(
                 f"teacher_placement=per_node needs one teacher replica of distillation.teacher_tp={teacher_tp} ranks "
                 f"per node ({n_nodes} nodes x {teacher_tp} = {n_nodes * teacher_tp} teacher ranks), but "
                 f"distillation.n_teacher_ranks={n_teachers}."
@@ -219,11 +220,11 @@ def split_roles(world_size: int, n_teachers: int, placement: str, local_world_si
     n_replicas = n_teachers // teacher_tp
     if len(students) % n_replicas:
         if teacher_tp == 1:
-            raise ValueError(
+            raise LaunchError(
                 f"{len(students)} student ranks cannot be split evenly among {n_teachers} teachers; "
                 f"launch a number of students divisible by distillation.n_teacher_ranks."
             )
-        raise ValueError(
+        raise LaunchError(
             f"{len(students)} student ranks cannot be split evenly among {n_replicas} teacher replicas "
             f"({n_teachers} teacher ranks / distillation.teacher_tp={teacher_tp}); launch a number of students "
             f"divisible by {n_replicas}."
@@ -239,7 +240,7 @@ def tensor_parallel_replicas(ranks: list[int], teacher_tp: int, local_world_size
     for replica in replicas:
         nodes = sorted({rank // local_world_size for rank in replica})
         if len(nodes) > 1:
-            raise ValueError(
+            raise LaunchError(
                 f"The teacher replica of global ranks {format_ranks(replica)} (distillation.teacher_tp={teacher_tp}) "
                 f"would span nodes {' and '.join(map(str, nodes))} ({local_world_size} tasks per node); a replica must "
                 f"stay on one node: make the tasks per node a multiple of distillation.teacher_tp, or use "
@@ -254,7 +255,7 @@ def expected_cuda_index(local_rank: int, local_world_size: int, n_devices: int) 
     if n_devices == 1 and local_world_size > 1:
         return 0
     if local_rank >= n_devices:
-        raise ValueError(
+        raise LaunchError(
             f"Local rank {local_rank} has no GPU: only {n_devices} visible to it for {local_world_size} local "
             f"ranks (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). Launch at most "
             f"{n_devices} processes per node, or give each task its own GPU."

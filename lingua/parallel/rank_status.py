@@ -222,6 +222,8 @@ class RankStatus:
     whose collective times out raises `CollectiveTimeout` naming the group, the rank(s) that did not arrive
     (`diagnose_timeout`) and the step. The backend's words go to this rank's log and its status file
     (`backend_error`); its traceback, which only shows where it was waiting, is logged with `distributed.debug`.
+    A rank that raises `PeerStopped` itself (its teacher hit a bug) records `lost_peer` as well: it is never
+    the one named.
     """
 
     def __init__(self, dump_dir: str, topo, debug="false"):
@@ -298,6 +300,9 @@ class RankStatus:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is None:
             self.write("done")
+            return
+        if isinstance(exc, PeerStopped):  # another rank failed first and this one already says which
+            self.write("lost_peer", one_line(str(exc)))
             return
         if is_collective_timeout(exc):
             self._timed_out(exc)

@@ -1,6 +1,7 @@
 """Bad configs under torchrun, the real path: every row of tests/bad_configs.py marked `launch`, on the plain
 launch (2 ranks) and on the distillation launch (2 students + 1 tiny teacher). Each rank prints exactly one
-`error: ` sentence naming the key, exits 2, prints no traceback, and no process group is ever created.
+`error: ` sentence naming the key, exits 2, prints no traceback (nor writes one for torchrun's summary), and no
+process group is ever created.
 
 The launches are cheap because validation runs before torch.distributed (and before the DTensor stack is
 imported): about two CPU seconds per rank, plus torchrun's own start. They run two at a time; the module
@@ -82,6 +83,8 @@ def test_bad_config_is_one_sentence_on_every_rank(outcomes, bad, kind):
             assert errors[0] == f"error: {bad.sentence}"
         sentences.add(errors[0])
     assert len(sentences) == 1, sentences  # the same words on every rank
+    # A user's error leaves torchrun no error file: its failure summary carries no traceback either.
+    assert outcome.stdout.count("error_file: <N/A>") == world, tail
     # Refused before any process group: no rank got as far as torch.distributed or its log file.
     assert "process_group_init" not in outcome.stdout and not (outcome.dump_dir / "logs").exists()
 

@@ -102,8 +102,8 @@ def test_truncated_teacher_weights_fail_fast_on_every_rank_naming_the_fix(corpus
     # The students' tokenizer comes from the same directory (its tokenizer files are intact), as in a real config.
     # Within the 60 s launch limit, far below the 300 s init timeout a missed handshake would wait for.
     result = torchrun(3, distill_overrides(corpus, damaged, tmp_path / "run", steps=3), timeout=60)
-    assert result.returncode != 0
-    sentence = (f"Teacher rank 2 failed to load: ValueError: teacher directory '{damaged}' could not be loaded "
+    assert rank_exit_codes(result.stdout) == {0: 2, 1: 2, 2: 2}, result.stdout[-4000:]  # a user's error everywhere
+    sentence = (f"Teacher rank 2 failed to load: teacher directory '{damaged}' could not be loaded "
                 f"(SafetensorError: Error while deserializing header: ")
     fixes = (f"`python -m setup.prepare_teacher --out {damaged}`", f"`python -m setup.make_tiny_teacher --out {damaged}`")
     lines = [line for line in result.stdout.splitlines() if sentence in line and all(fix in line for fix in fixes)]
@@ -183,14 +183,14 @@ def test_teacher_and_students_disagreeing_on_settings_fail_at_the_handshake(tiny
                 "distillation.wire_dtype is bf16 on the teacher but fp32 on the student, distillation.temperature is "
                 "1.0 on the teacher but 2.0 on the student; give every rank the same distillation settings")
     for rank in (0, 1, 2):
-        assert f"FAILED rank {rank}: ValueError: {sentence}" in out, out[-4000:]
+        assert f"FAILED rank {rank}: ConfigError: {sentence}" in out, out[-4000:]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_top_k_beyond_the_vocabulary_is_refused_at_the_handshake_on_every_rank(tiny_teacher):
     out = protocol_error_run(tiny_teacher, "k_beyond_vocab")
-    sentence = ("ValueError: distillation.k=100000 is more than the 512 token ids the top-k is taken from (the "
+    sentence = ("ConfigError: distillation.k=100000 is more than the 512 token ids the top-k is taken from (the "
                 "students' vocabulary; teacher rank 2 has 512); set distillation.k <= 512.")
     for rank in (0, 1, 2):  # the same words on both students and the teacher, none of them from a step
         assert f"FAILED rank {rank}: {sentence}" in out, out[-4000:]
@@ -201,8 +201,10 @@ def test_mismatched_request_headers_name_both_students(tiny_teacher):
     out = protocol_error_run(tiny_teacher, "headers")
     sentence = "students sent mismatched requests (rank 0: op=FORWARD step=1 micro_step=0; " \
                "rank 1: op=FORWARD step=2 micro_step=0)"
-    for rank in (0, 1, 2):  # both students and the teacher say it
-        assert f"FAILED rank {rank}: TeacherError: " in out, out[-4000:]
+    # Students that disagree are our bug: the teacher raises it, the students stop naming the teacher.
+    assert "FAILED rank 2: RuntimeError: " in out, out[-4000:]
+    for rank in (0, 1):  # each names the step of its own request
+        assert f"FAILED rank {rank}: PeerStopped: Teacher rank 2 failed at step {1 + rank}: " in out, out[-4000:]
     assert out.count(sentence) == 3, out[-4000:]
 
 
@@ -219,11 +221,12 @@ def test_out_of_range_token_ids_are_refused_by_the_teacher_on_every_rank(tiny_te
 @pytest.mark.timeout(90)
 def test_a_teacher_failure_outside_the_forward_still_reaches_every_student(tiny_teacher):
     out = protocol_error_run(tiny_teacher, "serve_failure")
-    sentence = ("teacher failed serving step 1: OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB "
-                "(injected)")
-    for rank in (0, 1, 2):  # the students got the teacher's answer: an error, not a wait for the watchdog
-        assert f"FAILED rank {rank}: TeacherError: " in out, out[-4000:]
-    assert out.count(sentence) == 3, out[-4000:]
+    error = "OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB (injected)"
+    # Not a user's error: the teacher raises the original (its traceback), the students name the teacher.
+    assert f"FAILED rank 2: {error}" in out, out[-4000:]
+    for rank in (0, 1):  # the students got the teacher's answer: an error, not a wait for the watchdog
+        assert f"FAILED rank {rank}: PeerStopped: Teacher rank 2 failed at step 1: teacher failed serving step 1: " \
+               f"{error}" in out, out[-4000:]
 
 
 @pytest.mark.timeout(150)
@@ -247,8 +250,13 @@ def test_one_teacher_failing_to_load_stops_every_bridge(corpus, tiny_teacher, tm
     assert time.time() - start < 45
     # Rank 3 (teacher 1) failed; rank 2's bridge (teacher 0 + student 0) hears it through the world verdicts.
     assert result.stdout.count("injected teacher load failure") >= 4, result.stdout[-4000:]
-    assert result.stdout.count("the handshake failed in another bridge (rank 3): TeacherError: Teacher rank 3 "
-                               "failed to load") == 2, result.stdout[-4000:]
+    assert result.stdout.count("the handshake failed in another bridge (rank 3): Teacher rank 3 failed to load: "
+                               "RuntimeError: injected teacher load failure") == 2, result.stdout[-4000:]
+    # Not a user's error: rank 3 raises it with its traceback, every other rank stops naming it (exit 1 all).
+    assert rank_exit_codes(result.stdout) == {0: 1, 1: 1, 2: 1, 3: 1}, result.stdout[-4000:]
+    log = RunDir(tmp_path / "run").rank_log(3).read_text()
+    assert "Traceback (most recent call last):" in log, log[-3000:]
+    assert log.rstrip().endswith("RuntimeError: injected teacher load failure (inject_failure=teacher_load:...)")
 
 
 @pytest.mark.timeout(90)
@@ -354,15 +362,19 @@ def test_a_teacher_failing_mid_run_is_its_own_sentence_on_every_rank(corpus, tin
         assert f"STOP received after {3 * grad_acc} requests" in result.stdout  # look-ahead stops at the last step
         assert all(lines[-1].endswith("lingua.distributed: process group destroyed") for lines in rank_logs.values())
         return
-    assert rank_exit_codes(result.stdout) == {0: 2, 1: 2, 2: 2}, result.stdout[-4000:]
+    # Not a user's error: the students name the teacher and where its traceback is, the teacher raises the
+    # original (its traceback on stderr and in its log); every rank exits 1.
+    assert rank_exit_codes(result.stdout) == {0: 1, 1: 1, 2: 1}, result.stdout[-4000:]
+    sentence = f"Teacher rank 2 failed at step 3: {TEACHER_FAILURE}; its traceback is in {run_dir.rank_log(2)}"
     for rank in (0, 1):
-        assert error_lines(outputs, rank) == [f"error: Teacher rank 2 failed at step 3: {TEACHER_FAILURE}"], \
-            (rank, outputs[rank])
+        assert error_lines(outputs, rank) == [f"error: {sentence}"], (rank, outputs[rank])
         assert "Traceback" not in outputs[rank].get("stderr", ""), outputs[rank]["stderr"]
-    assert error_lines(outputs, 2) == [f"error: {TEACHER_FAILURE}"], outputs[2]
-    # The teacher's log keeps the traceback of its failure (a bug, not the user's), then answered the rest of
-    # step 3, each request posted ahead and the ERROR: every request the students had posted.
+    assert error_lines(outputs, 2) == [], outputs[2]
+    assert 'raise RuntimeError("injected teacher failure' in outputs[2]["stderr"], outputs[2]["stderr"][-3000:]
+    # The teacher's log keeps the traceback of its failure, then answered the rest of step 3, each request
+    # posted ahead and the ERROR: every request the students had posted.
     teacher_log = "\n".join(rank_logs[2])
+    assert re.search(r'File ".*/lingua/distillation/server\.py", line \d+, in _handle', teacher_log), teacher_log[-3000:]
     assert 'raise RuntimeError("injected teacher failure' in teacher_log, teacher_log[-3000:]
     answered = (grad_acc - 1) + prefetch + 1
     assert f"answered {answered} more request(s) with the error, until the students left (ERROR)" in teacher_log

@@ -1,6 +1,7 @@
 """A rank dies or stops answering mid-run (2 students + 1 tiny teacher): the others say which one, in one sentence
-each, instead of a wall of gloo tracebacks, and `apps.debug.postmortem` tells the story afterwards. See `RankStatus`
-in lingua/parallel/rank_status.py for how they find out."""
+each, instead of a wall of gloo tracebacks, and `apps.debug.postmortem` tells the story afterwards; the rank that
+died first keeps its own error (a bug: its traceback). See `RankStatus` in lingua/parallel/rank_status.py for how
+they find out."""
 
 import json
 import os
@@ -183,3 +184,34 @@ def test_a_stopped_teacher_is_named_by_every_rank_and_by_the_flight_recorder(cor
     assert [rows[r]["stuck_in"]["group"] for r in (0, 1, 2)] == ["bridge_0"] * 3, rows
     assert report["groups"]["bridge_0"]["behind"] == [2], report["groups"]
     assert f"first to fail: rank 2 (teacher): {why}" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_bug_in_the_trainer_is_its_traceback_and_the_others_name_its_rank(corpus, tiny_teacher, tmp_path):
+    """A plain ValueError deep in the loop is no user's error: no one-sentence exit 2, but the traceback with the
+    file and line of the bug on stderr, in the rank's log and in torchrun's failure summary, and exit code 1."""
+    dump, logs = tmp_path / "run", tmp_path / "torchrun"
+    start = time.time()
+    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=50, inject_failure="bug:1@3",
+                                           **{"distributed.init_timeout_s": 300, "distributed.train_timeout_s": 300}),
+                      timeout=LIMIT_S, log_dir=logs)
+    elapsed = time.time() - start
+    outputs, codes = rank_outputs(logs), rank_exit_codes(result.stdout)
+    tail = result.stdout[-4000:]
+    bug = "ValueError: too many values to unpack (expected 2)"
+    frame = re.compile(r'File "[^"]*/apps/main/faults\.py", line \d+, in step_and_rank')
+    stderr = outputs[1]["stderr"]
+    assert "Traceback (most recent call last):" in stderr and frame.search(stderr) and bug in stderr, stderr[-3000:]
+    assert not any(line.startswith("error: ") for line in survivor_lines(outputs, 1)), stderr[-3000:]
+    log = RunDir(dump).rank_log(1).read_text()
+    assert "Traceback (most recent call last):" in log and frame.search(log) and log.rstrip().endswith(bug), log[-3000:]
+    assert codes.get(1) == 1, (codes, tail)
+    status = json.loads(RunDir(dump).status(1).read_text())
+    assert (status["state"], status["error"]) == ("failed", bug), status
+    # torchrun's failure summary shows the rank's error file: the traceback, not "To enable traceback see ...".
+    summary = result.stdout[result.stdout.index("apps.main.train FAILED"):]
+    entry = [block for block in re.split(r"^\[\d+\]:$", summary, flags=re.M) if "rank      : 1 (" in block]
+    assert len(entry) == 1 and frame.search(entry[0]) and bug in entry[0], summary
+    assert_survivors_name(outputs, codes, dump, dead=1, survivors=[0, 2], tail=tail)
+    assert elapsed < LIMIT_S

@@ -113,17 +113,28 @@ def test_four_students_and_two_tp2_replicas_one_per_torchrun_node(corpus, tiny_t
     assert sorted(train_rows(dump)) == [1, 2]
 
 
+def error_lines(outputs: dict, rank: int) -> list[str]:
+    return [line for stream in ("stdout", "stderr") for line in outputs[rank].get(stream, "").splitlines()
+            if line.startswith("error: ")]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_tp_rank_failing_to_load_is_one_sentence_on_every_rank(corpus, tiny_teacher, tmp_path):
+def test_a_tp_rank_failing_to_load_is_named_by_every_rank(corpus, tiny_teacher, tmp_path):
+    """The replica's second rank (3) fails to load, on a bug: it raises it with its traceback; its replica's first
+    rank refuses the handshake in its name, and every other rank stops with that sentence (exit 1 all)."""
+    dump, logs = tmp_path / "run", tmp_path / "torchrun"
     start = time.time()
-    result = torchrun(4, distill_overrides(corpus, tiny_teacher, tmp_path / "run", steps=2,
-                                           inject_failure="teacher_load:1", **TP), timeout=LIMIT_S)
+    result = torchrun(4, distill_overrides(corpus, tiny_teacher, dump, steps=2, inject_failure="teacher_load:1", **TP),
+                      timeout=LIMIT_S, log_dir=logs)
     assert result.returncode != 0 and time.time() - start < LIMIT_S
-    cause = "RuntimeError: injected teacher load failure (inject_failure=teacher_load:...)"
-    sentence = f"Teacher rank 2 failed to load: tensor-parallel rank 3 of its replica: {cause}"
-    lines = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 4 and all(sentence in line for line in lines), result.stdout[-4000:]
+    outputs, log = rank_outputs(logs), RunDir(dump).rank_log(3)
+    sentence = (f"error: Teacher rank 2 failed to load: tensor-parallel rank 3 of its replica: RuntimeError: injected "
+                f"teacher load failure (inject_failure=teacher_load:...); its traceback is in {log}")
+    for rank in (0, 1, 2):
+        assert error_lines(outputs, rank) == [sentence], (rank, outputs[rank])
+    assert error_lines(outputs, 3) == [] and 'raise RuntimeError("injected teacher load failure' in outputs[3]["stderr"]
+    assert rank_exit_codes(result.stdout) == {0: 1, 1: 1, 2: 1, 3: 1}, result.stdout[-4000:]
 
 
 def assert_everyone_names(logs, dump, result, dead: int) -> None:
@@ -138,17 +149,29 @@ def assert_everyone_names(logs, dump, result, dead: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_tp_rank_raising_while_serving_is_named_by_every_rank(corpus, tiny_teacher, tmp_path):
+def test_a_replica_failing_while_serving_answers_until_its_students_leave_then_every_rank_names_it(
+        corpus, tiny_teacher, tmp_path):
+    """The replica's first rank fails on step 3's request (a bug, before the forward): it answers with its error
+    until the students leave with ERROR, then releases its follower and raises the original; the students and
+    the follower stop naming it and its log (exit 1 all)."""
     dump, logs = tmp_path / "run", tmp_path / "torchrun"
     start = time.time()
     # Timeouts far above the limit: ending in time proves nobody waited one out.
-    result = torchrun(4, distill_overrides(corpus, tiny_teacher, dump, steps=8, inject_failure="teacher_serve:1@3",
+    result = torchrun(4, distill_overrides(corpus, tiny_teacher, dump, steps=8, inject_failure="teacher_serve:0@3",
                                            **{"distributed.init_timeout_s": 300, "distributed.train_timeout_s": 300},
                                            **TP), timeout=LIMIT_S, log_dir=logs)
     assert result.returncode != 0 and time.time() - start < LIMIT_S
-    assert "RuntimeError: injected teacher failure" in rank_outputs(logs)[3]["stderr"]
-    assert json.loads(RunDir(dump).status(3).read_text())["state"] == "failed"
-    assert_everyone_names(logs, dump, result, dead=3)
+    outputs, leader_log = rank_outputs(logs), RunDir(dump).rank_log(2)
+    failure = (f"teacher failed serving step 3: RuntimeError: injected teacher failure "
+               f"(inject_failure=teacher_serve:...); its traceback is in {leader_log}")
+    for rank in (0, 1):
+        assert error_lines(outputs, rank) == [f"error: Teacher rank 2 failed at step 3: {failure}"], outputs[rank]
+    assert error_lines(outputs, 3) == [f"error: Teacher rank 2 (this replica's first rank) failed: {failure}"], \
+        outputs[3]
+    assert error_lines(outputs, 2) == [] and 'raise RuntimeError("injected teacher failure' in outputs[2]["stderr"]
+    # The rest of step 3: the request posted ahead (distillation.prefetch=1), then the ERROR.
+    assert "answered 2 more request(s) with the error, until the students left (ERROR)" in leader_log.read_text()
+    assert rank_exit_codes(result.stdout) == {0: 1, 1: 1, 2: 1, 3: 1}, result.stdout[-4000:]
     assert sorted(train_rows(dump)) == [1, 2]
 
 

@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 import pytest
 import torch
 
-from lingua.distillation.args import DistillationArgs, TeacherError
+from lingua.distillation.args import DistillationArgs
 from lingua.distillation.bridge import (
     HEADER_INTS,
     RECORD_BYTES,
@@ -21,6 +21,7 @@ from lingua.distillation.bridge import (
     check_handshake,
 )
 from lingua.distillation.teacher import load_teacher
+from lingua.errors import ConfigError, PeerStopped, TeacherError, UserError
 
 BRIDGE = [4, 5, 6]  # two students, then their teacher (global ranks)
 TEACHER = 6
@@ -30,9 +31,10 @@ CPU = torch.device("cpu")
 
 def records(teacher_args: DistillationArgs, student_args: list[DistillationArgs], status: int = 0, message: str = "",
             student_vocab: int = VOCAB, student_fingerprint: int = FINGERPRINT):
-    """Handshake records as they come back from the all_gather (packed and unpacked like on the wire)."""
+    """Handshake records as they come back from the all_gather (packed and unpacked like on the wire); the
+    teacher's `status`: 0 loaded, 1 failed on a user error, 2 failed on a bug."""
     teacher = HandshakeRecord("teacher", TEACHER, VOCAB, FINGERPRINT, agreed_settings(teacher_args),
-                              loaded=status == 0, max_positions=MAX_POS, message=message)
+                              loaded=status == 0, bug=status == 2, max_positions=MAX_POS, message=message)
     students = [HandshakeRecord("student", rank, student_vocab, student_fingerprint, agreed_settings(args),
                                 max_bsz=2 + i, max_seqlen=16 * (i + 1))
                 for i, (rank, args) in enumerate(zip(BRIDGE, student_args))]
@@ -47,10 +49,14 @@ def test_wire_records_round_trip_with_their_field_names():
     assert HandshakeRecord.unpack(packed) == record
     failed = HandshakeRecord("teacher", 6, 0, 0, settings, loaded=False, message="OSError: no such file é")
     assert HandshakeRecord.unpack(failed.pack()) == failed
+    bug = HandshakeRecord("teacher", 6, 0, 0, settings, loaded=False, bug=True, message="KeyError: 'x'")
+    assert HandshakeRecord.unpack(bug.pack()) == bug and HandshakeRecord.unpack(failed.pack()).bug is False
     status = ResponseStatus(ok=True, teacher_preempt=True, busy_s=12.5, idle_s=0.25, peak_bytes=3 * 2**30)
     assert ResponseStatus.unpack(status.pack()) == status
     error = ResponseStatus(ok=False, message="teacher failed serving step 3: boom")
     assert ResponseStatus.unpack(error.pack()) == error
+    bug = ResponseStatus(ok=False, message="teacher failed serving step 3: KeyError: 'x'", bug=True)
+    assert ResponseStatus.unpack(bug.pack()) == bug and ResponseStatus.unpack(error.pack()).bug is False
     header = RequestHeader(Op.FORWARD, step=12, micro_step=1, bsz=4, seqlen=128, train_rank=3, bad_tokens=1)
     assert len(header.to_ints()) == HEADER_INTS and RequestHeader.from_ints(header.to_ints()) == header
     assert header.describe() == "op=FORWARD step=12 micro_step=1"
@@ -72,7 +78,7 @@ def test_agreeing_ranks_get_the_teachers_settings_and_the_largest_buffers():
 def test_each_setting_mismatch_names_both_values_and_both_ranks(field, teacher_value, student_value, words):
     base = DistillationArgs(teacher_path="t")
     teacher_args, odd = replace(base, **{field: teacher_value}), replace(base, **{field: student_value})
-    with pytest.raises(ValueError) as caught:
+    with pytest.raises(ConfigError) as caught:
         check_handshake(records(teacher_args, [teacher_args, odd]), odd)
     assert str(caught.value) == (f"Teacher rank 6 and student rank 5 disagree: {words}; give every rank the same "
                                  f"distillation settings (one config for the whole job).")
@@ -91,13 +97,18 @@ def test_several_mismatches_are_one_sentence_and_k_does_not_matter_for_full_logi
 
 def test_a_teacher_that_failed_to_load_is_reported_before_any_other_check():
     args = DistillationArgs(teacher_path="t")
-    with pytest.raises(TeacherError, match=r"^Teacher rank 6 failed to load: ValueError: broken$"):
-        check_handshake(records(args, [replace(args, k=3)] * 2, status=1, message="ValueError: broken"), args)
+    with pytest.raises(TeacherError, match=r"^Teacher rank 6 failed to load: teacher directory 't' is broken$"):
+        check_handshake(records(args, [replace(args, k=3)] * 2, status=1, message="teacher directory 't' is broken"),
+                        args)
+    # A bug on the teacher: its traceback is its own; the others stop naming it (exit 1, not a user's error).
+    with pytest.raises(PeerStopped, match=r"^Teacher rank 6 failed to load: KeyError: 'x'; its traceback is in "):
+        check_handshake(records(args, [replace(args, k=3)] * 2, status=2,
+                                message="KeyError: 'x'; its traceback is in dump/logs/rank_6.log"), args)
 
 
 def test_tokenizers_of_the_same_size_but_different_tokens_do_not_match():
     args = DistillationArgs(teacher_path="/teachers/a")
-    with pytest.raises(ValueError, match=r"Student rank 4's tokenizer \(vocab 512\) does not match the teacher's "
+    with pytest.raises(ConfigError, match=r"Student rank 4's tokenizer \(vocab 512\) does not match the teacher's "
                                          r"\(vocab 512, the same size but different tokens\) at /teachers/a\..*"
                                          r"data\.tokenizer\.path=/teachers/a"):
         check_handshake(records(args, [args, args], student_fingerprint=FINGERPRINT + 1), args)
@@ -124,7 +135,7 @@ def test_every_local_load_failure_names_the_path_the_reason_and_the_prepare_comm
     args = DistillationArgs(teacher_path="", teacher_dtype="fp32")
 
     def failure(path: str) -> str:
-        with pytest.raises((ValueError, FileNotFoundError)) as caught:
+        with pytest.raises(UserError) as caught:
             load_teacher(replace(args, teacher_path=path), CPU)
         text = str(caught.value)
         assert f"`python -m setup.prepare_teacher --out {path}`" in text, text

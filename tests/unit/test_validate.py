@@ -12,7 +12,7 @@ import pytest
 
 from apps.main.train import TrainArgs
 from lingua.args import parse_args
-from lingua.errors import PeerStopped
+from lingua.errors import PeerStopped, UserError
 from lingua.parallel.launch_plan import LaunchPlan
 from lingua.parallel.rank_status import RankStatus, is_peer_loss
 from tests.bad_configs import BAD_CONFIGS
@@ -45,11 +45,11 @@ def test_the_tiny_runs_themselves_validate(launch, corpus, teacher_stub, tmp_pat
 @pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.parametrize("bad", BAD_CONFIGS, ids=[b.name for b in BAD_CONFIGS])
 def test_every_bad_config_is_one_sentence_naming_its_key(bad, launch, corpus, teacher_stub, tmp_path):
-    with pytest.raises((ValueError, FileNotFoundError)) as caught:
+    with pytest.raises(UserError) as caught:
         args = parse_args(TrainArgs, launch_args(launch, corpus, teacher_stub, tmp_path, bad.args(str(teacher_stub))))
         args.validate(LAUNCHES[launch])
     message = str(caught.value)
-    assert type(caught.value) in (ValueError, FileNotFoundError) and "\n" not in message, message
+    assert "\n" not in message, message
     assert bad.key in message, message
     if bad.sentence is not None:
         assert message == bad.sentence
@@ -118,10 +118,11 @@ def test_a_launchers_sigterm_during_the_config_check_waits_for_this_ranks_own_se
     """torchrun SIGTERMs every rank once one exits: a rank still checking its config says its own sentence."""
     script = ("import os, signal\n"
               "from lingua.cli import check_no_sigterm_held, hold_sigterm, run_cli\n"
+              "from lingua.errors import ConfigError\n"
               "hold_sigterm()\n"
               "os.kill(os.getpid(), signal.SIGTERM)\n"
               "def main():\n"
-              f"    if {fails}: raise ValueError('optim.lr=-1; use a positive learning rate.')\n"
+              f"    if {fails}: raise ConfigError('optim.lr=-1; use a positive learning rate.')\n"
               "    check_no_sigterm_held()\n"
               "run_cli(main)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
