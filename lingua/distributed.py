@@ -307,7 +307,7 @@ def _build_mesh(plan: LaunchPlan, device_type: str, rank: int, make_group, train
 def log_rank_device_map(topo: Topology) -> None:
     """Each rank logs its own line; rank 0 prints the whole table once. Then every rank checks the
     whole table (so all raise the same sentence): a rank not on its expected GPU, or two ranks of
-    one host on the same physical GPU (seed 004's mapping bug), is an error."""
+    one host on the same physical GPU (NCCL would then guess and mismatch a collective), is an error."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
     row = dict(rank=topo.global_rank, local_rank=topo.local_rank, role=topo.role, host=topo.hostname,
                cuda_visible=visible, device=str(topo.device), bridge=topo.my_bridge, gpu_uuid="", problem="")

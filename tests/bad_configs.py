@@ -1,6 +1,6 @@
 """Bad configurations and what each must say: one table for the in-process check of every rule
-(tests/unit/test_validate.py) and, for the rows marked `launch`, the real torchrun path
-(tests/dist/test_bad_config.py: 2 ranks, and 2 students + 1 tiny teacher).
+(tests/unit/test_validate.py) and, for the few rows marked `launch` (one per way a launch is refused), the
+real torchrun path (tests/dist/test_bad_config.py: 2 ranks, and 2 students + 1 tiny teacher).
 
 Each row's overrides go on top of the tiny standard runs (`tests.runs.base_overrides` /
 `distill_overrides`), so the rest of the config is valid; `{teacher}` stands for the tiny teacher's
@@ -17,7 +17,7 @@ class BadConfig:
     overrides: dict
     key: str  # the setting the message must name
     sentence: Optional[str] = None  # the exact message, when pinned
-    launch: bool = False  # also launched under torchrun (plain and distillation)
+    launch: bool = False  # also launched under torchrun (plain and distillation): a few representative rows
 
     def args(self, teacher: str = "") -> list[str]:
         return [f"{k}={str(v).replace('{teacher}', teacher)}" for k, v in self.overrides.items()]
@@ -27,39 +27,36 @@ BAD_CONFIGS = [
     # The issue's cases: once found only after the teacher had loaded (or never).
     BadConfig("negative_lr", {"optim.lr": "-1e-3"}, "optim.lr", "optim.lr=-0.001; use a positive learning rate.",
               launch=True),
-    BadConfig("zero_batch", {"data.batch_size": 0}, "data.batch_size", "data.batch_size=0; use a positive number.",
-              launch=True),
+    BadConfig("zero_batch", {"data.batch_size": 0}, "data.batch_size", "data.batch_size=0; use a positive number."),
     BadConfig("activation_checkpointing", {"distributed.activation_checkpointing": "bogus"},
               "distributed.activation_checkpointing",
-              "distributed.activation_checkpointing='bogus'; use one of none, full, selective.", launch=True),
+              "distributed.activation_checkpointing='bogus'; use one of none, full, selective."),
     BadConfig("model_dtype", {"distributed.model_dtype": "fp8"}, "distributed.model_dtype",
-              "distributed.model_dtype='fp8'; use one of bf16, fp32.", launch=True),
+              "distributed.model_dtype='fp8'; use one of bf16, fp32."),
     BadConfig("jsd_beta", {"distillation.jsd_beta": 1.5, "distillation.divergence": "jsd"}, "distillation.jsd_beta",
-              "distillation.jsd_beta=1.5; with distillation.divergence=jsd use a value strictly between 0 and 1.",
-              launch=True),
+              "distillation.jsd_beta=1.5; with distillation.divergence=jsd use a value strictly between 0 and 1."),
     BadConfig("alpha_schedule", {"distillation.alpha_schedule": "cosine"}, "distillation.alpha_schedule",
-              "distillation.alpha_schedule='cosine'; use one of constant, lr.", launch=True),
+              "distillation.alpha_schedule='cosine'; use one of constant, lr."),
     BadConfig("teacher_dtype", {"distillation.teacher_dtype": "int8"}, "distillation.teacher_dtype",
-              "distillation.teacher_dtype='int8'; use one of auto, bf16, fp32, fp16.", launch=True),
+              "distillation.teacher_dtype='int8'; use one of auto, bf16, fp32, fp16."),
     BadConfig("zero_teacher_ranks", {"enable_distillation": "true", "distillation.n_teacher_ranks": 0},
               "distillation.n_teacher_ranks", "distillation.n_teacher_ranks=0; distillation needs at least one teacher "
-              "rank; use 1 or more, or set enable_distillation=false.", launch=True),
+              "rank; use 1 or more, or set enable_distillation=false."),
     BadConfig("debug_mode", {"distributed.debug": "verbose"}, "distributed.debug",
               "distributed.debug='verbose'; use false, trace (flight recorder dumps and per-collective logs, for "
               "hangs), detail (TORCH_DISTRIBUTED_DEBUG=DETAIL, for mismatched collectives) or true (both)."),
     BadConfig("negative_timeout", {"distributed.train_timeout_s": -1}, "distributed.train_timeout_s",
-              "distributed.train_timeout_s=-1.0; use a positive number of seconds (at most 604800, a week).",
-              launch=True),
+              "distributed.train_timeout_s=-1.0; use a positive number of seconds (at most 604800, a week)."),
     # Unknown keys, at three levels, and wrong types.
-    BadConfig("unknown_top_key", {"stepz": 3}, "stepz", launch=True),
+    BadConfig("unknown_top_key", {"stepz": 3}, "stepz"),
     BadConfig("unknown_section_key", {"optim.lrr": 1}, "optim.lrr", launch=True),
-    BadConfig("unknown_nested_key", {"data.tokenizer.nam": "hf"}, "data.tokenizer.nam", launch=True),
+    BadConfig("unknown_nested_key", {"data.tokenizer.nam": "hf"}, "data.tokenizer.nam"),
     BadConfig("string_for_int", {"steps": "many"}, "steps", "Invalid value for steps: Value 'many' of type 'str' "
-              "could not be converted to Integer; set steps to an integer.", launch=True),
+              "could not be converted to Integer; set steps to an integer."),
     BadConfig("float_for_int", {"model.dim": 1.5}, "model.dim"),
-    BadConfig("dict_in_weights", {"data.sources": "{text: {a: 1}}"}, "data.sources", launch=True),
-    BadConfig("not_a_bool", {"enable_distillation": "maybe"}, "enable_distillation", launch=True),
-    BadConfig("list_for_section", {"model": "[1, 2]"}, "model", launch=True),
+    BadConfig("dict_in_weights", {"data.sources": "{text: {a: 1}}"}, "data.sources"),
+    BadConfig("not_a_bool", {"enable_distillation": "maybe"}, "enable_distillation"),
+    BadConfig("list_for_section", {"model": "[1, 2]"}, "model"),
     # Ranges and cross-field rules, section by section.
     BadConfig("zero_steps", {"steps": 0}, "steps"),
     BadConfig("zero_grad_acc", {"grad_acc_steps": 0}, "grad_acc_steps"),
@@ -69,12 +66,12 @@ BAD_CONFIGS = [
     BadConfig("probe_freq", {"probe_freq": 0}, "probe_freq"),
     BadConfig("exit_after_steps", {"exit_after_steps": 0}, "exit_after_steps"),
     BadConfig("grace", {"preemption_grace_s": -1}, "preemption_grace_s"),
-    BadConfig("inject_failure", {"inject_failure": "boom:1@2"}, "inject_failure", launch=True),
-    BadConfig("heads_do_not_divide_dim", {"model.n_heads": 3}, "model.n_heads", launch=True),
+    BadConfig("inject_failure", {"inject_failure": "boom:1@2"}, "inject_failure"),
+    BadConfig("heads_do_not_divide_dim", {"model.n_heads": 3}, "model.n_heads"),
     BadConfig("kv_heads", {"model.n_kv_heads": 3}, "model.n_kv_heads"),
     BadConfig("odd_head_dim", {"model.dim": 30, "model.n_heads": 6, "model.n_kv_heads": 2}, "model.n_heads"),
     BadConfig("max_seqlen", {"model.max_seqlen": 16}, "model.max_seqlen", "model.max_seqlen=16; the model must fit "
-              "data.seq_len=32; set model.max_seqlen >= 32.", launch=True),
+              "data.seq_len=32; set model.max_seqlen >= 32."),
     BadConfig("attn_impl", {"model.attn_impl": "triton"}, "model.attn_impl"),
     BadConfig("attn_mask", {"model.attn_mask": "bidirectional"}, "model.attn_mask"),
     BadConfig("vocab_size", {"model.vocab_size": 0}, "model.vocab_size"),
@@ -86,7 +83,7 @@ BAD_CONFIGS = [
     BadConfig("lr_min_ratio", {"optim.lr_min_ratio": 2}, "optim.lr_min_ratio"),
     BadConfig("epsilon", {"optim.epsilon": 0}, "optim.epsilon"),
     BadConfig("zero_init_timeout", {"distributed.init_timeout_s": 0}, "distributed.init_timeout_s"),
-    BadConfig("backend", {"distributed.backend": "mpi"}, "distributed.backend", launch=True),
+    BadConfig("backend", {"distributed.backend": "mpi"}, "distributed.backend"),
     BadConfig("fsdp_type", {"distributed.fsdp_type": "hybrid"}, "distributed.fsdp_type"),
     BadConfig("placement", {"distributed.teacher_placement": "middle"}, "distributed.teacher_placement"),
     BadConfig("zero_dp_shard", {"distributed.dp_shard": 0}, "distributed.dp_shard"),
@@ -96,27 +93,26 @@ BAD_CONFIGS = [
               "ranks.", launch=True),
     BadConfig("alpha", {"distillation.alpha": 1.5}, "distillation.alpha"),
     BadConfig("k", {"distillation.k": 0}, "distillation.k"),
-    BadConfig("output", {"distillation.output": "dense"}, "distillation.output", launch=True),
+    BadConfig("output", {"distillation.output": "dense"}, "distillation.output"),
     BadConfig("wire_dtype", {"distillation.wire_dtype": "fp8"}, "distillation.wire_dtype"),
     BadConfig("divergence", {"distillation.divergence": "kl"}, "distillation.divergence"),
     BadConfig("sampled_rkl", {"distillation.output": "sampled", "distillation.divergence": "rkl"},
               "distillation.divergence"),
     BadConfig("temperature", {"distillation.temperature": 0}, "distillation.temperature"),
     BadConfig("loss_chunk", {"distillation.loss_chunk_size": -1}, "distillation.loss_chunk_size",
-              "distillation.loss_chunk_size=-1; use 0 (auto) or a positive number of positions per chunk.",
-              launch=True),
+              "distillation.loss_chunk_size=-1; use 0 (auto) or a positive number of positions per chunk."),
     BadConfig("jsd_beta_zero", {"distillation.jsd_beta": 0, "distillation.divergence": "jsd"}, "distillation.jsd_beta"),
     BadConfig("distill_prefetch", {"distillation.prefetch": 3}, "distillation.prefetch",
-              "distillation.prefetch=3; use 0 (no look-ahead), 1 or 2.", launch=True),
+              "distillation.prefetch=3; use 0 (no look-ahead), 1 or 2."),
     BadConfig("distill_prefetch_negative", {"distillation.prefetch": -1}, "distillation.prefetch"),
     BadConfig("distill_source", {"distillation.source": "offline"}, "distillation.source",
-              "distillation.source='offline'; use one of online, cache.", launch=True),
+              "distillation.source='offline'; use one of online, cache."),
     BadConfig("cache_without_dir", {"enable_distillation": "true", "distillation.source": "cache"},
               "distillation.cache_dir", "distillation.cache_dir=null; distillation.source=cache needs the folder of "
-              "a cache written by apps.main.teacher_cache.", launch=True),
-    BadConfig("fused_loss_not_bool", {"distillation.fused_loss": "maybe"}, "distillation.fused_loss", launch=True),
+              "a cache written by apps.main.teacher_cache."),
+    BadConfig("fused_loss_not_bool", {"distillation.fused_loss": "maybe"}, "distillation.fused_loss"),
     BadConfig("reduce_every_not_bool", {"distributed.reduce_every_micro_batch": "sometimes"},
-              "distributed.reduce_every_micro_batch", launch=True),
+              "distributed.reduce_every_micro_batch"),
     BadConfig("teacher_tp", {"distillation.teacher_tp": 0}, "distillation.teacher_tp",
               "distillation.teacher_tp=0; use 1 (one rank per teacher) or the number of ranks to shard each teacher "
               "over."),
@@ -130,29 +126,32 @@ BAD_CONFIGS = [
     BadConfig("no_teacher_path", {"enable_distillation": "true", "distillation.teacher_path": "null"},
               "distillation.teacher_path"),
     BadConfig("missing_teacher_dir", {"enable_distillation": "true", "distillation.teacher_path": "/no/such/teacher"},
-              "distillation.teacher_path"),
+              "distillation.teacher_path", "distillation.teacher_path='/no/such/teacher'; that directory does not "
+              "exist; point it at a transformers checkpoint directory (`python -m setup.prepare_teacher --out DIR` "
+              "makes SmolLM2-135M-Instruct, `python -m setup.make_tiny_teacher --out DIR` a tiny random one).",
+              launch=True),
     BadConfig("seq_len_beyond_teacher", {"enable_distillation": "true", "distillation.teacher_path": "{teacher}",
                                          "data.seq_len": 5000, "model.max_seqlen": 5000},
               "data.seq_len", launch=True),
-    BadConfig("log_freq", {"logging.freq": 0}, "logging.freq", launch=True),
+    BadConfig("log_freq", {"logging.freq": 0}, "logging.freq"),
     BadConfig("wandb_mode", {"logging.wandb.mode": "sometimes"}, "logging.wandb.mode"),
-    BadConfig("dump_every", {"checkpoint.dump.every": -1}, "checkpoint.dump.every", launch=True),
+    BadConfig("dump_every", {"checkpoint.dump.every": -1}, "checkpoint.dump.every"),
     BadConfig("keep", {"checkpoint.eval.keep": -2}, "checkpoint.eval.keep"),
     BadConfig("eval_every", {"eval.every": -5}, "eval.every"),
-    BadConfig("eval_batches", {"eval.max_batches": 0}, "eval.max_batches", launch=True),
+    BadConfig("eval_batches", {"eval.max_batches": 0}, "eval.max_batches"),
     BadConfig("eval_uneven", {"eval.uneven": "maybe"}, "eval.uneven"),
     BadConfig("eval_source_without_val", {"eval.every": 1, "data.eval_sources": "[nope]"}, "data.eval_sources"),
-    BadConfig("profile_steps", {"profiling.profile_steps": 0}, "profiling.profile_steps", launch=True),
+    BadConfig("profile_steps", {"profiling.profile_steps": 0}, "profiling.profile_steps"),
     BadConfig("mem_warmup", {"profiling.mem_warmup": -1}, "profiling.mem_warmup"),
-    BadConfig("no_root_dir", {"data.root_dir": "null"}, "data.root_dir", launch=True),
+    BadConfig("no_root_dir", {"data.root_dir": "null"}, "data.root_dir"),
     BadConfig("missing_root_dir", {"data.root_dir": "/nonexistent/corpus"}, "data.root_dir"),
     BadConfig("zero_weights", {"data.sources.text": 0}, "data.sources"),
     BadConfig("negative_weight", {"data.sources.text": -1}, "data.sources.text"),
     BadConfig("zero_seq_len", {"data.seq_len": 0}, "data.seq_len"),
     BadConfig("prefetch", {"data.prefetch_size": 0}, "data.prefetch_size"),
-    BadConfig("tokenizer_name", {"data.tokenizer.name": "gpt2"}, "data.tokenizer.name", launch=True),
+    BadConfig("tokenizer_name", {"data.tokenizer.name": "gpt2"}, "data.tokenizer.name"),
     BadConfig("tokenizer_without_path", {"data.tokenizer.name": "sp", "data.tokenizer.path": "null"},
               "data.tokenizer.path"),
     BadConfig("missing_tokenizer", {"data.tokenizer.name": "hf", "data.tokenizer.path": "/nonexistent/tok"},
-              "data.tokenizer.path", launch=True),
+              "data.tokenizer.path"),
 ]

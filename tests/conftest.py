@@ -1,6 +1,12 @@
-"""Fixtures shared by every test folder: a small corpus, the tiny and the real teacher (once per session)."""
+"""Fixtures shared by every test folder: a small corpus, the tiny and the real teacher (once per session).
+
+Also the tiers' guard (pytest.ini): a test that launches python, bash or a launcher, or that needs the real
+SmolLM2 teacher or the SLURM cluster, is marked `slow`, so that `pytest -m "not slow"` stays fast. A test that
+forgets the mark fails saying so instead of quietly slowing the fast tier down.
+"""
 
 import os
+import subprocess
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: tests never reach the hub
@@ -8,6 +14,38 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 import pytest
 
 from tests.runs import write_corpus
+
+LAUNCHERS = {"bash", "sh", "torchrun", "srun", "sbatch", "salloc"}  # and every python*
+SLOW_FIXTURES = {"smollm2_teacher", "slurm_cluster"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Needing the real teacher or the SLURM cluster makes a test slow: one not marked so stops the run here."""
+    unmarked = [item.nodeid for item in items
+                if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("slow") is None]
+    if unmarked:
+        raise pytest.UsageError(f"mark these @pytest.mark.slow, they use {' or '.join(sorted(SLOW_FIXTURES))}: "
+                                f"{', '.join(unmarked)}")
+
+
+@pytest.fixture(autouse=True)
+def fast_tests_launch_no_process(request, monkeypatch):
+    """Outside the slow tier, starting python, bash or a launcher fails the test with the reason."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    popen_init = subprocess.Popen.__init__
+
+    def refuse_launches(self, args, *rest, **kwargs):
+        one_string = isinstance(args, (str, bytes, os.PathLike))
+        argv = os.fsdecode(args).split() if one_string else [os.fsdecode(arg) for arg in args]
+        name = Path(argv[0]).name
+        syntax_check = name in ("bash", "sh") and argv[1:2] == ["-n"]  # parses a script, runs nothing
+        if (name.startswith("python") or name in LAUNCHERS) and not syntax_check:
+            raise AssertionError(f"{request.node.nodeid} launches `{name}`: mark it @pytest.mark.slow "
+                                 f"(the fast tier, pytest -m 'not slow', starts no python, bash or launcher).")
+        popen_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse_launches)
 
 
 @pytest.fixture(scope="session")

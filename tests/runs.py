@@ -5,6 +5,7 @@ the overrides of the tiny standard runs (2 students, optionally + 1 tiny teacher
 Reading a run's files goes through `lingua.rundir`, as the trainer and the benchmark do.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -93,13 +94,24 @@ def torchrun(nproc: int, module_args: list[str], timeout: float, env: dict | Non
             signal_plan(proc)
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_launch(proc)
         out, _ = proc.communicate()
         raise AssertionError(f"HANG: torchrun did not finish within {timeout}s\n{out[-6000:]}")
-    except BaseException:  # pytest-timeout or Ctrl-C while waiting: the job, in its own session, must not outlive us
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
+    finally:
+        if proc.poll() is None:  # the test was stopped from outside (pytest-timeout, a failed signal_plan)
+            kill_launch(proc)
+            proc.communicate()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def kill_launch(proc: subprocess.Popen) -> None:
+    """SIGKILL a torchrun launch: its ranks first (torchrun starts each in a session of its own, so they would
+    outlive it and keep a core busy), then torchrun's process group."""
+    for pid in worker_pids(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def torchrun_nodes(nnodes: int, nproc_per_node: int, module_args: list[str], timeout: float,
@@ -122,10 +134,15 @@ def torchrun_nodes(nnodes: int, nproc_per_node: int, module_args: list[str], tim
     except subprocess.TimeoutExpired:
         outs = [result.stdout for result in results]
         for proc in procs[len(results):]:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_launch(proc)
             outs.append(proc.communicate()[0])
         raise AssertionError(f"HANG: {nnodes} torchrun nodes did not finish within {timeout}s\n"
                              + "\n".join(out[-3000:] for out in outs))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:  # the test was stopped from outside (pytest-timeout)
+                kill_launch(proc)
+                proc.communicate()
     return results
 
 

@@ -1,4 +1,4 @@
-"""Benchmark of the output head + loss step: CE alone, today's CE + kd_loss, and the fused CE + KD loss.
+"""Benchmark of the output head + loss step: CE alone (fused and on logits), CE + kd_loss, and the fused CE + KD loss.
 
     python -m apps.bench.loss_step --vocab 49152 --tokens 1024 --k 64 --out DIR
     python -m apps.bench.loss_step --vocab 49152 --tokens 1024 --k 64 --threads 2 --rounds 3 --out DIR
@@ -6,7 +6,10 @@
 Each variant runs forward + backward from the final hidden states [tokens, dim] and the head weight
 [vocab, dim] (both requiring grad, grads set to None before every repeat as a training step would):
 
-    ce            logits = hidden @ weight.T, `cross_entropy_sum` / n_valid, backward (the CE-only step today)
+    ce            `fused_linear_kd_loss` without a teacher (alpha 0), backward: the trainer's CE-only step
+                  (enable_distillation=false, alpha 0), the baseline every ratio is taken against
+    logits_ce     logits = hidden @ weight.T, `cross_entropy_sum` / n_valid, backward (CE on the full
+                  [tokens, vocab] logits: distillation.fused_loss=false, and the CE step before it was fused)
     reference_kd  the same logits, CE + `kd_loss(loss_chunk_size=1024)` mixed by `distillation_loss` as
                   `OnlineDistiller.loss` does, backward
     fused_kd      `fused_linear_kd_loss` on the hidden states and the head weight, backward
@@ -44,7 +47,7 @@ from lingua.errors import ConfigError, RunFailed
 from lingua.transformer import cross_entropy_sum
 
 ROOT = Path(__file__).resolve().parents[2]
-VARIANTS = ("ce", "reference_kd", "fused_kd")
+VARIANTS = ("ce", "logits_ce", "reference_kd", "fused_kd")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MIB = 2**20
 TEACHER_ROWS = 64  # teacher outputs are drawn this many rows at a time, so setup stays far below the measured peak
@@ -148,6 +151,8 @@ def step_function(variant: str, args: BenchArgs, hidden, weight, labels, teacher
         if variant == "fused_kd":
             loss, _ = fused_linear_kd_loss(hidden, weight, labels, teacher, n_valid, args.alpha, args.temperature,
                                            args.divergence, chunk_size=args.chunk_size)
+        elif variant == "ce":
+            loss, _ = fused_linear_kd_loss(hidden, weight, labels, None, n_valid, 0.0, 1.0, chunk_size=args.chunk_size)
         else:
             logits = (hidden @ weight.T).unsqueeze(0)
             loss = cross_entropy_sum(logits, batch_labels) / n_valid
@@ -242,7 +247,7 @@ def summarize(args: BenchArgs, rounds: dict[str, list[dict]]) -> dict:
     def spread(variant, key):
         return [min(r[key] for r in rounds[variant]), max(r[key] for r in rounds[variant])]
 
-    names = {"ce": "ce", "reference_kd": "reference_kd", "fused_kd": "kd"}
+    names = {"ce": "ce", "logits_ce": "logits_ce", "reference_kd": "reference_kd", "fused_kd": "kd"}
     results = {}
     for variant, name in names.items():
         results[f"{name}_ms"] = median(variant, "ms")
@@ -254,6 +259,8 @@ def summarize(args: BenchArgs, rounds: dict[str, list[dict]]) -> dict:
         "kd_over_ce_ms": _ratio(results["kd_ms"], results["ce_ms"]),
         "kd_over_ce_cpu_ms": _ratio(results["kd_cpu_ms"], results["ce_cpu_ms"]),
         "kd_over_ce_peak": _ratio(results["kd_peak_mib"], results["ce_peak_mib"]),
+        "logits_ce_over_ce_ms": _ratio(results["logits_ce_ms"], results["ce_ms"]),
+        "logits_ce_over_ce_peak": _ratio(results["logits_ce_peak_mib"], results["ce_peak_mib"]),
         "reference_kd_over_ce_ms": _ratio(results["reference_kd_ms"], results["ce_ms"]),
         "reference_kd_over_ce_peak": _ratio(results["reference_kd_peak_mib"], results["ce_peak_mib"]),
         "reference_kd_over_kd_ms": _ratio(results["reference_kd_ms"], results["kd_ms"]),
@@ -269,7 +276,7 @@ def summarize(args: BenchArgs, rounds: dict[str, list[dict]]) -> dict:
 
 
 def format_markdown(results: dict) -> str:
-    """A small table of the three variants with their ratios to CE."""
+    """A small table of the variants with their ratios to the fused CE step."""
     s = results["settings"]
     lines = [f"V={s['vocab']} N={s['tokens']} D={s['dim']} k={s['k']} {s['format']}/{s['divergence']} "
              f"T={s['temperature']} {s['dtype']} on {results['device']}, {results['threads']} thread(s), "
@@ -280,7 +287,8 @@ def format_markdown(results: dict) -> str:
         value = _ratio(a, b)
         return "n/a" if value is None else f"{value:.2f}"
 
-    for label, name in (("CE only", "ce"), ("reference KD (kd_loss)", "reference_kd"), ("fused KD", "kd")):
+    for label, name in (("CE only (fused)", "ce"), ("CE only on logits", "logits_ce"),
+                        ("reference KD (kd_loss)", "reference_kd"), ("fused KD", "kd")):
         lines.append(f"| {label} | {results[f'{name}_ms']:.0f} | {results[f'{name}_cpu_ms']:.0f} | "
                      f"{results[f'{name}_peak_mib']:.0f} | {ratio(results[f'{name}_ms'], results['ce_ms'])} | "
                      f"{ratio(results[f'{name}_peak_mib'], results['ce_peak_mib'])} |")

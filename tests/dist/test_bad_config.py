@@ -1,13 +1,19 @@
-"""Bad configs under torchrun, the real path: every row of tests/bad_configs.py marked `launch`, on the plain
-launch (2 ranks) and on the distillation launch (2 students + 1 tiny teacher). Each rank prints exactly one
-`error: ` sentence naming the key, exits 2, prints no traceback (nor writes one for torchrun's summary), and no
-process group is ever created.
+"""Bad configs under torchrun, the real path. The rows of tests/bad_configs.py marked `launch`, one per way a
+launch is refused (a value out of range, an unknown key, a world size the mesh cannot use, a teacher directory
+that does not exist, a limit read from one that does), run on the plain launch (2 ranks) and on the
+distillation launch (2 students + 1 tiny teacher); two of them once more with the teacher rank starting its
+config check only after torchrun has SIGTERMed it, as torchrun does to every rank still running once one
+exits. Each rank prints exactly one `error: ` sentence naming the key, exits 2, prints no traceback (nor
+writes one for torchrun's summary), and no process group is ever created.
 
+Every row's sentence is checked in-process, on both launches' configs, by tests/unit/test_validate.py; what a
+launch adds (torchrun, one process per rank, the SIGTERM) is the same for every row, so a few rows prove it.
 The launches are cheap because validation runs before torch.distributed (and before the DTensor stack is
 imported): about two CPU seconds per rank, plus torchrun's own start. They run two at a time; the module
-prints the table's wall and CPU seconds (run pytest with -s to see them).
+prints their wall and CPU seconds (run pytest with -s to see them).
 """
 
+import re
 import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +24,14 @@ import pytest
 from tests.bad_configs import BAD_CONFIGS, BadConfig
 from tests.runs import base_overrides, distill_overrides, rank_exit_codes, rank_outputs, torchrun
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 LAUNCHED = [bad for bad in BAD_CONFIGS if bad.launch]
-WORLD_SIZES = {"plain": 2, "distill": 3}
+WORLD_SIZES = {"plain": 2, "distill": 3, "sigterm": 3}
+LATE_RANK = 2  # "sigterm": the distillation launch, its teacher rank checking its config last
+SIGTERMED = ["negative_lr", "unknown_section_key"]  # a rule of validate() and one of the config parser
+JOBS = [(bad, kind) for bad in LAUNCHED for kind in ("plain", "distill")] + \
+       [(bad, "sigterm") for bad in LAUNCHED if bad.name in SIGTERMED]
 LAUNCHES_AT_ONCE = 2  # on 2 cores: one launch's imports overlap the other's torchrun start-up and polling
 # Per launch, start to exit. On a quiet 2-core machine a launch takes ~9 s (two at a time); the bound leaves
 # room for a loaded CI machine while still failing any launch that waits on a collective (>= 60 s timeouts).
@@ -38,8 +50,13 @@ class Outcome:
 def launch(bad: BadConfig, kind: str, corpus, teacher, root) -> Outcome:
     dump, logs = root / f"{bad.name}-{kind}" / "dump", root / f"{bad.name}-{kind}" / "torchrun"
     base = base_overrides(corpus, dump, steps=3) if kind == "plain" else distill_overrides(corpus, teacher, dump, steps=3)
+    args = base + bad.args(str(teacher))
     start = time.time()
-    result = torchrun(WORLD_SIZES[kind], base + bad.args(str(teacher)), timeout=60, log_dir=logs)
+    if kind == "sigterm":
+        result = torchrun(WORLD_SIZES[kind], [str(LATE_RANK), *args], timeout=60, log_dir=logs,
+                          module="tests.dist.workers.late_config_check")
+    else:
+        result = torchrun(WORLD_SIZES[kind], args, timeout=60, log_dir=logs)
     return Outcome(result.stdout, rank_outputs(logs), rank_exit_codes(result.stdout), time.time() - start, dump)
 
 
@@ -51,21 +68,19 @@ def cpu_seconds_of_children() -> float:
 @pytest.fixture(scope="module")
 def outcomes(corpus, tiny_teacher, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("bad_configs")
-    jobs = [(bad, kind) for bad in LAUNCHED for kind in WORLD_SIZES]
     start, cpu_start = time.time(), cpu_seconds_of_children()
     with ThreadPoolExecutor(LAUNCHES_AT_ONCE) as pool:
-        done = list(pool.map(lambda job: launch(*job, corpus, tiny_teacher, root), jobs))
+        done = list(pool.map(lambda job: launch(*job, corpus, tiny_teacher, root), JOBS))
     seconds = [o.seconds for o in done]
-    # CPU seconds (torchrun and every rank) say what the table costs a CI machine, whatever else runs beside it.
-    print(f"\n{len(jobs)} bad-config launches in {time.time() - start:.0f}s wall and "
+    # CPU seconds (torchrun and every rank) say what the launches cost a CI machine, whatever else runs beside it.
+    print(f"\n{len(JOBS)} bad-config launches in {time.time() - start:.0f}s wall and "
           f"{cpu_seconds_of_children() - cpu_start:.0f}s CPU, {LAUNCHES_AT_ONCE} at a time "
           f"(each {min(seconds):.1f}-{max(seconds):.1f}s, median {sorted(seconds)[len(seconds) // 2]:.1f}s)")
-    return {(bad.name, kind): outcome for (bad, kind), outcome in zip(jobs, done)}
+    return {(bad.name, kind): outcome for (bad, kind), outcome in zip(JOBS, done)}
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("kind", WORLD_SIZES)
-@pytest.mark.parametrize("bad", LAUNCHED, ids=[b.name for b in LAUNCHED])
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("bad, kind", JOBS, ids=[f"{bad.name}-{kind}" for bad, kind in JOBS])
 def test_bad_config_is_one_sentence_on_every_rank(outcomes, bad, kind):
     outcome = outcomes[(bad.name, kind)]
     tail = outcome.stdout[-4000:]
@@ -87,9 +102,12 @@ def test_bad_config_is_one_sentence_on_every_rank(outcomes, bad, kind):
     assert outcome.stdout.count("error_file: <N/A>") == world, tail
     # Refused before any process group: no rank got as far as torch.distributed or its log file.
     assert "process_group_init" not in outcome.stdout and not (outcome.dump_dir / "logs").exists()
+    if kind == "sigterm":  # the late rank really was stopped by torchrun before it checked, and still said it
+        assert f"rank {LATE_RANK}: SIGTERM held before its config check" in outcome.ranks[LATE_RANK]["stdout"], tail
+        assert re.search(r"Sending process \d+ closing signal SIGTERM", outcome.stdout), tail
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(400)
 def test_every_launch_ends_within_seconds(outcomes):
     slow = {f"{name}-{kind}": round(o.seconds, 1) for (name, kind), o in outcomes.items() if o.seconds >= LAUNCH_LIMIT_S}
     assert not slow, f"launches over {LAUNCH_LIMIT_S}s: {slow}"

@@ -13,6 +13,8 @@ import pytest
 
 from tests.runs import torchrun
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 WORKER = "tests.dist.workers.checkpoint_worker"
 
 

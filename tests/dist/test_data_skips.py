@@ -6,6 +6,8 @@ import pytest
 from lingua.rundir import RunDir, last_train_row
 from tests.runs import assert_ok, base_overrides, torchrun, write_corpus
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 
 @pytest.mark.timeout(120)
 def test_students_train_past_bad_lines_and_the_summary_counts_them(tmp_path):

@@ -15,6 +15,8 @@ import pytest
 
 from tests.runs import ROOT
 
+pytestmark = pytest.mark.slow  # setup/demo.sh with the real SmolLM2 teacher, then python processes
+
 STEPS = 4
 
 

@@ -10,14 +10,9 @@ import pytest
 
 from apps.bench import distill as bench
 from lingua.rundir import RunDir, read_metrics, train_rows
-from tests.runs import (
-    assert_ok,
-    distill_overrides,
-    rank_exit_codes,
-    rank_outputs,
-    signal_ranks,
-    torchrun,
-)
+from tests.runs import assert_ok, distill_overrides, rank_exit_codes, rank_outputs, signal_ranks, torchrun
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 
 @pytest.mark.timeout(300)
@@ -70,18 +65,6 @@ def test_distillation_off_trains_on_all_three_ranks(corpus, tiny_teacher, tmp_pa
     assert sorted(rows) == [1, 2, 3] and "loss/kd" not in rows[1]
     assert all(key in rows[1] for key in bench.METRIC_KEYS) and "kd/bytes_up" not in rows[1]
     assert rows[1]["stragglers/step_slowest_rank"] in (0, 1, 2)
-
-
-@pytest.mark.timeout(90)
-def test_missing_teacher_path_is_one_sentence_before_any_collective(corpus, tmp_path):
-    missing = tmp_path / "no-such-teacher"
-    result = torchrun(3, distill_overrides(corpus, missing, tmp_path / "run", steps=3,
-                                           **{"data.tokenizer.name": "bytes"}), timeout=60)
-    assert rank_exit_codes(result.stdout) == {0: 2, 1: 2, 2: 2}, result.stdout[-4000:]
-    # Refused by the validation pass on every rank (a path written as one cannot be a hub id).
-    sentence = f"error: distillation.teacher_path='{missing}'; that directory does not exist;"
-    assert result.stdout.count(sentence) == 3, result.stdout[-4000:]
-    assert "process_group_init" not in result.stdout
 
 
 @pytest.mark.timeout(90)
@@ -142,19 +125,29 @@ def test_vocab_mismatch_is_reported_at_the_handshake(corpus, tiny_teacher, tmp_p
     assert "data.tokenizer.name=hf" in result.stdout
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("output,wire,teacher_dtype,attn_mask", [
-    ("topk", "fp32", "fp32", "causal"), ("topk", "bf16", "fp32", "causal"), ("sampled", "bf16", "fp32", "causal"),
-    ("full", "fp32", "fp32", "causal"), ("topk", "fp32", "bf16", "causal"), ("topk", "fp32", "fp32", "doc_causal")])
-def test_each_student_gets_exactly_its_own_rows(tiny_teacher, tmp_path, output, wire, teacher_dtype, attn_mask):
+ROUTING_CASES = ["topk,fp32,fp32,causal", "topk,bf16,fp32,causal", "sampled,bf16,fp32,causal", "full,fp32,fp32,causal",
+                 "topk,fp32,bf16,causal", "topk,fp32,fp32,doc_causal"]  # output, wire, teacher dtype, attention mask
+
+
+@pytest.fixture(scope="module")
+def routing(tiny_teacher) -> str:
+    """One launch serves every case in turn (tests/dist/workers/routing.py); its console."""
+    result = torchrun(3, [str(tiny_teacher), *ROUTING_CASES], timeout=200, module="tests.dist.workers.routing")
+    assert_ok(result)
+    return result.stdout
+
+
+@pytest.mark.timeout(250)
+@pytest.mark.parametrize("case", ROUTING_CASES)
+def test_each_student_gets_exactly_its_own_rows(routing, case):
     # One request at a time, then two micro-batches in flight (waited in order and in reverse order). With
     # doc_causal every row packs several documents: the teacher must answer as per-document forwards would.
-    result = torchrun(3, [str(tiny_teacher), output, wire, teacher_dtype, attn_mask], timeout=150,
-                      module="tests.dist.workers.routing")
-    assert_ok(result)
-    assert result.stdout.count("ROUTING OK") == 2 and "TEACHER CLOCK OK" in result.stdout, result.stdout[-4000:]
+    lines = [line for line in routing.splitlines() if line.startswith(f"{case} ")]
+    assert sorted(line for line in lines if " ROUTING " in line) == [f"{case} ROUTING OK rank {r}" for r in (0, 1)], lines
+    assert any(f"{case} TEACHER CLOCK OK" in line for line in lines), lines
     # distillation.teacher_dtype=bf16 on CPU: the teacher's parameters really are bf16 (compared with fp32 above).
-    assert f"TEACHER PARAMS ['torch.{'bfloat16' if teacher_dtype == 'bf16' else 'float32'}']" in result.stdout
+    teacher_dtype = case.split(",")[2]
+    assert f"{case} TEACHER PARAMS ['torch.{'bfloat16' if teacher_dtype == 'bf16' else 'float32'}']" in lines, lines
 
 
 @pytest.mark.timeout(120)
@@ -170,63 +163,72 @@ def test_teacher_keeps_the_init_timeout_through_the_students_first_step(tiny_tea
     assert len(first_step_done) == 2 and len(switches) == 1 and switches[0] > max(first_step_done), result.stdout[-4000:]
 
 
-def protocol_error_run(tiny_teacher, mode: str):
-    result = torchrun(3, [str(tiny_teacher), mode], timeout=60, module="tests.dist.workers.protocol_errors")
+PROTOCOL_MODES = ("settings", "headers", "token_range", "serve_failure", "k_beyond_vocab")
+
+
+@pytest.fixture(scope="module")
+def protocol_errors(tiny_teacher) -> dict[str, list[str]]:
+    """One launch runs every mode in turn (tests/dist/workers/protocol_errors.py); mode -> its lines."""
+    result = torchrun(3, [str(tiny_teacher), *PROTOCOL_MODES], timeout=100, module="tests.dist.workers.protocol_errors")
     assert_ok(result)  # each rank catches and prints its error, so the test sees all three
-    return result.stdout
+    # Every mode ended on every rank (no OK line: each one is an error) before the next one started.
+    assert all(f"FAILED {mode} rank {rank}: " in result.stdout for mode in PROTOCOL_MODES for rank in (0, 1, 2)), \
+        result.stdout[-4000:]
+    return {mode: [line for line in result.stdout.splitlines() if f"FAILED {mode} rank " in line]
+            for mode in PROTOCOL_MODES}
 
 
-@pytest.mark.timeout(90)
-def test_teacher_and_students_disagreeing_on_settings_fail_at_the_handshake(tiny_teacher):
-    out = protocol_error_run(tiny_teacher, "settings")
+@pytest.mark.timeout(150)
+def test_teacher_and_students_disagreeing_on_settings_fail_at_the_handshake(protocol_errors):
+    lines = protocol_errors["settings"]
     sentence = ("Teacher rank 2 and student rank 0 disagree: distillation.k is 5 on the teacher but 6 on the student, "
                 "distillation.wire_dtype is bf16 on the teacher but fp32 on the student, distillation.temperature is "
                 "1.0 on the teacher but 2.0 on the student; give every rank the same distillation settings")
     for rank in (0, 1, 2):
-        assert f"FAILED rank {rank}: ConfigError: {sentence}" in out, out[-4000:]
+        assert any(f"FAILED settings rank {rank}: ConfigError: {sentence}" in line for line in lines), lines
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(90)
-def test_top_k_beyond_the_vocabulary_is_refused_at_the_handshake_on_every_rank(tiny_teacher):
-    out = protocol_error_run(tiny_teacher, "k_beyond_vocab")
+@pytest.mark.timeout(150)
+def test_top_k_beyond_the_vocabulary_is_refused_at_the_handshake_on_every_rank(protocol_errors):
+    lines = protocol_errors["k_beyond_vocab"]
     sentence = ("ConfigError: distillation.k=100000 is more than the 512 token ids the top-k is taken from (the "
                 "students' vocabulary; teacher rank 2 has 512); set distillation.k <= 512.")
     for rank in (0, 1, 2):  # the same words on both students and the teacher, none of them from a step
-        assert f"FAILED rank {rank}: {sentence}" in out, out[-4000:]
+        assert any(f"FAILED k_beyond_vocab rank {rank}: {sentence}" in line for line in lines), lines
 
 
-@pytest.mark.timeout(90)
-def test_mismatched_request_headers_name_both_students(tiny_teacher):
-    out = protocol_error_run(tiny_teacher, "headers")
+@pytest.mark.timeout(150)
+def test_mismatched_request_headers_name_both_students(protocol_errors):
+    lines = protocol_errors["headers"]
     sentence = "students sent mismatched requests (rank 0: op=FORWARD step=1 micro_step=0; " \
                "rank 1: op=FORWARD step=2 micro_step=0)"
     # Students that disagree are our bug: the teacher raises it, the students stop naming the teacher.
-    assert "FAILED rank 2: RuntimeError: " in out, out[-4000:]
+    assert any(line.startswith("FAILED headers rank 2: RuntimeError: ") for line in lines), lines
     for rank in (0, 1):  # each names the step of its own request
-        assert f"FAILED rank {rank}: PeerStopped: Teacher rank 2 failed at step {1 + rank}: " in out, out[-4000:]
-    assert out.count(sentence) == 3, out[-4000:]
+        assert any(line.startswith(f"FAILED headers rank {rank}: PeerStopped: Teacher rank 2 failed at step "
+                                   f"{1 + rank}: ") for line in lines), lines
+    assert sum(sentence in line for line in lines) == 3, lines
 
 
-@pytest.mark.timeout(90)
-def test_out_of_range_token_ids_are_refused_by_the_teacher_on_every_rank(tiny_teacher):
-    out = protocol_error_run(tiny_teacher, "token_range")
+@pytest.mark.timeout(150)
+def test_out_of_range_token_ids_are_refused_by_the_teacher_on_every_rank(protocol_errors):
+    lines = protocol_errors["token_range"]
     sentence = re.compile(r"student rank 0 sent token ids outside \[0, 512\) at step 1 \(got \[\d+, 512\]\); "
                           r"its data must use the teacher's tokenizer")
     for rank in (0, 1, 2):  # the teacher refused the request: no forward ran on the bad id, every rank says why
-        assert f"FAILED rank {rank}: TeacherError: " in out, out[-4000:]
-    assert len(sentence.findall(out)) == 3, out[-4000:]
+        assert any(line.startswith(f"FAILED token_range rank {rank}: TeacherError: ") for line in lines), lines
+    assert sum(bool(sentence.search(line)) for line in lines) == 3, lines
 
 
-@pytest.mark.timeout(90)
-def test_a_teacher_failure_outside_the_forward_still_reaches_every_student(tiny_teacher):
-    out = protocol_error_run(tiny_teacher, "serve_failure")
+@pytest.mark.timeout(150)
+def test_a_teacher_failure_outside_the_forward_still_reaches_every_student(protocol_errors):
+    lines = protocol_errors["serve_failure"]
     error = "OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB (injected)"
     # Not a user's error: the teacher raises the original (its traceback), the students name the teacher.
-    assert f"FAILED rank 2: {error}" in out, out[-4000:]
+    assert any(line.startswith(f"FAILED serve_failure rank 2: {error}") for line in lines), lines
     for rank in (0, 1):  # the students got the teacher's answer: an error, not a wait for the watchdog
-        assert f"FAILED rank {rank}: PeerStopped: Teacher rank 2 failed at step 1: teacher failed serving step 1: " \
-               f"{error}" in out, out[-4000:]
+        assert any(line.startswith(f"FAILED serve_failure rank {rank}: PeerStopped: Teacher rank 2 failed at step 1: "
+                                   f"teacher failed serving step 1: {error}") for line in lines), lines
 
 
 @pytest.mark.timeout(150)
@@ -269,35 +271,21 @@ def test_non_finite_loss_is_agreed_and_stops_the_teacher_with_an_error(corpus, t
     assert sorted(train_rows(tmp_path / "run")) == [1]
 
 
-@pytest.mark.timeout(200)
-def test_preemption_with_a_teacher_saves_stops_and_exits_zero(corpus, tiny_teacher, tmp_path):
-    dump = tmp_path / "run"
-    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=100000), timeout=180,
-                      signal_plan=signal_ranks(dump, [(0, 0.0)]))
-    assert_ok(result)
-    saved = [p for p in (dump / "checkpoints").iterdir() if not p.name.endswith(".tmp")]
-    assert len(saved) == 1 and int(saved[0].name) == max(train_rows(dump))
-    assert "STOP received" in result.stdout
-
-
 KD_KEYS = ("loss/ce", "loss/kd", "loss/total", "kd/teacher_mass", "kd/top1_agreement", "optim/grad_norm")
 
 
 @pytest.mark.timeout(400)
 def test_prefetch_gives_the_same_losses_and_resumes_exactly(corpus, tiny_teacher, tmp_path):
-    """prefetch 0 and 1 train bit-identically; with look-ahead a resumed run sends and trains on exactly the
-    batches the interrupted one did not (the look-ahead batch belongs to the next step)."""
-    rows = {}
-    for prefetch in (0, 1):
-        dump = tmp_path / f"prefetch{prefetch}"
-        result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=6, grad_acc_steps=2,
-                                               **{"distillation.prefetch": prefetch}), timeout=150)
-        assert_ok(result)
-        assert "STOP received after 12 requests" in result.stdout  # nothing drawn past the last step
-        rows[prefetch] = train_rows(dump)
-    for step in range(1, 7):
-        assert [rows[1][step][k] for k in KD_KEYS] == [rows[0][step][k] for k in KD_KEYS], step
-    # Preempted at step 3 with a look-ahead request of step 4 in flight: drained, saved at 3, STOP, exit 0.
+    """prefetch 0 and 1 train bit-identically, and with look-ahead a resumed run sends and trains on exactly the
+    batches the interrupted one did not (the look-ahead batch belongs to the next step): a look-ahead run
+    preempted at step 3 and resumed gives, step for step, the numbers of an uninterrupted run without it."""
+    reference = tmp_path / "prefetch0"
+    result = torchrun(3, distill_overrides(corpus, tiny_teacher, reference, steps=6, grad_acc_steps=2,
+                                           **{"distillation.prefetch": 0}), timeout=150)
+    assert_ok(result)
+    assert "STOP received after 12 requests" in result.stdout
+    # prefetch 1 (the default), preempted at step 3 with a look-ahead request of step 4 in flight: drained,
+    # saved at 3, STOP, exit 0.
     split = tmp_path / "split"
     first = torchrun(3, distill_overrides(corpus, tiny_teacher, split, steps=6, grad_acc_steps=2,
                                           inject_failure="preempt:1@3"), timeout=150)
@@ -306,10 +294,11 @@ def test_prefetch_gives_the_same_losses_and_resumes_exactly(corpus, tiny_teacher
     assert sorted(p.name for p in (split / "checkpoints").iterdir()) == [f"{3:010d}"]
     second = torchrun(3, distill_overrides(corpus, tiny_teacher, split, steps=6, grad_acc_steps=2), timeout=150)
     assert_ok(second)
+    # 3 steps x 2 micro-batches: nothing drawn past the last step.
     assert "resumed from step 3" in second.stdout and "STOP received after 6 requests" in second.stdout
-    resumed = train_rows(split)
+    resumed, without = train_rows(split), train_rows(reference)
     for step in range(1, 7):
-        assert [resumed[step][k] for k in KD_KEYS] == [rows[1][step][k] for k in KD_KEYS], step
+        assert [resumed[step][k] for k in KD_KEYS] == [without[step][k] for k in KD_KEYS], step
 
 
 @pytest.mark.timeout(200)
@@ -334,10 +323,9 @@ def error_lines(outputs: dict, rank: int) -> list[str]:
             if line.startswith("error: ")]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("grad_acc,prefetch,fails", [(1, 0, True), (2, 1, True), (2, 2, True), (2, 2, False)],
-                         ids=["acc1-prefetch0", "acc2-prefetch1", "acc2-prefetch2", "acc2-prefetch2-no-failure"])
+@pytest.mark.parametrize("grad_acc,prefetch,fails", [(1, 0, True), (2, 2, True), (2, 2, False)],
+                         ids=["acc1-prefetch0", "acc2-prefetch2", "acc2-prefetch2-no-failure"])
 def test_a_teacher_failing_mid_run_is_its_own_sentence_on_every_rank(corpus, tiny_teacher, tmp_path, grad_acc,
                                                                      prefetch, fails):
     """The teacher fails on step 3's first request. It answers that one and every later one with its error until
@@ -378,12 +366,14 @@ def test_a_teacher_failing_mid_run_is_its_own_sentence_on_every_rank(corpus, tin
     assert 'raise RuntimeError("injected teacher failure' in teacher_log, teacher_log[-3000:]
     answered = (grad_acc - 1) + prefetch + 1
     assert f"answered {answered} more request(s) with the error, until the students left (ERROR)" in teacher_log
-    assert all(lines[-1].endswith("lingua.distributed: process groups aborted") for lines in rank_logs.values()), \
-        {rank: lines[-3:] for rank, lines in rank_logs.items()}
+    # Every rank tore down by aborting its groups: the students' last words, the teacher's before its traceback.
+    assert all(rank_logs[rank][-1].endswith("lingua.distributed: process groups aborted") for rank in (0, 1)), \
+        {rank: rank_logs[rank][-3:] for rank in (0, 1)}
+    assert teacher_log.rstrip().endswith("RuntimeError: injected teacher failure (inject_failure=teacher_serve:...)")
+    assert "lingua.distributed: process groups aborted" in teacher_log, teacher_log[-3000:]
     assert sorted(train_rows(dump)) == [1, 2]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_teacher_metrics_come_from_the_completed_response_not_one_in_flight(tiny_teacher):
     result = torchrun(3, [str(tiny_teacher)], timeout=100, module="tests.dist.workers.slow_reply")

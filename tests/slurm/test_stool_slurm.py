@@ -18,7 +18,7 @@ import yaml
 
 from tests.slurm.conftest import ROOT, cannot_run, describe_dump, wait_for, wait_for_job_end
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 PY = sys.executable
 
 

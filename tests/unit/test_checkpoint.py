@@ -261,13 +261,20 @@ def test_consolidate_gives_the_model_tensors(tmp_path, train_group):
     for k, v in model.state_dict().items():
         assert torch.equal(weights[k], v), k
     assert sorted(p.name for p in out.parent.iterdir()) == ["consolidated.pt"]  # no temp file left
+    with pytest.raises(FileNotFoundError):
+        consolidate_checkpoint(str(tmp_path), str(tmp_path / "x.pt"))
 
-    # The CLI, in a fresh process with no process group.
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_consolidate_cli_runs_in_a_fresh_process_without_a_process_group(tmp_path, train_group):
+    model, optimizer, scheduler = make()
+    train(model, optimizer, scheduler, 2)
+    path = save(manager(tmp_path / "ckpts", train_group), model, optimizer, scheduler, 2)
     cli_out = tmp_path / "cli.pt"
     proc = subprocess.run([sys.executable, "-m", "lingua.checkpoint", "consolidate", str(path), str(cli_out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stderr
     cli_weights = torch.load(cli_out, weights_only=True)
+    assert cli_weights.keys() == model.state_dict().keys()
     assert all(torch.equal(cli_weights[k], v) for k, v in model.state_dict().items())
-    with pytest.raises(FileNotFoundError):
-        consolidate_checkpoint(str(tmp_path), str(tmp_path / "x.pt"))

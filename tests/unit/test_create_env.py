@@ -16,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "setup" / "create_env.sh"
+pytestmark = pytest.mark.slow  # every test runs the script under bash
 
 
 def write_exe(path: Path, text: str) -> Path:

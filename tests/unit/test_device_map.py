@@ -1,6 +1,6 @@
 """Rank facts at start: what the launcher's environment means (torchrun, srun), which GPU a local rank
-expects and what a gathered map that binds wrongly says (seed 004), and which startup phase files
-belong to this launch (seed 003). The gathering itself runs in every torchrun test (on CPU: no GPU rows)."""
+expects and what a gathered map that binds wrongly says (hang_bug_ideas.md: "A rank on the wrong device"), and
+which startup phase files belong to this launch. The gathering itself runs in every torchrun test (on CPU: no GPU rows)."""
 
 import json
 import os

@@ -52,7 +52,7 @@ def record(rank, state="running", pid=None, host=HOST, started=None, **fields) -
 @pytest.fixture
 def stopped_process():
     """A live process in state T (SIGSTOP), as a hung teacher looks to a peer on its host."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    proc = subprocess.Popen(["sleep", "60"])
     os.kill(proc.pid, signal.SIGSTOP)
     deadline = time.time() + 10
     while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T" and time.time() < deadline:
@@ -115,7 +115,7 @@ def test_ranks_that_ended_or_never_wrote_are_absent_for_what_they_did():
     behind = record(1, state="lost_peer", collectives={"train": dict(seq=2, op="gloo:all_reduce", started=1.0)})
     assert absent_reason(behind, "train", 3, HOST, now) == "its last collective on train is #2, this rank's #3"
     assert absent_reason(record(1, state="timed_out"), "train", 3, HOST, now) is None  # gave up too, elsewhere
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone = subprocess.Popen(["true"])
     gone.wait()
     assert absent_reason(record(1, pid=gone.pid, started="1"), "train", 3, HOST, now) == "its process is gone"
     # A rank whose record shows it entered the same collective arrived, whatever its state.
@@ -140,7 +140,7 @@ def test_postmortem_of_an_nccl_style_hang_finds_the_rank_behind(tmp_path, capsys
     """NCCL: the watchdog ends every process, no rank writes a final state. The hang notes (written at 90% of the
     timeout) still hold each rank's step and last collective per group: the teacher is behind on the bridge."""
     run = RunDir(tmp_path)
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone = subprocess.Popen(["true"])
     gone.wait()
     now = time.time()
     note = dict(step=6, waited_s=18.0, timeout_s=20.0, where="lingua/distillation/client.py:102 (complete)")
@@ -164,6 +164,7 @@ def test_postmortem_of_an_nccl_style_hang_finds_the_rank_behind(tmp_path, capsys
     assert json.loads(capsys.readouterr().out)["first"]["rank"] == 2
 
 
+@pytest.mark.slow
 def test_postmortem_refuses_a_folder_that_is_not_a_run_in_one_sentence(tmp_path):
     result = subprocess.run([sys.executable, "-m", "apps.debug.postmortem", str(tmp_path / "nope")], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
@@ -171,6 +172,7 @@ def test_postmortem_refuses_a_folder_that_is_not_a_run_in_one_sentence(tmp_path)
                                                      f"the dump_dir of a run\n")
 
 
+@pytest.mark.slow
 def test_the_watch_notes_a_long_step_logs_its_stacks_dumps_the_recorder_and_answers_sigusr1(tmp_path):
     """One process (world of 1, gloo): a step armed for a 2 s timeout runs 2.5 s; SIGUSR1 comes while the main
     thread sleeps. The dump must satisfy PyTorch's analyzer, which refuses gloo's own unfilled pg_config."""

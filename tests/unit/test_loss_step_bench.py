@@ -55,18 +55,19 @@ def test_results_file_and_table(format, tmp_path, keep_threads, capsys):
     results = bench.main(argv, run_variant=in_process)
     assert calls == list(bench.VARIANTS) * 2  # rounds interleave the variants
     saved = json.loads((tmp_path / "results.json").read_text())
-    for key in ("ce_ms", "kd_ms", "ce_peak_mib", "kd_peak_mib", "reference_kd_ms", "reference_kd_peak_mib",
+    for key in ("ce_ms", "kd_ms", "ce_peak_mib", "kd_peak_mib", "logits_ce_ms", "logits_ce_over_ce_peak",
+                "reference_kd_ms", "reference_kd_peak_mib",
                 "kd_over_ce_ms", "kd_over_ce_peak", "reference_kd_over_ce_ms", "settings", "torch", "device",
                 "threads", "fused_chunk_rows"):
         assert key in saved, key
     assert saved["settings"]["format"] == format and saved["threads"] == 1 and saved["torch"] == torch.__version__
-    assert all(saved[f"{name}_ms"] > 0 for name in ("ce", "kd", "reference_kd"))
+    assert all(saved[f"{name}_ms"] > 0 for name in ("ce", "logits_ce", "kd", "reference_kd"))
     assert saved["kd_over_ce_ms"] == pytest.approx(saved["kd_ms"] / saved["ce_ms"])
     assert saved["kd_over_ce_peak"] is None or saved["kd_over_ce_peak"] >= 0
     assert len(saved["rounds"]["fused_kd"]) == 2 and saved["kd_ms_range"][0] <= saved["kd_ms"] <= saved["kd_ms_range"][1]
     assert results["ce_ms"] == saved["ce_ms"]
     table = capsys.readouterr().out
-    assert "| fused KD |" in table and "| CE only |" in table
+    assert "| fused KD |" in table and "| CE only (fused) |" in table and "| CE only on logits |" in table
 
 
 @pytest.mark.timeout(20)

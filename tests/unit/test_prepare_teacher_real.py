@@ -57,6 +57,7 @@ def converted_teacher(smollm2_teacher) -> Path:
     return smollm2_teacher
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_converted_teacher_loads_without_gguf_and_knows_paris(converted_teacher):
     check_teacher_dir(converted_teacher)
@@ -81,6 +82,7 @@ def test_converted_teacher_loads_without_gguf_and_knows_paris(converted_teacher)
     assert report["round_trip"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_second_prepare_is_a_cached_no_op(converted_teacher):
     weights = converted_teacher / "model.safetensors"
@@ -92,6 +94,7 @@ def test_second_prepare_is_a_cached_no_op(converted_teacher):
     assert after == before
 
 
+@pytest.mark.slow  # parses the real SmolLM2 GGUF's header and tensor table
 @pytest.mark.timeout(60)
 def test_truncated_gguf_is_named_as_corrupt(tmp_path):
     wheel_gguf = find_smollm2_gguf()

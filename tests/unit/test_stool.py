@@ -143,6 +143,7 @@ def test_environment_lines(tmp_path, monkeypatch):
     bash_syntax_ok(script, tmp_path)
 
 
+@pytest.mark.slow
 def test_environment_is_set_when_the_script_runs(tmp_path, monkeypatch):
     """Run the script's environment part with a fake scontrol: master host and port from the job."""
     dump, script = dry_run(tmp_path, monkeypatch, ngpus=2, exports={"NOTE": "two words"})
@@ -174,6 +175,7 @@ def run_env_part(tmp_path: Path, dump: Path, script: str, job_id: int) -> str:
     return result.stdout.strip()
 
 
+@pytest.mark.slow
 def test_master_port_stays_below_the_ephemeral_range(tmp_path, monkeypatch):
     """Linux hands out outgoing ports from 32768 up by default: the rendezvous port never comes from there."""
     dump, script = dry_run(tmp_path, monkeypatch)
@@ -183,6 +185,7 @@ def test_master_port_stays_below_the_ephemeral_range(tmp_path, monkeypatch):
     assert max(ports.values()) < 32768
 
 
+@pytest.mark.slow
 def test_exports_can_override_the_master_port(tmp_path, monkeypatch):
     """The escape hatch when the derived port is taken on the first node: user exports come after it."""
     dump, script = dry_run(tmp_path, monkeypatch, exports={"MASTER_PORT": 23456})
@@ -441,6 +444,7 @@ def test_slurm_tests_skip_only_through_cannot_run():
     assert not found, "use tests.slurm.conftest.cannot_run instead:\n" + "\n".join(found)
 
 
+@pytest.mark.slow
 def test_stool_and_the_launch_plan_import_without_torch():
     """stool prints and checks the trainer's own LaunchPlan on a login node that may have no torch."""
     code = "import sys, lingua.stool, lingua.parallel.launch_plan; sys.exit('torch' in sys.modules)"

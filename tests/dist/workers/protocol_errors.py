@@ -1,6 +1,6 @@
 """Protocol errors between 2 students and 1 teacher end in a sentence on every rank, never a hang.
 
-Run: torchrun --nproc-per-node 3 -m tests.dist.workers.protocol_errors <teacher_dir> <mode>
+Run: torchrun --nproc-per-node 3 -m tests.dist.workers.protocol_errors <teacher_dir> <mode> [<mode> ...]
   settings:    the teacher serves k=5, bf16, T=1; the students ask for k=6, fp32, T=2 -> the handshake
                fails everywhere, naming each value on both sides
   headers:     the students announce different steps -> the teacher's header check names both ranks
@@ -10,19 +10,23 @@ Run: torchrun --nproc-per-node 3 -m tests.dist.workers.protocol_errors <teacher_
                still answers, and every rank raises the teacher's sentence instead of waiting
   k_beyond_vocab: every rank asks for top-100000 of a 512-token vocabulary -> refused at the handshake, in
                one sentence on every rank, before any buffer sized by k exists
-Each rank prints "FAILED: <error>" or "<MODE> OK" and exits 0, so the test reads every rank's words.
+The modes run one after the other in one launch, each with a fresh teacher server and client on the same
+groups: an error that every rank hears leaves no collective behind, so the next mode starts clean. Each
+rank prints "FAILED <mode> rank <r>: <error>" or "<MODE> OK rank <r>" per mode and exits 0, so the test reads
+every rank's words.
 """
 
 import sys
 
 import torch
 
-from lingua.distillation.args import DistillationArgs, TeacherError
+from lingua.distillation.args import DistillationArgs
 from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.parallel.launch_plan import DistributedArgs
 from lingua.distillation.teacher import load_teacher
 from lingua.distillation.client import TeacherClient
 from lingua.distillation.server import TeacherServer
+from lingua.errors import PeerStopped, TeacherError
 from lingua.logger import init_logger
 
 
@@ -65,19 +69,22 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def main(teacher_dir: str, mode: str) -> None:
+def main(teacher_dir: str, modes: list[str]) -> None:
     topo = setup_torch_distributed(DistributedArgs(init_timeout_s=60), n_teachers=1)
     init_logger(topo.global_rank, topo.role)
     try:
-        run(teacher_dir, mode, topo)
-        say(f"{mode.upper()} OK rank {topo.global_rank}")
-    except Exception as err:  # the test reads each rank's sentence
-        # A teacher's failure is a TeacherError on every rank (the students' is the agreed kind): the words count.
-        name = TeacherError.__name__ if isinstance(err, TeacherError) else type(err).__name__
-        say(f"FAILED rank {topo.global_rank}: {name}: {err}")
+        for mode in modes:
+            try:
+                run(teacher_dir, mode, topo)
+                say(f"{mode.upper()} OK rank {topo.global_rank}")
+            except Exception as err:  # the test reads each rank's sentence
+                # The students' teacher errors are the agreed kinds; the family is what the words name.
+                name = next((kind.__name__ for kind in (TeacherError, PeerStopped) if isinstance(err, kind)),
+                            type(err).__name__)
+                say(f"FAILED {mode} rank {topo.global_rank}: {name}: {err}")
     finally:
         clean_up()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2:])

@@ -1,12 +1,13 @@
 """Routing check: students with different batch shapes each get exactly the teacher outputs of
 their own tokens, through the wire dtype asked for -- one request at a time, then with two
 micro-batches in flight (submit i+1 before waiting on i).
-Run: torchrun --nproc-per-node 3 -m tests.dist.workers.routing <teacher_dir> <topk|sampled|full> <bf16|fp32> [<fp32|bf16>]
-     [<causal|doc_causal>]
-The fourth argument is the teacher's dtype (default fp32); every student compares with an fp32 forward
-of its own, so a bf16 teacher is checked against the fp32 one within bf16 tolerance. With doc_causal the
-rows are packed documents: the teacher must answer as if each document were its own sequence, so the
-reference runs one forward per document."""
+Run: torchrun --nproc-per-node 3 -m tests.dist.workers.routing <teacher_dir> <case> [<case> ...]
+     a case: <topk|sampled|full>,<bf16|fp32>,<fp32|bf16>,<causal|doc_causal> (output, wire, teacher dtype, mask)
+The cases run one after the other, each with a fresh teacher server and client on the same groups. Every
+student compares with an fp32 forward of its own, so a bf16 teacher is checked against the fp32 one within
+bf16 tolerance. With doc_causal the rows are packed documents: the teacher must answer as if each document
+were its own sequence, so the reference runs one forward per document. A student whose check fails still
+completes the case's requests and STOP, so the other cases run and report too."""
 
 import sys
 import time
@@ -82,51 +83,67 @@ def check(received: TeacherOutputs, tokens: torch.Tensor, reference, output: str
             assert torch.equal(got.long(), want.long())
 
 
-def main(teacher_dir: str, output: str, wire: str, teacher_dtype: str = "fp32", attn_mask: str = "causal") -> None:
+def run_case(teacher_dir: str, case: str, topo) -> None:
+    """One case: serve it (teacher), or request and check it (student); prints the case's result lines."""
+    output, wire, teacher_dtype, attn_mask = case.split(",")
     args = DistillationArgs(teacher_path=teacher_dir, output=output, k=K, wire_dtype=wire, teacher_dtype=teacher_dtype)
     wire_dtype = WIRE_DTYPES[wire]
+    if topo.is_teacher:
+        server = TeacherServer(args, topo, attn_mask=attn_mask)
+        dtypes = {p.dtype for p in server.teacher.model.parameters()}
+        print(f"{case} TEACHER PARAMS {sorted(str(d) for d in dtypes)}", flush=True)
+        start = time.perf_counter()
+        server.serve()
+        # Busy and idle seconds cover the whole loop: no request's work falls between the two clocks.
+        elapsed, counted = time.perf_counter() - start, server.busy_s + server.idle_s
+        clock = "OK" if abs(elapsed - counted) < 0.02 * elapsed + 0.01 else "FAILED"
+        print(f"{case} TEACHER CLOCK {clock} busy {server.busy_s:.3f}s idle {server.idle_s:.3f}s of {elapsed:.3f}s",
+              flush=True)
+        return
+    reference, tokenizer = load_teacher(replace(args, teacher_dtype="fp32"), topo.device)
+    vocab = len(tokenizer)
+    client = TeacherClient(args, topo, tokenizer.get_vocab(), vocab, max_bsz=4, max_seqlen=12, attn_mask=attn_mask)
+    generator = torch.Generator().manual_seed(topo.train_rank)
+    bsz, seqlen = SHAPES[topo.train_rank]
+    failures = []
+
+    def make_batch(rows: int, length: int):
+        tokens = torch.randint(0, vocab, (rows, length), generator=generator)
+        return tokens, random_documents(rows, length, generator) if attn_mask == "doc_causal" else None
+
+    def checked(received, tokens, docs) -> None:
+        try:
+            check(received, tokens, reference, output, wire_dtype, teacher_dtype, vocab, docs)
+        except AssertionError as err:  # noted; the requests go on so that the teacher reaches STOP
+            failures.append(f"{type(err).__name__}: {err}")
+
+    for step in range(3):
+        tokens, docs = make_batch(bsz, seqlen + step)
+        checked(client.submit(tokens, step=step, micro_step=0, doc_ids=docs).wait(), tokens, docs)
+    # Two micro-batches in flight, of different shapes; waited in order, then in reverse order.
+    for step, order in ((3, (0, 1)), (4, (1, 0))):
+        batches = [make_batch(bsz - m, seqlen + 2 * m) for m in range(2)]
+        handles = [client.submit(tokens, step=step, micro_step=m, doc_ids=docs)
+                   for m, (tokens, docs) in enumerate(batches)]
+        for m in order:
+            tokens, docs = batches[m]
+            checked(handles[m].wait(), tokens, docs)
+    if client.response_flags()["teacher_error"]:  # every status of these requests must be ok
+        failures.append("the teacher answered with an error")
+    client.stop(step=5)
+    result = f"FAILED {failures[0]}" if failures else "OK"
+    print(f"{case} ROUTING {result} rank {topo.global_rank}", flush=True)
+
+
+def main(teacher_dir: str, cases: list[str]) -> None:
     topo = setup_torch_distributed(DistributedArgs(init_timeout_s=60), n_teachers=1)
     init_logger(topo.global_rank, topo.role)
     try:
-        if topo.is_teacher:
-            server = TeacherServer(args, topo, attn_mask=attn_mask)
-            dtypes = {p.dtype for p in server.teacher.model.parameters()}
-            print(f"TEACHER PARAMS {sorted(str(d) for d in dtypes)}", flush=True)
-            start = time.perf_counter()
-            server.serve()
-            # Busy and idle seconds cover the whole loop: no request's work falls between the two clocks.
-            elapsed, counted = time.perf_counter() - start, server.busy_s + server.idle_s
-            assert abs(elapsed - counted) < 0.02 * elapsed + 0.01, (elapsed, server.busy_s, server.idle_s)
-            print(f"TEACHER CLOCK OK busy {server.busy_s:.3f}s idle {server.idle_s:.3f}s of {elapsed:.3f}s", flush=True)
-            return
-        reference, tokenizer = load_teacher(replace(args, teacher_dtype="fp32"), topo.device)
-        vocab = len(tokenizer)
-        client = TeacherClient(args, topo, tokenizer.get_vocab(), vocab, max_bsz=4, max_seqlen=12, attn_mask=attn_mask)
-        generator = torch.Generator().manual_seed(topo.train_rank)
-        bsz, seqlen = SHAPES[topo.train_rank]
-
-        def make_batch(rows: int, length: int):
-            tokens = torch.randint(0, vocab, (rows, length), generator=generator)
-            return tokens, random_documents(rows, length, generator) if attn_mask == "doc_causal" else None
-
-        for step in range(3):
-            tokens, docs = make_batch(bsz, seqlen + step)
-            check(client.submit(tokens, step=step, micro_step=0, doc_ids=docs).wait(), tokens, reference, output,
-                  wire_dtype, teacher_dtype, vocab, docs)
-        # Two micro-batches in flight, of different shapes; waited in order, then in reverse order.
-        for step, order in ((3, (0, 1)), (4, (1, 0))):
-            batches = [make_batch(bsz - m, seqlen + 2 * m) for m in range(2)]
-            handles = [client.submit(tokens, step=step, micro_step=m, doc_ids=docs)
-                       for m, (tokens, docs) in enumerate(batches)]
-            for m in order:
-                tokens, docs = batches[m]
-                check(handles[m].wait(), tokens, reference, output, wire_dtype, teacher_dtype, vocab, docs)
-        assert not client.response_flags()["teacher_error"]  # every status of these requests was ok
-        client.stop(step=5)
-        print(f"ROUTING OK rank {topo.global_rank}", flush=True)
+        for case in cases:
+            run_case(teacher_dir, case, topo)
     finally:
         clean_up()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main(sys.argv[1], sys.argv[2:])
