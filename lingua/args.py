@@ -91,6 +91,8 @@ def _type_words(annotation) -> str:
     if type(None) in args:
         inner = [a for a in args if a is not type(None)]
         return f"{_type_words(inner[0])} or null"
+    if origin is typing.Union:
+        return " or ".join(_type_words(arg) for arg in args)
     return str(annotation)
 
 

@@ -2,7 +2,8 @@
 
 Startup: `with phases.span("model_build"): ...` appends one JSON line per phase to
 `dump_dir/startup.<rank>.jsonl`; `format_phase_table` (rank 0) prints min / max / slowest rank per phase.
-Steps: `StepTimer` accumulates seconds per named part of a step (data, teacher_wait, fwd_bwd, ...).
+Steps: `StepTimer` accumulates seconds per named part of a step (data, teacher_wait, fwd_bwd, ...), host
+clocks on CPU and CUDA events on GPU, and when this rank reached the step's first collective.
 """
 
 import contextlib
@@ -11,7 +12,9 @@ import logging
 import os
 import time
 from collections import defaultdict
-from typing import Optional
+from typing import Any, Optional
+
+import torch
 
 from lingua.rundir import RunDir, read_startup
 
@@ -70,21 +73,75 @@ def format_phase_table(table: dict[str, dict[int, float]]) -> str:
 
 
 class StepTimer:
-    """Seconds per part of the current step; `reset()` at the start of each step."""
+    """Seconds per part of the current step (`reset()` at the start of each step), and this rank's arrival.
 
-    def __init__(self):
-        self.seconds: dict[str, float] = defaultdict(float)
+    A part opened inside another (teacher_wait inside fwd_bwd) counts as its own, not in the enclosing part.
+    CPU: the host clock. CUDA: the host only queues the GPU's work, so its clock would time kernel launches and
+    leave the real time to the next sync; a part is timed by CUDA events recorded around it on the current
+    stream, i.e. how long it held the stream up (waits on NCCL included). `read()` resolves them, waiting for
+    the step's last event: call it on log steps only.
+
+    Arrival: every rank of the training group leaves the step's agreed control point (a collective) at the
+    same moment, `common_point()`; `arrive()` marks when this rank reaches the next step's first collective
+    (the first forward's all-gather). Gathered over ranks, the latest arrival names the rank the others
+    waited for, whose own lateness (a slow data read, a stall) falls outside every timed part.
+    """
+
+    def __init__(self, device: Optional[torch.device] = None):
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self.left_common_point = time.perf_counter()
+        self.arrival_s = 0.0  # seconds from the last common point to this step's first collective
+        self.reset()
 
     def reset(self) -> None:
-        self.seconds = defaultdict(float)
+        """A new step: no part timed yet."""
+        self.entered: set[str] = set()  # the parts opened this step (known on the host, no sync)
+        self._seconds: dict[str, float] = defaultdict(float)
+        self._events: list[tuple[str, Optional[str], Any, Any]] = []  # CUDA: (part, enclosing part, start, end)
+        self._open: list[str] = []
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _add(self, name: str, enclosing: Optional[str], seconds: float) -> None:
+        self._seconds[name] += seconds
+        if enclosing is not None:
+            self._seconds[enclosing] -= seconds
 
     @contextlib.contextmanager
     def part(self, name: str):
-        start = time.perf_counter()
+        enclosing = self._open[-1] if self._open else None
+        self._open.append(name)
+        self.entered.add(name)
+        start = self._now()
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - start
+            end = self._now()
+            self._open.pop()
+            if self.cuda:
+                self._events.append((name, enclosing, start, end))
+            else:
+                self._add(name, enclosing, end - start)
 
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] += seconds
+    def common_point(self) -> None:
+        """This rank just left a collective every rank of its group leaves together (the agreed control point)."""
+        self.left_common_point = time.perf_counter()
+
+    def arrive(self) -> None:
+        """This rank is about to issue the step's first collective. Host time, on CUDA too: the host synced at the
+        common point, so it queues the collective when it gets here."""
+        self.arrival_s = time.perf_counter() - self.left_common_point
+
+    def read(self) -> dict[str, float]:
+        """Each part's own seconds this step. On CUDA this waits for the step's last event (log steps only)."""
+        if self._events:
+            self._events[-1][3].synchronize()  # the parts' events are on one stream: the last one ends after all
+            for name, enclosing, start, end in self._events:
+                self._add(name, enclosing, start.elapsed_time(end) / 1e3)
+            self._events = []
+        return dict(self._seconds)

@@ -7,8 +7,11 @@ Our wq/wk rows are therefore already in the order HF Llama expects: export copie
 Attention kernels. A plain causal mask always runs through SDPA with `is_causal=True` (flash on GPU).
 For `attn_mask="doc_causal"` (packed windows, `doc_ids` [B, S]) a token sees earlier tokens of its
 own document only, and `attn_impl` picks the kernel:
-  - "sdpa": SDPA with an explicit [B, 1, S, S] boolean mask; runs everywhere.
-  - "flex": compiled flex_attention with a block mask on CUDA; on CPU falls back to "sdpa".
+  - "auto" (default): "flex" on CUDA where it can run, "sdpa" elsewhere; the choice is logged once.
+  - "sdpa": SDPA with an explicit [B, 1, S, S] boolean mask; runs everywhere, but no flash kernel takes a
+    dense mask: on GPU that is the memory-bound math path.
+  - "flex": compiled flex_attention with a block mask on CUDA (needs Triton and heads of at least 16
+    dimensions); where it cannot run falls back to "sdpa" (on CUDA with a warning saying why).
   - "xformers": block-diagonal causal memory-efficient attention on CUDA (needs xformers installed);
     on CPU falls back to "sdpa".
 All give the same result up to float rounding (tests/unit/test_model.py checks it).
@@ -41,7 +44,7 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
-ATTN_IMPLS = ("sdpa", "flex", "xformers")
+ATTN_IMPLS = ("auto", "sdpa", "flex", "xformers")
 ATTN_MASKS = ("causal", "doc_causal")
 INIT_STD_FACTORS = ("disabled", "global_depth", "current_depth")
 
@@ -57,7 +60,7 @@ class BaseTransformerArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seqlen: int = 1024  # longest sequence RoPE tables are built for
-    attn_impl: str = "sdpa"  # kernel for doc_causal masks: "sdpa" | "flex" | "xformers"
+    attn_impl: str = "auto"  # kernel for doc_causal masks: "auto" (flex on CUDA) | "sdpa" | "flex" | "xformers"
     attn_mask: str = "causal"  # "causal" | "doc_causal" (packed documents don't attend to each other)
     init_base_std: Optional[float] = None  # None: dim ** -0.5
     init_std_factor: str = "disabled"  # output-projection std divisor: "disabled" | "global_depth" | "current_depth"
@@ -213,24 +216,44 @@ def _warn_once(message: str) -> None:
     logger.warning(message)
 
 
-def resolve_attn_impl(attn_impl: str, device: torch.device) -> str:
-    """The doc_causal kernel that can run on this device: flex/xformers need CUDA, else SDPA with a mask."""
+@functools.lru_cache(maxsize=None)
+def _info_once(message: str) -> None:
+    logger.info(message)
+
+
+FLEX_MIN_HEAD_DIM = 16  # flex_attention's Triton kernels (tl.dot) refuse smaller heads on GPU
+
+
+def resolve_attn_impl(attn_impl: str, device: torch.device, head_dim: Optional[int] = None) -> str:
+    """The doc_causal kernel that can run on this device: flex/xformers need CUDA (flex also Triton and heads of
+    at least FLEX_MIN_HEAD_DIM), else SDPA with a mask."""
     if attn_impl == "xformers":
         if importlib.util.find_spec("xformers") is None:
             _warn_once("model.attn_impl=xformers but xformers is not installed: using flex_attention "
                        "(on GPU) or SDPA with a document mask instead.")
-            return resolve_attn_impl("flex", device)
+            return resolve_attn_impl("flex", device, head_dim)
         return "xformers" if device.type == "cuda" else "sdpa"
-    if attn_impl == "flex":
-        return "flex" if device.type == "cuda" and flex_attention is not None else "sdpa"
+    if attn_impl in ("auto", "flex"):
+        if device.type != "cuda":
+            return "sdpa"
+        if flex_attention is None or importlib.util.find_spec("triton") is None:
+            _warn_once("flex_attention cannot run here (this torch build has no flex_attention or no Triton to "
+                       "compile it): document masks use SDPA with a dense [B, 1, S, S] mask, without a flash kernel.")
+        elif head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM:
+            _warn_once(f"flex_attention needs heads of at least {FLEX_MIN_HEAD_DIM} dimensions on GPU (this model "
+                       f"has {head_dim}: model.dim / model.n_heads): document masks use SDPA with a dense mask.")
+        else:
+            return "flex"
     return "sdpa"
 
 
-def build_attention_mask(attn_mask: str, attn_impl: str, doc_ids: Optional[torch.Tensor], device: torch.device):
+def build_attention_mask(attn_mask: str, attn_impl: str, doc_ids: Optional[torch.Tensor], device: torch.device,
+                         head_dim: Optional[int] = None):
     """What `attention` takes as `mask`: None (plain causal), a bool tensor, a BlockMask or an xformers bias."""
     if attn_mask == "causal" or doc_ids is None:
         return None
-    impl = resolve_attn_impl(attn_impl, device)
+    impl = resolve_attn_impl(attn_impl, device, head_dim)
+    _info_once(f"document-causal attention on {device.type}: {impl} (model.attn_impl={attn_impl})")
     if impl == "flex":
         return doc_causal_block_mask(doc_ids)
     if impl == "xformers":
@@ -368,7 +391,7 @@ class BaseTransformer(nn.Module):
                              f"raise model.max_seqlen or shorten the sequences (data.seq_len).")
         if doc_ids is not None and tuple(doc_ids.shape) != tuple(h.shape[:2]):
             raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)} but the tokens are {tuple(h.shape[:2])}.")
-        mask = build_attention_mask(self.attn_mask, self.attn_impl, doc_ids, h.device)
+        mask = build_attention_mask(self.attn_mask, self.attn_impl, doc_ids, h.device, self.rope.head_dim)
         cos, sin = self.rope(seq_len)
         for layer in self.layers:
             h = layer(h, cos, sin, mask)

@@ -60,9 +60,11 @@ def base_overrides(corpus: Path, dump_dir: Path, steps: int = 10, **extra) -> li
 
 
 def distill_overrides(corpus: Path, teacher: Path, dump_dir: Path, steps: int = 6, **extra) -> list[str]:
-    """2 students + 1 tiny teacher, students on the teacher's tokenizer."""
+    """2 students + 1 tiny teacher, students on the teacher's tokenizer, with a look-ahead request in flight
+    (distillation.prefetch=auto would choose none where the 3 ranks share fewer cores)."""
     kd = {"enable_distillation": "true", "distillation.teacher_path": str(teacher), "distillation.k": 8,
-          "distillation.teacher_dtype": "fp32", "data.tokenizer.name": "hf", "data.tokenizer.path": str(teacher)}
+          "distillation.teacher_dtype": "fp32", "distillation.prefetch": 1, "data.tokenizer.name": "hf",
+          "data.tokenizer.path": str(teacher)}
     kd.update(extra)
     return base_overrides(corpus, dump_dir, steps=steps, **kd)
 

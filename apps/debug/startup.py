@@ -162,7 +162,7 @@ def student_startup(args: TrainArgs, topo: Topology, phases: PhaseLog, phase: in
         if phase >= 5:
             step += 1
             with phases.span("first_step"):
-                timer = StepTimer()
+                timer = StepTimer(topo.device)
                 train_step(args, model, distiller, feed, step, timer, topo.device,
                            scheduler.get_last_lr()[0] / args.optim.lr)  # the batches drawn in phase 4
                 optimizer_step(model, optimizer, scheduler, args.optim.clip, timer)

@@ -1,5 +1,6 @@
 """What each training step leaves behind: the metrics row of log steps (means over the students plus
-min/max/slowest rank per step part), the live progress line, one-time warnings, the end-of-run summary."""
+min/max/slowest rank per step part), the live progress line, one-time warnings, the end-of-run summary.
+Nothing here reads a device value on a step that does not log."""
 
 import logging
 import math
@@ -29,6 +30,27 @@ def teacher_ranks_to_keep_up(n_teachers: int, n_students: int, busy_share: float
     return candidates[0] if candidates else n_students
 
 
+def straggler_metrics(per_rank: list[list[float]], ranks: list[int]) -> dict:
+    """min / max / slowest rank of each step part, from every rank's [STEP_PARTS seconds..., step seconds,
+    arrival seconds] (`StepTimer`).
+
+    A rank that reaches the step's first collective late makes the others wait inside it (their fwd_bwd grows),
+    while its own lateness falls outside every part. So each rank's `step` is its step time less that wait (the
+    latest arrival minus its own): the slowest step is the rank the others waited for, not one of the waiters.
+    """
+    columns = [list(column) for column in zip(*per_rank)]
+    arrivals = columns[-1]
+    latest = max(arrivals)
+    columns[-2] = [step - (latest - arrival) for step, arrival in zip(columns[-2], arrivals)]
+    row = {}
+    for part, values in zip(STEP_PARTS + ("step", "arrival"), columns):
+        slowest = max(range(len(values)), key=values.__getitem__)
+        row[f"stragglers/{part}_max_s"] = values[slowest]
+        row[f"stragglers/{part}_min_s"] = min(values)
+        row[f"stragglers/{part}_slowest_rank"] = ranks[slowest]
+    return row
+
+
 def kd_words(row: dict) -> str:
     """The KD part of a log line (empty without KD)."""
     return f" kd {row['loss/kd']:.4f} agree {row['kd/top1_agreement']:.3f}" if "loss/kd" in row else ""
@@ -56,6 +78,7 @@ class StepReporter:
         self.memory = MemoryMonitor(topo.device)
         self.warned_grace = False  # this launch only
         self.warned_teacher_bound = False  # once per launch: the progress line keeps showing the share
+        self.last_logged: dict = {}  # the last log row's loss and teacher share, for the live line in between
 
     def tokens_per_step(self) -> int:
         """Tokens one optimizer step consumes over all students."""
@@ -67,16 +90,15 @@ class StepReporter:
 
     def step_done(self, state, metrics: dict, timer, step_time: float, grad_norm, lr: float, stop_now: bool) -> None:
         """After the step's checkpoint: the grace warning, then a log row (collective on log steps) or the live line."""
-        if timer.seconds["checkpoint"] > 0 and self.topo.is_train_master:
-            self.check_preemption_grace(state.step, step_time, timer.seconds["checkpoint"])
+        if "checkpoint" in timer.entered and self.topo.is_train_master:  # the save synced already: reading is free
+            self.check_preemption_grace(state.step, step_time, timer.read()["checkpoint"])
         if self.should_log(state.step, stop_now):
             self.log_step(state, metrics, timer, step_time, float(grad_norm), lr)
-        elif self.progress is not None and self.progress.is_tty:  # live between log steps, from rank 0's own numbers
-            row = {"loss/total": float(metrics["loss/total"]), "speed/tokens_per_s": self.tokens_per_step() / step_time,
-                   "speed/step_time_s": step_time}
-            if "teacher_wait" in timer.seconds:
-                row["speed/teacher_wait_s"] = timer.seconds["teacher_wait"]
-            self.progress.update(state.step, row)
+        elif self.progress is not None and self.progress.is_tty:
+            # Live between log steps from host numbers (the step's wall time is real: the agreed point synced);
+            # the loss and the teacher's share are the last log row's, as reading them would sync every step.
+            self.progress.update(state.step, {**self.last_logged,
+                                              "speed/tokens_per_s": self.tokens_per_step() / step_time})
 
     def check_preemption_grace(self, step: int, step_s: float, save_s: float) -> None:
         """A signal can land at the start of a step: the job needs a whole step plus a save before the kill."""
@@ -95,23 +117,22 @@ class StepReporter:
         group, device = topo.train_group, topo.device
         means = dist_mean_dict(dict(metrics), group, device)
         means["data/bad_lines"] = round(means["data/bad_lines"] * topo.train_world_size)  # a count: the sum
-        per_rank = dist_gather_floats([timer.seconds.get(p, 0.0) for p in STEP_PARTS] + [step_time], group, device)
+        seconds = timer.read()
+        per_rank = dist_gather_floats([seconds.get(p, 0.0) for p in STEP_PARTS] + [step_time, timer.arrival_s],
+                                      group, device)
         tokens_per_s = self.tokens_per_step() / step_time
         row = {"step": state.step, "tokens": state.tokens, **means, "optim/lr": lr, "optim/grad_norm": grad_norm,
                "speed/tokens_per_s": tokens_per_s, "speed/step_time_s": step_time,
-               "speed/data_time_s": timer.seconds.get("data", 0.0), "time": time.time(),
-               **self.memory.get_peak_stats(), **self.distiller.log_metrics(timer)}
+               "speed/data_time_s": seconds.get("data", 0.0), "time": time.time(),
+               **self.memory.get_peak_stats(), **self.distiller.log_metrics(timer),
+               **straggler_metrics(per_rank, topo.student_ranks)}
         mfu = estimate_mfu(self.flops_per_token, tokens_per_s / topo.train_world_size, device)
         if mfu is not None:
             row["speed/mfu"] = mfu
-        for i, part in enumerate(STEP_PARTS + ("step",)):
-            values = [r[i] for r in per_rank]
-            slowest = max(range(len(values)), key=values.__getitem__)
-            row[f"stragglers/{part}_max_s"] = values[slowest]
-            row[f"stragglers/{part}_min_s"] = min(values)
-            row[f"stragglers/{part}_slowest_rank"] = topo.student_ranks[slowest]
         if not topo.is_train_master:
             return
+        self.last_logged = {key: row[key] for key in ("loss/total", "speed/teacher_wait_s", "speed/step_time_s")
+                            if key in row}
         message = (f"step {state.step}/{self.args.steps} loss {row['loss/total']:.4f} ce {row['loss/ce']:.4f}"
                    f"{kd_words(row)} lr {lr:.2e} gnorm {grad_norm:.3f} {tokens_per_s:,.0f} tok/s{teacher_wait_words(row)}"
                    f" slowest r{row['stragglers/step_slowest_rank']} {row['stragglers/step_max_s']:.2f}s")
@@ -138,7 +159,8 @@ class StepReporter:
                        f"About {needed} teacher rank(s) (distillation.n_teacher_ranks={needed}, today "
                        f"{n_teachers}) would keep up with {n_students} students"
                        + ("" if self.distiller.prefetch else ", with distillation.prefetch=1 hiding the teacher behind "
-                          "the whole student step") + "; or use a smaller teacher, or the offline cache.")
+                          "the whole student step where its rank does not share cores with them")
+                       + "; or use a smaller teacher, or the offline cache.")
 
     def log_eval(self, row: dict) -> None:
         if self.metric_logger is not None:

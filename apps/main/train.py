@@ -256,7 +256,7 @@ class FirstStepTracker:
         if self.distiller.first_round_trip is not None:
             self.phases.record("first_teacher_round_trip", *self.distiller.first_round_trip)
         if self.args.distributed.compile:  # torch.compile runs inside the first forward/backward
-            self.phases.record("compile_warmup", time.time() - timer.seconds["fwd_bwd"], time.time())
+            self.phases.record("compile_warmup", time.time() - timer.read()["fwd_bwd"], time.time())
         enter_training_timeout(self.topo, self.args.distributed.train_timeout_s)
         self.distiller.mark_first_step_done()
         if self.topo.is_train_master:  # every rank's spans are on disk by now (teacher's too)
@@ -301,7 +301,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
         matmul_params, args.model.n_layers, args.model.dim, args.data.seq_len))
     faults = FaultInjector(args.inject_failure, topo.train_rank)
     startup = FirstStepTracker(args, topo, phases, distiller, first_step=state.step + 1)
-    timer, ended = StepTimer(), "completed"
+    timer, ended = StepTimer(device), "completed"
     last_step = args.steps if args.exit_after_steps is None else min(args.steps, state.step + args.exit_after_steps)
     feed = MicroBatchFeed(loader, distiller, args.grad_acc_steps, distiller.prefetch, last_step,
                           pin_memory=device.type == "cuda")
@@ -317,6 +317,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
           distiller.stop_on_agreed_error(lambda: state.step)):
         # Micro-batches per step is a loop length (and the teacher's request count): the same on every student.
         agree_count(args.grad_acc_steps, group, device, "micro-batches per step (grad_acc_steps)", mode="equal")
+        timer.common_point()
         while state.step < args.steps:
             timer.reset()
             step_start = time.perf_counter()
@@ -337,6 +338,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             flags = agree_flags(dict(preempt=preemption.requested or faults.preempt(state.step),
                                      nonfinite=faults.nonfinite(state.step, metrics["loss/total"]),
                                      **distiller.control_flags()), group, device)
+            timer.common_point()
             distiller.after_agreement(flags)
             startup.after_agreement(state.step, timer)
             if flags["nonfinite"]:
@@ -377,13 +379,13 @@ def train_step(args: TrainArgs, model, distiller, feed: MicroBatchFeed, step: in
         input_ids, labels = (mb.batch[key].to(device, non_blocking=True) for key in ("input_ids", "labels"))
         if defer_reduce:  # FSDP: accumulate unsharded gradients, reduce-scatter once, after the last micro-batch
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        if i == 0:
+            timer.arrive()  # the forward's first all-gather is the step's first collective
         with timer.part("fwd_bwd"):
             head_loss = distiller.head_loss(labels, mb.pending, n_valid, timer)
             doc_ids = batch_doc_ids(args.model.attn_mask, mb.batch, device)
             model(input_ids, doc_ids=doc_ids, head_loss=head_loss).backward()
     feed.finish_step(step)
-    # teacher_wait is nested inside fwd_bwd; report compute without it.
-    timer.seconds["fwd_bwd"] -= timer.seconds.get("teacher_wait", 0.0)
     metrics = {"tokens": sum(mb.batch["input_ids"].numel() for mb in micro_batches), **distiller.step_metrics()}
     return metrics, [mb.batch for mb in micro_batches]
 

@@ -69,10 +69,11 @@ class LMTransformer(BaseTransformer):
 
 
 def batch_doc_ids(attn_mask: str, batch: dict, device) -> Optional[torch.Tensor]:
-    """The batch's document ids when the model masks attention per document (train, probe and eval alike)."""
+    """The batch's document ids when the model masks attention per document (train, probe and eval alike), sent
+    without blocking the host (a training batch is in pinned memory on CUDA)."""
     if attn_mask != "doc_causal" or batch.get("doc_ids") is None:
         return None
-    return batch["doc_ids"].to(device)
+    return batch["doc_ids"].to(device, non_blocking=True)
 
 
 def get_num_flop_per_token(num_non_embed_params: int, n_layers: int, dim: int, seq_len: int) -> int:

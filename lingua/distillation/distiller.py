@@ -23,18 +23,19 @@ batch. Statistics stay on the device; the loop reads them on log steps only.
 
 import contextlib
 import logging
+import os
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from lingua.distillation.args import DistillationArgs, alpha_at
+from lingua.distillation.args import DistillationArgs, alpha_at, resolve_prefetch
 from lingua.distillation.client import TeacherClient
 from lingua.distillation.divergences import distillation_loss
 from lingua.distillation.fused_loss import fused_linear_kd_loss
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.distillation.reference_loss import kd_loss_and_stats
-from lingua.parallel.collectives import AgreedError
+from lingua.parallel.collectives import AgreedError, agree_count
 from lingua.transformer import cross_entropy_sum
 
 logger = logging.getLogger(__name__)
@@ -205,10 +206,10 @@ class CacheDistiller(KDDistiller):
 class OnlineDistiller(KDDistiller):
     """A teacher rank serves this student's bridge; its sparse outputs feed the KD loss."""
 
-    def __init__(self, args: DistillationArgs, client: TeacherClient):
+    def __init__(self, args: DistillationArgs, client: TeacherClient, prefetch: int):
         super().__init__(args)
         self.client = client
-        self.prefetch = args.prefetch
+        self.prefetch = prefetch
         self.teacher_heldout_ce = client.teacher_heldout_ce
 
     @property
@@ -271,4 +272,17 @@ def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tok
         return CacheDistiller(args, cache.manifest.teacher_heldout_ce)
     with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
         client = TeacherClient(args, topo, tokenizer_vocab(tokenizer), tokenizer.n_words, *max_batch, attn_mask)
-    return OnlineDistiller(args, client)
+    return OnlineDistiller(args, client, agreed_prefetch(args, topo))
+
+
+def agreed_prefetch(args: DistillationArgs, topo) -> int:
+    """The teacher look-ahead every student uses: distillation.prefetch, "auto" resolved from this launch (one
+    gather over the students: a bridge's students must send the same requests, e.g. before a STOP)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    prefetch, why = resolve_prefetch(args.prefetch, topo.device.type, topo.local_world_size, torch.get_num_threads(),
+                                     cores)
+    prefetch = agree_count(prefetch, topo.train_group, topo.device, "teacher look-ahead (distillation.prefetch)",
+                           mode="min")
+    if topo.is_train_master:
+        logger.info(f"teacher look-ahead: prefetch={prefetch} ({why})")
+    return prefetch

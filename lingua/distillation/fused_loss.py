@@ -40,9 +40,12 @@ Using it: call it where the head would run, inside the model's forward (under FS
 then the unsharded plain tensor; a DTensor or a vocab-sharded head is not supported), with the
 tied `tok_embeddings.weight` when embeddings are tied (autograd adds the two grads). Not inside an
 activation-checkpointed region (the forward already does the backward's work), and one backward per
-call. bf16 hidden/weight: bf16 GEMMs, fp32 loss math and grad_W accumulation, grads returned in bf16.
+call. bf16 hidden/weight: bf16 GEMMs, fp32 loss math and grad_W accumulation, grads returned in bf16. On CUDA
+each chunk's bf16 grad_W GEMM writes into the fp32 accumulator directly (`addmm` with `out_dtype`); elsewhere
+it makes a bf16 [V, D] product first, then adds it.
 """
 
+import functools
 import math
 from typing import Optional, Union
 
@@ -78,6 +81,22 @@ def auto_chunk_rows(vocab_size: int, format: Optional[str], device: Union[str, t
     work_dtype = torch.promote_types(dtype, torch.float32)
     per_row = vocab_size * torch.tensor([], dtype=work_dtype).element_size() * WORK_TENSORS[format]
     return max(1, budget // per_row)
+
+
+@functools.lru_cache(maxsize=None)
+def accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this device adds a `dtype` GEMM into an fp32 tensor in one call (`torch.addmm(acc, ..., out_dtype=
+    torch.float32, out=acc)`): CUDA for fp16/bf16 where torch's kernel accepts an fp32 `acc` (older ones want it in
+    the inputs' dtype); not CPU. A tiny probe, once per device."""
+    if dtype == torch.float32:
+        return False
+    acc = torch.zeros(2, 2, dtype=torch.float32, device=device)
+    a = torch.ones(2, 2, dtype=dtype, device=device)
+    try:
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError):  # no such overload, or no kernel for this device
+        return False
+    return True
 
 
 def _topk_kd(a, g, values, ids, extra, mask, kind, jsd_beta, kd_scale):
@@ -147,6 +166,7 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
     grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
     # fp32 accumulator for a bf16 head: adding bf16 partial sums chunk after chunk would round each time.
     grad_weight = torch.zeros(V, D, dtype=dtype, device=weight.device) if need_grad_weight else None
+    fp32_addmm = need_grad_weight and dtype != weight.dtype and accumulates_in_fp32(weight.device, weight.dtype)
     for start in range(0, N, chunk_size):
         rows = slice(start, min(start + chunk_size, N))
         row_mask = mask[rows]
@@ -186,6 +206,8 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
                 torch.mm(g, weight, out=grad_hidden[rows])
             if need_grad_weight and dtype == weight.dtype:
                 grad_weight.addmm_(g.T, h)
+            elif fp32_addmm:  # a bf16 GEMM summed into fp32: no [V, D] temporary
+                torch.addmm(grad_weight, g.T, h, out_dtype=dtype, out=grad_weight)
             elif need_grad_weight:
                 grad_weight.add_(g.T @ h)
     loss = distillation_loss(stats[0], stats[1], alpha, temperature) * inv_norm

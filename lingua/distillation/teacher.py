@@ -9,17 +9,28 @@ vocabulary (`vocab_parallel.py`).
 """
 
 import json
+import logging
 import struct
 from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
 from lingua.distillation.tensor_parallel import VocabShard, shard_teacher
 from lingua.distillation.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_outputs
 from lingua.errors import DataError, MissingPathError
+from lingua.parallel.collectives import log_collective
+
+logger = logging.getLogger(__name__)
+
+CPU_LOGITS_CHUNK_ROWS = 4  # distillation.logits_chunk_rows=0 (auto) on CPU
+# Auto on GPU: fp32 [rows, S, V] tensors alive at once in a chunk (the logits, their scaled copy, the log-probs,
+# the top-k/logsumexp work), and the share of the memory free after loading the teacher they may use.
+LOGITS_WORK_TENSORS = 4
+LOGITS_FREE_MEMORY_SHARE = 0.25
 
 TEACHER_PREPARE_HINT = (
     "point distillation.teacher_path at a transformers checkpoint directory, or make one: "
@@ -129,7 +140,8 @@ def load_teacher(args: DistillationArgs, device: torch.device, place: bool = Tru
         raise MissingPathError(f"teacher path '{path}' {what}; {hint}.")
     source = path if hub_like else str(local)
     dtype = teacher_dtype(args, device)
-    kwargs = dict(dtype=dtype)
+    # Straight onto its device: on a GPU, no full copy in host memory (tensor-parallel: sliced from the host's copy).
+    kwargs = dict(dtype=dtype, device_map=device if place else torch.device("cpu"))
     if args.attn_implementation:
         kwargs["attn_implementation"] = args.attn_implementation
     try:
@@ -143,8 +155,7 @@ def load_teacher(args: DistillationArgs, device: torch.device, place: bool = Tru
                 f"that could be loaded{offline}: {_short_reason(err)}; {hint}."
             ) from err
         raise DataError(f"teacher directory '{path}' could not be loaded ({_short_reason(err)}); {hint}.") from err
-    model = (model.to(device) if place else model).eval()
-    model.requires_grad_(False)
+    model.eval().requires_grad_(False)
     return model, tokenizer
 
 
@@ -182,6 +193,31 @@ class TeacherModel:
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
         self.n_params = sum(p.numel() for p in self.model.parameters())  # a DTensor counts its whole tensor
         self.n_local_params = sum(getattr(p, "to_local", lambda: p)().numel() for p in self.model.parameters())
+        # What the auto logits chunk may use; measured once, after loading, so it never counts our own chunks.
+        self.free_bytes = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+        self.chunk_rows: dict[int, int] = {}  # sequence length -> rows per lm_head chunk
+
+    def logits_chunk_rows(self, seq_len: int) -> int:
+        """Teacher rows per lm_head chunk: distillation.logits_chunk_rows, or with 0 (auto) 4 on CPU and on GPU the
+        most rows, a power of two, whose fp32 [rows, S, V] work fits a quarter of the memory free after loading."""
+        if self.args.logits_chunk_rows:
+            return self.args.logits_chunk_rows
+        if seq_len not in self.chunk_rows:
+            rows = CPU_LOGITS_CHUNK_ROWS
+            if self.device.type == "cuda":
+                vocab = self.shard.width if self.shard is not None else self.vocab_size  # sharded: its slice's logits
+                per_row = seq_len * vocab * 4 * LOGITS_WORK_TENSORS
+                rows = 2 ** max(0, int(LOGITS_FREE_MEMORY_SHARE * self.free_bytes // per_row).bit_length() - 1)
+                if self.shard is not None:  # every rank of a replica runs the same chunks: each has collectives
+                    agreed = torch.tensor([rows], dtype=torch.int64, device=self.device)
+                    log_collective("all_reduce(min) logits chunk rows", self.shard.group, agreed)
+                    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.shard.group)
+                    rows = int(agreed)
+                logger.info(f"teacher logits in chunks of {rows} rows of {seq_len} positions "
+                            f"(distillation.logits_chunk_rows=0: a quarter of {self.free_bytes / 2**30:.1f} GiB free "
+                            f"after loading)")
+            self.chunk_rows[seq_len] = rows
+        return self.chunk_rows[seq_len]
 
     def no_grad(self):
         """The forward's autograd-free mode: inference mode, or no_grad when sharded (DTensor dispatches slower
@@ -216,7 +252,7 @@ class TeacherModel:
         """lm_head + sparsification a few rows at a time, so [rows, S, V] logits never exist at once; ids
         beyond `vocab_size` (the students' vocab; teacher rows past it are padding) are cut. Tensor-parallel:
         each rank computes its vocabulary slice's logits only, the outputs come back on the group's first rank."""
-        rows = max(1, self.args.logits_chunk_rows)
+        rows = self.logits_chunk_rows(hidden.shape[1])
         parts = []
         with self.no_grad():
             for start in range(0, hidden.shape[0], rows):

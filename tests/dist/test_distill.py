@@ -1,6 +1,7 @@
 """Online distillation with 2 students + 1 teacher under torchrun on CPU/gloo."""
 
 import json
+import os
 import re
 import shutil
 import time
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from apps.bench import distill as bench
+from lingua.distillation.args import resolve_prefetch
 from lingua.rundir import RunDir, read_metrics, train_rows
 from tests.runs import assert_ok, distill_overrides, rank_exit_codes, rank_outputs, signal_ranks, torchrun
 
@@ -304,10 +306,14 @@ def test_prefetch_gives_the_same_losses_and_resumes_exactly(corpus, tiny_teacher
 @pytest.mark.timeout(200)
 def test_doc_causal_students_send_document_ids_and_train(corpus, tiny_teacher, tmp_path):
     dump = tmp_path / "run"
-    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=3, **{"model.attn_mask": "doc_causal"}),
+    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=3, **{"model.attn_mask": "doc_causal",
+                                                                                    "distillation.prefetch": "auto"}),
                       timeout=150)
     assert_ok(result)
     assert "buffers [2 x 32] with document ids" in result.stdout
+    # auto: from this machine's cores, for 3 ranks of 1 thread each (torchrun's OMP_NUM_THREADS=1), once.
+    prefetch, why = resolve_prefetch("auto", "cpu", 3, 1, len(os.sched_getaffinity(0)))
+    assert result.stdout.count(f"teacher look-ahead: prefetch={prefetch} ({why})") == 1, result.stdout[-4000:]
     rows = train_rows(dump)
     assert sorted(rows) == [1, 2, 3] and all(r["loss/kd"] > 0 for r in rows.values())
     # Tokens and document ids go up: twice the int32 grid of a causal bridge, plus the header.
@@ -381,16 +387,22 @@ def test_teacher_metrics_come_from_the_completed_response_not_one_in_flight(tiny
     assert result.stdout.count("SLOW REPLY OK") == 3, result.stdout[-4000:]
 
 
-@pytest.mark.timeout(300)
-def test_no_host_read_per_micro_batch(corpus, tiny_teacher, tmp_path):
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["causal", "doc_causal_on_a_terminal"])
+def test_no_host_read_per_micro_batch(corpus, tiny_teacher, tmp_path, mode):
     """Tensor -> Python conversions per step do not grow with the micro-batches: zero per micro-batch (on CUDA
-    each would be a host sync), with look-ahead and the teacher's status words read at the agreed point."""
+    each would be a host sync), with look-ahead and the teacher's status words read at the agreed point; with
+    document masks, and with rank 0's progress line redrawn every step as on a terminal."""
     per_step = {}
+    extra, env = ({"model.attn_mask": "doc_causal"}, {"COUNT_SYNCS_TTY": "1"}) if mode != "causal" else ({}, {})
     for grad_acc in (1, 3):
         out = tmp_path / f"counts_{grad_acc}.json"
         overrides = distill_overrides(corpus, tiny_teacher, tmp_path / f"run{grad_acc}", steps=6,
-                                      grad_acc_steps=grad_acc, **{"logging.freq": 100})
-        assert_ok(torchrun(3, [str(out), *overrides], timeout=150, module="tests.dist.workers.count_syncs"))
+                                      grad_acc_steps=grad_acc, **{"logging.freq": 100, **extra})
+        result = torchrun(3, [str(out), *overrides], timeout=150, env=env, module="tests.dist.workers.count_syncs")
+        assert_ok(result)
+        assert ("step 4/6 | " in result.stdout) == bool(env)  # the live line, redrawn between log steps
         for rank in (0, 1):
             counts = json.loads(Path(f"{out}.{rank}").read_text())
             # Steps 2..5: past the first step's startup work, before the last step's log row.

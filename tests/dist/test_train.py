@@ -4,6 +4,7 @@ accumulation, preemption. Each run has a hard timeout: a hang fails the test."""
 import json
 import math
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -118,19 +119,22 @@ def test_probe_steps_write_per_rank_stats(corpus, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def reduce_scatter_runs(corpus, tmp_path_factory) -> tuple[dict, dict]:
+def reduce_scatter_runs(corpus, tmp_path_factory) -> tuple[dict, dict, dict]:
     """3 steps of 2 micro-batches of 2 rows, reducing gradients per micro-batch ("true", the default) and once
-    per step ("false"), counting FSDP's reduce-scatters: (rows by step, counts per rank), each by setting."""
+    per step ("false"), recording FSDP's collectives: (rows by step, reduce-scatter counts per rank, each rank's
+    all-gathers [in_backward, numel] in call order), each by setting."""
     root = tmp_path_factory.mktemp("reduce_scatter")
-    rows, counts = {}, {}
+    rows, counts, gathers = {}, {}, {}
     for every in ("true", "false"):
         out = root / f"rs_{every}.json"
         overrides = base_overrides(corpus, root / every, steps=3, grad_acc_steps=2,
                                    **{"data.batch_size": 2, "distributed.reduce_every_micro_batch": every})
-        assert_ok(torchrun(2, [str(out), *overrides], timeout=120, module="tests.dist.workers.count_reduce_scatters"))
+        assert_ok(torchrun(2, [str(out), *overrides], timeout=120, module="tests.dist.workers.count_fsdp_collectives"))
         rows[every] = train_rows(root / every)
-        counts[every] = [int(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
-    return rows, counts
+        recorded = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+        counts[every] = [r["reduce_scatters"] for r in recorded]
+        gathers[every] = [r["all_gathers"] for r in recorded]
+    return rows, counts, gathers
 
 
 @pytest.mark.timeout(300)
@@ -208,10 +212,27 @@ def test_debug_cpu_config_trains_logs_checkpoints_and_resumes(corpus, tmp_path):
     assert (dump / "config.yaml").exists() and "vocab_size: 258" in (dump / "config.yaml").read_text()
 
 
+@pytest.mark.timeout(150)
+def test_the_straggler_row_names_the_late_rank(corpus, tmp_path):
+    """Student 1 is 4 s late to step 3 (stall, before any timed part); student 0 waits for it inside its
+    forward's first all-gather. The step-3 row names rank 1 as the slowest step and the latest arrival."""
+    dump = tmp_path / "run"
+    assert_ok(torchrun(2, base_overrides(corpus, dump, steps=4, inject_failure="stall:1@3"), timeout=120))
+    rows = train_rows(dump)
+    late = rows[3]
+    assert late["stragglers/step_slowest_rank"] == 1 and late["stragglers/arrival_slowest_rank"] == 1, late
+    assert late["stragglers/arrival_max_s"] - late["stragglers/arrival_min_s"] > 3.0  # of the 4 s stall
+    assert late["stragglers/fwd_bwd_slowest_rank"] == 0 and late["stragglers/fwd_bwd_max_s"] > 3.0  # the waiter
+    assert late["stragglers/step_max_s"] - late["stragglers/step_min_s"] > 3.0
+    for step in (2, 4):  # no stall: nobody waited seconds
+        assert rows[step]["stragglers/arrival_max_s"] - rows[step]["stragglers/arrival_min_s"] < 3.0
+
+
 @pytest.mark.timeout(120)
 def test_single_process_without_torchrun_with_a_live_progress_line(corpus, tmp_path):
     """`python -m apps.main.train` alone trains, saves and warns; on a terminal rank 0 redraws its status line
-    every step, not only at log steps."""
+    every step, not only at log steps: between log steps from host numbers, with the last log row's loss (reading
+    the loss every step would sync the host with the GPU)."""
     import pty
     import subprocess
     import sys
@@ -236,19 +257,38 @@ def test_single_process_without_torchrun_with_a_live_progress_line(corpus, tmp_p
     os.close(primary)
     screen = b"".join(chunks).decode(errors="replace")
     assert proc.wait(timeout=100) == 0, screen[-3000:]
-    for step in (1, 2, 4, 5):  # between the log steps 3 and 6
-        assert f"\rstep {step}/6 | loss " in screen, screen[-3000:]
-    assert sorted(train_rows(dump)) == [3, 6]
+    rows = train_rows(dump)
+    assert sorted(rows) == [3, 6]
+    for step in (1, 2):  # before the first log row: progress and speed, no loss yet
+        assert re.search(rf"\rstep {step}/6 \| [0-9.]+[kMG]? tok/s", screen), screen[-3000:]
+    for step in (4, 5):  # between the log steps 3 and 6: step 3's loss
+        assert f"\rstep {step}/6 | loss {rows[3]['loss/total']:.3f} | " in screen, screen[-3000:]
     assert (dump / "checkpoints" / f"{6:010d}").is_dir()
     assert screen.count("between SLURM's USR2 and the kill (preemption_grace_s)") == 1, screen[-3000:]
     assert "step 1 with its checkpoint took" in screen
 
 
 @pytest.mark.timeout(300)
+def test_the_root_is_gathered_once_per_micro_batch(reduce_scatter_runs):
+    """FSDP all-gathers the root (embeddings, final norm, head) in each micro-batch's forward and keeps it
+    until its backward is done: the backward gathers only the blocks resharded after forward (all but the last)."""
+    micro_batches = 3 * 2
+    for every in ("true", "false"):  # gathering does not depend on when gradients are reduced
+        for calls in reduce_scatter_runs[2][every]:
+            forward = [numel for in_backward, numel in calls if not in_backward]
+            backward = [numel for in_backward, numel in calls if in_backward]
+            root_numel = forward[0]  # the root's pre-forward gathers first
+            # Forward: the root and both blocks; backward: block 0 only (the last block is kept for the root's
+            # backward).
+            assert len(forward) == 3 * micro_batches and forward.count(root_numel) == micro_batches, calls
+            assert len(backward) == micro_batches and root_numel not in backward, calls
+
+
+@pytest.mark.timeout(300)
 def test_one_gradient_reduce_scatter_per_step_trains_the_same(reduce_scatter_runs):
     """distributed.reduce_every_micro_batch=false: FSDP reduce-scatters once per step instead of once per
     micro-batch (unsharded gradients accumulate in between), with the same losses and gradient norms."""
-    rows, counts = reduce_scatter_runs
+    rows, counts, _ = reduce_scatter_runs
     # One reduce-scatter per FSDP unit (2 blocks + the root) per backward: 3 steps x 2 micro-batches vs 3 steps.
     assert counts["true"] == [3 * 3 * 2] * 2 and counts["false"] == [3 * 3] * 2, counts
     for step in (1, 2, 3):

@@ -194,6 +194,46 @@ def test_a_packed_row_with_document_ids_equals_separate_forwards_of_its_document
     assert torch.equal(wire.ids, alone.ids)
 
 
+def test_logits_chunk_rows_auto_is_four_on_cpu_and_sized_from_free_memory_on_gpu(tiny_teacher):
+    from lingua.distillation.teacher import TeacherModel
+
+    teacher = TeacherModel(DistillationArgs(teacher_path=str(tiny_teacher), teacher_dtype="fp32"), CPU)
+    assert teacher.args.logits_chunk_rows == 0 and teacher.logits_chunk_rows(32) == 4  # the CPU default, as before
+    hidden = torch.randn(6, 32, teacher.model.config.hidden_size)
+    auto = teacher.sparse_outputs(hidden, "topk", 8, torch.float32, teacher.vocab_size)
+    teacher.args = DistillationArgs(teacher_path=str(tiny_teacher), teacher_dtype="fp32", logits_chunk_rows=1)
+    assert teacher.logits_chunk_rows(32) == 1  # an explicit value wins
+    one_row = teacher.sparse_outputs(hidden, "topk", 8, torch.float32, teacher.vocab_size)
+    assert torch.equal(auto.values, one_row.values) and torch.equal(auto.ids, one_row.ids)  # rows are independent
+    # The GPU rule, on this teacher's numbers: a power of two of [S, V] fp32 rows, 4 tensors each, in 1/4 of the free memory.
+    teacher.args = DistillationArgs(teacher_path=str(tiny_teacher), teacher_dtype="fp32")
+    teacher.device, teacher.free_bytes = torch.device("cuda"), 10 * 2**30
+    per_row = 2048 * teacher.vocab_size * 4 * 4
+    assert teacher.logits_chunk_rows(2048) == 2 ** int(torch.tensor(10 * 2**30 / 4 / per_row).log2().floor())
+    teacher.free_bytes, teacher.chunk_rows = 2**20, {}
+    assert teacher.logits_chunk_rows(2048) == 1  # never fewer than one row
+
+
+def test_a_negative_logits_chunk_rows_is_refused():
+    with pytest.raises(ValueError, match=r"distillation.logits_chunk_rows=-1; use 0 \(auto"):
+        DistillationArgs(logits_chunk_rows=-1).validate(enabled=False)
+
+
+def test_auto_prefetch_looks_ahead_unless_the_ranks_oversubscribe_the_cores():
+    from lingua.distillation.args import resolve_prefetch
+
+    assert resolve_prefetch("auto", "cuda", 8, 16, 2) == (1, "auto: every rank has its own GPU")
+    assert resolve_prefetch("auto", "cpu", 3, 1, 16)[0] == 1
+    # The demo: 2 students + 1 teacher of one thread each on 2 cores, where look-ahead made it slower.
+    prefetch, why = resolve_prefetch("auto", "cpu", 3, 1, 2)
+    assert prefetch == 0 and why.startswith("auto: 3 ranks x 1 threads on 2 cores oversubscribe them")
+    assert resolve_prefetch("auto", "cpu", 2, 4, 4)[0] == 0  # threads count too
+    assert resolve_prefetch(2, "cpu", 3, 1, 2) == (2, "distillation.prefetch=2")  # an explicit value wins
+    for bad in (3, -1, "always", True):
+        with pytest.raises(ValueError, match="distillation.prefetch="):
+            DistillationArgs(prefetch=bad).validate(enabled=False)
+
+
 @pytest.mark.parametrize("output,k,refused", [("topk", 500, False), ("topk", 501, True), ("topk", 100000, True),
                                               ("sampled", 100000, False), ("full", 100000, False)])
 def test_top_k_beyond_the_students_vocabulary_is_refused_at_the_handshake(output, k, refused):

@@ -74,7 +74,7 @@ def test_future_tokens_do_not_change_earlier_logits():
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("attn_impl", ["sdpa", "flex", "xformers"])  # xformers/flex fall back to SDPA on CPU
+@pytest.mark.parametrize("attn_impl", ["auto", "sdpa", "flex", "xformers"])  # all but sdpa fall back to it on CPU
 def test_doc_causal_documents_do_not_see_each_other(attn_impl):
     model = build(tiny_args(attn_mask="doc_causal", attn_impl=attn_impl))
     ids = tokens(2, 16, seed=1)
@@ -121,6 +121,49 @@ def test_doc_seqlens_and_cpu_fallback():
 
 
 @pytest.mark.timeout(10)
+def test_auto_attention_is_flex_on_cuda_when_it_compiles(monkeypatch, caplog):
+    import importlib.util
+
+    from lingua import transformer
+
+    cuda = torch.device("cuda")  # a device object only; no GPU needed
+    assert resolve_attn_impl("auto", torch.device("cpu")) == "sdpa"  # CPU: the masked SDPA path, as before
+    real_find_spec = importlib.util.find_spec
+    for triton in (True, False):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: (real_find_spec("json") if triton else None) if name == "triton"
+                            else real_find_spec(name, *a))
+        transformer._warn_once.cache_clear()
+        with caplog.at_level("WARNING", logger="lingua.transformer"):
+            chosen = resolve_attn_impl("auto", cuda)
+        assert chosen == ("flex" if triton and flex_attention is not None else "sdpa")
+        assert ("dense [B, 1, S, S] mask" in caplog.text) == (chosen == "sdpa")
+        caplog.clear()
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.skipif(flex_attention is None, reason="this torch build has no flex_attention")
+def test_heads_too_small_for_flex_use_sdpa_on_cuda_with_one_warning(monkeypatch, caplog):
+    """flex_attention's GPU kernels refuse heads under 16 dimensions (tiny test models have 8): auto and an explicit
+    flex fall back to the masked SDPA path with a warning, instead of failing in the first forward."""
+    import importlib.util
+
+    from lingua import transformer
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: real_find_spec("json") if name == "triton" else real_find_spec(name, *a))
+    transformer._warn_once.cache_clear()
+    cuda = torch.device("cuda")  # a device object only; no GPU needed
+    with caplog.at_level("WARNING", logger="lingua.transformer"):
+        assert resolve_attn_impl("auto", cuda, head_dim=16) == "flex"
+        assert [resolve_attn_impl(impl, cuda, head_dim=8) for impl in ("auto", "flex", "auto")] == ["sdpa"] * 3
+    warnings = [r.message for r in caplog.records]
+    assert len(warnings) == 1 and "at least 16 dimensions on GPU (this model has 8" in warnings[0], warnings
+    assert resolve_attn_impl("auto", torch.device("cpu"), head_dim=8) == "sdpa"
+
+
+@pytest.mark.timeout(10)
 def test_xformers_missing_falls_back_with_one_warning(monkeypatch, caplog):
     import importlib.util
 
@@ -132,7 +175,7 @@ def test_xformers_missing_falls_back_with_one_warning(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="lingua.transformer"):
         on_gpu = resolve_attn_impl("xformers", torch.device("cuda"))  # a device object only; no GPU needed
         on_cpu = resolve_attn_impl("xformers", torch.device("cpu"))
-    assert on_gpu == ("flex" if flex_attention is not None else "sdpa") and on_cpu == "sdpa"
+    assert on_gpu == resolve_attn_impl("flex", torch.device("cuda")) and on_cpu == "sdpa"
     assert sum("xformers is not installed" in r.message for r in caplog.records) == 1
 
 

@@ -6,10 +6,12 @@ On CUDA each `.item()`, `.tolist()`, `bool()`, `int()`, `float()`, `.numpy()` of
 the host until the GPU has caught up. No GPU here, so this counts the calls themselves (a proxy: on CPU
 they are cheap, but a call per micro-batch on CPU is a host sync per micro-batch on CUDA). Counted in
 each student's main thread between one step's start and the next (the data thread is not the step).
-Each student writes {step: [count, [call sites]]} to <out.json>.<train rank>.
+Each student writes {step: [count, [call sites]]} to <out.json>.<train rank>. With COUNT_SYNCS_TTY=1 in the
+environment rank 0's progress line behaves as on a terminal (redrawn every step).
 """
 
 import json
+import os
 import sys
 import threading
 import traceback
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from apps.main import train
+from lingua.metrics import ProgressLine
 from lingua.timing import StepTimer
 
 CONVERSIONS = ("item", "tolist", "__bool__", "__int__", "__float__", "numpy")
@@ -44,7 +47,19 @@ def counting(name: str):
     return wrapper
 
 
+def as_on_a_terminal() -> None:
+    """Every ProgressLine believes its stream is a terminal."""
+    init = ProgressLine.__init__
+
+    def init_on_a_terminal(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.is_tty = True
+    ProgressLine.__init__ = init_on_a_terminal
+
+
 def main(out: str, overrides: list[str]) -> None:
+    if os.environ.get("COUNT_SYNCS_TTY") == "1":  # a test worker may read its launcher's env
+        as_on_a_terminal()
     for name in CONVERSIONS:
         setattr(torch.Tensor, name, counting(name))
     reset = StepTimer.reset

@@ -1,0 +1,88 @@
+"""The GPU self-check: the first command to run on a GPU machine.
+
+    bash setup/gpu_check.sh                 # or: python -m apps.debug.gpu_check [extra pytest arguments]
+
+Runs every test marked `cuda` under tests/ (tests/gpu: CUDA-event step timing, flex attention for document masks,
+the fused loss's fp32 accumulation, the teacher loaded onto its GPU, no host sync per micro-batch under
+`torch.cuda.set_sync_debug_mode`, the NCCL KD run against the gloo one, a teacher failure ending every rank, a
+flight-recorder dump on a hang; and those beside the CPU tests, e.g. the teacher-wait clock's CUDA events) and
+prints one row per check: passed, FAILED or skipped with the reason (a check that needs 2 GPUs skips on one).
+Exit status 0 when every check that ran passed and at least one ran, else 1.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKS = ROOT / "tests"  # every test marked cuda, wherever it lives
+
+
+class CheckTable:
+    """A pytest plugin that keeps each check's outcome, seconds and docstring."""
+
+    def __init__(self):
+        self.rows: dict[str, dict] = {}
+
+    def pytest_collection_finish(self, session):
+        for item in session.items:  # what runs, after `-m cuda` deselected the rest
+            doc = " ".join((getattr(item.obj, "__doc__", None) or "").split())
+            self.rows[item.nodeid] = dict(name=item.name, doc=doc if len(doc) <= 120 else doc[:117] + "...",
+                                          outcome="not run", seconds=0.0, reason="")
+
+    def pytest_runtest_logreport(self, report):
+        row = self.rows.get(report.nodeid)
+        if row is None:
+            return
+        row["seconds"] += report.duration
+        if report.skipped:
+            row["outcome"] = "skipped"
+            row["reason"] = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        elif report.failed:
+            row["outcome"] = "FAILED"
+            row["reason"] = f"in {report.when}: " + (report.longreprtext.strip().splitlines() or [""])[-1][:160]
+        elif report.when == "call" and row["outcome"] == "not run":
+            row["outcome"] = "passed"
+
+
+def machine_line() -> str:
+    """torch, CUDA and NCCL versions and the visible GPUs."""
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__}: no CUDA GPU visible"
+    names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
+    return f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}: {torch.cuda.device_count()} GPU(s): {names}"
+
+
+def format_table(rows: list[dict]) -> str:
+    """One line per check: outcome, seconds, test name, what it checks (or why it did not run)."""
+    lines = [f"{'result':<8} {'s':>6}  check"]
+    for row in rows:
+        what = row["doc"] or row["name"]
+        lines.append(f"{row['outcome']:<8} {row['seconds']:>6.1f}  {row['name']}: {what}")
+        if row["reason"]:
+            lines.append(f"{'':<16}{row['reason']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    print(machine_line(), flush=True)
+    table = CheckTable()
+    start = time.time()
+    pytest.main([str(CHECKS), "-m", "cuda", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), *argv],
+                plugins=[table])
+    rows = list(table.rows.values())
+    print(f"\nGPU self-check ({time.time() - start:.0f}s)\n" + format_table(rows))
+    counts = {outcome: sum(r["outcome"] == outcome for r in rows) for outcome in ("passed", "FAILED", "skipped")}
+    print(f"{counts['passed']} passed, {counts['FAILED']} failed, {counts['skipped']} skipped")
+    if not counts["passed"] and not counts["FAILED"]:
+        print("nothing was checked: run this on a machine with CUDA GPUs (2 for the NCCL checks)")
+        return 1
+    return 1 if counts["FAILED"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

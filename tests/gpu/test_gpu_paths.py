@@ -1,0 +1,116 @@
+"""The GPU paths in one process on one GPU: CUDA-event step timing, flex attention for document masks, the fused
+loss's fp32 accumulation of a bf16 head, the teacher loaded straight onto its GPU. Marked `cuda`: skipped without a
+GPU, written to pass on one (`bash setup/gpu_check.sh`)."""
+
+import time
+
+import pytest
+import torch
+
+from lingua.distillation import fused_loss as fused_module
+from lingua.distillation.args import DistillationArgs
+from lingua.distillation.fused_loss import accumulates_in_fp32, fused_linear_kd_loss
+from lingua.distillation.outputs import sparsify_teacher_logits
+from lingua.timing import StepTimer
+from lingua.transformer import attention, doc_causal_block_mask, doc_causal_bool_mask, resolve_attn_impl
+from tests.gpu.gpus import needs_gpus
+
+CUDA = torch.device("cuda", 0)
+
+
+def gpu_busy_seconds(cycles: int) -> float:
+    """Host seconds the GPU takes to spin `cycles` (measured once, synchronised)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+@needs_gpus(1)
+def test_step_parts_are_timed_on_the_gpu_not_at_launch():
+    """A part that only queues GPU work takes the GPU's time, nested parts apart; the host returns at once."""
+    torch.cuda.set_device(CUDA)
+    cycles = 200_000_000
+    busy = gpu_busy_seconds(cycles)
+    assert busy > 0.02, busy  # the calibration itself measured something
+    timer = StepTimer(CUDA)
+    host_start = time.perf_counter()
+    with timer.part("fwd_bwd"):
+        torch.cuda._sleep(cycles)
+        with timer.part("teacher_wait"):
+            torch.cuda._sleep(2 * cycles)
+    host_s = time.perf_counter() - host_start
+    seconds = timer.read()  # waits for the last event
+    assert seconds["teacher_wait"] == pytest.approx(2 * busy, rel=0.5)
+    assert seconds["fwd_bwd"] == pytest.approx(busy, rel=0.5)  # its own time, the nested wait excluded
+    assert host_s < busy / 2  # the host only queued the work: its clock would have said ~0
+
+
+@needs_gpus(1)
+def test_document_masks_run_on_flex_attention_and_match_sdpa():
+    """model.attn_impl=auto picks compiled flex_attention on CUDA; it equals SDPA with the dense mask, grads too."""
+    assert resolve_attn_impl("auto", CUDA) == "flex"
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    B, S, H, KV, Dh = 2, 256, 4, 2, 32
+    q, k, v = (torch.randn(B, S, h, Dh, device=CUDA, dtype=torch.bfloat16, generator=generator).requires_grad_()
+               for h in (H, KV, KV))
+    doc_ids = torch.cat([torch.zeros(B, 100), torch.ones(B, 60), torch.full((B, 96), 2.0)], dim=1).to(CUDA).long()
+    outputs, grads = [], []
+    for mask in (doc_causal_block_mask(doc_ids), doc_causal_bool_mask(doc_ids)):
+        out = attention(q, k, v, mask)
+        out.float().square().sum().backward()
+        outputs.append(out.float())
+        grads.append([t.grad.float().clone() for t in (q, k, v)])
+        for t in (q, k, v):
+            t.grad = None
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=2e-2, atol=2e-2)  # bf16 kernels
+    for flex_grad, sdpa_grad in zip(*grads):
+        torch.testing.assert_close(flex_grad, sdpa_grad, rtol=5e-2, atol=5e-2)
+
+
+def head_grads(dtype, teacher, hidden, weight, labels):
+    h = hidden.to(dtype).requires_grad_()
+    w = weight.to(dtype).requires_grad_()
+    loss, _ = fused_linear_kd_loss(h, w, labels, teacher, int((labels != -100).sum()), 0.5, 1.0, chunk_size=128)
+    loss.backward()
+    return w.grad.double()
+
+
+@needs_gpus(1)
+def test_a_bf16_head_gradient_is_summed_in_fp32_without_a_bf16_temporary(monkeypatch):
+    """On CUDA each chunk's bf16 grad_W GEMM adds into the fp32 accumulator (addmm with out_dtype): no [V, D] bf16
+    product per chunk, and no rounding of it either, so the result is at least as close to fp32's."""
+    if not accumulates_in_fp32(CUDA, torch.bfloat16):  # older kernels want the added tensor in the inputs' dtype
+        pytest.skip(f"torch {torch.__version__}'s CUDA addmm(out_dtype=float32) refuses an fp32 accumulator: the "
+                    f"fused loss keeps its bf16 [V, D] product per chunk here")
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    N, D, V = 1024, 256, 8192
+    hidden = torch.randn(N, D, device=CUDA, generator=generator)
+    weight = torch.randn(V, D, device=CUDA, generator=generator) * 0.05
+    labels = torch.randint(0, V, (N,), device=CUDA, generator=generator)
+    teacher = sparsify_teacher_logits(hidden @ weight.T + torch.randn(N, V, device=CUDA, generator=generator),
+                                      "topk", 16, 1.0)
+    exact = head_grads(torch.float32, teacher, hidden, weight, labels)
+    fused = head_grads(torch.bfloat16, teacher, hidden, weight, labels)
+    monkeypatch.setattr(fused_module, "accumulates_in_fp32", lambda device, dtype: False)
+    with_temporary = head_grads(torch.bfloat16, teacher, hidden, weight, labels)
+    error, temporary_error = ((g - exact).norm() / exact.norm() for g in (fused, with_temporary))
+    assert error < 2e-2, error
+    assert error <= temporary_error * 1.05, (error, temporary_error)
+
+
+@needs_gpus(1)
+def test_the_teacher_loads_straight_onto_its_gpu_and_sizes_its_logits_chunks(tiny_teacher):
+    """transformers loads the teacher onto its GPU (device_map), in bf16; logits chunks come from its free memory."""
+    from lingua.distillation.teacher import TeacherModel
+
+    teacher = TeacherModel(DistillationArgs(teacher_path=str(tiny_teacher)), CUDA)
+    assert {p.device for p in teacher.model.parameters()} == {CUDA}
+    assert {p.dtype for p in teacher.model.parameters()} == {torch.bfloat16}  # teacher_dtype=auto on GPU
+    assert teacher.free_bytes > 0
+    rows = teacher.logits_chunk_rows(64)
+    assert rows >= 1 and rows & (rows - 1) == 0  # a power of two
+    hidden = torch.randn(8, 64, teacher.model.config.hidden_size, device=CUDA, dtype=torch.bfloat16)
+    outputs = teacher.sparse_outputs(hidden, "topk", 8, torch.bfloat16, teacher.vocab_size)
+    assert outputs.values.shape == (8, 64, 8) and outputs.values.device == CUDA

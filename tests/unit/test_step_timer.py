@@ -1,0 +1,59 @@
+"""StepTimer (each part's own seconds, the arrival at the step's first collective) and the straggler columns."""
+
+import time
+
+import pytest
+
+from apps.main.report import STEP_PARTS, straggler_metrics
+from lingua.timing import StepTimer
+
+
+def test_a_nested_part_is_not_counted_in_the_enclosing_one():
+    timer = StepTimer()
+    with timer.part("fwd_bwd"):
+        time.sleep(0.02)
+        with timer.part("teacher_wait"):
+            time.sleep(0.05)
+    seconds = timer.read()
+    assert seconds["teacher_wait"] >= 0.05
+    assert 0.02 <= seconds["fwd_bwd"] < 0.05  # its own 20 ms, not the 70 ms the block lasted
+    assert timer.entered == {"fwd_bwd", "teacher_wait"}
+    assert timer.read() == seconds  # reading again changes nothing
+    timer.reset()
+    assert timer.read() == {} and timer.entered == set()
+
+
+def test_arrival_counts_from_the_last_common_point_across_steps():
+    timer = StepTimer()
+    timer.common_point()
+    time.sleep(0.03)  # after the agreed point: the previous step's save, log, eval ...
+    timer.reset()  # ... then the next step starts
+    time.sleep(0.02)
+    timer.arrive()
+    assert timer.arrival_s >= 0.05
+    timer.common_point()
+    timer.arrive()
+    assert timer.arrival_s < 0.05
+
+
+def per_rank_row(parts: dict, step: float, arrival: float) -> list[float]:
+    return [parts.get(p, 0.0) for p in STEP_PARTS] + [step, arrival]
+
+
+def test_the_late_rank_is_the_slowest_step_not_the_ranks_that_waited_for_it():
+    # Rank 1 stalls 4 s before its first forward; rank 0 spends those 4 s waiting inside its forward.
+    rows = [per_rank_row({"fwd_bwd": 4.3, "data": 0.01}, step=4.5, arrival=0.02),
+            per_rank_row({"fwd_bwd": 0.3, "data": 0.01}, step=4.5, arrival=4.02)]
+    row = straggler_metrics(rows, ranks=[0, 1])
+    assert row["stragglers/step_slowest_rank"] == 1 and row["stragglers/step_max_s"] == pytest.approx(4.5)
+    assert row["stragglers/step_min_s"] == pytest.approx(0.5)  # rank 0's step without its 4 s wait
+    assert row["stragglers/arrival_slowest_rank"] == 1 and row["stragglers/arrival_max_s"] == pytest.approx(4.02)
+    assert row["stragglers/fwd_bwd_slowest_rank"] == 0  # the waiter's forward absorbed the stall
+
+
+def test_without_a_late_rank_the_step_columns_are_the_step_times():
+    rows = [per_rank_row({"fwd_bwd": 0.3}, step=0.42, arrival=0.01),
+            per_rank_row({"fwd_bwd": 0.35}, step=0.47, arrival=0.01)]
+    row = straggler_metrics(rows, ranks=[3, 5])  # global ranks of the students
+    assert row["stragglers/step_max_s"] == pytest.approx(0.47) and row["stragglers/step_slowest_rank"] == 5
+    assert row["stragglers/step_min_s"] == pytest.approx(0.42)
