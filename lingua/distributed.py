@@ -6,8 +6,11 @@ bridges, mesh; `lingua/parallel/launch_plan.py`) before any collective, creates 
 environment after that point. Groups, created by every rank in the same order because `new_group`
 is collective:
   - train_group     the students; the FSDP mesh lives on it, and so do checkpoints, metrics, probes.
-  - bridge_<i>      teacher i plus the contiguous block of students it serves (student<->teacher traffic).
+  - bridge_<i>      teacher replica i's first rank plus the contiguous block of students it serves
+                    (student<->teacher traffic).
   - teachers        the teacher ranks (teacher-side coordination).
+  - teacher_tp_<i>  the ranks of teacher replica i, with distillation.teacher_tp > 1 only: the teacher's
+                    tensor-parallel forward and its requests shared by the replica's first rank.
 
 When a rank dies, the others only see a collective fail with a peer's address: `RankStatus`
 (lingua/parallel/rank_status.py) turns that into the rank that stopped first and its log, in one sentence.
@@ -55,6 +58,7 @@ class Topology:
     train_group: Optional[dist.ProcessGroup] = None
     teacher_group: Optional[dist.ProcessGroup] = None
     bridge_group: Optional[dist.ProcessGroup] = None
+    teacher_tp_group: Optional[dist.ProcessGroup] = None  # my teacher replica's ranks (teacher_tp > 1 only)
     mesh: Optional[DeviceMesh] = None
     group_names: dict = field(default_factory=dict)  # id(group) -> descriptive name, for logs
     setup_spans: dict = field(default_factory=dict)  # startup phase -> (start, end) wall-clock, from setup
@@ -108,8 +112,24 @@ class Topology:
 
     @property
     def my_teacher(self) -> int:
-        """Global rank of the teacher serving me (or me, on a teacher); -1 without distillation."""
-        return self.teacher_ranks[self.my_bridge] if self.my_bridge >= 0 else -1
+        """Global rank of the teacher rank on my bridge (my replica's first rank, on a teacher); -1 without
+        distillation."""
+        return self.plan.bridges()[self.my_bridge][0] if self.my_bridge >= 0 else -1
+
+    @property
+    def teacher_tp(self) -> int:
+        """Ranks per teacher replica (distillation.teacher_tp; 1 = every teacher rank is a whole teacher)."""
+        return self.plan.teacher_tp
+
+    @property
+    def replica_ranks(self) -> list[int]:
+        """The global ranks of my teacher replica, its first rank (the one on the bridge) first; [] on a student."""
+        return self.plan.replicas()[self.my_bridge][0] if self.is_teacher else []
+
+    @property
+    def is_replica_leader(self) -> bool:
+        """Whether this teacher rank talks to the students for its replica (always, with teacher_tp=1)."""
+        return self.is_teacher and self.replica_ranks[0] == self.global_rank
 
     @property
     def distributed(self) -> bool:
@@ -117,7 +137,7 @@ class Topology:
 
     def all_groups(self) -> list:
         """Every group this rank belongs to, world first."""
-        groups = [dist.group.WORLD, self.train_group, self.teacher_group, self.bridge_group]
+        groups = [dist.group.WORLD, self.train_group, self.teacher_group, self.bridge_group, self.teacher_tp_group]
         if self.mesh is not None:
             groups += [self.mesh.get_group(i) for i in range(self.mesh.ndim)]
         seen, unique = set(), []
@@ -197,10 +217,11 @@ def enable_debug_env(dump_dir: Optional[str], mode: str = "true") -> None:
     comm_logger.setLevel(logging.DEBUG)
 
 
-def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir: Optional[str] = None) -> Topology:
+def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir: Optional[str] = None,
+                            teacher_tp: int = 1) -> Topology:
     """Initialise torch.distributed and build the Topology. Config errors raise before any collective."""
     launch = read_launch_env()
-    plan = LaunchPlan.for_launch(args, n_teachers, launch.world_size, launch.local_world_size)
+    plan = LaunchPlan.for_launch(args, n_teachers, launch.world_size, launch.local_world_size, teacher_tp)
     device, backend = choose_device(args, launch.local_rank, launch.local_world_size)
     if backend == "nccl":
         torch.cuda.set_device(device)
@@ -241,17 +262,23 @@ def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir
     groups_start = time.time()
     train_group = make_group(plan.student_ranks, "train")
     teacher_group = make_group(plan.teacher_ranks, "teachers") if plan.teacher_ranks else None
-    bridge_group = None
+    bridge_group = teacher_tp_group = None
     for i, (teacher, block) in enumerate(plan.bridges()):
         group = make_group(sorted(block + [teacher]), f"bridge_{i}")
         if rank == teacher or rank in block:
             bridge_group = group
+    if plan.teacher_tp > 1:  # with teacher_tp=1 a replica is one rank: no group, the launch is as it always was
+        for i, (replica, _) in enumerate(plan.replicas()):
+            group = make_group(replica, f"teacher_tp_{i}")
+            if rank in replica:
+                teacher_tp_group = group
     mesh = _build_mesh(plan, device.type, rank, make_group, train_group)
     spans["mesh"] = (groups_start, time.time())  # every group and the students' mesh
 
     return Topology(plan=plan, global_rank=rank, local_rank=launch.local_rank, hostname=socket.gethostname(),
                     device=device, backend=backend, train_group=train_group, teacher_group=teacher_group,
-                    bridge_group=bridge_group, mesh=mesh, group_names=group_names, setup_spans=spans)
+                    bridge_group=bridge_group, teacher_tp_group=teacher_tp_group, mesh=mesh, group_names=group_names,
+                    setup_spans=spans)
 
 
 def _build_mesh(plan: LaunchPlan, device_type: str, rank: int, make_group, train_group) -> Optional[DeviceMesh]:

@@ -15,6 +15,10 @@ Teacher side (the last ranks run `apps.main.train.distillation_process`):
     server.py          TeacherServer: load, handshake, then receive -> handle -> reply until STOP
     teacher.py         TeacherModel: a transformers checkpoint checked, loaded and run (document boundaries too)
     outputs.py         TeacherOutputs: the wire formats (topk, sampled, full) and sparsify_teacher_logits
+    tensor_parallel.py distillation.teacher_tp > 1: the teacher sharded over its replica's group (torch's
+                       parallelize_module, the model's own plan), its vocabulary slice, the head-count check
+    vocab_parallel.py  the outputs from each rank's vocabulary slice (merged top-k, sampling, full, CE)
+    replica.py         a replica's ranks as one teacher: load records, the bridge spec, one round per request
 
 Both ends:
 
@@ -24,7 +28,8 @@ Both ends:
 How a micro-batch flows (online): `feed.submit_ahead` -> `OnlineDistiller.submit` -> `TeacherClient.submit`
 posts a gather of [header, tokens] and a scatter of the response on the bridge group; the teacher's
 `TeacherServer.serve` receives every student's rows, runs one forward (`TeacherModel.hidden_states` then
-`sparse_outputs`), and scatters each student its own rows. In the student's forward the model calls
+`sparse_outputs`), and scatters each student its own rows. A tensor-parallel replica's first rank does that,
+sharing each request with the replica's other ranks, which run their shards of the same forward. In the student's forward the model calls
 `Distiller.head_loss(hidden, head_weight)`, which waits for the handle and computes `fused_linear_kd_loss`.
 With the cache, the same targets arrive inside each batch and nothing waits. The offline writer of the cache
 is an app: `apps/main/teacher_cache.py`.

@@ -45,6 +45,9 @@ class AgreedTeacherError(TeacherError, AgreedError):
 class DistillationArgs:
     teacher_path: Optional[str] = None  # local directory (or hub id when online) of a transformers causal LM
     n_teacher_ranks: int = 1
+    # Ranks per teacher replica: the teacher sharded tensor-parallel over them (on one node); n_teacher_ranks is a
+    # multiple of it, and its attention and KV head counts divide by it.
+    teacher_tp: int = 1
     output: str = "topk"  # "topk" | "sampled" | "full"
     k: int = 64  # top-k ids, or samples per position for "sampled"
     temperature: float = 1.0
@@ -96,6 +99,8 @@ class DistillationArgs:
                 "use 0 (auto: from the memory free on the teacher's GPU, 4 on CPU) or a positive number of rows")
         require(self.prefetch == "auto" or (type(self.prefetch) is int and 0 <= self.prefetch <= MAX_PREFETCH),
                 "distillation.prefetch", self.prefetch, f"use auto, 0 (no look-ahead), 1 or {MAX_PREFETCH}")
+        require(self.teacher_tp >= 1, "distillation.teacher_tp", self.teacher_tp,
+                "use 1 (one rank per teacher) or the number of ranks to shard each teacher over")
         if not enabled:
             return
         if self.source == "cache":  # the cache holds the teacher's outputs: no teacher ranks, no teacher_path
@@ -103,6 +108,8 @@ class DistillationArgs:
                     "distillation.source=cache needs the folder of a cache written by apps.main.teacher_cache")
             return
         teacher_rank_count(True, self.n_teacher_ranks)
+        require(self.n_teacher_ranks % self.teacher_tp == 0, "distillation.n_teacher_ranks", self.n_teacher_ranks,
+                f"each teacher replica is distillation.teacher_tp={self.teacher_tp} ranks; use a multiple of it")
         require(bool(self.teacher_path), "distillation.teacher_path", self.teacher_path,
                 "distillation is on: point it at a transformers checkpoint directory, or set "
                 "enable_distillation=false")

@@ -167,18 +167,19 @@ class ResponseStatus:
     teacher_preempt: bool = False  # the teacher received a preemption signal
     busy_s: float = 0.0  # the teacher's serving time since the handshake
     idle_s: float = 0.0  # the teacher's waiting time since the handshake
-    peak_bytes: int = 0  # the teacher's peak memory
+    peak_bytes: int = 0  # the teacher's peak memory (a replica's: the largest of its ranks')
+    forward_s: float = 0.0  # the part of busy_s spent in the forward and the outputs (the rest is the protocol)
     message: str = ""  # the error, when not ok
     bug: bool = False  # the error is a bug on the teacher, not a user error
 
     def pack(self, pin: bool = False) -> torch.Tensor:
         return pack_record([failure_word(not self.ok, self.bug), int(self.teacher_preempt), int(self.busy_s * 1e6),
-                            int(self.idle_s * 1e6), self.peak_bytes], self.message, pin)
+                            int(self.idle_s * 1e6), self.peak_bytes, int(self.forward_s * 1e6)], self.message, pin)
 
     @classmethod
     def unpack(cls, record: torch.Tensor) -> "ResponseStatus":
-        failed, preempt, busy_us, idle_us, peak_bytes, *_ = record_ints(record)
-        return cls(not failed, bool(preempt), busy_us / 1e6, idle_us / 1e6, peak_bytes,
+        failed, preempt, busy_us, idle_us, peak_bytes, forward_us, *_ = record_ints(record)
+        return cls(not failed, bool(preempt), busy_us / 1e6, idle_us / 1e6, peak_bytes, forward_us / 1e6,
                    record_message(record) if failed else "", bug=failed == Failure.BUG)
 
 
@@ -278,14 +279,17 @@ def tokenizer_fingerprint(vocab: dict[str, int]) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def agreed_handshake(topo, mine: HandshakeRecord, args: DistillationArgs) -> BridgeSpec:
+def agreed_handshake(topo, mine: Optional[HandshakeRecord], args: DistillationArgs) -> Optional[BridgeSpec]:
     """Handshake on my bridge, then every rank's verdict over the world: a failure in one bridge
-    (teacher 1 could not load) stops the ranks of every bridge with its sentence, not only its own."""
-    records = _exchange(topo, mine)
+    (teacher 1 could not load) stops the ranks of every bridge with its sentence, not only its own.
+    A teacher rank off the bridge (a tensor-parallel replica's other ranks: `mine` None) only shares the
+    verdicts, and raises its own replica's sentence; it returns None (its first rank shares the spec)."""
+    spec, error = None, None
     try:
-        spec, error = check_handshake(records, args), None
+        if mine is not None:
+            spec = check_handshake(_exchange(topo, mine), args)
     except Exception as err:  # a bug in the checks too: the other ranks must not wait for this one's verdict
-        spec, error = None, err
+        error = err
     # (whether it is a bug, its words) of each rank that failed
     verdicts: list[Optional[tuple[bool, str]]] = [None] * topo.world_size
     verdict = None if error is None else (not isinstance(error, UserError), describe(error))
@@ -297,6 +301,8 @@ def agreed_handshake(topo, mine: HandshakeRecord, args: DistillationArgs) -> Bri
     failed = sorted((rank not in topo.teacher_ranks, rank, v) for rank, v in enumerate(verdicts) if v)
     if failed:
         _, rank, (bug, words) = failed[0]
+        if mine is None and topo.plan.bridge_index(rank) == topo.my_bridge:
+            raise teacher_failure(f"the handshake of this teacher replica failed (rank {rank}): {words}", bug)
         raise teacher_failure(f"the handshake failed in another bridge (rank {rank}): {words}", bug)
     return spec
 

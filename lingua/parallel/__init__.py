@@ -2,8 +2,9 @@
 the `Topology`, the process groups): the launch plan before any group exists, the loop's collectives, timeouts,
 FSDP, preemption, and what a rank says when a peer dies or stops answering.
 
-    launch_plan.py   DistributedArgs, read_launch_env, LaunchPlan: roles, bridges, the students' mesh for a
-                     world size, validated before any process group (torch-free: stool imports it)
+    launch_plan.py   DistributedArgs, read_launch_env, LaunchPlan: roles, teacher replicas (teacher_tp ranks on
+                     one node), bridges, the students' mesh for a world size, validated before any process group
+                     (torch-free: stool imports it)
     collectives.py   the loop's collectives, each on the group it is given; agree_flags / agree_count
                      (ranks agree before they diverge); the per-collective debug log
     timeouts.py      the two-phase collective timeout on every group and backend; HangWatch (armed per step/wait)

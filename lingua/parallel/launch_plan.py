@@ -6,8 +6,10 @@ torchtitan's ParallelDims: a plan that cannot work raises a sentence before any 
 exists. The trainer builds its `Topology` from it, and stool prints the same plan at submission.
 
 Ranks are split into students (the first `W - n_teachers`) and teachers (the last `n_teachers`, or
-the last rank of each node with `teacher_placement=per_node`); each teacher serves a contiguous block
-of students (its bridge).
+the last `teacher_tp` ranks of each node with `teacher_placement=per_node`). Teachers form replicas of
+`teacher_tp` consecutive ranks on one node (the teacher sharded tensor-parallel over them; 1 by default:
+one rank, one teacher); each replica serves a contiguous block of students through its bridge, whose
+teacher end is the replica's first rank.
 """
 
 import os
@@ -181,9 +183,10 @@ def resolve_mesh_dims(dp_replicate: int, dp_shard: int, n_students: int) -> tupl
     return replicate, shard
 
 
-def split_roles(world_size: int, n_teachers: int, placement: str, local_world_size: int) -> tuple[list[int], list[int]]:
+def split_roles(world_size: int, n_teachers: int, placement: str, local_world_size: int,
+                teacher_tp: int = 1) -> tuple[list[int], list[int]]:
     """(student global ranks, teacher global ranks), validated before any collective."""
-    assert n_teachers >= 0 and placement in TEACHER_PLACEMENTS, (n_teachers, placement)  # validated config
+    assert n_teachers >= 0 and placement in TEACHER_PLACEMENTS and teacher_tp >= 1, (n_teachers, placement, teacher_tp)
     if n_teachers == 0:
         return list(range(world_size)), []
     if world_size - n_teachers < 1:
@@ -192,23 +195,58 @@ def split_roles(world_size: int, n_teachers: int, placement: str, local_world_si
             f"has {world_size} rank(s). Launch more ranks (e.g. torchrun --nproc-per-node {n_teachers + 1}) "
             f"or set enable_distillation=false."
         )
+    if n_teachers % teacher_tp:
+        raise LaunchError(f"distillation.n_teacher_ranks={n_teachers} cannot be split into teacher replicas of "
+                         f"distillation.teacher_tp={teacher_tp} ranks; use a multiple of {teacher_tp}.")
     if placement == "last":
         teachers = list(range(world_size - n_teachers, world_size))
     else:
         n_nodes = world_size // local_world_size
-        if n_teachers != n_nodes or world_size % local_world_size:
+        if n_teachers != n_nodes * teacher_tp or world_size % local_world_size:
+            if teacher_tp == 1:
+                raise LaunchError(
+                    f"teacher_placement=per_node needs one teacher per node ({n_nodes} nodes), "
+                    f"but distillation.n_teacher_ranks={n_teachers}."
+                )
             raise LaunchError(
-                f"teacher_placement=per_node needs one teacher per node ({n_nodes} nodes), "
-                f"but distillation.n_teacher_ranks={n_teachers}."
+                f"teacher_placement=per_node needs one teacher replica of distillation.teacher_tp={teacher_tp} ranks "
+                f"per node ({n_nodes} nodes x {teacher_tp} = {n_nodes * teacher_tp} teacher ranks), but "
+                f"distillation.n_teacher_ranks={n_teachers}."
             )
-        teachers = [(node + 1) * local_world_size - 1 for node in range(n_nodes)]
+        teachers = [node * local_world_size + local for node in range(n_nodes)
+                    for local in range(local_world_size - teacher_tp, local_world_size)]
+    tensor_parallel_replicas(teachers, teacher_tp, local_world_size)  # a replica that spans nodes is refused here
     students = [r for r in range(world_size) if r not in teachers]
-    if len(students) % n_teachers:
+    n_replicas = n_teachers // teacher_tp
+    if len(students) % n_replicas:
+        if teacher_tp == 1:
+            raise LaunchError(
+                f"{len(students)} student ranks cannot be split evenly among {n_teachers} teachers; "
+                f"launch a number of students divisible by distillation.n_teacher_ranks."
+            )
         raise LaunchError(
-            f"{len(students)} student ranks cannot be split evenly among {n_teachers} teachers; "
-            f"launch a number of students divisible by distillation.n_teacher_ranks."
+            f"{len(students)} student ranks cannot be split evenly among {n_replicas} teacher replicas "
+            f"({n_teachers} teacher ranks / distillation.teacher_tp={teacher_tp}); launch a number of students "
+            f"divisible by {n_replicas}."
         )
     return students, teachers
+
+
+def tensor_parallel_replicas(ranks: list[int], teacher_tp: int, local_world_size: int) -> list[list[int]]:
+    """`ranks` cut into replicas of `teacher_tp` consecutive ranks; a replica whose ranks are not all on one
+    node is refused (tensor parallelism talks every layer: it belongs on a node's fast links)."""
+    assert len(ranks) % teacher_tp == 0, (ranks, teacher_tp)  # split_roles / the cache writer checked the count
+    replicas = [ranks[i:i + teacher_tp] for i in range(0, len(ranks), teacher_tp)]
+    for replica in replicas:
+        nodes = sorted({rank // local_world_size for rank in replica})
+        if len(nodes) > 1:
+            raise LaunchError(
+                f"The teacher replica of global ranks {format_ranks(replica)} (distillation.teacher_tp={teacher_tp}) "
+                f"would span nodes {' and '.join(map(str, nodes))} ({local_world_size} tasks per node); a replica must "
+                f"stay on one node: make the tasks per node a multiple of distillation.teacher_tp, or use "
+                f"distributed.teacher_placement=per_node."
+            )
+    return replicas
 
 
 def expected_cuda_index(local_rank: int, local_world_size: int, n_devices: int) -> int:
@@ -236,6 +274,7 @@ class LaunchPlan:
     dp_replicate: int = 1
     dp_shard: int = -1
     fsdp_type: str = "full_shard"
+    teacher_tp: int = 1  # ranks per teacher replica (distillation.teacher_tp)
     student_ranks: list[int] = field(init=False)
     teacher_ranks: list[int] = field(init=False)
     mesh_dims: tuple[int, int] = field(init=False)  # (dp_replicate, dp_shard), -1s resolved
@@ -243,33 +282,39 @@ class LaunchPlan:
     def __post_init__(self):
         assert self.fsdp_type in FSDP_TYPES, self.fsdp_type  # DistributedArgs.validate() names the choices
         students, teachers = split_roles(self.world_size, self.n_teachers, self.teacher_placement,
-                                         self.local_world_size)
+                                         self.local_world_size, self.teacher_tp)
         object.__setattr__(self, "student_ranks", students)
         object.__setattr__(self, "teacher_ranks", teachers)
         object.__setattr__(self, "mesh_dims", resolve_mesh_dims(self.dp_replicate, self.dp_shard, len(students)))
 
     @classmethod
-    def for_launch(cls, args: DistributedArgs, n_teachers: int, world_size: int, local_world_size: int) -> "LaunchPlan":
+    def for_launch(cls, args: DistributedArgs, n_teachers: int, world_size: int, local_world_size: int,
+                   teacher_tp: int = 1) -> "LaunchPlan":
         """The plan of `args` for a launch of `world_size` ranks (`args` are validated first)."""
         args.validate()
         return cls(world_size, local_world_size, n_teachers, args.teacher_placement, args.dp_replicate,
-                   args.dp_shard, args.fsdp_type)
+                   args.dp_shard, args.fsdp_type, teacher_tp)
 
     def role(self, rank: int) -> str:
         return "teacher" if rank in self.teacher_ranks else "student"
 
-    def bridges(self) -> list[tuple[int, list[int]]]:
-        """(teacher rank, the contiguous block of students it serves), one per teacher, in teacher order."""
+    def replicas(self) -> list[tuple[list[int], list[int]]]:
+        """(the teacher_tp ranks of a teacher replica, the contiguous block of students it serves), in teacher order."""
         if not self.teacher_ranks:
             return []
-        per_teacher = len(self.student_ranks) // len(self.teacher_ranks)
-        return [(teacher, self.student_ranks[i * per_teacher:(i + 1) * per_teacher])
-                for i, teacher in enumerate(self.teacher_ranks)]
+        groups = tensor_parallel_replicas(self.teacher_ranks, self.teacher_tp, self.local_world_size)
+        per_replica = len(self.student_ranks) // len(groups)
+        return [(ranks, self.student_ranks[i * per_replica:(i + 1) * per_replica]) for i, ranks in enumerate(groups)]
+
+    def bridges(self) -> list[tuple[int, list[int]]]:
+        """(the replica's first rank, which talks to the students, and its students), one per replica."""
+        return [(ranks[0], students) for ranks, students in self.replicas()]
 
     def bridge_index(self, rank: int) -> int:
-        """Index of the bridge `rank` belongs to (= its teacher's index), -1 without distillation."""
-        for i, (teacher, students) in enumerate(self.bridges()):
-            if rank == teacher or rank in students:
+        """Index of the replica `rank` belongs to or is served by (every rank of a replica counts, not only the
+        one on the bridge), -1 without distillation."""
+        for i, (ranks, students) in enumerate(self.replicas()):
+            if rank in ranks or rank in students:
                 return i
         return -1
 
@@ -289,8 +334,14 @@ class LaunchPlan:
             lines.append("distillation off: every rank is a student")
             return lines
         lines.append(f"distillation: {len(self.teacher_ranks)} teacher rank(s), placement {self.teacher_placement}")
-        for rank in self.teacher_ranks:
-            lines.append(f"  teacher: global rank {rank} (node {rank // self.local_world_size}, "
-                         f"local rank {rank % self.local_world_size})")
+        if self.teacher_tp == 1:
+            for rank in self.teacher_ranks:
+                lines.append(f"  teacher: global rank {rank} (node {rank // self.local_world_size}, "
+                             f"local rank {rank % self.local_world_size})")
+        for i, (ranks, students) in enumerate(self.replicas() if self.teacher_tp > 1 else []):
+            local = [rank % self.local_world_size for rank in ranks]
+            lines.append(f"  teacher replica {i}: global ranks {format_ranks(ranks)} (node "
+                         f"{ranks[0] // self.local_world_size}, local ranks {format_ranks(local)}), tensor-parallel "
+                         f"over {self.teacher_tp}, serving students {format_ranks(students)}")
         lines.append(f"  students: global ranks {format_ranks(self.student_ranks)}")
         return lines

@@ -38,7 +38,14 @@ def cache(corpus, tiny_teacher, tmp_path_factory) -> Path:
                       timeout=150, module="apps.main.teacher_cache")
     assert_ok(result)
     assert "teacher cache complete" in result.stdout and "tokens/s, ETA" in result.stdout
+    assert heldout_shares(result.stdout) == {0: (2, 4), 1: (2, 4)}  # each rank computed its half of the reference
     return cache_dir
+
+
+def heldout_shares(stdout: str) -> dict[int, tuple[int, int]]:
+    """{rank: (held-out batches it computed, batches in all)} from the cache writer's log lines."""
+    return {int(rank): (int(mine), int(total)) for rank, mine, total in
+            re.findall(r"cache rank (\d+): held-out CE over (\d+) of (\d+) batch", stdout)}
 
 
 @pytest.mark.timeout(240)  # the module's cache is written while this test sets up (a 150 s launch bound)
@@ -104,6 +111,14 @@ def test_a_cache_with_other_settings_or_a_damaged_shard_is_one_sentence(cache, c
                        module="apps.main.teacher_cache")
     assert rewrite.returncode != 0 and "already holds a teacher cache written with other settings: k is 8 in the " \
         "cache but 4 here" in rewrite.stdout, rewrite.stdout[-3000:]
+    # A top-k wider than the vocabulary: refused before the teacher loads, nothing written (as at the handshake).
+    wide = tmp_path / "wide"
+    refused = torchrun(1, cache_overrides(corpus, tiny_teacher, wide, **{"distillation.k": 513}), timeout=60,
+                       module="apps.main.teacher_cache")
+    assert refused.returncode != 0 and not (wide / "cache.json").exists()
+    assert [line for line in refused.stdout.splitlines() if line.startswith("error: ")] == [
+        "error: distillation.k=513 is more than the 512 token ids the top-k is taken from (the data tokenizer's "
+        "vocabulary, which the students train on); set distillation.k <= 512."], refused.stdout[-3000:]
     damaged = tmp_path / "damaged"
     damaged.mkdir()
     for item in cache.iterdir():
@@ -144,3 +159,42 @@ def test_an_interrupted_cache_resumes_with_the_same_shards(cache, corpus, tiny_t
             assert sorted(new.keys()) == sorted(old.keys())
             assert all(torch.equal(new.get_tensor(key), old.get_tensor(key)) for key in old.keys()), index
     assert (partial / "index.json").is_file()
+
+
+@pytest.mark.timeout(400)
+def test_a_cache_written_by_tensor_parallel_replicas_equals_the_one_rank_cache(cache, corpus, tiny_teacher, tmp_path):
+    """4 ranks as 2 replicas of distillation.teacher_tp=2: the same shards as 2 ranks of one teacher each (tokens
+    equal, bf16 values within one rounding step, the rest mass within fp32's, the same held-out reference, its
+    batches split over the replicas), and the same ids but where two candidates tie: the sharded forward's
+    logits differ by ~1e-6 (another summation order), enough to swap two ids whose log-probs are that close
+    (one position in 1,536 in the runs measured)."""
+    sharded = tmp_path / "tp2"
+    result = torchrun(4, cache_overrides(corpus, tiny_teacher, sharded, **{"eval.every": 3, "eval.max_batches": 2,
+                                                                           "distillation.teacher_tp": 2}),
+                      timeout=300, module="apps.main.teacher_cache")
+    assert_ok(result)
+    assert result.stdout.count("6 shard(s) of 12, 0 already written, 6 to write") == 4
+    for replica in (0, 1):
+        assert f"tensor-parallel replica {replica} of 2 ranks, not writing" in result.stdout
+    # Each replica computed half the held-out batches (both of its ranks, the sharded forward needs them).
+    assert heldout_shares(result.stdout) == {rank: (2, 4) for rank in range(4)}
+    manifest, reference = CacheManifest.read(sharded), CacheManifest.read(cache)
+    assert manifest.teacher_heldout_ce == pytest.approx(reference.teacher_heldout_ce, rel=1e-5)
+    swapped = positions = 0
+    for index in range(manifest.n_shards):
+        assert shard_metadata(shard_path(sharded, index)) == shard_metadata(shard_path(cache, index)), index
+        got, want = (read_shard(shard_path(c, index), range(0, 4), manifest) for c in (sharded, cache))
+        assert torch.equal(got["input_ids"], want["input_ids"])
+        values, expected = got["teacher"].values.float(), want["teacher"].values.float()
+        step = 2 ** -7 * expected.abs()  # bf16: 8 significant bits
+        assert ((values - expected).abs() <= step).all(), index
+        assert torch.allclose(got["teacher"].extra, want["teacher"].extra, atol=1e-6), index
+        differ = (got["teacher"].ids != want["teacher"].ids).any(-1)
+        for row, position in differ.nonzero().tolist():  # ties: each id keeps its log-prob, the k-th may change
+            mine = dict(zip(got["teacher"].ids[row, position].tolist(), values[row, position].tolist()))
+            theirs = dict(zip(want["teacher"].ids[row, position].tolist(), expected[row, position].tolist()))
+            last = min(theirs.values())
+            assert len(mine.keys() & theirs.keys()) >= manifest.k - 1, (index, row, position, mine, theirs)
+            assert all(abs(mine[i] - theirs.get(i, last)) <= 2 ** -7 * abs(last) for i in mine), (mine, theirs)
+        swapped, positions = swapped + int(differ.sum()), positions + differ.numel()
+    assert swapped <= positions // 100, (swapped, positions)
