@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from lingua.args import dataclass_from_dict, to_dict
+from lingua.args import dataclass_from_dict, require, to_dict
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, teacher_rank_count
 from lingua.slurm import UNLIMITED, build_sbatch_script, submit_sbatch, submit_submitit
 
@@ -172,16 +172,21 @@ def _absolutize_paths(node, cwd: Path):
 def launch_plan(cfg: DictConfig, nodes: int, ntasks_per_node: int) -> tuple[LaunchPlan, Optional[str]]:
     """The trainer's own LaunchPlan for this allocation (so the printout cannot drift, and a plan that
     cannot work is refused before anything is written), and the teacher_placement to write into the
-    config (None = leave it). With one teacher per node (n_teacher_ranks == nodes > 1) each teacher is
-    the last rank of its node, so a bridge never leaves its node; otherwise teachers are the last ranks."""
+    config (None = leave it). With one teacher (replica of distillation.teacher_tp ranks) per node
+    (n_teacher_ranks == nodes x teacher_tp, nodes > 1) each is the last rank(s) of its node, so a bridge never
+    leaves its node; otherwise teachers are the last ranks."""
     n_teachers = teacher_rank_count(bool(cfg.get("enable_distillation", False)),
                                     int(OmegaConf.select(cfg, "distillation.n_teacher_ranks", default=1)))
+    teacher_tp = int(OmegaConf.select(cfg, "distillation.teacher_tp", default=1)) if n_teachers else 1
+    require(teacher_tp >= 1, "distillation.teacher_tp", teacher_tp,
+            "use 1 (one rank per teacher) or the number of ranks to shard each teacher over")
     distributed = OmegaConf.merge(OmegaConf.structured(DistributedArgs), cfg.get("distributed") or {})
     write = None
     if OmegaConf.select(cfg, "distributed.teacher_placement", default=None) is None \
-            and n_teachers and n_teachers == nodes and nodes > 1:
+            and n_teachers and n_teachers == nodes * teacher_tp and nodes > 1:
         distributed.teacher_placement = write = "per_node"
-    plan = LaunchPlan.for_launch(OmegaConf.to_object(distributed), n_teachers, nodes * ntasks_per_node, ntasks_per_node)
+    plan = LaunchPlan.for_launch(OmegaConf.to_object(distributed), n_teachers, nodes * ntasks_per_node, ntasks_per_node,
+                                 teacher_tp)
     return plan, write
 
 

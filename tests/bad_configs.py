@@ -112,6 +112,16 @@ BAD_CONFIGS = [
     BadConfig("fused_loss_not_bool", {"distillation.fused_loss": "maybe"}, "distillation.fused_loss", launch=True),
     BadConfig("reduce_every_not_bool", {"distributed.reduce_every_micro_batch": "sometimes"},
               "distributed.reduce_every_micro_batch", launch=True),
+    BadConfig("teacher_tp", {"distillation.teacher_tp": 0}, "distillation.teacher_tp",
+              "distillation.teacher_tp=0; use 1 (one rank per teacher) or the number of ranks to shard each teacher "
+              "over."),
+    BadConfig("teacher_tp_vs_teacher_ranks", {"enable_distillation": "true", "distillation.teacher_tp": 2},
+              "distillation.n_teacher_ranks", "distillation.n_teacher_ranks=1; each teacher replica is "
+              "distillation.teacher_tp=2 ranks; use a multiple of it."),
+    # The tiny teacher has 4 attention heads and 2 KV heads (its config.json): 4 ranks cannot each hold whole KV heads.
+    BadConfig("teacher_tp_vs_heads", {"enable_distillation": "true", "distillation.teacher_path": "{teacher}",
+                                      "distillation.teacher_tp": 4, "distillation.n_teacher_ranks": 4},
+              "distillation.teacher_tp"),
     BadConfig("no_teacher_path", {"enable_distillation": "true", "distillation.teacher_path": "null"},
               "distillation.teacher_path"),
     BadConfig("missing_teacher_dir", {"enable_distillation": "true", "distillation.teacher_path": "/no/such/teacher"},

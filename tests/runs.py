@@ -99,6 +99,33 @@ def torchrun(nproc: int, module_args: list[str], timeout: float, env: dict | Non
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
+def torchrun_nodes(nnodes: int, nproc_per_node: int, module_args: list[str], timeout: float,
+                   module: str = "apps.main.train") -> list[subprocess.CompletedProcess]:
+    """`nnodes` torchrun "nodes" of `nproc_per_node` ranks on this machine (--nnodes, --node-rank, one master
+    address): a multi-node launch as the trainer sees it. A launch past `timeout` is a test failure."""
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank",
+                               str(node), "--nproc-per-node", str(nproc_per_node), "--master-addr", "127.0.0.1",
+                               "--master-port", str(port), "--max-restarts", "0", "-m", module, *module_args],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for node in range(nnodes)]
+    deadline, results = time.time() + timeout, []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(deadline - time.time(), 1))
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
+    except subprocess.TimeoutExpired:
+        outs = [result.stdout for result in results]
+        for proc in procs[len(results):]:
+            os.killpg(proc.pid, signal.SIGKILL)
+            outs.append(proc.communicate()[0])
+        raise AssertionError(f"HANG: {nnodes} torchrun nodes did not finish within {timeout}s\n"
+                             + "\n".join(out[-3000:] for out in outs))
+    return results
+
+
 def assert_ok(result) -> None:
     assert result.returncode == 0, result.stdout[-6000:]
 

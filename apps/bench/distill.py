@@ -4,6 +4,7 @@
     python -m apps.bench.distill --config smollm2                  # SmolLM2-135M-Instruct teacher
     python -m apps.bench.distill --config configs/distill_exps/debug.yaml --nproc 8 --steps 50 --warmup 10
     python -m apps.bench.distill --config tiny --teacher-latency-ms 0,50,100,200 --out DIR   # prefetch 0 vs 1
+    python -m apps.bench.distill --config tiny --teacher-tp 1,2 --variants kd_on             # tensor-parallel teacher
 
 With --teacher-latency-ms it measures the teacher look-ahead instead (apps/bench/prefetch_latency.py):
 a teacher that takes L ms per request, prefetch 0 vs 1, `DIR/results.json`. Otherwise:
@@ -13,6 +14,8 @@ It launches the trainer under torchrun once per variant (and per --repeats, inte
     kd_off              nproc - n_teacher_ranks processes: the students alone, data loaded in a thread
     kd_off_no_prefetch  the same with data.load_async=false (no data prefetch thread)
     kd_on               nproc processes: the same students plus the teacher rank(s)
+    kd_on_tp<T>         with --teacher-tp T1,T2,...: kd_on once per distillation.teacher_tp, each teacher replica
+                        then T ranks (n_teacher_ranks x T teacher ranks, the same students)
 
 KD off runs with nproc - n_teacher_ranks processes on purpose: launched with nproc processes, the
 teacher's rank would become one more student (a larger global batch and data-parallel group), and
@@ -26,8 +29,11 @@ steps after --warmup. Bridge bytes per token are the client's counters (`kd/byte
 window, printed next to the wire format's payload (`TeacherOutputs.bytes_per_token`, the cost model)
 and framed size (payload plus header, status record and padding). The teacher's busy fraction is
 its cumulative busy/idle seconds (`kd/teacher_busy_s`, `kd/teacher_idle_s`) differenced over the
-window, so its startup idle time is left out. Writes `<out>/distill_bench.json` and
-`<out>/distill_bench.md` and prints the table.
+window, so its startup idle time is left out; so are its tokens/s of busy time per rank (the students'
+trained tokens are what the teacher forwards, split over its replicas and their ranks) and the share of its
+busy time outside the forward and the outputs (`kd/teacher_forward_s`: receiving, checking, sharing the
+request with a replica's ranks, replying). Writes `<out>/distill_bench.json` and `<out>/distill_bench.md`
+and prints the table.
 """
 
 import argparse
@@ -64,7 +70,7 @@ GIB = 1024 ** 3
 METRIC_KEYS = ("step", "tokens", "time", "speed/step_time_s", "speed/tokens_per_s", "speed/data_time_s", "mem/peak_gib",
                "stragglers/step_max_s", "stragglers/fwd_bwd_max_s", "stragglers/optimizer_max_s")
 KD_METRIC_KEYS = ("speed/teacher_wait_s", "stragglers/teacher_wait_max_s", "kd/teacher_busy_s", "kd/teacher_idle_s",
-                  "kd/teacher_peak_gib", "kd/bytes_up", "kd/bytes_down")
+                  "kd/teacher_forward_s", "kd/teacher_peak_gib", "kd/bytes_up", "kd/bytes_down")
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class Variant:
     name: str
     distillation: bool
     load_async: bool
+    teacher_tp: int = 1  # ranks per teacher replica (KD on)
 
 
 VARIANTS = (
@@ -88,6 +95,8 @@ class RunRecord:
     rows: list[dict]  # training rows of metrics.jsonl (one per step), in step order
     n_students: int
     n_processes: int
+    teacher_tp: int = 1
+    n_teacher_ranks: int = 0  # of this launch (0 with KD off)
     peak_rss_gib: dict[str, float] = field(default_factory=dict)  # role -> max VmHWM over that role's ranks
     cpu_s_per_step: dict[str, float] = field(default_factory=dict)  # role -> CPU seconds per window step, mean per rank
     load_before: Optional[float] = None  # 1-minute load average when the launch started / ended
@@ -141,6 +150,24 @@ def teacher_busy_fraction(rows: list[dict], warmup: int) -> Optional[float]:
     return busy / (busy + idle) if busy + idle > 0 else None
 
 
+def teacher_serving(rows: list[dict], warmup: int, teacher_tp: int, n_teacher_ranks: int
+                    ) -> tuple[Optional[float], Optional[float]]:
+    """(teacher tokens/s of busy time per rank, share of busy time outside the forward and outputs) over the
+    window; (None, None) with KD off. The rows carry train rank 0's bridge: its replica's clocks, which serve
+    1 / n_replicas of the students' tokens."""
+    last, ref = rows[-1], reference_row(rows, warmup)
+    if "kd/teacher_forward_s" not in last or not n_teacher_ranks:
+        return None, None
+    base = ref or {"tokens": 0, "kd/teacher_busy_s": 0.0, "kd/teacher_forward_s": 0.0}
+    busy = last["kd/teacher_busy_s"] - base["kd/teacher_busy_s"]
+    forward = last["kd/teacher_forward_s"] - base["kd/teacher_forward_s"]
+    if busy <= 0:
+        return None, None
+    n_replicas = n_teacher_ranks // teacher_tp
+    tokens = (last["tokens"] - base["tokens"]) / n_replicas
+    return tokens / busy / teacher_tp, max(busy - forward, 0.0) / busy
+
+
 def cpu_per_step(samples_by_pid: dict[int, list[tuple[float, float]]], roles: dict[int, str], rows: list[dict],
                  warmup: int) -> dict[str, float]:
     """role -> CPU seconds per step over the window (between the last warm-up row and the last row), mean per rank."""
@@ -177,6 +204,7 @@ def summarize(records: list[RunRecord], warmup: int) -> dict:
     kd_rows = [r for r in rows if "speed/teacher_wait_s" in r]  # the straggler columns exist with KD off too
     shares = [r["speed/teacher_wait_s"] / r["speed/step_time_s"] for r in kd_rows if r["speed/step_time_s"] > 0]
     busy = [teacher_busy_fraction(rec.rows, warmup) for rec in records]
+    serving = [teacher_serving(rec.rows, warmup, rec.teacher_tp, rec.n_teacher_ranks) for rec in records]
     measured = [measured_bytes_per_token(rec.rows, warmup, rec.n_students) for rec in records]
     teacher_peaks = [rec.rows[-1]["kd/teacher_peak_gib"] for rec in records if "kd/teacher_peak_gib" in rec.rows[-1]]
     teacher_rss = [rec.peak_rss_gib["teacher"] for rec in records if "teacher" in rec.peak_rss_gib]
@@ -203,6 +231,9 @@ def summarize(records: list[RunRecord], warmup: int) -> dict:
         "teacher_wait_max_rank_s": median_of(kd_rows, "stragglers/teacher_wait_max_s"),
         "teacher_wait_share": statistics.median(shares) if shares else None,
         "teacher_busy": mean_or_none(busy),
+        "teacher_tp": records[0].teacher_tp,
+        "teacher_tokens_per_s_per_rank": mean_or_none([s[0] for s in serving]),
+        "teacher_protocol_share": mean_or_none([s[1] for s in serving]),
         "bytes_up_per_token": mean_or_none([m[0] for m in measured]),
         "bytes_down_per_token": mean_or_none([m[1] for m in measured]),
         "student_cpu_s_per_step": mean_or_none([rec.cpu_s_per_step.get("student") for rec in records]),
@@ -222,9 +253,14 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 
 def compare(summaries: dict[str, dict]) -> dict:
-    """KD on vs KD off (same students), and prefetch off vs on (KD off)."""
+    """KD on vs KD off (same students), prefetch off vs on (KD off), and each tensor-parallel degree vs the first."""
     on, off, no_prefetch = summaries.get("kd_on"), summaries.get("kd_off"), summaries.get("kd_off_no_prefetch")
     out = {}
+    degrees = [name for name in summaries if name.startswith("kd_on_tp")]
+    for name in degrees[1:]:
+        out[f"{name}_over_{degrees[0]}"] = {key: ratio(summaries[name][key], summaries[degrees[0]][key]) for key in
+                                            ("step_time_s", "teacher_wait_s", "teacher_tokens_per_s_per_rank",
+                                             "teacher_protocol_share", "teacher_peak_gib", "teacher_peak_rss_gib")}
     if on and off:
         out["kd_on_over_kd_off"] = {key: ratio(on[key], off[key]) for key in
                                     ("step_time_s", "tokens_per_s", "fwd_bwd_max_rank_s", "student_cpu_s_per_step",
@@ -262,11 +298,15 @@ def run_variant(variant: Variant, name: str, config: str, user_overrides: list[s
     dump_dir = runs_dir / name
     if dump_dir.exists():
         shutil.rmtree(dump_dir)  # a leftover checkpoint would make the trainer resume instead of start
-    n_processes = n_students + (n_teachers if variant.distillation else 0)
+    n_teacher_ranks = n_teachers * variant.teacher_tp if variant.distillation else 0
+    n_processes = n_students + n_teacher_ranks
     overrides = [*user_overrides, f"dump_dir={dump_dir}", f"steps={steps}", "logging.freq=1",
                  "checkpoint.dump.every=0", "checkpoint.eval.every=0", "exit_after_steps=null",
                  f"enable_distillation={str(variant.distillation).lower()}",
                  f"data.load_async={str(variant.load_async).lower()}"]
+    if variant.teacher_tp > 1:
+        overrides += [f"distillation.teacher_tp={variant.teacher_tp}",
+                      f"distillation.n_teacher_ranks={n_teacher_ranks}"]
     command = trainer_command(n_processes, config, overrides)
     logger.info(f"{name}: {n_processes} processes, {steps} steps")
     load_before = os.getloadavg()[0]
@@ -285,10 +325,35 @@ def run_variant(variant: Variant, name: str, config: str, user_overrides: list[s
     for pid, peak in peaks.items():
         if pid in roles:
             peak_rss[roles[pid]] = max(peak_rss.get(roles[pid], 0.0), peak / GIB)
-    return RunRecord(rows=rows, n_students=n_students, n_processes=n_processes, peak_rss_gib=peak_rss,
+    return RunRecord(rows=rows, n_students=n_students, n_processes=n_processes, teacher_tp=variant.teacher_tp,
+                     n_teacher_ranks=n_teacher_ranks, peak_rss_gib=peak_rss,
                      cpu_s_per_step=cpu_per_step(cpu_samples, roles, rows, warmup),
                      load_before=load_before, load_after=os.getloadavg()[0], wall_s=wall_s, command=command,
                      dump_dir=str(dump_dir))
+
+
+def parse_teacher_tp(text: str) -> list[int]:
+    """--teacher-tp "1,2" -> [1, 2]; a readable error for anything but positive integers."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"--teacher-tp {text}: give ranks per teacher replica, e.g. 2 or 1,2.")
+    return values
+
+
+def with_teacher_tp(variants: list[Variant], degrees: list[int]) -> list[Variant]:
+    """kd_on as it is for --teacher-tp 1 alone; otherwise one kd_on_tp<T> per degree, in its place."""
+    if degrees == [1]:
+        return variants
+    out = []
+    for variant in variants:
+        if variant.distillation:
+            out += [Variant(f"{variant.name}_tp{t}", True, variant.load_async, t) for t in degrees]
+        else:
+            out.append(variant)
+    return out
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -308,6 +373,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--teacher-latency-ms", default=None, metavar="L[,L...]",
                         help="measure prefetch 0 vs 1 with a teacher taking L ms per request (a sweep with commas)")
     parser.add_argument("--grad-acc", type=int, default=1, help="grad_acc_steps of the --teacher-latency-ms runs")
+    parser.add_argument("--teacher-tp", default="1", metavar="T[,T...]",
+                        help="distillation.teacher_tp of the KD-on run; several (1,2) run it once per value, the "
+                             "teacher replicas then T ranks each, side by side")
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -326,6 +394,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     chosen = [known[n] for n in opts.variants.split(",") if n in known]
     if len(chosen) != len(opts.variants.split(",")):
         raise ValueError(f"--variants {opts.variants}: choose among {', '.join(known)}.")
+    chosen = with_teacher_tp(chosen, parse_teacher_tp(opts.teacher_tp))
+    for variant in chosen:  # each KD-on launch's plan (its replicas), before any launch
+        if variant.teacher_tp > 1:
+            tp_args = parse_args(TrainArgs, [f"config={config}", *opts.overrides, "enable_distillation=true",
+                                             f"distillation.teacher_tp={variant.teacher_tp}",
+                                             f"distillation.n_teacher_ranks={n_teachers * variant.teacher_tp}"])
+            tp_args.validate(world_size=n_students + n_teachers * variant.teacher_tp)
 
     out_dir = Path(opts.out or f"dumps/bench_distill/{Path(config).stem}")
     if opts.teacher_latency_ms is not None:
@@ -353,11 +428,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
             records[variant.name].append(record)
             commands[name] = record.command
 
-    vocab = read_student_vocab(Path(records["kd_on"][0].dump_dir)) if "kd_on" in records else None
+    kd_on = next((name for name in records if name.startswith("kd_on")), None)
+    vocab = read_student_vocab(Path(records[kd_on][0].dump_dir)) if kd_on else None
     summaries = {name: summarize(recs, opts.warmup) for name, recs in records.items()}
     result = {
         "settings": {
             "config": config, "nproc": opts.nproc, "n_students": n_students, "n_teacher_ranks": n_teachers,
+            "teacher_tp": [v.teacher_tp for v in chosen if v.distillation],
             "steps": opts.steps, "warmup": opts.warmup, "repeats": opts.repeats, "overrides": opts.overrides,
             "batch_size": args.data.batch_size, "seq_len": args.data.seq_len, "grad_acc_steps": args.grad_acc_steps,
             "output": args.distillation.output, "k": args.distillation.k, "wire_dtype": args.distillation.wire_dtype,

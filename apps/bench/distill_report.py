@@ -25,12 +25,14 @@ TABLE_ROWS = (
     ("  same, slowest student (s)", "teacher_wait_max_rank_s", "{:.4f}", None),
     ("  share of the step, median", "teacher_wait_share", "{:.1%}", None),
     ("teacher busy fraction (window)", "teacher_busy", "{:.1%}", None),
+    ("teacher tokens/s of busy time, per teacher rank", "teacher_tokens_per_s_per_rank", "{:,.0f}", None),
+    ("teacher busy time outside forward + outputs", "teacher_protocol_share", "{:.1%}", None),
     ("bridge bytes/token up, buffers sent", "bytes_up_per_token", "{:.1f}", None),
     ("bridge bytes/token down, buffers received", "bytes_down_per_token", "{:.1f}", None),
     ("student peak memory (trainer mem/peak_gib, GiB)", "student_peak_gib", "{:.3f}", "student_peak_gib"),
     ("student peak RSS, max over students (GiB)", "student_peak_rss_gib", "{:.3f}", "student_peak_rss_gib"),
-    ("teacher peak memory (kd/teacher_peak_gib, GiB)", "teacher_peak_gib", "{:.3f}", None),
-    ("teacher peak RSS (GiB)", "teacher_peak_rss_gib", "{:.3f}", None),
+    ("teacher peak memory, largest rank (kd/teacher_peak_gib, GiB)", "teacher_peak_gib", "{:.3f}", None),
+    ("teacher peak RSS, largest rank (GiB)", "teacher_peak_rss_gib", "{:.3f}", None),
     ("load average (1 min) during the runs", "load_avg_1m", "{:.2f}", None),
 )
 
@@ -48,7 +50,7 @@ def _cell(summary: Optional[dict], key, fmt: str) -> str:
 def format_markdown(result: dict) -> str:
     """The result as markdown: settings, the comparison table, bridge formula and notes."""
     summaries, ratios = result["summaries"], result["ratios"]
-    names = [v for v in ("kd_off", "kd_off_no_prefetch", "kd_on") if v in summaries]
+    names = list(summaries)  # kd_off, kd_off_no_prefetch, kd_on or kd_on_tp<T> per --teacher-tp, as run
     kd_ratio = ratios.get("kd_on_over_kd_off", {})
     prefetch_ratio = ratios.get("no_prefetch_over_prefetch", {})
     header = ["metric", *names, "KD on / KD off", "no prefetch / prefetch"]
@@ -63,7 +65,10 @@ def format_markdown(result: dict) -> str:
         lines.append("| " + " | ".join([label, *cells, *ratios_cells]) + " |")
     settings = result["settings"]
     formula = result["bridge_formula"]
-    kd_on = summaries.get("kd_on", {})
+    kd_on = summaries.get("kd_on") or next((summaries[n] for n in names if n.startswith("kd_on")), {})
+    tensor_parallel = [f"{key.replace('_over_', ' / ')}: " + ", ".join(
+        f"{name} {value:.3f}x" for name, value in values.items() if value is not None)
+        for key, values in ratios.items() if key.startswith("kd_on_tp")]
 
     def fmt_bytes(value):
         return "n/a" if value is None else f"{value:.1f}"
@@ -90,6 +95,8 @@ def format_markdown(result: dict) -> str:
         f"{fmt_bytes(formula['framed_down'])} down, {fmt_bytes(formula['framed_up'])} up.",
         f"Teacher CPU-seconds per step / one student's: {fmt_ratio(ratios.get('teacher_cpu_over_student_cpu'))} "
         f"(the README's cost model: s * N_T / (3 * N_S) in FLOPs for s students per teacher).",
+        *(["", "Tensor-parallel teacher, each degree against the first:", *[f"- {line}" for line in tensor_parallel]]
+          if tensor_parallel else []),
         "",
         "Notes:",
         f"- {FAIRNESS_NOTE}",
@@ -101,7 +108,9 @@ def format_markdown(result: dict) -> str:
         "- logging.freq=1 (one metrics row per step, which adds one small gather per step to every variant); "
         "periodic checkpoints off.",
         "- On a CPU machine the teacher rank shares the cores with the students: the KD-on step time includes that "
-        "contention, which a GPU per rank would not have.",
+        "contention, which a GPU per rank would not have. A tensor-parallel replica's ranks meet in several "
+        "collectives per layer, so on shared cores each waits for the others to be scheduled: its CPU numbers "
+        "are a floor, not a GPU's.",
         "",
         "Commands:",
         *[f"- `{name}`: `{' '.join(cmd)}`" for name, cmd in result["commands"].items()],

@@ -46,6 +46,7 @@ from apps.main.train import (
     open_training_cache,
     optimizer_step,
     restore_checkpoint,
+    teacher_tp,
     train_step,
 )
 from lingua.args import parse_args, require
@@ -193,7 +194,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args.validate(launch.world_size, launch.local_world_size)  # the trainer's own pass
     release_sigterm()
     role = LaunchPlan.for_launch(args.distributed, n_teacher_ranks(args), launch.world_size,
-                                 launch.local_world_size).role(launch.rank)
+                                 launch.local_world_size, teacher_tp(args)).role(launch.rank)
     out_dir = Path(args.dump_dir) / "startup_diag"
     init_logger(launch.rank, role, str(out_dir / "logs" / f"rank_{launch.rank}.log"))
     phases = PhaseLog(str(out_dir), launch.rank, role)
@@ -204,7 +205,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             bare_init(args.distributed, launch, phases)
         else:
             with phases.span("setup_torch_distributed"):
-                topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir)
+                topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir,
+                                               teacher_tp(args))
             with phases.span("rank_map"):
                 log_rank_device_map(topo)
             first_collectives(topo, phases)

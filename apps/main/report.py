@@ -129,9 +129,10 @@ class StepReporter:
         if wait_s / step_s <= TEACHER_BOUND_SHARE or self.warned_teacher_bound:
             return
         self.warned_teacher_bound = True
-        n_teachers, n_students = len(self.topo.teacher_ranks), len(self.topo.student_ranks)
+        n_teachers, n_students, tp = len(self.topo.teacher_ranks), len(self.topo.student_ranks), self.topo.teacher_tp
         busy = row.get("kd/teacher_busy", 1.0)
-        needed = teacher_ranks_to_keep_up(n_teachers, n_students, busy, step_s, wait_s)
+        # Counted in replicas (teacher_tp ranks each), then in ranks.
+        needed = teacher_ranks_to_keep_up(n_teachers // tp, n_students, busy, step_s, wait_s) * tp
         logger.warning(f"students spend {100 * wait_s / step_s:.0f}% of the step waiting on the teacher, which is busy "
                        f"{100 * row.get('kd/teacher_busy', 0.0):.0f}% of its time: the teacher is the bottleneck. "
                        f"About {needed} teacher rank(s) (distillation.n_teacher_ranks={needed}, today "

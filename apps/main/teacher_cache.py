@@ -6,7 +6,10 @@
 
 Every rank is a teacher: it loads the teacher, tokenizes and packs the data exactly as training does
 (`DataLoader`, stream d = what data-parallel student d of `streams` would read) and writes the shards
-assigned to it (shard i is chunk i // M of stream i % M; rank r writes shards r, r+N, ...). Shards are
+assigned to it (shard i is chunk i // M of stream i % M; rank r writes shards r, r+N, ...). With
+distillation.teacher_tp=T the N ranks form N / T replicas of T consecutive ranks (on one node), each
+holding the teacher sharded tensor-parallel: replica j writes shards j, j + N/T, ..., its first rank
+writing the files, every rank of it running the forward. Shards are
 written atomically, so a rerun skips the finished ones and resumes the others from the loader state
 saved in the last finished shard of their stream. `cache.json` records the settings: training refuses
 a cache whose settings differ from its own. `index.json`, written last, marks the cache complete.
@@ -21,6 +24,7 @@ if __name__ == "__main__":  # first, before the slow imports: see lingua.cli.hol
 import logging
 import time
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -52,7 +56,7 @@ from lingua.eval_data import iterate_eval_batches
 from lingua.logger import init_logger
 from lingua.metrics import format_duration
 from lingua.parallel.collectives import log_collective
-from lingua.parallel.launch_plan import LaunchPlan, read_launch_env
+from lingua.parallel.launch_plan import LaunchPlan, read_launch_env, tensor_parallel_replicas
 from lingua.tokenizer import build_tokenizer
 
 logger = logging.getLogger("teacher_cache")
@@ -70,8 +74,8 @@ class TeacherCacheArgs(TrainArgs):
     def validate(self, world_size: Optional[int] = None, local_world_size: Optional[int] = None) -> None:
         """The trainer's pass for the config with an online teacher (whatever distillation.source says: this
         job is the teacher), then the cache's own keys. Every rank is a teacher here, so the launch is planned
-        without teacher ranks."""
-        teacher = replace(self.distillation, source="online", n_teacher_ranks=1)
+        without teacher ranks, then cut into replicas of distillation.teacher_tp ranks."""
+        teacher = replace(self.distillation, source="online", n_teacher_ranks=self.distillation.teacher_tp)
         TrainArgs.validate(replace(self, enable_distillation=True, distillation=teacher))
         require(bool(self.cache_dir), "cache_dir", self.cache_dir, "pass cache_dir=<folder for the teacher cache>")
         for key in ("streams", "shard_sequences", "forward_rows"):
@@ -80,6 +84,11 @@ class TeacherCacheArgs(TrainArgs):
                 "use 0 (the config's steps x grad_acc_steps x data.batch_size) or a positive number of windows")
         if world_size is not None:
             LaunchPlan.for_launch(self.distributed, 0, world_size, local_world_size or world_size)
+            tp = self.distillation.teacher_tp
+            require(world_size % tp == 0, "distillation.teacher_tp", tp,
+                    f"the cache writer's {world_size} ranks form replicas of teacher_tp ranks; "
+                    f"launch a multiple of {tp}")
+            tensor_parallel_replicas(list(range(world_size)), tp, local_world_size or world_size)
 
 
 def planned_manifest(args: TeacherCacheArgs, tokenizer) -> CacheManifest:
@@ -140,8 +149,10 @@ class StreamReader:
         return next(loader)
 
 
-def teacher_outputs(teacher: TeacherModel, batch: dict, manifest: CacheManifest, forward_rows: int, generator):
-    """The teacher's outputs for a chunk's windows, `forward_rows` windows per forward."""
+def teacher_outputs(teacher: TeacherModel, batch: dict, manifest: CacheManifest, forward_rows: int,
+                    generator) -> Optional[TeacherOutputs]:
+    """The teacher's outputs for a chunk's windows, `forward_rows` windows per forward (tensor-parallel: on the
+    replica's first rank, None on the others)."""
     parts = []
     for start in range(0, batch["input_ids"].shape[0], forward_rows):
         rows = slice(start, start + forward_rows)
@@ -149,6 +160,8 @@ def teacher_outputs(teacher: TeacherModel, batch: dict, manifest: CacheManifest,
         hidden = teacher.hidden_states(batch["input_ids"][rows].to(teacher.device), doc_ids)
         parts.append(teacher.sparse_outputs(hidden, manifest.output, manifest.k, WIRE_DTYPES[manifest.wire_dtype],
                                             manifest.vocab_size, generator))
+    if parts[0] is None:
+        return None
     return TeacherOutputs.from_tensors(manifest.output, [torch.cat(ts).cpu() for ts in zip(*(p.tensors() for p in parts))])
 
 
@@ -163,23 +176,56 @@ def heldout_reference(args: TeacherCacheArgs, tokenizer, teacher: TeacherModel, 
     return loss_sum / max(tokens, 1)
 
 
+def replica_group(topo, teacher_tp: int, timeout_s: float):
+    """This rank's tensor-parallel group: replicas of teacher_tp consecutive ranks, one group each, made by every
+    rank in the same order (new_group is collective); None with teacher_tp=1."""
+    if teacher_tp == 1:
+        return None
+    mine = None
+    for i, ranks in enumerate(tensor_parallel_replicas(list(range(topo.world_size)), teacher_tp,
+                                                       topo.local_world_size)):
+        group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), group_desc=f"teacher_tp_{i}")
+        if topo.global_rank in ranks:
+            mine = group
+            topo.group_names[id(group)] = f"teacher_tp_{i}"
+    return mine
+
+
+def shards_to_write(cache_dir: Path, mine: list[int], tp_group, device) -> list[int]:
+    """The shards of `mine` not written yet, as the replica's first rank sees them on disk (shared with the
+    other ranks of its replica, which then run the same forwards)."""
+    todo = [i for i in mine if shard_metadata(shard_path(cache_dir, i)) is None]
+    if tp_group is None:
+        return todo
+    padded = torch.full((len(mine),), -1, dtype=torch.int64, device=device)
+    padded[:len(todo)] = torch.tensor(todo, dtype=torch.int64)
+    log_collective("broadcast shards to write", tp_group, padded)
+    dist.broadcast(padded, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+    return [i for i in padded.tolist() if i >= 0]
+
+
 def write_cache(args: TeacherCacheArgs, topo) -> None:
     cache_dir = Path(args.cache_dir)
     tokenizer = build_tokenizer(args.data.tokenizer)
-    teacher = TeacherModel(args.distillation, topo.device)
+    tp = args.distillation.teacher_tp
+    tp_group = replica_group(topo, tp, args.distributed.init_timeout_s)
+    teacher = TeacherModel(args.distillation, topo.device, tp_group)
     check_tokenizers(tokenizer, teacher, str(args.distillation.teacher_path))
     manifest = planned_manifest(args, tokenizer)
     settle_manifest(cache_dir, manifest)
     world, rank = topo.world_size, topo.global_rank
+    replicas, replica, writer = world // tp, rank // tp, rank % tp == 0  # replicas are consecutive ranks
     if rank == 0:
         cache_dir.mkdir(parents=True, exist_ok=True)
         if not (cache_dir / "cache.json").is_file():
             manifest.write(cache_dir)
     barrier(topo, "cache manifest")
-    mine = [i for i in range(manifest.n_shards) if i % world == rank]
-    todo = [i for i in mine if shard_metadata(shard_path(cache_dir, i)) is None]
+    mine = [i for i in range(manifest.n_shards) if i % replicas == replica]
+    todo = shards_to_write(cache_dir, mine, tp_group, topo.device)
     logger.info(f"cache rank {rank}: {len(mine)} shard(s) of {manifest.n_shards}, {len(mine) - len(todo)} already "
-                f"written, {len(todo)} to write ({manifest.shard_sequences} windows of {args.data.seq_len} tokens each)")
+                f"written, {len(todo)} to write ({manifest.shard_sequences} windows of {args.data.seq_len} tokens each)"
+                + (f"; tensor-parallel replica {replica} of {tp} ranks" + ("" if writer else ", not writing")
+                   if tp > 1 else ""))
     streams = StreamReader(args, tokenizer, cache_dir, manifest)
     start = last_report = time.perf_counter()
     tokens_per_shard = manifest.shard_sequences * args.data.seq_len
@@ -188,6 +234,8 @@ def write_cache(args: TeacherCacheArgs, topo) -> None:
         batch = streams.chunk(stream, chunk)
         generator = torch.Generator(device=topo.device).manual_seed(args.distillation.seed * 1_000_003 + index)
         outputs = teacher_outputs(teacher, batch, manifest, args.forward_rows, generator)
+        if not writer:  # its part of the outputs went to the replica's first rank
+            continue
         tokens = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1)
         write_shard(shard_path(cache_dir, index), tokens, batch["doc_ids"], outputs, manifest,
                     dict(shard=index, stream=stream, chunk=chunk,
@@ -199,8 +247,9 @@ def write_cache(args: TeacherCacheArgs, topo) -> None:
             logger.info(f"cache rank {rank}: {done}/{len(todo)} shards, {done * tokens_per_shard:,} tokens, "
                         f"{rate:,.0f} tokens/s, ETA {eta}")
     barrier(topo, "every shard written")
-    if rank == 0:
+    if replica == 0:  # every rank of the first replica: the sharded forward needs them all
         manifest.teacher_heldout_ce = heldout_reference(args, tokenizer, teacher, manifest)
+    if rank == 0:
         manifest.write(cache_dir)
         missing = [i for i in range(manifest.n_shards) if shard_metadata(shard_path(cache_dir, i)) is None]
         if missing:

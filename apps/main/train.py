@@ -44,6 +44,7 @@ from lingua.distillation.distiller import build_distiller
 from lingua.distillation.feed import MicroBatchFeed
 from lingua.distillation.server import TeacherServer
 from lingua.distillation.teacher import read_max_positions
+from lingua.distillation.tensor_parallel import heads_problem, read_teacher_config
 from lingua.distributed import Topology, clean_up, log_rank_device_map, setup_torch_distributed
 from lingua.eval_data import eval_files, iterate_eval_batches
 from lingua.logger import init_logger
@@ -122,13 +123,29 @@ class TrainArgs:
             max_positions = read_max_positions(self.distillation.teacher_path)
             check_seq_len_fits_teacher(self.data.seq_len, max_positions or 0,
                                        f"max_position_embeddings in {self.distillation.teacher_path}/config.json")
-        if world_size is not None:  # roles, bridges and the students' mesh for this many ranks
-            LaunchPlan.for_launch(self.distributed, n_teacher_ranks(self), world_size, local_world_size or world_size)
+            check_heads_divide(self.distillation.teacher_path, teacher_tp(self))
+        if world_size is not None:  # roles, bridges, teacher replicas and the students' mesh for this many ranks
+            LaunchPlan.for_launch(self.distributed, n_teacher_ranks(self), world_size, local_world_size or world_size,
+                                  teacher_tp(self))
 
 
 def n_teacher_ranks(args: TrainArgs) -> int:
     online = args.enable_distillation and args.distillation.source == "online"
     return teacher_rank_count(online, args.distillation.n_teacher_ranks)
+
+
+def teacher_tp(args: TrainArgs) -> int:
+    """Ranks per teacher replica of this launch (1 without teacher ranks)."""
+    return args.distillation.teacher_tp if n_teacher_ranks(args) else 1
+
+
+def check_heads_divide(teacher_path: str, tp: int) -> None:
+    """A tensor-parallel teacher's attention and KV head counts divide by teacher_tp (from its config.json when
+    it is on disk; a hub teacher is checked when it loads)."""
+    config = read_teacher_config(teacher_path)
+    problem = heads_problem(config, tp, f"{teacher_path}/config.json") if config is not None else None
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def teacher_heldout(args: TrainArgs, n_students: int):
@@ -392,7 +409,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     preemption = PreemptionFlag()  # from here on: handlers only set a flag, students agree on it each step
     check_no_sigterm_held()  # a SIGTERM while we checked: torchrun stopping the job, another rank failed
     try:
-        topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir)
+        topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir, teacher_tp(args))
         init_logger(topo.global_rank, topo.role, str(RunDir(args.dump_dir).rank_log(topo.global_rank)))
         # From here a rank that fails leaves a note, and one that loses a peer names the rank that stopped.
         with RankStatus(args.dump_dir, topo, debug=args.distributed.debug):

@@ -140,17 +140,18 @@ class ResponseStatus:
     teacher_preempt: bool = False  # the teacher received a preemption signal
     busy_s: float = 0.0  # the teacher's serving time since the handshake
     idle_s: float = 0.0  # the teacher's waiting time since the handshake
-    peak_bytes: int = 0  # the teacher's peak memory
+    peak_bytes: int = 0  # the teacher's peak memory (a replica's: the largest of its ranks')
+    forward_s: float = 0.0  # the part of busy_s spent in the forward and the outputs (the rest is the protocol)
     message: str = ""  # the error, when not ok
 
     def pack(self, pin: bool = False) -> torch.Tensor:
         return pack_record([int(not self.ok), int(self.teacher_preempt), int(self.busy_s * 1e6), int(self.idle_s * 1e6),
-                            self.peak_bytes], self.message, pin)
+                            self.peak_bytes, int(self.forward_s * 1e6)], self.message, pin)
 
     @classmethod
     def unpack(cls, record: torch.Tensor) -> "ResponseStatus":
-        failed, preempt, busy_us, idle_us, peak_bytes, *_ = record_ints(record)
-        return cls(not failed, bool(preempt), busy_us / 1e6, idle_us / 1e6, peak_bytes,
+        failed, preempt, busy_us, idle_us, peak_bytes, forward_us, *_ = record_ints(record)
+        return cls(not failed, bool(preempt), busy_us / 1e6, idle_us / 1e6, peak_bytes, forward_us / 1e6,
                    record_message(record) if failed else "")
 
 
@@ -250,13 +251,17 @@ def tokenizer_fingerprint(vocab: dict[str, int]) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def agreed_handshake(topo, mine: HandshakeRecord, args: DistillationArgs) -> BridgeSpec:
+def agreed_handshake(topo, mine: Optional[HandshakeRecord], args: DistillationArgs) -> Optional[BridgeSpec]:
     """Handshake on my bridge, then every rank's verdict over the world: a failure in one bridge
-    (teacher 1 could not load) stops the ranks of every bridge with its sentence, not only its own."""
+    (teacher 1 could not load) stops the ranks of every bridge with its sentence, not only its own.
+    A teacher rank off the bridge (a tensor-parallel replica's other ranks: `mine` None) only shares the
+    verdicts, and raises its own replica's sentence; it returns None (its first rank shares the spec)."""
+    spec, error = None, None
     try:
-        spec, error = check_handshake(_exchange(topo, mine), args), None
+        if mine is not None:
+            spec = check_handshake(_exchange(topo, mine), args)
     except (TeacherError, ValueError) as err:
-        spec, error = None, err
+        error = err
     verdicts: list[Optional[str]] = [None] * topo.world_size
     verdict = None if error is None else f"{type(error).__name__}: {error}"
     log_collective("all_gather_object handshake verdicts", dist.group.WORLD)
@@ -267,6 +272,8 @@ def agreed_handshake(topo, mine: HandshakeRecord, args: DistillationArgs) -> Bri
     failed = sorted((rank not in topo.teacher_ranks, rank, v) for rank, v in enumerate(verdicts) if v)
     if failed:
         _, rank, verdict = failed[0]
+        if mine is None and topo.plan.bridge_index(rank) == topo.my_bridge:
+            raise TeacherError(f"the handshake of this teacher replica failed (rank {rank}): {verdict}")
         raise TeacherError(f"the handshake failed in another bridge (rank {rank}): {verdict}")
     return spec
 

@@ -171,6 +171,7 @@ class TeacherClient:
         status = self.teacher_status()
         return {"kd/teacher_busy": status.busy_s / max(status.busy_s + status.idle_s, 1e-9),
                 "kd/teacher_busy_s": status.busy_s, "kd/teacher_idle_s": status.idle_s,
+                "kd/teacher_forward_s": status.forward_s,
                 "kd/teacher_peak_gib": status.peak_bytes / 2**30, "kd/bytes_up": self.bytes_up,
                 "kd/bytes_down": self.bytes_down}
 

@@ -6,6 +6,10 @@ rows of sparse outputs written into its response buffer) -> reply (one scatter: 
 then the outputs). Whatever fails while handling is answered too, as a status carrying the sentence,
 so students raise it instead of waiting for a timeout. The protocol itself is in `lingua/distillation/bridge.py`.
 
+With distillation.teacher_tp > 1 the teacher is a replica of several ranks sharded tensor-parallel: its
+first rank runs this loop on the bridge and shares each request with the others, which follow
+(`_follow`); `lingua/distillation/replica.py` holds what passes between them.
+
 Timing on CUDA: NCCL's blocking calls only order streams, the CPU returns at once. So the teacher's
 idle time ends when the headers reach the CPU and its busy time when its stream has run the forward.
 """
@@ -30,10 +34,12 @@ from lingua.distillation.bridge import (
     agreed_settings,
     tokenizer_fingerprint,
 )
+from lingua.distillation.replica import ReplicaLink, Round, replica_load_record, share_spec
 from lingua.distillation.teacher import TeacherModel
 from lingua.metrics import MemoryMonitor
 from lingua.parallel.collectives import log_collective
 from lingua.parallel.preemption import PreemptionFlag
+from lingua.parallel.rank_status import is_peer_loss
 from lingua.parallel.timeouts import HangWatch, set_collective_timeout
 
 logger = logging.getLogger(__name__)
@@ -52,15 +58,19 @@ class ServingClock:
         self.cuda = device.type == "cuda"
         self.start = self.mark = time.perf_counter()  # mark: where the last counted interval ended (CPU)
         self.busy_total = self.idle_total = 0.0
+        self.forward_total = 0.0  # the part of busy spent in the forward and the outputs (the rest is protocol)
         self.pending: list = []  # CUDA: (arrival, forward done) event pairs not read yet
+        self.forward_pending: list = []  # CUDA: (forward start, forward end) event pairs not read yet
 
     def request_arrived(self) -> None:
         if self.cuda:
             for begin, end in self.pending:
                 self.busy_total += begin.elapsed_time(end) / 1e3
+            for begin, end in self.forward_pending:
+                self.forward_total += begin.elapsed_time(end) / 1e3
             begin = torch.cuda.Event(enable_timing=True)
             begin.record()
-            self.pending = [(begin, None)]
+            self.pending, self.forward_pending = [(begin, None)], []
             return
         now = time.perf_counter()
         self.idle_total += now - self.mark
@@ -77,9 +87,27 @@ class ServingClock:
         self.busy_total += now - self.mark
         self.mark = now
 
+    @contextlib.contextmanager
+    def forward(self):
+        """Around the forward and the outputs of a request (events on CUDA, read with the next request)."""
+        if self.cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            yield
+            end.record()
+            self.forward_pending.append((begin, end))
+            return
+        start = time.perf_counter()
+        yield
+        self.forward_total += time.perf_counter() - start
+
     @property
     def busy_s(self) -> float:
         return self.busy_total
+
+    @property
+    def forward_s(self) -> float:
+        return self.forward_total
 
     @property
     def idle_s(self) -> float:
@@ -120,45 +148,62 @@ class TimeoutSwitch:
 
 
 class TeacherServer:
-    """Teacher side: load, handshake, then answer requests until every student sent STOP."""
+    """Teacher side: load, handshake, then answer requests until every student sent STOP. Every rank of a
+    tensor-parallel replica builds one; the first answers the students, the others follow it."""
 
     def __init__(self, args: DistillationArgs, topo, preemption: Optional[PreemptionFlag] = None,
                  inject_load_failure: bool = False, phases=None, attn_mask: str = "causal",
                  inject_serve_failure_at: Optional[int] = None, heldout=None):
         assert topo.is_teacher
         self.args, self.topo = args, topo
+        self.leader = topo.is_replica_leader  # always, with teacher_tp=1
         self.inject_serve_failure_at = inject_serve_failure_at  # tests: fail while serving this step
         self.teacher: Optional[TeacherModel] = None
         record = HandshakeRecord("teacher", topo.global_rank, 0, 0, agreed_settings(args, attn_mask))
         start, start_wall = time.perf_counter(), time.time()
+        tensor_parallel = topo.teacher_tp_group is not None
         try:
             if inject_load_failure:
                 raise RuntimeError("injected teacher load failure (inject_failure=teacher_load:...)")
-            self.teacher = TeacherModel(args, topo.device)
+            self.teacher = TeacherModel(args, topo.device, tp_group=topo.teacher_tp_group)
             record.vocab, record.max_positions = self.teacher.vocab_size, self.teacher.max_positions
             record.tokenizer_fingerprint = tokenizer_fingerprint(self.teacher.tokenizer.get_vocab())
+            shard = self.teacher.shard
             logger.info(f"teacher {args.teacher_path} loaded in {time.perf_counter() - start:.1f}s "
-                        f"(vocab {record.vocab}, {self.teacher.n_params / 1e6:.1f}M params)")
-            if heldout is not None:  # (held-out batches of every student, the students' vocab): a reference line
-                loss_sum, tokens = self.teacher.heldout_ce(*heldout, doc_causal=attn_mask == "doc_causal")
-                record.heldout_ce = loss_sum / max(tokens, 1)
-                logger.info(f"teacher's held-out CE: {record.heldout_ce:.4f} over {tokens:,} tokens")
+                        f"(vocab {record.vocab}, {self.teacher.n_params / 1e6:.1f}M params)"
+                        + (f", tensor-parallel over ranks {topo.replica_ranks}: vocabulary rows "
+                           f"{shard.start}-{shard.end - 1} and {self.teacher.n_local_params / 1e6:.1f}M params here"
+                           if shard is not None else ""))
+            if heldout is not None and not tensor_parallel:
+                record.heldout_ce = self._heldout_ce(heldout, attn_mask)
         except Exception as err:  # every rank must hear about it, not only this one
             record.loaded, record.message = False, f"{type(err).__name__}: {err}"
             logger.error(f"teacher failed to load: {record.message}")
+        if tensor_parallel:
+            record = replica_load_record(topo, record)  # no rank of the replica goes on alone
+            if heldout is not None and record.loaded:  # collective: a failure here ends this rank (peers follow)
+                record.heldout_ce = self._heldout_ce(heldout, attn_mask)
         if phases is not None:
             phases.record("teacher_load", start_wall, time.time())
         with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
-            self.spec = agreed_handshake(topo, record, args)
-        self.bridge_ranks = dist.get_process_group_ranks(topo.bridge_group)
-        self.mine = self.bridge_ranks.index(topo.global_rank)
-        self.generator = torch.Generator(device=topo.device).manual_seed(args.seed + topo.global_rank)
+            self.spec = agreed_handshake(topo, record if self.leader else None, args)
+            if tensor_parallel:
+                self.spec = share_spec(topo, self.spec, args)
+        # The replica's first rank seeds the draws of output=sampled: every rank of a replica draws the same.
+        self.generator = torch.Generator(device=topo.device).manual_seed(args.seed + topo.replica_ranks[0])
         self.memory = MemoryMonitor(topo.device)
         self.clock = ServingClock(topo.device)
-        self.requests = 0
+        self.requests = self.tokens = 0
         # A signal on the teacher cannot stop anything by itself: it rides on every response, and the
         # students fold it into their agreed control bits.
         self.preemption = preemption or PreemptionFlag()
+        self.student_ranks = topo.plan.bridges()[topo.my_bridge][1]
+        self.link = ReplicaLink(topo, self.spec, len(self.student_ranks)) if tensor_parallel else None
+        self.replica_flags: Optional[torch.Tensor] = None  # this request's (preempt, peak) over the replica
+        if not self.leader:
+            return
+        self.bridge_ranks = dist.get_process_group_ranks(topo.bridge_group)
+        self.mine = self.bridge_ranks.index(topo.global_rank)
         device, n = topo.device, len(self.bridge_ranks)
         self.gathered = [torch.empty(self.spec.request_ints(), dtype=torch.int32, device=device) for _ in range(n)]
         self.request = torch.zeros(self.spec.request_ints(), dtype=torch.int32, device=device)
@@ -175,12 +220,27 @@ class TeacherServer:
     def idle_s(self) -> float:
         return self.clock.idle_s
 
+    def _heldout_ce(self, heldout, attn_mask: str) -> float:
+        """The teacher's CE on (held-out batches of every student, the students' vocab): a reference line."""
+        loss_sum, tokens = self.teacher.heldout_ce(*heldout, doc_causal=attn_mask == "doc_causal")
+        logger.info(f"teacher's held-out CE: {loss_sum / max(tokens, 1):.4f} over {tokens:,} tokens")
+        return loss_sum / max(tokens, 1)
+
+    def _throughput(self) -> str:
+        """This rank's serving numbers, for its log: tokens/s of busy time, the forward's share, peak memory."""
+        busy = max(self.clock.busy_s, 1e-9)
+        return (f"{self.tokens:,} tokens at {self.tokens / busy:,.0f} tokens/s of busy time, forward and outputs "
+                f"{100 * self.clock.forward_s / busy:.1f}% of it; peak memory "
+                f"{self.memory.get_peak_stats()['mem/peak_gib']:.2f} GiB on this rank")
+
     def serve(self, timeouts: Optional[tuple[float, float]] = None) -> None:
         """Receive -> handle -> reply until STOP. Returns after a STOP; raises (after answering) on any error.
 
         `timeouts` = (init, train) seconds for the `TimeoutSwitch`; None keeps the groups' timeout."""
         switch = TimeoutSwitch(self.topo, timeouts)
         self.clock = ServingClock(self.topo.device)
+        if not self.leader:
+            return self._follow(switch)
         last_report = time.perf_counter()
         while True:
             switch.arm()
@@ -190,16 +250,45 @@ class TeacherServer:
             self.requests += 1
             if not status.ok or ops == {Op.STOP}:
                 switch.cancel()
+                self._release_replica(status)
             if not status.ok:
                 raise TeacherError(status.message)
             if ops == {Op.STOP}:
                 logger.info(f"STOP received after {self.requests - 1} requests; teacher busy "
-                            f"{100 * self.clock.busy_fraction:.0f}% of the time")
+                            f"{100 * self.clock.busy_fraction:.0f}% of the time; {self._throughput()}")
                 return
             if time.perf_counter() - last_report > REPORT_EVERY_S:
                 last_report = time.perf_counter()
                 # Whether the teacher is the bottleneck shows on the students' side (their wait share).
                 logger.info(f"served {self.requests} requests; busy {100 * self.clock.busy_fraction:.0f}% of the time")
+
+    def _follow(self, switch: TimeoutSwitch) -> None:
+        """A follower of a tensor-parallel replica: the leader's rounds until LEAVE, its share of each forward.
+        Returns after a STOP; raises the students' sentence after an error the leader answered."""
+        while True:
+            switch.arm()
+            op, payload = self.link.next_round()
+            self.clock.request_arrived()
+            if op == Round.LEAVE:
+                switch.cancel()
+                logger.info(f"leaving with the replica's first rank after {self.requests} requests; "
+                            f"{self._throughput()}")
+                if not payload.ok:
+                    raise TeacherError(payload.message)
+                return
+            students = list(zip(self.student_ranks, payload))
+            headers = {rank: RequestHeader.from_ints(row) for (rank, _), row in
+                       zip(students, torch.stack([buf[:HEADER_INTS] for _, buf in students]).tolist())}
+            switch.observe(all(h.in_training for h in headers.values()), False)
+            if headers[students[0][0]].step == self.inject_serve_failure_at:
+                raise RuntimeError("injected teacher failure (inject_failure=teacher_serve:...)")
+            self._forward(students, headers)
+            self.link.replica_flags(self.preemption.requested, self._peak_bytes())
+            self.requests += 1
+            self.clock.worked()
+
+    def _peak_bytes(self) -> int:
+        return int(self.memory.get_peak_stats()["mem/peak_gib"] * 2**30)
 
     def _receive(self) -> None:
         log_collective("gather request (teacher)", self.topo.bridge_group, self.request)
@@ -215,7 +304,8 @@ class TeacherServer:
         Everything between the gather and the scatter is guarded: whatever fails here (bad headers,
         the forward, out of memory, a CUDA error surfacing at the sync), the students get its sentence."""
         students = self._students()
-        arrived, ops, step, error, peak_bytes = False, set(), None, None, 0
+        arrived, ops, step, error, peak_bytes, forwarded = False, set(), None, None, 0, False
+        self.replica_flags = None
         try:
             # One copy to the CPU for all headers; on NCCL this is where the wait for the request really ends.
             rows = torch.stack([buf[:HEADER_INTS] for _, buf in students]).tolist()
@@ -229,21 +319,40 @@ class TeacherServer:
             if step == self.inject_serve_failure_at and ops == {Op.FORWARD}:
                 raise RuntimeError("injected teacher failure (inject_failure=teacher_serve:...)")
             if error is None and ops == {Op.FORWARD}:
+                forwarded = True
+                if self.link is not None:
+                    self.link.share_forward([buf for _, buf in students])
                 self._forward(students, headers)
-            peak_bytes = int(self.memory.get_peak_stats()["mem/peak_gib"] * 2**30)
+            peak_bytes = self._peak_bytes()
+            if forwarded and self.link is not None:
+                self.replica_flags = self.link.replica_flags(self.preemption.requested, peak_bytes)
         except Exception as err:
+            if forwarded and self.link is not None:
+                if is_peer_loss(err):
+                    raise  # a rank of the replica stopped: every rank ends with the sentence naming it
+                self.link.broken = True  # the others wait in a collective of this forward: no more rounds
             where = "a request" if step is None else f"step {step}"
             error, peak_bytes = f"teacher failed serving {where}: {type(err).__name__}: {err}", 0
         if not arrived:
             self.clock.request_arrived()
         self.clock.worked()
         return ResponseStatus(ok=error is None, teacher_preempt=self.preemption.requested, busy_s=self.clock.busy_s,
-                              idle_s=self.clock.idle_s, peak_bytes=peak_bytes, message=error or ""), ops
+                              idle_s=self.clock.idle_s, peak_bytes=peak_bytes, forward_s=self.clock.forward_s,
+                              message=error or ""), ops
+
+    def _release_replica(self, status: ResponseStatus) -> None:
+        """Leaving the loop (STOP, or an error the students were told): a replica's other ranks leave with the
+        same status. After a forward that failed on this rank they are stuck in one of its collectives: they
+        learn it when this rank's process is gone (the sentence naming it)."""
+        if self.link is not None and not self.link.broken:
+            self.link.share_leave(status)
 
     def _reply(self, status: ResponseStatus) -> None:
         record = status.pack(pin=self.topo.device.type == "cuda").to(self.topo.device, non_blocking=True)
         for buf in self.responses:
             buf[:RECORD_BYTES] = record
+            if self.replica_flags is not None:  # any rank of the replica preempted, its largest peak memory
+                ReplicaLink.write_flags(buf, self.replica_flags)
         log_collective("scatter responses (teacher)", self.topo.bridge_group, self.responses[self.mine])
         dist.scatter(self.scatter_out, self.responses, src=self.topo.global_rank, group=self.topo.bridge_group)
         self.clock.worked()  # packing and sending the responses is serving time too
@@ -269,9 +378,14 @@ class TeacherServer:
                         f"(got [{int(tokens.min())}, {int(tokens.max())}]); its data must use the teacher's tokenizer")
         return None
 
-    @torch.inference_mode()
     def _forward(self, students, headers: dict[int, RequestHeader]) -> None:
-        """One forward over every student's rows; each student's outputs go into its own response."""
+        """One forward over every student's rows; each student's outputs go into its own response (on a
+        follower of a replica, its part of them goes to the first rank)."""
+        with self.clock.forward(), self.teacher.no_grad():
+            self._forward_rows(students, headers)
+        self.tokens += sum(h.bsz * h.seqlen for h in headers.values())
+
+    def _forward_rows(self, students, headers: dict[int, RequestHeader]) -> None:
         seqlen = max(headers[r].seqlen for r, _ in students)
         # Right padding is invisible to a causal model's earlier positions: one forward for all students.
         tokens = torch.cat([self.spec.token_grid(buf)[:headers[r].bsz, :seqlen] for r, buf in students]).long()
@@ -285,6 +399,8 @@ class TeacherServer:
                                                   self.spec.k, self.spec.wire_dtype, self.spec.vocab_size,
                                                   self.generator)
             row += header.bsz
+            if outputs is None:  # a follower: its part of the outputs went to the replica's first rank
+                continue
             views = self.spec.payload_views(self.responses[self.bridge_ranks.index(rank)])
             for source, dest in zip(outputs.tensors(), views):
                 dest[: source.shape[0], : source.shape[1]] = source

@@ -180,6 +180,7 @@ class TeacherModel:
         self.vocab_size = self.shard.vocab if self.shard else int(self.model.get_output_embeddings().weight.shape[0])
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
         self.n_params = sum(p.numel() for p in self.model.parameters())  # a DTensor counts its whole tensor
+        self.n_local_params = sum(getattr(p, "to_local", lambda: p)().numel() for p in self.model.parameters())
 
     def no_grad(self):
         """The forward's autograd-free mode: inference mode, or no_grad when sharded (DTensor dispatches slower

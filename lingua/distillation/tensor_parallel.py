@@ -136,9 +136,11 @@ def shard_teacher(model, group, device: torch.device) -> VocabShard:
     head = model.get_output_embeddings()
     tied = head.weight is model.get_input_embeddings().weight
     parallelize_module(model.base_model, mesh, tensor_parallel_plan(model), src_data_rank=None)
-    if tied:  # one copy of the shared rows: the head reuses the embedding's shard (same rows, same Shard(0))
+    if tied:  # sliced once, from the embedding's shard (same rows, same Shard(0))
         head.weight = model.get_input_embeddings().weight
     parallelize_module(head, mesh, ColwiseParallel(use_local_output=True), src_data_rank=None)
+    if tied:  # the style wrapped the shard in a parameter of its own: one copy of the shared rows, as before
+        head.weight = model.get_input_embeddings().weight
     model.to(device)  # the replicated rest: norms, rotary buffers
     shard = VocabShard.of(group, int(head.weight.shape[0]))
     local_rows = head.weight.to_local().shape[0]

@@ -72,7 +72,8 @@ def vocab_parallel_outputs(logits: torch.Tensor, shard: VocabShard, format: str,
     check_format(format)
     assert temperature > 0 and (format == "full" or k >= 1), (temperature, k)  # DistillationArgs.validate()
     if format == "topk" and k > vocab_size:
-        raise ValueError(f"Top-k distillation with k={k} exceeds the vocabulary size {vocab_size}; lower distillation.k.")
+        raise ValueError(f"Top-k distillation with k={k} exceeds the vocabulary size {vocab_size}; "
+                         f"lower distillation.k.")
     z = scaled_slice(logits, shard, vocab_size, temperature)
     if format == "topk":
         return _topk(z, shard, k, wire_dtype)

@@ -195,12 +195,6 @@ def split_roles(world_size: int, n_teachers: int, placement: str, local_world_si
                 f"per node ({n_nodes} nodes x {teacher_tp} = {n_nodes * teacher_tp} teacher ranks), but "
                 f"distillation.n_teacher_ranks={n_teachers}."
             )
-        if teacher_tp >= local_world_size:
-            raise ValueError(
-                f"teacher_placement=per_node puts a replica of distillation.teacher_tp={teacher_tp} ranks on each node, "
-                f"which leaves no student on a node of {local_world_size} task(s); launch more tasks per node or "
-                f"lower distillation.teacher_tp."
-            )
         teachers = [node * local_world_size + local for node in range(n_nodes)
                     for local in range(local_world_size - teacher_tp, local_world_size)]
     tensor_parallel_replicas(teachers, teacher_tp, local_world_size)  # a replica that spans nodes is refused here

@@ -143,3 +143,39 @@ def test_an_interrupted_cache_resumes_with_the_same_shards(cache, corpus, tiny_t
             assert sorted(new.keys()) == sorted(old.keys())
             assert all(torch.equal(new.get_tensor(key), old.get_tensor(key)) for key in old.keys()), index
     assert (partial / "index.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_cache_written_by_a_tensor_parallel_teacher_equals_the_one_rank_cache(cache, corpus, tiny_teacher, tmp_path):
+    """2 ranks as one replica of distillation.teacher_tp=2: the same shards as 2 ranks of one teacher each (tokens
+    equal, bf16 values within one rounding step, the rest mass within fp32's, the same held-out reference), and the
+    same ids but where two candidates tie: the sharded forward's logits differ by ~1e-6 (another summation order),
+    enough to swap two ids whose log-probs are that close (one position in 1,536 in the runs measured)."""
+    sharded = tmp_path / "tp2"
+    result = torchrun(2, cache_overrides(corpus, tiny_teacher, sharded, **{"eval.every": 3, "eval.max_batches": 2,
+                                                                           "distillation.teacher_tp": 2}),
+                      timeout=300, module="apps.main.teacher_cache")
+    assert_ok(result)
+    assert "12 shard(s) of 12, 0 already written, 12 to write" in result.stdout
+    assert "tensor-parallel replica 0 of 2 ranks, not writing" in result.stdout
+    manifest, reference = CacheManifest.read(sharded), CacheManifest.read(cache)
+    assert manifest.teacher_heldout_ce == pytest.approx(reference.teacher_heldout_ce, rel=1e-5)
+    swapped = positions = 0
+    for index in range(manifest.n_shards):
+        assert shard_metadata(shard_path(sharded, index)) == shard_metadata(shard_path(cache, index)), index
+        got, want = (read_shard(shard_path(c, index), range(0, 4), manifest) for c in (sharded, cache))
+        assert torch.equal(got["input_ids"], want["input_ids"])
+        values, expected = got["teacher"].values.float(), want["teacher"].values.float()
+        step = 2 ** -7 * expected.abs()  # bf16: 8 significant bits
+        assert ((values - expected).abs() <= step).all(), index
+        assert torch.allclose(got["teacher"].extra, want["teacher"].extra, atol=1e-6), index
+        differ = (got["teacher"].ids != want["teacher"].ids).any(-1)
+        for row, position in differ.nonzero().tolist():  # ties: each id keeps its log-prob, the k-th may change
+            mine = dict(zip(got["teacher"].ids[row, position].tolist(), values[row, position].tolist()))
+            theirs = dict(zip(want["teacher"].ids[row, position].tolist(), expected[row, position].tolist()))
+            last = min(theirs.values())
+            assert len(mine.keys() & theirs.keys()) >= manifest.k - 1, (index, row, position, mine, theirs)
+            assert all(abs(mine[i] - theirs.get(i, last)) <= 2 ** -7 * abs(last) for i in mine), (mine, theirs)
+        swapped, positions = swapped + int(differ.sum()), positions + differ.numel()
+    assert swapped <= positions // 100, (swapped, positions)

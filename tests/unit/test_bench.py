@@ -38,6 +38,7 @@ def make_rows(steps: int, step_time: float, kd: bool, busy: float = 0.4, warm_st
             row.update({"kd/alpha": 0.5, "kd/teacher_mass": 0.9, "kd/top1_agreement": 0.3, "loss/kd": 0.5,
                         "speed/teacher_wait_s": wait, "kd/teacher_busy": busy_s / (busy_s + idle_s),
                         "kd/teacher_busy_s": busy_s, "kd/teacher_idle_s": idle_s, "kd/teacher_peak_gib": 0.35,
+                        "kd/teacher_forward_s": 0.9 * busy_s,  # the rest of its busy time is the protocol
                         "kd/bytes_up": step * framed["framed_up"] * BSZ * SEQLEN,
                         "kd/bytes_down": step * framed["framed_down"] * BSZ * SEQLEN})
         for part, value in part_seconds.items():
@@ -129,6 +130,30 @@ def test_teacher_peak_memory_is_the_logged_key_and_its_rss_comes_from_proc():
     assert (on["teacher_peak_gib"], on["teacher_peak_rss_gib"]) == (0.35, 0.9)
     off = bench.summarize([record(make_rows(10, 0.1, kd=False), kd=False)], warmup=2)
     assert (off["teacher_peak_gib"], off["teacher_peak_rss_gib"]) == (None, None)
+
+
+@pytest.mark.timeout(30)
+def test_teacher_tokens_per_rank_and_protocol_share_over_the_window():
+    """The students' tokens over the window split over the replicas and their ranks, per busy second; the share of
+    busy time outside the forward. With --teacher-tp 1,2 both run side by side and the report compares them."""
+    rows = make_rows(20, 0.25, kd=True, busy=0.5)
+    tokens_per_busy_s = BSZ * SEQLEN * STUDENTS / (0.5 * 0.25)
+    per_rank, protocol = bench.teacher_serving(rows, 5, teacher_tp=2, n_teacher_ranks=2)
+    assert per_rank == pytest.approx(tokens_per_busy_s / 2) and protocol == pytest.approx(0.1)
+    assert bench.teacher_serving(rows, 5, teacher_tp=2, n_teacher_ranks=4)[0] == pytest.approx(tokens_per_busy_s / 4)
+    assert bench.teacher_serving(make_rows(20, 0.25, kd=False), 5, 1, 0) == (None, None)
+    assert [v.name for v in bench.with_teacher_tp(list(bench.VARIANTS), [1, 2])] == [
+        "kd_off", "kd_off_no_prefetch", "kd_on_tp1", "kd_on_tp2"]
+    assert bench.with_teacher_tp(list(bench.VARIANTS), [1]) == list(bench.VARIANTS)
+    with pytest.raises(ValueError, match="--teacher-tp 0,x: give ranks per teacher replica"):
+        bench.parse_teacher_tp("0,x")
+    one = bench.RunRecord(rows=make_rows(20, 0.25, kd=True, busy=0.5), n_students=2, n_processes=3, n_teacher_ranks=1)
+    two = bench.RunRecord(rows=make_rows(20, 0.5, kd=True, busy=0.8), n_students=2, n_processes=4, teacher_tp=2,
+                          n_teacher_ranks=2)
+    summaries = {"kd_on_tp1": bench.summarize([one], 5), "kd_on_tp2": bench.summarize([two], 5)}
+    ratios = bench.compare(summaries)["kd_on_tp2_over_kd_on_tp1"]
+    assert ratios["step_time_s"] == pytest.approx(2.0)
+    assert ratios["teacher_tokens_per_s_per_rank"] == pytest.approx((1 / (0.8 * 0.5) / 2) / (1 / (0.5 * 0.25)))
 
 
 @pytest.mark.timeout(30)

@@ -26,7 +26,8 @@ def teacher_stub(tmp_path_factory):
     """What validation reads of a teacher: the directory and its config.json (the tokenizer path is the same dir)."""
     path = tmp_path_factory.mktemp("teacher") / "tiny-llama"
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    (path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096, "num_attention_heads": 4,
+                                                  "num_key_value_heads": 2}))
     return path
 
 
