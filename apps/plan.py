@@ -26,8 +26,9 @@ config as in training (`data.batch_size=8 distillation.k=32`). What it decides, 
    replica's time for it, C the student's compute) with the fewest teacher ranks; per_node before last at equal
    count (its bridges stay inside a node). Every layout printed is a `LaunchPlan` that constructed. When none
    keeps up: the layout with the most student throughput, and the largest smaller world size that would.
-5. Online or the offline cache: GPU-hours per run of each road, the cache's size on disk, and the number of
-   runs from which the cache is the cheaper road.
+5. Online or the offline cache: GPU-hours per run of each road, the cache's size on disk, the number of runs
+   from which the cache is the cheaper road, and the cache writer's overrides (`apps.main.teacher_cache` with
+   replicas of the smallest teacher_tp that fits, one stream per student of a run from the cache).
 """
 
 import dataclasses
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from apps.main.teacher_cache import TeacherCacheArgs
 from apps.main.train import TrainArgs
 from apps.main.transformer import get_num_flop_per_token, num_parameters
 from lingua.args import format_value, parse_args, require, to_dict
@@ -370,7 +372,10 @@ class Planner:
         return Speeds(student, teacher, "; ".join(words))
 
     def memory(self, tp: int, students_per_bridge: int) -> TeacherMemory:
-        rows = students_per_bridge * self.args.data.batch_size
+        """A teacher rank's memory at teacher_tp=`tp` while it serves `students_per_bridge` students' batches."""
+        return self.memory_of_rows(tp, students_per_bridge * self.args.data.batch_size)
+
+    def memory_of_rows(self, tp: int, rows: int) -> TeacherMemory:
         return teacher_memory(self.shape, tp, rows, self.args, self.bytes_down, self.bytes_up)
 
     def usable_bytes(self) -> float:
@@ -403,9 +408,11 @@ class Planner:
                 refusal = refusal or str(err)
         return None, refusal
 
-    def smallest_fitting_tp(self) -> Optional[int]:
-        """The smallest teacher_tp whose weights and one student's request fit a GPU."""
-        return next((t for t in self.tp_sizes if self.memory(t, 1).total <= self.usable_bytes()), None)
+    def smallest_fitting_tp(self, rows: Optional[int] = None) -> Optional[int]:
+        """The smallest teacher_tp whose weights and a forward of `rows` sequences (one student's batch by default)
+        fit a GPU."""
+        rows = rows or self.args.data.batch_size
+        return next((t for t in self.tp_sizes if self.memory_of_rows(t, rows).total <= self.usable_bytes()), None)
 
     def keeping_up(self, min_tp: int) -> tuple[Optional[tuple[Layout, LaunchPlan]], Optional[str]]:
         """From the smallest fitting teacher_tp up: the layout under MAX_WAIT_SHARE with the fewest teacher ranks
@@ -510,9 +517,10 @@ class Planner:
             "break_even_runs": significant(teacher_pass / (online_run - students_only)),
             "cheaper": cheaper,
         }
-        if (self.smallest_fitting_tp() or 2) > 1:
-            road["writer_note"] = ("apps.main.teacher_cache loads the whole teacher on each of its ranks, and this "
-                                   "teacher does not fit one GPU: writing its cache needs a tensor-parallel writer")
+        # The writer's replicas: the smallest teacher_tp its forwards fit; every rank a teacher, a stream per student.
+        writer_tp = self.smallest_fitting_tp(TeacherCacheArgs.forward_rows)
+        road["writer_overrides"] = (f"distillation.teacher_tp={writer_tp} streams={args.world_size}" if writer_tp
+                                    else None)
         return road
 
     def facts(self) -> dict:
@@ -696,8 +704,9 @@ def format_plan(plan: dict) -> list[str]:
         f"  {cache['planned_runs']} planned run(s): cache {hours(cache['cache_gpu_hours'])} GPU-hours, online "
         f"{hours(cache['online_gpu_hours'])} (break-even at {cache['break_even_runs']:.2f} runs)",
     ]
-    if "writer_note" in cache:
-        lines.append(f"  note: {cache['writer_note']}")
+    if cache["writer_overrides"]:
+        lines.append(f"  write it on the {inputs['world_size']} GPUs: apps.main.teacher_cache "
+                     f"{cache['writer_overrides']}")
     lines.append(f"recommendation: {plan['recommendation']}")
     return lines
 

@@ -157,7 +157,8 @@ def test_llama3_70b_teaching_a_1b_student_on_256_gpus():
     assert online["bridges_inside_nodes"] and online["wait_share"] == pytest.approx(0.92, abs=0.01)
     assert all(len({r // 8 for r in ranks + students}) == 1 for ranks, students in launch_plan_of(online).replicas())
     assert plan["smaller_world_that_keeps_up"] is None
-    assert plan["cache"]["cheaper"] == "cache" and "tensor-parallel writer" in plan["cache"]["writer_note"]
+    assert plan["cache"]["cheaper"] == "cache"
+    assert plan["cache"]["writer_overrides"] == "distillation.teacher_tp=4 streams=256"
 
 
 def test_measured_speeds_replace_the_cost_model():
