@@ -7,7 +7,14 @@ import torch
 from torch import nn
 
 from lingua.args import require
-from lingua.transformer import BaseTransformer, BaseTransformerArgs, RMSNorm, init_generator, init_trunc_normal
+from lingua.transformer import (
+    BaseTransformer,
+    BaseTransformerArgs,
+    RMSNorm,
+    ffn_hidden_dim,
+    init_generator,
+    init_trunc_normal,
+)
 
 
 @dataclass
@@ -74,6 +81,19 @@ def batch_doc_ids(attn_mask: str, batch: dict, device) -> Optional[torch.Tensor]
     if attn_mask != "doc_causal" or batch.get("doc_ids") is None:
         return None
     return batch["doc_ids"].to(device, non_blocking=True)
+
+
+def num_parameters(args: LMTransformerArgs) -> int:
+    """Parameters of `LMTransformer(args)` (a tied head counted once), from the sizes alone: nothing is built.
+    `args.vocab_size` must be set (the trainer takes it from the tokenizer)."""
+    assert args.vocab_size > 0, args.vocab_size  # -1 is resolved by the caller
+    dim, head_dim = args.dim, args.dim // args.n_heads
+    kv_dim = (args.n_kv_heads or args.n_heads) * head_dim
+    attention = 2 * dim * args.n_heads * head_dim + 2 * dim * kv_dim  # wq, wo; wk, wv
+    feed_forward = 3 * dim * ffn_hidden_dim(dim, args.ffn_dim_multiplier, args.multiple_of)  # w1, w2, w3
+    layer = attention + feed_forward + 2 * dim  # + attention_norm, ffn_norm
+    embeddings = args.vocab_size * dim * (1 if args.tie_embeddings else 2)  # tok_embeddings (+ output)
+    return embeddings + args.n_layers * layer + dim  # + the final norm
 
 
 def get_num_flop_per_token(num_non_embed_params: int, n_layers: int, dim: int, seq_len: int) -> int:

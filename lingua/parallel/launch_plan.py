@@ -14,6 +14,7 @@ teacher end is the replica's first rank.
 
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional
 
 from lingua.args import require
@@ -216,7 +217,8 @@ def split_roles(world_size: int, n_teachers: int, placement: str, local_world_si
         teachers = [node * local_world_size + local for node in range(n_nodes)
                     for local in range(local_world_size - teacher_tp, local_world_size)]
     tensor_parallel_replicas(teachers, teacher_tp, local_world_size)  # a replica that spans nodes is refused here
-    students = [r for r in range(world_size) if r not in teachers]
+    teacher_set = set(teachers)  # a set: at 16k ranks a list lookup per rank is quadratic
+    students = [r for r in range(world_size) if r not in teacher_set]
     n_replicas = n_teachers // teacher_tp
     if len(students) % n_replicas:
         if teacher_tp == 1:
@@ -295,8 +297,17 @@ class LaunchPlan:
         return cls(world_size, local_world_size, n_teachers, args.teacher_placement, args.dp_replicate,
                    args.dp_shard, args.fsdp_type, teacher_tp)
 
+    @cached_property
+    def _teacher_set(self) -> frozenset[int]:
+        return frozenset(self.teacher_ranks)
+
+    @cached_property
+    def _bridge_of_rank(self) -> dict[int, int]:
+        """Replica index of every rank of a bridge (its teacher ranks and its students), built once."""
+        return {rank: i for i, (ranks, students) in enumerate(self.replicas()) for rank in ranks + students}
+
     def role(self, rank: int) -> str:
-        return "teacher" if rank in self.teacher_ranks else "student"
+        return "teacher" if rank in self._teacher_set else "student"
 
     def replicas(self) -> list[tuple[list[int], list[int]]]:
         """(the teacher_tp ranks of a teacher replica, the contiguous block of students it serves), in teacher order."""
@@ -313,10 +324,7 @@ class LaunchPlan:
     def bridge_index(self, rank: int) -> int:
         """Index of the replica `rank` belongs to or is served by (every rank of a replica counts, not only the
         one on the bridge), -1 without distillation."""
-        for i, (ranks, students) in enumerate(self.replicas()):
-            if rank in ranks or rank in students:
-                return i
-        return -1
+        return self._bridge_of_rank.get(rank, -1)
 
     def mesh_grid(self) -> list[list[int]]:
         """Student global ranks as [dp_replicate][dp_shard]; no_shard replicates over every student."""
