@@ -46,10 +46,12 @@ from lingua.args import format_value, parse_args, require, to_dict
 from lingua.cli import run_cli
 from lingua.distillation.args import WIRE_DTYPES, check_seq_len_fits_teacher
 from lingua.distillation.outputs import TeacherOutputs
+from lingua.errors import ConfigError, DataError, MissingPathError
 from lingua.parallel.launch_plan import LaunchPlan
 
 PLAN_VERSION = 1
 MAX_WAIT_SHARE = 0.05  # of a student's step spent waiting on its teacher
+AUTO_LOGITS_WORK_TENSORS, AUTO_LOGITS_FREE_SHARE = 4, 0.25  # lingua/distillation/teacher.py's auto logits chunk rule
 USABLE_MEMORY = 0.9  # of a GPU's memory: the allocator's fragmentation and what the driver keeps
 RUNTIME_RESERVE_GIB = 2.0  # per teacher rank: CUDA context, NCCL buffers, cuBLAS workspaces
 # Per logit of a chunk at the peak of sparsify_teacher_logits: the fp32 logits, their tempered copy or an exp
@@ -167,21 +169,21 @@ def teacher_config_path(args: PlanArgs) -> Path:
 def read_teacher_shape(path: Path) -> TeacherShape:
     """The teacher's sizes from its config.json; a missing file or key is one sentence naming the file."""
     if not path.is_file():
-        raise FileNotFoundError(f"The teacher's config {path} does not exist; pass teacher_config=<its config.json> "
+        raise MissingPathError(f"The teacher's config {path} does not exist; pass teacher_config=<its config.json> "
                                 f"(configs/teachers/ holds Llama 3.1 8B and 70B and SmolLM2-135M), or point "
                                 f"distillation.teacher_path at a local checkpoint directory.")
     try:
         config = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as err:
-        raise ValueError(f"The teacher's config {path} is not JSON ({err}); pass a transformers config.json.") from None
+        raise DataError(f"The teacher's config {path} is not JSON ({err}); pass a transformers config.json.") from None
     if isinstance(config, dict) and "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
         config = config["text_config"]  # a multimodal checkpoint: the language model's sizes
     if not isinstance(config, dict):
-        raise ValueError(f"The teacher's config {path} is not a JSON object; pass a transformers config.json.")
+        raise DataError(f"The teacher's config {path} is not a JSON object; pass a transformers config.json.")
     for key in REQUIRED_KEYS:
         value = config.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"The teacher's config {path} has {key}={format_value(value)}; the planner needs "
+            raise DataError(f"The teacher's config {path} has {key}={format_value(value)}; the planner needs "
                              f"{', '.join(REQUIRED_KEYS)} as positive integers.")
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     kv_heads, head_dim = config.get("num_key_value_heads") or heads, config.get("head_dim") or hidden // heads
@@ -238,10 +240,17 @@ def teacher_memory(shape: TeacherShape, tp: int, rows: int, args: PlanArgs, byte
         attention += rows * seq * seq * (1 + width)  # the boolean document mask and its additive copy
     if implementation == "eager":
         attention += rows * ceil_div(shape.heads, tp) * seq * seq * (2 * width + 4)  # scores, fp32 softmax, cast
-    logits = min(kd.logits_chunk_rows, rows) * seq * ceil_div(shape.vocab, tp) * LOGIT_BYTES[kd.output]
+    row_bytes = seq * ceil_div(shape.vocab, tp) * LOGIT_BYTES[kd.output]
+    weights, reserve = shape.parameters(tp) * width, int(RUNTIME_RESERVE_GIB * GIB)
+    chunk_rows = kd.logits_chunk_rows
+    if chunk_rows == 0:  # auto, as `TeacherModel.logits_chunk_rows` picks it on a GPU: the most rows, a power of
+        # two, whose fp32 work fits a quarter of the memory free after loading
+        free = max(USABLE_MEMORY * args.gpu_mem_gib * GIB - weights - reserve, 0)
+        per_row = seq * ceil_div(shape.vocab, tp) * 4 * AUTO_LOGITS_WORK_TENSORS
+        chunk_rows = 2 ** max(0, int(AUTO_LOGITS_FREE_SHARE * free // per_row).bit_length() - 1)
+    logits = min(chunk_rows, rows) * row_bytes
     outputs = tokens * (bytes_up + 2 * bytes_down)
-    return TeacherMemory(shape.parameters(tp) * width, activations, attention, logits, outputs,
-                         int(RUNTIME_RESERVE_GIB * GIB))
+    return TeacherMemory(weights, activations, attention, logits, outputs, reserve)
 
 
 def teacher_dtype(args: PlanArgs) -> str:
@@ -723,7 +732,7 @@ def is_plan_file(path: Path) -> bool:
 def write_plan(plan: dict, path: Path) -> None:
     """Write the JSON plan, replacing only a plan of ours: any other file at `path` is left as it is."""
     if path.exists() and not is_plan_file(path):
-        raise ValueError(f"out={path} exists and is not a plan written by apps.plan; name another file (or out=null).")
+        raise ConfigError(f"out={path} exists and is not a plan written by apps.plan; name another file (or out=null).")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(plan, indent=1) + "\n")
