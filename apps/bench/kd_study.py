@@ -47,7 +47,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-from apps.bench.runs import ROOT, launch, torchrun_command
+from apps.bench.runs import ROOT, torchrun_command
 from apps.main.train import TrainArgs
 from lingua.args import parse_args
 from lingua.cli import run_cli
@@ -166,9 +166,17 @@ def build_cache(config: str, overrides: list[str], cache_dir: Path, ranks: int, 
     logger.info(f"writing the teacher cache on {ranks} rank(s) into {cache_dir} (log: {cache_dir}.log)")
     command = torchrun_command(ranks, "apps.main.teacher_cache", [
         f"config={config}", *overrides, f"cache_dir={cache_dir}", "streams=1"])
-    code, wall_s, _, _ = launch(command, Path(f"{cache_dir}.log"), timeout_s, omp_threads=1)
+    start = time.perf_counter()
+    process = popen_logged(command, Path(f"{cache_dir}.log"))
+    try:
+        code = process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        code = f"killed after {timeout_s:.0f}s, raise --cache-timeout"
+    finally:  # a timeout, SIGTERM or Ctrl-C: the teacher ranks stop with it (a rerun resumes the cache)
+        stop_tree(process)
+    wall_s = time.perf_counter() - start
     if code != 0:
-        raise RuntimeError(f"writing the teacher cache failed (exit code {code}); its log: {cache_dir}.log")
+        raise RuntimeError(f"writing the teacher cache failed ({code}); its log: {cache_dir}.log")
     build_record_path(cache_dir).write_text(json.dumps({"wall_s": wall_s, "ranks": ranks, "finished": now_iso()}) + "\n")
     logger.info(f"teacher cache {cache_dir} written in {wall_s / 60:.1f} min")
     return wall_s
@@ -256,14 +264,37 @@ def start_stage(run: Run, config: str) -> None:
     run.started_at, run.started_unix = time.perf_counter(), time.time()
 
 
-def kill_group(process: subprocess.Popen) -> None:
-    """The stage's own session (start_new_session): torchrun and its rank, nothing else."""
-    if process.poll() is None:
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun's ranks run in sessions of their own, so its group is not enough)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
+            children = [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for child in children:
+            found += [child, *descendants(child)]
+    return found
+
+
+def stop_tree(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """Stop a launched stage and its ranks: SIGTERM to torchrun (it passes it on; a trainer stops at the end of
+    its step), then after `grace_s` SIGKILL to whatever of that tree is left. Only processes we started."""
+    if process.poll() is not None:
+        return
+    tree = descendants(process.pid)
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in [process.pid, *tree]:
+        try:  # still one of ours (a pid is not reused within seconds, but check the command anyway)
+            if b"apps." in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
             pass
-        process.wait()
+    process.wait()
 
 
 def run_all(runs: list[Run], config: str, parallel: int, cloze: bool = True) -> list[str]:
@@ -285,7 +316,7 @@ def run_all(runs: list[Run], config: str, parallel: int, cloze: bool = True) -> 
                 if code is None and elapsed < limit:
                     continue
                 if code is None:
-                    kill_group(run.process)
+                    stop_tree(run.process)
                     code = f"killed after {limit:.0f}s (raise --timeout)"
                 log = run.dump_dir / ("study_run.log" if run.stage == "train" else "cloze_eval.log")
                 if code != 0:
@@ -312,7 +343,7 @@ def run_all(runs: list[Run], config: str, parallel: int, cloze: bool = True) -> 
     finally:  # stopped (SIGTERM, Ctrl-C, a bug): no orphan trainings left behind
         for run in active:
             if run.process is not None:
-                kill_group(run.process)
+                stop_tree(run.process)
     return failures
 
 
@@ -560,7 +591,9 @@ def plot(results: dict, out: Path) -> Path:
     for name, arm in arms.items():
         tokens, mean, low, high = mean_curve(arm)
         color = COLORS.get(name)
-        style = dict(linestyle="-" if name in ARMS and ARMS[name].is_ce else "--")
+        is_ce = name in ARMS and ARMS[name].is_ce
+        # CE budgets share their early tokens' region: the smaller budget is drawn on top.
+        style = dict(linestyle="-" if is_ce else "--", zorder=3 - math.log2(ARMS[name].multiple) / 4 if is_ce else 3)
         line, = ax.plot(tokens, mean, marker="o", markersize=3, color=color, label=f"{name} ({len(arm['seeds'])} seeds)",
                         **style)
         ax.fill_between(tokens, low, high, alpha=0.2, color=line.get_color())
@@ -570,7 +603,7 @@ def plot(results: dict, out: Path) -> Path:
                 x = [curve_flops(name, t, results, mode) for t in tokens]
                 label = name if mode == "cache" else f"{name}, online teacher"
                 flop_ax.plot(x, mean, marker="o" if mode == "cache" else "x", markersize=3, color=line.get_color(),
-                             linestyle="-" if mode == "cache" else ":", label=label)
+                             linestyle="-" if mode == "cache" else ":", label=label, zorder=style["zorder"])
     # The CE-only budgets' finals (the curve the token multiplier interpolates on) and where each KD arm lands.
     ce_points = sorted((arm["tokens"], arm["final_heldout_ce"]["mean"]) for name, arm in arms.items()
                        if name in ARMS and ARMS[name].is_ce)
@@ -584,18 +617,20 @@ def plot(results: dict, out: Path) -> Path:
                     color=COLORS.get(name, "gray"), linewidth=0.8, linestyle=":")
             ax.plot(multiplier * arm["tokens"], arm["final_heldout_ce"]["mean"], marker="*", markersize=10,
                     color=COLORS.get(name, "gray"))
+    if teacher is not None:  # on the tokens panel only: the FLOPs panel keeps its y-axis on the students
+        ax.axhline(teacher, color="black", linestyle="--", linewidth=1,
+                   label=f"teacher ({Path(results['setup']['teacher']).name}) {teacher:.2f}")
     for axis in (ax, flop_ax):
-        if teacher is not None:
-            axis.axhline(teacher, color="black", linestyle="--", linewidth=1,
-                         label=f"teacher ({Path(results['setup']['teacher']).name}) {teacher:.2f}")
         axis.set_xscale("log")
         axis.set_ylabel("held-out CE (nats/token)")
         axis.grid(alpha=0.3, which="both")
-        axis.legend(fontsize=7)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7)
     ax.set_xlabel("training tokens (log)")
     ax.set_title("held-out CE vs tokens (band: min-max over seeds; *: KD = CE-only at N tokens)", fontsize=9)
     flop_ax.set_xlabel("total training FLOPs, student + teacher (log)")
-    flop_ax.set_title("held-out CE vs FLOPs (solid: cache, paid once and shared; dotted: online teacher)", fontsize=9)
+    flop_ax.set_title("held-out CE vs training FLOPs (solid: teacher cache, its cost shared by the runs reading "
+                      "it; dotted: online teacher)", fontsize=8)
     # Right: each seed's final held-out CE per arm, a seed's arms joined (they share init and data order).
     seeds = sorted({s for arm in arms.values() for s in arm["seeds"]}, key=int)
     for seed in seeds:
@@ -616,7 +651,9 @@ def plot(results: dict, out: Path) -> Path:
 def format_tokens(tokens: float) -> str:
     if tokens >= 1e6:
         return f"{tokens / 1e6:.2f}M"
-    return f"{tokens / 1e3:.0f}k" if tokens >= 1e3 else f"{tokens:.0f}"
+    if tokens >= 1e5:
+        return f"{tokens / 1e3:.0f}k"
+    return f"{tokens / 1e3:.1f}k" if tokens >= 1e3 else f"{tokens:.0f}"
 
 
 def format_multiplier(tm: dict) -> str:
@@ -836,7 +873,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     cache_root = Path(options.cache_root or out)
     cache_names = sorted({ARMS[n].cache for n in names if ARMS[n].cache}, key=list(CACHES).index)
     # A SIGTERM (kill PID) ends the study like Ctrl-C: run_all's finally stops the trainings it started.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    def on_sigterm(*_):
+        logger.error("SIGTERM: stopping the runs in progress (rerun the same command to resume the study)")
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     started = time.perf_counter()
 
     phase_one = [n for n in names if not ARMS[n].is_ce or ce_arm_wanted(n, multiples)]

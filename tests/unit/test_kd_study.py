@@ -206,7 +206,7 @@ def test_plot_and_table_with_2x_and_4x_ce_arms_and_every_kd_arm(tmp_path):
     png = kd_study.plot(results, tmp_path)
     assert png.stat().st_size > 20_000
     table = kd_study.table(results)
-    assert "| ce_4x | enable_distillation=false steps=16 | 2k |" in table
+    assert "| ce_4x | enable_distillation=false steps=16 | 1.6k |" in table
     assert "| kd_sampled64 |" in table and ">4x" in table
     summary = kd_study.summary_lines(results)
     assert summary[0].startswith("kd_topk64 at 400 tokens = CE-only at")
