@@ -401,6 +401,8 @@ def collect(runs: list[Run], tokens_per_step: int) -> dict:
         if cloze is not None:
             seed.update(cloze_acc=cloze["acc"], cloze_acc_norm=cloze["acc_norm"], cloze_n=cloze["n"])
         arm["seeds"][str(run.seed)] = seed
+    order = list(ARMS)  # the arms in ARMS's order (CE budgets, then KD), whichever phase ran them
+    arms = dict(sorted(arms.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
     for name, arm in arms.items():
         arm["seeds"] = dict(sorted(arm["seeds"].items(), key=lambda kv: int(kv[0])))
         arm["tokens"] = next(iter(arm["seeds"].values()))["tokens"]
@@ -539,10 +541,11 @@ def add_flops(arms: dict, student_per_token: float, teacher_per_token: float, ca
     total_online / total_cache  student + the teacher's share either way (CE-only: the student alone)
     """
     for name, arm in arms.items():
-        cache = caches.get(ARMS[name].cache) if name in ARMS and ARMS[name].cache else None
+        is_kd = name in ARMS and ARMS[name].cache is not None
+        cache = caches.get(ARMS[name].cache) if is_kd else None
         for seed in arm["seeds"].values():
             student = student_per_token * seed["tokens"]
-            online = teacher_per_token * seed["tokens"] if cache is not None else 0.0
+            online = teacher_per_token * seed["tokens"] if is_kd else 0.0
             amortized = cache["teacher_flops"] / max(cache["runs_reading"], 1) if cache is not None else 0.0
             seed["flops"] = {"student": student, "teacher_online": online, "teacher_cache_amortized": amortized,
                              "total_online": student + online, "total_cache": student + amortized}

@@ -247,3 +247,34 @@ def test_bad_arm_eval_cadence_and_missing_inputs_are_one_sentence(tmp_path, corp
     args.distillation.teacher_path = str(tmp_path / "no_teacher")
     with pytest.raises(Exception, match="no_teacher"):
         kd_study.check_inputs(args)
+
+
+def test_the_study_runs_ce_4x_only_when_needed_and_reports_from_disk(tmp_path, monkeypatch):
+    """main() end to end with the trainings faked: phase one, the 4x decision, phase two, the report, --report-only."""
+    args = kd_study.study_args(kd_study.CONFIG, [])
+    if not (Path(args.distillation.teacher_path) / "config.json").is_file():
+        pytest.skip("the SmolLM2 teacher is not prepared (python -m setup.prepare_teacher)")
+    finals = {"ce": 6.0, "ce_2x": 5.6, "ce_4x": 5.3, "kd_topk64": 5.8, "kd_topk64_lr": 5.9, "kd_sampled64": 5.5}
+    phases = []
+
+    def fake_phase(runs, config, parallel, cloze):
+        phases.append(sorted({run.arm for run in runs}))
+        for run in runs:
+            write_run(run.dump_dir, {run.steps // 2: finals[run.arm] + 0.5, run.steps: finals[run.arm]},
+                      cloze={"acc": 0.3})
+        return []
+
+    monkeypatch.setattr(kd_study, "build_cache", lambda *a, **k: None)
+    monkeypatch.setattr(kd_study, "run_phase", fake_phase)
+    argv = ["--seeds", "0,1", "--steps", "4", "--out", str(tmp_path)]
+    results = kd_study.main(argv)
+    assert phases == [["ce", "ce_2x", "kd_sampled64", "kd_topk64", "kd_topk64_lr"], ["ce_4x"]]
+    assert results["setup"]["ce_4x"]["needed"] and "kd_sampled64 seed 0" in results["setup"]["ce_4x"]["reason"]
+    assert list(results["arms"]) == ["ce", "ce_2x", "ce_4x", "kd_topk64", "kd_topk64_lr", "kd_sampled64"]
+    tm = results["arms"]["kd_sampled64"]["token_multiplier"]
+    assert tm["per_seed"]["1"]["between"] == [2.0, 4.0] and tm["mean"] == pytest.approx(2 ** (1 + 1 / 3))
+    kd_flops = results["arms"]["kd_topk64"]["flops"]  # no cache on disk: the online teacher is still counted
+    assert kd_flops["teacher_online"] > 0 and kd_flops["teacher_cache_amortized"] == 0
+    assert (tmp_path / "kd_study.png").is_file() and "ce_4x" in (tmp_path / "table.md").read_text()
+    again = kd_study.main(argv + ["--report-only"])
+    assert again["arms"] == json.loads(json.dumps(results["arms"])) and again["setup"]["ce_4x"]["ran"]
