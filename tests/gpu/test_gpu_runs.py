@@ -16,6 +16,14 @@ GPU_RUN = {"distributed.model_dtype": "bf16", "data.seq_len": 128, "model.max_se
 FLEX_CHOSEN = "document-causal attention on cuda: flex (model.attn_impl=auto)"
 
 
+def assert_sync_free_run(nproc: int, overrides: list[str], dump) -> None:
+    """Six steps under the sync-debug worker ("error" on any host sync after warm-up), with flex attention."""
+    result = torchrun(nproc, overrides, timeout=240, module="tests.gpu.workers.sync_debug")
+    assert_ok(result)
+    assert FLEX_CHOSEN in result.stdout, result.stdout[-4000:]
+    assert sorted(train_rows(dump)) == [6]
+
+
 @pytest.mark.slow
 @needs_gpus(1)
 @pytest.mark.timeout(300)
@@ -23,10 +31,7 @@ def test_no_host_sync_per_micro_batch_with_document_masks(corpus, tmp_path):
     """One GPU, CE: steps 3-6 of 2 micro-batches with document masks (flex attention) under sync-debug "error"."""
     overrides = base_overrides(corpus, tmp_path / "run", steps=6, grad_acc_steps=2,
                                **{**GPU_RUN, "model.attn_mask": "doc_causal", "logging.freq": 100})
-    result = torchrun(1, overrides, timeout=240, module="tests.gpu.workers.sync_debug")
-    assert_ok(result)
-    assert FLEX_CHOSEN in result.stdout, result.stdout[-4000:]
-    assert sorted(train_rows(tmp_path / "run")) == [6]
+    assert_sync_free_run(1, overrides, tmp_path / "run")
 
 
 @pytest.mark.slow
@@ -37,10 +42,7 @@ def test_no_host_sync_per_micro_batch_with_a_teacher(corpus, tiny_teacher, tmp_p
     overrides = distill_overrides(corpus, tiny_teacher, tmp_path / "run", steps=6, grad_acc_steps=2,
                                   **{**GPU_RUN, "model.attn_mask": "doc_causal", "logging.freq": 100,
                                      "distillation.teacher_dtype": "bf16"})
-    result = torchrun(2, overrides, timeout=240, module="tests.gpu.workers.sync_debug")
-    assert_ok(result)
-    assert FLEX_CHOSEN in result.stdout, result.stdout[-4000:]
-    assert sorted(train_rows(tmp_path / "run")) == [6]
+    assert_sync_free_run(2, overrides, tmp_path / "run")
 
 
 @pytest.mark.slow
