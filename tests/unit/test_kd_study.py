@@ -3,7 +3,6 @@ multiplier's interpolation, the conditional 4x CE arm, FLOP figures, cloze colle
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 
@@ -168,10 +167,10 @@ def test_flops_count_the_teacher_online_per_token_and_the_cache_once_per_reader(
     assert "| kd_topk64 | 4.00e+03 | 2.00e+04 | 6.67e+03 (1/3 of 2.00e+04) | 2.40e+04 | 1.07e+04 | 5.8000 |" in table
 
 
-def test_real_flop_formulas_use_the_trainers_count_and_the_teachers_parameters(tmp_path):
-    args = kd_study.study_args(kd_study.CONFIG, [])
-    if not (Path(args.distillation.teacher_path) / "config.json").is_file():
-        pytest.skip("the SmolLM2 teacher is not prepared (python -m setup.prepare_teacher)")
+@pytest.mark.slow
+def test_real_flop_formulas_use_the_trainers_count_and_the_teachers_parameters(smollm2_teacher):
+    args = kd_study.study_args(kd_study.CONFIG, [f"distillation.teacher_path={smollm2_teacher}",
+                                                 f"data.tokenizer.path={smollm2_teacher}"])
     student = kd_study.student_flops_per_token(args)
     assert 6e6 < student["params"] < 8e6  # the 7M student (49k x 128 tied embedding + 4 layers)
     assert student["train_per_token"] == 6 * student["matmul_params"] + 12 * 4 * 128 * 128
@@ -250,11 +249,12 @@ def test_bad_arm_eval_cadence_and_missing_inputs_are_one_sentence(tmp_path, corp
         kd_study.check_inputs(args)
 
 
-def test_the_study_runs_ce_4x_only_when_needed_and_reports_from_disk(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_the_study_runs_ce_4x_only_when_needed_and_reports_from_disk(smollm2_teacher, tmp_path, monkeypatch):
     """main() end to end with the trainings faked: phase one, the 4x decision, phase two, the report, --report-only."""
-    args = kd_study.study_args(kd_study.CONFIG, [])
-    if not (Path(args.distillation.teacher_path) / "config.json").is_file():
-        pytest.skip("the SmolLM2 teacher is not prepared (python -m setup.prepare_teacher)")
+    data_root = tmp_path / "corpus"
+    (data_root / "pydocs").mkdir(parents=True)
+    (data_root / "pydocs" / "pydocs.val.jsonl").write_text('{"text": "held out"}\n')  # check_inputs wants one
     finals = {"ce": 6.0, "ce_2x": 5.6, "ce_4x": 5.3, "kd_topk64": 5.8, "kd_topk64_lr": 5.9, "kd_sampled64": 5.5}
     phases = []
 
@@ -267,7 +267,9 @@ def test_the_study_runs_ce_4x_only_when_needed_and_reports_from_disk(tmp_path, m
 
     monkeypatch.setattr(kd_study, "build_cache", lambda *a, **k: None)
     monkeypatch.setattr(kd_study, "run_phase", fake_phase)
-    argv = ["--seeds", "0,1", "--steps", "4", "--out", str(tmp_path)]
+    argv = ["--seeds", "0,1", "--steps", "4", "--out", str(tmp_path / "study"),
+            f"distillation.teacher_path={smollm2_teacher}", f"data.tokenizer.path={smollm2_teacher}",
+            f"data.root_dir={data_root}"]
     results = kd_study.main(argv)
     assert phases == [["ce", "ce_2x", "kd_sampled64", "kd_topk64", "kd_topk64_lr"], ["ce_4x"]]
     assert results["setup"]["ce_4x"]["needed"] and "kd_sampled64 seed 0" in results["setup"]["ce_4x"]["reason"]
@@ -276,6 +278,6 @@ def test_the_study_runs_ce_4x_only_when_needed_and_reports_from_disk(tmp_path, m
     assert tm["per_seed"]["1"]["between"] == [2.0, 4.0] and tm["mean"] == pytest.approx(2 ** (1 + 1 / 3))
     kd_flops = results["arms"]["kd_topk64"]["flops"]  # no cache on disk: the online teacher is still counted
     assert kd_flops["teacher_online"] > 0 and kd_flops["teacher_cache_amortized"] == 0
-    assert (tmp_path / "kd_study.png").is_file() and "ce_4x" in (tmp_path / "table.md").read_text()
+    assert (tmp_path / "study" / "kd_study.png").is_file() and "ce_4x" in (tmp_path / "study" / "table.md").read_text()
     again = kd_study.main(argv + ["--report-only"])
     assert again["arms"] == json.loads(json.dumps(results["arms"])) and again["setup"]["ce_4x"]["ran"]

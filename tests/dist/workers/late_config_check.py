@@ -12,6 +12,7 @@ import sys
 import time
 
 from lingua import cli
+from tests.dist.workers import say
 
 WAIT_S = 60  # no signal by then: the rank goes on and says so, and the test fails on that line
 
@@ -24,7 +25,7 @@ if __name__ == "__main__":
         while not cli._held_signals and time.monotonic() < deadline:
             time.sleep(0.05)
         held = "SIGTERM held" if cli._held_signals else "no SIGTERM"
-        print(f"rank {late_rank}: {held} before its config check", flush=True)
+        say(f"rank {late_rank}: {held} before its config check")
     from apps.main.train import main
 
     cli.run_cli(lambda: main(overrides))

@@ -28,6 +28,7 @@ from lingua.distillation.client import TeacherClient
 from lingua.distillation.server import TeacherServer
 from lingua.errors import PeerStopped, TeacherError
 from lingua.logger import init_logger
+from tests.dist.workers import say
 
 
 def run(teacher_dir: str, mode: str, topo) -> None:
@@ -62,11 +63,6 @@ def run(teacher_dir: str, mode: str, topo) -> None:
         client.raise_teacher_error()
     client.stop(step=2)
 
-
-def say(line: str) -> None:
-    """One write per line: ranks share the pipe, and print's separate newline could interleave."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def main(teacher_dir: str, modes: list[str]) -> None:

@@ -23,6 +23,7 @@ from lingua.distillation.client import TeacherClient
 from lingua.distillation.server import TeacherServer
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
 from lingua.logger import init_logger
+from tests.dist.workers import say
 
 SHAPES = {0: (2, 9), 1: (3, 5)}  # uneven on purpose: rows and lengths differ per student
 K = 5
@@ -91,14 +92,13 @@ def run_case(teacher_dir: str, case: str, topo) -> None:
     if topo.is_teacher:
         server = TeacherServer(args, topo, attn_mask=attn_mask)
         dtypes = {p.dtype for p in server.teacher.model.parameters()}
-        print(f"{case} TEACHER PARAMS {sorted(str(d) for d in dtypes)}", flush=True)
+        say(f"{case} TEACHER PARAMS {sorted(str(d) for d in dtypes)}")
         start = time.perf_counter()
         server.serve()
         # Busy and idle seconds cover the whole loop: no request's work falls between the two clocks.
         elapsed, counted = time.perf_counter() - start, server.busy_s + server.idle_s
         clock = "OK" if abs(elapsed - counted) < 0.02 * elapsed + 0.01 else "FAILED"
-        print(f"{case} TEACHER CLOCK {clock} busy {server.busy_s:.3f}s idle {server.idle_s:.3f}s of {elapsed:.3f}s",
-              flush=True)
+        say(f"{case} TEACHER CLOCK {clock} busy {server.busy_s:.3f}s idle {server.idle_s:.3f}s of {elapsed:.3f}s")
         return
     reference, tokenizer = load_teacher(replace(args, teacher_dtype="fp32"), topo.device)
     vocab = len(tokenizer)
@@ -132,7 +132,7 @@ def run_case(teacher_dir: str, case: str, topo) -> None:
         failures.append("the teacher answered with an error")
     client.stop(step=5)
     result = f"FAILED {failures[0]}" if failures else "OK"
-    print(f"{case} ROUTING {result} rank {topo.global_rank}", flush=True)
+    say(f"{case} ROUTING {result} rank {topo.global_rank}")
 
 
 def main(teacher_dir: str, cases: list[str]) -> None:

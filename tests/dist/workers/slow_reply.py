@@ -21,6 +21,7 @@ from lingua.distillation.teacher import load_teacher
 from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.logger import init_logger
 from lingua.parallel.launch_plan import DistributedArgs
+from tests.dist.workers import say
 
 SLOW_S = 5.0
 TEACHER_KEYS = ("kd/teacher_busy", "kd/teacher_busy_s", "kd/teacher_idle_s", "kd/teacher_peak_gib")
@@ -73,8 +74,7 @@ def main(teacher_dir: str) -> None:
             serve_with_a_slow_second_reply(TeacherServer(args, topo))
         else:
             student(args, topo)
-        sys.stdout.write(f"SLOW REPLY OK rank {topo.global_rank}\n")
-        sys.stdout.flush()
+        say(f"SLOW REPLY OK rank {topo.global_rank}")
     finally:
         clean_up()
 

@@ -21,15 +21,11 @@ from lingua.distillation.teacher import load_teacher
 from lingua.distillation.client import TeacherClient
 from lingua.distillation.server import TeacherServer
 from lingua.logger import init_logger
+from tests.dist.workers import say
 
 INIT_TIMEOUT_S, TRAIN_TIMEOUT_S, SLOW_S = 60, 4, 6
 FIRST_STEP = 5
 
-
-def say(line: str) -> None:
-    """One write per line: ranks share the pipe."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def main(teacher_dir: str) -> None:

@@ -17,14 +17,10 @@ from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.parallel.launch_plan import DistributedArgs
 from lingua.parallel.timeouts import enter_training_timeout
 from lingua.logger import init_logger
+from tests.dist.workers import say
 
 TRAIN_TIMEOUT_S, STALL_S = 3, 40
 
-
-def say(line: str) -> None:
-    """One write per line: ranks share the pipe."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def main(dump_dir: str, debug: bool) -> None:

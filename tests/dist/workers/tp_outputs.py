@@ -21,6 +21,7 @@ from lingua.distillation.outputs import sparsify_teacher_logits
 from lingua.distillation.teacher import TeacherModel
 from lingua.distillation.tensor_parallel import VocabShard
 from lingua.distillation.vocab_parallel import sample_ids, vocab_parallel_cross_entropy, vocab_parallel_outputs
+from tests.dist.workers import say
 
 K = 8
 
@@ -153,8 +154,7 @@ def main() -> None:
     if rank == 1:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
-    print(f"TP OUTPUTS DONE rank {rank}: {len(recorder.groups)} collectives on {results['collective_groups']}",
-          flush=True)
+    say(f"TP OUTPUTS DONE rank {rank}: {len(recorder.groups)} collectives on {results['collective_groups']}")
     dist.barrier(group=dist.group.WORLD)
     dist.destroy_process_group()
 
