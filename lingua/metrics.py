@@ -26,6 +26,12 @@ WANDB_MODES = ("online", "offline", "disabled")
 GIB = 1024**3
 
 
+def host_peak_rss_gib() -> float:
+    """This process's peak resident host memory so far, in GiB (Linux reports ru_maxrss in KiB, macOS in bytes)."""
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB
+
+
 @dataclass
 class WandbArgs:
     project: Optional[str] = None
@@ -166,9 +172,7 @@ class MemoryMonitor:
     def get_peak_stats(self) -> dict[str, float]:
         """{"mem/peak_gib": ..., ...}: peak allocated GiB plus device-specific details."""
         if not self.is_cuda:
-            # Linux reports ru_maxrss in KiB, macOS in bytes.
-            scale = 1 if sys.platform == "darwin" else 1024
-            return {"mem/peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB}
+            return {"mem/peak_gib": host_peak_rss_gib()}
         stats = torch.cuda.memory_stats(self.device)
         peak_alloc = stats.get("allocated_bytes.all.peak", 0) / GIB
         peak_reserved = stats.get("reserved_bytes.all.peak", 0) / GIB

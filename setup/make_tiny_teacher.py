@@ -74,8 +74,12 @@ def make_tiny_teacher(
     n_layers: int = 2,
     seed: int = 0,
     corpus_text: Optional[str] = None,
+    tie_embeddings: bool = False,
+    max_shard_size: Optional[str] = None,
 ) -> Path:
-    """Write a seeded random LlamaForCausalLM and its tokenizer (vocab `vocab_size`) to `out_dir`; return it."""
+    """Write a seeded random LlamaForCausalLM and its tokenizer (vocab `vocab_size`) to `out_dir`; return it.
+    `tie_embeddings`: the output head shares the embedding (as SmolLM2's does); `max_shard_size` (e.g. "40KB"):
+    the weights in several safetensors files and an index, as big checkpoints are saved."""
     if hidden_size % 8 != 0:
         raise ConfigError(f"hidden_size={hidden_size} must be a multiple of 8 (4 heads, each of an even size for RoPE).")
     tokenizer = build_tiny_tokenizer(vocab_size, corpus_text)
@@ -90,12 +94,12 @@ def make_tiny_teacher(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_embeddings,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     with atomic_output_dir(Path(out_dir)) as tmp_dir:
-        model.save_pretrained(tmp_dir)
+        model.save_pretrained(tmp_dir, **({'max_shard_size': max_shard_size} if max_shard_size else {}))
         tokenizer.save_pretrained(tmp_dir)
     logger.info(
         "tiny teacher (vocab %d, dim %d, %d layers, %d params) written to %s",

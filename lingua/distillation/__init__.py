@@ -16,7 +16,8 @@ Teacher side (the last ranks run `apps.main.train.distillation_process`):
     teacher.py         TeacherModel: a transformers checkpoint checked, loaded and run (document boundaries too)
     outputs.py         TeacherOutputs: the wire formats (topk, sampled, full) and sparsify_teacher_logits
     tensor_parallel.py distillation.teacher_tp > 1: the teacher sharded over its replica's group (torch's
-                       parallelize_module, the model's own plan), its vocabulary slice, the head-count check
+                       parallelize_module, the model's own plan), each rank's shards read from the safetensors
+                       files, its vocabulary slice, the head-count check
     vocab_parallel.py  the outputs from each rank's vocabulary slice (merged top-k, sampling, full, CE)
     replica.py         a replica's ranks as one teacher: load records, the bridge spec, one round per request
 

@@ -11,6 +11,7 @@ vocabulary (`vocab_parallel.py`).
 import json
 import logging
 import struct
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -19,9 +20,10 @@ import torch.distributed as dist
 
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
-from lingua.distillation.tensor_parallel import VocabShard, shard_teacher
+from lingua.distillation.tensor_parallel import CheckpointTensors, VocabShard, shard_teacher
 from lingua.distillation.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_outputs
 from lingua.errors import DataError, MissingPathError
+from lingua.metrics import host_peak_rss_gib
 from lingua.parallel.collectives import log_collective
 
 logger = logging.getLogger(__name__)
@@ -120,12 +122,14 @@ def _short_reason(err: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def load_teacher(args: DistillationArgs, device: torch.device, place: bool = True):
+def load_teacher(args: DistillationArgs, device: torch.device, place: bool = True, weights: bool = True):
     """(model, tokenizer) from a local directory or a hub id, on `device` (left on the host with `place=False`,
-    for tensor parallelism to shard); any failure is one sentence naming the path, the reason and how to
+    for tensor parallelism to shard; with `weights=False` a skeleton whose parameters are on the meta device,
+    for it to read its shards into); any failure is one sentence naming the path, the reason and how to
     prepare a teacher."""
+    from accelerate import init_empty_weights
     from huggingface_hub import is_offline_mode
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a progress bar per rank garbles the logs
@@ -145,7 +149,13 @@ def load_teacher(args: DistillationArgs, device: torch.device, place: bool = Tru
     if args.attn_implementation:
         kwargs["attn_implementation"] = args.attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        else:  # parameters on the meta device, buffers (rotary tables) real on the host
+            kwargs.pop("device_map")
+            with init_empty_weights():
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), **kwargs)
+            model.tie_weights()  # from_pretrained ties a tied head while loading; from_config leaves it apart
         tokenizer = AutoTokenizer.from_pretrained(source)
     except Exception as err:  # empty dir, truncated safetensors, missing tokenizer, unknown hub id, ...
         if hub_like:
@@ -157,6 +167,50 @@ def load_teacher(args: DistillationArgs, device: torch.device, place: bool = Tru
         raise DataError(f"teacher directory '{path}' could not be loaded ({_short_reason(err)}); {hint}.") from err
     model.eval().requires_grad_(False)
     return model, tokenizer
+
+
+def load_sharded_teacher(args: DistillationArgs, device: torch.device, group):
+    """(model, tokenizer, this rank's VocabShard, the CheckpointTensors it read or None) of a teacher sharded
+    over `group`: each rank reads only its shards from the safetensors files, or, for a checkpoint they cannot
+    be read from by name, loads it whole on the host and slices it there (a warning says why)."""
+    from safetensors import SafetensorError
+
+    local = Path(args.teacher_path).expanduser()
+    checkpoint, reason = CheckpointTensors.find(local) if local.is_dir() else (None, "it is not a local directory")
+    if checkpoint is not None:
+        model, tokenizer = load_teacher(args, device, weights=False)
+        reason = stream_problem(model, checkpoint)
+        if reason is None:
+            start = time.perf_counter()
+            try:
+                shard = shard_teacher(model, group, device, checkpoint)
+            except (SafetensorError, OSError) as err:  # a truncated or unreadable file of a sharded checkpoint
+                hint = TEACHER_PREPARE_HINT.format(path=args.teacher_path)
+                raise DataError(f"teacher directory '{args.teacher_path}' could not be loaded "
+                                f"({_short_reason(err)}); {hint}.") from err
+            logger.info(f"teacher shard {shard.tp_rank + 1}/{shard.tp_size} read from the checkpoint in "
+                        f"{time.perf_counter() - start:.1f}s: {checkpoint.read_bytes / 2**20:,.1f} of its "
+                        f"{checkpoint.total_bytes / 2**20:,.1f} MiB, tensor by tensor (host peak RSS "
+                        f"{host_peak_rss_gib():.2f} GiB)")
+            return model, tokenizer, shard, checkpoint
+    model, tokenizer = load_teacher(args, device, place=False)
+    logger.warning(f"distillation.teacher_tp: each rank of the replica loaded the whole teacher on its host to keep "
+                   f"its shard, because {reason}; for a checkpoint larger than a rank's host memory, save the "
+                   f"teacher with transformers' save_pretrained (safetensors) and point teacher_path at it")
+    return model, tokenizer, shard_teacher(model, group, device), None
+
+
+def stream_problem(model, checkpoint: CheckpointTensors) -> Optional[str]:
+    """Why the shards of `model` (a skeleton) cannot be read from `checkpoint` by name as they are, or None."""
+    unmatched = checkpoint.unmatched(model)
+    if unmatched:
+        return (f"{len(unmatched)} of the model's tensors have no tensor of that name in the checkpoint "
+                f"(e.g. {unmatched[0]})")
+    fp32_modules = [*(getattr(model, "_keep_in_fp32_modules", None) or []),
+                    *(getattr(model, "_keep_in_fp32_modules_strict", None) or [])]
+    if fp32_modules and model.dtype != torch.float32:  # from_pretrained keeps them in fp32, from_config does not
+        return f"{type(model).__name__} keeps {', '.join(fp32_modules)} in fp32 while loading"
+    return None
 
 
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -185,10 +239,12 @@ class TeacherModel:
 
     def __init__(self, args: DistillationArgs, device: torch.device, tp_group=None):
         self.args, self.device = args, device
-        self.model, self.tokenizer = load_teacher(args, device, place=tp_group is None)
         self.shard: Optional[VocabShard] = None
-        if tp_group is not None:
-            self.shard = shard_teacher(self.model, tp_group, device)
+        self.checkpoint: Optional[CheckpointTensors] = None  # tensor-parallel, streamed: what this rank read
+        if tp_group is None:
+            self.model, self.tokenizer = load_teacher(args, device)
+        else:
+            self.model, self.tokenizer, self.shard, self.checkpoint = load_sharded_teacher(args, device, tp_group)
         self.vocab_size = self.shard.vocab if self.shard else int(self.model.get_output_embeddings().weight.shape[0])
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
         self.n_params = sum(p.numel() for p in self.model.parameters())  # a DTensor counts its whole tensor

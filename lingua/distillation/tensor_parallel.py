@@ -19,11 +19,20 @@ mapped to torch's styles, plus two rows of ours:
                                                                (`vocab_parallel.py` turns slices into outputs)
 
 Attention modules reshape with `-1` heads and keep `num_key_value_groups` (a ratio), so each rank runs its
-`num_attention_heads / teacher_tp` heads unchanged; the head counts must divide (`check_heads_divide`).
-Weights are sliced locally from the full checkpoint every rank reads (`src_data_rank=None`): loading
-needs no collective either, so a rank that fails to load cannot leave the others waiting in one.
+`num_attention_heads / teacher_tp` heads unchanged; the head counts must divide (`heads_problem`).
+
+Loading streams each rank's shard: the plan is applied to a skeleton whose parameters are on the meta device
+(accelerate's `init_empty_weights`), and `CheckpointTensors.load_local_shards` then reads every parameter's
+slice straight from the safetensors files (`safe_open(...).get_slice`), one tensor at a time, onto the rank's
+device. A rank reads about 1/teacher_tp of the checkpoint and never holds a whole one: 70B in bf16 at
+teacher_tp=4 is 35 GB read per rank, not 140 GB in each rank's host memory. A checkpoint whose tensor names
+are not the model's (no safetensors, a renaming transformers applies while loading) falls back, with a
+warning, to loading it whole on the host and slicing it there. Either way loading needs no collective
+(`src_data_rank=None`: each rank slices locally), so a rank that fails to load cannot leave the others
+waiting in one.
 """
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +41,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lingua.errors import ConfigError
@@ -127,9 +136,10 @@ def tensor_parallel_plan(model) -> dict:
     return styles
 
 
-def shard_teacher(model, group, device: torch.device) -> VocabShard:
-    """Shard `model` (loaded on the host) over `group` in place, onto `device`; returns this rank's vocabulary
-    slice of the output head, whose forward then yields only that slice's logits."""
+def shard_teacher(model, group, device: torch.device, checkpoint: Optional["CheckpointTensors"] = None) -> VocabShard:
+    """Shard `model` over `group` in place, onto `device`; returns this rank's vocabulary slice of the output
+    head, whose forward then yields only that slice's logits. `model` is loaded on the host, or (with
+    `checkpoint`) a skeleton on the meta device whose shards are then read from `checkpoint`."""
     ranks = dist.get_process_group_ranks(group)
     mesh = DeviceMesh.from_group(group, device.type, mesh=torch.tensor(ranks, dtype=torch.int))
     problem = heads_problem(model.config.to_dict(), len(ranks), "its config")
@@ -143,8 +153,98 @@ def shard_teacher(model, group, device: torch.device) -> VocabShard:
     parallelize_module(head, mesh, ColwiseParallel(use_local_output=True), src_data_rank=None)
     if tied:  # the style wrapped the shard in a parameter of its own: one copy of the shared rows, as before
         head.weight = model.get_input_embeddings().weight
+    if checkpoint is not None:
+        checkpoint.load_local_shards(model, device)
+        if tied:  # loading gave the embedding a new parameter; the head shares it again
+            head.weight = model.get_input_embeddings().weight
     model.to(device)  # the replicated rest: norms, rotary buffers
     shard = VocabShard.of(group, int(head.weight.shape[0]))
     local_rows = head.weight.to_local().shape[0]
     assert local_rows == shard.end - shard.start, (local_rows, shard)  # our bounds are DTensor's
     return shard
+
+
+@dataclass
+class CheckpointTensors:
+    """Where each tensor of a safetensors checkpoint lives, and how many bytes of it this rank read."""
+
+    files: dict[str, Path]  # tensor name -> its file
+    total_bytes: int  # the files' sizes
+    read_bytes: int = 0
+
+    @classmethod
+    def find(cls, directory) -> tuple[Optional["CheckpointTensors"], str]:
+        """(the checkpoint's tensors, "") or (None, why shards cannot be streamed from `directory`)."""
+        from safetensors import SafetensorError, safe_open
+
+        directory = Path(directory).expanduser()
+        index, single = directory / "model.safetensors.index.json", directory / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map") or {}
+            files = {name: directory / file for name, file in weight_map.items()}
+        elif single.is_file():
+            try:
+                with safe_open(str(single), framework="pt") as f:
+                    files = dict.fromkeys(f.keys(), single)
+            except (SafetensorError, OSError) as err:  # loading it whole names the problem in the usual sentence
+                return None, f"{single} could not be read ({err})"
+        else:
+            return None, f"{directory} has no model.safetensors or model.safetensors.index.json"
+        missing = sorted({path.name for path in files.values() if not path.is_file()})
+        if missing:  # loading it whole names the problem in the usual sentence
+            return None, f"{index} lists files that are not there ({', '.join(missing)})"
+        return cls(files, sum(path.stat().st_size for path in set(files.values()))), ""
+
+    def unmatched(self, model) -> list[str]:
+        """The model's parameters and persistent buffers for which this checkpoint has no tensor of that name."""
+        persistent = set(model.state_dict())
+        names = [name for name, _ in model.named_parameters()]
+        names += [name for name, _ in model.named_buffers() if name in persistent]
+        return [name for name in names if name not in self.files]
+
+    def load_local_shards(self, model, device: torch.device) -> None:
+        """Replace every meta parameter (and persistent buffer) of a parallelized skeleton by this rank's slice,
+        read from disk one tensor at a time and cast to the skeleton's dtype on `device`."""
+        from safetensors import safe_open
+
+        with contextlib.ExitStack() as stack:
+            handles: dict[Path, object] = {}
+
+            def read(name: str, index: tuple) -> torch.Tensor:
+                path = self.files[name]
+                if path not in handles:
+                    handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
+                local = handles[path].get_slice(name)[index]
+                self.read_bytes += local.numel() * local.element_size()
+                return local
+
+            for name, param in list(model.named_parameters()):
+                module_name, _, leaf = name.rpartition(".")
+                if isinstance(param, DTensor):
+                    local = read(name, local_index(param))
+                    assert tuple(local.shape) == tuple(param.to_local().shape), (name, local.shape, param.shape)
+                    value = DTensor.from_local(local.to(device=device, dtype=param.dtype), param.device_mesh,
+                                               param.placements, run_check=False, shape=param.shape,
+                                               stride=param.stride())
+                else:
+                    value = read(name, ()).to(device=device, dtype=param.dtype)
+                model.get_submodule(module_name)._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+            persistent = set(model.state_dict())
+            for name, buffer in list(model.named_buffers()):
+                if name in persistent:
+                    module_name, _, leaf = name.rpartition(".")
+                    value = read(name, ()).to(device=device, dtype=buffer.dtype)
+                    model.get_submodule(module_name)._buffers[leaf] = value
+
+
+def local_index(param: DTensor) -> tuple:
+    """The slices of the whole tensor that make this rank's shard of `param` (a 1-D mesh: Shard(d) or Replicate)."""
+    index = [slice(None)] * param.dim()
+    for placement in param.placements:
+        if isinstance(placement, Shard):
+            mesh = param.device_mesh
+            start, end = shard_bounds(param.shape[placement.dim], mesh.size(), mesh.get_local_rank())
+            index[placement.dim] = slice(start, end)
+        elif not isinstance(placement, Replicate):
+            raise NotImplementedError(f"cannot read a {placement} shard from a checkpoint")
+    return tuple(index)

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from lingua.rundir import RunDir, train_rows
+from setup.make_tiny_teacher import make_tiny_teacher
 from tests.runs import (
     assert_ok,
     distill_overrides,
@@ -52,6 +53,25 @@ def test_tp2_outputs_equal_one_rank_and_no_collective_runs_on_the_world(tiny_tea
     assert ce == pytest.approx(reference, rel=1e-5)
     # Load, forwards, outputs and cross-entropy: every collective on the replica's group, none on the world.
     assert results["collectives"] > 40 and results["collective_groups"] == [results["tp_group_name"]], results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_each_tp_rank_reads_only_its_shards_and_gets_what_host_slicing_gives(tiny_teacher, tmp_path):
+    tied = make_tiny_teacher(tmp_path / "tied", seed=1, tie_embeddings=True, max_shard_size="40KB")
+    assert_ok(torchrun(2, [str(tmp_path), str(tiny_teacher), str(tied)], timeout=120,
+                       module="tests.dist.workers.tp_load"))
+    for rank in (0, 1):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(results) == 4, results  # two checkpoints (one file, untied; an index, tied) x fp32, bf16
+        for name, got in results.items():
+            assert got["tp_rank"] == rank and got["names_equal"] and got["meta_left"] == [], (name, got)
+            assert got["unequal_parameters"] == [] and got["unequal_buffers"] == [] and got["hidden_equal"], (name, got)
+            assert got["dtensors"] >= 15 and got["tied"] == got["config_tied"] == (str(tied) in name), (name, got)
+            assert got["dtypes"] == ["torch.float32" if name.endswith("fp32") else "torch.bfloat16"], (name, got)
+            assert (got["outputs"] == [2, 16, 8]) == (rank == 0), (name, got)  # outputs on the first rank only
+            # Each rank reads its half of the sharded tensors (and the small replicated norms): half the file.
+            assert 0.45 < got["read_bytes"] / got["total_bytes"] < 0.55, (name, got)
 
 
 @pytest.mark.slow

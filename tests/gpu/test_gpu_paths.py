@@ -1,6 +1,6 @@
 """The GPU paths in one process on one GPU: CUDA-event step timing, flex attention for document masks, the fused
-loss's fp32 accumulation of a bf16 head, the teacher loaded straight onto its GPU. Marked `cuda`: skipped without a
-GPU, written to pass on one (`bash setup/gpu_check.sh`)."""
+loss's fp32 accumulation of a bf16 head, the teacher loaded straight onto its GPU (whole, or its tensor-parallel
+shards streamed). Marked `cuda`: skipped without a GPU, written to pass on one (`bash setup/gpu_check.sh`)."""
 
 import time
 
@@ -114,3 +114,40 @@ def test_the_teacher_loads_straight_onto_its_gpu_and_sizes_its_logits_chunks(tin
     hidden = torch.randn(8, 64, teacher.model.config.hidden_size, device=CUDA, dtype=torch.bfloat16)
     outputs = teacher.sparse_outputs(hidden, "topk", 8, torch.bfloat16, teacher.vocab_size)
     assert outputs.values.shape == (8, 64, 8) and outputs.values.device == CUDA
+
+
+@needs_gpus(1)
+def test_a_tensor_parallel_teacher_streams_its_shards_onto_its_gpu(tiny_teacher):
+    """teacher_tp on CUDA: the skeleton's meta shards are read from the safetensors file straight onto the GPU (a
+    1-rank NCCL group: every shard is the whole tensor), and the forward is the unsharded teacher's."""
+    import socket
+
+    import torch.distributed as dist
+
+    from lingua.distillation.teacher import TeacherModel
+
+    owns_world = not dist.is_initialized()
+    if owns_world:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        torch.cuda.set_device(CUDA)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                device_id=CUDA)
+    try:
+        group = dist.new_group([0], backend="nccl")
+        args = DistillationArgs(teacher_path=str(tiny_teacher), teacher_dtype="bf16")
+        streamed, whole = TeacherModel(args, CUDA, tp_group=group), TeacherModel(args, CUDA)
+        assert streamed.checkpoint is not None and streamed.checkpoint.read_bytes > 0
+        local = [getattr(p, "to_local", lambda p=p: p)() for p in streamed.model.parameters()]
+        assert {t.device for t in local} == {CUDA} and {t.dtype for t in local} == {torch.bfloat16}
+        assert {b.device for b in streamed.model.buffers()} == {CUDA}
+        tokens = torch.randint(3, 512, (2, 32), device=CUDA, generator=torch.Generator(CUDA).manual_seed(0))
+        torch.testing.assert_close(streamed.hidden_states(tokens), whole.hidden_states(tokens))
+        hidden = whole.hidden_states(tokens)
+        got = streamed.sparse_outputs(hidden, "topk", 8, torch.float32, 512)
+        want = whole.sparse_outputs(hidden, "topk", 8, torch.float32, 512)
+        torch.testing.assert_close(got.values, want.values)
+    finally:
+        if owns_world:
+            dist.destroy_process_group()

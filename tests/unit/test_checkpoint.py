@@ -1,7 +1,6 @@
 """CheckpointManager on a 1-rank gloo training group: round trip, latest, retention, crash safety, export."""
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,21 +21,6 @@ from lingua.checkpoint import (
 from lingua.optim import OptimArgs, build_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def train_group():
-    """A 1-rank gloo world plus a separate training group over it (so nothing uses the default group)."""
-    owns_world = not dist.is_initialized()
-    if owns_world:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    group = dist.new_group([0])
-    yield group
-    if owns_world:
-        dist.destroy_process_group()
 
 
 class Tiny(nn.Module):
