@@ -27,9 +27,11 @@ logger = logging.getLogger(__name__)
 # rank missing from DETAIL's monitored barrier, dead or stuck).
 PEER_LOSS_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
                    "NCCL communicator was aborted", "failed to pass monitoredBarrier")
-# What they say when a collective's timeout ran out: gloo's send/recv, NCCL's watchdog and blocking wait.
+# What they say when a collective's timeout ran out: gloo's send/recv, NCCL's watchdog and blocking wait, and
+# gloo's word for another op posted on the same connection when that op's timeout closed it (look-ahead: a
+# scatter and the next gather in flight at once, either may be the one that timed out).
 TIMEOUT_SIGNS = re.compile(r"Timed out waiting \d+ms|caught collective operation timeout|before timing out"
-                           r"|timed out in blocking wait")
+                           r"|timed out in blocking wait|Application timeout caused pair closure")
 TIMEOUT_MS = re.compile(r"Timed out waiting (\d+)ms|Timeout\(ms\)=(\d+)")  # the timeout each of them reports
 FIND_PEER_S = 2.0  # how long a rank that lost a peer looks for its status file (shared filesystems lag)
 HEARTBEAT_S = 10.0  # a running rank rewrites its status at least this often (its watch thread does)
@@ -336,6 +338,16 @@ class RankStatus:
                    collective=collective, peer=None if found is None else found[0])
         raise PeerStopped(sentence) from None
 
+    def _group_timeout_s(self, name: Optional[str]) -> Optional[float]:
+        """The timeout the backends of group `name` are set to (read back from them), or None."""
+        from lingua.parallel.timeouts import group_timeouts
+
+        for group in self.topo.all_groups():
+            if name is not None and self.topo.group_names.get(id(group)) == name:
+                values = [value for value in group_timeouts(group).values() if value is not None]
+                return max(values) if values else None
+        return None
+
     def _last_collectives(self) -> dict[str, dict]:
         """This rank's last collective per group, from its flight recorder ({} without one)."""
         from lingua.parallel import flight_recorder  # torch-side; status files are read without it too
@@ -366,7 +378,8 @@ class RankStatus:
         op = f"{last['op']} #{last['seq']}" if last else (f"the last of ours there: {ours}" if ours else None)
         step = self.current_step
         roles = {r: self.topo.plan.role(r) for r in range(self.topo.world_size)}
-        sentence = timeout_sentence(step, group, op, timeout_seconds(exc), missing, roles, self.run_dir)
+        seconds = timeout_seconds(exc) or self._group_timeout_s(group)  # the pair-closure words give no figure
+        sentence = timeout_sentence(step, group, op, seconds, missing, roles, self.run_dir)
         logger.error(f"{sentence} (here: {backend[:300]})")
         self.write("timed_out", sentence, backend_error=backend[:2000], collectives=mine,
                    collective=dict(group=group, op=op), missing=[[rank, why] for rank, why in missing])

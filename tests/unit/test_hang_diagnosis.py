@@ -18,6 +18,7 @@ from apps.debug.postmortem import analyse, format_report
 from apps.debug.postmortem import main as postmortem_main
 from lingua.parallel.rank_status import (
     STALE_HEARTBEAT_S,
+    RankStatus,
     absent_reason,
     diagnose_timeout,
     first_stopped,
@@ -67,9 +68,29 @@ def test_the_timeout_signs_of_gloo_and_nccl_are_not_peer_losses():
                           (NCCL_BLOCKING_WAIT, 20)):
         assert is_collective_timeout(RuntimeError(text)) and not is_peer_loss(RuntimeError(text))
         assert timeout_seconds(RuntimeError(text)) == seconds
+    # Another op on the connection that timed out (gloo closed it): a timeout too, whose figure is not in the text.
+    pair_closed = RuntimeError("Application timeout caused pair closure")
+    assert is_collective_timeout(pair_closed) and not is_peer_loss(pair_closed) and timeout_seconds(pair_closed) is None
     closed = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:8612")
     assert is_peer_loss(closed) and not is_collective_timeout(closed)
     assert not is_collective_timeout(ValueError(GLOO_RECV))  # a user error quoting it is not one
+
+
+def test_a_timeout_whose_words_give_no_figure_is_told_the_groups_configured_one(train_group):
+    """gloo's pair-closure words carry no timeout: the sentence takes the one the group's backend is set to."""
+    from types import SimpleNamespace
+
+    from lingua.parallel.timeouts import group_timeouts, set_group_timeout
+
+    before = max(v for v in group_timeouts(train_group).values() if v is not None)
+    set_group_timeout(train_group, 8)
+    try:
+        status = SimpleNamespace(topo=SimpleNamespace(all_groups=lambda: [train_group],
+                                                      group_names={id(train_group): "bridge_0"}))
+        assert RankStatus._group_timeout_s(status, "bridge_0") == 8
+        assert RankStatus._group_timeout_s(status, "train") is None and RankStatus._group_timeout_s(status, None) is None
+    finally:
+        set_group_timeout(train_group, before)
 
 
 def test_a_stopped_teacher_is_named_on_the_bridge_and_a_waiting_student_is_not(stopped_process):
