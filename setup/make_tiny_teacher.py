@@ -76,10 +76,12 @@ def make_tiny_teacher(
     corpus_text: Optional[str] = None,
     tie_embeddings: bool = False,
     max_shard_size: Optional[str] = None,
+    attention_bias: bool = False,
 ) -> Path:
     """Write a seeded random LlamaForCausalLM and its tokenizer (vocab `vocab_size`) to `out_dir`; return it.
     `tie_embeddings`: the output head shares the embedding (as SmolLM2's does); `max_shard_size` (e.g. "40KB"):
-    the weights in several safetensors files and an index, as big checkpoints are saved."""
+    the weights in several safetensors files and an index, as big checkpoints are saved; `attention_bias`: q, k, v
+    and o projections with biases (as Qwen2's q, k, v have)."""
     if hidden_size % 8 != 0:
         raise ConfigError(f"hidden_size={hidden_size} must be a multiple of 8 (4 heads, each of an even size for RoPE).")
     tokenizer = build_tiny_tokenizer(vocab_size, corpus_text)
@@ -95,6 +97,7 @@ def make_tiny_teacher(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=tie_embeddings,
+        attention_bias=attention_bias,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)

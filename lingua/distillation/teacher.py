@@ -151,11 +151,8 @@ def load_teacher(args: DistillationArgs, device: torch.device, place: bool = Tru
     try:
         if weights:
             model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-        else:  # parameters on the meta device, buffers (rotary tables) real on the host
-            kwargs.pop("device_map")
-            with init_empty_weights():
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), **kwargs)
-            model.tie_weights()  # from_pretrained ties a tied head while loading; from_config leaves it apart
+        else:
+            config = AutoConfig.from_pretrained(source)
         tokenizer = AutoTokenizer.from_pretrained(source)
     except Exception as err:  # empty dir, truncated safetensors, missing tokenizer, unknown hub id, ...
         if hub_like:
@@ -165,6 +162,11 @@ def load_teacher(args: DistillationArgs, device: torch.device, place: bool = Tru
                 f"that could be loaded{offline}: {_short_reason(err)}; {hint}."
             ) from err
         raise DataError(f"teacher directory '{path}' could not be loaded ({_short_reason(err)}); {hint}.") from err
+    if not weights:  # the skeleton, outside the net above: a failure building it is a bug and keeps its traceback
+        kwargs.pop("device_map")
+        with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary tables) real
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+        model.tie_weights()  # the empty init skips the weight init that would have tied a tied head
     model.eval().requires_grad_(False)
     return model, tokenizer
 
@@ -201,11 +203,23 @@ def load_sharded_teacher(args: DistillationArgs, device: torch.device, group):
 
 
 def stream_problem(model, checkpoint: CheckpointTensors) -> Optional[str]:
-    """Why the shards of `model` (a skeleton) cannot be read from `checkpoint` by name as they are, or None."""
+    """Why the shards of `model` (a skeleton) cannot be read from `checkpoint` by name as they are, or None:
+    what from_pretrained would do beyond reading tensors by name (renaming or converting them, quantization,
+    keeping modules in fp32, untying a head the checkpoint holds apart) takes the whole-teacher path."""
     unmatched = checkpoint.unmatched(model)
     if unmatched:
         return (f"{len(unmatched)} of the model's tensors have no tensor of that name in the checkpoint "
                 f"(e.g. {unmatched[0]})")
+    aliases = sorted(set(dict(model.named_parameters(remove_duplicate=False))) - set(dict(model.named_parameters())))
+    held_apart = [name for name in aliases if name in checkpoint.files]
+    if held_apart:  # from_pretrained unties them when the two tensors differ
+        return f"the config ties {held_apart[0]} but the checkpoint holds a tensor of its own for it"
+    if getattr(model.config, "quantization_config", None):
+        return "the checkpoint is quantized"
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    if get_model_conversion_mapping(model, add_legacy=False):
+        return f"transformers converts {type(model).__name__}'s checkpoint tensors while loading"
     fp32_modules = [*(getattr(model, "_keep_in_fp32_modules", None) or []),
                     *(getattr(model, "_keep_in_fp32_modules_strict", None) or [])]
     if fp32_modules and model.dtype != torch.float32:  # from_pretrained keeps them in fp32, from_config does not

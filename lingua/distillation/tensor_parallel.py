@@ -23,13 +23,14 @@ Attention modules reshape with `-1` heads and keep `num_key_value_groups` (a rat
 
 Loading streams each rank's shard: the plan is applied to a skeleton whose parameters are on the meta device
 (accelerate's `init_empty_weights`), and `CheckpointTensors.load_local_shards` then reads every parameter's
-slice straight from the safetensors files (`safe_open(...).get_slice`), one tensor at a time, onto the rank's
-device. A rank reads about 1/teacher_tp of the checkpoint and never holds a whole one: 70B in bf16 at
-teacher_tp=4 is 35 GB read per rank, not 140 GB in each rank's host memory. A checkpoint whose tensor names
-are not the model's (no safetensors, a renaming transformers applies while loading) falls back, with a
-warning, to loading it whole on the host and slicing it there. Either way loading needs no collective
-(`src_data_rank=None`: each rank slices locally), so a rank that fails to load cannot leave the others
-waiting in one.
+slice from the safetensors files (`safe_open(...).get_slice`), one tensor at a time, cast and copied onto the
+rank's device. No rank builds the whole teacher: a teacher cast while loading (bf16 from fp32 files) costs a
+rank its shards, where loading it whole cost a cast copy of every weight per rank (140 GB for a 70B teacher),
+and on a GPU only the slice of each tensor crosses to the device. A checkpoint that from_pretrained would do
+more with than read tensors by name (`stream_problem`: renamed or converted tensors, quantization, a head the
+config ties but the file holds apart) falls back, with a warning, to loading it whole on the host and slicing
+it there. Either way loading needs no collective (`src_data_rank=None`: each rank slices locally), so a rank
+that fails to load cannot leave the others waiting in one.
 """
 
 import contextlib
@@ -44,7 +45,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lingua.errors import ConfigError
+from lingua.errors import ConfigError, DataError
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of what a teacher can be read from as it is
 
 # transformers' plan styles -> torch's; None: the module stays replicated (a per-head norm, for example).
 STYLES = {
@@ -155,8 +158,6 @@ def shard_teacher(model, group, device: torch.device, checkpoint: Optional["Chec
         head.weight = model.get_input_embeddings().weight
     if checkpoint is not None:
         checkpoint.load_local_shards(model, device)
-        if tied:  # loading gave the embedding a new parameter; the head shares it again
-            head.weight = model.get_input_embeddings().weight
     model.to(device)  # the replicated rest: norms, rotary buffers
     shard = VocabShard.of(group, int(head.weight.shape[0]))
     local_rows = head.weight.to_local().shape[0]
@@ -174,24 +175,28 @@ class CheckpointTensors:
 
     @classmethod
     def find(cls, directory) -> tuple[Optional["CheckpointTensors"], str]:
-        """(the checkpoint's tensors, "") or (None, why shards cannot be streamed from `directory`)."""
+        """(the checkpoint's tensors, "") or (None, why shards cannot be streamed from `directory`). The files are
+        chosen as transformers chooses them: model.safetensors, else the index's."""
         from safetensors import SafetensorError, safe_open
 
         directory = Path(directory).expanduser()
         index, single = directory / "model.safetensors.index.json", directory / "model.safetensors"
-        if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map") or {}
-            files = {name: directory / file for name, file in weight_map.items()}
-        elif single.is_file():
+        # Anything unreadable falls back to loading the teacher whole, whose failure is the usual sentence.
+        if single.is_file():
             try:
                 with safe_open(str(single), framework="pt") as f:
                     files = dict.fromkeys(f.keys(), single)
-            except (SafetensorError, OSError) as err:  # loading it whole names the problem in the usual sentence
+            except (SafetensorError, OSError) as err:
                 return None, f"{single} could not be read ({err})"
+        elif index.is_file():
+            try:
+                files = {name: directory / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+                return None, f"{index} could not be read ({type(err).__name__}: {err})"
         else:
             return None, f"{directory} has no model.safetensors or model.safetensors.index.json"
         missing = sorted({path.name for path in files.values() if not path.is_file()})
-        if missing:  # loading it whole names the problem in the usual sentence
+        if missing:
             return None, f"{index} lists files that are not there ({', '.join(missing)})"
         return cls(files, sum(path.stat().st_size for path in set(files.values()))), ""
 
@@ -204,37 +209,48 @@ class CheckpointTensors:
 
     def load_local_shards(self, model, device: torch.device) -> None:
         """Replace every meta parameter (and persistent buffer) of a parallelized skeleton by this rank's slice,
-        read from disk one tensor at a time and cast to the skeleton's dtype on `device`."""
+        read from disk one tensor at a time, cast to the skeleton's dtype and copied onto `device` (on the
+        host too: no shard stays a view of a mapped file). `read_bytes` counts the shard bytes read."""
         from safetensors import safe_open
 
         with contextlib.ExitStack() as stack:
             handles: dict[Path, object] = {}
 
-            def read(name: str, index: tuple) -> torch.Tensor:
+            def read(name: str, whole: torch.Tensor, index: tuple) -> torch.Tensor:
                 path = self.files[name]
                 if path not in handles:
                     handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
-                local = handles[path].get_slice(name)[index]
+                stored = handles[path].get_slice(name)
+                if list(stored.get_shape()) != list(whole.shape) or stored.get_dtype() not in FLOAT_DTYPES:
+                    raise DataError(f"the teacher checkpoint's {name} in {path} is {stored.get_dtype()} "
+                                    f"{list(stored.get_shape())}, but the model's config makes it "
+                                    f"{str(whole.dtype)[6:]} {list(whole.shape)}: the checkpoint does not "
+                                    f"match its config.json (a quantized or converted checkpoint is loaded "
+                                    f"whole, with teacher_tp=1)")
+                local = stored[index]
                 self.read_bytes += local.numel() * local.element_size()
-                return local
+                return local.to(device=device, dtype=whole.dtype, copy=True).contiguous()
 
-            for name, param in list(model.named_parameters()):
+            loaded: dict[int, torch.nn.Parameter] = {}  # a meta parameter's id -> its loaded one (shared too)
+            for name, param in model.named_parameters(remove_duplicate=False):
                 module_name, _, leaf = name.rpartition(".")
-                if isinstance(param, DTensor):
-                    local = read(name, local_index(param))
-                    assert tuple(local.shape) == tuple(param.to_local().shape), (name, local.shape, param.shape)
-                    value = DTensor.from_local(local.to(device=device, dtype=param.dtype), param.device_mesh,
-                                               param.placements, run_check=False, shape=param.shape,
-                                               stride=param.stride())
-                else:
-                    value = read(name, ()).to(device=device, dtype=param.dtype)
-                model.get_submodule(module_name)._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+                if id(param) not in loaded:
+                    if isinstance(param, DTensor):
+                        local = read(name, param, local_index(param))
+                        value = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                                   shape=param.shape, stride=param.stride())
+                    else:
+                        value = read(name, param, ())
+                    loaded[id(param)] = torch.nn.Parameter(value, requires_grad=False)
+                model.get_submodule(module_name)._parameters[leaf] = loaded[id(param)]
             persistent = set(model.state_dict())
             for name, buffer in list(model.named_buffers()):
                 if name in persistent:
                     module_name, _, leaf = name.rpartition(".")
-                    value = read(name, ()).to(device=device, dtype=buffer.dtype)
-                    model.get_submodule(module_name)._buffers[leaf] = value
+                    model.get_submodule(module_name)._buffers[leaf] = read(name, buffer, ())
+        left = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+        if left:
+            raise RuntimeError(f"tensors left on the meta device after reading the checkpoint: {left[:5]}")
 
 
 def local_index(param: DTensor) -> tuple:

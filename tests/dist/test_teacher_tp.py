@@ -56,16 +56,19 @@ def test_tp2_outputs_equal_one_rank_and_no_collective_runs_on_the_world(tiny_tea
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_each_tp_rank_reads_only_its_shards_and_gets_what_host_slicing_gives(tiny_teacher, tmp_path):
+@pytest.mark.timeout(260)
+def test_each_tp_rank_reads_only_its_shards_and_gets_what_host_slicing_gives(tmp_path):
+    # One file, untied, 515 ids (uneven slices: 258 + 257) and biased attention (sharded and replicated biases);
+    # several files and an index, tied.
+    uneven = make_tiny_teacher(tmp_path / "uneven", vocab_size=515, seed=2, attention_bias=True)
     tied = make_tiny_teacher(tmp_path / "tied", seed=1, tie_embeddings=True, max_shard_size="40KB")
-    assert_ok(torchrun(2, [str(tmp_path), str(tiny_teacher), str(tied)], timeout=120,
-                       module="tests.dist.workers.tp_load"))
+    assert_ok(torchrun(2, [str(tmp_path), str(uneven), str(tied)], timeout=200, module="tests.dist.workers.tp_load"))
     for rank in (0, 1):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert len(results) == 4, results  # two checkpoints (one file, untied; an index, tied) x fp32, bf16
+        assert len(results) == 4, results  # two checkpoints x fp32, bf16
         for name, got in results.items():
             assert got["tp_rank"] == rank and got["names_equal"] and got["meta_left"] == [], (name, got)
+            assert got["shard"] == ([[0, 258], [258, 515]] if str(uneven) in name else [[0, 256], [256, 512]])[rank]
             assert got["unequal_parameters"] == [] and got["unequal_buffers"] == [] and got["hidden_equal"], (name, got)
             assert got["dtensors"] >= 15 and got["tied"] == got["config_tied"] == (str(tied) in name), (name, got)
             assert got["dtypes"] == ["torch.float32" if name.endswith("fp32") else "torch.bfloat16"], (name, got)

@@ -2,11 +2,13 @@
 in-process on a 1-rank gloo group: what is read, when it falls back to loading the whole teacher, and how a
 damaged checkpoint is reported. The 2-rank comparison with host slicing is tests/dist/test_teacher_tp.py."""
 
+import json
 import logging
 import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.teacher import TeacherModel
@@ -81,3 +83,29 @@ def test_a_truncated_file_of_a_sharded_checkpoint_is_one_sentence(tied_sharded_t
         teacher(damaged, train_group)
     assert str(err.value).startswith(f"teacher directory '{damaged}' could not be loaded (")
     assert "`python -m setup.prepare_teacher" in str(err.value)
+
+
+def test_a_tied_config_whose_checkpoint_holds_its_own_head_keeps_that_head(tiny_teacher, train_group, tmp_path, caplog):
+    """from_pretrained unties a head the checkpoint holds apart; streaming would tie it, so it loads whole."""
+    untied_file = tmp_path / "tied_config"
+    shutil.copytree(tiny_teacher, untied_file)
+    config = json.loads((untied_file / "config.json").read_text())
+    (untied_file / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    with caplog.at_level(logging.WARNING, logger="lingua.distillation.teacher"):
+        loaded = teacher(untied_file, train_group)
+    assert loaded.checkpoint is None
+    assert "the config ties lm_head.weight but the checkpoint holds a tensor of its own for it" in caplog.text
+    head = load_file(untied_file / "model.safetensors")["lm_head.weight"]
+    assert torch.equal(loaded.model.get_output_embeddings().weight.full_tensor(), head)
+
+
+def test_a_checkpoint_tensor_of_another_shape_than_its_config_says_is_one_sentence(tiny_teacher, train_group,
+                                                                                  tmp_path):
+    damaged = tmp_path / "reshaped"
+    shutil.copytree(tiny_teacher, damaged)
+    tensors = load_file(damaged / "model.safetensors")
+    tensors["model.norm.weight"] = torch.ones(65)
+    save_file(tensors, damaged / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(DataError, match=r"the teacher checkpoint's model\.norm\.weight in .*model\.safetensors is "
+                                        r"F32 \[65\], but the model's config makes it float32 \[64\]"):
+        teacher(damaged, train_group)

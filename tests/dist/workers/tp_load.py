@@ -2,10 +2,10 @@
 that loading the whole teacher on the host and slicing it gives.
 Run: torchrun --nproc-per-node 2 -m tests.dist.workers.tp_load <out_dir> <teacher_dir>...
 
-For every teacher (one safetensors file with an untied head; several files and an index with a tied head), in
-fp32 and in bf16 (cast while reading), each rank loads it both ways and compares every parameter's local shard
-and every buffer bit for bit, and the hidden states of a forward. Rank r writes its comparisons to
-<out_dir>/rank<r>.json.
+For every teacher (the test passes one safetensors file with an untied head, an uneven vocabulary and biases,
+and several files and an index with a tied head), in fp32 and in bf16 (cast while reading), each rank loads it
+both ways and compares every parameter's local shard and every buffer bit for bit, and the hidden states of a
+forward. Rank r writes its comparisons to <out_dir>/rank<r>.json.
 """
 
 import json
@@ -49,6 +49,7 @@ def compare(teacher_dir: str, dtype: str, group) -> dict:
         "dtypes": sorted({str(p.dtype) for p in a.values()}),
         "outputs": None if outputs is None else list(outputs.values.shape),
         "tp_rank": streamed.shard.tp_rank,
+        "shard": [streamed.shard.start, streamed.shard.end],
         "read_bytes": streamed.checkpoint.read_bytes,
         "total_bytes": streamed.checkpoint.total_bytes,
     }
@@ -56,7 +57,7 @@ def compare(teacher_dir: str, dtype: str, group) -> dict:
 
 def main() -> None:
     out_dir, teacher_dirs = Path(sys.argv[1]), sys.argv[2:]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     group = dist.new_group([0, 1], group_desc="teacher_tp_0")
     results = {f"{teacher_dir}:{dtype}": compare(teacher_dir, dtype, group)
                for teacher_dir in teacher_dirs for dtype in ("fp32", "bf16")}
