@@ -44,12 +44,14 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _peak_rss_bytes(pid: int) -> Optional[int]:
+def proc_status_bytes(field: str, pid="self") -> Optional[int]:
+    """A memory field of /proc/<pid>/status (VmHWM, VmRSS, RssAnon; kB there) in bytes; None when the process
+    is gone or the field is missing."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
-    match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+    match = re.search(rf"^{field}:\s+(\d+) kB", status, re.MULTILINE)
     return int(match.group(1)) * 1024 if match else None
 
 
@@ -83,7 +85,7 @@ def launch(command: list[str], log_path: Path, timeout_s: float, omp_threads: in
                     raise RunFailed(f"the run did not finish within {timeout_s:.0f}s; raise --timeout or lower --steps "
                                     f"(log: {log_path}).")
                 for pid in _children(proc.pid):
-                    rss = _peak_rss_bytes(pid)
+                    rss = proc_status_bytes("VmHWM", pid)
                     if rss is not None:
                         peaks[pid] = max(peaks.get(pid, 0), rss)
                     cpu = _cpu_seconds(pid)

@@ -15,26 +15,19 @@ teacher_tp=1 is the one-rank teacher (transformers' from_pretrained). Writes <ou
 import argparse
 import json
 import os
-import re
 import subprocess
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
-from apps.bench.runs import ROOT, torchrun_command
+from apps.bench.runs import ROOT, proc_status_bytes, torchrun_command
 from lingua.cli import run_cli
 from lingua.errors import RunFailed
 
 MODES = ("streamed", "host")
 MIB = 2**20
 SAMPLE_S = 0.005
-
-
-def proc_status_bytes(field: str) -> int:
-    """This process's VmRSS / VmHWM / RssAnon from /proc (kB there)."""
-    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
-    return int(match.group(1)) * 1024
 
 
 class AnonPeak:
