@@ -26,10 +26,10 @@ import torch
 from apps.main.transformer import batch_doc_ids
 from lingua.args import require
 from lingua.cli import run_cli
+from lingua.distillation.fused_loss import fused_ce_head
 from lingua.errors import ConfigError, MissingPathError
 from lingua.eval_data import iterate_eval_batches
 from lingua.parallel.collectives import agree_count, dist_mean_dict
-from lingua.transformer import cross_entropy_sum
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +55,12 @@ class EvalArgs:
 
 
 def batch_ce_sum(model, batch: dict, attn_mask: str, device) -> tuple[float, int]:
-    """(CE summed over the predicted positions, their count) for one held-out batch."""
+    """(CE summed over the predicted positions, their count) for one held-out batch, through the fused head as in
+    training: no [tokens, vocab] logits."""
     labels = batch["labels"].to(device)
-    logits = model(batch["input_ids"].to(device), doc_ids=batch_doc_ids(attn_mask, batch, device))
-    return cross_entropy_sum(logits, labels).item(), int((labels != -100).sum())
+    ce_sum = model(batch["input_ids"].to(device), doc_ids=batch_doc_ids(attn_mask, batch, device),
+                   head_loss=fused_ce_head(labels))
+    return ce_sum.item(), int((labels != -100).sum())
 
 
 class Evaluator:

@@ -43,6 +43,7 @@ from lingua.distillation.args import DistillationArgs, check_seq_len_fits_teache
 from lingua.distillation.cache import open_cache, settings_manifest
 from lingua.distillation.distiller import build_distiller
 from lingua.distillation.feed import MicroBatchFeed
+from lingua.distillation.fused_loss import fused_ce_head
 from lingua.distillation.server import TeacherServer
 from lingua.distillation.teacher import read_max_positions
 from lingua.distillation.tensor_parallel import heads_problem, read_teacher_config
@@ -64,7 +65,7 @@ from lingua.profiling import ProfilerArgs, maybe_run_profiler
 from lingua.rundir import RunDir
 from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
 from lingua.tokenizer import build_tokenizer
-from lingua.transformer import cross_entropy_sum
+
 
 logger = logging.getLogger("train")
 
@@ -404,9 +405,10 @@ def run_probe(args: TrainArgs, model, probe: ActivationProbe, batch, step: int) 
     """An extra forward/backward under the probe's hooks; the teacher is not involved."""
     device = next(model.parameters()).device
     with probe.capture(step):
-        logits = model(batch["input_ids"].to(device), doc_ids=batch_doc_ids(args.model.attn_mask, batch, device))
-        labels = batch["labels"].to(logits.device)
-        (cross_entropy_sum(logits, labels) / max(int((labels != -100).sum()), 1)).backward()
+        labels = batch["labels"].to(device)
+        head_loss = fused_ce_head(labels, max(int((labels != -100).sum()), 1))  # no [tokens, vocab] logits
+        model(batch["input_ids"].to(device), doc_ids=batch_doc_ids(args.model.attn_mask, batch, device),
+              head_loss=head_loss).backward()
     model.zero_grad(set_to_none=True)
 
 

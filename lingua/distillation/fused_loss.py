@@ -330,3 +330,11 @@ def fused_linear_kd_loss(
         return _FusedLinearKDLoss.apply(flat_hidden, weight, *args)
     loss, stats, _, _ = _fused_pass(flat_hidden, weight, *args, False, False)
     return loss, stats
+
+
+def fused_ce_head(labels: torch.Tensor, normalizer: Union[int, float, torch.Tensor] = 1):
+    """A model's `head_loss` for CE alone through the fused head, for evaluation and the probe: CE summed over
+    labels != -100 and divided by `normalizer`, in fp32, with autograd when grads are on; no [tokens, V] logits."""
+    def ce_loss(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return fused_linear_kd_loss(hidden, weight, labels, None, normalizer, 0.0, 1.0)[0]
+    return ce_loss
