@@ -210,7 +210,7 @@ class TeacherMemory:
 
     weights: int
     activations: int  # one layer of one chunk of rows at a time, and the final hidden states of all rows
-    attention: int  # a chunk's document mask (doc_causal, not flash) or scores (eager attention)
+    attention: int  # a chunk's document mask (doc_causal, not flash or flex) or scores (eager attention)
     logits: int  # one chunk of distillation.logits_chunk_rows rows over this rank's vocabulary slice
     outputs: int  # the request, the sparse outputs' chunks and their concatenation
     reserve: int
@@ -247,7 +247,7 @@ def teacher_memory(shape: TeacherShape, tp: int, rows: int, args: PlanArgs, byte
     activations = chunk * seq * width * (3 * shape.hidden + widest) + tokens * width * shape.hidden
     attention = 0
     implementation = str(kd.attn_implementation or "sdpa")
-    if args.model.attn_mask == "doc_causal" and not implementation.startswith("flash_attention"):
+    if args.model.attn_mask == "doc_causal" and not implementation.startswith(("flash_attention", "flex_attention")):
         attention += chunk * seq * seq * (1 + width)  # a chunk's boolean document mask and its additive copy
     if implementation == "eager":
         attention += chunk * ceil_div(shape.heads, tp) * seq * seq * (2 * width + 4)  # scores, fp32 softmax, cast

@@ -169,6 +169,8 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 # ---- document-causal masks, one builder per kernel ----
 
+FLEX_BLOCK_SIZE = 128  # flex_attention's default sparse block
+
 def doc_causal_bool_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     """[B, 1, S, S] boolean mask for SDPA: True where query i may attend key j (j <= i, same document)."""
     seq_len = doc_ids.shape[1]
@@ -177,16 +179,34 @@ def doc_causal_bool_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal)[:, None]
 
 
-def doc_causal_block_mask(doc_ids: torch.Tensor):
-    """flex_attention BlockMask for the same pattern as `doc_causal_bool_mask`."""
+def doc_causal_block_mask(doc_ids: torch.Tensor, block_size: int = FLEX_BLOCK_SIZE):
+    """flex_attention BlockMask for the same pattern as `doc_causal_bool_mask`, built from each block's first and
+    last document id: [B, 1, S/block, S/block] tables, never the dense [B, 1, S, S] mask `create_block_mask`
+    evaluates. Needs ids non-decreasing along a row (packed windows are). With them, a key block before the
+    query block touches it iff its last document is the query block's first, and is full iff both blocks lie in
+    one document; a block holding positions past S is never full (as `create_block_mask` pads it)."""
     if create_block_mask is None:
         raise RuntimeError("this torch build has no flex_attention; use model.attn_impl=sdpa.")
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
 
-    bsz, seq_len = doc_ids.shape
-    return create_block_mask(mask_mod, bsz, None, seq_len, seq_len, device=doc_ids.device)
+    seq_len = doc_ids.shape[1]
+    n = -(-seq_len // block_size)
+    starts = torch.arange(n, device=doc_ids.device) * block_size
+    first, last = doc_ids[:, starts], doc_ids[:, (starts + block_size - 1).clamp(max=seq_len - 1)]
+    q, kv = starts[:, None], starts[None, :]  # [n, 1] query blocks, [1, n] key blocks
+    whole = torch.ones(n, dtype=torch.bool, device=doc_ids.device)
+    whole[-1] = seq_len % block_size == 0
+    before = kv < q
+    touches = (before & (last[:, None, :] == first[:, :, None])) | (kv == q)
+    full = before & (first[:, None, :] == last[:, :, None]) & whole[:, None] & whole[None, :]
+    tables = []
+    for blocks in (touches & ~full, full):  # partial blocks (mask_mod runs there), full blocks (it does not)
+        blocks = blocks[:, None].to(torch.int32)
+        tables += [blocks.sum(-1, dtype=torch.int32),
+                   torch.argsort(blocks, dim=-1, descending=True, stable=True).to(torch.int32)]
+    return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(seq_len, seq_len))
 
 
 def doc_seqlens(doc_ids: torch.Tensor) -> list[int]:

@@ -25,7 +25,7 @@ from lingua.distillation.vocab_parallel import vocab_parallel_cross_entropy, voc
 from lingua.errors import DataError, MissingPathError
 from lingua.metrics import host_peak_rss_gib
 from lingua.parallel.collectives import log_collective
-from lingua.transformer import doc_causal_bool_mask
+from lingua.transformer import doc_causal_block_mask, doc_causal_bool_mask
 
 logger = logging.getLogger(__name__)
 
@@ -336,8 +336,8 @@ class TeacherModel:
 
     def _decoder(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
         """The decoder over a chunk of rows [n, S] -> [n, S, D]: flash kernels get the document boundaries as
-        varlen segments of the rows packed into one sequence, the others a block-diagonal causal mask of the
-        chunk (a 4D mask transformers passes through as it is)."""
+        varlen segments of the rows packed into one sequence, flex a BlockMask built from the documents' spans,
+        the others a block-diagonal causal mask of the chunk (transformers passes a 4D mask through as it is)."""
         kwargs = {"use_cache": False}
         n, S = tokens.shape
         if doc_ids is not None:
@@ -346,7 +346,9 @@ class TeacherModel:
                 tokens = tokens.reshape(1, n * S)
             else:
                 kwargs["position_ids"] = document_positions(doc_ids)
-                kwargs["attention_mask"] = document_causal_mask(doc_ids, self.model.dtype)
+                flex = self.model.config._attn_implementation == "flex_attention"  # a BlockMask: no dense mask
+                kwargs["attention_mask"] = doc_causal_block_mask(doc_ids) if flex else \
+                    document_causal_mask(doc_ids, self.model.dtype)
         return self.model.get_decoder()(input_ids=tokens, **kwargs).last_hidden_state.view(n, S, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

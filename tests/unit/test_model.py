@@ -111,6 +111,31 @@ def test_attention_kernels_match_reference():
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(flex_attention is None, reason="this torch build has no flex_attention")
+@pytest.mark.parametrize("seq_len", [128, 200, 515])
+def test_the_document_block_mask_equals_create_block_masks_without_a_dense_mask(seq_len, monkeypatch):
+    """Issue 27 item 11: the BlockMask from the documents' per-block spans has create_block_mask's tables exactly
+    (partial and full blocks, both directions), and torch's dense create_mask is never called."""
+    import torch.nn.attention.flex_attention as flex
+
+    for seed, rate in enumerate((0.0, 0.002, 0.02, 0.2)):
+        starts = torch.rand(3, seq_len, generator=torch.Generator().manual_seed(seed)) < rate
+        starts[:, 0] = False
+        doc_ids = starts.long().cumsum(dim=1) + seed
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+        reference = flex.create_block_mask(mask_mod, 3, None, seq_len, seq_len, device="cpu")
+        with monkeypatch.context() as patched:
+            patched.setattr(flex, "create_mask", lambda *a, **k: pytest.fail("a dense [B, H, S, S] mask was built"))
+            built = doc_causal_block_mask(doc_ids)
+        assert built.seq_lengths == reference.seq_lengths == (seq_len, seq_len)
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+            assert torch.equal(getattr(built, name), getattr(reference, name)), (seed, name)
+
+
 @pytest.mark.timeout(10)
 def test_doc_seqlens_and_cpu_fallback():
     doc_ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0]])

@@ -5,6 +5,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: tests never reach the hub
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -137,3 +139,36 @@ def test_the_decoder_over_chunks_of_rows_is_bit_identical_and_builds_no_kv_cache
     with torch.inference_mode():
         teacher.model.get_decoder()(input_ids=tokens)  # the config's default: a cache (the spy sees it)
     assert built == ["DynamicCache"]
+
+
+
+def test_a_flex_teacher_gets_a_block_mask_not_a_dense_one(tiny_teacher, monkeypatch):
+    """attn_implementation=flex_attention: the decoder gets a BlockMask of the documents (transformers passes a
+    4D mask through as it is) and no [rows, 1, S, S] tensor is built. (The forward itself compiles flex with
+    Triton/inductor: its numbers are the GPU check's.)"""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    import lingua.distillation.teacher as teacher_module
+    from lingua.transformer import doc_causal_bool_mask
+
+    teacher = TeacherModel(DistillationArgs(teacher_path=str(tiny_teacher), teacher_dtype="fp32",
+                                            attn_implementation="sdpa"), CPU)
+    teacher.model.config._attn_implementation = "flex_attention"
+    seen = []
+
+    def decoder(input_ids, **kwargs):
+        seen.append(kwargs)
+        return SimpleNamespace(last_hidden_state=torch.zeros(*input_ids.shape, 4))
+
+    monkeypatch.setattr(teacher.model, "get_decoder", lambda: decoder)
+    monkeypatch.setattr(teacher_module, "document_causal_mask", lambda *a: pytest.fail("a dense mask was built"))
+    doc_ids = packed_doc_ids(3, 200, seed=5)
+    teacher.hidden_states(torch.zeros(3, 200, dtype=torch.long), doc_ids)
+    (kwargs,) = seen
+    mask = kwargs["attention_mask"]
+    assert isinstance(mask, BlockMask) and kwargs["use_cache"] is False
+    assert torch.equal(kwargs["position_ids"], document_positions(doc_ids))
+    # What the kernel sees: the mask_mod over the blocks the tables list equals the dense document mask.
+    dense = torch.stack([torch.stack([mask.mask_mod(torch.tensor(b), 0, q, torch.arange(200)) for q in range(200)])
+                         for b in range(3)])
+    assert torch.equal(dense, doc_causal_bool_mask(doc_ids)[:, 0])
