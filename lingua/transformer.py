@@ -224,11 +224,12 @@ def doc_seqlens(doc_ids: torch.Tensor) -> list[int]:
     return seqlens
 
 
-def doc_causal_xformers_bias(doc_ids: torch.Tensor):
-    """xformers block-diagonal causal bias over the batch flattened into one sequence."""
+def doc_causal_xformers_bias(doc_ids: torch.Tensor, seqlens: Optional[list[int]] = None):
+    """xformers block-diagonal causal bias over the batch flattened into one sequence; `seqlens` counted from the
+    host batch (else read from `doc_ids`, a device-to-host copy and sync)."""
     from xformers.ops import fmha
 
-    return fmha.attn_bias.BlockDiagonalCausalMask.from_seqlens(doc_seqlens(doc_ids))
+    return fmha.attn_bias.BlockDiagonalCausalMask.from_seqlens(seqlens if seqlens is not None else doc_seqlens(doc_ids))
 
 
 @functools.lru_cache(maxsize=None)
@@ -268,7 +269,7 @@ def resolve_attn_impl(attn_impl: str, device: torch.device, head_dim: Optional[i
 
 
 def build_attention_mask(attn_mask: str, attn_impl: str, doc_ids: Optional[torch.Tensor], device: torch.device,
-                         head_dim: Optional[int] = None):
+                         head_dim: Optional[int] = None, seqlens: Optional[list[int]] = None):
     """What `attention` takes as `mask`: None (plain causal), a bool tensor, a BlockMask or an xformers bias."""
     if attn_mask == "causal" or doc_ids is None:
         return None
@@ -277,7 +278,7 @@ def build_attention_mask(attn_mask: str, attn_impl: str, doc_ids: Optional[torch
     if impl == "flex":
         return doc_causal_block_mask(doc_ids)
     if impl == "xformers":
-        return doc_causal_xformers_bias(doc_ids)
+        return doc_causal_xformers_bias(doc_ids, seqlens)
     return doc_causal_bool_mask(doc_ids)
 
 
@@ -402,16 +403,18 @@ class BaseTransformer(nn.Module):
         self.rope = RotaryEmbedding(args.dim // args.n_heads, args.max_seqlen, args.rope_theta)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
 
-    def forward(self, h: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                doc_seqlens: Optional[list[int]] = None) -> torch.Tensor:
         """h: [B, S, dim] embeddings; doc_ids: [B, S] document index per token, non-decreasing along a row
-        (used by attn_mask=doc_causal; None means plain causal)."""
+        (used by attn_mask=doc_causal; None means plain causal); doc_seqlens: `doc_seqlens(doc_ids)` counted on
+        the host, for xformers (else it reads doc_ids back from the device)."""
         seq_len = h.shape[1]
         if seq_len > self.max_seqlen:
             raise ValueError(f"sequence length {seq_len} exceeds model.max_seqlen={self.max_seqlen}; "
                              f"raise model.max_seqlen or shorten the sequences (data.seq_len).")
         if doc_ids is not None and tuple(doc_ids.shape) != tuple(h.shape[:2]):
             raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)} but the tokens are {tuple(h.shape[:2])}.")
-        mask = build_attention_mask(self.attn_mask, self.attn_impl, doc_ids, h.device, self.rope.head_dim)
+        mask = build_attention_mask(self.attn_mask, self.attn_impl, doc_ids, h.device, self.rope.head_dim, doc_seqlens)
         cos, sin = self.rope(seq_len)
         for layer in self.layers:
             h = layer(h, cos, sin, mask)

@@ -238,8 +238,9 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 def document_causal_mask(doc_ids: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """[N, 1, S, S]: query i sees key j iff j <= i and both are in the same document. Bool, or with `dtype` additive
-    (0 where seen, the dtype's minimum elsewhere: eager attention adds a mask to the scores, a bool one would not mask)."""
+    """[N, 1, S, S]: query i sees key j iff j <= i and both are in the same document. Bool, or with `dtype`
+    additive (0 where seen, the dtype's minimum elsewhere: eager attention adds a mask to the scores, a bool one
+    would not mask)."""
     seen = doc_causal_bool_mask(doc_ids)
     if dtype is None:
         return seen
@@ -326,7 +327,8 @@ class TeacherModel:
         out = None
         with self.no_grad():
             for start in range(0, N, rows):
-                part = self._decoder(tokens[start: start + rows], None if doc_ids is None else doc_ids[start: start + rows])
+                chunk = slice(start, start + rows)
+                part = self._decoder(tokens[chunk], None if doc_ids is None else doc_ids[chunk])
                 if N <= rows:
                     return part
                 if out is None:

@@ -164,7 +164,7 @@ def test_eval_and_the_probe_go_through_the_fused_head_without_vocabulary_logits(
     heads = []
     model.output.register_forward_hook(lambda *a: heads.append(1))
     with torch.no_grad():
-        got, count = batch_ce_sum(model, batch, attn_mask, torch.device("cpu"))
+        got, count = batch_ce_sum(model, batch, torch.device("cpu"))
     assert count == int((labels != -100).sum()) and heads == []
     assert got == pytest.approx(expected, rel=1e-5)
     # The probe: the same loss's gradients as CE on the logits, divided by the labelled count.
