@@ -99,6 +99,20 @@ def accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def multiplies_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this device multiplies two `dtype` matrices into an fp32 result in one call (`torch.mm(a, b,
+    out_dtype=torch.float32)`, the GEMM's fp32 accumulator kept instead of rounded to `dtype`): CUDA for fp16/bf16
+    where torch has the kernel; not CPU. A tiny probe, once per device, like `accumulates_in_fp32`."""
+    if dtype == torch.float32:
+        return False
+    a = torch.ones(2, 2, dtype=dtype, device=device)
+    try:
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError):  # no such overload, or no kernel for this device (NotImplementedError)
+        return False
+
+
 def _topk_kd(a, g, values, ids, extra, mask, kind, jsd_beta, kd_scale):
     """KD over the k ids + rest; adds kd_scale * dKD/da into g and returns KD per row. Overwrites a."""
     dtype, k, V = a.dtype, ids.shape[-1], a.shape[-1]

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lingua.distillation.args import DistillationArgs
+from lingua.distillation.fused_loss import multiplies_into_fp32
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
 from lingua.distillation.tensor_parallel import CheckpointTensors, VocabShard, shard_teacher
 from lingua.distillation.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_outputs
@@ -355,8 +356,17 @@ class TeacherModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head in fp32 (this rank's vocabulary slice, tensor-parallel), with the model's final logit
-        soft-capping where it has one (Gemma): per element, before anything else."""
-        logits = self.model.get_output_embeddings()(hidden).float()
+        soft-capping where it has one (Gemma): per element, before anything else. With bf16/fp16 weights the GEMM
+        writes fp32 where the device can (`multiplies_into_fp32`): its output is not rounded to the weights' dtype
+        first (bf16: steps of 0.06-0.125 at logits of 8-32)."""
+        head = self.model.get_output_embeddings()
+        weight = getattr(head.weight, "to_local", lambda: head.weight)()  # tensor-parallel: this rank's vocab rows
+        if isinstance(head, torch.nn.Linear) and head.bias is None and type(hidden) is torch.Tensor \
+                and hidden.dtype == weight.dtype and multiplies_into_fp32(hidden.device, hidden.dtype):
+            logits = torch.mm(hidden.reshape(-1, hidden.shape[-1]), weight.t(), out_dtype=torch.float32)
+            logits = logits.view(*hidden.shape[:-1], weight.shape[0])
+        else:
+            logits = head(hidden).float()
         softcap = getattr(self.model.config, "final_logit_softcapping", None)
         return torch.tanh(logits / softcap) * softcap if softcap else logits
 

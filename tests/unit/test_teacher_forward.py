@@ -172,3 +172,16 @@ def test_a_flex_teacher_gets_a_block_mask_not_a_dense_one(tiny_teacher, monkeypa
     dense = torch.stack([torch.stack([mask.mask_mod(torch.tensor(b), 0, q, torch.arange(200)) for q in range(200)])
                          for b in range(3)])
     assert torch.equal(dense, doc_causal_bool_mask(doc_ids)[:, 0])
+
+
+def test_teacher_logits_are_fp32_and_the_fp32_gemm_probe_says_no_on_cpu(tiny_teacher):
+    """Issue 27 item 2: the fp32-output GEMM (`torch.mm(..., out_dtype=float32)`) has no CPU kernel, so the probe
+    says no there and the head runs as before (its numbers on a GPU: tests/gpu/test_gpu_teacher.py)."""
+    from lingua.distillation.fused_loss import multiplies_into_fp32
+
+    assert not multiplies_into_fp32(CPU, torch.bfloat16) and not multiplies_into_fp32(CPU, torch.float32)
+    teacher = TeacherModel(DistillationArgs(teacher_path=str(tiny_teacher), teacher_dtype="bf16"), CPU)
+    hidden = torch.randn(2, 8, teacher.model.config.hidden_size).to(torch.bfloat16)
+    logits = teacher.logits(hidden)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, teacher.model.get_output_embeddings()(hidden).float())
