@@ -67,3 +67,17 @@ def describe(err: BaseException) -> str:
     """An error as one rank relays it to others: a user error or a peer's stop is its sentence alone; a bug
     keeps its type, which is half of what a developer needs."""
     return str(err) if isinstance(err, (UserError, PeerStopped)) else f"{type(err).__name__}: {err}"
+
+
+# CUDA's sticky errors: the context is unusable after one, every later CUDA call (a reply included) fails alike.
+STICKY_DEVICE_ERRORS = ("device-side assert triggered", "an illegal memory access was encountered",
+                        "unspecified launch failure", "misaligned address", "an illegal instruction was encountered",
+                        "hardware stack error", "invalid program counter", "uncorrectable ECC error",
+                        "the launch timed out and was terminated")
+
+
+def is_sticky_device_error(err: BaseException) -> bool:
+    """A CUDA error that poisoned this process's context (a device-side assert, an illegal address, ...): nothing
+    more can run on its device, so a rank that hits one can only leave (its note and log keep the sentence)."""
+    text = str(err)
+    return isinstance(err, RuntimeError) and "CUDA error" in text and any(s in text for s in STICKY_DEVICE_ERRORS)

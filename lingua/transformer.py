@@ -169,6 +169,8 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 # ---- document-causal masks, one builder per kernel ----
 
+FLEX_BLOCK_SIZE = 128  # flex_attention's default sparse block
+
 def doc_causal_bool_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     """[B, 1, S, S] boolean mask for SDPA: True where query i may attend key j (j <= i, same document)."""
     seq_len = doc_ids.shape[1]
@@ -177,16 +179,34 @@ def doc_causal_bool_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal)[:, None]
 
 
-def doc_causal_block_mask(doc_ids: torch.Tensor):
-    """flex_attention BlockMask for the same pattern as `doc_causal_bool_mask`."""
+def doc_causal_block_mask(doc_ids: torch.Tensor, block_size: int = FLEX_BLOCK_SIZE):
+    """flex_attention BlockMask for the same pattern as `doc_causal_bool_mask`, built from each block's first and
+    last document id: [B, 1, S/block, S/block] tables, never the dense [B, 1, S, S] mask `create_block_mask`
+    evaluates. Needs ids non-decreasing along a row (packed windows are). With them, a key block before the
+    query block touches it iff its last document is the query block's first, and is full iff both blocks lie in
+    one document; a block holding positions past S is never full (as `create_block_mask` pads it)."""
     if create_block_mask is None:
         raise RuntimeError("this torch build has no flex_attention; use model.attn_impl=sdpa.")
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
 
-    bsz, seq_len = doc_ids.shape
-    return create_block_mask(mask_mod, bsz, None, seq_len, seq_len, device=doc_ids.device)
+    seq_len = doc_ids.shape[1]
+    n = -(-seq_len // block_size)
+    starts = torch.arange(n, device=doc_ids.device) * block_size
+    first, last = doc_ids[:, starts], doc_ids[:, (starts + block_size - 1).clamp(max=seq_len - 1)]
+    q, kv = starts[:, None], starts[None, :]  # [n, 1] query blocks, [1, n] key blocks
+    whole = torch.ones(n, dtype=torch.bool, device=doc_ids.device)
+    whole[-1] = seq_len % block_size == 0
+    before = kv < q
+    touches = (before & (last[:, None, :] == first[:, :, None])) | (kv == q)
+    full = before & (first[:, None, :] == last[:, :, None]) & whole[:, None] & whole[None, :]
+    tables = []
+    for blocks in (touches & ~full, full):  # partial blocks (mask_mod runs there), full blocks (it does not)
+        blocks = blocks[:, None].to(torch.int32)
+        tables += [blocks.sum(-1, dtype=torch.int32),
+                   torch.argsort(blocks, dim=-1, descending=True, stable=True).to(torch.int32)]
+    return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(seq_len, seq_len))
 
 
 def doc_seqlens(doc_ids: torch.Tensor) -> list[int]:
@@ -204,11 +224,12 @@ def doc_seqlens(doc_ids: torch.Tensor) -> list[int]:
     return seqlens
 
 
-def doc_causal_xformers_bias(doc_ids: torch.Tensor):
-    """xformers block-diagonal causal bias over the batch flattened into one sequence."""
+def doc_causal_xformers_bias(doc_ids: torch.Tensor, seqlens: Optional[list[int]] = None):
+    """xformers block-diagonal causal bias over the batch flattened into one sequence; `seqlens` counted from the
+    host batch (else read from `doc_ids`, a device-to-host copy and sync)."""
     from xformers.ops import fmha
 
-    return fmha.attn_bias.BlockDiagonalCausalMask.from_seqlens(doc_seqlens(doc_ids))
+    return fmha.attn_bias.BlockDiagonalCausalMask.from_seqlens(seqlens if seqlens is not None else doc_seqlens(doc_ids))
 
 
 @functools.lru_cache(maxsize=None)
@@ -248,7 +269,7 @@ def resolve_attn_impl(attn_impl: str, device: torch.device, head_dim: Optional[i
 
 
 def build_attention_mask(attn_mask: str, attn_impl: str, doc_ids: Optional[torch.Tensor], device: torch.device,
-                         head_dim: Optional[int] = None):
+                         head_dim: Optional[int] = None, seqlens: Optional[list[int]] = None):
     """What `attention` takes as `mask`: None (plain causal), a bool tensor, a BlockMask or an xformers bias."""
     if attn_mask == "causal" or doc_ids is None:
         return None
@@ -257,7 +278,7 @@ def build_attention_mask(attn_mask: str, attn_impl: str, doc_ids: Optional[torch
     if impl == "flex":
         return doc_causal_block_mask(doc_ids)
     if impl == "xformers":
-        return doc_causal_xformers_bias(doc_ids)
+        return doc_causal_xformers_bias(doc_ids, seqlens)
     return doc_causal_bool_mask(doc_ids)
 
 
@@ -382,16 +403,18 @@ class BaseTransformer(nn.Module):
         self.rope = RotaryEmbedding(args.dim // args.n_heads, args.max_seqlen, args.rope_theta)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
 
-    def forward(self, h: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                doc_seqlens: Optional[list[int]] = None) -> torch.Tensor:
         """h: [B, S, dim] embeddings; doc_ids: [B, S] document index per token, non-decreasing along a row
-        (used by attn_mask=doc_causal; None means plain causal)."""
+        (used by attn_mask=doc_causal; None means plain causal); doc_seqlens: `doc_seqlens(doc_ids)` counted on
+        the host, for xformers (else it reads doc_ids back from the device)."""
         seq_len = h.shape[1]
         if seq_len > self.max_seqlen:
             raise ValueError(f"sequence length {seq_len} exceeds model.max_seqlen={self.max_seqlen}; "
                              f"raise model.max_seqlen or shorten the sequences (data.seq_len).")
         if doc_ids is not None and tuple(doc_ids.shape) != tuple(h.shape[:2]):
             raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)} but the tokens are {tuple(h.shape[:2])}.")
-        mask = build_attention_mask(self.attn_mask, self.attn_impl, doc_ids, h.device, self.rope.head_dim)
+        mask = build_attention_mask(self.attn_mask, self.attn_impl, doc_ids, h.device, self.rope.head_dim, doc_seqlens)
         cos, sin = self.rope(seq_len)
         for layer in self.layers:
             h = layer(h, cos, sin, mask)

@@ -1,6 +1,6 @@
 """The GPU self-check: the first command to run on a GPU machine.
 
-    bash setup/gpu_check.sh                 # or: python -m apps.debug.gpu_check [extra pytest arguments]
+    bash setup/gpu_check.sh [--quick] [--out DIR] [extra pytest arguments]   # or: python -m apps.debug.gpu_check ...
 
 Runs every test marked `cuda` under tests/ (tests/gpu: CUDA-event step timing, flex attention for document masks,
 the fused loss's fp32 accumulation, the teacher loaded onto its GPU, no host sync per micro-batch under
@@ -8,6 +8,11 @@ the fused loss's fp32 accumulation, the teacher loaded onto its GPU, no host syn
 flight-recorder dump on a hang; and those beside the CPU tests, e.g. the teacher-wait clock's CUDA events) and
 prints one row per check: passed, FAILED or skipped with the reason (a check that needs 2 GPUs skips on one).
 Exit status 0 when every check that ran passed and at least one ran, else 1.
+
+Everything lands in one folder, named on the first line (`--out DIR`, default dumps/gpu_check/<UTC time>):
+table.txt (the machine line and the table), junit.xml, and tmp/ with each check's own directory (the runs' dump
+dirs: metrics, rank logs, flight-recorder traces). `--quick`: the in-process checks only (`cuda and not slow`:
+kernels, the teacher's forward, the loss; about a minute on one GPU), no torchrun launches.
 """
 
 import sys
@@ -68,16 +73,38 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def split_args(argv: list[str]) -> tuple[bool, Path, list[str]]:
+    """(--quick, the output folder, the rest for pytest) from the command line."""
+    quick, out, rest, args = False, None, [], iter(argv)
+    for arg in args:
+        if arg == "--quick":
+            quick = True
+        elif arg == "--out" or arg.startswith("--out="):
+            out = arg.split("=", 1)[1] if "=" in arg else next(args, None)
+        else:
+            rest.append(arg)
+    folder = Path(out) if out else ROOT / "dumps" / "gpu_check" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return quick, folder, rest
+
+
 def main(argv: list[str]) -> int:
-    print(machine_line(), flush=True)
+    quick, out, rest = split_args(argv)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"GPU self-check{' (--quick)' if quick else ''}: table and logs in {out}", flush=True)
+    machine = machine_line()
+    print(machine, flush=True)
     table = CheckTable()
     start = time.time()
-    pytest.main([str(CHECKS), "-m", "cuda", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), *argv],
+    pytest.main([str(CHECKS), "-m", "cuda and not slow" if quick else "cuda", "-q", "-p", "no:cacheprovider",
+                 "--rootdir", str(ROOT), f"--basetemp={out / 'tmp'}", f"--junitxml={out / 'junit.xml'}", *rest],
                 plugins=[table])
     rows = list(table.rows.values())
-    print(f"\nGPU self-check ({time.time() - start:.0f}s)\n" + format_table(rows))
     counts = {outcome: sum(r["outcome"] == outcome for r in rows) for outcome in ("passed", "FAILED", "skipped")}
-    print(f"{counts['passed']} passed, {counts['FAILED']} failed, {counts['skipped']} skipped")
+    report = (f"GPU self-check ({time.time() - start:.0f}s{', --quick' if quick else ''})\n" + format_table(rows)
+              + f"\n{counts['passed']} passed, {counts['FAILED']} failed, {counts['skipped']} skipped")
+    print("\n" + report)
+    (out / "table.txt").write_text(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n{machine}\n\n{report}\n")
+    print(f"table: {out / 'table.txt'}")
     if not counts["passed"] and not counts["FAILED"]:
         print("nothing was checked: run this on a machine with CUDA GPUs (2 for the NCCL checks)")
         return 1

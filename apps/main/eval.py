@@ -23,13 +23,13 @@ from typing import Optional
 
 import torch
 
-from apps.main.transformer import batch_doc_ids
+from apps.main.transformer import batch_documents
 from lingua.args import require
 from lingua.cli import run_cli
+from lingua.distillation.fused_loss import fused_ce_head
 from lingua.errors import ConfigError, MissingPathError
 from lingua.eval_data import iterate_eval_batches
 from lingua.parallel.collectives import agree_count, dist_mean_dict
-from lingua.transformer import cross_entropy_sum
 
 logger = logging.getLogger(__name__)
 
@@ -54,19 +54,20 @@ class EvalArgs:
         require(self.uneven in EVAL_UNEVEN, "eval.uneven", self.uneven, f"use one of {', '.join(EVAL_UNEVEN)}")
 
 
-def batch_ce_sum(model, batch: dict, attn_mask: str, device) -> tuple[float, int]:
-    """(CE summed over the predicted positions, their count) for one held-out batch."""
+def batch_ce_sum(model, batch: dict, device) -> tuple[float, int]:
+    """(CE summed over the predicted positions, their count) for one held-out batch, through the fused head as in
+    training: no [tokens, vocab] logits."""
     labels = batch["labels"].to(device)
-    logits = model(batch["input_ids"].to(device), doc_ids=batch_doc_ids(attn_mask, batch, device))
-    return cross_entropy_sum(logits, labels).item(), int((labels != -100).sum())
+    ce_sum = model(batch["input_ids"].to(device), **batch_documents(model, batch, device),
+                   head_loss=fused_ce_head(labels))
+    return ce_sum.item(), int((labels != -100).sum())
 
 
 class Evaluator:
     """Owns its cadence (`should_run`) and runs the eval over this rank's share of the held-out files."""
 
-    def __init__(self, args: EvalArgs, data_args, attn_mask: str, tokenizer, topo,
-                 teacher_loss: Optional[float] = None):
-        self.args, self.data_args, self.attn_mask = args, data_args, attn_mask
+    def __init__(self, args: EvalArgs, data_args, tokenizer, topo, teacher_loss: Optional[float] = None):
+        self.args, self.data_args = args, data_args
         self.tokenizer, self.topo = tokenizer, topo
         self.teacher_loss = teacher_loss  # the teacher's own CE on these windows: logged once, as a reference
 
@@ -84,7 +85,7 @@ class Evaluator:
         loss_sum = tokens = 0.0
         model.eval()
         for batch in batches[:n_batches]:
-            batch_loss, batch_tokens = batch_ce_sum(model, batch, self.attn_mask, topo.device)
+            batch_loss, batch_tokens = batch_ce_sum(model, batch, topo.device)
             loss_sum += batch_loss
             tokens += batch_tokens
         model.train()
@@ -172,11 +173,11 @@ def held_out_data_args(params: dict, data_dir: Optional[str]):
 
 
 @torch.no_grad()
-def held_out_perplexity(model, data_args, tokenizer, attn_mask: str, device) -> dict:
+def held_out_perplexity(model, data_args, tokenizer, device) -> dict:
     """Mean CE per predicted token over every held-out window (one rank, all batches), and its exp."""
     loss_sum, tokens, n_batches = 0.0, 0, 0
     for batch in iterate_eval_batches(data_args, tokenizer, dp_rank=0, dp_degree=1):
-        batch_loss, batch_tokens = batch_ce_sum(model, batch, attn_mask, device)
+        batch_loss, batch_tokens = batch_ce_sum(model, batch, device)
         loss_sum, tokens, n_batches = loss_sum + batch_loss, tokens + batch_tokens, n_batches + 1
     ce = loss_sum / max(tokens, 1)
     return {"tokens": tokens, "ce": ce, "ppl": math.exp(min(ce, 50)), "batches": n_batches,
@@ -231,7 +232,6 @@ def evaluate_checkpoint(args: CheckpointEvalArgs) -> dict:
         ExportArgs,
         export_checkpoint,
         load_params,
-        model_args_from_params,
         resolve_checkpoint_dir,
     )
     from apps.main.generate import load_checkpoint_model, pick_device, trained_with_bos
@@ -260,8 +260,7 @@ def evaluate_checkpoint(args: CheckpointEvalArgs) -> dict:
     if data_args is not None:
         model = load_checkpoint_model(step_dir, params, device)
         tokenizer = build_tokenizer(tokenizer_args)
-        attn_mask = model_args_from_params(params).attn_mask
-        report["heldout"] = held_out_perplexity(model, data_args, tokenizer, attn_mask, device)
+        report["heldout"] = held_out_perplexity(model, data_args, tokenizer, device)
         del model
         logger.info(f"held-out: CE {report['heldout']['ce']:.4f}, ppl {report['heldout']['ppl']:.2f} over "
                     f"{report['heldout']['tokens']:,} tokens")

@@ -31,7 +31,7 @@ from apps.main.report import StepReporter
 from apps.main.transformer import (
     LMTransformer,
     LMTransformerArgs,
-    batch_doc_ids,
+    batch_documents,
     get_no_recompute_ops,
     get_num_flop_per_token,
 )
@@ -43,6 +43,7 @@ from lingua.distillation.args import DistillationArgs, check_seq_len_fits_teache
 from lingua.distillation.cache import open_cache, settings_manifest
 from lingua.distillation.distiller import build_distiller
 from lingua.distillation.feed import MicroBatchFeed
+from lingua.distillation.fused_loss import fused_ce_head
 from lingua.distillation.server import TeacherServer
 from lingua.distillation.teacher import read_max_positions
 from lingua.distillation.tensor_parallel import heads_problem, read_teacher_config
@@ -64,7 +65,7 @@ from lingua.profiling import ProfilerArgs, maybe_run_profiler
 from lingua.rundir import RunDir
 from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
 from lingua.tokenizer import build_tokenizer
-from lingua.transformer import cross_entropy_sum
+
 
 logger = logging.getLogger("train")
 
@@ -294,7 +295,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
 
     probe = ActivationProbe(model, args.dump_dir, topo.global_rank, topo.is_train_master, group,
                             every=args.probe_freq) if args.probe_freq else None
-    evaluator = Evaluator(args.eval, args.data, args.model.attn_mask, tokenizer, topo, distiller.teacher_heldout_ce)
+    evaluator = Evaluator(args.eval, args.data, tokenizer, topo, distiller.teacher_heldout_ce)
     # The embedding lookup is no matmul; the output head is (and with tied weights it is the only copy counted).
     matmul_params = n_params - (0 if args.model.tie_embeddings else args.model.vocab_size * args.model.dim)
     reporter = StepReporter(args, topo, distiller, get_num_flop_per_token(
@@ -383,8 +384,7 @@ def train_step(args: TrainArgs, model, distiller, feed: MicroBatchFeed, step: in
             timer.arrive()  # the forward's first all-gather is the step's first collective
         with timer.part("fwd_bwd"):
             head_loss = distiller.head_loss(labels, mb.pending, n_valid, timer)
-            doc_ids = batch_doc_ids(args.model.attn_mask, mb.batch, device)
-            model(input_ids, doc_ids=doc_ids, head_loss=head_loss).backward()
+            model(input_ids, **batch_documents(model, mb.batch, device), head_loss=head_loss).backward()
     feed.finish_step(step)
     metrics = {"tokens": sum(mb.batch["input_ids"].numel() for mb in micro_batches), **distiller.step_metrics()}
     return metrics, [mb.batch for mb in micro_batches]
@@ -404,9 +404,9 @@ def run_probe(args: TrainArgs, model, probe: ActivationProbe, batch, step: int) 
     """An extra forward/backward under the probe's hooks; the teacher is not involved."""
     device = next(model.parameters()).device
     with probe.capture(step):
-        logits = model(batch["input_ids"].to(device), doc_ids=batch_doc_ids(args.model.attn_mask, batch, device))
-        labels = batch["labels"].to(logits.device)
-        (cross_entropy_sum(logits, labels) / max(int((labels != -100).sum()), 1)).backward()
+        labels = batch["labels"].to(device)
+        head_loss = fused_ce_head(labels, max(int((labels != -100).sum()), 1))  # no [tokens, vocab] logits
+        model(batch["input_ids"].to(device), **batch_documents(model, batch, device), head_loss=head_loss).backward()
     model.zero_grad(set_to_none=True)
 
 

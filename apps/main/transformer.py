@@ -11,9 +11,11 @@ from lingua.transformer import (
     BaseTransformer,
     BaseTransformerArgs,
     RMSNorm,
+    doc_seqlens,
     ffn_hidden_dim,
     init_generator,
     init_trunc_normal,
+    resolve_attn_impl,
 )
 
 
@@ -45,13 +47,15 @@ class LMTransformer(BaseTransformer):
             self.output.weight = self.tok_embeddings.weight
 
     def forward(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
-                head_loss: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
-        """input_ids [B, S] -> logits [B, S, vocab_size]; doc_ids [B, S] only matters with attn_mask=doc_causal.
+                head_loss: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+                doc_seqlens: Optional[list[int]] = None) -> torch.Tensor:
+        """input_ids [B, S] -> logits [B, S, vocab_size]; doc_ids [B, S] only matters with attn_mask=doc_causal
+        (`batch_documents` gives both document arguments, doc_seqlens for xformers).
 
         With `head_loss`, returns head_loss(final normed hidden states, output-head weight) instead: the
         loss computes the logits itself (chunked, never all at once), inside this forward, where FSDP has
         the head weight unsharded."""
-        h = self.norm(super().forward(self.tok_embeddings(input_ids), doc_ids))
+        h = self.norm(super().forward(self.tok_embeddings(input_ids), doc_ids, doc_seqlens))
         if head_loss is not None:
             return head_loss(h, self.output.weight)
         return self.output(h)
@@ -73,6 +77,18 @@ class LMTransformer(BaseTransformer):
     def reset_parameters(self) -> None:
         """nn.Module convention alias of `init_weights`."""
         self.init_weights()
+
+
+def batch_documents(model, batch: dict, device) -> dict:
+    """The document arguments of `model`'s forward for `batch`: none with attn_mask=causal; else its doc_ids on
+    the device and, for the xformers kernel, their run lengths counted from the host batch before it moves (the
+    kernel wants them on the host: no device read per forward)."""
+    doc_ids = batch_doc_ids(model.attn_mask, batch, device)
+    if doc_ids is None:
+        return {}
+    if resolve_attn_impl(model.attn_impl, doc_ids.device) != "xformers":
+        return {"doc_ids": doc_ids}
+    return {"doc_ids": doc_ids, "doc_seqlens": doc_seqlens(batch["doc_ids"])}
 
 
 def batch_doc_ids(attn_mask: str, batch: dict, device) -> Optional[torch.Tensor]:

@@ -99,6 +99,20 @@ def accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def multiplies_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this device multiplies two `dtype` matrices into an fp32 result in one call (`torch.mm(a, b,
+    out_dtype=torch.float32)`, the GEMM's fp32 accumulator kept instead of rounded to `dtype`): CUDA for fp16/bf16
+    where torch has the kernel; not CPU. A tiny probe, once per device, like `accumulates_in_fp32`."""
+    if dtype == torch.float32:
+        return False
+    a = torch.ones(2, 2, dtype=dtype, device=device)
+    try:
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError):  # no such overload, or no kernel for this device (NotImplementedError)
+        return False
+
+
 def _topk_kd(a, g, values, ids, extra, mask, kind, jsd_beta, kd_scale):
     """KD over the k ids + rest; adds kd_scale * dKD/da into g and returns KD per row. Overwrites a."""
     dtype, k, V = a.dtype, ids.shape[-1], a.shape[-1]
@@ -330,3 +344,11 @@ def fused_linear_kd_loss(
         return _FusedLinearKDLoss.apply(flat_hidden, weight, *args)
     loss, stats, _, _ = _fused_pass(flat_hidden, weight, *args, False, False)
     return loss, stats
+
+
+def fused_ce_head(labels: torch.Tensor, normalizer: Union[int, float, torch.Tensor] = 1):
+    """A model's `head_loss` for CE alone through the fused head, for evaluation and the probe: CE summed over
+    labels != -100 and divided by `normalizer`, in fp32, with autograd when grads are on; no [tokens, V] logits."""
+    def ce_loss(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return fused_linear_kd_loss(hidden, weight, labels, None, normalizer, 0.0, 1.0)[0]
+    return ce_loss

@@ -16,8 +16,10 @@ to students. Everything between them goes over the replica's group (`topo.teache
                 writes them into the status words on the device (no host read of its own).
 
 A follower that raises inside the forward, dies, or is killed leaves the others blocked in a collective of
-that forward: its process exits, their collective fails with a lost peer, and every rank ends with the
-sentence naming the rank that stopped first (`lingua/parallel/rank_status.py`).
+that forward: its process exits and, on gloo, their collective fails with a lost peer and every rank ends with
+the sentence naming the rank that stopped first (`lingua/parallel/rank_status.py`). On NCCL nothing fails in
+Python: the others block until NCCL's watchdog ends them at the collective timeout, and the sentence is in the
+status files `python -m apps.debug.postmortem <dump_dir>` reads (docs/gpu_failures.md).
 """
 
 import logging

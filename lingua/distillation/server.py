@@ -4,9 +4,11 @@ Per request (`TeacherServer.serve`): receive (one gather of every student's `Req
 -> handle (check the headers agree, one forward over all rows under inference mode, each student's
 rows of sparse outputs written into its response buffer) -> reply (one scatter: a `ResponseStatus`
 then the outputs). Whatever fails while handling is answered too, as a status carrying the sentence,
-so students raise it instead of waiting for a timeout. After a failure the teacher stays "errored": it
-answers every later request with the same status (no forward) until its students leave with ERROR or
-STOP, then raises the failure itself: a user error as its sentence, a bug with its original traceback (the
+so students raise it instead of waiting for a timeout; all but a sticky CUDA error (a device-side assert, an
+illegal address), after which no reply can run: the teacher leaves at once and its students learn it as a lost
+peer (gloo) or from their watchdog (NCCL), the sentence in its log and status file. After a failure the teacher
+stays "errored": it answers every later request with the same status (no forward) until its students leave with
+ERROR or STOP, then raises the failure itself: a user error as its sentence, a bug with its original traceback (the
 students' sentence names this rank's log). The students learn of the error only at their step's agreed
 point, so until then they still finish the step's micro-batches and hold requests posted ahead; a teacher
 that left at once would strand them (on NCCL until the watchdog fires, the sentence lost). The protocol
@@ -38,11 +40,12 @@ from lingua.distillation.bridge import (
     ResponseStatus,
     agreed_handshake,
     agreed_settings,
+    synchronize,
     tokenizer_fingerprint,
 )
 from lingua.distillation.replica import ReplicaLink, Round, replica_load_record, share_spec
 from lingua.distillation.teacher import TeacherModel
-from lingua.errors import PeerStopped, TeacherError, UserError, describe
+from lingua.errors import PeerStopped, TeacherError, UserError, describe, is_sticky_device_error
 from lingua.logger import rank_log_file
 from lingua.metrics import MemoryMonitor
 from lingua.parallel.collectives import log_collective
@@ -335,6 +338,7 @@ class TeacherServer:
             answered += 1
         switch.cancel()
         self._release_replica(status, failure)  # followers wait for the leader's next round until the students left
+        synchronize(self.topo.device)  # NCCL only queued the replies: the abort after this raise would cancel them
         logger.info(f"answered {answered} more request(s) with the error, until the students left "
                     f"({', '.join(sorted(Op(op).name for op in ops & LEAVING))})")
         raise failure
@@ -354,7 +358,7 @@ class TeacherServer:
         and the error the teacher raises once it has answered (None when it served).
 
         Everything between the gather and the scatter is guarded: whatever fails here (bad headers,
-        the forward, out of memory, a CUDA error surfacing at the sync), the students get its sentence."""
+        the forward, out of memory), the students get its sentence; a sticky CUDA error leaves at once, unanswered."""
         students = self._students()
         arrived, ops, step, failure, error, peak_bytes, forwarded = False, set(), None, None, None, 0, False
         self.replica_flags = None
@@ -378,6 +382,8 @@ class TeacherServer:
             if forwarded and self.link is not None:
                 self.replica_flags = self.link.replica_flags(self.preemption.requested, peak_bytes)
         except Exception as err:
+            if is_sticky_device_error(err):
+                raise  # the context is poisoned: a reply would fail too (or hang), so leave without one
             if forwarded and self.link is not None:
                 if is_peer_loss(err):
                     raise  # a rank of the replica stopped: every rank ends with the sentence naming it

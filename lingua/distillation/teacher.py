@@ -19,12 +19,14 @@ import torch
 import torch.distributed as dist
 
 from lingua.distillation.args import DistillationArgs
+from lingua.distillation.fused_loss import multiplies_into_fp32
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
 from lingua.distillation.tensor_parallel import CheckpointTensors, VocabShard, shard_teacher
 from lingua.distillation.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_outputs
 from lingua.errors import DataError, MissingPathError
 from lingua.metrics import host_peak_rss_gib
 from lingua.parallel.collectives import log_collective
+from lingua.transformer import doc_causal_block_mask, doc_causal_bool_mask
 
 logger = logging.getLogger(__name__)
 
@@ -236,11 +238,32 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     return index - last_start
 
 
-def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """[N, 1, S, S] bool: query i sees key j iff j <= i and both are in the same document."""
-    S = doc_ids.shape[1]
-    causal = torch.ones(S, S, dtype=torch.bool, device=doc_ids.device).tril()
-    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+def document_causal_mask(doc_ids: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """[N, 1, S, S]: query i sees key j iff j <= i and both are in the same document. Bool, or with `dtype`
+    additive (0 where seen, the dtype's minimum elsewhere: eager attention adds a mask to the scores, a bool one
+    would not mask)."""
+    seen = doc_causal_bool_mask(doc_ids)
+    if dtype is None:
+        return seen
+    additive = torch.zeros(seen.shape, dtype=dtype, device=doc_ids.device)
+    return additive.masked_fill_(~seen, torch.finfo(dtype).min)
+
+
+def packed_document_kwargs(doc_ids: torch.Tensor) -> dict:
+    """What transformers' flash-attention path needs to keep documents apart in `doc_ids` [N, S]: the rows packed
+    into one sequence [1, N*S] (position ids restarting per document), and every document's start in it
+    (`cu_seq_lens_q/k`, int32, ending with N*S) with the longest document (`max_length_q/k`, an int) for the
+    varlen kernel. transformers infers these from position ids only at batch size 1, so a [N, S] batch with
+    N > 1 would run plain causal flash over whole rows; a new row always starts a new segment. One host read
+    (the segment count and the longest), not one per layer."""
+    N, S = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    total = torch.tensor([N * S], dtype=torch.int32, device=doc_ids.device)
+    cu_seq_lens = torch.cat([starts.reshape(-1).nonzero().view(-1).to(torch.int32), total])
+    max_length = int(cu_seq_lens.diff().max())
+    return dict(position_ids=document_positions(doc_ids).reshape(1, N * S), cu_seq_lens_q=cu_seq_lens,
+                cu_seq_lens_k=cu_seq_lens, max_length_q=max_length, max_length_k=max_length)
 
 
 class TeacherModel:
@@ -296,24 +319,54 @@ class TeacherModel:
 
     def hidden_states(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Final hidden states [N, S, D]. With `doc_ids` every document is its own sequence (positions restart,
-        attention stays inside it), as the student sees it with model.attn_mask=doc_causal."""
-        kwargs = {}
-        if doc_ids is not None:
-            kwargs["position_ids"] = document_positions(doc_ids)
-            # Flash-attention kernels find the documents from the restarting position ids (varlen).
-            # The others take an explicit block-diagonal causal mask, additive in the model's dtype: transformers
-            # passes a 4D mask through as it is, and eager attention adds it to the scores (a bool mask would not mask).
-            if not str(self.model.config._attn_implementation).startswith("flash_attention"):
-                dtype = self.model.dtype
-                blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=tokens.device)
-                kwargs["attention_mask"] = torch.where(document_causal_mask(doc_ids), 0.0, blocked).to(dtype)
+        attention stays inside it), as the student sees it with model.attn_mask=doc_causal.
+
+        An inference forward: no KV cache (`use_cache=False`), and the decoder runs over `logits_chunk_rows` rows
+        at a time, so its activations (and a document mask) exist for one chunk only."""
+        N, S = tokens.shape
+        rows = self.logits_chunk_rows(S)
+        out = None
         with self.no_grad():
-            return self.model.get_decoder()(input_ids=tokens, **kwargs).last_hidden_state
+            for start in range(0, N, rows):
+                chunk = slice(start, start + rows)
+                part = self._decoder(tokens[chunk], None if doc_ids is None else doc_ids[chunk])
+                if N <= rows:
+                    return part
+                if out is None:
+                    out = torch.empty((N, S, part.shape[-1]), dtype=part.dtype, device=part.device)
+                out[start: start + rows] = part
+        return out
+
+    def _decoder(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """The decoder over a chunk of rows [n, S] -> [n, S, D]: flash kernels get the document boundaries as
+        varlen segments of the rows packed into one sequence, flex a BlockMask built from the documents' spans,
+        the others a block-diagonal causal mask of the chunk (transformers passes a 4D mask through as it is)."""
+        kwargs = {"use_cache": False}
+        n, S = tokens.shape
+        if doc_ids is not None:
+            if str(self.model.config._attn_implementation).startswith("flash_attention"):
+                kwargs.update(packed_document_kwargs(doc_ids))
+                tokens = tokens.reshape(1, n * S)
+            else:
+                kwargs["position_ids"] = document_positions(doc_ids)
+                flex = self.model.config._attn_implementation == "flex_attention"  # a BlockMask: no dense mask
+                kwargs["attention_mask"] = doc_causal_block_mask(doc_ids) if flex else \
+                    document_causal_mask(doc_ids, self.model.dtype)
+        return self.model.get_decoder()(input_ids=tokens, **kwargs).last_hidden_state.view(n, S, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head in fp32 (this rank's vocabulary slice, tensor-parallel), with the model's final logit
-        soft-capping where it has one (Gemma): per element, before anything else."""
-        logits = self.model.get_output_embeddings()(hidden).float()
+        soft-capping where it has one (Gemma): per element, before anything else. With bf16/fp16 weights the GEMM
+        writes fp32 where the device can (`multiplies_into_fp32`): its output is not rounded to the weights' dtype
+        first (bf16: steps of 0.06-0.125 at logits of 8-32)."""
+        head = self.model.get_output_embeddings()
+        weight = getattr(head.weight, "to_local", lambda: head.weight)()  # tensor-parallel: this rank's vocab rows
+        if isinstance(head, torch.nn.Linear) and head.bias is None and type(hidden) is torch.Tensor \
+                and hidden.dtype == weight.dtype and multiplies_into_fp32(hidden.device, hidden.dtype):
+            logits = torch.mm(hidden.reshape(-1, hidden.shape[-1]), weight.t(), out_dtype=torch.float32)
+            logits = logits.view(*hidden.shape[:-1], weight.shape[0])
+        else:
+            logits = head(hidden).float()
         softcap = getattr(self.model.config, "final_logit_softcapping", None)
         return torch.tanh(logits / softcap) * softcap if softcap else logits
 

@@ -49,8 +49,10 @@ class DistributedArgs:
     debug: str = "false"  # one of DEBUG_MODES (see `debug_mode`); true/false may come as booleans
     matmul_allow_tf32: bool = True
     # With grad_acc_steps > 1: False keeps FSDP's unsharded gradients across a step's micro-batches and
-    # reduce-scatters once, after the last (grad_acc_steps - 1 fewer reduce-scatters per step, at the cost
-    # of one unsharded gradient copy of the model per rank, in the parameters' dtype).
+    # reduce-scatters once, after the last (grad_acc_steps - 1 fewer reduce-scatters per step), at the cost
+    # of one unsharded gradient copy of the model per rank in FSDP2's reduce_dtype, fp32 (parallelize.py):
+    # 4 bytes per parameter whatever model_dtype (twice the bf16 parameters; 4.8 GB for a 1.2B model), plus a
+    # block's model_dtype gradient of the current micro-batch until FSDP adds it in.
     reduce_every_micro_batch: bool = True
 
     def validate(self) -> None:

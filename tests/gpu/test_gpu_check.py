@@ -1,4 +1,5 @@
-"""The GPU self-check's own run where there is no GPU: every check listed as skipped with its reason, exit 1."""
+"""The GPU self-check's own run where there is no GPU: every check listed as skipped with its reason, exit 1, the
+table written to the folder it names; `--quick` lists the in-process checks only."""
 
 import os
 import subprocess
@@ -10,17 +11,36 @@ import torch
 from tests.runs import ROOT
 
 
+def self_check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "apps.debug.gpu_check", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=240, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+
+def table_rows(out: str) -> list[str]:
+    table = out[out.index("GPU self-check ("):]
+    return [line for line in table.splitlines() if line.startswith(("passed", "FAILED", "skipped"))]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the self-check would run the checks")
-@pytest.mark.timeout(300)
-def test_without_a_gpu_every_check_is_listed_skipped_and_the_check_fails():
-    result = subprocess.run([sys.executable, "-m", "apps.debug.gpu_check"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=240, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+@pytest.mark.timeout(400)
+def test_without_a_gpu_every_check_is_listed_skipped_and_the_check_fails(tmp_path):
+    result = self_check("--out", str(tmp_path / "full"))
     out = result.stdout
     assert result.returncode == 1, out[-3000:] + result.stderr[-3000:]
-    assert "no CUDA GPU visible" in out.splitlines()[0]
-    table = out[out.index("GPU self-check"):]
-    rows = [line for line in table.splitlines() if line.startswith(("passed", "FAILED", "skipped"))]
-    assert len(rows) >= 9 and all(line.startswith("skipped") for line in rows), table
-    assert "test_no_host_sync_per_micro_batch_with_a_teacher" in table and "needs 2 CUDA GPUs, 0 visible" in table
+    first, second = out.splitlines()[:2]
+    assert first == f"GPU self-check: table and logs in {tmp_path / 'full'}" and "no CUDA GPU visible" in second
+    rows = table_rows(out)
+    assert len(rows) >= 9 and all(line.startswith("skipped") for line in rows), out
+    assert "test_no_host_sync_per_micro_batch_with_a_teacher" in out and "needs 2 CUDA GPUs, 0 visible" in out
+    assert "test_three_students_and_a_teacher_in_bf16_compiled_with_look_ahead" in out
     assert "nothing was checked" in out
+    written = (tmp_path / "full" / "table.txt").read_text()
+    assert "no CUDA GPU visible" in written and all(row in written for row in rows)
+    assert (tmp_path / "full" / "junit.xml").is_file()
+    quick = self_check("--quick", "--out", str(tmp_path / "quick"))
+    assert quick.returncode == 1 and "(--quick)" in quick.stdout.splitlines()[0]
+    quick_rows = table_rows(quick.stdout)
+    assert 0 < len(quick_rows) < len(rows)
+    assert "test_no_host_sync_per_micro_batch_with_a_teacher" not in quick.stdout  # it launches torchrun
+    assert "test_bf16_teacher_logits_leave_the_gemm_in_fp32" in quick.stdout

@@ -141,3 +141,47 @@ def test_pydocs_cloze_task_is_ours_and_its_data_well_formed():
     # A sentence that a training document also holds (wrapped differently) is no held-out item.
     trained = build_items(docs, train_docs=["Doc\n\nThe list type holds any\nobjects in a fixed order."])
     assert [item["context"] for item in trained] == [item["context"] for item in items[1:]]
+
+
+@pytest.mark.parametrize("attn_mask", ["causal", "doc_causal"])
+def test_eval_and_the_probe_go_through_the_fused_head_without_vocabulary_logits(attn_mask, monkeypatch):
+    """Issue 27 item 5: the held-out CE equals the logits' CE (fp32 tolerance) and the probe's loss its gradients,
+    while the output head's [tokens, vocab] forward never runs."""
+    from apps.main.eval import batch_ce_sum
+    from apps.main.train import TrainArgs, run_probe
+    from lingua.transformer import cross_entropy_sum
+
+    model = build(tiny_args(attn_mask=attn_mask, vocab_size=300))
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 300, (3, 17), generator=generator)
+    labels = tokens.roll(-1, dims=1)
+    labels[0, :5] = -100
+    doc_ids = torch.tensor([0] * 6 + [1] * 11).expand(3, 17)
+    batch = {"input_ids": tokens, "labels": labels, "doc_ids": doc_ids}
+    with torch.no_grad():
+        logits = model(tokens, doc_ids=doc_ids)
+        expected = float(cross_entropy_sum(logits, labels))
+    heads = []
+    model.output.register_forward_hook(lambda *a: heads.append(1))
+    with torch.no_grad():
+        got, count = batch_ce_sum(model, batch, torch.device("cpu"))
+    assert count == int((labels != -100).sum()) and heads == []
+    assert got == pytest.approx(expected, rel=1e-5)
+    # The probe: the same loss's gradients as CE on the logits, divided by the labelled count.
+    (cross_entropy_sum(model(tokens, doc_ids=doc_ids), labels) / count).backward()
+    reference = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    heads.clear()
+
+    class Capture:  # the probe's context, without its files
+        def capture(self, step):
+            import contextlib
+            return contextlib.nullcontext()
+
+    captured = {}
+    monkeypatch.setattr(model, "zero_grad", lambda **k: captured.update(
+        {name: p.grad.clone() for name, p in model.named_parameters()}))
+    run_probe(TrainArgs(model=tiny_args(attn_mask=attn_mask, vocab_size=300)), model, Capture(), batch, step=1)
+    assert heads == []
+    for name, grad in reference.items():
+        torch.testing.assert_close(captured[name], grad, rtol=1e-4, atol=1e-6)

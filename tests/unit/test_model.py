@@ -111,6 +111,31 @@ def test_attention_kernels_match_reference():
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(flex_attention is None, reason="this torch build has no flex_attention")
+@pytest.mark.parametrize("seq_len", [128, 200, 515])
+def test_the_document_block_mask_equals_create_block_masks_without_a_dense_mask(seq_len, monkeypatch):
+    """Issue 27 item 11: the BlockMask from the documents' per-block spans has create_block_mask's tables exactly
+    (partial and full blocks, both directions), and torch's dense create_mask is never called."""
+    import torch.nn.attention.flex_attention as flex
+
+    for seed, rate in enumerate((0.0, 0.002, 0.02, 0.2)):
+        starts = torch.rand(3, seq_len, generator=torch.Generator().manual_seed(seed)) < rate
+        starts[:, 0] = False
+        doc_ids = starts.long().cumsum(dim=1) + seed
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+        reference = flex.create_block_mask(mask_mod, 3, None, seq_len, seq_len, device="cpu")
+        with monkeypatch.context() as patched:
+            patched.setattr(flex, "create_mask", lambda *a, **k: pytest.fail("a dense [B, H, S, S] mask was built"))
+            built = doc_causal_block_mask(doc_ids)
+        assert built.seq_lengths == reference.seq_lengths == (seq_len, seq_len)
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+            assert torch.equal(getattr(built, name), getattr(reference, name)), (seed, name)
+
+
 @pytest.mark.timeout(10)
 def test_doc_seqlens_and_cpu_fallback():
     doc_ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0]])
@@ -283,3 +308,42 @@ def test_flops_and_recompute_ops():
     assert torch.ops.aten.mm.default in ops
     assert torch.ops.aten._scaled_dot_product_flash_attention.default in ops
     assert torch.ops.aten._scaled_dot_product_efficient_attention.default in ops
+
+
+def test_xformers_gets_the_documents_run_lengths_from_the_host_batch(monkeypatch):
+    """Issue 27 item 10: with attn_impl=xformers the run lengths come from the host batch (`batch_documents`),
+    never from doc_ids on the device (a device-to-host read per forward)."""
+    import sys
+    from types import SimpleNamespace
+
+    import apps.main.transformer as app_transformer
+    import lingua.transformer as lingua_transformer
+    from apps.main.transformer import LMTransformer, batch_documents
+
+    built = []
+
+    class Stop(Exception):
+        pass
+
+    def from_seqlens(seqlens):
+        built.append(list(seqlens))
+        raise Stop
+
+    fmha = SimpleNamespace(attn_bias=SimpleNamespace(BlockDiagonalCausalMask=SimpleNamespace(from_seqlens=from_seqlens)))
+    monkeypatch.setitem(sys.modules, "xformers", SimpleNamespace(ops=SimpleNamespace(fmha=fmha)))
+    monkeypatch.setitem(sys.modules, "xformers.ops", SimpleNamespace(fmha=fmha))
+    for module in (app_transformer, lingua_transformer):
+        monkeypatch.setattr(module, "resolve_attn_impl", lambda *a, **k: "xformers")
+    monkeypatch.setattr(lingua_transformer, "doc_seqlens", lambda doc_ids: pytest.fail("doc_ids read on the device"))
+    model = LMTransformer(tiny_args(attn_mask="doc_causal", attn_impl="xformers"))
+    batch = {"input_ids": torch.zeros(2, 6, dtype=torch.long),
+             "doc_ids": torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0]])}
+    documents = batch_documents(model, batch, torch.device("cpu"))
+    assert documents["doc_seqlens"] == [2, 3, 1, 6] and torch.equal(documents["doc_ids"], batch["doc_ids"])
+    with pytest.raises(Stop):
+        model(batch["input_ids"], **documents)
+    assert built == [[2, 3, 1, 6]]
+    # Any other kernel: doc_ids alone, nothing counted on the host.
+    monkeypatch.setattr(app_transformer, "resolve_attn_impl", lambda *a, **k: "flex")
+    assert batch_documents(model, batch, torch.device("cpu")).keys() == {"doc_ids"}
+    assert batch_documents(LMTransformer(tiny_args()), batch, torch.device("cpu")) == {}

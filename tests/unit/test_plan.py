@@ -149,16 +149,17 @@ def test_llama3_8b_teaching_a_1b_student_on_64_gpus():
 def test_llama3_70b_teaching_a_1b_student_on_256_gpus():
     plan = plan_of(EXAMPLES["70b"])
     memory = plan["memory"]
-    assert memory["min_teacher_tp"] == 4 and memory["one_student_request"][2]["total"] > memory["usable_gib"]
+    # The decoder over one row at a time (no KV cache): the 131 GiB of weights fit two 80 GB GPUs, barely.
+    assert memory["min_teacher_tp"] == 2 and memory["one_student_request"][1]["total"] > memory["usable_gib"]
+    assert memory["one_student_request"][2]["total"] < memory["usable_gib"]
     online = plan["online"]
     assert not online["keeps_up"] and "even one student per replica of teacher_tp=8" in online["reason"]
     assert (online["teacher_tp"], online["replicas"], online["students_per_bridge"], online["teacher_placement"]) == \
-        (4, 32, 4, "per_node")
-    assert online["bridges_inside_nodes"] and online["wait_share"] == pytest.approx(0.92, abs=0.01)
-    assert all(len({r // 8 for r in ranks + students}) == 1 for ranks, students in launch_plan_of(online).replicas())
+        (2, 64, 2, "last")
+    assert online["wait_share"] == pytest.approx(0.92, abs=0.01)
     assert plan["smaller_world_that_keeps_up"] is None
     assert plan["cache"]["cheaper"] == "cache"
-    assert plan["cache"]["writer_overrides"] == "distillation.teacher_tp=4 streams=256"
+    assert plan["cache"]["writer_overrides"] == "distillation.teacher_tp=2 streams=256"
 
 
 def test_measured_speeds_replace_the_cost_model():
