@@ -165,3 +165,15 @@ def test_sizes_report_per_stream(tmp_path):
     report = cache_sizes(tmp_path / "v2")
     assert report["tokens"] == 192 and set(report["streams_bytes_per_token"]) >= {"id_ranks", "counts", "extra"}
     assert report["bytes_per_token"] > sum(report["streams_bytes_per_token"].values())  # plus headers
+
+
+def test_planned_sizes_are_v1_exactly_and_v2_as_measured():
+    from lingua.distillation.cache_codec import planned_bytes_per_token
+    assert planned_bytes_per_token("topk", 64, 49152, 2, 128, version=1) == pytest.approx(4 * 129 / 128 + 2 + 260)
+    assert planned_bytes_per_token("full", 0, 512, 2, 32) == pytest.approx(4 * 33 / 32 + 2 + 1024)
+    # The study's setting gives back what was measured on its data (docs/teacher_cache.md).
+    assert planned_bytes_per_token("topk", 64, 49152, 2, 128) == pytest.approx(122.2, abs=0.1)
+    assert planned_bytes_per_token("sampled", 64, 49152, 2, 128) == pytest.approx(59.4, abs=0.1)
+    # A larger vocabulary costs more per id; more entries more bytes.
+    assert planned_bytes_per_token("topk", 64, 128256, 2, 4096) > planned_bytes_per_token("topk", 64, 49152, 2, 4096)
+    assert planned_bytes_per_token("topk", 128, 49152, 2, 128) > planned_bytes_per_token("topk", 64, 49152, 2, 128)
