@@ -83,6 +83,8 @@ def _keys_to_values(keys: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 def _slot_major(run_lengths: np.ndarray) -> np.ndarray:
     """Entry indices slot by slot: every position's first entry, then every second one, ... (entries of one slot
     are alike: all top-1s, all second ids, ...; zstd's coder adapts to what it sees together)."""
+    if len(run_lengths) and (run_lengths == run_lengths[0]).all():  # top-k: a transpose
+        return np.arange(int(run_lengths.sum())).reshape(len(run_lengths), -1).T.ravel()
     starts = np.cumsum(run_lengths) - run_lengths
     slot = np.arange(int(run_lengths.sum())) - np.repeat(starts, run_lengths)
     return np.argsort(slot, kind="stable")
@@ -110,15 +112,19 @@ def _code_entries(ids: np.ndarray, keys: np.ndarray, run_lengths: np.ndarray, st
 
 def _decode_entries(streams: dict, specs: dict, run_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(ids, keys) of `_code_entries`, position by position."""
-    order = _slot_major(run_lengths)
     steps = _get(streams, specs, "id_table").astype(np.int64)
     table = np.cumsum(np.where(steps % 2 == 0, steps // 2, -(steps + 1) // 2))
-    ids = np.empty(len(order), dtype=np.int64)
-    ids[order] = table[_get(streams, specs, "id_ranks").astype(np.int64)]
+    ids_slot_major = table[_get(streams, specs, "id_ranks").astype(np.int64)]
     gaps = _get(streams, specs, "value_gaps").astype(np.int64)
     gaps[gaps == ESCAPE] = _get(streams, specs, "value_escapes")
-    deltas = np.empty(len(order), dtype=np.int64)
-    deltas[order] = np.concatenate([_get(streams, specs, "value_first").astype(np.int64), gaps])
+    deltas_slot_major = np.concatenate([_get(streams, specs, "value_first").astype(np.int64), gaps])
+    if len(run_lengths) and (run_lengths == run_lengths[0]).all():  # top-k: every position k entries
+        shape = (int(run_lengths[0]), len(run_lengths))
+        ids = ids_slot_major.reshape(shape).T.ravel()
+        return ids, np.cumsum(deltas_slot_major.reshape(shape), axis=0).T.ravel()
+    order = _slot_major(run_lengths)
+    ids, deltas = np.empty(len(order), dtype=np.int64), np.empty(len(order), dtype=np.int64)
+    ids[order], deltas[order] = ids_slot_major, deltas_slot_major
     # A running sum restarted at each position: the cumulative deltas minus what came before its first entry.
     starts = np.cumsum(run_lengths) - run_lengths
     cumulative = np.cumsum(deltas)
