@@ -116,7 +116,7 @@ def settle_manifest(cache_dir: Path, planned: CacheManifest) -> None:
     existing = CacheManifest.read(cache_dir)
     differ = describe_differences(existing, planned, ("teacher_path", "tokenizer_fingerprint", "vocab_size", "output",
                                                       "k", "temperature", "wire_dtype", "attn_mask", "data", "streams",
-                                                      "sequences_per_stream", "shard_sequences"))
+                                                      "sequences_per_stream", "shard_sequences", "version"))
     if differ:
         raise DataError(f"{cache_dir} already holds a teacher cache written with other settings: {'; '.join(differ)}. "
                         f"Use another cache_dir, or the settings it was started with to finish it.")

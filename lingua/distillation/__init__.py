@@ -9,6 +9,8 @@ Student side (the loop asks one `Distiller` for the KD part of each step):
     reference_loss.py  kd_loss on logits: the float64 check of the fused loss (distillation.fused_loss=false)
     divergences.py     the math both losses share: fkl/rkl/jsd and their gradients, teacher buckets, CE/KD mix
     cache.py           the offline teacher cache: manifest, safetensors shards, the loader training reads
+    cache_codec.py     cache format v2: a shard's tensors coded losslessly (sorted values as bit-pattern gaps,
+                       ids by frequency rank, sampled draws as distinct ids with counts), then zstd
 
 Teacher side (the last ranks run `apps.main.train.distillation_process`):
 
@@ -33,5 +35,5 @@ posts a gather of [header, tokens] and a scatter of the response on the bridge g
 sharing each request with the replica's other ranks, which run their shards of the same forward. In the student's forward the model calls
 `Distiller.head_loss(hidden, head_weight)`, which waits for the handle and computes `fused_linear_kd_loss`.
 With the cache, the same targets arrive inside each batch and nothing waits. The offline writer of the cache
-is an app: `apps/main/teacher_cache.py`.
+is an app: `apps/main/teacher_cache.py`; `apps/main/convert_cache.py` converts a version 1 cache.
 """

@@ -5,10 +5,11 @@ Layout of a cache directory (written by `apps/main/teacher_cache.py`):
     cache.json                      the manifest: teacher, tokenizer fingerprint, output format, k, temperature,
                                     wire dtype, attention mask, data settings, streams, shard size, the teacher's
                                     held-out CE
-    shards/shard_<i:05d>.safetensors  `shard_sequences` windows of one stream: tokens [K, S+1] int32,
-                                    doc_ids [K, S], then the teacher outputs exactly as the bridge sends them
-                                    (values, ids, extra; ids in uint16 when the vocab fits); its metadata names
-                                    its stream and chunk and the loader state after it (resuming a cache)
+    shards/shard_<i:05d>.safetensors  `shard_sequences` windows of one stream: the tokens [K, S+1], doc_ids [K, S]
+                                    and the teacher's outputs, coded losslessly by `cache_codec` (format v2: about
+                                    half of v1's bytes; v1 stored the bridge's tensors as they are); its metadata
+                                    names its stream and chunk, the loader state after it (resuming a cache) and
+                                    the codec's stream specs
     index.json                      written last, when every shard is on disk: the cache is complete
 
 Streams: a cache written for `streams=M` holds the window streams of M data-parallel students (stream d
@@ -22,6 +23,7 @@ import json
 import logging
 import os
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lingua.distillation.bridge import tokenizer_fingerprint
+from lingua.distillation.cache_codec import canonical_sampled, decode_shard, encode_shard
 from lingua.distillation.distiller import tokenizer_vocab
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.distillation.teacher import safetensors_problem
@@ -38,9 +41,11 @@ from lingua.errors import DataError, LaunchError, MissingPathError
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # what the writer writes; 1 (the bridge's tensors as they are) is still read
+READABLE_VERSIONS = (1, 2)
 MANIFEST, INDEX, SHARDS = "cache.json", "index.json", "shards"
 PREPARE_HINT = "write it with `torchrun --nproc-per-node N -m apps.main.teacher_cache config=<config> cache_dir={dir}`"
+CONVERT_HINT = "convert it with `python -m apps.main.convert_cache {src} <new dir>`"
 
 
 @dataclass
@@ -85,9 +90,10 @@ class CacheManifest:
         except (json.JSONDecodeError, TypeError) as err:
             raise DataError(f"{path} is not a teacher cache manifest this code can read ({err}); "
                             f"{PREPARE_HINT.format(dir=cache_dir)} into a new directory.") from None
-        if manifest.version != CACHE_VERSION:
-            raise DataError(f"{path} is a version {manifest.version} cache, this code reads version {CACHE_VERSION}; "
-                            f"{PREPARE_HINT.format(dir=cache_dir)} into a new directory.")
+        if manifest.version not in READABLE_VERSIONS:
+            raise DataError(f"{path} is a version {manifest.version} cache, this code reads versions "
+                            f"{', '.join(map(str, READABLE_VERSIONS))}; {PREPARE_HINT.format(dir=cache_dir)} into a "
+                            f"new directory.")
         return manifest
 
 
@@ -139,12 +145,17 @@ def shard_location(index: int, streams: int) -> tuple[int, int]:
 
 def write_shard(path: Path, tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs,
                 manifest: CacheManifest, metadata: dict) -> None:
-    """One shard, atomically: written to `.tmp`, synced, renamed (a crash leaves no half shard under the name)."""
-    names = ("values",) if outputs.format == "full" else ("values", "ids", "extra")
-    tensors = {"tokens": tokens.to(torch.int32).contiguous(),
-               "doc_ids": doc_ids.to(torch.int16 if tokens.shape[1] <= 2**15 else torch.int32).contiguous()}
-    for name, tensor in zip(names, outputs.tensors()):
-        tensors[name] = (tensor.to(manifest.ids_dtype) if name == "ids" else tensor).contiguous()
+    """One shard, atomically: written to `.tmp`, synced, renamed (a crash leaves no half shard under the name).
+    Version 2 codes it (`cache_codec`); version 1 (the converter's tests) stores the bridge's tensors."""
+    if manifest.version == 1:
+        names = ("values",) if outputs.format == "full" else ("values", "ids", "extra")
+        tensors = {"tokens": tokens.to(torch.int32).contiguous(),
+                   "doc_ids": doc_ids.to(torch.int16 if tokens.shape[1] <= 2**15 else torch.int32).contiguous()}
+        for name, tensor in zip(names, outputs.tensors()):
+            tensors[name] = (tensor.to(manifest.ids_dtype) if name == "ids" else tensor).contiguous()
+    else:
+        tensors, codec = encode_shard(tokens, doc_ids, outputs, manifest.vocab_size)
+        metadata = {**metadata, "codec": codec}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={key: json.dumps(value) for key, value in metadata.items()})
@@ -165,11 +176,26 @@ def shard_metadata(path: Path) -> Optional[dict]:
 
 
 def read_shard(path: Path, rows: range, manifest: CacheManifest) -> dict:
-    """Rows of a shard as a training batch: input_ids, labels, doc_ids and the teacher's outputs."""
-    span = slice(rows.start, rows.stop)  # read the contiguous span, then keep every rows.step-th row
+    """Rows of a shard as a training batch: input_ids, labels, doc_ids and the teacher's outputs (sampled draws
+    in `cache_codec`'s canonical order, whatever the version, so a v1 cache and its conversion train alike)."""
+    span = slice(rows.start, rows.stop, rows.step)
+    if manifest.version == 1:
+        tokens, doc_ids, teacher = read_v1_shard(path, span, manifest)
+        if manifest.output == "sampled":  # v2 stores this order
+            teacher = canonical_sampled(teacher)
+    else:
+        shard = _decoded_shard(str(path), *_file_identity(path))
+        teacher = TeacherOutputs.from_tensors(manifest.output, [t[span] for t in shard["teacher"].tensors()])
+        tokens, doc_ids = shard["tokens"][span].long(), shard["doc_ids"][span].int()
+    return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "doc_ids": doc_ids,
+            "teacher": teacher}
+
+
+def read_v1_shard(path: Path, span: slice, manifest: CacheManifest) -> tuple:
+    contiguous = slice(span.start, span.stop)  # read the contiguous span, then keep every step-th row
 
     def rows_of(f, name):
-        return f.get_slice(name)[span][:: rows.step]
+        return f.get_slice(name)[contiguous][:: span.step]
     with safe_open(str(path), "pt") as f:
         tokens = rows_of(f, "tokens").long()
         doc_ids = rows_of(f, "doc_ids").int()
@@ -177,8 +203,29 @@ def read_shard(path: Path, rows: range, manifest: CacheManifest) -> dict:
         tensors = [rows_of(f, name) for name in names]
     if manifest.output != "full":
         tensors[1] = tensors[1].to(torch.int32)
-    return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "doc_ids": doc_ids,
-            "teacher": TeacherOutputs.from_tensors(manifest.output, tensors)}
+    return tokens, doc_ids, TeacherOutputs.from_tensors(manifest.output, tensors)
+
+
+def forget_decoded_shards() -> None:
+    """Drop the memo of decoded shards (benchmarks time a fresh decode)."""
+    _decoded_shard.cache_clear()
+
+
+def _file_identity(path: Path) -> tuple[int, int]:
+    stat = os.stat(path)
+    return stat.st_mtime_ns, stat.st_size
+
+
+@lru_cache(maxsize=2)  # a loader reads a shard's rows batch by batch: decode it once
+def _decoded_shard(path: str, mtime_ns: int, size: int) -> dict:
+    with safe_open(path, "pt") as f:
+        codec = json.loads((f.metadata() or {})["codec"])
+        streams = {name: f.get_tensor(name) for name in f.keys()}
+    try:
+        return decode_shard(streams, codec)
+    except Exception as err:  # a zstd checksum or a stream that does not decode: the file is damaged
+        raise DataError(f"Teacher cache shard {path} is damaged ({type(err).__name__}: {err}); delete it and run "
+                        f"the cache command again to rewrite it.") from None
 
 
 def check_cache_complete(cache_dir: Path, manifest: CacheManifest) -> list[Path]:

@@ -1,0 +1,237 @@
+"""Teacher cache format v2: each shard's tensors coded for what they are, then zstd. Lossless.
+
+A v1 shard stores the bridge's tensors as they are (266 B/token at top-64 and a 49k vocabulary). A v2 shard
+stores the same information in these streams, each in zstd frames with checksums (one frame per byte plane of
+a multi-byte stream: all first bytes, then all second bytes, each plane with its own statistics):
+
+    tokens, doc_ids   the windows (uint16 tokens when the vocabulary fits)
+    id_table          the shard's distinct teacher ids, most frequent first (ties ascending, zigzag deltas)
+    id_ranks          each entry's id as its rank in id_table: frequent ids get small numbers, which zstd's byte
+                      coder turns into fewer bits (about an order-0 entropy coder's rate)
+    value_first       per position, its first (most likely) entry's value as its float bit pattern
+    value_gaps        each next entry's bit pattern minus the previous one's, uint8, 255 = see value_escapes.
+                      Values are log-probs (<= 0) sorted most likely first, so for IEEE floats the sign-less bit
+                      patterns ascend: a gap is a small count of representable values, never negative
+    value_escapes     the gaps of 255 or more, uint32
+    extra             the topk tail mass or the sampled negative entropy, float32
+    n_distinct, counts  sampled only: a position's k draws as its distinct ids (most likely first, ties by id)
+                      with their counts; the reader expands them back to k entries
+
+Entries are stored slot by slot (every position's first entry, then every second one, ...): entries of one
+slot are alike, and zstd adapts to what it sees together. topk keeps the bridge's order and every bit.
+sampled keeps the multiset of draws with every value's bits, in the canonical order above, which the reader
+also gives v1 shards, so a v1 cache and its v2 conversion train bit-identically (the estimator only sums over
+the draws). full: the values' bit patterns. `encode_shard` decodes what it coded and compares, so a shard that
+would not round-trip is a bug caught when it is written, not when it is trained on.
+"""
+
+import math
+
+import numpy as np
+import torch
+import zstandard
+
+from lingua.distillation.outputs import TeacherOutputs
+from lingua.errors import TeacherError
+
+ZSTD_LEVEL = 19  # the writer is dominated by the teacher's forward; decoding speed does not depend on the level
+ESCAPE = 255
+FLOAT_BITS = {2: np.uint16, 4: np.uint32}  # element size -> the integer type of its bit pattern
+
+
+def _compress(array: np.ndarray, planes: bool = True) -> tuple[torch.Tensor, dict]:
+    """One stream: the array's bytes in zstd frames (with checksums), one per byte plane (all first bytes, then
+    all second bytes, ...: each plane has its own statistics, so each gets its own frame)."""
+    array = np.ascontiguousarray(array)
+    planes = bool(planes and array.itemsize > 1)
+    raw = array.view(np.uint8).reshape(-1, array.itemsize).T if planes else array.view(np.uint8).reshape(1, -1)
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
+    frames = [compressor.compress(np.ascontiguousarray(plane).tobytes()) for plane in raw]
+    spec = {"dtype": array.dtype.str, "shape": list(array.shape), "planes": planes, "frames": [len(f) for f in frames]}
+    return torch.frombuffer(bytearray(b"".join(frames)), dtype=torch.uint8), spec
+
+
+def _decompress(blob: torch.Tensor, spec: dict) -> np.ndarray:
+    dtype, shape = np.dtype(spec["dtype"]), tuple(spec["shape"])
+    plane_size = int(np.prod(shape)) * (1 if spec["planes"] else dtype.itemsize)
+    data, offsets = blob.numpy().tobytes(), np.cumsum([0, *spec["frames"]])
+    decompressor = zstandard.ZstdDecompressor()
+    raw = np.stack([np.frombuffer(decompressor.decompress(data[a:b], max_output_size=plane_size), dtype=np.uint8)
+                    for a, b in zip(offsets[:-1], offsets[1:])])
+    if spec["planes"]:
+        raw = np.ascontiguousarray(raw.T)
+    return raw.view(dtype).reshape(shape)
+
+
+def _float_keys(values: torch.Tensor) -> np.ndarray:
+    """Sign-less bit patterns of log-probs (all <= 0): ascending as the values descend. +0.0 is key 0."""
+    width = values.element_size()
+    bits = values.contiguous().view(torch.int16 if width == 2 else torch.int32).numpy().view(FLOAT_BITS[width])
+    sign = np.array(1 << (8 * width - 1), dtype=bits.dtype)
+    assert bool((((bits & sign) != 0) | (bits == 0)).all()), "a teacher log-prob above 0"
+    return (bits & ~sign).astype(np.int64)
+
+
+def _keys_to_values(keys: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    width = torch.tensor([], dtype=dtype).element_size()
+    kind = FLOAT_BITS[width]
+    sign = np.array(1 << (8 * width - 1), dtype=kind)
+    bits = np.where(keys == 0, 0, keys.astype(kind) | sign).astype(kind)
+    return torch.from_numpy(bits.view(np.int16 if width == 2 else np.int32).copy()).view(dtype)
+
+
+def _slot_major(run_lengths: np.ndarray) -> np.ndarray:
+    """Entry indices slot by slot: every position's first entry, then every second one, ... (entries of one slot
+    are alike: all top-1s, all second ids, ...; zstd's coder adapts to what it sees together)."""
+    if len(run_lengths) and (run_lengths == run_lengths[0]).all():  # top-k: a transpose
+        return np.arange(int(run_lengths.sum())).reshape(len(run_lengths), -1).T.ravel()
+    starts = np.cumsum(run_lengths) - run_lengths
+    slot = np.arange(int(run_lengths.sum())) - np.repeat(starts, run_lengths)
+    return np.argsort(slot, kind="stable")
+
+
+def _code_entries(ids: np.ndarray, keys: np.ndarray, run_lengths: np.ndarray, streams: dict, specs: dict) -> None:
+    """A position's entries (a run of `run_lengths` in the flat arrays), keys ascending within it: the ids as ranks
+    in the shard's frequency table, the keys as each run's first plus gaps, all slot-major."""
+    order = _slot_major(run_lengths)
+    runs = len(run_lengths)
+    gaps = np.diff(keys, prepend=0)[order[runs:]]  # slot 0 is each run's first entry: its key is stored whole
+    assert (gaps >= 0).all(), "values not sorted most likely first"
+    width = FLOAT_BITS[2] if keys.max(initial=0) < 2**16 else FLOAT_BITS[4]
+    _put(streams, specs, "value_first", keys[order[:runs]].astype(width))
+    _put(streams, specs, "value_gaps", np.minimum(gaps, ESCAPE).astype(np.uint8))
+    _put(streams, specs, "value_escapes", gaps[gaps >= ESCAPE].astype(np.uint32))  # in the gaps' order
+    distinct, counts = np.unique(ids, return_counts=True)
+    table = distinct[np.argsort(-counts, kind="stable")]  # most frequent first; ties ascend by id, so deltas are small
+    rank = np.empty(int(distinct.max(initial=0)) + 1, dtype=np.int64)
+    rank[table] = np.arange(len(table))
+    steps = np.diff(table, prepend=0)
+    _put(streams, specs, "id_table", np.where(steps >= 0, 2 * steps, -2 * steps - 1).astype(np.uint32))  # zigzag
+    _put(streams, specs, "id_ranks", rank[ids[order]].astype(np.uint16 if len(table) <= 2**16 else np.uint32))
+
+
+def _decode_entries(streams: dict, specs: dict, run_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, keys) of `_code_entries`, position by position."""
+    steps = _get(streams, specs, "id_table").astype(np.int64)
+    table = np.cumsum(np.where(steps % 2 == 0, steps // 2, -(steps + 1) // 2))
+    ids_slot_major = table[_get(streams, specs, "id_ranks").astype(np.int64)]
+    gaps = _get(streams, specs, "value_gaps").astype(np.int64)
+    gaps[gaps == ESCAPE] = _get(streams, specs, "value_escapes")
+    deltas_slot_major = np.concatenate([_get(streams, specs, "value_first").astype(np.int64), gaps])
+    if len(run_lengths) and (run_lengths == run_lengths[0]).all():  # top-k: every position k entries
+        shape = (int(run_lengths[0]), len(run_lengths))
+        ids = ids_slot_major.reshape(shape).T.ravel()
+        return ids, np.cumsum(deltas_slot_major.reshape(shape), axis=0).T.ravel()
+    order = _slot_major(run_lengths)
+    ids, deltas = np.empty(len(order), dtype=np.int64), np.empty(len(order), dtype=np.int64)
+    ids[order], deltas[order] = ids_slot_major, deltas_slot_major
+    # A running sum restarted at each position: the cumulative deltas minus what came before its first entry.
+    starts = np.cumsum(run_lengths) - run_lengths
+    cumulative = np.cumsum(deltas)
+    return ids, cumulative - np.repeat(cumulative[starts] - deltas[starts], run_lengths)
+
+
+def _put(streams: dict, specs: dict, name: str, array: np.ndarray, planes: bool = True) -> None:
+    streams[name], specs[name] = _compress(array, planes)
+
+
+def _get(streams: dict, specs: dict, name: str) -> np.ndarray:
+    return _decompress(streams[name], specs[name])
+
+
+def canonical_sampled(outputs: TeacherOutputs) -> TeacherOutputs:
+    """A sampled position's draws in the canonical order: most likely first, ties by id (the same multiset)."""
+    by_id = outputs.ids.sort(dim=-1, stable=True)
+    values = outputs.values.gather(-1, by_id.indices)
+    by_value = values.float().sort(dim=-1, descending=True, stable=True)
+    return TeacherOutputs("sampled", values.gather(-1, by_value.indices), by_id.values.gather(-1, by_value.indices),
+                          outputs.extra)
+
+
+def encode_shard(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs,
+                 vocab_size: int) -> tuple[dict, dict]:
+    """A shard's v2 streams ({name: uint8 tensor}) and their specs (the shard's `codec` metadata)."""
+    if outputs.values.isnan().any():
+        raise TeacherError("The teacher's outputs are not finite (NaN log-probs) for windows of this cache shard; "
+                           "check the teacher's weights (a NaN weight) and teacher_dtype, then run the cache command "
+                           "again: finished shards are kept.")
+    streams, specs = {}, {"format": outputs.format, "wire_dtype": str(outputs.values.dtype).removeprefix("torch.")}
+    _put(streams, specs, "tokens", tokens.numpy().astype(np.uint16 if vocab_size <= 2**16 else np.int32), planes=False)
+    _put(streams, specs, "doc_ids", doc_ids.numpy().astype(np.int16 if doc_ids.shape[1] <= 2**15 else np.int32))
+    if outputs.format == "full":
+        values = outputs.values.contiguous()
+        bits = values.view(torch.int16 if values.element_size() == 2 else torch.int32).numpy()
+        _put(streams, specs, "values", bits)
+    else:
+        if outputs.format == "sampled":
+            outputs = canonical_sampled(outputs)
+        positions, k = outputs.ids.shape[:-1], outputs.ids.shape[-1]
+        ids = outputs.ids.reshape(-1, k).numpy().astype(np.int64)
+        keys = _float_keys(outputs.values.reshape(-1, k))
+        specs["positions"], specs["k"] = list(positions), k
+        run_lengths = np.full(len(ids), k)
+        if outputs.format == "sampled":
+            keep = np.ones_like(ids, dtype=bool)  # the first of each run of one id (equal ids are adjacent)
+            keep[:, 1:] = ids[:, 1:] != ids[:, :-1]
+            run_lengths = keep.sum(1)
+            counts = np.diff(np.append(np.flatnonzero(keep.ravel()), ids.size))
+            narrow = np.uint8 if k < 256 else np.uint16
+            _put(streams, specs, "n_distinct", run_lengths.astype(narrow))
+            _put(streams, specs, "counts", counts[_slot_major(run_lengths)].astype(narrow))
+            ids, keys = ids[keep], keys[keep]
+        _code_entries(ids.ravel(), keys.ravel(), run_lengths, streams, specs)
+        _put(streams, specs, "extra", outputs.extra.numpy().astype(np.float32).view(np.uint32))
+    decoded = decode_shard(streams, specs)
+    assert torch.equal(decoded["tokens"], tokens.to(decoded["tokens"].dtype)) and torch.equal(
+        decoded["doc_ids"], doc_ids.to(decoded["doc_ids"].dtype)), "tokens did not round-trip"
+    for got, want in zip(decoded["teacher"].tensors(), outputs.tensors()):
+        assert torch.equal(got.view(torch.uint8), want.contiguous().to(got.dtype).view(torch.uint8)), \
+            "teacher outputs did not round-trip"
+    return streams, specs
+
+
+def decode_shard(streams: dict, specs: dict) -> dict:
+    """tokens [K, S+1] int32, doc_ids [K, S] and the TeacherOutputs, as the bridge sends them (ids int32)."""
+    wire = getattr(torch, specs["wire_dtype"])
+    tokens = torch.from_numpy(_get(streams, specs, "tokens").astype(np.int32))
+    doc_ids = torch.from_numpy(_get(streams, specs, "doc_ids").copy())
+    if specs["format"] == "full":
+        bits = _get(streams, specs, "values")
+        return {"tokens": tokens, "doc_ids": doc_ids,
+                "teacher": TeacherOutputs("full", torch.from_numpy(bits.copy()).view(wire))}
+    positions, k = tuple(specs["positions"]), specs["k"]
+    if specs["format"] == "sampled":
+        run_lengths = _get(streams, specs, "n_distinct").astype(np.int64)
+        counts = np.empty(int(run_lengths.sum()), dtype=np.int64)
+        counts[_slot_major(run_lengths)] = _get(streams, specs, "counts")
+        ids, keys = (np.repeat(entries, counts) for entries in _decode_entries(streams, specs, run_lengths))
+    else:
+        ids, keys = _decode_entries(streams, specs, np.full(int(np.prod(positions)), k))
+    extra = torch.from_numpy(_get(streams, specs, "extra").view(np.float32).copy())
+    values = _keys_to_values(keys, wire).view(*positions, k)
+    return {"tokens": tokens, "doc_ids": doc_ids, "teacher": TeacherOutputs(
+        specs["format"], values, torch.from_numpy(ids.astype(np.int32)).view(*positions, k), extra.view(positions))}
+
+
+# A v2 shard's bytes per token on the KD study's data (SmolLM2-135M-Instruct's 49,152 ids, Python docs, 128-token
+# windows, 64 per shard; `python -m apps.bench.cache_codec`, docs/teacher_cache.md): per position (tokens, document
+# ids, first value, fp32 extra, the id table's share, the file's header) and per stored entry (an id's rank; a value
+# gap, and for sampled its count), with the entries a position stores (sampled: its distinct ids among k draws).
+MEASURED = {"topk": {"k": 64, "entries": 64.0, "per_position": 8.14, "id_bytes": 1.4012, "value_bytes": 0.3809},
+            "sampled": {"k": 64, "entries": 22.29, "per_position": 8.6, "id_bytes": 1.4381, "value_bytes": 0.8408}}
+MEASURED_VOCAB = 49152
+
+
+def planned_bytes_per_token(output: str, k: int, vocab_size: int, wire_bytes: int, seq_len: int,
+                            version: int = 2) -> float:
+    """Bytes per token a cache takes on disk. Version 1 is exact (its layout). Version 2 scales the study's
+    measurement (an estimate): entries with k (for sampled an upper bound: repeats grow with k), an id's bytes
+    with log2 of the vocabulary, a value's with the wire dtype's width. `full` is counted at its raw size."""
+    if version == 1 or output == "full":
+        windows = 4 * (seq_len + 1) / seq_len + (2 if seq_len + 1 <= 2**15 else 4)  # int32 tokens, document ids
+        ids = 2 if vocab_size <= 2**16 else 4
+        return windows + (vocab_size * wire_bytes if output == "full" else k * (wire_bytes + ids) + 4)
+    measured = MEASURED[output]
+    per_entry = (measured["id_bytes"] * math.log2(max(vocab_size, 2)) / math.log2(MEASURED_VOCAB)
+                 + measured["value_bytes"] * wire_bytes / 2)
+    return measured["per_position"] + measured["entries"] * k / measured["k"] * per_entry
