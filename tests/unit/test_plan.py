@@ -1,4 +1,4 @@
-"""The placement planner (apps/plan.py): sizes, memory, layouts, the cache road, errors, the README's examples."""
+"""The placement planner (apps/plan/): sizes, memory, layouts, the cache road, errors, the README's examples."""
 
 import dataclasses
 import json
@@ -12,17 +12,12 @@ import pytest
 import torch
 
 from apps.main.transformer import LMTransformer, num_parameters
-from apps.plan import (
-    MAX_WAIT_SHARE,
-    PlanArgs,
-    Planner,
-    Speeds,
-    Timing,
-    format_plan,
-    main,
-    max_students_per_replica,
-    read_teacher_shape,
-)
+from apps.plan.args import MAX_WAIT_SHARE, PlanArgs
+from apps.plan.cli import main
+from apps.plan.planner import Planner
+from apps.plan.printing import format_plan
+from apps.plan.sizes import read_teacher_shape
+from apps.plan.timing import Speeds, Timing, max_students_per_replica
 from lingua.args import parse_args
 from lingua.cli import run_cli
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan
