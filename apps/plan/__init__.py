@@ -29,6 +29,7 @@ config as in training (`data.batch_size=8 distillation.k=32`). What it decides, 
 5. Online or the offline cache: GPU-hours per run of each road, the cache's size on disk, the number of runs
    from which the cache is the cheaper road, and the cache writer's overrides (`apps.main.teacher_cache` with
    replicas of the smallest teacher_tp that fits, one stream per student of a run from the cache).
+6. Whether to distill at all (`unique_tokens=`, `kd_measurement=`, `show=verdict`): see verdict.py.
 
 The package, in the order a plan is made:
 
@@ -37,6 +38,8 @@ The package, in the order a plan is made:
     memory.py    TeacherMemory: one teacher rank's bytes at teacher_tp = t for one request
     timing.py    Speeds, Layout (replicas x teacher_tp), Timing (the students' wait with look-ahead)
     planner.py   Planner: the smallest fitting teacher_tp, the layout that keeps up, the cache road
+    verdict.py   should it distill at all: the teacher's overhead, the break-even token multiplier (fresh, and
+                 behind a data wall by the effective-data law), the multiplier a named study measured
     printing.py  format_plan (the printed lines), write_plan (only over a plan of its own)
     cli.py       main: parse, validate, plan, print, write (`python -m apps.plan` runs it via __main__.py)
 """

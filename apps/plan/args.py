@@ -34,6 +34,10 @@ class PlanArgs(TrainArgs):
     mfu: float = 0.4  # the share of that peak the teacher and the students reach, for the cost model
     planned_runs: int = 1  # training runs that could share one teacher cache
     tokens_per_run: int = 0  # student tokens of a run; 0 = steps x grad_acc_steps x batch_size x seq_len x students
+    unique_tokens: float = 0.0  # unique training tokens there are (the data wall); 0 = every token fresh
+    kd_measurement: Optional[str] = None  # a kd_study results.json (your pilot's); None = docs/kd_study/results.json
+    repeat_decay: float = 15.4  # R_D* of the effective-data law for repeated tokens (Muennighoff et al. 2023's fit)
+    show: str = "all"  # all: the plan and the verdict; verdict: whether to distill only
     out: Optional[str] = "plan.json"  # the JSON plan; null = print only
 
     def validate_plan(self) -> None:
@@ -55,6 +59,11 @@ class PlanArgs(TrainArgs):
         require(self.planned_runs >= 1, "planned_runs", self.planned_runs, "use 1 or more runs")
         require(self.tokens_per_run >= 0, "tokens_per_run", self.tokens_per_run,
                 "use 0 (steps x grad_acc_steps x data.batch_size x data.seq_len x students) or a token count")
+        require(math.isfinite(self.unique_tokens) and self.unique_tokens >= 0, "unique_tokens", self.unique_tokens,
+                "use the unique training tokens there are (e.g. 2e9), or 0 for fresh data")
+        require(math.isfinite(self.repeat_decay) and self.repeat_decay > 0, "repeat_decay", self.repeat_decay,
+                "use a positive number of repetitions (15.4 is Muennighoff et al. 2023's fit)")
+        require(self.show in ("all", "verdict"), "show", self.show, "use all or verdict")
         require(self.out is None or bool(self.out), "out", self.out, "name the JSON file, or null to print only")
         require(self.steps >= 1, "steps", self.steps, "train for at least one step")
         require(self.grad_acc_steps >= 1, "grad_acc_steps", self.grad_acc_steps, "use 1 (no accumulation) or more")

@@ -6,7 +6,7 @@ from typing import Optional
 
 from apps.plan.args import PlanArgs
 from apps.plan.planner import Planner
-from apps.plan.printing import format_plan, write_plan
+from apps.plan.printing import format_plan, verdict_lines, write_plan
 from lingua.args import parse_args
 
 
@@ -17,7 +17,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     args.validate_plan()
     config_path = next((item.split("=", 1)[1] for item in argv if item.startswith("config=")), None)
     plan = Planner(args, config_path).plan()
-    print("\n".join(format_plan(plan)))
+    print("\n".join(format_plan(plan) if args.show == "all" else verdict_lines(plan["verdict"]) if "verdict" in plan
+                    else [f"no verdict: {plan['recommendation']}"]))
     if args.out:
         write_plan(plan, Path(args.out))
         print(f"wrote {args.out}")

@@ -9,6 +9,7 @@ from apps.main.transformer import num_parameters
 from apps.plan.args import DTYPE_BYTES, GIB, MAX_WAIT_SHARE, PLAN_VERSION, USABLE_MEMORY, PlanArgs
 from apps.plan.memory import TeacherMemory, teacher_dtype, teacher_memory
 from apps.plan.sizes import read_teacher_shape, significant, student_flops_per_token, teacher_config_path
+from apps.plan.verdict import distill_verdict, read_measurement
 from apps.plan.timing import (Layout, Speeds, Timing, candidate_layouts, max_students_per_replica,
                               tensor_parallel_sizes)
 from lingua.args import to_dict
@@ -250,6 +251,15 @@ class Planner:
                     f"holds; lower data.batch_size or distillation.logits_chunk_rows, or use larger GPUs")
         return f"the launch plan refuses every split of {args.world_size} ranks, the first with: {refusal}"
 
+    def verdict(self, tokens: int, road: str, facts: dict) -> dict:
+        """Should this run distill at all: the teacher's overhead against the multiplier a study measured."""
+        args = self.args
+        measured = read_measurement(args.kd_measurement, args.distillation.output,
+                                    tokens / args.unique_tokens if args.unique_tokens else 1.0)
+        return distill_verdict(facts["teacher"]["forward_flops_per_token"], facts["student"]["train_flops_per_token"],
+                               tokens, args.unique_tokens, args.planned_runs, road, measured,
+                               self.student_params, self.shape.parameters(), args.repeat_decay)
+
     def plan(self) -> dict:
         """The plan: the facts, the online layout (or why there is none), a smaller world size that keeps up when
         this one does not, the cache road, and the recommendation."""
@@ -274,6 +284,7 @@ class Planner:
         tokens = args.tokens_per_run or (args.steps * args.grad_acc_steps * args.data.batch_size * args.data.seq_len
                                          * online["students"])
         cache = result["cache"] = self.cache_road(online, tokens)
+        result["verdict"] = self.verdict(tokens, cache["cheaper"], result)
         waiting = "" if reason is None else f"students would wait {online['wait_share']:.0%} of each step"
         if cache["cheaper"] == "cache":
             result["recommendation"] = (f"the offline cache: {cache['cache_gpu_hours']:,.0f} GPU-hours for "

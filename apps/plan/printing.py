@@ -107,7 +107,36 @@ def format_plan(plan: dict) -> list[str]:
         lines.append(f"  write it on the {inputs['world_size']} GPUs: apps.main.teacher_cache "
                      f"{cache['writer_overrides']}")
     lines.append(f"recommendation: {plan['recommendation']}")
-    return lines
+    return lines + verdict_lines(plan["verdict"])
+
+
+def verdict_lines(verdict: dict) -> list[str]:
+    """Should I distill? the teacher's overhead, the break-even multipliers, the measured one, the sentence."""
+    over, even, measured = verdict["overhead"], verdict["break_even"], verdict["measured"]
+    wall = (f"behind the data wall ({count(verdict['unique_tokens'])} unique tokens, {verdict['epochs']:.3g} epochs; "
+            f"effective data U + U*R*(1-exp(-R/R*)), R* = {even['r_star']:g}, Muennighoff et al. 2023): "
+            f"{even['repeated_online']:.2f}x online, {even['repeated_cache']:.2f}x from the cache"
+            if verdict["unique_tokens"] > 0 else "every token fresh (unique_tokens=0)")
+    bound = {"at_least": "at least ", "at_most": "at most "}.get(measured["bound"] or "", "")
+    seeds = f" (seeds {measured['low']:.2f}-{measured['high']:.2f})" if measured["low"] is not None else ""
+    kind = "one-pass study" if measured["kind"] == "one_pass" else f"data-wall study at {measured['epochs']:g} epochs"
+    lines = [
+        f"distill? the teacher's forward is {verdict['teacher_over_student_flops']:.3g}x the student's training per "
+        f"token: overhead {over['online']:.3g}x online (every epoch); from a cache written once over the unique "
+        f"tokens, {verdict['teacher_over_student_flops']:.3g}x / ({verdict['runs']} run(s) x {verdict['epochs']:.3g} "
+        f"epoch(s)) = {over['cache']:.3g}x",
+        f"  break-even token multiplier: {even['fresh_online']:.2f}x online, {even['fresh_cache']:.2f}x from the "
+        f"cache on fresh data; {wall}",
+        f"  expected: {bound}{verdict['expected']:.2f}x{seeds}: {measured['arm']} of {measured['source']}, "
+        f"{measured['owner']} {kind} (student {count(measured['student'])}, teacher {count(measured['teacher'])}, "
+        f"{count(measured['tokens'])} tokens), compared in {even['compared']}",
+    ]
+    if verdict["warnings"]:
+        differ = "; ".join(f"{name} {count(theirs)} measured, {count(ours)} planned"
+                           for name, theirs, ours in verdict["warnings"])
+        lines.append(f"  warning: sizes differ ({differ}): the multiplier may not transfer; measure yours with a "
+                     f"pilot of apps.bench.kd_study and pass kd_measurement=<its results.json>")
+    return lines + [f"  verdict: {verdict['verdict']}"]
 
 
 def is_plan_file(path: Path) -> bool:
