@@ -3,6 +3,7 @@
     python -m apps.bench.kd_study --out dumps/kd_study          # caches, 5-6 arms x 3 seeds, cloze evals, report
     python -m apps.bench.kd_study --seeds 0 --steps 8 --out /tmp/kd_quick eval.max_batches=4   # the pipeline, minutes
     python -m apps.bench.kd_study --out dumps/kd_study --report-only   # re-render from the runs on disk
+    python -m apps.bench.kd_study --wall --unique-tokens 16384 --out dumps/kd_wall   # the data wall (wall.py)
 
 Setup (configs/distill_exps/kd_study.yaml): SmolLM2-135M-Instruct teaches a 7M student that uses its
 tokenizer, on the embedded Python-docs corpus. The teacher's outputs are written once per output format by
@@ -37,6 +38,8 @@ The package, in the order a study runs:
     launch.py   the teacher caches, the runs and their cloze evals, `parallel` at a time, stopped cleanly
     results.py  results.json's numbers: curves, pairing by seed, the token multiplier, FLOPs
     render.py   kd_study.png and table.md
-    study.py    main: plan the runs, caches, phase one, the 4x decision, report
+    study.py    main: plan the runs, caches, phase one, the 4x decision, report; --wall hands over to wall.py
+    wall.py     the data-wall mode: U unique tokens read for E epochs, CE (two weight decays) and KD arms
+    wall_report.py  its report: held-out CE vs E and vs FLOPs, the CE frontier, the crossings, the wall
     __main__.py `python -m apps.bench.kd_study` runs study.main
 """

@@ -60,6 +60,29 @@ class Run:
     started_unix: float = 0.0
     process: Optional[subprocess.Popen] = field(default=None, repr=False)
 
+
+@dataclass(frozen=True)
+class WallArm:
+    """An arm of the data-wall mode (wall.py): every one reads a cache, the CE arms only its tokens (alpha = 0)."""
+
+    overrides: tuple[str, ...]
+    cache: str
+    is_ce: bool
+
+
+WALL_ARMS = {
+    "ce": WallArm(("distillation.alpha=0.0",), "topk64", True),
+    "ce_wd10x": WallArm(("distillation.alpha=0.0", "optim.weight_decay=1.0"), "topk64", True),
+    "kd_topk64": WallArm(("distillation.alpha=0.5",), "topk64", False),
+    "kd_sampled64": WallArm(("distillation.alpha=0.5",), "sampled64", False),
+}
+
+
+@dataclass
+class WallRun(Run):
+    epochs: int = 1  # reads of the U unique tokens
+
+
 # ---- inputs
 
 

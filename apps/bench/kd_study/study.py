@@ -11,14 +11,15 @@ from pathlib import Path
 from typing import Optional
 
 import apps.bench.kd_study
-from apps.bench.kd_study.arms import (ARMS, CACHES, CONDITIONAL_ARM, CONFIG, CLOZE_TASK, Run, ce_arm_wanted,
-                                      check_inputs, parse_multiples, study_args)
+from apps.bench.kd_study.arms import (ARMS, CACHES, CLOZE_TASK, CONDITIONAL_ARM, CONFIG, WALL_ARMS, Run,
+                                      ce_arm_wanted, check_inputs, parse_multiples, study_args)
 from apps.bench.kd_study.disk import (build_record_path, cache_bytes_per_token, cache_dir_of, cache_is_complete,
                                       now_iso, run_finished, teacher_heldout_ce)
 from apps.bench.kd_study.launch import build_cache, pending, run_all
 from apps.bench.kd_study.render import plot, table
 from apps.bench.kd_study.results import (add_flops, collect, conditional_arm_needed, student_flops_per_token,
                                          teacher_flops_per_token, token_multipliers)
+from apps.bench.kd_study.wall import main as wall_study
 from apps.main.train import TrainArgs
 from lingua.distillation.cache import CacheManifest
 from lingua.errors import ConfigError, RunFailed
@@ -133,9 +134,19 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--no-cloze", action="store_true", help=f"skip the {CLOZE_TASK} eval of each final checkpoint")
     parser.add_argument("--report-only", action="store_true", help="re-render results.json, table.md and the plot "
                         "from the runs already in --out, without training")
+    wall = parser.add_argument_group("the data wall (--wall): U unique tokens read for E epochs (apps/bench/kd_study/"
+                                     "wall.py)")
+    wall.add_argument("--wall", action="store_true", help="run the data-wall study instead of the one-pass one")
+    wall.add_argument("--unique-tokens", type=int, default=16384, help="U: whole steps of the config's tokens")
+    wall.add_argument("--epochs", default="1,2,4,8,16", help="the budgets E, in reads of the U tokens")
+    wall.add_argument("--wall-arms", default=",".join(WALL_ARMS), help=f"comma list of {', '.join(WALL_ARMS)}")
+    wall.add_argument("--wall-seeds", default="0,1", help="seeds at every E")
+    wall.add_argument("--wall-end-seeds", default="2", help="more seeds at the smallest and the largest E")
     parser.add_argument("overrides", nargs="*", help="training overrides shared by every run (key=value)")
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kd_study: %(message)s")
+    if options.wall:
+        return wall_study(options)
 
     names = [a for a in options.arms.split(",") if a]
     unknown = [a for a in names if a not in ARMS]
