@@ -117,7 +117,9 @@ def verdict_lines(verdict: dict) -> list[str]:
             f"effective data U + U*R*(1-exp(-R/R*)), R* = {even['r_star']:g}, Muennighoff et al. 2023): "
             f"{even['repeated_online']:.2f}x online, {even['repeated_cache']:.2f}x from the cache"
             if verdict["unique_tokens"] > 0 else "every token fresh (unique_tokens=0)")
-    bound = {"at_least": "at least ", "at_most": "at most "}.get(measured["bound"] or "", "")
+    worth = ("beyond CE-only's reach (KD below every CE budget from these epochs on, and CE had stopped improving)"
+             if measured["bound"] == "beyond" else
+             {"at_least": "at least ", "at_most": "at most "}.get(measured["bound"] or "", "") + f"{verdict['expected']:.2f}x")
     seeds = f" (seeds {measured['low']:.2f}-{measured['high']:.2f})" if measured["low"] is not None else ""
     kind = "one-pass study" if measured["kind"] == "one_pass" else f"data-wall study at {measured['epochs']:g} epochs"
     lines = [
@@ -127,7 +129,7 @@ def verdict_lines(verdict: dict) -> list[str]:
         f"epoch(s)) = {over['cache']:.3g}x",
         f"  break-even token multiplier: {even['fresh_online']:.2f}x online, {even['fresh_cache']:.2f}x from the "
         f"cache on fresh data; {wall}",
-        f"  expected: {bound}{verdict['expected']:.2f}x{seeds}: {measured['arm']} of {measured['source']}, "
+        f"  expected: {worth}{seeds}: {measured['arm']} of {measured['source']}, "
         f"{measured['owner']} {kind} (student {count(measured['student'])}, teacher {count(measured['teacher'])}, "
         f"{count(measured['tokens'])} tokens), compared in {even['compared']}",
     ]

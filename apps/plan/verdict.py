@@ -93,6 +93,9 @@ def read_measurement(path: Optional[str], output: str, epochs: float) -> dict:
         lower = [v["at_least"] for v in per_seed if "at_least" in v]
         upper = [v["at_most"] for v in per_seed if "at_most" in v]
         bound = ("at_least", min(lower)) if lower and not upper else ("at_most", max(upper) if upper else 1.0)
+        if bound[0] == "at_least" and kind == "data_wall" and results.get("wall", {}).get("stopped_improving"):
+            # KD below every CE budget from E on, and CE-only had stopped improving: more CE tokens never get there.
+            bound = ("beyond", None)
     return {"source": name, "owner": owner, "arm": arm, "kind": kind, "epochs": float(measured_epochs), "tokens": tokens,
             "multiplier": tm["mean"] if tm["mean"] is not None else bound[1], "bound": bound and bound[0],
             "low": tm["min"], "high": tm["max"], **sizes}
@@ -122,7 +125,7 @@ def distill_verdict(teacher_flops: float, student_flops: float, tokens: float, u
             return break_even(overhead, tokens, unique, r_star)
 
     expected = measured["multiplier"]
-    worth = expected if measured["bound"] != "at_most" else min(expected, 1.0)
+    worth = {"at_most": min(expected or 1.0, 1.0), "beyond": math.inf}.get(measured["bound"], expected)
 
     def pays(overhead: float) -> bool:
         return worth > needed(overhead)

@@ -5,6 +5,7 @@ verdict reading its results.json."""
 import argparse
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +13,7 @@ from apps.bench.kd_study import wall_report
 from apps.bench.kd_study.arms import WallRun
 from apps.bench.kd_study.wall import plan_wall_runs, windows_of
 from apps.main.train import TrainArgs
-from apps.plan.verdict import read_measurement
+from apps.plan.verdict import distill_verdict, read_measurement
 from lingua.errors import ConfigError
 from tests.unit.test_kd_study import write_run
 
@@ -84,7 +85,11 @@ def test_frontier_wall_and_crossings(tmp_path):
     assert kd16["token_multiplier"]["per_seed"]["0"] == {"value": None, "at_least": 1.0}  # CE never gets there
     assert kd1["minus_frontier_equal_tokens"]["mean"] == pytest.approx(-0.2)
     # Equal FLOPs: KD at E costs 10 E U + 50 U; at E=8 that is 13 CE epochs, the best CE within it E=8's 5.2.
-    assert kd8["best_ce_at_no_more_flops"] == {"arm": "ce_wd10x", "epochs": 8, "final_heldout_ce": pytest.approx(5.21)}
+    assert kd8["best_ce_at_no_more_flops"] == {"epochs": 13.0, "final_heldout_ce": pytest.approx(5.21)}
+    # Within 2.83 epochs (half-way from 2 to 4 in log-epochs) the frontier reaches half-way from 5.6 to 5.3.
+    assert wall_report.best_ce_within([(1, 6.0), (2, 5.6), (4, 5.3)], 2 ** 1.5) == pytest.approx(5.45)
+    assert wall_report.best_ce_within([(1, 6.0), (2, 5.6), (4, 5.3), (8, 5.5)], 6.0) == 5.3  # past the wall: its lowest
+    assert wall_report.best_ce_within([(2, 5.6)], 1.5) is None
     assert kd8["minus_ce_equal_flops"]["mean"] == pytest.approx(-0.1)
     assert kd8["flops"] == {"student": 80000.0, "teacher_once": 50000.0, "total": 130000.0}
     assert epochs["8"]["arms"]["ce"]["flops"]["teacher_once"] == 0.0
@@ -102,8 +107,10 @@ def test_frontier_wall_and_crossings(tmp_path):
 def test_the_planners_verdict_reads_the_wall_results(tmp_path):
     path = tmp_path / "results.json"
     path.write_text(json.dumps(synthetic(tmp_path)))
-    at_16 = read_measurement(str(path), "topk", epochs=14.0)
-    assert (at_16["kind"], at_16["epochs"], at_16["bound"], at_16["multiplier"]) == ("data_wall", 16.0, "at_least", 1.0)
+    at_16 = read_measurement(str(path), "topk", epochs=14.0)  # KD below CE at every budget from 16 on, CE walled
+    assert (at_16["kind"], at_16["epochs"], at_16["bound"], at_16["multiplier"]) == ("data_wall", 16.0, "beyond", None)
+    verdict = distill_verdict(50.0, 10.0, 16 * U, U, 1, "cache", at_16, 7_000_000, 135_000_000)
+    assert verdict["verdict"] == "distill from a cache shared by at least 1 run(s) (you plan 1)"
     at_1 = read_measurement(str(path), "topk", epochs=1.2)
     assert at_1["epochs"] == 1.0 and at_1["multiplier"] == pytest.approx(math.sqrt(2)) and at_1["tokens"] == U
 
@@ -140,3 +147,31 @@ def test_the_wall_study_end_to_end_with_the_trainings_faked(smollm2_teacher, tmp
     assert (tmp_path / "wall" / "kd_wall.png").is_file() and "kd_topk64" in (tmp_path / "wall" / "table.md").read_text()
     again = study.main(argv + ["--report-only"])
     assert len(launched) == 48 and again["epochs"] == json.loads(json.dumps(results["epochs"]))
+
+
+WALL_RESULTS = Path(__file__).resolve().parents[2] / "docs" / "kd_study" / "wall" / "results.json"
+
+
+@pytest.mark.skipif(not WALL_RESULTS.is_file(), reason="the data-wall study's results are not committed yet "
+                    "(docs/kd_study/wall.md: run it, copy results.json, table.md and kd_wall.png there)")
+def test_the_verdict_reproduces_what_the_committed_wall_study_measured():
+    """At each measured E, one run reading the cache: the verdict says distill exactly where the study measured KD
+    below the best CE-only run of no more FLOPs on every seed, and CE wins where every seed says so."""
+    results = json.loads(WALL_RESULTS.read_text())
+    compute, unique = results["compute"], results["setup"]["unique_tokens"]
+    largest = max(int(e) for e in results["epochs"])
+    checked = 0
+    for e, budget in results["epochs"].items():
+        for name, output in (("kd_topk64", "topk"), ("kd_sampled64", "sampled")):
+            arm = budget["arms"].get(name)
+            diff = arm and arm.get("minus_ce_equal_flops")
+            provisional = arm and arm["ce_epochs_at_equal_flops"] > largest and not results["wall"]["stopped_improving"]
+            if not diff or provisional or (diff["min"] < 0) != (diff["max"] < 0):
+                continue  # not measured, beyond the CE budgets run, or the seeds disagree
+            measured = read_measurement(str(WALL_RESULTS), output, epochs=float(e))
+            verdict = distill_verdict(compute["teacher"]["forward_per_token"], compute["student"]["train_per_token"],
+                                      int(e) * unique, unique, 1, "cache", measured, compute["student"]["params"],
+                                      compute["teacher"]["params"])
+            assert verdict["verdict"].startswith("distill") == (diff["mean"] < 0), (name, e, verdict, diff)
+            checked += 1
+    assert checked > 0

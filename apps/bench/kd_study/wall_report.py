@@ -3,6 +3,7 @@ weight decay at each budget), where each KD arm crosses it (at equal tokens, and
 counted once), with the spread over seeds; results.json (`mode: data_wall`), table.md, kd_wall.png."""
 
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -69,35 +70,43 @@ def paired(kd: dict, ce: dict) -> Optional[dict]:
     return spread(diffs) if diffs else None
 
 
+def best_ce_within(points: list[tuple[int, float]], epochs: float) -> Optional[float]:
+    """The lowest CE-only result a seed's frontier reaches within `epochs` reads of U (its FLOPs): the budgets run
+    up to it and, between two of them, the frontier interpolated linearly in log-epochs at `epochs` itself."""
+    within = [ce for e, ce in points if e <= epochs]
+    for (e0, c0), (e1, c1) in zip(points, points[1:]):
+        if e0 < epochs < e1:
+            within.append(c0 + (c1 - c0) * math.log(epochs / e0) / math.log(e1 / e0))
+    return min(within) if within else None
+
+
 def compare(epochs: dict) -> dict:
-    """Per KD arm and budget: the token multiplier on the CE frontier (budgets E' >= E, per seed), KD minus the
-    frontier at equal tokens, and KD minus the best CE-only run that used no more FLOPs; per KD arm the first
-    budget where it beats the frontier either way (mean over seeds, with the paired seed range)."""
+    """Per KD arm and budget: the token multiplier on the CE frontier (budgets E' >= E), KD minus the frontier at
+    equal tokens, and KD minus the best the frontier reaches with no more FLOPs (its epochs interpolated in
+    log-epochs, the teacher's forward over U counted once); per KD arm the first budget where it is below the
+    frontier either way (mean over seeds, with the paired seed range). Curves that span budgets use the seeds run
+    at every budget (the end seeds only compare at equal tokens)."""
     frontier = {int(e): b["frontier"] for e, b in epochs.items() if "frontier" in b}
-    ce_points = [(a["flops"]["total"], int(e), n, a) for e, b in epochs.items() for n, a in b["arms"].items()
-                 if a["is_ce"]]
+    complete = set.intersection(*(set(f["per_seed"]) for f in frontier.values())) if frontier else set()
     crossings: dict = {}
     for e, budget in epochs.items():
         for name, arm in budget["arms"].items():
             if arm["is_ce"] or int(e) not in frontier:
                 continue
-            per_seed = {}
-            for seed, values in arm["seeds"].items():
-                curve = {e2 / int(e): f["per_seed"][seed] for e2, f in frontier.items()
-                         if e2 >= int(e) and seed in f["per_seed"]}
-                per_seed[seed] = interpolate_multiplier(curve, values["final_heldout_ce"])
+            seeds = {s: v for s, v in arm["seeds"].items() if s in complete}
+            per_seed = {s: interpolate_multiplier({e2 / int(e): f["per_seed"][s] for e2, f in frontier.items()
+                                                   if e2 >= int(e)}, v["final_heldout_ce"]) for s, v in seeds.items()}
             found = [v["value"] for v in per_seed.values() if v["value"] is not None]
             arm["token_multiplier"] = {"mean": statistics.fmean(found) if found else None,
                                        "min": min(found) if found else None, "max": max(found) if found else None,
                                        "per_seed": per_seed}
             arm["minus_frontier_equal_tokens"] = paired(arm, frontier[int(e)]["per_seed"])
-            cheaper = [p for p in ce_points if p[0] <= arm["flops"]["total"] * (1 + 1e-9)]
-            if cheaper:
-                _, e2, ce_name, ce_arm = min(cheaper, key=lambda p: p[3]["final_heldout_ce"]["mean"])
-                arm["best_ce_at_no_more_flops"] = {"arm": ce_name, "epochs": e2,
-                                                   "final_heldout_ce": ce_arm["final_heldout_ce"]["mean"]}
-                arm["minus_ce_equal_flops"] = paired(arm, {s: v["final_heldout_ce"]
-                                                           for s, v in ce_arm["seeds"].items()})
+            within = {s: best_ce_within(sorted((e2, f["per_seed"][s]) for e2, f in frontier.items()),
+                                        arm["ce_epochs_at_equal_flops"]) for s in seeds}
+            if within:
+                arm["best_ce_at_no_more_flops"] = {"epochs": arm["ce_epochs_at_equal_flops"],
+                                                   "final_heldout_ce": statistics.fmean(within.values())}
+                arm["minus_ce_equal_flops"] = paired({"seeds": seeds}, within)
             entry = crossings.setdefault(name, {"equal_tokens": None, "equal_flops": None})
             for key, diff in (("equal_tokens", arm["minus_frontier_equal_tokens"]),
                               ("equal_flops", arm.get("minus_ce_equal_flops"))):
@@ -129,7 +138,7 @@ def table(results: dict) -> str:
             seeds = ", ".join(f"{s['final_heldout_ce']:.4f}" for s in arm["seeds"].values())
             diff = lambda d: f"{d['mean']:+.4f} ({d['min']:+.4f} to {d['max']:+.4f})" if d else "—"  # noqa: E731
             best = arm.get("best_ce_at_no_more_flops")
-            flops = diff(arm.get("minus_ce_equal_flops")) + (f" vs {best['arm']} E={best['epochs']}" if best else "")
+            flops = diff(arm.get("minus_ce_equal_flops")) + (f" (CE within {best['epochs']:.3g} epochs)" if best else "")
             tm = format_multiplier(arm["token_multiplier"]) if "token_multiplier" in arm else "—"
             cloze = f"{arm['cloze_acc']['mean']:.3f}" if "cloze_acc" in arm else "—"
             mark = " (frontier)" if budget.get("frontier", {}).get("arm") == name else ""
