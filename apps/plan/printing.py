@@ -119,7 +119,8 @@ def verdict_lines(verdict: dict) -> list[str]:
             if verdict["unique_tokens"] > 0 else "every token fresh (unique_tokens=0)")
     worth = ("beyond CE-only's reach (KD below every CE budget from these epochs on, and CE had stopped improving)"
              if measured["bound"] == "beyond" else
-             {"at_least": "at least ", "at_most": "at most "}.get(measured["bound"] or "", "") + f"{verdict['expected']:.2f}x")
+             {"at_least": "at least ", "at_most": "at most "}.get(measured["bound"] or "", "")
+             + f"{verdict['expected']:.2f}x")
     seeds = f" (seeds {measured['low']:.2f}-{measured['high']:.2f})" if measured["low"] is not None else ""
     kind = "one-pass study" if measured["kind"] == "one_pass" else f"data-wall study at {measured['epochs']:g} epochs"
     lines = [

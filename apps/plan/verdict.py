@@ -96,7 +96,8 @@ def read_measurement(path: Optional[str], output: str, epochs: float) -> dict:
         if bound[0] == "at_least" and kind == "data_wall" and results.get("wall", {}).get("stopped_improving"):
             # KD below every CE budget from E on, and CE-only had stopped improving: more CE tokens never get there.
             bound = ("beyond", None)
-    return {"source": name, "owner": owner, "arm": arm, "kind": kind, "epochs": float(measured_epochs), "tokens": tokens,
+    return {"source": name, "owner": owner, "arm": arm, "kind": kind, "epochs": float(measured_epochs),
+            "tokens": tokens,
             "multiplier": tm["mean"] if tm["mean"] is not None else bound[1], "bound": bound and bound[0],
             "low": tm["min"], "high": tm["max"], **sizes}
 

@@ -18,7 +18,8 @@ STUDY = json.loads((ROOT / "docs" / "kd_study" / "results.json").read_text())
 # The one-pass study as a plan: its config and teacher, its tokens per run, the 6 runs that read its top-64 cache.
 AS_STUDIED = ["config=configs/distill_exps/kd_study.yaml", "world_size=2", "gpus_per_node=2",
               "teacher_config=configs/teachers/smollm2_135m.json",
-              f"tokens_per_run={STUDY['setup']['tokens_per_run']}", f"planned_runs={STUDY['caches']['topk64']['runs_reading']}"]
+              f"tokens_per_run={STUDY['setup']['tokens_per_run']}",
+              f"planned_runs={STUDY['caches']['topk64']['runs_reading']}"]
 
 
 @pytest.fixture(autouse=True)

@@ -138,7 +138,8 @@ def table(results: dict) -> str:
             seeds = ", ".join(f"{s['final_heldout_ce']:.4f}" for s in arm["seeds"].values())
             diff = lambda d: f"{d['mean']:+.4f} ({d['min']:+.4f} to {d['max']:+.4f})" if d else "—"  # noqa: E731
             best = arm.get("best_ce_at_no_more_flops")
-            flops = diff(arm.get("minus_ce_equal_flops")) + (f" (CE within {best['epochs']:.3g} epochs)" if best else "")
+            within = f" (CE within {best['epochs']:.3g} epochs)" if best else ""
+            flops = diff(arm.get("minus_ce_equal_flops")) + within
             tm = format_multiplier(arm["token_multiplier"]) if "token_multiplier" in arm else "—"
             cloze = f"{arm['cloze_acc']['mean']:.3f}" if "cloze_acc" in arm else "—"
             mark = " (frontier)" if budget.get("frontier", {}).get("arm") == name else ""
