@@ -101,7 +101,8 @@ def test_lingua_modules_stay_where_a_lingua_user_looks(module, names):
     assert [n for n in names if not hasattr(loaded, n)] == []
 
 
-@pytest.mark.parametrize("package", ["lingua.distillation", "lingua.parallel"])
+@pytest.mark.parametrize("package", ["lingua.distillation", "lingua.parallel", "apps.plan",
+                                     "apps.bench.kd_study"])
 def test_each_package_docstring_is_a_map_of_all_its_modules(package):
     folder = ROOT / Path(*package.split("."))
     doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))

@@ -1,4 +1,4 @@
-"""The placement planner (apps/plan.py): sizes, memory, layouts, the cache road, errors, the README's examples."""
+"""The placement planner (apps/plan/): sizes, memory, layouts, the cache road, errors, the README's examples."""
 
 import dataclasses
 import json
@@ -12,17 +12,12 @@ import pytest
 import torch
 
 from apps.main.transformer import LMTransformer, num_parameters
-from apps.plan import (
-    MAX_WAIT_SHARE,
-    PlanArgs,
-    Planner,
-    Speeds,
-    Timing,
-    format_plan,
-    main,
-    max_students_per_replica,
-    read_teacher_shape,
-)
+from apps.plan.args import MAX_WAIT_SHARE, PlanArgs
+from apps.plan.cli import main
+from apps.plan.planner import Planner
+from apps.plan.printing import format_plan, verdict_lines
+from apps.plan.sizes import read_teacher_shape
+from apps.plan.timing import Speeds, Timing, max_students_per_replica
 from lingua.args import parse_args
 from lingua.cli import run_cli
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan
@@ -281,17 +276,23 @@ def test_a_file_that_is_not_a_plan_is_never_overwritten(tmp_path, monkeypatch, c
 # ---------------------------------------------------------------- the README shows what the planner prints
 
 def readme_planner_blocks() -> list[tuple[list[str], str]]:
-    """(argv, printed lines) of every README code block that starts with `$ python -m apps.plan ...`."""
-    blocks = re.findall(r"```\n\$ python -m apps\.plan ([^\n]*)\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    return [(command.split(), printed) for command, printed in blocks]
+    """(argv, printed lines) of every `$ python -m apps.plan ...` in a README code block that starts with one."""
+    blocks = re.findall(r"```\n(\$ python -m apps\.plan .*?)```", (ROOT / "README.md").read_text(), re.S)
+    commands = [part for block in blocks for part in re.split(r"(?m)^(?=\$ python -m apps\.plan )", block) if part]
+    return [(part.split("\n", 1)[0].split()[4:], part.split("\n", 1)[1]) for part in commands]
 
 
 def test_the_readme_shows_the_planners_own_output():
     blocks = readme_planner_blocks()
-    assert len(blocks) == 3
+    assert len(blocks) == 6  # the three worked examples, then their verdicts behind a data wall
     for argv, printed in blocks:
         assert "out=null" in argv
-        assert printed.splitlines() == format_plan(plan_of([a for a in argv if a != "out=null"])), argv
+        plan = plan_of([a for a in argv if a != "out=null"])
+        expected = verdict_lines(plan["verdict"]) if "show=verdict" in argv else format_plan(plan)
+        assert printed.splitlines() == expected, argv
+    assert [argv for argv, _ in blocks[3:]] == [[*argv[:-1], a, "show=verdict", "out=null"] for (argv, _), a in
+                                                zip(blocks[:3], ("unique_tokens=2e6", "unique_tokens=2e9",
+                                                                 "unique_tokens=8e9"))]
 
 
 @pytest.mark.slow

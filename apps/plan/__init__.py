@@ -1,0 +1,45 @@
+"""Placement planner: how to split a cluster between a teacher and its students, before renting it.
+
+    python -m apps.plan config=configs/llama_1B.yaml world_size=64 gpus_per_node=8 gpu_mem_gib=80 \\
+        teacher_config=configs/teachers/llama3_8b.json [teacher_tokens_per_s=... student_tokens_per_s=...]
+
+Prints a plan and writes it as JSON (`out=plan.json`; `out=null` prints only). Any training key overrides the
+config as in training (`data.batch_size=8 distillation.k=32`). What it decides, in order:
+
+1. Sizes. The teacher's from its config.json (`teacher_config=`, else `<distillation.teacher_path>/config.json`),
+   counted as a Llama-family model (embeddings, q/k/v/o, gate/up/down, two norms a layer, a final norm, a head
+   unless tied; biases where `attention_bias` / `mlp_bias` say so); the student's from the config's `model`
+   section without building it (`num_parameters`), with the teacher's vocabulary when `model.vocab_size=-1`
+   (a distilled student shares its teacher's tokenizer).
+2. Speed. Tokens/s per GPU measured (`teacher_tokens_per_s`: one teacher GPU, i.e. a replica's rate / its
+   teacher_tp; `student_tokens_per_s`: one student GPU), else the cost model: `gpu_tflops x mfu` over the
+   FLOPs per token, the trainer's `get_num_flop_per_token` for a student (6 x matmul parameters + attention)
+   and its forward third for the teacher (2 x matmul parameters + 4 x layers x width x seq_len). Their ratio is
+   the teacher GPUs one student GPU keeps busy; a replica of t ranks is assumed t times as fast as one rank.
+3. Memory per teacher rank at teacher_tp = t: the weights (vocabulary rows and projection rows or columns split
+   t ways, norms replicated), one request's working memory (the replica's students' rows: activations of one layer,
+   the attention mask or scores, one logits chunk and its fp32 copies, the outputs), a runtime reserve
+   (`RUNTIME_RESERVE_GIB`), against `USABLE_MEMORY` of the GPU. t divides the attention and KV head counts and
+   the GPUs of a node (a replica never leaves its node).
+4. The layout. From the smallest t that fits, upward: the replica count whose students wait at most
+   `MAX_WAIT_SHARE` of a step (with look-ahead a request costs a student max(0, L - C) per micro-batch, L the
+   replica's time for it, C the student's compute) with the fewest teacher ranks; per_node before last at equal
+   count (its bridges stay inside a node). Every layout printed is a `LaunchPlan` that constructed. When none
+   keeps up: the layout with the most student throughput, and the largest smaller world size that would.
+5. Online or the offline cache: GPU-hours per run of each road, the cache's size on disk, the number of runs
+   from which the cache is the cheaper road, and the cache writer's overrides (`apps.main.teacher_cache` with
+   replicas of the smallest teacher_tp that fits, one stream per student of a run from the cache).
+6. Whether to distill at all (`unique_tokens=`, `kd_measurement=`, `show=verdict`): see verdict.py.
+
+The package, in the order a plan is made:
+
+    args.py      PlanArgs (a training config plus the cluster and its measured speeds), the constants
+    sizes.py     TeacherShape from a config.json, the student's training FLOPs per token
+    memory.py    TeacherMemory: one teacher rank's bytes at teacher_tp = t for one request
+    timing.py    Speeds, Layout (replicas x teacher_tp), Timing (the students' wait with look-ahead)
+    planner.py   Planner: the smallest fitting teacher_tp, the layout that keeps up, the cache road
+    verdict.py   should it distill at all: the teacher's overhead, the break-even token multiplier (fresh, and
+                 behind a data wall by the effective-data law), the multiplier a named study measured
+    printing.py  format_plan (the printed lines), write_plan (only over a plan of its own)
+    cli.py       main: parse, validate, plan, print, write (`python -m apps.plan` runs it via __main__.py)
+"""

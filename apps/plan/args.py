@@ -1,0 +1,75 @@
+"""The planner's inputs (`PlanArgs`: a training config plus the cluster) and the constants its models use."""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from apps.main.train import TrainArgs
+from lingua.args import require
+
+PLAN_VERSION = 1
+MAX_WAIT_SHARE = 0.05  # of a student's step spent waiting on its teacher
+AUTO_LOGITS_WORK_TENSORS, AUTO_LOGITS_FREE_SHARE = 4, 0.25  # lingua/distillation/teacher.py's auto logits chunk rule
+USABLE_MEMORY = 0.9  # of a GPU's memory: the allocator's fragmentation and what the driver keeps
+RUNTIME_RESERVE_GIB = 2.0  # per teacher rank: CUDA context, NCCL buffers, cuBLAS workspaces
+# Per logit of a chunk at the peak of sparsify_teacher_logits: the fp32 logits, their tempered copy or an exp
+# temporary, the log-probs; "sampled" also holds the probabilities.
+LOGIT_BYTES = {"topk": 12, "full": 12, "sampled": 16}
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+GIB = 2**30
+REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+@dataclass
+class PlanArgs(TrainArgs):
+    """The training config (`config=`, its keys as overrides) plus the cluster and what is known of its speed."""
+
+    world_size: int = 0  # GPUs of the launch (whole nodes)
+    gpus_per_node: int = 8
+    gpu_mem_gib: float = 80.0
+    teacher_config: Optional[str] = None  # a config.json; default <distillation.teacher_path>/config.json
+    teacher_tokens_per_s: float = 0.0  # measured, per teacher GPU (a replica's tokens/s / teacher_tp); 0 = cost model
+    student_tokens_per_s: float = 0.0  # measured, per student GPU; 0 = cost model
+    gpu_tflops: float = 989.0  # dense bf16 peak of one GPU (H100 SXM), for the cost model
+    mfu: float = 0.4  # the share of that peak the teacher and the students reach, for the cost model
+    planned_runs: int = 1  # training runs that could share one teacher cache
+    tokens_per_run: int = 0  # student tokens of a run; 0 = steps x grad_acc_steps x batch_size x seq_len x students
+    unique_tokens: float = 0.0  # unique training tokens there are (the data wall); 0 = every token fresh
+    kd_measurement: Optional[str] = None  # a kd_study results.json (your pilot's); None = docs/kd_study/results.json
+    repeat_decay: float = 15.4  # R_D* of the effective-data law for repeated tokens (Muennighoff et al. 2023's fit)
+    show: str = "all"  # all: the plan and the verdict; verdict: whether to distill only
+    out: Optional[str] = "plan.json"  # the JSON plan; null = print only
+
+    def validate_plan(self) -> None:
+        """The planner's keys and the training values it uses (not the data files: the cluster is elsewhere)."""
+        require(self.world_size >= 2, "world_size", self.world_size,
+                "pass the GPUs of the launch, at least 2 (one student and one teacher), e.g. world_size=64")
+        require(self.gpus_per_node >= 1, "gpus_per_node", self.gpus_per_node, "use a positive number of GPUs")
+        require(self.world_size % self.gpus_per_node == 0, "world_size", self.world_size,
+                f"plan whole nodes: a multiple of gpus_per_node={self.gpus_per_node} (for part of a node, pass the "
+                f"GPUs you use as gpus_per_node)")
+        for key in ("gpu_mem_gib", "gpu_tflops"):
+            value = getattr(self, key)
+            require(math.isfinite(value) and value > 0, key, value, "use a positive number")
+        require(math.isfinite(self.mfu) and 0 < self.mfu <= 1, "mfu", self.mfu, "use a share of the peak in (0, 1]")
+        for key in ("teacher_tokens_per_s", "student_tokens_per_s"):
+            value = getattr(self, key)
+            require(math.isfinite(value) and value >= 0, key, value,
+                    "use measured tokens/s per GPU, or 0 for the cost model (gpu_tflops x mfu)")
+        require(self.planned_runs >= 1, "planned_runs", self.planned_runs, "use 1 or more runs")
+        require(self.tokens_per_run >= 0, "tokens_per_run", self.tokens_per_run,
+                "use 0 (steps x grad_acc_steps x data.batch_size x data.seq_len x students) or a token count")
+        require(math.isfinite(self.unique_tokens) and self.unique_tokens >= 0, "unique_tokens", self.unique_tokens,
+                "use the unique training tokens there are (e.g. 2e9), or 0 for fresh data")
+        require(math.isfinite(self.repeat_decay) and self.repeat_decay > 0, "repeat_decay", self.repeat_decay,
+                "use a positive number of repetitions (15.4 is Muennighoff et al. 2023's fit)")
+        require(self.show in ("all", "verdict"), "show", self.show, "use all or verdict")
+        require(self.out is None or bool(self.out), "out", self.out, "name the JSON file, or null to print only")
+        require(self.steps >= 1, "steps", self.steps, "train for at least one step")
+        require(self.grad_acc_steps >= 1, "grad_acc_steps", self.grad_acc_steps, "use 1 (no accumulation) or more")
+        for key in ("batch_size", "seq_len"):
+            value = getattr(self.data, key)
+            require(value >= 1, f"data.{key}", value, "use a positive number")
+        self.model.validate()
+        self.distributed.validate()
+        self.distillation.validate(enabled=False)  # its values; the planner picks the teacher ranks itself

@@ -1,0 +1,161 @@
+"""The plan as the lines the planner prints, and the JSON file it writes (only over a plan of its own)."""
+
+import json
+from pathlib import Path
+
+from apps.plan.args import MAX_WAIT_SHARE, PLAN_VERSION
+from lingua.errors import ConfigError
+
+
+def count(value: float) -> str:
+    """8030261248 -> "8.03B"."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def size(n_bytes: float) -> str:
+    """Bytes in decimal units: 12.4 TB."""
+    for scale, suffix in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.3g} {suffix}"
+    return f"{n_bytes:.0f} B"
+
+
+def hours(value: float) -> str:
+    """Whole hours from 100 up, three digits below (a debug run's hours are not 0)."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def summary_line(layout: dict) -> str:
+    """One layout in a line: replicas, students, the wait and the teachers' busy share."""
+    return (f"  teacher_tp={layout['teacher_tp']}, {layout['replicas']} replica(s), {layout['students_per_bridge']} "
+            f"student(s) each ({layout['students']} students, {layout['n_teacher_ranks']} teacher ranks, placement "
+            f"{layout['teacher_placement']}): students wait {layout['wait_share']:.0%} of a step, teachers busy "
+            f"{layout['teacher_busy']:.0%}")
+
+
+def layout_lines(online: dict) -> list[str]:
+    """The online layout: its summary, memory, bridges, the overrides that launch it and its launch plan."""
+    memory = online["memory_gib"]
+    bridge = online["bridge"]
+    return [
+        summary_line(online),
+        f"  memory per teacher rank: {memory['total']:.1f} GiB (weights {memory['weights']:.1f}, activations "
+        f"{memory['activations']:.1f}, attention {memory['attention']:.1f}, logits {memory['logits']:.1f}, outputs "
+        f"{memory['outputs']:.1f}, reserve {memory['reserve']:.1f})",
+        f"  bridge: {bridge['bytes_up_per_token']} B/token up, {bridge['bytes_down_per_token']} down, "
+        f"{size(bridge['bytes_per_s'])}/s per bridge; bridges inside nodes: "
+        f"{'yes' if online['bridges_inside_nodes'] else 'no'}",
+        f"  overrides: {online['overrides']}",
+        *(f"  | {line}" for line in online["launch_plan"]),
+    ]
+
+
+def format_plan(plan: dict) -> list[str]:
+    """The plan as the lines the planner prints."""
+    inputs, teacher, student, speed = plan["inputs"], plan["teacher"], plan["student"], plan["speed"]
+    memory = plan["memory"]
+    lines = [
+        f"plan: {inputs['config'] or 'the config'} on {inputs['world_size']} GPUs "
+        f"({inputs['world_size'] // inputs['gpus_per_node']} node(s) x {inputs['gpus_per_node']}, "
+        f"{inputs['gpu_mem_gib']:g} GiB each)",
+        f"teacher: {inputs['teacher_config']}: {count(teacher['parameters'])} parameters ({teacher['model_type']}, "
+        f"counted as a Llama-family model), {teacher['layers']} layers, hidden {teacher['hidden']}, heads "
+        f"{teacher['heads']}/{teacher['kv_heads']} KV, vocab {teacher['vocab']:,}; "
+        f"{teacher['forward_flops_per_token'] / 1e9:.3g} GFLOP/token forward",
+        f"student: {count(student['parameters'])} parameters, vocab {student['vocab']:,}; "
+        f"{student['train_flops_per_token'] / 1e9:.3g} GFLOP/token training; batch {inputs['batch_size']} x "
+        f"{inputs['seq_len']} tokens per micro-batch",
+        f"speed ({speed['source']}): student {speed['student_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, teacher "
+        f"{speed['teacher_tokens_per_s_per_gpu']:,.0f}: {speed['teacher_gpus_per_student_gpu']:.3g} teacher GPUs per "
+        f"student GPU",
+        "memory per teacher rank, one student's request ({} usable of {:g} GiB): {}".format(
+            f"{memory['usable_gib']:.1f}", inputs["gpu_mem_gib"],
+            ", ".join(f"TP{t} {m['total']:.1f} GiB" for t, m in memory["one_student_request"].items())),
+        f"  smallest teacher_tp that fits: {memory['min_teacher_tp'] if memory['min_teacher_tp'] else 'none'}",
+    ]
+    online = plan["online"]
+    if "teacher_tp" not in online:
+        return lines + [f"online: {online['reason']}", f"recommendation: {plan['recommendation']}"]
+    if online["keeps_up"]:
+        lines.append(f"online: keeps the students' wait under {MAX_WAIT_SHARE:.0%} of a step")
+    else:
+        lines += [f"online: no layout keeps the wait under {MAX_WAIT_SHARE:.0%}: {online['reason']}",
+                  "  the most student throughput:"]
+    lines += layout_lines(online)
+    if plan.get("smaller_world_that_keeps_up"):
+        smaller = plan["smaller_world_that_keeps_up"]
+        lines += [f"  world_size={smaller['world_size']} would keep up:", summary_line(smaller),
+                  f"  overrides: {smaller['overrides']}"]
+    elif not online["keeps_up"]:
+        lines.append("  no smaller world size keeps up either")
+    cache = plan["cache"]
+    lines += [
+        f"cache: {cache['bytes_per_token']:.4g} B/token on disk, {count(cache['tokens_per_run'])} tokens per run -> "
+        f"{size(cache['size_bytes'])}, read at {size(cache['read_bytes_per_s'])}/s by {inputs['world_size']} students",
+        f"  teacher pass once: {hours(cache['teacher_pass_gpu_hours'])} GPU-hours "
+        f"({hours(cache['teacher_pass_hours'])} h on {inputs['world_size']} GPUs); "
+        f"then per run {hours(cache['cache_run_gpu_hours'])} GPU-hours "
+        f"({hours(cache['cache_run_hours'])} h); online per run {hours(cache['online_run_gpu_hours'])} GPU-hours "
+        f"({hours(cache['online_run_hours'])} h)",
+        f"  {cache['planned_runs']} planned run(s): cache {hours(cache['cache_gpu_hours'])} GPU-hours, online "
+        f"{hours(cache['online_gpu_hours'])} (break-even at {cache['break_even_runs']:.2f} runs)",
+    ]
+    if cache["writer_overrides"]:
+        lines.append(f"  write it on the {inputs['world_size']} GPUs: apps.main.teacher_cache "
+                     f"{cache['writer_overrides']}")
+    lines.append(f"recommendation: {plan['recommendation']}")
+    return lines + verdict_lines(plan["verdict"])
+
+
+def verdict_lines(verdict: dict) -> list[str]:
+    """Should I distill? the teacher's overhead, the break-even multipliers, the measured one, the sentence."""
+    over, even, measured = verdict["overhead"], verdict["break_even"], verdict["measured"]
+    wall = (f"behind the data wall ({count(verdict['unique_tokens'])} unique tokens, {verdict['epochs']:.3g} epochs; "
+            f"effective data U + U*R*(1-exp(-R/R*)), R* = {even['r_star']:g}, Muennighoff et al. 2023): "
+            f"{even['repeated_online']:.2f}x online, {even['repeated_cache']:.2f}x from the cache"
+            if verdict["unique_tokens"] > 0 else "every token fresh (unique_tokens=0)")
+    worth = ("beyond CE-only's reach (KD below every CE budget from these epochs on, and CE had stopped improving)"
+             if measured["bound"] == "beyond" else
+             {"at_least": "at least ", "at_most": "at most "}.get(measured["bound"] or "", "")
+             + f"{verdict['expected']:.2f}x")
+    seeds = f" (seeds {measured['low']:.2f}-{measured['high']:.2f})" if measured["low"] is not None else ""
+    kind = "one-pass study" if measured["kind"] == "one_pass" else f"data-wall study at {measured['epochs']:g} epochs"
+    lines = [
+        f"distill? the teacher's forward is {verdict['teacher_over_student_flops']:.3g}x the student's training per "
+        f"token: overhead {over['online']:.3g}x online (every epoch); from a cache written once over the unique "
+        f"tokens, {verdict['teacher_over_student_flops']:.3g}x / ({verdict['runs']} run(s) x {verdict['epochs']:.3g} "
+        f"epoch(s)) = {over['cache']:.3g}x",
+        f"  break-even token multiplier: {even['fresh_online']:.2f}x online, {even['fresh_cache']:.2f}x from the "
+        f"cache on fresh data; {wall}",
+        f"  expected: {worth}{seeds}: {measured['arm']} of {measured['source']}, "
+        f"{measured['owner']} {kind} (student {count(measured['student'])}, teacher {count(measured['teacher'])}, "
+        f"{count(measured['tokens'])} tokens), compared in {even['compared']}",
+    ]
+    if verdict["warnings"]:
+        differ = "; ".join(f"{name} {count(theirs)} measured, {count(ours)} planned"
+                           for name, theirs, ours in verdict["warnings"])
+        lines.append(f"  warning: sizes differ ({differ}): the multiplier may not transfer; measure yours with a "
+                     f"pilot of apps.bench.kd_study and pass kd_measurement=<its results.json>")
+    return lines + [f"  verdict: {verdict['verdict']}"]
+
+
+def is_plan_file(path: Path) -> bool:
+    """Whether `path` holds a plan this planner wrote (the only kind of file `out=` replaces)."""
+    try:
+        existing = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(existing, dict) and existing.get("version") == PLAN_VERSION and "online" in existing
+
+
+def write_plan(plan: dict, path: Path) -> None:
+    """Write the JSON plan, replacing only a plan of ours: any other file at `path` is left as it is."""
+    if path.exists() and not is_plan_file(path):
+        raise ConfigError(f"out={path} exists and is not a plan written by apps.plan; name another file (or out=null).")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(plan, indent=1) + "\n")
+    tmp.replace(path)
