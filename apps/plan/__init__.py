@@ -17,8 +17,9 @@ config as in training (`data.batch_size=8 distillation.k=32`). What it decides, 
    and its forward third for the teacher (2 x matmul parameters + 4 x layers x width x seq_len). Their ratio is
    the teacher GPUs one student GPU keeps busy; a replica of t ranks is assumed t times as fast as one rank.
 3. Memory per teacher rank at teacher_tp = t: the weights (vocabulary rows and projection rows or columns split
-   t ways, norms replicated), one request's working memory (the replica's students' rows: activations of one layer,
-   the attention mask or scores, one logits chunk and its fp32 copies, the outputs), a runtime reserve
+   t ways, norms replicated), one request's working memory (the replica's students' rows, the decoder and the head
+   over `logits_chunk_rows` of them at a time: one layer's activations, the attention mask or scores and one logits
+   chunk with its fp32 copies per chunk, every row's final hidden state, the outputs), a runtime reserve
    (`RUNTIME_RESERVE_GIB`), against `USABLE_MEMORY` of the GPU. t divides the attention and KV head counts and
    the GPUs of a node (a replica never leaves its node).
 4. The layout. From the smallest t that fits, upward: the replica count whose students wait at most

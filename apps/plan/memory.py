@@ -13,8 +13,8 @@ class TeacherMemory:
     """Bytes on one rank of a teacher replica while it serves one request."""
 
     weights: int
-    activations: int  # one layer at a time (inference mode frees each layer's tensors)
-    attention: int  # the document mask (doc_causal, not flash) or the scores (eager attention)
+    activations: int  # one layer of one chunk of rows at a time, and the final hidden states of all rows
+    attention: int  # a chunk's document mask (doc_causal, not flash or flex) or scores (eager attention)
     logits: int  # one chunk of distillation.logits_chunk_rows rows over this rank's vocabulary slice
     outputs: int  # the request, the sparse outputs' chunks and their concatenation
     reserve: int
@@ -38,13 +38,6 @@ def teacher_memory(shape: TeacherShape, tp: int, rows: int, args: PlanArgs, byte
     widest = max(3 * ceil_div(shape.intermediate, tp),  # gate, up and their product
                  2 * ceil_div((shape.heads + 2 * shape.kv_heads) * shape.head_dim, tp)  # q, k, v and their rotations
                  + ceil_div(shape.heads * shape.head_dim, tp))  # the attention output
-    activations = tokens * width * (3 * shape.hidden + widest)  # + the residual, its norm, the layer's output
-    attention = 0
-    implementation = str(kd.attn_implementation or "sdpa")
-    if args.model.attn_mask == "doc_causal" and not implementation.startswith("flash_attention"):
-        attention += rows * seq * seq * (1 + width)  # the boolean document mask and its additive copy
-    if implementation == "eager":
-        attention += rows * ceil_div(shape.heads, tp) * seq * seq * (2 * width + 4)  # scores, fp32 softmax, cast
     row_bytes = seq * ceil_div(shape.vocab, tp) * LOGIT_BYTES[kd.output]
     weights, reserve = shape.parameters(tp) * width, int(RUNTIME_RESERVE_GIB * GIB)
     chunk_rows = kd.logits_chunk_rows
@@ -53,7 +46,16 @@ def teacher_memory(shape: TeacherShape, tp: int, rows: int, args: PlanArgs, byte
         free = max(USABLE_MEMORY * args.gpu_mem_gib * GIB - weights - reserve, 0)
         per_row = seq * ceil_div(shape.vocab, tp) * 4 * AUTO_LOGITS_WORK_TENSORS
         chunk_rows = 2 ** max(0, int(AUTO_LOGITS_FREE_SHARE * free // per_row).bit_length() - 1)
-    logits = min(chunk_rows, rows) * row_bytes
+    chunk = min(chunk_rows, rows)  # the decoder, like the head, runs over this many rows at a time (no KV cache)
+    # One layer of one chunk (+ the residual, its norm, the layer's output), and every row's final hidden state.
+    activations = chunk * seq * width * (3 * shape.hidden + widest) + tokens * width * shape.hidden
+    attention = 0
+    implementation = str(kd.attn_implementation or "sdpa")
+    if args.model.attn_mask == "doc_causal" and not implementation.startswith(("flash_attention", "flex_attention")):
+        attention += chunk * seq * seq * (1 + width)  # a chunk's boolean document mask and its additive copy
+    if implementation == "eager":
+        attention += chunk * ceil_div(shape.heads, tp) * seq * seq * (2 * width + 4)  # scores, fp32 softmax, cast
+    logits = chunk * row_bytes
     outputs = tokens * (bytes_up + 2 * bytes_down)
     return TeacherMemory(weights, activations, attention, logits, outputs, reserve)
 

@@ -14,6 +14,7 @@ from apps.plan.timing import (Layout, Speeds, Timing, candidate_layouts, max_stu
                               tensor_parallel_sizes)
 from lingua.args import to_dict
 from lingua.distillation.args import WIRE_DTYPES, check_seq_len_fits_teacher
+from lingua.distillation.cache_codec import planned_bytes_per_token
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.parallel.launch_plan import LaunchPlan
 
@@ -175,10 +176,8 @@ class Planner:
         """GPU-hours of the online road and of the cache road for `tokens` student tokens per run."""
         args, speeds, seq = self.args, self.speeds, self.args.data.seq_len
         kd = args.distillation
-        id_bytes = 2 if args.model.vocab_size <= 2**16 else 4
-        outputs = (args.model.vocab_size * DTYPE_BYTES[kd.wire_dtype] if kd.output == "full"
-                   else kd.k * (DTYPE_BYTES[kd.wire_dtype] + id_bytes) + 4)
-        per_token = 4 * (seq + 1) / seq + (2 if seq + 1 <= 2**15 else 4) + outputs  # tokens, document ids, outputs
+        # The cache writer's format (v2): its coded size as measured on the KD study's data, scaled to k and vocab.
+        per_token = planned_bytes_per_token(kd.output, kd.k, args.model.vocab_size, DTYPE_BYTES[kd.wire_dtype], seq)
         teacher_pass = tokens / speeds.teacher / 3600
         students_only = tokens / speeds.student / 3600
         online_run = args.world_size * tokens / online["student_tokens_per_s"] / 3600

@@ -22,17 +22,22 @@ def cache_dir_of(root: Path, cache: str) -> Path:
 def build_record_path(cache_dir: Path) -> Path:
     return cache_dir.with_name(cache_dir.name + ".build.json")
 
-def cache_bytes_per_token(output: str, k: int, wire_dtype: str, vocab_size: Optional[int] = None) -> dict:
-    """What the teacher sends per token on the bridge (lingua/kd_loss.py: k * (w + 4) + 4 for topk and sampled,
-    int32 ids) and what a cache shard stores (ids in uint16 when the vocab fits, plus the token and doc id)."""
+def cache_bytes_per_token(output: str, k: int, wire_dtype: str, vocab_size: Optional[int] = None,
+                          version: int = 1, seq_len: int = 128) -> dict:
+    """What the teacher sends per token on the bridge (k * (w + 4) + 4 for topk and sampled, int32 ids) and what a
+    cache shard stores: version 1 its tensors as they are (ids in uint16 when the vocab fits, plus the token and
+    doc id), version 2 the coded size as measured on the study's data (`cache_codec.planned_bytes_per_token`)."""
     import torch
 
     from lingua.distillation.args import WIRE_DTYPES
+    from lingua.distillation.cache_codec import planned_bytes_per_token
 
     w = WIRE_DTYPES[wire_dtype].itemsize
     ids = 2 if vocab_size is not None and vocab_size <= 2**16 else 4
     bridge = k * (w + 4) + 4
-    return {"bridge": bridge, "cache_shard": k * (w + ids) + 4 + torch.int32.itemsize + torch.int16.itemsize}
+    if version == 1:
+        return {"bridge": bridge, "cache_shard": k * (w + ids) + 4 + torch.int32.itemsize + torch.int16.itemsize}
+    return {"bridge": bridge, "cache_shard": round(planned_bytes_per_token(output, k, vocab_size or 2**17, w, seq_len), 1)}
 
 
 def teacher_heldout_ce(cache_dir: Path) -> Optional[float]:

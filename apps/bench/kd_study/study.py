@@ -69,7 +69,8 @@ def report(options, args: TrainArgs, runs: list[Run], cache_root: Path, cache_na
         caches[name] = {"dir": str(cache_dir), "output": manifest.output, "k": manifest.k,
                         "wire_dtype": manifest.wire_dtype, "tokens": cached_tokens,
                         "bytes_per_token": cache_bytes_per_token(manifest.output, manifest.k, manifest.wire_dtype,
-                                                                 manifest.vocab_size),
+                                                                 manifest.vocab_size, manifest.version,
+                                                                 manifest.data["seq_len"]),
                         "disk_bytes": sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file()),
                         "build_s": json.loads(record.read_text())["wall_s"] if record.is_file() else None,
                         "runs_reading": sum(len(arm["seeds"]) for n, arm in arms.items()
