@@ -52,11 +52,11 @@ _STALE_SUFFIXES = (".tmp", ".old")
 @dataclass
 class SaveEvery:
     every: int = 1000  # 0 disables this kind of checkpoint
-    keep: int = 0  # how many of the newest checkpoints of this kind to keep; 0 keeps all
+    keep: int = 0  # how many of the newest checkpoints of this kind to keep; 0 (or Lingua's -1) keeps all
 
     def validate(self, where: str) -> None:
         require(self.every >= 0, f"{where}.every", self.every, "use a number of steps, or 0 to disable")
-        require(self.keep >= 0, f"{where}.keep", self.keep, "use 0 (keep all) or how many to keep")
+        require(self.keep >= -1, f"{where}.keep", self.keep, "use 0 or -1 (keep all) or how many to keep")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The KD-vs-CE study: what is the teacher worth to a small student, in CE tokens, in FLOPs, downstream?
 
     python -m apps.bench.kd_study --out dumps/kd_study          # caches, 5-6 arms x 3 seeds, cloze evals, report
-    python -m apps.bench.kd_study --seeds 0 --steps 8 --out /tmp/kd_quick eval.max_batches=4   # the pipeline, minutes
+    python -m apps.bench.kd_study --seeds 0 --steps 8 --out /tmp/kd_quick heldout.max_batches=4   # the pipeline, minutes
     python -m apps.bench.kd_study --out dumps/kd_study --report-only   # re-render from the runs on disk
 
 Setup (configs/distill_exps/kd_study.yaml): SmolLM2-135M-Instruct teaches a 7M student that uses its
@@ -21,7 +21,7 @@ DataLoader yields, in the same order. The arms:
                   Monte-Carlo forward KL), from its own cache: the same 388 bytes per token as top-64
 
 A seed is the student's init (`model.seed`): seed s of every arm starts from the same weights and reads
-the same windows, so arms compare paired. Each run evaluates the whole held-out split every `eval.every`
+the same windows, so arms compare paired. Each run evaluates the whole held-out split every `heldout.every`
 steps; after it ends its final checkpoint is scored on `pydocs_cloze` (`apps.main.eval`).
 
 Reported (results.json, table.md, kd_study.png): per arm and seed the held-out curve and final CE,
@@ -117,8 +117,8 @@ def study_args(config: str, overrides: list[str]) -> TrainArgs:
 
 
 def check_inputs(args: TrainArgs) -> None:
-    if args.eval.every < 1 or args.steps % args.eval.every:
-        raise ConfigError(f"eval.every={args.eval.every} must divide steps={args.steps} so every run ends on an "
+    if args.heldout.every < 1 or args.steps % args.heldout.every:
+        raise ConfigError(f"heldout.every={args.heldout.every} must divide steps={args.steps} so every run ends on an "
                           f"evaluation.")
     if not any(list_val_files(args.data.root_dir, source) for source in args.data.sources):
         raise DataError(f"no held-out *.val.jsonl under {args.data.root_dir}; run `python -m "
@@ -810,7 +810,7 @@ def report(options, args: TrainArgs, runs: list[Run], cache_root: Path, cache_na
     results = {
         "setup": {"config": options.config, "overrides": list(options.overrides), "steps": args.steps,
                   "seeds": sorted({int(s) for arm in arms.values() for s in arm["seeds"]}),
-                  "tokens_per_run": args.steps * tokens_per_step, "eval_every": args.eval.every,
+                  "tokens_per_run": args.steps * tokens_per_step, "eval_every": args.heldout.every,
                   "student": {k: getattr(args.model, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads")},
                   "teacher": args.distillation.teacher_path, "k": args.distillation.k, "temperature": args.distillation.temperature,
                   "parallel": options.parallel, **extra_setup},
@@ -868,8 +868,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     seeds = [int(s) for s in options.seeds.split(",")]
     overrides = list(options.overrides) + ([f"steps={options.steps}"] if options.steps else [])
     args = study_args(options.config, overrides)
-    if options.steps and args.steps % args.eval.every:
-        overrides.append(f"eval.every={math.gcd(args.steps, args.eval.every)}")
+    if options.steps and args.steps % args.heldout.every:
+        overrides.append(f"heldout.every={math.gcd(args.steps, args.heldout.every)}")
         args = study_args(options.config, overrides)
     check_inputs(args)
     out = Path(options.out)
