@@ -142,6 +142,16 @@ BAD_CONFIGS = [
     BadConfig("wandb_mode", {"logging.wandb.mode": "sometimes"}, "logging.wandb.mode"),
     BadConfig("dump_every", {"checkpoint.dump.every": -1}, "checkpoint.dump.every"),
     BadConfig("keep", {"checkpoint.eval.keep": -2}, "checkpoint.eval.keep"),
+    # Meta Lingua's keys: student tensor parallelism, other than 2 views, a SAC switch that contradicts ours.
+    BadConfig("tp_size", {"distributed.tp_size": 2}, "distributed.tp_size",
+              "distributed.tp_size=2; student tensor parallelism is not available here; set distributed.tp_size=1 "
+              "and shard the student with FSDP over distributed.dp_shard (and distributed.dp_replicate).", launch=True),
+    BadConfig("n_views", {"data.n_views": 3}, "data.n_views"),
+    BadConfig("sac_vs_full", {"distributed.selective_activation_checkpointing": "true",
+                              "distributed.activation_checkpointing": "full"}, "distributed.activation_checkpointing"),
+    BadConfig("eval_generator_dtype", {"eval.generator.dtype": "int4"}, "eval.generator.dtype"),
+    BadConfig("eval_harness_task", {"eval.harness.tasks": "[[1, 2]]"}, "eval.harness.tasks[0]"),
+    BadConfig("async_eval_gpus", {"async_eval_gpus": -1}, "async_eval_gpus"),
     BadConfig("eval_every", {"heldout.every": -5}, "heldout.every"),
     BadConfig("eval_batches", {"heldout.max_batches": 0}, "heldout.max_batches"),
     BadConfig("eval_uneven", {"heldout.uneven": "maybe"}, "heldout.uneven"),
