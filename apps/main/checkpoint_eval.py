@@ -213,6 +213,26 @@ def dataset_cache(dataset_dir: Optional[str]):
             os.environ["HF_DATASETS_CACHE"] = saved
 
 
+# sbatch hands the submitting process's environment to the job: the trainer's torchrun or srun variables would make
+# the job's libraries (accelerate under lm-eval) wait for ranks that are not there.
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_ENV_PREFIXES = ("TORCHELASTIC_", "SLURM_", "SLURMD_", "SRUN_", "SBATCH_", "SUBMITIT_")
+
+
+@contextlib.contextmanager
+def launcher_env_removed():
+    """The launcher's variables out of os.environ while a job is submitted, put back after."""
+    saved = {key: value for key, value in os.environ.items()
+             if key in LAUNCHER_ENV or key.startswith(LAUNCHER_ENV_PREFIXES)}
+    for key in saved:
+        del os.environ[key]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 def submit_eval_job(eval_args: CheckpointEvalArgs, gpus: int, dataset_dir: Optional[str], job_name: str) -> str:
     """Submit `python -m apps.main.eval` on this checkpoint through stool, into the evaluation's folder; the job
     goes where the training job went (partition, account, qos and environment from <dump_dir>/stool.yaml when
@@ -241,7 +261,8 @@ def submit_eval_job(eval_args: CheckpointEvalArgs, gpus: int, dataset_dir: Optio
                            job_name=job_name, exports=exports, **inherited)
     if gpus > 1:
         logger.info(f"async_eval_gpus={gpus}: the evaluation runs in one process, on one GPU")
-    job_id = launch(stool_args, interactive=False)
+    with launcher_env_removed():
+        job_id = launch(stool_args, interactive=False)
     logger.info(f"checkpoint evaluation submitted as SLURM job {job_id}; results in {eval_dir}, metrics in "
                 f"{eval_args.metric_log_dir}/metrics.eval.jsonl")
     return job_id

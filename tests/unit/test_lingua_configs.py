@@ -2,6 +2,7 @@
 with only their paths changed, and each of Lingua's keys does here what it does in Lingua."""
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,14 @@ def test_no_eval_section_means_no_checkpoint_evaluation(corpus, tmp_path):
     args = parse_args(TrainArgs, base_overrides(corpus, tmp_path / "run"))
     assert not args.eval.enabled and args.async_eval_gpus is None
     assert args.checkpoint.eval.every == 1000  # saved as before; nothing evaluates them unless eval: asks
+
+
+def test_an_eval_job_is_submitted_without_the_trainers_launcher_variables(monkeypatch):
+    from apps.main.checkpoint_eval import launcher_env_removed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    with launcher_env_removed():
+        assert not {"WORLD_SIZE", "SLURM_PROCID", "TORCHELASTIC_RUN_ID"} & set(os.environ)
+    assert (os.environ["WORLD_SIZE"], os.environ["SLURM_PROCID"]) == ("2", "0")
