@@ -152,7 +152,7 @@ class CheckpointManager:
     def should_save(self, step: int, stop_now: bool = False, last_step: bool = False) -> list[str]:
         """The kinds of checkpoint due after `step`: "dump" every dump.every steps, when stopping early
         (`stop_now`: preemption, exit_after_steps) and after the last step unless that step is on disk
-        already; "eval" every eval.every steps."""
+        already; "eval" every checkpoint.eval.every steps."""
         kinds = []
         dump_every = self.args.dump.every
         if (dump_every and step % dump_every == 0) or stop_now or (last_step and step != self.step_on_disk):
