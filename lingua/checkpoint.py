@@ -52,11 +52,11 @@ _STALE_SUFFIXES = (".tmp", ".old")
 @dataclass
 class SaveEvery:
     every: int = 1000  # 0 disables this kind of checkpoint
-    keep: int = 0  # how many of the newest checkpoints of this kind to keep; 0 keeps all
+    keep: int = 0  # how many of the newest checkpoints of this kind to keep; 0 (or Lingua's -1) keeps all
 
     def validate(self, where: str) -> None:
         require(self.every >= 0, f"{where}.every", self.every, "use a number of steps, or 0 to disable")
-        require(self.keep >= 0, f"{where}.keep", self.keep, "use 0 (keep all) or how many to keep")
+        require(self.keep >= -1, f"{where}.keep", self.keep, "use 0 or -1 (keep all) or how many to keep")
 
 
 @dataclass
@@ -152,7 +152,7 @@ class CheckpointManager:
     def should_save(self, step: int, stop_now: bool = False, last_step: bool = False) -> list[str]:
         """The kinds of checkpoint due after `step`: "dump" every dump.every steps, when stopping early
         (`stop_now`: preemption, exit_after_steps) and after the last step unless that step is on disk
-        already; "eval" every eval.every steps."""
+        already; "eval" every checkpoint.eval.every steps."""
         kinds = []
         dump_every = self.args.dump.every
         if (dump_every and step % dump_every == 0) or stop_now or (last_step and step != self.step_on_disk):

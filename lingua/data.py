@@ -59,6 +59,7 @@ class DataArgs:
     prefetch_size: int = 64  # batches the background thread may build ahead
     tokenizer: TokenizerArgs = field(default_factory=TokenizerArgs)
     eval_sources: Optional[list[str]] = None  # sources whose *.val.jsonl to evaluate; None = all that have one
+    n_views: int = 2  # Meta Lingua's key: a batch holds 2 views of each window (input_ids, labels = shifted by 1)
 
     def validate(self) -> None:
         """Sizes, the tokenizer, and a training chunk file in every source with a positive weight."""
@@ -73,6 +74,8 @@ class DataArgs:
                 "all weights are 0; give at least one source a positive weight")
         for key in ("batch_size", "seq_len", "prefetch_size"):
             require(getattr(self, key) >= 1, f"data.{key}", getattr(self, key), "use a positive number")
+        require(self.n_views == 2, "data.n_views", self.n_views, "the loader yields 2 views (input_ids and the "
+                "labels shifted by one); set data.n_views=2")
         self.tokenizer.validate()
         for name, weight in self.sources.items():
             if weight > 0:

@@ -75,7 +75,7 @@ def eval_files(args: DataArgs) -> dict[str, list[Path]]:
     if not files:
         searched = ", ".join(repr(str(Path(args.root_dir) / name)) for name in names)
         raise MissingPathError(f"No validation files ('*.val.jsonl') in {searched or 'no source'}; write them with "
-                               f"setup/download_prepare_hf_data.py or turn in-loop evaluation off (eval.every=0).")
+                               f"setup/download_prepare_hf_data.py or turn in-loop evaluation off (heldout.every=0).")
     return files
 
 

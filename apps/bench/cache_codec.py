@@ -53,7 +53,7 @@ def student_tokens_per_s(cache_dir: Path, config: str, steps: int) -> float:
     """The student's training throughput from the cache (one rank, CPU), the median over its logged steps."""
     with tempfile.TemporaryDirectory() as dump:
         overrides = [f"dump_dir={dump}", f"steps={steps}", "distillation.source=cache",
-                     f"distillation.cache_dir={cache_dir}", "logging.freq=1", "eval.every=0",
+                     f"distillation.cache_dir={cache_dir}", "logging.freq=1", "heldout.every=0",
                      f"distillation.output={CacheManifest.read(cache_dir).output}",
                      f"distillation.k={CacheManifest.read(cache_dir).k}"]
         result = subprocess.run(trainer_command(1, config, overrides), cwd=ROOT, capture_output=True, text=True)

@@ -63,7 +63,7 @@ def run_latency_sweep(config: str, overrides: list[str], latencies_ms: list[floa
             command = torchrun_command(nproc, "apps.bench.latency_teacher", [
                 f"config={config}", *overrides, f"dump_dir={dump_dir}", f"steps={steps}", "logging.freq=1",
                 f"grad_acc_steps={grad_acc_steps}", "checkpoint.dump.every=0", "checkpoint.eval.every=0",
-                "eval.every=0", "enable_distillation=true", f"distillation.prefetch={prefetch}"])
+                "heldout.every=0", "enable_distillation=true", f"distillation.prefetch={prefetch}"])
             log_path = runs_dir / f"{name}.log"
             rc, *_ = launch(command, log_path, timeout_s, omp_threads, extra_env={LATENCY_ENV: str(latency_ms)})
             if rc != 0:

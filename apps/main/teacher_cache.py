@@ -175,7 +175,7 @@ def heldout_reference(args: TeacherCacheArgs, tokenizer, teacher: TeacherModel, 
     idle in a collective while another computes them all."""
     try:
         batches = [b for d in range(manifest.streams) for b in iterate_eval_batches(
-            args.data, tokenizer, d, manifest.streams, args.eval.max_batches)]
+            args.data, tokenizer, d, manifest.streams, args.heldout.max_batches)]
     except FileNotFoundError:
         batches = None
     # Whether to compute at all decides the collectives below: every rank agrees first.

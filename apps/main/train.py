@@ -25,7 +25,9 @@ from typing import Optional
 
 import torch
 
-from apps.main.eval import EvalArgs, Evaluator
+from apps.main.checkpoint_eval import (CheckpointEvaluation, EvalAtCheckpointArgs, fold_deprecated_eval,
+                                       validate_eval_sections)
+from apps.main.eval import EvalArgs, Evaluator, teacher_heldout
 from apps.main.faults import FaultInjector, parse_injected_failure
 from apps.main.report import StepReporter
 from apps.main.transformer import (
@@ -49,7 +51,7 @@ from lingua.distillation.teacher import read_max_positions
 from lingua.distillation.tensor_parallel import heads_problem, read_teacher_config
 from lingua.distributed import Topology, clean_up, log_rank_device_map, setup_torch_distributed
 from lingua.errors import ConfigError
-from lingua.eval_data import eval_files, iterate_eval_batches
+from lingua.eval_data import eval_files
 from lingua.logger import init_logger
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs, build_optimizer, clip_grad_norm_
@@ -87,14 +89,20 @@ class TrainArgs:
     inject_failure: Optional[str] = None
 
     data: DataArgs = field(default_factory=DataArgs)
-    model: LMTransformerArgs = field(default_factory=LMTransformerArgs)
+    # max_seqlen -1 (the default here): data.seq_len, as in Meta Lingua; a value below data.seq_len is an error.
+    model: LMTransformerArgs = field(default_factory=lambda: LMTransformerArgs(max_seqlen=-1))
     optim: OptimArgs = field(default_factory=OptimArgs)
     distributed: DistributedArgs = field(default_factory=DistributedArgs)
     distillation: DistillationArgs = field(default_factory=DistillationArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     profiling: ProfilerArgs = field(default_factory=ProfilerArgs)
-    eval: EvalArgs = field(default_factory=EvalArgs)
+    heldout: EvalArgs = field(default_factory=EvalArgs)  # the in-loop held-out CE (every, max_batches, uneven)
+    eval: EvalAtCheckpointArgs = field(default_factory=EvalAtCheckpointArgs)  # Lingua's, at each checkpoint.eval
+    async_eval_gpus: Optional[int] = None  # null: checkpoint evals in-process; N: a SLURM job each (stool)
+
+    def __post_init__(self):  # the old in-loop eval keys (eval.every, ...) move to heldout:, with a warning
+        fold_deprecated_eval(self.eval, self.heldout)
 
     def validate(self, world_size: Optional[int] = None, local_world_size: Optional[int] = None) -> None:
         """Every error the config alone can show (values, files it names, the launch size when given), in
@@ -113,6 +121,8 @@ class TrainArgs:
                 self.preemption_grace_s, "use the seconds between SLURM's USR2 and the kill, or 0 for unknown")
         parse_injected_failure(self.inject_failure)
         self.data.validate()
+        if self.model.max_seqlen == -1:
+            self.model.max_seqlen = self.data.seq_len
         self.model.validate()
         self.optim.validate()
         self.distributed.validate()
@@ -120,10 +130,10 @@ class TrainArgs:
         self.checkpoint.validate()
         self.logging.validate()
         self.profiling.validate()
-        self.eval.validate()
+        validate_eval_sections(self)
         require(self.model.max_seqlen >= self.data.seq_len, "model.max_seqlen", self.model.max_seqlen,
                 f"the model must fit data.seq_len={self.data.seq_len}; set model.max_seqlen >= {self.data.seq_len}")
-        if self.eval.every:
+        if self.heldout.every:
             eval_files(self.data)
         if n_teacher_ranks(self) and self.distillation.teacher_path:
             # From the teacher's config.json when it is on disk (a missing teacher is the teacher's own error).
@@ -150,22 +160,8 @@ def check_heads_divide(teacher_path: str, tp: int) -> None:
     """A tensor-parallel teacher's attention and KV head counts divide by teacher_tp (from its config.json when
     it is on disk; a hub teacher is checked when it loads)."""
     config = read_teacher_config(teacher_path)
-    problem = heads_problem(config, tp, f"{teacher_path}/config.json") if config is not None else None
-    if problem is not None:
+    if config is not None and (problem := heads_problem(config, tp, f"{teacher_path}/config.json")) is not None:
         raise ConfigError(problem)
-
-
-def teacher_heldout(args: TrainArgs, n_students: int):
-    """(held-out batches of every student, the students' vocab) for the teacher's reference CE, or None."""
-    if not args.eval.every:
-        return None
-    tokenizer = build_tokenizer(args.data.tokenizer)
-    try:
-        batches = [batch for rank in range(n_students)
-                   for batch in iterate_eval_batches(args.data, tokenizer, rank, n_students, args.eval.max_batches)]
-    except FileNotFoundError:  # no held-out files: the students' eval says so in its own words
-        return None
-    return batches, tokenizer.n_words
 
 
 def open_training_cache(args: TrainArgs, tokenizer, topo: Topology):
@@ -182,7 +178,7 @@ def distillation_process(args: TrainArgs, topo: Topology, phases: PhaseLog, pree
     """Teacher rank: load the HF model, handshake with its students, serve until STOP."""
     index = topo.teacher_ranks.index(topo.global_rank)
     server = TeacherServer(args.distillation, topo, preemption, phases=phases, attn_mask=args.model.attn_mask,
-                           heldout=teacher_heldout(args, len(topo.student_ranks)),
+                           heldout=teacher_heldout(args.heldout, args.data, len(topo.student_ranks)),
                            inject_load_failure=FaultInjector.teacher_load_fails(args.inject_failure, index),
                            inject_serve_failure_at=FaultInjector.teacher_serve_fails_at(args.inject_failure, index))
     # The generous timeout holds through the students' first step; a request sent after it (or STOP)
@@ -230,9 +226,8 @@ def restore_checkpoint(args: TrainArgs, topo: Topology, model, optimizer) -> tup
     root = args.checkpoint.path or str(RunDir(args.dump_dir).checkpoints)
     checkpoint = CheckpointManager(args.checkpoint, root, topo.train_group, topo.train_rank, topo.train_world_size)
     saved = checkpoint.load(model, optimizer)
-    if saved is None:  # a fresh run may start from init_ckpt_path (weights, or all with continue_training_from_init)
-        saved = checkpoint.load_init(model, optimizer)
-    return checkpoint, saved
+    # A fresh run may start from init_ckpt_path (weights, or all with continue_training_from_init).
+    return checkpoint, saved if saved is not None else checkpoint.load_init(model, optimizer)
 
 
 class FirstStepTracker:
@@ -275,8 +270,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
         model = build_model(args, topo)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(f"student model: {n_params / 1e6:.2f}M parameters, vocab {args.model.vocab_size}")
-    if topo.is_train_master and topo.mesh is not None:
-        mesh = topo.mesh
+    if topo.is_train_master and (mesh := topo.mesh) is not None:
         logger.info(f"student mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))} over ranks {mesh.mesh.tolist()}")
     cache = open_training_cache(args, tokenizer, topo)  # a cache written with other settings is refused here
     distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer,
@@ -295,7 +289,8 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
 
     probe = ActivationProbe(model, args.dump_dir, topo.global_rank, topo.is_train_master, group,
                             every=args.probe_freq) if args.probe_freq else None
-    evaluator = Evaluator(args.eval, args.data, tokenizer, topo, distiller.teacher_heldout_ce)
+    evaluator = Evaluator(args.heldout, args.data, tokenizer, topo, distiller.teacher_heldout_ce)
+    checkpoint_eval = CheckpointEvaluation(args, topo)  # Lingua's eval: section, after each checkpoint.eval save
     # The embedding lookup is no matmul; the output head is (and with tied weights it is the only copy counted).
     matmul_params = n_params - (0 if args.model.tie_embeddings else args.model.vocab_size * args.model.dim)
     reporter = StepReporter(args, topo, distiller, get_num_flop_per_token(
@@ -312,6 +307,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             for kind in kinds:
                 train_state = dict(state.state_dict(), scheduler=scheduler.state_dict(), data=feed.state_dict())
                 checkpoint.save(model, optimizer, train_state, state.step, to_dict(args), kind=kind)
+        checkpoint_eval.after_save(kinds, state.step, checkpoint.final_dir(state.step))
 
     with (maybe_run_profiler(args.dump_dir, model, args.profiling, topo.global_rank, topo.is_train_master,
                              group) as profiler, contextlib.closing(loader), reporter, HangWatch() as hang_watch,

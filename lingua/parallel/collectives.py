@@ -93,7 +93,7 @@ class AgreedError(Exception):
 
 
 class CountMismatch(AgreedError, DataError):
-    """Ranks hold different loop lengths (eval batches with eval.uneven=error); raised on every rank of the
+    """Ranks hold different loop lengths (eval batches with heldout.uneven=error); raised on every rank of the
     group at once (it is agreed)."""
 
 

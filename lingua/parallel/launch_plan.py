@@ -41,6 +41,11 @@ class DistributedArgs:
     model_dtype: str = "bf16"  # parameter dtype under FSDP mixed precision: "bf16" | "fp32"
     compile: bool = False
     activation_checkpointing: str = "none"  # "none" | "full" | "selective"
+    # Meta Lingua's names, accepted so its configs run unchanged: selective_activation_checkpointing=true is
+    # activation_checkpointing=selective (folded by `validate`); tp_size above 1 (student tensor parallelism) is
+    # refused: the student is sharded with FSDP (dp_shard / dp_replicate) only.
+    selective_activation_checkpointing: Optional[bool] = None
+    tp_size: int = 1
     backend: str = "auto"  # "auto" (nccl on GPU, gloo on CPU) | "nccl" | "gloo"
     teacher_placement: str = "last"  # "last" global ranks | "per_node" (last local rank of each node)
     # Two-phase timeouts: generous while loading/compiling, short once the first step went through.
@@ -68,6 +73,14 @@ class DistributedArgs:
         for key in ("dp_replicate", "dp_shard"):
             value = getattr(self, key)
             require(value == -1 or value >= 1, f"distributed.{key}", value, "use a positive size or -1 to infer it")
+        require(self.tp_size == 1, "distributed.tp_size", self.tp_size,
+                "student tensor parallelism is not available here; set distributed.tp_size=1 and shard the student "
+                "with FSDP over distributed.dp_shard (and distributed.dp_replicate)")
+        if self.selective_activation_checkpointing:  # Lingua's switch, one meaning with ours
+            require(self.activation_checkpointing in ("none", "selective"), "distributed.activation_checkpointing",
+                    self.activation_checkpointing, "distributed.selective_activation_checkpointing=true asks for "
+                    "selective; set one of the two")
+            self.activation_checkpointing = "selective"
         require(self.dp_replicate != -1 or self.dp_shard != -1, "distributed.dp_replicate", self.dp_replicate,
                 "only one of distributed.dp_replicate / distributed.dp_shard may be -1")
         for key in ("init_timeout_s", "train_timeout_s"):

@@ -22,7 +22,7 @@ def test_kd_training_resume_gradacc_probe_and_clean_stop(corpus, tiny_teacher, t
     dump = tmp_path / "run"
     first = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=4, exit_after_steps=3, probe_freq=2,
                                           grad_acc_steps=2, **{"distillation.alpha_schedule": "lr",
-                                                               "eval.every": 2, "eval.max_batches": 2}), timeout=150)
+                                                               "heldout.every": 2, "heldout.max_batches": 2}), timeout=150)
     assert_ok(first)
     rows = train_rows(dump)
     assert sorted(rows) == [1, 2, 3]

@@ -72,7 +72,7 @@ def test_eval_with_different_batch_counts_per_rank(corpus, tiny_teacher, tmp_pat
     dump = tmp_path / "run"
     start = time.time()
     result = torchrun(3, distill_overrides(root, tiny_teacher, dump, steps=2, **{
-        "eval.every": 2, "eval.max_batches": 100, "eval.uneven": uneven}), timeout=SCENARIO_LIMIT_S)
+        "heldout.every": 2, "heldout.max_batches": 100, "heldout.uneven": uneven}), timeout=SCENARIO_LIMIT_S)
     if uneven == "error":  # agreed, so every student stops with the counts, and the teacher hears it
         assert result.returncode != 0
         assert time.time() - start < 60

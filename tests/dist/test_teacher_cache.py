@@ -34,7 +34,7 @@ def from_cache(corpus, teacher, cache_dir, dump, **extra) -> list[str]:
 @pytest.fixture(scope="module")
 def cache(corpus, tiny_teacher, tmp_path_factory) -> Path:
     cache_dir = tmp_path_factory.mktemp("cache") / "tiny"
-    result = torchrun(2, cache_overrides(corpus, tiny_teacher, cache_dir, **{"eval.every": 3, "eval.max_batches": 2}),
+    result = torchrun(2, cache_overrides(corpus, tiny_teacher, cache_dir, **{"heldout.every": 3, "heldout.max_batches": 2}),
                       timeout=150, module="apps.main.teacher_cache")
     assert_ok(result)
     assert "teacher cache complete" in result.stdout and "tokens/s, ETA" in result.stdout
@@ -70,7 +70,7 @@ def test_cached_outputs_equal_a_fresh_teacher_forward_of_the_cached_tokens(cache
 
 @pytest.mark.timeout(300)
 def test_training_from_the_cache_equals_online_training_and_resumes_exactly(cache, corpus, tiny_teacher, tmp_path):
-    evals = {"eval.every": 3, "eval.max_batches": 2}
+    evals = {"heldout.every": 3, "heldout.max_batches": 2}
     online = tmp_path / "online"
     assert_ok(torchrun(3, distill_overrides(corpus, tiny_teacher, online, steps=6, grad_acc_steps=2, **evals),
                        timeout=150))
@@ -169,7 +169,7 @@ def test_a_cache_written_by_tensor_parallel_replicas_equals_the_one_rank_cache(c
     logits differ by ~1e-6 (another summation order), enough to swap two ids whose log-probs are that close
     (one position in 1,536 in the runs measured)."""
     sharded = tmp_path / "tp2"
-    result = torchrun(4, cache_overrides(corpus, tiny_teacher, sharded, **{"eval.every": 3, "eval.max_batches": 2,
+    result = torchrun(4, cache_overrides(corpus, tiny_teacher, sharded, **{"heldout.every": 3, "heldout.max_batches": 2,
                                                                            "distillation.teacher_tp": 2}),
                       timeout=300, module="apps.main.teacher_cache")
     assert_ok(result)

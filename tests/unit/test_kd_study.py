@@ -242,10 +242,10 @@ def test_bad_arm_eval_cadence_and_missing_inputs_are_one_sentence(tmp_path, corp
     with pytest.raises(ConfigError, match="unknown arm"):
         kd_study_cmd.main(["--arms", "ce,nope", "--out", str(tmp_path)])
     args = TrainArgs(steps=10)
-    args.eval.every = 3
-    with pytest.raises(ConfigError, match="eval.every=3 must divide steps=10"):
+    args.heldout.every = 3
+    with pytest.raises(ConfigError, match="heldout.every=3 must divide steps=10"):
         kd_arms.check_inputs(args)
-    args.eval.every, args.data.root_dir, args.data.sources = 5, str(tmp_path), {"pydocs": 1.0}
+    args.heldout.every, args.data.root_dir, args.data.sources = 5, str(tmp_path), {"pydocs": 1.0}
     with pytest.raises(DataError, match="no held-out"):
         kd_arms.check_inputs(args)
     args.data.root_dir, args.data.sources = str(corpus), {"text": 1.0}

@@ -59,7 +59,7 @@ def test_the_runs_every_arm_budget_and_seed_longest_first(tmp_path):
     ce16 = next(r for r in runs if r.arm == "ce_wd10x" and r.epochs == 16)
     assert ce16.steps == 256 and ce16.timeout_s == 1600.0 and ce16.cache_dir == tmp_path / "caches" / "cache_topk64"
     assert ce16.overrides == ["x=1", "distillation.alpha=0.0", "optim.weight_decay=1.0", "distillation.output=topk",
-                              "distillation.k=64", "steps=256", "eval.every=256", "optim.warmup=25"]
+                              "distillation.k=64", "steps=256", "heldout.every=256", "optim.warmup=25"]
     sampled = next(r for r in runs if r.arm == "kd_sampled64")
     assert sampled.cache_dir.name == "cache_sampled64" and "distillation.alpha=0.5" in sampled.overrides
 

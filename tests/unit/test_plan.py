@@ -1,4 +1,5 @@
-"""The placement planner (apps/plan/): sizes, memory, layouts, the cache road, errors, the README's examples."""
+"""The placement planner (apps/plan/): sizes, memory, layouts, the cache road, errors, the verdict, docs/big_teachers.md's
+examples."""
 
 import dataclasses
 import json
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TEACHERS = ROOT / "configs" / "teachers"
 DEBUG, LLAMA_1B = "configs/distill_exps/debug.yaml", "configs/llama_1B.yaml"
 SMOLLM2, LLAMA_8B, LLAMA_70B = (f"configs/teachers/{name}.json" for name in ("smollm2_135m", "llama3_8b", "llama3_70b"))
-# The README's worked examples, as the planner is run there.
+# docs/big_teachers.md's worked examples, as the planner is run there.
 EXAMPLES = {
     "smollm2": [f"config={DEBUG}", "world_size=8", f"teacher_config={SMOLLM2}"],
     "8b": [f"config={LLAMA_1B}", "world_size=64", f"teacher_config={LLAMA_8B}"],
@@ -109,7 +110,7 @@ def test_wait_share_from_the_teachers_load():
         assert at_most.wait_share == pytest.approx(MAX_WAIT_SHARE)
 
 
-# ---------------------------------------------------------------- the README's worked examples
+# ---------------------------------------------------------------- docs/big_teachers.md's worked examples
 
 def test_smollm2_teaching_the_debug_student_on_8_gpus():
     plan = plan_of(EXAMPLES["smollm2"])
@@ -280,17 +281,19 @@ def test_a_file_that_is_not_a_plan_is_never_overwritten(tmp_path, monkeypatch, c
     assert notes.read_text() == '{"mine": true}\n'
 
 
-# ---------------------------------------------------------------- the README shows what the planner prints
+# ---------------------------------------------------------------- docs/big_teachers.md shows what the planner prints
 
-def readme_planner_blocks() -> list[tuple[list[str], str]]:
-    """(argv, printed lines) of every `$ python -m apps.plan ...` in a README code block that starts with one."""
-    blocks = re.findall(r"```\n(\$ python -m apps\.plan .*?)```", (ROOT / "README.md").read_text(), re.S)
+def docs_planner_blocks() -> list[tuple[list[str], str]]:
+    """(argv, printed lines) of every `$ python -m apps.plan ...` in a code block of docs/big_teachers.md (the
+    README's Big teachers section, moved) that starts with one."""
+    text = (ROOT / "docs" / "big_teachers.md").read_text()
+    blocks = re.findall(r"```\n(\$ python -m apps\.plan .*?)```", text, re.S)
     commands = [part for block in blocks for part in re.split(r"(?m)^(?=\$ python -m apps\.plan )", block) if part]
     return [(part.split("\n", 1)[0].split()[4:], part.split("\n", 1)[1]) for part in commands]
 
 
-def test_the_readme_shows_the_planners_own_output():
-    blocks = readme_planner_blocks()
+def test_the_docs_show_the_planners_own_output():
+    blocks = docs_planner_blocks()
     assert len(blocks) == 6  # the three worked examples, then their verdicts behind a data wall
     for argv, printed in blocks:
         assert "out=null" in argv

@@ -61,9 +61,10 @@ def test_the_table_is_large_enough_and_names_the_issue_cases():
     assert {"negative_lr", "zero_batch", "activation_checkpointing", "model_dtype", "jsd_beta", "alpha_schedule",
             "teacher_dtype", "zero_teacher_ranks", "negative_timeout", "unknown_section_key", "string_for_int"} <= names
     # The torchrun launches (tests/dist/test_bad_config.py): a rule of validate(), one of the config parser, the
-    # launch plan (it needs the world size torchrun gives), and the teacher's directory (missing, and read).
+    # launch plan (it needs the world size torchrun gives), the teacher's directory (missing, and read), and Lingua's
+    # student tensor parallelism (refused before any process group).
     assert {b.name for b in BAD_CONFIGS if b.launch} == {"negative_lr", "unknown_section_key", "mesh_vs_world_size",
-                                                        "missing_teacher_dir", "seq_len_beyond_teacher"}
+                                                        "missing_teacher_dir", "seq_len_beyond_teacher", "tp_size"}
 
 
 @pytest.mark.parametrize("extra, sentence", [

@@ -1,7 +1,7 @@
 """The KD-vs-CE study: what is the teacher worth to a small student, in CE tokens, in FLOPs, downstream?
 
     python -m apps.bench.kd_study --out dumps/kd_study          # caches, 5-6 arms x 3 seeds, cloze evals, report
-    python -m apps.bench.kd_study --seeds 0 --steps 8 --out /tmp/kd_quick eval.max_batches=4   # the pipeline, minutes
+    python -m apps.bench.kd_study --seeds 0 --steps 8 --out /tmp/kd_quick heldout.max_batches=4   # the pipeline, minutes
     python -m apps.bench.kd_study --out dumps/kd_study --report-only   # re-render from the runs on disk
     python -m apps.bench.kd_study --wall --unique-tokens 32768 --out dumps/kd_wall   # the data wall (wall.py)
 
@@ -19,10 +19,11 @@ DataLoader yields, in the same order. The arms:
     kd_topk64     alpha = 0.5, T = 1, forward KL against the cached top-64 outputs (+ the tail bucket)
     kd_topk64_lr  the same with alpha following the lr schedule (KD early, CE as the lr decays)
     kd_sampled64  alpha = 0.5 against 64 ids sampled from the teacher per position (an unbiased
-                  Monte-Carlo forward KL), from its own cache: the same 388 bytes per token as top-64
+                  Monte-Carlo forward KL), from its own cache (388 bytes per token on the bridge, as top-64; about half
+                  of top-64's on disk in the cache's format v2: its draws are distinct ids with counts)
 
 A seed is the student's init (`model.seed`): seed s of every arm starts from the same weights and reads
-the same windows, so arms compare paired. Each run evaluates the whole held-out split every `eval.every`
+the same windows, so arms compare paired. Each run evaluates the whole held-out split every `heldout.every`
 steps; after it ends its final checkpoint is scored on `pydocs_cloze` (`apps.main.eval`).
 
 Reported (results.json, table.md, kd_study.png): per arm and seed the held-out curve and final CE,

@@ -92,8 +92,8 @@ def study_args(config: str, overrides: list[str]) -> TrainArgs:
 
 
 def check_inputs(args: TrainArgs) -> None:
-    if args.eval.every < 1 or args.steps % args.eval.every:
-        raise ConfigError(f"eval.every={args.eval.every} must divide steps={args.steps} so every run ends on an "
+    if args.heldout.every < 1 or args.steps % args.heldout.every:
+        raise ConfigError(f"heldout.every={args.heldout.every} must divide steps={args.steps} so every run ends on an "
                           f"evaluation.")
     if not any(list_val_files(args.data.root_dir, source) for source in args.data.sources):
         raise DataError(f"no held-out *.val.jsonl under {args.data.root_dir}; run `python -m "

@@ -88,7 +88,7 @@ def report(options, args: TrainArgs, runs: list[Run], cache_root: Path, cache_na
     results = {
         "setup": {"config": options.config, "overrides": list(options.overrides), "steps": args.steps,
                   "seeds": sorted({int(s) for arm in arms.values() for s in arm["seeds"]}),
-                  "tokens_per_run": args.steps * tokens_per_step, "eval_every": args.eval.every,
+                  "tokens_per_run": args.steps * tokens_per_step, "eval_every": args.heldout.every,
                   "student": {k: getattr(args.model, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads")},
                   "teacher": args.distillation.teacher_path, "k": args.distillation.k, "temperature": args.distillation.temperature,
                   "parallel": options.parallel, **extra_setup},
@@ -157,8 +157,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     seeds = [int(s) for s in options.seeds.split(",")]
     overrides = list(options.overrides) + ([f"steps={options.steps}"] if options.steps else [])
     args = study_args(options.config, overrides)
-    if options.steps and args.steps % args.eval.every:
-        overrides.append(f"eval.every={math.gcd(args.steps, args.eval.every)}")
+    if options.steps and args.steps % args.heldout.every:
+        overrides.append(f"heldout.every={math.gcd(args.steps, args.heldout.every)}")
         args = study_args(options.config, overrides)
     check_inputs(args)
     out = Path(options.out)

@@ -2,7 +2,7 @@
 
     python -m apps.bench.kd_study --wall --unique-tokens 32768 --out dumps/kd_wall            # the study
     python -m apps.bench.kd_study --wall --unique-tokens 2048 --epochs 1,2 --wall-seeds 0 --wall-end-seeds '' \\
-        --out /tmp/kd_wall_pilot eval.max_batches=4                                            # the pipeline
+        --out /tmp/kd_wall_pilot heldout.max_batches=4                                            # the pipeline
     python -m apps.bench.kd_study --wall --unique-tokens 32768 --out dumps/kd_wall --report-only
 
 The U tokens are the first U / seq_len windows of the config's data, written once per output format into a
@@ -60,7 +60,7 @@ def plan_wall_runs(options, base: list[str], steps_per_epoch: int, out: Path, ca
         arm = WALL_ARMS[name]
         for e in epochs:
             steps = e * steps_per_epoch
-            overrides = [*base, *arm.overrides, *CACHES[arm.cache], f"steps={steps}", f"eval.every={steps}",
+            overrides = [*base, *arm.overrides, *CACHES[arm.cache], f"steps={steps}", f"heldout.every={steps}",
                          f"optim.warmup={max(1, steps // 10)}"]
             for seed in seeds + [s for s in end_seeds if e in (epochs[0], epochs[-1]) and s not in seeds]:
                 runs.append(WallRun(name, seed, out / "runs" / f"{name}_e{e}_seed{seed}", overrides, steps=steps,
@@ -78,7 +78,7 @@ def main(options) -> dict:
         raise ConfigError(f"--epochs {options.epochs!r} --wall-seeds {options.wall_seeds!r}: name at least one "
                           f"epoch count (>= 1) and one seed.")
     args = study_args(options.config, list(options.overrides))
-    args.eval.every = args.steps  # a wall run evaluates once, at its end
+    args.heldout.every = args.steps  # a wall run evaluates once, at its end
     check_inputs(args)
     windows = windows_of(options.unique_tokens, args)
     steps_per_epoch = windows // (args.grad_acc_steps * args.data.batch_size)
