@@ -47,6 +47,7 @@ from lingua.distillation.server import TeacherServer
 from lingua.distillation.teacher import read_max_positions
 from lingua.distillation.tensor_parallel import heads_problem, read_teacher_config
 from lingua.distributed import Topology, clean_up, log_rank_device_map, setup_torch_distributed
+from lingua.dump_owner import DumpDirOwner
 from lingua.errors import ConfigError
 from lingua.eval_data import eval_files, iterate_eval_batches
 from lingua.logger import init_logger
@@ -416,13 +417,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     args.validate(launch.world_size, launch.local_world_size)  # every config error, before any process group
     preemption = PreemptionFlag()  # from here on: handlers only set a flag, students agree on it each step
     check_no_sigterm_held()  # a SIGTERM while we checked: torchrun stopping the job, another rank failed
+    owner = DumpDirOwner(args.dump_dir, launch, args.distributed.init_timeout_s).take()  # or refuse: it is in use
     failure: Optional[BaseException] = None  # an exceptional exit aborts the process groups (clean_up)
     try:
         topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir, teacher_tp(args))
         init_logger(topo.global_rank, topo.role, str(RunDir(args.dump_dir).rank_log(topo.global_rank)))
         # From here a rank that fails leaves a note, and one that loses a peer names the rank that stopped.
         with (RankStatus(args.dump_dir, topo, debug=args.distributed.debug_mode) as status,
-              RankWatch(topo, args.dump_dir, status, traces=args.distributed.traces)):
+              RankWatch(topo, args.dump_dir, status, traces=args.distributed.traces, owner=owner)):
             phases = PhaseLog(args.dump_dir, topo.global_rank, topo.role)
             for phase, (phase_start, phase_end) in topo.setup_spans.items():  # process_group_init, mesh
                 phases.record(phase, phase_start, phase_end)
@@ -441,6 +443,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     finally:
         preemption.ignore_further()  # a launcher's SIGTERM while we leave would only cut the exit short
         clean_up(failure)
+        owner.release()
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def _proc_stat(pid: int) -> Optional[tuple[str, str]]:
     return fields[0], fields[19]
 
 
-def _process_start(pid: int) -> Optional[str]:
+def process_start(pid: int) -> Optional[str]:
     """The start time of a live process (to tell it from a later one with the same pid); None when it is gone
     or a zombie. Without /proc, any process with that pid counts."""
     stat = _proc_stat(pid)
@@ -233,7 +233,7 @@ class RankStatus:
         mode = str(debug).strip().lower()
         self.debug, self.traces = mode != "false", mode in ("trace", "true")
         self.pid = os.getpid()
-        self.started = _process_start(self.pid)
+        self.started = process_start(self.pid)
         self.fields: dict = {}  # step, heartbeat, stuck, collectives: kept across rewrites
         self.current_step: Optional[int] = None  # set by the watch as the loop arms it (students; None on teachers)
         self.state = "running"
