@@ -17,6 +17,8 @@ keep working:
                       weights that do not load, a damaged or mismatched cache or checkpoint
     StorageError      a write the run needs failed (a full disk, a permission, a quota): the sentence names the
                       path, the error and what is still safe on disk
+    NonFiniteError    the loss, or a teacher's outputs, are not finite: the sentence names the step, the rank(s) and
+                      the part (CE, KD, the teacher), and what to change
     TeacherError      a teacher's failure every bridge member reports alike: it failed to load (for a reason
                       above), a student's request it refused (token ids beyond its vocabulary)
     RunFailed         a run a command launched (a benchmark's or the study's training runs, the cache writer)
@@ -49,6 +51,10 @@ class DataError(UserError, ValueError):
 
 class StorageError(UserError, OSError):
     """A write the run needs failed (full disk, permission, quota); the sentence names the path and what is safe."""
+
+
+class NonFiniteError(UserError, FloatingPointError):
+    """The loss or a teacher's outputs are not finite; the sentence names the step, the rank(s) and the part."""
 
 
 class TeacherError(UserError, RuntimeError):

@@ -27,7 +27,7 @@ import torch
 
 from apps.main.eval import EvalArgs, Evaluator
 from apps.main.faults import FaultInjector, parse_injected_failure
-from apps.main.report import StepReporter
+from apps.main.report import StepReporter, nonfinite_sentence
 from apps.main.transformer import (
     LMTransformer,
     LMTransformerArgs,
@@ -48,7 +48,7 @@ from lingua.distillation.teacher import read_max_positions
 from lingua.distillation.tensor_parallel import heads_problem, read_teacher_config
 from lingua.distributed import Topology, clean_up, log_rank_device_map, setup_torch_distributed
 from lingua.dump_owner import DumpDirOwner
-from lingua.errors import ConfigError
+from lingua.errors import ConfigError, NonFiniteError
 from lingua.eval_data import eval_files, iterate_eval_batches
 from lingua.logger import init_logger
 from lingua.metrics import LoggingArgs
@@ -202,7 +202,7 @@ class TrainState:
         return dict(step=self.step, tokens=self.tokens)
 
 
-class NonFiniteLoss(AgreedError, FloatingPointError):
+class NonFiniteLoss(AgreedError, NonFiniteError):
     """The loss was not finite on some student; agreed, so raised on every student at once."""
 
 
@@ -343,7 +343,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             distiller.after_agreement(flags)
             startup.after_agreement(state.step, timer)
             if flags["nonfinite"]:
-                raise NonFiniteLoss(f"loss is not finite at step {state.step} on at least one training rank")
+                raise NonFiniteLoss(nonfinite_sentence(state.step, metrics, group, device))
             if evaluator.should_run(state.step):
                 reporter.log_eval(evaluator.run(model, state.step))
             preempted = flags["preempt"] or flags.get("teacher_preempt", False)

@@ -9,8 +9,8 @@ of ours does, every POLL_S:
     in the dump dir's owner record (`DumpDirOwner.heartbeat`);
   - the hang watch: once a step or wait runs past 90% of the collective timeout, a log line saying where the
     main thread is and the last collective on each group, every thread's stack appended to the rank's own log
-    (`logs/rank_<r>.log`; faulthandler's own timer prints them on stderr at the same moment, even if the GIL is
-    held), the same note in the status file, and with `distributed.debug=trace` the flight recorder dump;
+    (`logs/rank_<r>.log`; faulthandler's own timer writes them there too at the same moment, even if the GIL is
+    held: the console keeps sentences), the same note in the status file, and with `distributed.debug=trace` the flight recorder dump;
   - SIGUSR1: the stacks into the rank log and, with trace, the flight recorder dump (faulthandler prints the
     stacks on stderr first). The signal reaches this thread through `signal.set_wakeup_fd`: Python's C-level
     handler writes the signal's number to our pipe at once, where a Python handler would wait for the main thread.
