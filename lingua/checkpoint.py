@@ -202,7 +202,7 @@ class CheckpointManager:
                 warn_if_short_of_space(self.root, self.latest())
                 tmp.mkdir()
             except OSError as err:
-                error = failure_words(err)
+                error = failure_words(err), self.train_rank
         self._agree_written("tmp dir", error, step, tmp)  # nobody writes into tmp before rank 0 created it
 
         import torch.distributed.checkpoint as dcp
@@ -217,7 +217,7 @@ class CheckpointManager:
             if self.is_master:
                 _write_json(tmp / PARAMS, config)
         except (OSError, CheckpointException) as err:
-            error = failure_words(err)
+            error = failure_words(err), min(getattr(err, "failures", None) or [self.train_rank])  # DCP: who failed
         self._agree_written("shards written", error, step, tmp)  # every rank's shards and train state are on disk
 
         if self.is_master:
@@ -225,7 +225,7 @@ class CheckpointManager:
                 self._put_in_place(tmp, final, step, kind)
                 logger.info(f"saved {kind} checkpoint of step {step} to {final} in {time.perf_counter() - start:.1f}s")
             except OSError as err:
-                error = failure_words(err)
+                error = failure_words(err), self.train_rank
         self._agree_written("rename", error, step, tmp)  # the checkpoint is in place for everyone before anyone moves on
         self._last_saved_step = self.step_on_disk = step
         return final
@@ -250,15 +250,17 @@ class CheckpointManager:
         _fsync_dir(self.root)
         self._apply_retention()
 
-    def _agree_written(self, why: str, error: Optional[str], step: int, tmp: Path) -> None:
-        """A barrier that also tells every rank whether a rank failed its part of the save; if one did, rank 0
-        removes the partial `tmp` and every rank raises the same sentence (`CheckpointWriteFailed`)."""
+    def _agree_written(self, why: str, error: Optional[tuple[str, int]], step: int, tmp: Path) -> None:
+        """A barrier that also tells every rank whether a rank failed its part of the save (`error`: the words and
+        the train rank that failed); if one did, rank 0 removes the partial `tmp` and every rank raises the same
+        sentence (`CheckpointWriteFailed`)."""
         failed = first_error(error, self.group, f"checkpoint {why}")
         if failed is None:
             return
         if self.is_master:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise save_failed(step, tmp, failed[1], failed[0], self.latest()) from None
+        words, rank = failed[1]
+        raise save_failed(step, tmp, words, rank, self.latest()) from None
 
     def _add_kind(self, final: Path, kind: str) -> None:
         assert is_complete(final), f"{final} was saved by this manager but is not complete"

@@ -131,8 +131,8 @@ def make_dir_for_group(path: Path, is_master: bool, group, what: str) -> Path:
     return Path(path)
 
 
-def first_error(error: Optional[str], group, what: str) -> Optional[tuple[int, str]]:
-    """(group rank, words) of the first rank of `group` whose local step failed (`error` not None), or None: every
+def first_error(error: Optional[object], group, what: str) -> Optional[tuple[int, object]]:
+    """(group rank, its `error`) of the first rank of `group` whose local step failed (`error` not None), or None: every
     rank learns it at once, so all raise together instead of some waiting in the next collective. Also a barrier."""
     _require_group(group, "first_error")
     if _alone(group):
