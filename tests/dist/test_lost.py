@@ -135,13 +135,19 @@ def test_a_teacher_with_a_nan_weight_and_a_diverging_student_are_sentences(corpu
     assert rank_exit_codes(result.stdout) == {0: 2, 1: 2, 2: 1}, result.stdout[-6000:]
     assert_no_traceback(result.stdout)
 
-    # A student whose learning rate makes it diverge: the step, both ranks, the parts that went.
-    result = torchrun(3, distill_overrides(corpus, tiny_teacher, tmp_path / "diverge", steps=20, **{
+    # A student whose learning rate makes it diverge: the step, both ranks, the parts that went; agreed, so the
+    # teacher is told (ERROR) and nothing after the last finite step is logged.
+    dump = tmp_path / "diverge"
+    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=20, **{
         "optim.lr": 1e12, "optim.warmup": 0, "optim.clip": 0}), timeout=LIMIT_S)
     said = [line for line in sentences(result.stdout) if not line.startswith("error: student rank(s)")]  # the teacher's
     assert len(said) == 2 and said[0] == said[1], result.stdout[-6000:]
-    assert re.fullmatch(r"error: the loss is not finite at step \d+ on train ranks 0 \((CE|KD|CE and KD)\), 1 \((CE|KD|"
-                        r"CE and KD)\): the student diverged; lower optim.lr, lengthen optim.warmup or set optim.clip, "
-                        r"and resume from the last checkpoint", said[0]), said
+    found = re.fullmatch(r"error: the loss is not finite at step (\d+) on train ranks 0 \((CE|KD|CE and KD)\), 1 \((CE|"
+                         r"KD|CE and KD)\): the student diverged; lower optim.lr, lengthen optim.warmup or set optim.clip, "
+                         r"and resume from the last checkpoint", said[0])
+    assert found, said
+    step = int(found.group(1))
+    assert f"error: student rank(s) [0, 1] stopped on an error at step {step}" in result.stdout
+    assert sorted(train_rows(dump)) == list(range(1, step))
     assert rank_exit_codes(result.stdout) == {0: 2, 1: 2, 2: 1}, result.stdout[-6000:]
     assert_no_traceback(result.stdout)
