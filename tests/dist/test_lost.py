@@ -12,7 +12,7 @@ import time
 import pytest
 
 from lingua.dump_owner import OWNER
-from lingua.rundir import RunDir, read_metrics, train_rows
+from lingua.rundir import read_metrics, train_rows
 from tests.runs import distill_overrides, rank_exit_codes, rank_pid, torchrun, wait_for_step
 
 pytestmark = pytest.mark.slow  # every test here launches processes
@@ -66,9 +66,9 @@ def test_a_second_launch_into_a_live_dump_dir_refuses_and_the_first_is_untouched
     assert not (dump / OWNER).exists()
 
 
-@pytest.mark.timeout(4 * LIMIT_S)
-def test_full_disk_then_torn_checkpoint_then_resume(corpus, tiny_teacher, tmp_path):
-    dump, run_dir = tmp_path / "run", RunDir(tmp_path / "run")
+@pytest.mark.timeout(3 * LIMIT_S)
+def test_full_disk_then_torn_checkpoint(corpus, tiny_teacher, tmp_path):
+    dump = tmp_path / "run"
     ckpts = dump / "checkpoints"
     overrides = dict(steps=6, **{"checkpoint.dump.every": 2})
     # 1. The disk fills while step 6 is saved (rank 1's storage writer): one sentence on both students, exit 2.
@@ -102,13 +102,9 @@ def test_full_disk_then_torn_checkpoint_then_resume(corpus, tiny_teacher, tmp_pa
     assert sentences(torn.stdout).count(expected) == 2, torn.stdout[-6000:]
     assert rank_exit_codes(torn.stdout).get(0) == 2 and rank_exit_codes(torn.stdout).get(1) == 2, torn.stdout[-6000:]
     assert_no_traceback(torn.stdout)
-
-    # 3. As the sentence says: move it aside, relaunch, resume from step 2 and finish.
-    os.rename(damaged, f"{damaged}.damaged")
-    resumed = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, **overrides), timeout=LIMIT_S)
-    assert resumed.returncode == 0, resumed.stdout[-6000:]
-    assert "resumed from step 2" in resumed.stdout
-    assert max(train_rows(dump)) == 6 and (ckpts / "0000000006").is_dir() and not (dump / OWNER).exists()
+    assert not (dump / OWNER).exists()  # a launch that failed as a sentence releases the dump dir too
+    # Moving it aside, as the sentence says, resumes from the intact one: tests/unit/test_checkpoint.py (a relaunch
+    # here would only repeat the resume tests of test_train.py).
 
 
 def nan_teacher(tiny_teacher, out):
