@@ -9,7 +9,9 @@ Layout of `<root>/<step:010d>/`:
 A save goes to `<step:010d>.tmp/` and is renamed into place by train rank 0 once every rank has
 written its part, so a crash mid-save leaves only a `.tmp` directory that `latest()` never picks and
 the next save removes. Every barrier and DCP call runs on the training group passed in: the teacher
-ranks of a distillation job never take part (a checkpoint on the default group hangs the job).
+ranks of a distillation job never take part (a checkpoint on the default group hangs the job). A save that
+fails (full disk, permission) and a checkpoint that cannot be read are one agreed sentence on every training
+rank (lingua/checkpoint_health.py); a torn newest checkpoint is named, never skipped silently.
 
 Export: `python -m lingua.checkpoint consolidate <ckpt_dir> <out_file>`.
 
