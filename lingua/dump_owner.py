@@ -9,8 +9,9 @@ exclusive on NFS and Lustre, where `flock` may be a no-op), so a reader sees all
 decides from the same file, without a collective: a record of its own launch (same SLURM job and restart,
 same rendezvous address) lets it in; a live record of another launch is refused in one sentence naming the
 holder (host, pid, job, since when) on every rank, before any process group exists. A holder that is gone --
-its pid dead on this host, its heartbeat older than the bound it wrote itself, or an earlier run of this same
-SLURM job (a requeue) -- is taken over with a warning naming it. A clean exit, or a failure our code saw,
+its pid dead on this host, its heartbeat older than the bound it wrote itself (a holder on another host; one on
+this host whose process lives, even stopped, keeps the dir), or an earlier run of this same SLURM job (a
+requeue) -- is taken over with a warning naming it. A clean exit, or a failure our code saw,
 removes the record; a killed run leaves it, and the next launch takes it over.
 """
 
@@ -55,11 +56,14 @@ def describe_holder(record: dict, now: Optional[float] = None) -> str:
 def holder_gone(record: dict, host: str, now: float, env=None) -> Optional[str]:
     """Why the run behind `record` no longer holds the dump dir, or None while it may still be running."""
     env = os.environ if env is None else env
-    if process_state(record, host) == "gone":
+    process = process_state(record, host)  # None on another host: only its heartbeat can tell
+    if process == "gone":
         return "its process is gone"
     job, restart = env.get("SLURM_JOB_ID"), int(env.get("SLURM_RESTART_COUNT", "0") or 0)
     if job and record.get("job") == job and int(record.get("restart", 0)) < restart:
-        return f"it is this SLURM job's run before requeue {restart}"
+        return f"it is this SLURM job's run before requeue {restart}"  # it saved and requeued itself: past its writes
+    if process is not None:  # alive, or stopped (it would write again once continued): it still holds the dir
+        return None
     age = now - record.get("heartbeat", 0)
     if age > record.get("stale_after_s", STALE_S):
         return f"its heartbeat is {age:.0f}s old"

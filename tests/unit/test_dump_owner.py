@@ -83,6 +83,13 @@ def test_a_holder_that_is_gone_is_taken_over_with_a_warning_naming_it(tmp_path, 
     assert not DumpDirOwner(tmp_path, torchrun_launch(1), 30, env).take().held
 
 
+def test_a_live_holder_on_this_host_keeps_the_dir_whatever_its_heartbeat_says(tmp_path):
+    record = plant(tmp_path, heartbeat=time.time() - 3600)  # this process: alive, but its heartbeat is old
+    assert holder_gone(record, socket.gethostname(), time.time(), {}) is None
+    with pytest.raises(LaunchError, match="is in use by another run"):
+        DumpDirOwner(tmp_path, torchrun_launch(0), 30, {}).take()
+
+
 def test_other_ranks_wait_for_rank_0_and_say_so_when_it_never_comes(tmp_path):
     start = time.monotonic()
     with pytest.raises(LaunchError, match="rank 0 of this launch did not take dump_dir"):
