@@ -65,6 +65,7 @@ def test_a_live_holder_of_another_launch_is_refused_on_every_rank_naming_it(tmp_
     ("dead pid", dict(pid=None), "its process is gone"),
     ("old heartbeat elsewhere", dict(host="elsewhere", heartbeat=time.time() - 600), "its heartbeat is"),
     ("requeued job", dict(host="elsewhere", job="77", restart=0), "this SLURM job's run before requeue 1"),
+    ("requeued job still leaving here", dict(job="77", restart=0), "this SLURM job's run before requeue 1"),
 ])
 def test_a_holder_that_is_gone_is_taken_over_with_a_warning_naming_it(tmp_path, caplog, how, fields, why):
     if fields.get("pid", 1) is None:
