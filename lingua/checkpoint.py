@@ -9,7 +9,9 @@ Layout of `<root>/<step:010d>/`:
 A save goes to `<step:010d>.tmp/` and is renamed into place by train rank 0 once every rank has
 written its part, so a crash mid-save leaves only a `.tmp` directory that `latest()` never picks and
 the next save removes. Every barrier and DCP call runs on the training group passed in: the teacher
-ranks of a distillation job never take part (a checkpoint on the default group hangs the job).
+ranks of a distillation job never take part (a checkpoint on the default group hangs the job). A save that
+fails (full disk, permission) and a checkpoint that cannot be read are one agreed sentence on every training
+rank (lingua/checkpoint_health.py); a torn newest checkpoint is named, never skipped silently.
 
 Export: `python -m lingua.checkpoint consolidate <ckpt_dir> <out_file>`.
 
@@ -35,8 +37,10 @@ from torch import nn
 
 from lingua.args import require
 from lingua.cli import run_cli
+from lingua.checkpoint_health import (damage, failure_words, newest_intact, save_failed, unreadable,
+                                      warn_if_short_of_space)
 from lingua.errors import DataError, LaunchError, MissingPathError
-from lingua.parallel.collectives import log_collective
+from lingua.parallel.collectives import first_error, log_collective
 
 logger = logging.getLogger(__name__)
 
@@ -192,45 +196,73 @@ class CheckpointManager:
             return final
 
         tmp = final.with_name(final.name + ".tmp")
+        error = None
         if self.is_master:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self._remove_stale()
-            tmp.mkdir()
-        self._barrier("tmp dir")  # nobody writes into tmp before rank 0 has cleaned up and created it
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._remove_stale()
+                warn_if_short_of_space(self.root, self.latest())
+                tmp.mkdir()
+            except OSError as err:
+                error = failure_words(err), self.train_rank
+        self._agree_written("tmp dir", error, step, tmp)  # nobody writes into tmp before rank 0 created it
 
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(model, optimizer)
         log_collective("dcp.save", self.group)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp), process_group=self.group)
-        _write_json(tmp / train_state_name(self.train_rank), train_state)
-        if self.is_master:
-            _write_json(tmp / PARAMS, config)
-        self._barrier("shards written")  # every rank's shards and train state are on disk
+        try:  # DCP's own failures reach every rank at once (CheckpointException); our files are agreed below
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp), process_group=self.group)
+            _write_json(tmp / train_state_name(self.train_rank), train_state)
+            if self.is_master:
+                _write_json(tmp / PARAMS, config)
+        except (OSError, CheckpointException) as err:
+            error = failure_words(err), min(getattr(err, "failures", None) or [self.train_rank])  # DCP: who failed
+        self._agree_written("shards written", error, step, tmp)  # every rank's shards and train state are on disk
 
         if self.is_master:
-            kinds = {kind}
-            if is_complete(final):
-                # Re-save of a step (e.g. after a resume): keep the kinds it was already counted under.
-                kinds |= set(read_marker(final).get("kinds", []))
-            _write_json(tmp / MARKER, dict(step=step, kinds=sorted(kinds), train_world_size=self.train_world_size))
-            if final.exists():
-                # Two renames, never a moment without a copy on disk; a crash between them leaves .old/.tmp.
-                old = final.with_name(final.name + ".old")
-                if old.exists():
-                    shutil.rmtree(old)
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old)
-            else:
-                os.rename(tmp, final)
-            _fsync_dir(self.root)
-            self._apply_retention()
-            logger.info(f"saved {kind} checkpoint of step {step} to {final} in {time.perf_counter() - start:.1f}s")
-        self._barrier("rename")  # the checkpoint is in place for everyone before anyone moves on
+            try:
+                self._put_in_place(tmp, final, step, kind)
+                logger.info(f"saved {kind} checkpoint of step {step} to {final} in {time.perf_counter() - start:.1f}s")
+            except OSError as err:
+                error = failure_words(err), self.train_rank
+        self._agree_written("rename", error, step, tmp)  # the checkpoint is in place for everyone before anyone moves on
         self._last_saved_step = self.step_on_disk = step
         return final
+
+    def _put_in_place(self, tmp: Path, final: Path, step: int, kind: str) -> None:
+        """Rank 0: the completion marker, then `tmp` renamed to `final` (replacing an older save of that step)."""
+        kinds = {kind}
+        if is_complete(final):
+            # Re-save of a step (e.g. after a resume): keep the kinds it was already counted under.
+            kinds |= set(read_marker(final).get("kinds", []))
+        _write_json(tmp / MARKER, dict(step=step, kinds=sorted(kinds), train_world_size=self.train_world_size))
+        if final.exists():
+            # Two renames, never a moment without a copy on disk; a crash between them leaves .old/.tmp.
+            old = final.with_name(final.name + ".old")
+            if old.exists():
+                shutil.rmtree(old)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(self.root)
+        self._apply_retention()
+
+    def _agree_written(self, why: str, error: Optional[tuple[str, int]], step: int, tmp: Path) -> None:
+        """A barrier that also tells every rank whether a rank failed its part of the save (`error`: the words and
+        the train rank that failed); if one did, rank 0 removes the partial `tmp` and every rank raises the same
+        sentence (`CheckpointWriteFailed`)."""
+        failed = first_error(error, self.group, f"checkpoint {why}")
+        if failed is None:
+            return
+        if self.is_master:
+            shutil.rmtree(tmp, ignore_errors=True)
+        words, rank = failed[1]
+        raise save_failed(step, tmp, words, rank, self.latest()) from None
 
     def _add_kind(self, final: Path, kind: str) -> None:
         assert is_complete(final), f"{final} was saved by this manager but is not complete"
@@ -284,6 +316,10 @@ class CheckpointManager:
         if ckpt is None:
             logger.info(f"no checkpoint to resume from in {self.root}")
             return None
+        # Rank 0 checks the files (cheap: no tensor is read) and tells the others: a torn checkpoint is a sentence.
+        damaged = first_error(damage(ckpt) if self.is_master else None, self.group, "checkpoint intact")
+        if damaged is not None:
+            raise unreadable(ckpt, damaged[1], newest_intact(complete_checkpoints(self.root), ckpt))
         saved_world = read_marker(ckpt).get("train_world_size")
         if saved_world != self.train_world_size:
             raise LaunchError(
@@ -292,6 +328,7 @@ class CheckpointManager:
                 f"training ranks, or start a new run from its weights with checkpoint.init_ckpt_path={ckpt}."
             )
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         start = time.perf_counter()
@@ -299,10 +336,18 @@ class CheckpointManager:
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         log_collective("dcp.load", self.group)
-        dcp.load(state, checkpoint_id=str(ckpt), process_group=self.group)
+        error, train_state = None, None
+        try:  # what the size check cannot see (bytes torn inside a file): DCP's reader fails on every rank at once
+            dcp.load(state, checkpoint_id=str(ckpt), process_group=self.group)
+            with open(ckpt / train_state_name(self.train_rank)) as f:
+                train_state = json.load(f)
+        except (OSError, ValueError, CheckpointException) as err:
+            error = failure_words(err)
+        failed = first_error(error, self.group, "checkpoint read")
+        if failed is not None:
+            raise unreadable(ckpt, f"{failed[1]} (train rank {failed[0]})",
+                             newest_intact(complete_checkpoints(self.root), ckpt))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        with open(ckpt / train_state_name(self.train_rank)) as f:
-            train_state = json.load(f)
         self.step_on_disk = read_marker(ckpt).get("step")
         logger.info(f"loaded checkpoint {ckpt} in {time.perf_counter() - start:.1f}s")
         return train_state

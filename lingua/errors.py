@@ -15,6 +15,10 @@ keep working:
                       exist or is incomplete
     DataError         files or data that cannot be used as they are: a source with no valid document, teacher
                       weights that do not load, a damaged or mismatched cache or checkpoint
+    StorageError      a write the run needs failed (a full disk, a permission, a quota): the sentence names the
+                      path, the error and what is still safe on disk
+    NonFiniteError    the loss, or a teacher's outputs, are not finite: the sentence names the step, the rank(s) and
+                      the part (CE, KD, the teacher), and what to change
     TeacherError      a teacher's failure every bridge member reports alike: it failed to load (for a reason
                       above), a student's request it refused (token ids beyond its vocabulary)
     RunFailed         a run a command launched (a benchmark's or the study's training runs, the cache writer)
@@ -43,6 +47,14 @@ class MissingPathError(UserError, FileNotFoundError):
 class DataError(UserError, ValueError):
     """Files or data the user gave cannot be used as they are (damaged, mismatched, empty); the sentence says how
     to get usable ones."""
+
+
+class StorageError(UserError, OSError):
+    """A write the run needs failed (full disk, permission, quota); the sentence names the path and what is safe."""
+
+
+class NonFiniteError(UserError, FloatingPointError):
+    """The loss or a teacher's outputs are not finite; the sentence names the step, the rank(s) and the part."""
 
 
 class TeacherError(UserError, RuntimeError):

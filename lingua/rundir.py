@@ -1,5 +1,6 @@
 """A run's dump directory: where each output lives, and tolerant readers for its jsonl files.
 
+    <dump_dir>/owner.json             the live run that holds the dump dir (lingua/dump_owner.py)
     <dump_dir>/config.yaml            the resolved config actually used
     <dump_dir>/metrics.jsonl          one JSON line per log step (train rank 0), eval rows too
     <dump_dir>/checkpoints/<step>/    DCP shards + train_state_<rank>.json + params.json

@@ -6,10 +6,13 @@
     nan:<train_rank>@<step>              its loss is not finite at that step
     stall:<train_rank>@<step>            it is STALL_S late to that step (a straggler)
     preempt:<train_rank>@<step>          it votes to preempt at that step, as if SIGUSR2 had just arrived
+    disk_full:<train_rank>@<step>        its checkpoint writer finds the disk full (ENOSPC) from that step on
     teacher_load:<teacher_index>         that teacher fails to load
     teacher_serve:<teacher_index>@<step> that teacher fails while serving a request of that step
 """
 
+import errno
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -19,12 +22,12 @@ import torch
 from lingua.errors import ConfigError
 
 STALL_S = 4.0  # how late inject_failure=stall:... makes a student
-STEP_KINDS = ("raise", "bug", "nan", "stall", "preempt", "teacher_serve")  # the kinds given as <rank>@<step>
+STEP_KINDS = ("raise", "bug", "nan", "stall", "preempt", "disk_full", "teacher_serve")  # the kinds given as <rank>@<step>
 
 
 @dataclass(frozen=True)
 class InjectedFailure:
-    kind: str  # "raise" | "bug" | "nan" | "stall" | "preempt" | "teacher_load" | "teacher_serve"
+    kind: str  # "raise" | "bug" | "nan" | "stall" | "preempt" | "disk_full" | "teacher_load" | "teacher_serve"
     rank: int  # train rank, or the teacher's index among teachers for teacher_*
     step: int  # 0 for teacher_load
 
@@ -39,6 +42,7 @@ def parse_injected_failure(spec: Optional[str]) -> Optional[InjectedFailure]:
     if not valid:
         raise ConfigError(f"inject_failure={spec!r}; use raise:<train_rank>@<step>, bug:<train_rank>@<step>, "
                           f"nan:<train_rank>@<step>, stall:<train_rank>@<step>, preempt:<train_rank>@<step>, "
+                          f"disk_full:<train_rank>@<step>, "
                           f"teacher_load:<teacher_index> or teacher_serve:<teacher_index>@<step>.")
     return InjectedFailure(kind, int(rank), int(step or 0))
 
@@ -48,6 +52,11 @@ def step_and_rank(step: int, train_rank: int) -> tuple[int, int]:
     `ValueError: too many values to unpack (expected 2)` here, with this file and line in its traceback."""
     step_seen, rank_seen = (step, train_rank, "one value too many")
     return step_seen, rank_seen
+
+
+def disk_full(*args, **kwargs):
+    """DCP's storage writer as it fails on a full disk (what inject_failure=disk_full:... puts in its place)."""
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 class FaultInjector:
@@ -68,6 +77,10 @@ class FaultInjector:
             step_and_rank(step, self.train_rank)
         if self._due("stall", step):
             time.sleep(STALL_S)
+        if self._due("disk_full", step):
+            from torch.distributed.checkpoint import filesystem
+
+            filesystem._write_item = disk_full
 
     def preempt(self, step: int) -> bool:
         return self._due("preempt", step)

@@ -7,6 +7,8 @@ import math
 import time
 from pathlib import Path
 
+import torch
+
 from lingua.args import to_dict
 from lingua.metrics import MemoryMonitor, MetricLogger, ProgressLine, estimate_mfu
 from lingua.parallel.collectives import dist_gather_floats, dist_mean_dict
@@ -192,3 +194,16 @@ class StepReporter:
         if last.get("data/bad_lines"):  # summed over the students
             lines.insert(-1, f"skipped {last['data/bad_lines']:,} malformed data lines (warnings in logs/rank_<r>.log)")
         logger.info("summary\n  " + "\n  ".join(lines))
+
+
+def nonfinite_sentence(step: int, metrics: dict, group, device) -> str:
+    """Which training rank(s) and which part of the loss (CE, KD) were not finite at `step`: one gather on the
+    training group, on the error path only (every student is here: the flag was agreed)."""
+    parts = [(name, metrics.get(key)) for name, key in (("CE", "loss/ce"), ("KD", "loss/kd"))]
+    bits = [float(value is not None and not bool(torch.isfinite(torch.as_tensor(value)).all())) for _, value in parts]
+    rows = dist_gather_floats(bits, group, device)
+    where = [f"{rank} ({' and '.join(name for (name, _), bad in zip(parts, row) if bad)})"
+             for rank, row in enumerate(rows) if any(row)]
+    ranks = f"train rank{'s' if len(where) > 1 else ''} {', '.join(where)}" if where else "a train rank (injected)"
+    return (f"the loss is not finite at step {step} on {ranks}: the student diverged; lower optim.lr, lengthen "
+            f"optim.warmup or set optim.clip, and resume from the last checkpoint")

@@ -29,7 +29,7 @@ from apps.main.checkpoint_eval import (CheckpointEvaluation, EvalAtCheckpointArg
                                        validate_eval_sections)
 from apps.main.eval import EvalArgs, Evaluator, teacher_heldout
 from apps.main.faults import FaultInjector, parse_injected_failure
-from apps.main.report import StepReporter
+from apps.main.report import StepReporter, nonfinite_sentence
 from apps.main.transformer import (
     LMTransformer,
     LMTransformerArgs,
@@ -50,7 +50,8 @@ from lingua.distillation.server import TeacherServer
 from lingua.distillation.teacher import read_max_positions
 from lingua.distillation.tensor_parallel import heads_problem, read_teacher_config
 from lingua.distributed import Topology, clean_up, log_rank_device_map, setup_torch_distributed
-from lingua.errors import ConfigError
+from lingua.dump_owner import DumpDirOwner
+from lingua.errors import ConfigError, NonFiniteError
 from lingua.eval_data import eval_files
 from lingua.logger import init_logger
 from lingua.metrics import LoggingArgs
@@ -198,7 +199,7 @@ class TrainState:
         return dict(step=self.step, tokens=self.tokens)
 
 
-class NonFiniteLoss(AgreedError, FloatingPointError):
+class NonFiniteLoss(AgreedError, NonFiniteError):
     """The loss was not finite on some student; agreed, so raised on every student at once."""
 
 
@@ -339,7 +340,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             distiller.after_agreement(flags)
             startup.after_agreement(state.step, timer)
             if flags["nonfinite"]:
-                raise NonFiniteLoss(f"loss is not finite at step {state.step} on at least one training rank")
+                raise NonFiniteLoss(nonfinite_sentence(state.step, metrics, group, device))
             if evaluator.should_run(state.step):
                 reporter.log_eval(evaluator.run(model, state.step))
             preempted = flags["preempt"] or flags.get("teacher_preempt", False)
@@ -412,13 +413,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     args.validate(launch.world_size, launch.local_world_size)  # every config error, before any process group
     preemption = PreemptionFlag()  # from here on: handlers only set a flag, students agree on it each step
     check_no_sigterm_held()  # a SIGTERM while we checked: torchrun stopping the job, another rank failed
+    owner = DumpDirOwner(args.dump_dir, launch, args.distributed.init_timeout_s).take()  # or refuse: it is in use
     failure: Optional[BaseException] = None  # an exceptional exit aborts the process groups (clean_up)
     try:
         topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir, teacher_tp(args))
         init_logger(topo.global_rank, topo.role, str(RunDir(args.dump_dir).rank_log(topo.global_rank)))
         # From here a rank that fails leaves a note, and one that loses a peer names the rank that stopped.
         with (RankStatus(args.dump_dir, topo, debug=args.distributed.debug_mode) as status,
-              RankWatch(topo, args.dump_dir, status, traces=args.distributed.traces)):
+              RankWatch(topo, args.dump_dir, status, traces=args.distributed.traces, owner=owner)):
             phases = PhaseLog(args.dump_dir, topo.global_rank, topo.role)
             for phase, (phase_start, phase_end) in topo.setup_spans.items():  # process_group_init, mesh
                 phases.record(phase, phase_start, phase_end)
@@ -437,6 +439,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     finally:
         preemption.ignore_further()  # a launcher's SIGTERM while we leave would only cut the exit short
         clean_up(failure)
+        owner.release()
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 RECORD_INTS = 16  # int64 fields of a handshake record / response status
 MESSAGE_BYTES = 2048
 RECORD_BYTES = RECORD_INTS * 8 + MESSAGE_BYTES
+NAN_WORD = 6  # int64 field of a ResponseStatus after the packed ones: the teacher's outputs held NaN (a device copy)
 WIRE_NAMES = tuple(WIRE_DTYPES)
 
 

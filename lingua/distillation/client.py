@@ -29,6 +29,7 @@ from lingua.distillation.args import AgreedPeerStopped, AgreedTeacherError, Dist
 from lingua.distillation.bridge import (
     BAD_TOKENS_FIELD,
     HEADER_INTS,
+    NAN_WORD,
     RECORD_BYTES,
     HandshakeRecord,
     Op,
@@ -44,7 +45,7 @@ from lingua.errors import PeerStopped
 from lingua.parallel.collectives import log_collective
 
 logger = logging.getLogger(__name__)
-STATUS_WORDS = 2  # the response status fields read per step: failed, teacher_preempt (int64 each)
+STATUS_WORDS = NAN_WORD + 1  # the response status fields read per step (int64 each): failed, teacher_preempt, ..., NaN
 
 
 class WaitClock:
@@ -246,10 +247,21 @@ class TeacherClient:
         as device tensors for the step's agreed flags (no host read here)."""
         if not self.statuses:
             zero = torch.zeros((), dtype=torch.int64, device=self.device)
-            return {"teacher_error": zero, "teacher_preempt": zero}
+            return {"teacher_error": zero, "teacher_preempt": zero, "teacher_nan": zero}
         words = torch.stack([record[: STATUS_WORDS * 8].view(torch.int64) for record, _ in self.statuses]).amax(dim=0)
         self.checked, self.statuses = self.statuses, []
-        return {"teacher_error": words[0], "teacher_preempt": words[1]}
+        return {"teacher_error": words[0], "teacher_preempt": words[1], "teacher_nan": words[NAN_WORD]}
+
+    def raise_teacher_nan(self) -> None:
+        """After the students agreed that a teacher's outputs held NaN: which teacher and step, if this bridge's."""
+        for record, step in self.checked:
+            if record[: STATUS_WORDS * 8].view(torch.int64)[NAN_WORD].item():  # the error path: one host read
+                raise AgreedTeacherError(
+                    f"Teacher rank {self.teacher_rank}'s outputs are not finite (NaN) at step {step}: its weights or "
+                    f"its forward in distillation.teacher_dtype={self.args.teacher_dtype} are broken, not the "
+                    f"students; check the teacher at {self.args.teacher_path} (its own check of its outputs)")
+        raise AgreedPeerStopped("a teacher in another bridge sent outputs that are not finite; its students' logs "
+                                "name it")
 
     def raise_teacher_error(self) -> None:
         """After the students agreed that a response failed: the teacher's own sentence, if this bridge has it.

@@ -234,6 +234,8 @@ class OnlineDistiller(KDDistiller):
     def after_agreement(self, flags: dict) -> None:
         if flags.get("teacher_error"):
             self.client.raise_teacher_error()
+        if flags.get("teacher_nan"):
+            self.client.raise_teacher_nan()
 
     def mark_first_step_done(self) -> None:
         self.client.mark_first_step_done()

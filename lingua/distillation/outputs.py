@@ -46,6 +46,12 @@ class TeacherOutputs:
             return [self.values]
         return [self.values, self.ids, self.extra]
 
+    def nan_flag(self) -> torch.Tensor:
+        """1 when any value is NaN (a broken teacher: NaN or inf weights, an overflow), as a device int64 scalar: no
+        host sync; it travels in the reply's status. (A tail or a log-prob may be -inf legitimately, never NaN.)"""
+        return torch.stack([t.isnan().any() for t in self.tensors() if t is not None and t.is_floating_point()]
+                           ).any().to(torch.int64)
+
     @staticmethod
     def wire_spec(format: str, B: int, S: int, k: int, V: int, wire_dtype: torch.dtype = torch.bfloat16) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of each wire tensor for a [B, S] micro-batch, so a receiver can preallocate."""

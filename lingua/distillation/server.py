@@ -33,6 +33,7 @@ import torch.distributed as dist
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.bridge import (
     HEADER_INTS,
+    NAN_WORD,
     RECORD_BYTES,
     HandshakeRecord,
     Op,
@@ -230,6 +231,7 @@ class TeacherServer:
         self.student_ranks = topo.plan.bridges()[topo.my_bridge][1]
         self.link = ReplicaLink(topo, self.spec, len(self.student_ranks)) if tensor_parallel else None
         self.replica_flags: Optional[torch.Tensor] = None  # this request's (preempt, peak) over the replica
+        self.nan_flags: dict[int, torch.Tensor] = {}
         if not self.leader:
             return
         self.bridge_ranks = dist.get_process_group_ranks(topo.bridge_group)
@@ -361,7 +363,7 @@ class TeacherServer:
         the forward, out of memory), the students get its sentence; a sticky CUDA error leaves at once, unanswered."""
         students = self._students()
         arrived, ops, step, failure, error, peak_bytes, forwarded = False, set(), None, None, None, 0, False
-        self.replica_flags = None
+        self.replica_flags, self.nan_flags = None, {}  # nan_flags: response index -> device flag of its outputs
         try:
             headers = self._headers(students)
             self.clock.request_arrived()
@@ -408,8 +410,10 @@ class TeacherServer:
 
     def _reply(self, status: ResponseStatus) -> None:
         record = status.pack(pin=self.topo.device.type == "cuda").to(self.topo.device, non_blocking=True)
-        for buf in self.responses:
+        for i, buf in enumerate(self.responses):
             buf[:RECORD_BYTES] = record
+            if i in self.nan_flags:  # the teacher's check of its own outputs, read by the students with the status
+                buf[:RECORD_BYTES].view(torch.int64)[NAN_WORD] = self.nan_flags[i]
             if self.replica_flags is not None:  # any rank of the replica preempted, its largest peak memory
                 ReplicaLink.write_flags(buf, self.replica_flags)
         log_collective("scatter responses (teacher)", self.topo.bridge_group, self.responses[self.mine])
@@ -463,5 +467,6 @@ class TeacherServer:
             if outputs is None:  # a follower: its part of the outputs went to the replica's first rank
                 continue
             views = self.spec.payload_views(self.responses[self.bridge_ranks.index(rank)])
+            self.nan_flags[self.bridge_ranks.index(rank)] = outputs.nan_flag()
             for source, dest in zip(outputs.tensors(), views):
                 dest[: source.shape[0], : source.shape[1]] = source

@@ -2,12 +2,13 @@
 
 Every function here takes its group explicitly (the collective rule): `group=None` means "no group"
 only in a single process; in a job it would silently mean the world, so it is refused.
-`agree_flags` and `agree_count` are how ranks agree before they diverge: any decision that changes
+`agree_flags`, `agree_count` and `first_error` are how ranks agree before they diverge: any decision that changes
 which collectives a rank issues (stop, save, fail, loop lengths) goes through one of them first.
 """
 
 import logging
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -128,3 +129,15 @@ def make_dir_for_group(path: Path, is_master: bool, group, what: str) -> Path:
         raise ValueError(f"{what} needs the process group of the ranks that use it (e.g. topo.train_group); "
                          f"it never synchronises on the default group.")
     return Path(path)
+
+
+def first_error(error: Optional[object], group, what: str) -> Optional[tuple[int, object]]:
+    """(group rank, its `error`) of the first rank of `group` whose local step failed (`error` not None), or None: every
+    rank learns it at once, so all raise together instead of some waiting in the next collective. Also a barrier."""
+    _require_group(group, "first_error")
+    if _alone(group):
+        return None if error is None else (0, error)
+    errors: list = [None] * dist.get_world_size(group)
+    log_collective(f"all_gather_object {what}", group)
+    dist.all_gather_object(errors, error, group=group)
+    return next(((rank, words) for rank, words in enumerate(errors) if words is not None), None)

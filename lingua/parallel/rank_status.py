@@ -19,6 +19,7 @@ from typing import Optional
 
 from lingua.args import one_line
 from lingua.errors import CollectiveTimeout, PeerStopped
+from lingua.logger import FILE_ONLY
 from lingua.rundir import RunDir
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def _proc_stat(pid: int) -> Optional[tuple[str, str]]:
     return fields[0], fields[19]
 
 
-def _process_start(pid: int) -> Optional[str]:
+def process_start(pid: int) -> Optional[str]:
     """The start time of a live process (to tell it from a later one with the same pid); None when it is gone
     or a zombie. Without /proc, any process with that pid counts."""
     stat = _proc_stat(pid)
@@ -223,7 +224,8 @@ class RankStatus:
     failure, else one on this host whose process is gone (SIGKILL, out of memory), else "a peer rank". A rank
     whose collective times out raises `CollectiveTimeout` naming the group, the rank(s) that did not arrive
     (`diagnose_timeout`) and the step. The backend's words go to this rank's log and its status file
-    (`backend_error`); its traceback, which only shows where it was waiting, is logged with `distributed.debug`.
+    (`backend_error`); its traceback, which only shows where it was waiting, goes to the rank's log alone (the
+    console shows the sentence).
     A rank that raises `PeerStopped` itself (its teacher hit a bug) records `lost_peer` as well: it is never
     the one named.
     """
@@ -233,7 +235,7 @@ class RankStatus:
         mode = str(debug).strip().lower()
         self.debug, self.traces = mode != "false", mode in ("trace", "true")
         self.pid = os.getpid()
-        self.started = _process_start(self.pid)
+        self.started = process_start(self.pid)
         self.fields: dict = {}  # step, heartbeat, stuck, collectives: kept across rewrites
         self.current_step: Optional[int] = None  # set by the watch as the loop arms it (students; None on teachers)
         self.state = "running"
@@ -311,8 +313,7 @@ class RankStatus:
         if not is_peer_loss(exc):
             self.write("failed", one_line(f"{type(exc).__name__}: {exc}"))
             return
-        if self.debug:
-            logger.error("the collective that lost its peer", exc_info=exc)
+        logger.error("the collective that lost its peer", exc_info=exc, extra=FILE_ONLY)  # the backend's traceback
         backend = one_line(str(exc))
         self.write("lost_peer", "lost a peer in a collective", backend_error=backend[:2000])
         found = self.first_stopped()
@@ -359,8 +360,7 @@ class RankStatus:
         from lingua.parallel import flight_recorder  # torch-side; status files are read without it too
         from lingua.parallel.collectives import last_logged_collective
 
-        if self.debug:
-            logger.error("the collective that timed out", exc_info=exc)
+        logger.error("the collective that timed out", exc_info=exc, extra=FILE_ONLY)  # the backend's traceback
         backend = one_line(str(exc))
         if self.traces:
             flight_recorder.write_trace(self.topo, self.run_dir.root, "collective timeout")

@@ -10,12 +10,14 @@ timeout in force would fire.
 
 import faulthandler
 import logging
+import sys
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from lingua.logger import rank_log_file
 from lingua.parallel import watch
 from lingua.parallel.collectives import log_collective
 
@@ -142,18 +144,21 @@ def enter_training_timeout(topo, seconds: float) -> None:
 class HangWatch:
     """Says where a step or wait is stuck shortly before the collective timeout would end it.
 
-    `arm(timeout_s, step)` re-arms faulthandler's single timer, which prints every thread's stack on stderr
-    from C (even while the GIL is held), and the rank's watch thread (`lingua/parallel/watch.py`, when one
+    `arm(timeout_s, step)` re-arms faulthandler's single timer, which writes every thread's stack from C (even
+    while the GIL is held) into the rank's log (on stderr before the log is open: the console keeps sentences), and the rank's watch thread (`lingua/parallel/watch.py`, when one
     runs), which logs where the main thread is, appends the stacks to the rank's log, notes it in the status
     file and, with `distributed.debug=trace`, dumps the flight recorder. Cheap, so always on.
     """
 
     def __init__(self, fraction: float = 0.9):
         self.fraction = fraction
+        self.log = None  # the rank's log, open for faulthandler (which needs a file it can write from C)
 
     def arm(self, timeout_s: float, step: Optional[int] = None) -> None:
         delay = max(1.0, timeout_s * self.fraction)
-        faulthandler.dump_traceback_later(delay, repeat=False)
+        if self.log is None and rank_log_file() is not None:
+            self.log = open(rank_log_file(), "a")
+        faulthandler.dump_traceback_later(delay, repeat=False, file=self.log or sys.stderr)
         watch.arm(delay, timeout_s, step)
 
     @staticmethod
@@ -166,3 +171,6 @@ class HangWatch:
 
     def __exit__(self, *exc) -> None:
         self.cancel()
+        if self.log is not None:
+            self.log.close()
+            self.log = None

@@ -5,11 +5,12 @@
 
 The main thread cannot run Python while it waits in a collective (nor can a Python signal handler), so a thread
 of ours does, every POLL_S:
-  - the heartbeat: the rank's step and a fresh time in its status file (`RankStatus.heartbeat`);
+  - the heartbeat: the rank's step and a fresh time in its status file (`RankStatus.heartbeat`), and on rank 0
+    in the dump dir's owner record (`DumpDirOwner.heartbeat`);
   - the hang watch: once a step or wait runs past 90% of the collective timeout, a log line saying where the
     main thread is and the last collective on each group, every thread's stack appended to the rank's own log
-    (`logs/rank_<r>.log`; faulthandler's own timer prints them on stderr at the same moment, even if the GIL is
-    held), the same note in the status file, and with `distributed.debug=trace` the flight recorder dump;
+    (`logs/rank_<r>.log`; faulthandler's own timer writes them there too at the same moment, even if the GIL is
+    held: the console keeps sentences), the same note in the status file, and with `distributed.debug=trace` the flight recorder dump;
   - SIGUSR1: the stacks into the rank log and, with trace, the flight recorder dump (faulthandler prints the
     stacks on stderr first). The signal reaches this thread through `signal.set_wakeup_fd`: Python's C-level
     handler writes the signal's number to our pipe at once, where a Python handler would wait for the main thread.
@@ -85,8 +86,9 @@ def describe_collectives(collectives: dict[str, dict]) -> str:
 class RankWatch:
     """The watch thread of one rank (see the module docstring). A context manager, entered on the main thread."""
 
-    def __init__(self, topo, dump_dir, status, traces: bool = False):
+    def __init__(self, topo, dump_dir, status, traces: bool = False, owner=None):
         self.topo, self.dump_dir, self.status, self.traces = topo, dump_dir, status, traces
+        self.owner = owner  # the dump dir's owner record (lingua/dump_owner.py): its heartbeat is ours too
         self.rank_log = Path(status.run_dir.rank_log(topo.global_rank))
         self.deadline: Optional[float] = None  # monotonic time the hang watch fires at
         self.armed_at, self.timeout_s, self.step = 0.0, 0.0, None
@@ -135,6 +137,8 @@ class RankWatch:
                 if self.deadline is not None and time.monotonic() >= self.deadline and not self.stopping.is_set():
                     self._fire(main_thread_at())
                 self.status.heartbeat()
+                if self.owner is not None:
+                    self.owner.heartbeat()
             except Exception as err:  # the watch must outlive whatever it watches
                 logger.warning(f"rank watch: {type(err).__name__}: {err}")
 

@@ -178,6 +178,10 @@ def test_a_stopped_teacher_is_named_by_every_rank_and_by_the_flight_recorder(cor
                          status["backend_error"]), status
         log = run_dir.rank_log(rank).read_text()
         assert f"step {step} has run" in log and "every thread's stack follows" in log and "Thread 0x" in log
+        # The console has the sentence; the backend's traceback (gloo's wait) and the stacks are in the log alone.
+        console = "\n".join(survivor_lines(outputs, rank))
+        assert "Traceback" not in console and "Thread 0x" not in console and 'File "' not in console, console[-4000:]
+        assert re.search(r"the collective that timed out\nTraceback \(most recent call last\):\n(.*\n)*.*wait", log)
     assert sentences[2] == [f"error: this rank (teacher) had stopped answering: ranks 0, 1 timed out waiting for it "
                             f"on bridge_0 at step {step}"], (sentences[2], tail)
     assert [codes.get(r) for r in (0, 1, 2)] == [1, 1, 1], codes

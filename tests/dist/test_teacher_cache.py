@@ -69,11 +69,10 @@ def test_cached_outputs_equal_a_fresh_teacher_forward_of_the_cached_tokens(cache
 
 
 @pytest.mark.timeout(300)
-def test_training_from_the_cache_equals_online_training_and_resumes_exactly(cache, corpus, tiny_teacher, tmp_path):
+def test_training_from_the_cache_equals_online_training_and_resumes_exactly(cache, corpus, tiny_teacher, tmp_path,
+                                                                           online_kd_run):
     evals = {"heldout.every": 3, "heldout.max_batches": 2}
-    online = tmp_path / "online"
-    assert_ok(torchrun(3, distill_overrides(corpus, tiny_teacher, online, steps=6, grad_acc_steps=2, **evals),
-                       timeout=150))
+    online = online_kd_run  # the same run online: steps=6, grad_acc_steps=2 and these evals (tests/dist/conftest.py)
     # From the cache, interrupted after 4 steps (a checkpoint is written on exit), then resumed to the end.
     cached = tmp_path / "cached"
     first = torchrun(2, from_cache(corpus, tiny_teacher, cache, cached, exit_after_steps=4, **evals), timeout=150)

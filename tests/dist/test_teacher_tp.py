@@ -80,10 +80,9 @@ def test_each_tp_rank_reads_only_its_shards_and_gets_what_host_slicing_gives(tmp
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_tp2_replica_trains_like_one_teacher_rank_survives_sigusr2_on_a_follower_and_resumes_exactly(
-        corpus, tiny_teacher, tmp_path):
-    one = tmp_path / "tp1"
+        corpus, tiny_teacher, tmp_path, online_kd_run):
+    one = online_kd_run  # one teacher rank, the same settings (tests/dist/conftest.py)
     extra = {"grad_acc_steps": 2, "heldout.every": 3, "heldout.max_batches": 2}
-    assert_ok(torchrun(3, distill_overrides(corpus, tiny_teacher, one, steps=6, **extra), timeout=200))
     # SIGUSR2 to the replica's second rank (rank 3, never on the bridge): the students agree to save and stop.
     split, delivered = tmp_path / "tp2", []
     first = torchrun(4, distill_overrides(corpus, tiny_teacher, split, steps=6, **extra, **TP), timeout=200,

@@ -1,6 +1,9 @@
 """CheckpointManager on a 1-rank gloo training group: round trip, latest, retention, crash safety, export."""
 
 import json
+import logging
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +21,8 @@ from lingua.checkpoint import (
     consolidate_checkpoint,
     read_marker,
 )
+from lingua.checkpoint_health import CheckpointUnreadable, CheckpointWriteFailed
+from lingua.errors import UserError
 from lingua.optim import OptimArgs, build_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,10 +192,12 @@ def test_failing_save_keeps_the_previous_checkpoint(tmp_path, train_group, monke
         raise OSError("disk full")
 
     monkeypatch.setattr(dcp, "save", crash_mid_write)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointWriteFailed, match="disk full") as failed:  # an OSError too, and a user's sentence
         save(ckpt, model, optimizer, scheduler, 2)
     monkeypatch.undo()
-    assert (tmp_path / "0000000002.tmp").is_dir() and not (tmp_path / "0000000002").exists()
+    assert isinstance(failed.value, OSError) and isinstance(failed.value, UserError)
+    assert f"the last complete checkpoint is {tmp_path / '0000000001'}" in str(failed.value)
+    assert not (tmp_path / "0000000002.tmp").exists() and not (tmp_path / "0000000002").exists()
     assert ckpt.latest() == tmp_path / "0000000001"
     fresh_model, fresh_opt, _ = make(seed=7)
     assert manager(tmp_path, train_group).load(fresh_model, fresh_opt)["step"] == 1
@@ -262,3 +269,59 @@ def test_consolidate_cli_runs_in_a_fresh_process_without_a_process_group(tmp_pat
     cli_weights = torch.load(cli_out, weights_only=True)
     assert cli_weights.keys() == model.state_dict().keys()
     assert all(torch.equal(cli_weights[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.timeout(60)
+def test_a_full_disk_in_the_storage_writer_is_one_sentence_and_warns_before_the_next_save(tmp_path, train_group,
+                                                                                          monkeypatch, caplog):
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    model, optimizer, scheduler = make()
+    ckpt = manager(tmp_path, train_group)
+    save(ckpt, model, optimizer, scheduler, 1)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(filesystem, "_write_item", disk_full)
+    with pytest.raises(CheckpointWriteFailed) as failed:
+        save(ckpt, model, optimizer, scheduler, 2)
+    monkeypatch.undo()
+    sentence = str(failed.value)
+    assert sentence == (f"the checkpoint of step 2 could not be written to {tmp_path / '0000000002.tmp'} (No space "
+                        f"left on device (ENOSPC), on train rank 0); its partial files are removed and the last "
+                        f"complete checkpoint is {tmp_path / '0000000001'}; free space (or fix the permission or quota) "
+                        f"and relaunch: it resumes from there")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0000000001"]
+    # Less free space than the last checkpoint took: a warning before the save.
+    monkeypatch.setattr("lingua.checkpoint_health.shutil.disk_usage", lambda path: shutil._ntuple_diskusage(1, 1, 1))
+    with caplog.at_level(logging.WARNING, logger="lingua.checkpoint_health"):
+        save(ckpt, model, optimizer, scheduler, 2)
+    assert any("0 MiB free but the last checkpoint" in r.getMessage() and "0000000001" in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.timeout(60)
+def test_a_torn_shard_of_the_newest_checkpoint_names_it_and_the_newest_intact_one(tmp_path, train_group):
+    model, optimizer, scheduler = make()
+    ckpt = manager(tmp_path, train_group)
+    for step in (1, 2):
+        save(ckpt, model, optimizer, scheduler, step)
+    shard = next((tmp_path / "0000000002").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    fresh_model, fresh_opt, _ = make(seed=7)
+    with pytest.raises(CheckpointUnreadable) as unreadable:
+        manager(tmp_path, train_group).load(fresh_model, fresh_opt)
+    sentence = str(unreadable.value)
+    assert sentence.startswith(f"checkpoint {tmp_path / '0000000002'} cannot be read: {shard.name} is truncated (")
+    assert (f"the newest intact one is {tmp_path / '0000000001'}; to resume from it, move the damaged one aside "
+            f"(`mv {tmp_path / '0000000002'} {tmp_path / '0000000002'}.damaged`) and relaunch") in sentence
+    os.rename(tmp_path / "0000000002", tmp_path / "0000000002.damaged")  # what the sentence says to do
+    assert manager(tmp_path, train_group).load(fresh_model, fresh_opt)["step"] == 1
+    # Bytes torn inside a file (its size intact): DCP's reader fails, still one sentence.
+    shard = next((tmp_path / "0000000001").glob("*.distcp"))
+    shard.write_bytes(b"\0" * shard.stat().st_size)
+    with pytest.raises(CheckpointUnreadable, match=r"0000000001 cannot be read: .*\(train rank 0\); no earlier"):
+        manager(tmp_path, train_group).load(fresh_model, fresh_opt)

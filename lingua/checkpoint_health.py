@@ -1,0 +1,125 @@
+"""What a checkpoint's files say when a save or a load goes wrong, in one sentence instead of torch's traceback.
+
+- A save that fails (full disk, permission, quota) is `CheckpointWriteFailed` on every training rank: the path,
+  the error, the rank that hit it and the last complete checkpoint, which is still safe; the partial `.tmp` goes.
+- Before a save, a warning when the disk has less free space than the last checkpoint took.
+- A checkpoint that cannot be read (a torn `.distcp`, a damaged `.metadata` or train state) is
+  `CheckpointUnreadable` on every training rank: it names the damaged checkpoint, the newest intact one, and how
+  to resume from that: move the damaged one aside (its name then no longer matches a step, so nothing reads it).
+  `damage()` checks what can be checked without reading tensors: the metadata loads and every shard file holds
+  the bytes the metadata places in it.
+
+Both are agreed errors: the training ranks reach them together (DCP's own collectives, or an exchange of each
+rank's local error), so a teacher is told before they leave.
+"""
+
+import errno
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from lingua.errors import DataError, StorageError
+from lingua.parallel.collectives import AgreedError
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointWriteFailed(AgreedError, StorageError):
+    """A checkpoint could not be written (the sentence names the path, the error and the last complete one)."""
+
+
+class CheckpointUnreadable(AgreedError, DataError):
+    """A checkpoint cannot be read (the sentence names it, the newest intact one and how to resume from it)."""
+
+
+def _os_error(err: BaseException) -> Optional[OSError]:
+    """The OSError behind `err`: itself, one rank's failure inside DCP's CheckpointException, or its cause."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError):
+            return err
+        for failure in (getattr(err, "failures", None) or {}).values():
+            found = _os_error(failure[0] if isinstance(failure, tuple) else failure)
+            if found is not None:
+                return found
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def failure_words(err: BaseException) -> str:
+    """One line for what went wrong: `No space left on device (ENOSPC)`, or the first line of anything else."""
+    found = _os_error(err)
+    if found is not None and found.errno is not None:
+        where = f" on {found.filename}" if found.filename else ""
+        return f"{found.strerror or found} ({errno.errorcode.get(found.errno, found.errno)}){where}"
+    failures = getattr(err, "failures", None)
+    if failures:  # DCP's own words: only the exceptions, never its formatted tracebacks
+        first = next(iter(failures.values()))
+        err = first[0] if isinstance(first, tuple) else first
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+def checkpoint_bytes(ckpt: Optional[Path]) -> int:
+    """The bytes the files of checkpoint `ckpt` take (0 for None)."""
+    return sum(p.stat().st_size for p in Path(ckpt).rglob("*") if p.is_file()) if ckpt else 0
+
+
+def warn_if_short_of_space(root: Path, last: Optional[Path]) -> None:
+    """A warning when the filesystem of `root` has less free space than the last checkpoint took."""
+    needed = checkpoint_bytes(last)
+    free = shutil.disk_usage(root).free
+    if needed and free < needed:
+        logger.warning(f"{root} has {free / 2**20:.0f} MiB free but the last checkpoint ({last}) took "
+                       f"{needed / 2**20:.0f} MiB: this save may fail; free some space or set checkpoint.dump.keep")
+
+
+def save_failed(step: int, tmp: Path, words: str, rank: int, last: Optional[Path]) -> CheckpointWriteFailed:
+    safe = f"the last complete checkpoint is {last}" if last else "no complete checkpoint is on disk yet"
+    return CheckpointWriteFailed(
+        f"the checkpoint of step {step} could not be written to {tmp} ({words}, on train rank {rank}); its partial "
+        f"files are removed and {safe}; free space (or fix the permission or quota) and relaunch: it resumes from there")
+
+
+def damage(ckpt: Path) -> Optional[str]:
+    """What is wrong with the files of a complete-looking checkpoint, or None when they hold what the metadata says."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for path in sorted(Path(ckpt).glob("*.json")):  # the marker, params and every rank's train state
+        try:
+            json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            return f"{path.name} cannot be read ({type(err).__name__})"
+    try:
+        metadata = FileSystemReader(str(ckpt)).read_metadata()
+    except Exception as err:  # torn or not a DCP file: whatever the unpickler says
+        return f"its .metadata cannot be read ({type(err).__name__})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = Path(ckpt) / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size < size:
+            return f"{name} is truncated ({path.stat().st_size} of {size} bytes)"
+    return None
+
+
+def newest_intact(candidates: list[Path], damaged: Path) -> Optional[Path]:
+    """The newest of `candidates` (oldest first) older than `damaged` whose files are whole."""
+    older = [p for p in candidates if int(p.name) < int(damaged.name)] if damaged.name.isdigit() else candidates
+    return next((p for p in reversed(older) if damage(p) is None), None)
+
+
+def unreadable(ckpt: Path, why: str, intact: Optional[Path]) -> CheckpointUnreadable:
+    if intact is None:
+        resume = (f"no earlier checkpoint is intact: move it aside (`mv {ckpt} {ckpt}.damaged`) and relaunch to "
+                  f"start from step 0, or set checkpoint.init_ckpt_path to another run's checkpoint")
+    else:
+        resume = (f"the newest intact one is {intact}; to resume from it, move the damaged one aside "
+                  f"(`mv {ckpt} {ckpt}.damaged`) and relaunch")
+    return CheckpointUnreadable(f"checkpoint {ckpt} cannot be read: {why}; {resume}")
