@@ -39,6 +39,7 @@ from lingua.data import DataLoader
 from lingua.distillation.args import WIRE_DTYPES
 from lingua.distillation.bridge import tokenizer_fingerprint
 from lingua.distillation.cache import (
+    CONVERT_HINT,
     INDEX,
     CacheManifest,
     describe_differences,
@@ -110,13 +111,18 @@ def check_tokenizers(tokenizer, teacher: TeacherModel, teacher_path: str) -> Non
 
 
 def settle_manifest(cache_dir: Path, planned: CacheManifest) -> None:
-    """Every rank reads the same manifest, so all agree: a cache started with other settings is refused."""
+    """Every rank reads the same manifest, so all agree: a cache started with other settings is refused. One
+    started by an older writer is finished in its own format version (convert it afterwards: convert_cache)."""
     if not (cache_dir / "cache.json").is_file():
         return
     existing = CacheManifest.read(cache_dir)
+    if existing.version != planned.version:
+        logger.warning(f"{cache_dir} was started as a version {existing.version} cache: finishing it in that format; "
+                       f"{CONVERT_HINT.format(src=cache_dir)} once it is complete.")
+        planned.version = existing.version
     differ = describe_differences(existing, planned, ("teacher_path", "tokenizer_fingerprint", "vocab_size", "output",
                                                       "k", "temperature", "wire_dtype", "attn_mask", "data", "streams",
-                                                      "sequences_per_stream", "shard_sequences", "version"))
+                                                      "sequences_per_stream", "shard_sequences"))
     if differ:
         raise DataError(f"{cache_dir} already holds a teacher cache written with other settings: {'; '.join(differ)}. "
                         f"Use another cache_dir, or the settings it was started with to finish it.")

@@ -177,7 +177,8 @@ class Planner:
         args, speeds, seq = self.args, self.speeds, self.args.data.seq_len
         kd = args.distillation
         # The cache writer's format (v2): its coded size as measured on the KD study's data, scaled to k and vocab.
-        per_token = planned_bytes_per_token(kd.output, kd.k, args.model.vocab_size, DTYPE_BYTES[kd.wire_dtype], seq)
+        per_token = planned_bytes_per_token(kd.output, kd.k, args.model.vocab_size, DTYPE_BYTES[kd.wire_dtype], seq,
+                                            wire_dtype=kd.wire_dtype)
         teacher_pass = tokens / speeds.teacher / 3600
         students_only = tokens / speeds.student / 3600
         online_run = args.world_size * tokens / online["student_tokens_per_s"] / 3600

@@ -211,19 +211,19 @@ def forget_decoded_shards() -> None:
     _decoded_shard.cache_clear()
 
 
-def _file_identity(path: Path) -> tuple[int, int]:
-    stat = os.stat(path)
-    return stat.st_mtime_ns, stat.st_size
+def _file_identity(path: Path) -> tuple[int, int, int]:
+    stat = os.stat(path)  # a rewritten shard is a new file (os.replace): a new inode, whatever the mtime's grain
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
 
 
 @lru_cache(maxsize=2)  # a loader reads a shard's rows batch by batch: decode it once
-def _decoded_shard(path: str, mtime_ns: int, size: int) -> dict:
-    with safe_open(path, "pt") as f:
-        codec = json.loads((f.metadata() or {})["codec"])
-        streams = {name: f.get_tensor(name) for name in f.keys()}
+def _decoded_shard(path: str, inode: int, mtime_ns: int, size: int) -> dict:
     try:
+        with safe_open(path, "pt") as f:
+            codec = json.loads((f.metadata() or {})["codec"])
+            streams = {name: f.get_tensor(name) for name in f.keys()}
         return decode_shard(streams, codec)
-    except Exception as err:  # a zstd checksum or a stream that does not decode: the file is damaged
+    except Exception as err:  # no codec metadata, a zstd checksum, a stream that does not decode: damaged
         raise DataError(f"Teacher cache shard {path} is damaged ({type(err).__name__}: {err}); delete it and run "
                         f"the cache command again to rewrite it.") from None
 

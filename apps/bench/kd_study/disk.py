@@ -37,7 +37,8 @@ def cache_bytes_per_token(output: str, k: int, wire_dtype: str, vocab_size: Opti
     bridge = k * (w + 4) + 4
     if version == 1:
         return {"bridge": bridge, "cache_shard": k * (w + ids) + 4 + torch.int32.itemsize + torch.int16.itemsize}
-    return {"bridge": bridge, "cache_shard": round(planned_bytes_per_token(output, k, vocab_size or 2**17, w, seq_len), 1)}
+    return {"bridge": bridge, "cache_shard": round(planned_bytes_per_token(output, k, vocab_size or 2**17, w, seq_len,
+                                                                           wire_dtype=wire_dtype), 1)}
 
 
 def teacher_heldout_ce(cache_dir: Path) -> Optional[float]:
