@@ -126,8 +126,8 @@ def verdict_lines(verdict: dict) -> list[str]:
     lines = [
         f"distill? the teacher's forward is {verdict['teacher_over_student_flops']:.3g}x the student's training per "
         f"token: overhead {over['online']:.3g}x online (every epoch); from a cache written once over the unique "
-        f"tokens, {verdict['teacher_over_student_flops']:.3g}x / ({verdict['runs']} run(s) x {verdict['epochs']:.3g} "
-        f"epoch(s)) = {over['cache']:.3g}x",
+        f"tokens, {verdict['teacher_over_student_flops']:.3g}x / ({verdict['runs']} run(s) x "
+        f"{max(verdict['epochs'], 1):.3g} epoch(s)) = {over['cache']:.3g}x",
         f"  break-even token multiplier: {even['fresh_online']:.2f}x online, {even['fresh_cache']:.2f}x from the "
         f"cache on fresh data; {wall}",
         f"  expected: {worth}{seeds}: {measured['arm']} of {measured['source']}, "
@@ -139,6 +139,10 @@ def verdict_lines(verdict: dict) -> list[str]:
                            for name, theirs, ours in verdict["warnings"])
         lines.append(f"  warning: sizes differ ({differ}): the multiplier may not transfer; measure yours with a "
                      f"pilot of apps.bench.kd_study and pass kd_measurement=<its results.json>")
+    if measured["kind"] == "one_pass" and verdict["unique_tokens"] > 0 and verdict["epochs"] > 1:
+        lines.append("  warning: the multiplier was measured on fresh data; behind a data wall this assumes the "
+                     "teacher is worth the same share of effective data, which is what apps.bench.kd_study --wall "
+                     "measures: run it (or a pilot of it) and pass kd_measurement=<its results.json>")
     return lines + [f"  verdict: {verdict['verdict']}"]
 
 

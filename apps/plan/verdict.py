@@ -90,11 +90,19 @@ def read_measurement(path: Optional[str], output: str, epochs: float) -> dict:
     per_seed = list(tm["per_seed"].values())
     bound = None
     if tm["mean"] is None:
+        if not per_seed:
+            raise DataError(f"kd_measurement={path}: {arm} has no seed with a token multiplier; finish the study's "
+                            f"runs (or its --report-only) first.")
         lower = [v["at_least"] for v in per_seed if "at_least" in v]
         upper = [v["at_most"] for v in per_seed if "at_most" in v]
         bound = ("at_least", min(lower)) if lower and not upper else ("at_most", max(upper) if upper else 1.0)
-        if bound[0] == "at_least" and kind == "data_wall" and results.get("wall", {}).get("stopped_improving"):
-            # KD below every CE budget from E on, and CE-only had stopped improving: more CE tokens never get there.
+        wall = results.get("wall", {})
+        worst_kd = max((seed["final_heldout_ce"] for seed in arms[arm].get("seeds", {}).values()), default=math.inf)
+        if bound[0] == "at_least" and kind == "data_wall" and wall.get("stopped_improving") \
+                and worst_kd < wall.get("best_heldout_ce", -math.inf):
+            # KD, every seed, below the best CE-only reached at any budget, and CE-only had stopped improving:
+            # more CE tokens never get there. (Below only the larger budgets is not that: an earlier, cheaper CE
+            # budget may still be better.)
             bound = ("beyond", None)
     return {"source": name, "owner": owner, "arm": arm, "kind": kind, "epochs": float(measured_epochs),
             "tokens": tokens,

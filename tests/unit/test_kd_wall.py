@@ -115,6 +115,19 @@ def test_the_planners_verdict_reads_the_wall_results(tmp_path):
     assert at_1["epochs"] == 1.0 and at_1["multiplier"] == pytest.approx(math.sqrt(2)) and at_1["tokens"] == U
 
 
+def test_kd_below_only_the_later_ce_budgets_is_not_beyond_ce(tmp_path, monkeypatch):
+    """KD at E=16 under CE's E=16 but above CE's best (E=8, cheaper): CE-only reaches it, so not "beyond"."""
+    monkeypatch.setitem(FINALS, "ce", {1: 6.0, 2: 5.6, 4: 5.3, 8: 5.2, 16: 5.3})
+    monkeypatch.setitem(FINALS, "ce_wd10x", {1: 6.05, 2: 5.65, 4: 5.35, 8: 5.22, 16: 5.32})
+    monkeypatch.setitem(FINALS, "kd_topk64", {1: 5.8, 2: 5.45, 4: 5.3, 8: 5.27, 16: 5.25})
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(synthetic(tmp_path)))
+    at_16 = read_measurement(str(path), "topk", epochs=16.0)
+    assert at_16["bound"] != "beyond" and at_16["multiplier"] is not None
+    verdict = distill_verdict(50.0, 10.0, 16 * U, U, 1, "cache", at_16, 7_000_000, 135_000_000)
+    assert verdict["verdict"].startswith("do not distill")
+
+
 @pytest.mark.slow
 def test_the_wall_study_end_to_end_with_the_trainings_faked(smollm2_teacher, tmp_path, monkeypatch):
     """main(--wall): caches, every run, the report from disk, then --report-only gives the same numbers."""
