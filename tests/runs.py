@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -91,19 +92,25 @@ def torchrun(nproc: int, module_args: list[str], timeout: float, env: dict | Non
     full_env.update(env or {})
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
+    # Drained from the start, also while signal_plan runs: a full pipe (64 KiB) would block the ranks' logging.
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read(4096), "")), daemon=True)
+    reader.start()
     try:
         if signal_plan is not None:
             signal_plan(proc)
-        out, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_launch(proc)
-        out, _ = proc.communicate()
-        raise AssertionError(f"HANG: torchrun did not finish within {timeout}s\n{out[-6000:]}")
+        proc.wait()
+        reader.join(timeout=30)
+        raise AssertionError(f"HANG: torchrun did not finish within {timeout}s\n{''.join(chunks)[-6000:]}")
     finally:
         if proc.poll() is None:  # the test was stopped from outside (pytest-timeout, a failed signal_plan)
             kill_launch(proc)
-            proc.communicate()
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+            proc.wait()
+    reader.join(timeout=30)
+    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(chunks), "")
 
 
 def kill_launch(proc: subprocess.Popen) -> None:
