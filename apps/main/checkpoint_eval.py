@@ -182,7 +182,7 @@ class CheckpointEvaluation:
     """Runs Lingua's checkpoint evaluation after each save of kind "eval": on train rank 0 while the other students
     wait on the training group (async_eval_gpus=null), or as a job submitted through stool.
 
-    In-process, the pause is long (a harness run takes minutes to hours) and known in advance (`pause_after`, the
+    In-process, the pause is long (a harness run takes minutes to hours) and known in advance (`announces_pause`, the
     checkpoint manager's eval cadence): every request a student posts during the step before it says so, and the
     teacher waits across it under `distributed.init_timeout_s`; the students wait under it too (every group of
     theirs, bridges included), then go back to the timeout in force. How it ends is agreed (`first_error` on the
@@ -200,6 +200,16 @@ class CheckpointEvaluation:
     def pause_after(self, step: int) -> bool:
         """Whether an in-process checkpoint evaluation follows `step` (the same on every student)."""
         return self.in_process and self.checkpoint.eval_due(step)
+
+    def announces_pause(self, step: int, feed) -> bool:
+        """Whether the requests posted during `step` announce a pause to the teacher (the same on every student):
+        an in-process evaluation follows `step`; or the look-ahead (`feed`) already sent the launch's last request
+        (during `step` or before) and an evaluation follows `step` or a later one: the teacher then waits for STOP
+        across it. That last case marks up to two steps early: the teacher's timeout there is only less tight."""
+        if self.pause_after(step):
+            return True
+        last, sent_last = feed.last_step, feed.last_request_step()
+        return last is not None and step >= sent_last and any(map(self.pause_after, range(step, last + 1)))
 
     def after_save(self, kinds: list[str], step: int, step_dir: Path, hang_watch=None,
                    timeout_in_force_s: Optional[float] = None) -> None:

@@ -325,7 +325,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             state.step += 1
             hang_watch.arm(startup.timeout_s(state.step), step=state.step)
             faults.before_step(state.step)
-            distiller.announce_pause(checkpoint_eval.pause_after(state.step))  # the teacher's timeout spans the eval
+            distiller.announce_pause(checkpoint_eval.announces_pause(state.step, feed))  # the teacher's timeout
             with startup.span(state.step):
                 metrics, micro_batches = train_step(args, model, distiller, feed, state.step, timer, device,
                                                     scheduler.get_last_lr()[0] / args.optim.lr)
