@@ -159,7 +159,8 @@ class TeacherClient:
         self.last_status: Optional[torch.Tensor] = None  # the last completed response's status, read on log steps
         self.unwaited_at_exit: Optional[int] = None  # posted requests never completed, counted by report_exit
         self.in_training = False  # set after this launch's first step: requests then tell the teacher
-        self.pause_follows = False  # set for a step the students follow with a long pause: its requests say so
+        self.pause_follows = False  # set for a step the students follow with a long pause: its requests say
+        # in_training=0 again, so the teacher waits across the pause under the generous timeout
         self.bytes_up = self.bytes_down = 0  # the buffers of answered requests: handed to gather / got from scatter
         self.stopped = False
         logger.info(
@@ -221,7 +222,7 @@ class TeacherClient:
             raise ValueError("This bridge agreed on document boundaries (model.attn_mask=doc_causal) but the "
                              "batch has no doc_ids.")
         header = RequestHeader(op, step, micro_step, bsz, seqlen, self.topo.train_rank,
-                               in_training=int(self.in_training), pause_follows=int(self.pause_follows))
+                               in_training=int(self.in_training and not self.pause_follows))
         request = self._request(header, tokens, doc_ids)
         response = torch.empty(self.spec.response_bytes(), dtype=torch.uint8, device=self.device)
         group = self.topo.bridge_group

@@ -4,8 +4,8 @@ waits for its students (`TimeoutSwitch`).
 The timeout follows the students' requests, both ways. Generous (`distributed.init_timeout_s`) through the
 students' first step (checkpoint load, compile, the first backward, a save) and across every long pause the
 students announce (an in-process checkpoint evaluation: the requests they post during the step before it carry
-`RequestHeader.pause_follows`); short (`distributed.train_timeout_s`) as soon as a request of normal training
-(`in_training`, no pause announced) or a STOP arrives. Each wait arms the hang watch with the timeout in force.
+`RequestHeader.in_training=0` again); short (`distributed.train_timeout_s`) as soon as a request of normal
+training (`in_training=1`) or a STOP arrives. Each wait arms the hang watch with the timeout in force.
 """
 
 import contextlib
@@ -118,14 +118,14 @@ class TimeoutSwitch:
 
     def observe(self, headers: Iterable, stop: bool = False) -> None:
         """The request just received (every student's header): short after a STOP or a request of normal training
-        (every student `in_training`, none announcing a pause), generous otherwise."""
+        (every student `in_training`), generous otherwise (the first step, or a pause announced)."""
         if self.timeouts is None:
             return
         headers = list(headers)
-        short = stop or all(h.in_training and not h.pause_follows for h in headers)
+        short = stop or all(h.in_training for h in headers)
         if short == self.in_training:
             return
-        if not short:
+        if not short:  # back from the short one: only a pause announced does that
             logger.info(f"the students announced a long pause after this request (step {headers[0].step}: a "
                         f"checkpoint evaluation follows); waiting under the generous timeout until their next one")
         self.in_training, self.timeout_s = short, self.timeouts[1] if short else self.timeouts[0]

@@ -58,10 +58,11 @@ class Student:
     def announce_pause(self, pause_follows: bool) -> None:
         self.pause_follows = pause_follows
 
-    def submit(self, batch, step, micro_step):
-        self.posted.append((self.step, RequestHeader(Op.FORWARD, step, micro_step, 1, 1, 0,
-                                                     in_training=int(self.in_training),
-                                                     pause_follows=int(self.pause_follows))))
+    def submit(self, batch, step, micro_step):  # the header as TeacherClient._post builds it
+        header = RequestHeader(Op.FORWARD, step, micro_step, 1, 1, 0,
+                               in_training=int(self.in_training and not self.pause_follows))
+        header.marked = self.pause_follows
+        self.posted.append((self.step, header))
 
 
 def run_students(evaluation: CheckpointEvaluation, steps: int, grad_acc: int, prefetch: int):
@@ -99,38 +100,38 @@ def test_every_wait_across_an_evaluation_is_generous(tmp_path, monkeypatch, grad
     posted, pauses = run_students(evaluation(train_args(eval_every=3), tmp_path), steps=steps,
                                   grad_acc=grad_acc, prefetch=prefetch)
     assert len(pauses) == 2
-    marked = {(s, h.step, h.micro_step) for s, h in posted if h.pause_follows}
+    marked = {(s, h.step, h.micro_step) for s, h in posted if h.marked}
     last_request_step = posted[-1][0]  # look-ahead sent the launch's last request then: later steps send none
     assert marked == {(s, h.step, h.micro_step) for s, h in posted if s in (3, 6) or 6 >= s >= last_request_step}
     waits = teacher_waits(posted, pauses)
     assert all(timeout == INIT_S for paused, timeout in waits if paused)
     # Every other wait once training runs is short, but those after a marked request (the step before a pause).
-    first_in_training = next(i for i, (_, h) in enumerate(posted) if h.in_training)
+    first_in_training = next(i for i, (s, _) in enumerate(posted) if s > 1)
     assert all(timeout == TRAIN_S for i, (paused, timeout) in enumerate(waits)
-               if i >= first_in_training and not posted[i][1].pause_follows)
+               if i >= first_in_training and not posted[i][1].marked)
 
 
 def test_marking_with_look_ahead_and_accumulation(tmp_path):
     """grad_acc=2, prefetch=1, eval every 3: during step 3 the student posts (3, 1) and the next step's (4, 0);
     (3, 0) went out during step 2 and is not marked."""
     posted, _ = run_students(evaluation(train_args(eval_every=3), tmp_path), steps=4, grad_acc=2, prefetch=1)
-    assert [(s, h.step, h.micro_step) for s, h in posted if h.pause_follows] == [(3, 3, 1), (3, 4, 0)]
+    assert [(s, h.step, h.micro_step) for s, h in posted if h.marked] == [(3, 3, 1), (3, 4, 0)]
     assert [(s, h.step, h.micro_step) for s, h in posted if s == 2] == [(2, 2, 1), (2, 3, 0)]
 
 
 def test_last_step_evaluation_marks_the_launch_last_request(tmp_path):
     """The last step evaluates only on the cadence; look-ahead sent its request a step early, so that step marks."""
     posted, pauses = run_students(evaluation(train_args(eval_every=3), tmp_path), steps=6, grad_acc=1, prefetch=1)
-    assert [(s, h.step) for s, h in posted if h.pause_follows] == [(3, 4), (5, 6)]
+    assert [(s, h.step) for s, h in posted if h.marked] == [(3, 4), (5, 6)]
     posted, pauses = run_students(evaluation(train_args(eval_every=3), tmp_path), steps=5, grad_acc=1, prefetch=1)
-    assert [(s, h.step) for s, h in posted if h.pause_follows] == [(3, 4)]  # step 5 saves a dump checkpoint only
+    assert [(s, h.step) for s, h in posted if h.marked] == [(3, 4)]  # step 5 saves a dump checkpoint only
 
 
 @pytest.mark.parametrize("args", [train_args(eval_every=3, enabled=False), train_args(eval_every=3, async_eval_gpus=1),
                                   train_args(eval_every=0)], ids=["no eval section", "async", "no eval checkpoints"])
 def test_nothing_is_marked_without_an_in_process_evaluation(tmp_path, args):
     posted, _ = run_students(evaluation(args, tmp_path), steps=7, grad_acc=2, prefetch=1)
-    assert not any(h.pause_follows for _, h in posted)
+    assert not any(h.marked for _, h in posted)
 
 
 def test_timeout_switch_goes_both_ways(monkeypatch):
@@ -140,9 +141,9 @@ def test_timeout_switch_goes_both_ways(monkeypatch):
     armed = []
     switch.hang_watch = SimpleNamespace(arm=armed.append, cancel=lambda: None)
 
-    def request(in_training: int, pause_follows: int = 0):
-        switch.observe([RequestHeader(Op.FORWARD, 5, 0, 1, 1, r, in_training=in_training,
-                                      pause_follows=pause_follows) for r in range(2)])
+    def request(in_training: int, pause_follows: int = 0):  # as TeacherClient._post marks them
+        switch.observe([RequestHeader(Op.FORWARD, 5, 0, 1, 1, r, in_training=int(in_training and not pause_follows))
+                        for r in range(2)])
         switch.arm()
         return switch.timeout_s
 
@@ -152,7 +153,7 @@ def test_timeout_switch_goes_both_ways(monkeypatch):
     assert request(1, pause_follows=1) == INIT_S and switched == [TRAIN_S, INIT_S]  # no switch without a change
     assert request(1) == TRAIN_S and switched == [TRAIN_S, INIT_S, TRAIN_S]
     assert armed == [INIT_S, TRAIN_S, INIT_S, INIT_S, TRAIN_S]  # the hang watch follows the timeout in force
-    switch.observe([RequestHeader(Op.STOP, 9, 0, 0, 0, 0, in_training=1, pause_follows=1)], stop=True)
+    switch.observe([RequestHeader(Op.STOP, 9, 0, 0, 0, 0, in_training=0)], stop=True)
     assert switch.timeout_s == TRAIN_S
 
 
