@@ -161,9 +161,14 @@ class CheckpointManager:
         dump_every = self.args.dump.every
         if (dump_every and step % dump_every == 0) or stop_now or (last_step and step != self.step_on_disk):
             kinds.append("dump")
-        if self.args.eval.every and step % self.args.eval.every == 0:
+        if self.eval_due(step):
             kinds.append("eval")
         return kinds
+
+    def eval_due(self, step: int) -> bool:
+        """Whether an "eval" checkpoint is saved after `step` (every checkpoint.eval.every steps, the last step
+        included only when it falls on one; stopping early adds none): known before the step runs."""
+        return bool(self.args.eval.every) and step % self.args.eval.every == 0
 
     @property
     def is_master(self) -> bool:

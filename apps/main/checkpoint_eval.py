@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import torch.distributed as dist
-
 from apps.main.eval import CheckpointEvalArgs, EvalArgs, evaluate_checkpoint, local_task_names, task_name
 from lingua.args import dump_config, require
-from lingua.errors import MissingPathError, UserError
-from lingua.parallel.collectives import log_collective
+from lingua.errors import MissingPathError, PeerStopped, UserError, describe
+from lingua.logger import rank_log_file
+from lingua.parallel.collectives import AgreedError, first_error
+from lingua.parallel.timeouts import generous_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -169,33 +169,94 @@ def eval_args_for(args, step: int, step_dir: Path) -> CheckpointEvalArgs:
         data_dir=(validation.root_dir or None) if validation is not None else None, eval_sources=sources)
 
 
+class CheckpointEvalFailed(AgreedError, RuntimeError):
+    """A bug in the in-process checkpoint evaluation (lm-eval's, ours, out of memory), raised on the rank that ran it
+    from the original error (its traceback kept), once every student agreed to stop."""
+
+
+class CheckpointEvalStopped(AgreedError, PeerStopped):
+    """The same failure on the students that only waited for it: the sentence names the rank and its log."""
+
+
 class CheckpointEvaluation:
     """Runs Lingua's checkpoint evaluation after each save of kind "eval": on train rank 0 while the other students
-    wait on the training group (async_eval_gpus=null), or as a job submitted through stool."""
+    wait on the training group (async_eval_gpus=null), or as a job submitted through stool.
 
-    def __init__(self, args, topo):
-        self.args, self.topo = args, topo
+    In-process, the pause is long (a harness run takes minutes to hours) and known in advance (`announces_pause`, the
+    checkpoint manager's eval cadence): every request a student posts during the step before it says so, and the
+    teacher waits across it under `distributed.init_timeout_s`; the students wait under it too (every group of
+    theirs, bridges included), then go back to the timeout in force. How it ends is agreed (`first_error` on the
+    training group, also the barrier): a user's problem (a task that cannot run, a missing path) is a warning on
+    every student and training goes on; anything else is a bug and ends the run on every student at once, the
+    evaluating rank with its traceback, the others naming it (agreed errors also tell the teacher)."""
 
-    def after_save(self, kinds: list[str], step: int, step_dir: Path) -> None:
+    def __init__(self, args, topo, checkpoint):
+        self.args, self.topo, self.checkpoint = args, topo, checkpoint
+
+    @property
+    def in_process(self) -> bool:
+        return self.args.eval.enabled and self.args.async_eval_gpus is None
+
+    def pause_after(self, step: int) -> bool:
+        """Whether an in-process checkpoint evaluation follows `step` (the same on every student)."""
+        return self.in_process and self.checkpoint.eval_due(step)
+
+    def announces_pause(self, step: int, feed) -> bool:
+        """Whether the requests posted during `step` announce a pause to the teacher (the same on every student):
+        an in-process evaluation follows `step`; or the look-ahead (`feed`) already sent the launch's last request
+        (during `step` or before) and an evaluation follows `step` or a later one: the teacher then waits for STOP
+        across it. That last case marks up to two steps early: the teacher's timeout there is only less tight."""
+        if self.pause_after(step):
+            return True
+        last, sent_last = feed.last_step, feed.last_request_step()
+        return last is not None and step >= sent_last and any(map(self.pause_after, range(step, last + 1)))
+
+    def after_save(self, kinds: list[str], step: int, step_dir: Path, hang_watch=None,
+                   timeout_in_force_s: Optional[float] = None) -> None:
         if "eval" not in kinds or not self.args.eval.enabled:
             return
         eval_args = eval_args_for(self.args, step, step_dir)
-        if self.topo.is_train_master:
-            try:
-                if self.args.async_eval_gpus is None:
-                    logger.info(f"checkpoint evaluation of step {step} (in-process)")
-                    with dataset_cache(self.args.eval.dataset_dir):
-                        evaluate_checkpoint(eval_args)
-                elif shutil.which("sbatch") is None:
-                    logger.warning(no_sbatch(self.args.async_eval_gpus))
-                else:
-                    submit_eval_job(eval_args, self.args.async_eval_gpus, self.args.eval.dataset_dir,
-                                    f"{self.args.name}_eval_{step}")
-            except UserError as err:  # a user's eval problem must not end the training run
-                logger.warning(f"checkpoint evaluation of step {step} failed: {err}")
-        if self.args.async_eval_gpus is None and self.topo.distributed and self.topo.train_world_size > 1:
-            log_collective("barrier checkpoint evaluation", self.topo.train_group)
-            dist.barrier(group=self.topo.train_group)
+        if not self.in_process:
+            if self.topo.is_train_master:
+                try:
+                    if shutil.which("sbatch") is None:
+                        logger.warning(no_sbatch(self.args.async_eval_gpus))
+                    else:
+                        submit_eval_job(eval_args, self.args.async_eval_gpus, self.args.eval.dataset_dir,
+                                        f"{self.args.name}_eval_{step}")
+                except UserError as err:  # a user's eval problem must not end the training run
+                    logger.warning(f"checkpoint evaluation of step {step} failed: {err}")
+            return
+        distributed = self.topo.distributed
+        timeouts = self.args.distributed
+        with (generous_timeout(self.topo, timeouts.init_timeout_s, timeout_in_force_s or timeouts.train_timeout_s,
+                               hang_watch, step) if distributed else contextlib.nullcontext()):
+            error, outcome = self._evaluate(eval_args, step) if self.topo.is_train_master else (None, None)
+            agreed = (first_error(outcome, self.topo.train_group, "checkpoint evaluation") if distributed
+                      else None if outcome is None else (0, outcome))
+        if agreed is None:
+            return
+        rank, (bug, words) = agreed
+        sentence = f"checkpoint evaluation of step {step} failed on train rank {rank}: {words}"
+        if not bug:
+            logger.warning(f"{sentence}; training goes on")
+        elif error is not None:
+            raise CheckpointEvalFailed(sentence) from error
+        else:
+            raise CheckpointEvalStopped(sentence)
+
+    def _evaluate(self, eval_args: CheckpointEvalArgs, step: int) -> tuple[Optional[Exception], Optional[tuple]]:
+        """This rank's in-process evaluation: (its error, (is a bug, its words)), both None when it succeeded."""
+        logger.info(f"checkpoint evaluation of step {step} (in-process)")
+        try:
+            with dataset_cache(self.args.eval.dataset_dir):
+                evaluate_checkpoint(eval_args)
+            return None, None
+        except UserError as err:  # a user's eval problem must not end the training run
+            return err, (False, str(err))
+        except Exception as err:
+            log = rank_log_file()
+            return err, (True, f"{describe(err)}" + (f"; its traceback is in {log}" if log else ""))
 
 
 @contextlib.contextmanager

@@ -238,6 +238,7 @@ class FirstStepTracker:
     def __init__(self, args: TrainArgs, topo: Topology, phases: PhaseLog, distiller, first_step: int):
         self.args, self.topo, self.phases, self.distiller = args, topo, phases, distiller
         self.first_step = first_step
+        self.collective_timeout_s = args.distributed.init_timeout_s  # on this rank's groups; short after the first step
 
     def timeout_s(self, step: int) -> float:
         return self.args.distributed.init_timeout_s if step == self.first_step else self.args.distributed.train_timeout_s
@@ -255,6 +256,7 @@ class FirstStepTracker:
         if self.args.distributed.compile:  # torch.compile runs inside the first forward/backward
             self.phases.record("compile_warmup", time.time() - timer.read()["fwd_bwd"], time.time())
         enter_training_timeout(self.topo, self.args.distributed.train_timeout_s)
+        self.collective_timeout_s = self.args.distributed.train_timeout_s
         self.distiller.mark_first_step_done()
         if self.topo.is_train_master:  # every rank's spans are on disk by now (teacher's too)
             table = format_phase_table(read_phase_files(self.args.dump_dir, world_size=self.topo.world_size))
@@ -291,7 +293,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
     probe = ActivationProbe(model, args.dump_dir, topo.global_rank, topo.is_train_master, group,
                             every=args.probe_freq) if args.probe_freq else None
     evaluator = Evaluator(args.heldout, args.data, tokenizer, topo, distiller.teacher_heldout_ce)
-    checkpoint_eval = CheckpointEvaluation(args, topo)  # Lingua's eval: section, after each checkpoint.eval save
+    checkpoint_eval = CheckpointEvaluation(args, topo, checkpoint)  # Lingua's eval: section, after checkpoint.eval saves
     # The embedding lookup is no matmul; the output head is (and with tied weights it is the only copy counted).
     matmul_params = n_params - (0 if args.model.tie_embeddings else args.model.vocab_size * args.model.dim)
     reporter = StepReporter(args, topo, distiller, get_num_flop_per_token(
@@ -308,7 +310,8 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             for kind in kinds:
                 train_state = dict(state.state_dict(), scheduler=scheduler.state_dict(), data=feed.state_dict())
                 checkpoint.save(model, optimizer, train_state, state.step, to_dict(args), kind=kind)
-        checkpoint_eval.after_save(kinds, state.step, checkpoint.final_dir(state.step))
+        checkpoint_eval.after_save(kinds, state.step, checkpoint.final_dir(state.step), hang_watch,
+                                   startup.collective_timeout_s)
 
     with (maybe_run_profiler(args.dump_dir, model, args.profiling, topo.global_rank, topo.is_train_master,
                              group) as profiler, contextlib.closing(loader), reporter, HangWatch() as hang_watch,
@@ -322,6 +325,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             state.step += 1
             hang_watch.arm(startup.timeout_s(state.step), step=state.step)
             faults.before_step(state.step)
+            distiller.announce_pause(checkpoint_eval.announces_pause(state.step, feed))  # the teacher's timeout
             with startup.span(state.step):
                 metrics, micro_batches = train_step(args, model, distiller, feed, state.step, timer, device,
                                                     scheduler.get_last_lr()[0] / args.optim.lr)

@@ -15,6 +15,8 @@ Student side (the loop asks one `Distiller` for the KD part of each step):
 Teacher side (the last ranks run `apps.main.train.distillation_process`):
 
     server.py          TeacherServer: load, handshake, then receive -> handle -> reply until STOP
+    serving_clock.py   ServingClock (busy/idle seconds), TimeoutSwitch (the teacher's timeout, generous while the
+                       students start up or announce a pause, short otherwise)
     teacher.py         TeacherModel: a transformers checkpoint checked, loaded and run (document boundaries too)
     outputs.py         TeacherOutputs: the wire formats (topk, sampled, full) and sparsify_teacher_logits
     tensor_parallel.py distillation.teacher_tp > 1: the teacher sharded over its replica's group (torch's

@@ -196,6 +196,8 @@ class RequestHeader:
     train_rank: int
     bad_tokens: int = 0  # 1 when a token id is outside [0, vocab): the teacher refuses the request
     # 1 once the students finished this launch's first step: the teacher then switches to the training timeout.
+    # 0 again on every request posted during a step the students follow with a long pause (an in-process
+    # checkpoint evaluation): the teacher waits across it under the generous one (serving_clock.TimeoutSwitch).
     in_training: int = 0
 
     def to_ints(self) -> list[int]:

@@ -159,6 +159,8 @@ class TeacherClient:
         self.last_status: Optional[torch.Tensor] = None  # the last completed response's status, read on log steps
         self.unwaited_at_exit: Optional[int] = None  # posted requests never completed, counted by report_exit
         self.in_training = False  # set after this launch's first step: requests then tell the teacher
+        self.pause_follows = False  # set for a step the students follow with a long pause: its requests say
+        # in_training=0 again, so the teacher waits across the pause under the generous timeout
         self.bytes_up = self.bytes_down = 0  # the buffers of answered requests: handed to gather / got from scatter
         self.stopped = False
         logger.info(
@@ -220,7 +222,7 @@ class TeacherClient:
             raise ValueError("This bridge agreed on document boundaries (model.attn_mask=doc_causal) but the "
                              "batch has no doc_ids.")
         header = RequestHeader(op, step, micro_step, bsz, seqlen, self.topo.train_rank,
-                               in_training=int(self.in_training))
+                               in_training=int(self.in_training and not self.pause_follows))
         request = self._request(header, tokens, doc_ids)
         response = torch.empty(self.spec.response_bytes(), dtype=torch.uint8, device=self.device)
         group = self.topo.bridge_group
@@ -277,6 +279,12 @@ class TeacherClient:
     def mark_first_step_done(self) -> None:
         """This launch's first step is over: later requests let the teacher switch to the training timeout."""
         self.in_training = True
+
+    def announce_pause(self, pause_follows: bool) -> None:
+        """Whether the step about to run is followed by a long pause (an in-process checkpoint evaluation): every
+        request posted until the next call says so, and the teacher waits for the one after under the generous
+        timeout. Every student of a bridge calls it alike (the same rule on the same step)."""
+        self.pause_follows = pause_follows
 
     def drain(self) -> None:
         """Wait for every request still in flight (before STOP, a preemption save, an agreed error)."""

@@ -80,6 +80,10 @@ class Distiller:
     def mark_first_step_done(self) -> None:
         """This launch's first step is over (the teacher may switch to the training timeout)."""
 
+    def announce_pause(self, pause_follows: bool) -> None:
+        """Whether the step about to run is followed by a long pause of the students (an in-process checkpoint
+        evaluation); a teacher rank is told with every request posted during the step."""
+
     def log_metrics(self, timer) -> dict:
         """Extra keys of a log row (teacher wait and the teacher's clocks, with a teacher)."""
         return {}
@@ -239,6 +243,9 @@ class OnlineDistiller(KDDistiller):
 
     def mark_first_step_done(self) -> None:
         self.client.mark_first_step_done()
+
+    def announce_pause(self, pause_follows: bool) -> None:
+        self.client.announce_pause(pause_follows)
 
     def drain(self) -> None:
         self.client.drain()

@@ -84,6 +84,13 @@ class MicroBatchFeed:
         while self.queue and self.queue[0].step == step:
             self.consumed_state = self.queue.popleft().loader_state
 
+    def last_request_step(self) -> Optional[int]:
+        """The step during which the launch's last request goes out (look-ahead sends it early: with `prefetch=p`
+        request i goes out while micro-batch i - p is computed), or None without a last step."""
+        if self.last_step is None:
+            return None
+        return self.last_step + 1 - -(-(self.prefetch + 1) // self.grad_acc_steps)
+
     def state_dict(self) -> dict:
         """The loader's position after the last micro-batch trained on (look-ahead batches excluded)."""
         return self.consumed_state if self.consumed_state is not None else self.loader.state_dict()

@@ -45,6 +45,7 @@ from lingua.distillation.bridge import (
     tokenizer_fingerprint,
 )
 from lingua.distillation.replica import ReplicaLink, Round, replica_load_record, share_spec
+from lingua.distillation.serving_clock import ServingClock, TimeoutSwitch
 from lingua.distillation.teacher import TeacherModel
 from lingua.errors import PeerStopped, TeacherError, UserError, describe, is_sticky_device_error
 from lingua.logger import rank_log_file
@@ -52,7 +53,6 @@ from lingua.metrics import MemoryMonitor
 from lingua.parallel.collectives import log_collective
 from lingua.parallel.preemption import PreemptionFlag
 from lingua.parallel.rank_status import is_peer_loss
-from lingua.parallel.timeouts import HangWatch, set_collective_timeout
 
 logger = logging.getLogger(__name__)
 REPORT_EVERY_S = 30.0
@@ -68,107 +68,6 @@ def failure_words(err: BaseException) -> str:
     """`err` as the students read it; a bug's words say where its traceback is (this rank's log)."""
     log = rank_log_file()
     return f"{describe(err)}; its traceback is in {log}" if is_bug(err) and log else describe(err)
-
-
-class ServingClock:
-    """The teacher's busy and idle seconds since the handshake; together they cover the whole loop.
-
-    CPU: the host clock (the forward runs on the host). CUDA: busy = the stream's time from a request's
-    arrival to the end of its forward, from events read when the next request arrives (reading its
-    headers waits for the stream anyway), idle = the rest; so a status reports the busy time of the
-    requests before it, and the forward needs no host sync of its own."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.start = self.mark = time.perf_counter()  # mark: where the last counted interval ended (CPU)
-        self.busy_total = self.idle_total = 0.0
-        self.forward_total = 0.0  # the part of busy spent in the forward and the outputs (the rest is protocol)
-        self.pending: list = []  # CUDA: (arrival, forward done) event pairs not read yet
-        self.forward_pending: list = []  # CUDA: (forward start, forward end) event pairs not read yet
-
-    def request_arrived(self) -> None:
-        if self.cuda:
-            for begin, end in self.pending:
-                self.busy_total += begin.elapsed_time(end) / 1e3
-            for begin, end in self.forward_pending:
-                self.forward_total += begin.elapsed_time(end) / 1e3
-            begin = torch.cuda.Event(enable_timing=True)
-            begin.record()
-            self.pending, self.forward_pending = [(begin, None)], []
-            return
-        now = time.perf_counter()
-        self.idle_total += now - self.mark
-        self.mark = now
-
-    def worked(self) -> None:
-        if self.cuda:
-            if self.pending and self.pending[-1][1] is None:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                self.pending[-1] = (self.pending[-1][0], end)
-            return
-        now = time.perf_counter()
-        self.busy_total += now - self.mark
-        self.mark = now
-
-    @contextlib.contextmanager
-    def forward(self):
-        """Around the forward and the outputs of a request (events on CUDA, read with the next request)."""
-        if self.cuda:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            yield
-            end.record()
-            self.forward_pending.append((begin, end))
-            return
-        start = time.perf_counter()
-        yield
-        self.forward_total += time.perf_counter() - start
-
-    @property
-    def busy_s(self) -> float:
-        return self.busy_total
-
-    @property
-    def forward_s(self) -> float:
-        return self.forward_total
-
-    @property
-    def idle_s(self) -> float:
-        if self.cuda:
-            return max(time.perf_counter() - self.start - self.busy_total, 0.0)
-        return self.idle_total
-
-    @property
-    def busy_fraction(self) -> float:
-        return self.busy_s / max(self.busy_s + self.idle_s, 1e-9)
-
-
-class TimeoutSwitch:
-    """The teacher's two-phase timeout. The generous one holds through the students' whole first step
-    (checkpoint load, compile, the first backward, optimizer, a save): every group switches to the
-    short one when a request marked `in_training` (sent once the students finished this launch's first
-    step; with look-ahead a request of the next step can come earlier) or a STOP arrives. Each wait
-    arms a stack dump shortly before the timeout in force, so a teacher stuck waiting says where."""
-
-    def __init__(self, topo, timeouts: Optional[tuple[float, float]]):
-        self.topo, self.timeouts = topo, timeouts
-        self.timeout_s = timeouts[0] if timeouts is not None else None
-        self.hang_watch = HangWatch() if timeouts is not None else None
-        self.in_training = False
-
-    def arm(self) -> None:
-        if self.hang_watch is not None:
-            self.hang_watch.arm(self.timeout_s)
-
-    def cancel(self) -> None:
-        if self.hang_watch is not None:
-            self.hang_watch.cancel()
-
-    def observe(self, in_training: bool, stop: bool) -> None:
-        if self.timeouts is not None and not self.in_training and (in_training or stop):
-            self.in_training, self.timeout_s = True, self.timeouts[1]
-            set_collective_timeout(self.topo, self.timeout_s)
 
 
 class TeacherServer:
@@ -310,7 +209,7 @@ class TeacherServer:
                 return
             students = list(zip(self.student_ranks, payload))
             headers = self._headers(students)
-            switch.observe(all(h.in_training for h in headers.values()), False)
+            switch.observe(headers.values())
             if headers[students[0][0]].step == self.inject_serve_failure_at:
                 raise RuntimeError("injected teacher failure (inject_failure=teacher_serve:...)")
             self._forward(students, headers)
@@ -370,7 +269,7 @@ class TeacherServer:
             arrived = True
             ops = {h.op for h in headers.values()}
             step = headers[students[0][0]].step
-            switch.observe(all(h.in_training for h in headers.values()), Op.STOP in ops)
+            switch.observe(headers.values(), stop=Op.STOP in ops)
             failure = self._check_headers(headers, students)
             error = None if failure is None else failure_words(failure)
             if step == self.inject_serve_failure_at and ops == {Op.FORWARD}:

@@ -8,6 +8,7 @@ through. The new value is set on every backend that governs a group -- unwrapped
 timeout in force would fire.
 """
 
+import contextlib
 import faulthandler
 import logging
 import sys
@@ -139,6 +140,22 @@ def enter_training_timeout(topo, seconds: float) -> None:
         log_collective("barrier before the training timeout", group)
         dist.barrier(group=group)
     set_collective_timeout(topo, seconds)
+
+
+@contextlib.contextmanager
+def generous_timeout(topo, generous_s: float, restore_s: float, hang_watch=None, step: Optional[int] = None):
+    """Around a long pause every student knows of in advance (an in-process checkpoint evaluation, during which
+    the other students wait in a collective and a teacher waits for the next request): every group of this rank
+    and its hang watch on `generous_s`, then back to `restore_s` (the timeout in force before), on any exit."""
+    set_collective_timeout(topo, generous_s)
+    if hang_watch is not None:
+        hang_watch.arm(generous_s, step)
+    try:
+        yield
+    finally:
+        set_collective_timeout(topo, restore_s)
+        if hang_watch is not None:
+            hang_watch.arm(restore_s, step)
 
 
 class HangWatch:

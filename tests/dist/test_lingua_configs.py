@@ -59,7 +59,7 @@ def test_lingua_debug_config_trains_with_distillation(corpus, tiny_teacher, tmp_
     config = write_lingua_config("debug", tmp_path)
     paths = lingua_paths("debug", tmp_path, corpus, tokenizer_dir=tiny_teacher)  # the teacher's vocabulary
     kd = ["enable_distillation=true", f"distillation.teacher_path={tiny_teacher}", "distillation.teacher_dtype=fp32",
-          "distillation.k=8", "eval.harness.tasks=[]", "eval.validation.max_steps=2"]
+          "distillation.k=8", "eval.harness.tasks=[]", "eval.validation.max_steps=2", "distillation.prefetch=0"]
     result = torchrun(3, [f"config={config}", *paths, *cpu_sized(steps=4), *kd], timeout=360)
     assert_ok(result)
     rows = train_rows(tmp_path / "dump")
@@ -68,3 +68,7 @@ def test_lingua_debug_config_trains_with_distillation(corpus, tiny_teacher, tmp_
     validation = read_lines(tmp_path / "dump" / "metrics.validation.jsonl")
     assert [row["global_step"] for row in validation] == [2, 4]
     assert not (tmp_path / "dump" / "metrics.eval.jsonl").exists()  # no harness tasks: no task rows
+    # The teacher waited across each evaluation under the generous timeout: step 2's requests kept the first step's,
+    # step 3's (unmarked) switched it to the short one, step 4's announced the pause (and switched back).
+    teacher_log = (tmp_path / "dump" / "logs" / "rank_2.log").read_text()
+    assert teacher_log.count("announced a long pause after this request (step 4") == 1, teacher_log[-3000:]

@@ -9,7 +9,8 @@ import torch
 
 import lingua.distillation.server as server_module
 from lingua.distillation.bridge import Op, RequestHeader, ResponseStatus
-from lingua.distillation.server import ServingClock, TeacherServer, TimeoutSwitch
+from lingua.distillation.server import TeacherServer
+from lingua.distillation.serving_clock import ServingClock, TimeoutSwitch
 from lingua.errors import is_sticky_device_error
 from lingua.parallel.preemption import PreemptionFlag
 

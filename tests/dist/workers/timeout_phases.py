@@ -6,7 +6,8 @@ step can arrive while the first step is still running).
 Run: torchrun --nproc-per-node 3 -m tests.dist.workers.timeout_phases <teacher_dir>
 The students resume at step 5, send step 6's first request as look-ahead right away (as prefetch=1
 does), spend SLOW_S between the micro-batches of that first step and again before the rest of step 6
--- longer than the TRAIN_TIMEOUT_S the teacher switches to -- then send step 6 and STOP promptly.
+-- longer than the TRAIN_TIMEOUT_S the teacher switches to -- then send step 6 promptly; step 7's request
+announces a pause (an in-process checkpoint evaluation) of SLOW_S, step 8's does not, then STOP.
 """
 
 import sys
@@ -52,7 +53,15 @@ def main(teacher_dir: str) -> None:
         client.mark_first_step_done()
         look_ahead.wait()
         client.submit(tokens, step=FIRST_STEP + 1, micro_step=1).wait()
-        client.stop(step=FIRST_STEP + 2)
+        # A step followed by an in-process checkpoint evaluation: its request announces the pause, the teacher
+        # waits across it under the generous timeout, and goes back to the short one with the next request.
+        client.announce_pause(True)
+        client.submit(tokens, step=FIRST_STEP + 2, micro_step=0).wait()
+        say(f"step {FIRST_STEP + 2} evaluating on rank {topo.global_rank}; {SLOW_S}s")
+        time.sleep(SLOW_S)
+        client.announce_pause(False)
+        client.submit(tokens, step=FIRST_STEP + 3, micro_step=0).wait()
+        client.stop(step=FIRST_STEP + 4)
         say(f"PHASES OK rank {topo.global_rank}")
     finally:
         clean_up()
