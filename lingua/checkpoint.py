@@ -168,10 +168,6 @@ class CheckpointManager:
     def is_master(self) -> bool:
         return self.train_rank == 0
 
-    def _barrier(self, why: str) -> None:
-        log_collective(f"barrier checkpoint {why}", self.group)
-        dist.barrier(group=self.group)
-
     def final_dir(self, step: int) -> Path:
         return self.root / f"{step:010d}"
 
@@ -187,15 +183,17 @@ class CheckpointManager:
             raise ValueError(f"checkpoint kind {kind!r} is unknown; use one of {', '.join(KINDS)}.")
         start = time.perf_counter()
         final = self.final_dir(step)
+        tmp, error = final.with_name(final.name + ".tmp"), None
         if step == self._last_saved_step:
             if self.is_master:
-                self._add_kind(final, kind)
-                self._apply_retention()
-            self._barrier("re-save kind")
+                try:
+                    self._add_kind(final, kind)
+                    self._apply_retention()
+                except OSError as err:  # rank 0 alone: the others must hear it, not wait
+                    error = (failure_words(err), self.train_rank, *after_failed_rename(tmp, final, self.latest))
+            self._agree_written("re-save kind", error, step, tmp)
             return final
 
-        tmp = final.with_name(final.name + ".tmp")
-        error = None
         if self.is_master:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)

@@ -109,3 +109,16 @@ def test_checkpoint_files_that_cannot_be_listed_are_one_sentence_on_load(tmp_pat
     with pytest.raises(CheckpointUnreadable, match=r"0000000001 cannot be read: its files cannot be checked \("
                                                    r"Permission denied \(EACCES\) on .*\.distcp\); no earlier"):
         manager(tmp_path, train_group).load(*make(seed=7)[:2])
+
+
+@pytest.mark.timeout(60)
+def test_recording_another_kind_of_the_step_just_saved_fails_in_one_sentence(tmp_path, train_group, monkeypatch):
+    model, optimizer, scheduler = make()
+    ckpt = manager(tmp_path, train_group)
+    save(ckpt, model, optimizer, scheduler, 1)
+    fail_when(monkeypatch, checkpoint, "_write_json", lambda p, *_: p == MARKER + ".tmp")
+    with pytest.raises(CheckpointWriteFailed) as failed:
+        save(ckpt, model, optimizer, scheduler, 1, kind="eval")  # only adds the kind to the marker
+    assert (f"it is in place at {tmp_path / '0000000001'} but what follows the rename failed and the last complete "
+            f"checkpoint is {tmp_path / '0000000001'}; free space") in str(failed.value)
+    assert checkpoint.read_marker(tmp_path / "0000000001")["kinds"] == ["dump"]
