@@ -107,7 +107,9 @@ class DumpDirOwner:
     def sees_what_rank_0_sees(self, record: dict) -> bool:
         """Whether this rank's verdict on a holder is rank 0's: every rank of the launch is on this host and so is
         the holder, so its pid is checked here as on rank 0 (a holder on this host is judged by its pid and the
-        SLURM job only, never by the clock). Anywhere else only rank 0 decides and the others follow."""
+        SLURM job only, never by the clock). Anywhere else only rank 0 decides and the others follow. (Only a holder
+        that exits between rank 0's read and this one's can part them: this rank's refusal was true when said, and
+        torchrun stops the whole launch, rank 0 within its 30 s grace, as for any rank that exits.)"""
         return self.one_host and record.get("host") == self.host
 
     def take(self) -> "DumpDirOwner":
