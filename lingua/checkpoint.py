@@ -37,15 +37,14 @@ from torch import nn
 
 from lingua.args import require
 from lingua.cli import run_cli
-from lingua.checkpoint_health import (damage, failure_words, newest_intact, save_failed, unreadable,
-                                      warn_if_short_of_space)
+from lingua.checkpoint_health import (MARKER, after_failed_rename, damage, failure_words, newest_intact, save_failed,
+                                      unreadable, warn_if_short_of_space)
 from lingua.errors import DataError, LaunchError, MissingPathError
 from lingua.parallel.collectives import first_error, log_collective
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("dump", "eval")
-MARKER = "checkpoint.json"
 PARAMS = "params.json"
 DCP_METADATA = ".metadata"
 _FINAL_NAME = re.compile(r"^\d{10}$")
@@ -174,10 +173,6 @@ class CheckpointManager:
     def is_master(self) -> bool:
         return self.train_rank == 0
 
-    def _barrier(self, why: str) -> None:
-        log_collective(f"barrier checkpoint {why}", self.group)
-        dist.barrier(group=self.group)
-
     def final_dir(self, step: int) -> Path:
         return self.root / f"{step:010d}"
 
@@ -193,15 +188,17 @@ class CheckpointManager:
             raise ValueError(f"checkpoint kind {kind!r} is unknown; use one of {', '.join(KINDS)}.")
         start = time.perf_counter()
         final = self.final_dir(step)
+        tmp, error = final.with_name(final.name + ".tmp"), None
         if step == self._last_saved_step:
             if self.is_master:
-                self._add_kind(final, kind)
-                self._apply_retention()
-            self._barrier("re-save kind")
+                try:
+                    self._add_kind(final, kind)
+                    self._apply_retention()
+                except OSError as err:  # rank 0 alone: the others must hear it, not wait
+                    error = (failure_words(err), self.train_rank, *after_failed_rename(tmp, final, self.latest))
+            self._agree_written("re-save kind", error, step, tmp)
             return final
 
-        tmp = final.with_name(final.name + ".tmp")
-        error = None
         if self.is_master:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -231,8 +228,8 @@ class CheckpointManager:
             try:
                 self._put_in_place(tmp, final, step, kind)
                 logger.info(f"saved {kind} checkpoint of step {step} to {final} in {time.perf_counter() - start:.1f}s")
-            except OSError as err:
-                error = failure_words(err), self.train_rank
+            except OSError as err:  # rank 0 tells what is on disk now: the others must not look while it moves
+                error = (failure_words(err), self.train_rank, *after_failed_rename(tmp, final, self.latest))
         self._agree_written("rename", error, step, tmp)  # the checkpoint is in place for everyone before anyone moves on
         self._last_saved_step = self.step_on_disk = step
         return final
@@ -250,24 +247,30 @@ class CheckpointManager:
             if old.exists():
                 shutil.rmtree(old)
             os.rename(final, old)
-            os.rename(tmp, final)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                os.rename(old, final)  # roll back: the step's previous save is in place again, the new one in tmp
+                raise
             shutil.rmtree(old)
         else:
             os.rename(tmp, final)
         _fsync_dir(self.root)
         self._apply_retention()
 
-    def _agree_written(self, why: str, error: Optional[tuple[str, int]], step: int, tmp: Path) -> None:
-        """A barrier that also tells every rank whether a rank failed its part of the save (`error`: the words and
-        the train rank that failed); if one did, rank 0 removes the partial `tmp` and every rank raises the same
-        sentence (`CheckpointWriteFailed`)."""
+    def _agree_written(self, why: str, error: Optional[tuple], step: int, tmp: Path) -> None:
+        """A barrier that also tells every rank whether a rank failed its part of the save (`error`: the words, the
+        train rank that failed, after a rename rank 0's `after_failed_rename`); if one did, every rank raises the
+        same sentence (`CheckpointWriteFailed`)."""
         failed = first_error(error, self.group, f"checkpoint {why}")
         if failed is None:
             return
-        if self.is_master:
-            shutil.rmtree(tmp, ignore_errors=True)
-        words, rank = failed[1]
-        raise save_failed(step, tmp, words, rank, self.latest()) from None
+        words, rank, *after = failed[1]
+        if not after:  # nothing was renamed: every rank sees the same checkpoints
+            if self.is_master:
+                shutil.rmtree(tmp, ignore_errors=True)
+            after = self.latest(), None
+        raise save_failed(step, tmp, words, rank, *after) from None
 
     def _add_kind(self, final: Path, kind: str) -> None:
         assert is_complete(final), f"{final} was saved by this manager but is not complete"

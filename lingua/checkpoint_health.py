@@ -1,7 +1,8 @@
 """What a checkpoint's files say when a save or a load goes wrong, in one sentence instead of torch's traceback.
 
 - A save that fails (full disk, permission, quota) is `CheckpointWriteFailed` on every training rank: the path,
-  the error, the rank that hit it and the last complete checkpoint, which is still safe; the partial `.tmp` goes.
+  the error, the rank that hit it and the last complete checkpoint, which is still safe; the partial `.tmp` goes (a
+  complete one whose rename into place failed stays, and a re-saved step's previous save is rolled back).
 - Before a save, a warning when the disk has less free space than the last checkpoint took.
 - A checkpoint that cannot be read (a torn `.distcp`, a damaged `.metadata` or train state) is
   `CheckpointUnreadable` on every training rank: it names the damaged checkpoint, the newest intact one, and how
@@ -18,12 +19,13 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from lingua.errors import DataError, StorageError
 from lingua.parallel.collectives import AgreedError
 
 logger = logging.getLogger(__name__)
+MARKER = "checkpoint.json"  # a checkpoint's completion marker, written last (lingua/checkpoint.py)
 
 
 class CheckpointWriteFailed(AgreedError, StorageError):
@@ -77,15 +79,44 @@ def warn_if_short_of_space(root: Path, last: Optional[Path]) -> None:
                        f"{needed / 2**20:.0f} MiB: this save may fail; free some space or set checkpoint.dump.keep")
 
 
-def save_failed(step: int, tmp: Path, words: str, rank: int, last: Optional[Path]) -> CheckpointWriteFailed:
-    safe = f"the last complete checkpoint is {last}" if last else "no complete checkpoint is on disk yet"
+def save_failed(step: int, tmp: Path, words: str, rank: int, last, kept: Optional[str] = None) -> CheckpointWriteFailed:
+    """`last`: the newest complete checkpoint (a Path, None) or why it is not known (str); `kept`: where the new
+    save's files are when they stay (it failed in or after its rename into place)."""
+    safe = last if isinstance(last, str) else f"the last complete checkpoint is {last}" if last else \
+        "no complete checkpoint is on disk yet"
     return CheckpointWriteFailed(
-        f"the checkpoint of step {step} could not be written to {tmp} ({words}, on train rank {rank}); its partial "
-        f"files are removed and {safe}; free space (or fix the permission or quota) and relaunch: it resumes from there")
+        f"the checkpoint of step {step} could not be written to {tmp} ({words}, on train rank {rank}); "
+        f"{kept or 'its partial files are removed'} and {safe}; free space (or fix the permission or quota) and "
+        f"relaunch: it resumes from there")
+
+
+def after_failed_rename(tmp: Path, final: Path, latest: Callable[[], Optional[Path]]) -> tuple:
+    """Rank 0, once a save failed in or after renaming `tmp` to `final`: the newest complete checkpoint now on disk
+    (or why it cannot be told) and where the new save stays (None: it was partial and is removed). A complete `tmp`
+    (its marker written) stays: the step's previous save may be stuck in `.old`. Never raises: the others wait."""
+    old = final.with_name(final.name + ".old")
+    try:
+        if not tmp.exists():
+            return latest(), f"it is in place at {final} but what follows the rename failed"
+        if (tmp / MARKER).is_file():
+            return latest(), f"its complete files stay in {tmp}" + (f" and the step's previous save in {old}" *
+                                                                   old.exists())
+        shutil.rmtree(tmp, ignore_errors=True)
+        return latest(), None
+    except OSError as err:
+        return f"what is on disk cannot be listed ({failure_words(err)})", f"its files stay in {tmp} or {final}"
 
 
 def damage(ckpt: Path) -> Optional[str]:
-    """What is wrong with the files of a complete-looking checkpoint, or None when they hold what the metadata says."""
+    """What is wrong with the files of a complete-looking checkpoint, or None when they hold what the metadata says.
+    Never raises an OSError: rank 0 checks alone while the others wait for its word."""
+    try:
+        return _damage(ckpt)
+    except OSError as err:  # a permission, a vanished file: listing or sizing them fails
+        return f"its files cannot be checked ({failure_words(err)})"
+
+
+def _damage(ckpt: Path) -> Optional[str]:
     from torch.distributed.checkpoint import FileSystemReader
 
     for path in sorted(Path(ckpt).glob("*.json")):  # the marker, params and every rank's train state

@@ -5,10 +5,13 @@
     owner.release()                                            # rank 0 removes it on the way out
 
 Only global rank 0 writes the record; it is created whole by `os.link` of a finished temporary file (atomic and
-exclusive on NFS and Lustre, where `flock` may be a no-op), so a reader sees all of it or nothing. Every rank
-decides from the same file, without a collective: a record of its own launch (same SLURM job and restart,
-same rendezvous address) lets it in; a live record of another launch is refused in one sentence naming the
-holder (host, pid, job, since when) on every rank, before any process group exists. A holder that is gone --
+exclusive on NFS and Lustre, where `flock` may be a no-op), so a reader sees all of it or nothing. Only rank 0
+decides, without a collective: a record of its own launch (same SLURM job and restart, same rendezvous address)
+lets every rank in; a live record of another launch is refused in one sentence naming the holder (host, pid, job,
+since when), before any process group exists. Another rank says that sentence itself only where it sees what
+rank 0 sees (the whole launch and the holder on one host: a pid check gives both the same answer, a heartbeat's
+age on two clocks may not); elsewhere it waits for its launch's record, or for torchrun to stop it once rank 0
+refused (one sentence too). A holder that is gone --
 its pid dead on this host, its heartbeat older than the bound it wrote itself (a holder on another host; one on
 this host whose process lives, even stopped, keeps the dir), or an earlier run of this same SLURM job (a
 requeue) -- is taken over with a warning naming it. A clean exit, or a failure our code saw,
@@ -78,6 +81,7 @@ class DumpDirOwner:
         self.path = self.root / OWNER
         self.env = os.environ if env is None else env
         self.rank, self.key = launch.rank, launch_key(launch, self.env)
+        self.one_host = launch.local_world_size == launch.world_size  # rank 0 runs on this host too
         self.host = socket.gethostname()
         # Until the watch thread's first heartbeat the holder is starting up: it may take the process group's
         # init timeout to get there.
@@ -100,6 +104,14 @@ class DumpDirOwner:
             f"give this run another dump_dir (a holder that is gone is taken over once its process is dead or "
             f"its heartbeat is {record.get('stale_after_s', STALE_S):.0f}s old)")
 
+    def sees_what_rank_0_sees(self, record: dict) -> bool:
+        """Whether this rank's verdict on a holder is rank 0's: every rank of the launch is on this host and so is
+        the holder, so its pid is checked here as on rank 0 (a holder on this host is judged by its pid and the
+        SLURM job only, never by the clock). Anywhere else only rank 0 decides and the others follow. (Only a holder
+        that exits between rank 0's read and this one's can part them: this rank's refusal was true when said, and
+        torchrun stops the whole launch, rank 0 within its 30 s grace, as for any rank that exits.)"""
+        return self.one_host and record.get("host") == self.host
+
     def take(self) -> "DumpDirOwner":
         """Take the dump dir (rank 0) or check that rank 0 of this launch took it (the other ranks); raise
         `LaunchError` naming the holder when another live run has it."""
@@ -114,13 +126,16 @@ class DumpDirOwner:
                     continue
                 self.held = self.rank == 0
                 return self
-            if record:
-                gone = holder_gone(record, self.host, time.time(), self.env)
-                if gone is None:
+            if self.rank == 0:
+                gone = holder_gone(record, self.host, time.time(), self.env) if record else None
+                if record and gone is None:
                     raise self.refusal(record)
-            if self.rank == 0 and self._take_from(record, gone if record else None):
-                self.held = True
-                return self
+                if self._take_from(record, gone):
+                    self.held = True
+                    return self
+            elif record and self.sees_what_rank_0_sees(record) and holder_gone(record, self.host, time.time(),
+                                                                                self.env) is None:
+                raise self.refusal(record)  # rank 0 refuses this same record by the same rules
             if time.monotonic() > deadline:
                 raise LaunchError(f"rank 0 of this launch did not take dump_dir {self.root} within "
                                   f"{self.startup_s:.0f}s (no {self.path} of this launch appeared); its log says why")

@@ -6,14 +6,17 @@ The concurrent launch itself (two torchrun jobs into one dump dir) is tests/dist
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from lingua.dump_owner import OWNER, DumpDirOwner, holder_gone, launch_key
-from lingua.errors import LaunchError
+from lingua.dump_owner import OWNER, POLL_S, DumpDirOwner, holder_gone, launch_key
+from lingua.errors import LaunchError, PeerStopped
 from lingua.parallel.launch_plan import LaunchEnv
 from lingua.parallel.rank_status import process_start
 
@@ -115,3 +118,55 @@ def test_launch_keys_differ_between_launches_and_requeues():
     assert launch_key(a, {}) != launch_key(b, {})
     assert launch_key(a, {"SLURM_JOB_ID": "5"}) != launch_key(a, {"SLURM_JOB_ID": "5", "SLURM_RESTART_COUNT": "1"})
     assert launch_key(a, {}) == launch_key(torchrun_launch(2, 1000), {})
+
+
+def multi_host_launch(rank: int) -> LaunchEnv:
+    return LaunchEnv(rank, 3, 0, 1, "10.0.0.1", 29512, "torchrun")  # three hosts, one rank on each
+
+
+def owner_on(monkeypatch, host: str, dump, launch: LaunchEnv, startup_s: float = 30) -> DumpDirOwner:
+    monkeypatch.setattr(socket, "gethostname", lambda: host)
+    return DumpDirOwner(dump, launch, startup_s, {})
+
+
+@pytest.mark.parametrize("how, fields", [
+    # Rank 0 shares the holder's host and sees its pid dead; rank 1 elsewhere sees only a fresh heartbeat.
+    ("dead on rank 0's host", dict(host="host-a", heartbeat=time.time(), pid=None)),
+    # Rank 1 shares the holder's host and sees its pid alive; rank 0 elsewhere sees only an old heartbeat.
+    ("alive on rank 1's host", dict(host="host-b", heartbeat=time.time() - 3600, pid=os.getpid())),
+])
+def test_across_hosts_the_other_ranks_follow_rank_0s_verdict_whatever_they_see_themselves(tmp_path, monkeypatch, how,
+                                                                                         fields):
+    if fields["pid"] is None:
+        fields["pid"] = dead_pid()
+    plant(tmp_path, **fields)
+    follower = owner_on(monkeypatch, "host-b", tmp_path, multi_host_launch(1))
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(follower.take)
+        time.sleep(4 * POLL_S)
+        assert not waiting.done(), waiting.exception()  # it neither refused nor joined: it waits for rank 0
+        zero = owner_on(monkeypatch, "host-a", tmp_path, multi_host_launch(0)).take()
+        assert zero.held
+        assert waiting.result(timeout=10) is follower and not follower.held  # joined what rank 0 took
+
+
+def test_across_hosts_a_refusal_reaches_the_other_ranks_as_the_launcher_stopping_them(tmp_path, monkeypatch):
+    plant(tmp_path, host="host-a", heartbeat=time.time() - 3600)  # alive on host-a, heartbeat old: host-a keeps it
+    with pytest.raises(LaunchError, match="is in use by another run"):
+        owner_on(monkeypatch, "host-a", tmp_path, multi_host_launch(0)).take()
+    follower = owner_on(monkeypatch, "host-c", tmp_path, multi_host_launch(2))  # would call that holder gone
+    held = []
+    monkeypatch.setattr("lingua.cli._held_signals", held)
+    threading.Timer(4 * POLL_S, held.append, [signal.SIGTERM]).start()  # torchrun stops it after rank 0 exited
+    start = time.monotonic()
+    with pytest.raises(PeerStopped, match="the launcher stopped this rank"):
+        follower.take()
+    assert time.monotonic() - start < 10 and (tmp_path / OWNER).exists()  # nothing taken over
+
+
+def test_on_one_host_a_holder_elsewhere_is_judged_by_rank_0_alone(tmp_path):
+    plant(tmp_path, host="elsewhere")  # fresh heartbeat: rank 0 refuses, by its own clock
+    with pytest.raises(LaunchError, match="is in use by another run"):
+        DumpDirOwner(tmp_path, torchrun_launch(0), 30, {}).take()
+    with pytest.raises(LaunchError, match="rank 0 of this launch did not take"):  # rank 1 waited, never refused
+        DumpDirOwner(tmp_path, torchrun_launch(1), 0.5, {}).take()

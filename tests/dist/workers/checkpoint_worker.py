@@ -8,7 +8,7 @@ the default group would pair with it and then hang instead of finishing.
   first   checks clip_grad_norm_ against an unsharded reference, then trains 3 steps, saves, trains
           3 more and writes the losses of steps 4-6 to <out_dir>/first.rank<r>.json.
   crash   trains steps 1-6 again and saves step 6, but rank 1's write fails after its shard is on
-          disk (a full disk): the save is agreed failed, 0000000006.tmp removed, 0000000003 kept.
+          disk (a full disk): both ranks stop in one agreed sentence and the partial 0000000006.tmp goes.
   resume  builds the model from a different seed, loads the checkpoint, trains steps 4-6 and writes
           <out_dir>/resume.rank<r>.json.
 """
