@@ -49,9 +49,9 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from apps.bench.distill_report import FAIRNESS_NOTE, format_markdown
+from apps.bench.distill_report import FAIRNESS_NOTE, compare, format_markdown
 from apps.bench.prefetch_latency import LATENCY_PRESET_OVERRIDES, format_latency_table, run_latency_sweep
-from apps.bench.runs import cpu_seconds_between, launch, trainer_command
+from apps.bench.runs import ROOT, cpu_seconds_between, launch, trainer_command
 from apps.main.train import TrainArgs
 from lingua.args import parse_args
 from lingua.cli import run_cli
@@ -64,7 +64,6 @@ from lingua.rundir import RunDir, read_startup, train_rows
 
 logger = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
 CONFIG_PRESETS = {"tiny": "configs/distill_exps/debug_cpu.yaml", "smollm2": "configs/distill_exps/smollm2_cpu.yaml"}
 GIB = 1024 ** 3
 # Every metrics key this script reads (the trainer's log rows; the kd/ and teacher-wait ones only with KD on).
@@ -247,31 +246,6 @@ def summarize(records: list[RunRecord], warmup: int) -> dict:
         "load_avg_1m": mean_or_none(loads),
         "wall_s": sum(rec.wall_s for rec in records),
     }
-
-
-def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    return a / b if a is not None and b not in (None, 0) else None
-
-
-def compare(summaries: dict[str, dict]) -> dict:
-    """KD on vs KD off (same students), prefetch off vs on (KD off), and each tensor-parallel degree vs the first."""
-    on, off, no_prefetch = summaries.get("kd_on"), summaries.get("kd_off"), summaries.get("kd_off_no_prefetch")
-    out = {}
-    degrees = [name for name in summaries if name.startswith("kd_on_tp")]
-    for name in degrees[1:]:
-        out[f"{name}_over_{degrees[0]}"] = {key: ratio(summaries[name][key], summaries[degrees[0]][key]) for key in
-                                            ("step_time_s", "teacher_wait_s", "teacher_tokens_per_s_per_rank",
-                                             "teacher_protocol_share", "teacher_peak_gib", "teacher_peak_rss_gib")}
-    if on and off:
-        out["kd_on_over_kd_off"] = {key: ratio(on[key], off[key]) for key in
-                                    ("step_time_s", "tokens_per_s", "fwd_bwd_max_rank_s", "student_cpu_s_per_step",
-                                     "student_peak_gib", "student_peak_rss_gib")}
-        out["teacher_cpu_over_student_cpu"] = ratio(on["teacher_cpu_s_per_step"], on["student_cpu_s_per_step"])
-    if off and no_prefetch:
-        out["no_prefetch_over_prefetch"] = {key: ratio(no_prefetch[key], off[key]) for key in
-                                            ("step_time_s", "tokens_per_s", "data_time_s", "fwd_bwd_max_rank_s",
-                                             "student_cpu_s_per_step")}
-    return out
 
 
 def read_rows(dump_dir: Path) -> list[dict]:

@@ -116,3 +116,28 @@ def format_markdown(result: dict) -> str:
         *[f"- `{name}`: `{' '.join(cmd)}`" for name, cmd in result["commands"].items()],
     ]
     return "\n".join(notes) + "\n"
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def compare(summaries: dict[str, dict]) -> dict:
+    """KD on vs KD off (same students), prefetch off vs on (KD off), and each tensor-parallel degree vs the first."""
+    on, off, no_prefetch = summaries.get("kd_on"), summaries.get("kd_off"), summaries.get("kd_off_no_prefetch")
+    out = {}
+    degrees = [name for name in summaries if name.startswith("kd_on_tp")]
+    for name in degrees[1:]:
+        out[f"{name}_over_{degrees[0]}"] = {key: ratio(summaries[name][key], summaries[degrees[0]][key]) for key in
+                                            ("step_time_s", "teacher_wait_s", "teacher_tokens_per_s_per_rank",
+                                             "teacher_protocol_share", "teacher_peak_gib", "teacher_peak_rss_gib")}
+    if on and off:
+        out["kd_on_over_kd_off"] = {key: ratio(on[key], off[key]) for key in
+                                    ("step_time_s", "tokens_per_s", "fwd_bwd_max_rank_s", "student_cpu_s_per_step",
+                                     "student_peak_gib", "student_peak_rss_gib")}
+        out["teacher_cpu_over_student_cpu"] = ratio(on["teacher_cpu_s_per_step"], on["student_cpu_s_per_step"])
+    if off and no_prefetch:
+        out["no_prefetch_over_prefetch"] = {key: ratio(no_prefetch[key], off[key]) for key in
+                                            ("step_time_s", "tokens_per_s", "data_time_s", "fwd_bwd_max_rank_s",
+                                             "student_cpu_s_per_step")}
+    return out
