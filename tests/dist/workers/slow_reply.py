@@ -23,7 +23,7 @@ from lingua.logger import init_logger
 from lingua.parallel.launch_plan import DistributedArgs
 from tests.dist.workers import run, say
 
-SLOW_S = 5.0
+SLOW_S = 3.0  # the second reply held back: far longer than a student takes from its first wait to its check
 TEACHER_KEYS = ("kd/teacher_busy", "kd/teacher_busy_s", "kd/teacher_idle_s", "kd/teacher_peak_gib")
 
 
