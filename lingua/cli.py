@@ -63,7 +63,8 @@ def run_cli(main: Callable[[], object]) -> None:
         report_bug(err)
         sys.exit(1)
     else:
-        end_without_cycle_collections()
+        if sys._getframe(1).f_globals.get("__name__") == "__main__":  # the program's entry: the process ends next
+            end_without_cycle_collections()  # (not when a test calls run_cli in its own process)
 
 
 def end_without_cycle_collections() -> None:
