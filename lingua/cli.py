@@ -7,9 +7,11 @@ A `UserError` (lingua/errors.py) is one `error: <sentence>` line on stderr and e
 lost a rank that stopped first (`PeerStopped`) says which one, in one sentence too, and exits 1. Anything else
 is a bug: its traceback goes to stderr, to the rank's log once `init_logger` opened it, and to torchrun's error
 file (its failure summary shows it), and the exit code is 1. Nothing here imports torch at import time:
-`hold_sigterm` runs before the slow imports.
+`hold_sigterm` runs before the slow imports. When `main` returns, the objects still alive are frozen out of
+the cycle collector before the interpreter's teardown (`end_without_cycle_collections`).
 """
 
+import gc
 import logging
 import os
 import signal
@@ -60,6 +62,24 @@ def run_cli(main: Callable[[], object]) -> None:
         _leaving()
         report_bug(err)
         sys.exit(1)
+    else:
+        if sys._getframe(1).f_globals.get("__name__") == "__main__":  # the program's entry: the process ends next
+            end_without_cycle_collections()  # (not when a test calls run_cli in its own process)
+
+
+def end_without_cycle_collections() -> None:
+    """The process is ending: collect today's garbage (its finalizers run), then freeze every object still alive
+    out of the cycle collector. The interpreter's teardown then does not traverse torch's, transformers' and
+    sympy's millions of objects in collection after collection: about 1 CPU second per rank, on every launch
+    (a 3-rank distillation launch's processes: 17.6 -> 14.4 CPU seconds; each rank is gone 0.5 s after its
+    process group instead of 3 s, on a loaded 2-core machine). Exit handlers, the joins of non-daemon threads
+    and the reference-counted teardown (files closed and flushed) run as before.
+
+    Only after a clean exit: torchrun stops every other rank as soon as one exits non-zero, and a rank that
+    fails sooner gives the others less time to reach their own check and sentence (a rank still before
+    `check_no_sigterm_held` then says that the launcher stopped it instead), so error exits keep their timing."""
+    gc.collect()
+    gc.freeze()
 
 
 def _leaving() -> None:

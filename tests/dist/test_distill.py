@@ -154,9 +154,9 @@ def test_each_student_gets_exactly_its_own_rows(routing, case):
 
 @pytest.mark.timeout(120)
 def test_teacher_keeps_the_init_timeout_through_the_students_first_step(tiny_teacher):
-    # The students spend 2 x 6 s inside their first step, after its first request: past the 4 s training
+    # The students spend 2 x 3 s inside their first step, after its requests were served: past the 4 s training
     # timeout. A teacher that switched after serving its first request would time out there. Later a step
-    # announces a 6 s pause (a checkpoint evaluation): a one-way switch would time out there.
+    # announces a 5 s pause (a checkpoint evaluation): a one-way switch would time out there.
     result = torchrun(3, [str(tiny_teacher)], timeout=100, module="tests.dist.workers.timeout_phases")
     assert_ok(result)
     lines = result.stdout.splitlines()
@@ -164,7 +164,7 @@ def test_teacher_keeps_the_init_timeout_through_the_students_first_step(tiny_tea
     switches = [i for i, line in enumerate(lines) if "[r2 teacher]" in line and "collective timeout set to 4s" in line]
     first_step_done = [i for i, line in enumerate(lines) if "step 5 finished on rank" in line]
     assert len(first_step_done) == 2 and switches and switches[0] > max(first_step_done), result.stdout[-4000:]
-    # Step 7 announced a pause of 6 s (past the 4 s): the teacher waited under 60 s, then went back to 4 s.
+    # Step 7 announced a pause of 5 s (past the 4 s): the teacher waited under 60 s, then went back to 4 s.
     back = [i for i, line in enumerate(lines) if "[r2 teacher]" in line and "collective timeout set to 60s" in line]
     assert len(switches) == 2 and len(back) == 1 and switches[0] < back[0] < switches[1], result.stdout[-4000:]
     assert any("announced a long pause" in line for line in lines), result.stdout[-4000:]

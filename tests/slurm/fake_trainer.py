@@ -2,8 +2,10 @@
 
     python -m tests.slurm.fake_trainer config=<dump_dir>/config.yaml     (one process per rank, under srun)
 
-Reads `dump_dir`, `steps` and `step_s` from the yaml; resumes from the newest
-<dump_dir>/checkpoints/<step:010d>/; "trains" by sleeping `step_s` per step, rank 0 appending
+Reads `dump_dir`, `steps`, `step_s` and optionally `resumed_step_s` (default `step_s`) from the yaml; resumes
+from the newest <dump_dir>/checkpoints/<step:010d>/; "trains" by sleeping `step_s` per step (`resumed_step_s`
+once SLURM has restarted the job: a test that signals only the first run lets the requeued one run through
+without pausing), rank 0 appending
 {"step", "time", "restart"} to metrics.jsonl. On USR2 every rank stops at the end of its step:
 rank 0 writes the checkpoint of that step and, unless submitit is in charge, runs
 `scontrol requeue $SLURM_JOB_ID`; every rank exits 0. At the end rank 0 writes the final checkpoint.
@@ -41,11 +43,12 @@ def main() -> None:
     preempted = []
     signal.signal(signal.SIGUSR2, lambda signum, frame: preempted.append(signum))
 
+    step_s = cfg.step_s if restart == 0 else cfg.get("resumed_step_s", cfg.step_s)
     step = latest_step(ckpt_root)
     print(f"rank {rank} start restart={restart} resumed_from={step} master={os.environ.get('MASTER_ADDR')}:"
           f"{os.environ.get('MASTER_PORT')} cwd={os.getcwd()}", flush=True)
     while step < cfg.steps:
-        time.sleep(cfg.step_s)
+        time.sleep(step_s)
         step += 1
         if rank == 0:
             with open(dump_dir / "metrics.jsonl", "a") as f:

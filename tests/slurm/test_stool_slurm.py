@@ -55,7 +55,7 @@ def checkpoint_steps(dump_dir: Path) -> list[int]:
 def preempt_when(dump_dir: Path, job_id: str, min_step: int, timeout: float) -> float:
     """Once metrics reach min_step, send USR2 to the job's steps (every rank); returns the time."""
     wait_for(lambda: any(r.get("step", 0) >= min_step for r in read_rows(dump_dir)), timeout,
-             f"metrics step {min_step}", job_id, lambda: describe_dump(dump_dir))
+             f"metrics step {min_step}", job_id, lambda: describe_dump(dump_dir), poll=0.2)  # a file read: poll often
     # Without --batch/--full, scancel signals the job steps only: every srun task (rank) gets USR2,
     # the batch shell does not (it would die of it).
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
@@ -104,7 +104,9 @@ def test_fake_trainer_preempt_requeue_resume(slurm_cluster, jobs, tmp_path, laun
     steps = 40
     dump_dir = tmp_path / "dump"
     config = tmp_path / "fake.yaml"
-    config.write_text(yaml.safe_dump({"dump_dir": str(dump_dir), "steps": steps, "step_s": 0.25}))
+    # The first run steps slowly so that USR2 lands mid-run; the requeued run (nothing signals it) does not wait.
+    config.write_text(yaml.safe_dump({"dump_dir": str(dump_dir), "steps": steps, "step_s": 0.25,
+                                      "resumed_step_s": 0.0}))
     job_id = run_stool([f"launcher={launcher}", "script=tests.slurm.fake_trainer", f"config={config}", "ngpus=0",
                         "ntasks_per_node=3", "ncpu=1", f"partition={slurm_cluster}", "code_dirs=[lingua,tests]",
                         "signal_grace_s=30", f"torchrun_per_node={str(torchrun).lower()}"], jobs)

@@ -1,9 +1,19 @@
 """Programs that torchrun starts in the multi-process tests (`python -m tests.dist.workers.<name>`)."""
 import sys
 
+from lingua.cli import end_without_cycle_collections
+
 
 def say(line: str) -> None:
     """Print one line for the test to read, in one write: the ranks share torchrun's pipe, and print()'s
     separate newline lets two ranks' lines run together."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
+
+def run(main, *args) -> None:
+    """A worker's `if __name__ == "__main__":`: `main(*args)`; when it returns, what is alive is frozen out of the
+    cycle collector before the interpreter's teardown (as every entry point's `run_cli` does; an exception
+    leaves with its usual timing)."""
+    main(*args)
+    end_without_cycle_collections()

@@ -176,4 +176,6 @@ def main(phase: str, ckpt_root: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    from tests.dist.workers import run
+
+    run(main, *sys.argv[1:4])

@@ -46,4 +46,6 @@ def main(out: str, overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    from tests.dist.workers import run
+
+    run(main, sys.argv[1], sys.argv[2:])

@@ -24,4 +24,6 @@ def main(dump_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    from tests.dist.workers import run
+
+    run(main, sys.argv[1])

@@ -21,9 +21,9 @@ from lingua.distillation.teacher import load_teacher
 from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.logger import init_logger
 from lingua.parallel.launch_plan import DistributedArgs
-from tests.dist.workers import say
+from tests.dist.workers import run, say
 
-SLOW_S = 5.0
+SLOW_S = 3.0  # the second reply held back: far longer than a student takes from its first wait to its check
 TEACHER_KEYS = ("kd/teacher_busy", "kd/teacher_busy_s", "kd/teacher_idle_s", "kd/teacher_peak_gib")
 
 
@@ -80,4 +80,4 @@ def main(teacher_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run(main, sys.argv[1])

@@ -6,8 +6,10 @@ step can arrive while the first step is still running).
 Run: torchrun --nproc-per-node 3 -m tests.dist.workers.timeout_phases <teacher_dir>
 The students resume at step 5, send step 6's first request as look-ahead right away (as prefetch=1
 does), spend SLOW_S between the micro-batches of that first step and again before the rest of step 6
--- longer than the TRAIN_TIMEOUT_S the teacher switches to -- then send step 6 promptly; step 7's request
-announces a pause (an in-process checkpoint evaluation) of SLOW_S, step 8's does not, then STOP.
+-- the teacher, which has answered all three requests, waits through both: 2 x SLOW_S, longer than the
+TRAIN_TIMEOUT_S it switches to -- then send step 6 promptly; step 7's request announces a pause (an
+in-process checkpoint evaluation) of PAUSE_S, longer than TRAIN_TIMEOUT_S on its own, step 8's does not,
+then STOP.
 """
 
 import sys
@@ -22,9 +24,9 @@ from lingua.distillation.teacher import load_teacher
 from lingua.distillation.client import TeacherClient
 from lingua.distillation.server import TeacherServer
 from lingua.logger import init_logger
-from tests.dist.workers import say
+from tests.dist.workers import run, say
 
-INIT_TIMEOUT_S, TRAIN_TIMEOUT_S, SLOW_S = 60, 4, 6
+INIT_TIMEOUT_S, TRAIN_TIMEOUT_S, SLOW_S, PAUSE_S = 60, 4, 3, 5
 FIRST_STEP = 5
 
 
@@ -57,8 +59,8 @@ def main(teacher_dir: str) -> None:
         # waits across it under the generous timeout, and goes back to the short one with the next request.
         client.announce_pause(True)
         client.submit(tokens, step=FIRST_STEP + 2, micro_step=0).wait()
-        say(f"step {FIRST_STEP + 2} evaluating on rank {topo.global_rank}; {SLOW_S}s")
-        time.sleep(SLOW_S)
+        say(f"step {FIRST_STEP + 2} evaluating on rank {topo.global_rank}; {PAUSE_S}s")
+        time.sleep(PAUSE_S)
         client.announce_pause(False)
         client.submit(tokens, step=FIRST_STEP + 3, micro_step=0).wait()
         client.stop(step=FIRST_STEP + 4)
@@ -68,4 +70,4 @@ def main(teacher_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run(main, sys.argv[1])
