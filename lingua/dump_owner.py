@@ -118,24 +118,23 @@ class DumpDirOwner:
         self.root.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + self.startup_s
         while True:
-            check_no_sigterm_held()  # rank 0 refused or failed and the launcher stops this rank
             record = self.read()
-            if record and record.get("launch") == self.key:
+            ours = bool(record) and record.get("launch") == self.key
+            gone = holder_gone(record, self.host, time.time(), self.env) if record and not ours else None
+            if record and not ours and gone is None and (self.rank == 0 or self.sees_what_rank_0_sees(record)):
+                # This rank's own verdict (the others' is rank 0's, by the same rules), said also when the launcher
+                # is already stopping this rank because another one refused first: it is why.
+                raise self.refusal(record)
+            check_no_sigterm_held()  # another rank failed first and the launcher stops this one: take nothing
+            if ours:
                 if self.rank == 0 and record.get("pid") != os.getpid():  # this launch's restarted rank 0
                     self._write(self._replace)
                     continue
                 self.held = self.rank == 0
                 return self
-            if self.rank == 0:
-                gone = holder_gone(record, self.host, time.time(), self.env) if record else None
-                if record and gone is None:
-                    raise self.refusal(record)
-                if self._take_from(record, gone):
-                    self.held = True
-                    return self
-            elif record and self.sees_what_rank_0_sees(record) and holder_gone(record, self.host, time.time(),
-                                                                                self.env) is None:
-                raise self.refusal(record)  # rank 0 refuses this same record by the same rules
+            if self.rank == 0 and self._take_from(record, gone):
+                self.held = True
+                return self
             if time.monotonic() > deadline:
                 raise LaunchError(f"rank 0 of this launch did not take dump_dir {self.root} within "
                                   f"{self.startup_s:.0f}s (no {self.path} of this launch appeared); its log says why")

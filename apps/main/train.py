@@ -39,7 +39,7 @@ from apps.main.transformer import (
 )
 from lingua.args import dump_config, parse_args, require, to_dict
 from lingua.checkpoint import CheckpointArgs, CheckpointManager
-from lingua.cli import check_no_sigterm_held, run_cli
+from lingua.cli import run_cli
 from lingua.data import DataArgs, DataLoader
 from lingua.distillation.args import DistillationArgs, check_seq_len_fits_teacher
 from lingua.distillation.cache import open_cache, settings_manifest
@@ -416,8 +416,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     launch = read_launch_env()
     args.validate(launch.world_size, launch.local_world_size)  # every config error, before any process group
     preemption = PreemptionFlag()  # from here on: handlers only set a flag, students agree on it each step
-    check_no_sigterm_held()  # a SIGTERM while we checked: torchrun stopping the job, another rank failed
-    owner = DumpDirOwner(args.dump_dir, launch, args.distributed.init_timeout_s).take()  # or refuse: it is in use
+    # Or refuse (the dump dir is in use), then check for a SIGTERM held while we checked: another rank failed.
+    owner = DumpDirOwner(args.dump_dir, launch, args.distributed.init_timeout_s).take()
     failure: Optional[BaseException] = None  # an exceptional exit aborts the process groups (clean_up)
     try:
         topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir, teacher_tp(args))

@@ -64,6 +64,20 @@ def test_a_live_holder_of_another_launch_is_refused_on_every_rank_naming_it(tmp_
     assert "\n" not in sentence
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_refusal_is_said_even_when_the_launcher_already_stops_this_rank(tmp_path, monkeypatch, rank):
+    """Rank 0 refused first and torchrun sent this rank SIGTERM before it looked: it judges the same holder the
+    same way and says so, rather than only that the launcher stopped it; with no holder it takes nothing."""
+    monkeypatch.setattr("lingua.cli._held_signals", [signal.SIGTERM])
+    plant(tmp_path)
+    with pytest.raises(LaunchError, match="is in use by another run"):
+        DumpDirOwner(tmp_path, torchrun_launch(rank), 30, {}).take()
+    (tmp_path / OWNER).unlink()
+    with pytest.raises(PeerStopped, match="the launcher stopped this rank"):
+        DumpDirOwner(tmp_path, torchrun_launch(rank), 30, {}).take()
+    assert not (tmp_path / OWNER).exists()
+
+
 @pytest.mark.parametrize("how, fields, why", [
     ("dead pid", dict(pid=None), "its process is gone"),
     ("old heartbeat elsewhere", dict(host="elsewhere", heartbeat=time.time() - 600), "its heartbeat is"),
