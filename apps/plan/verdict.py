@@ -13,8 +13,9 @@ that many tokens:
   then effective((1 + overhead) D) / effective(D), below 1 + overhead.
 
 What the teacher is worth comes from a measurement named with its provenance, never from published constants:
-this repository's study (docs/kd_study/results.json, a 7M student at 246k tokens: its multiplier is a fact of
-those sizes, and the plan says so when its sizes differ) or the user's own pilot run of `apps.bench.kd_study` at
+this repository's studies (docs/kd_study/results.json, one pass over fresh data, and docs/kd_study/wall/results.json,
+U unique tokens read for 1 to 16 epochs, the default for a plan that repeats its data; a 7M student: their
+multipliers are facts of those sizes, and the plan says so when its sizes differ) or the user's own pilot run of `apps.bench.kd_study` at
 their sizes (`kd_measurement=<its results.json>`). A one-pass study's multiplier counts fresh tokens, so it is
 compared with the break-even in effective tokens; a data-wall study's (`--wall`) counts tokens over the same
 unique data at a number of epochs, so its multiplier at the epochs nearest the plan's is compared with 1 + overhead.
@@ -28,6 +29,7 @@ from typing import Optional
 from lingua.errors import DataError, MissingPathError
 
 REPO_MEASUREMENT = "docs/kd_study/results.json"
+REPO_WALL_MEASUREMENT = "docs/kd_study/wall/results.json"
 MUENNIGHOFF_R_D = 15.4  # R_D*, the repetitions after which repeated data's value has decayed by 1/e (their fit)
 MAX_CACHE_RUNS = 10_000  # beyond this many runs sharing one cache the plan says "do not distill"
 SIZE_TOLERANCE = 0.1  # a measurement's student, teacher or tokens further than this (relative) from the plan's
@@ -53,20 +55,22 @@ def cache_overhead(ratio: float, tokens: float, unique: float, runs: int) -> flo
     return ratio * cached / tokens / runs
 
 
-def measurement_path(path: Optional[str]) -> tuple[Path, str, str]:
-    """(the file, its name as printed, whose): the user's file, else this repository's one-pass study."""
+def measurement_path(path: Optional[str], epochs: float = 1.0) -> tuple[Path, str, str]:
+    """(the file, its name as printed, whose): the user's file, else this repository's study nearest the plan: the
+    data-wall study for a plan that reads its unique data more than once, the one-pass study otherwise."""
     if path:
         return Path(path).expanduser(), str(path), "your"
-    return Path(__file__).resolve().parents[2] / REPO_MEASUREMENT, REPO_MEASUREMENT, "this repository's"
+    name = REPO_WALL_MEASUREMENT if epochs > 1 else REPO_MEASUREMENT
+    return Path(__file__).resolve().parents[2] / name, name, "this repository's"
 
 
 def read_measurement(path: Optional[str], output: str, epochs: float) -> dict:
     """What a KD study measured for the plan's output format: {multiplier, low, high, bound, arm, kind, epochs,
     student, teacher, tokens, source}; the arm is kd_<output>64 where there is one, else the first KD arm."""
-    file, name, owner = measurement_path(path)
+    file, name, owner = measurement_path(path, epochs)
     if not file.is_file():
-        raise MissingPathError(f"kd_measurement={path} does not exist; pass the results.json of a "
-                               f"`python -m apps.bench.kd_study` run (or leave it out for {REPO_MEASUREMENT}).")
+        raise MissingPathError(f"kd_measurement={path or name} does not exist; pass the results.json of a "
+                               f"`python -m apps.bench.kd_study` run (or leave it out for this repository's).")
     try:
         results = json.loads(file.read_text())
         compute = results["compute"]

@@ -31,7 +31,7 @@ from lingua.logger import init_logger
 from tests.dist.workers import run, say
 
 
-def run(teacher_dir: str, mode: str, topo) -> None:
+def run_mode(teacher_dir: str, mode: str, topo) -> None:
     args = DistillationArgs(teacher_path=teacher_dir, k=5, teacher_dtype="fp32")
     if mode == "settings" and topo.is_student:
         args = DistillationArgs(teacher_path=teacher_dir, k=6, wire_dtype="fp32", temperature=2.0, teacher_dtype="fp32")
@@ -71,7 +71,7 @@ def main(teacher_dir: str, modes: list[str]) -> None:
     try:
         for mode in modes:
             try:
-                run(teacher_dir, mode, topo)
+                run_mode(teacher_dir, mode, topo)
                 say(f"{mode.upper()} OK rank {topo.global_rank}")
             except Exception as err:  # the test reads each rank's sentence
                 # The students' teacher errors are the agreed kinds; the family is what the words name.
