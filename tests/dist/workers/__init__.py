@@ -11,7 +11,7 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def run(main, *args) -> None:
+def run_worker(main, *args) -> None:
     """A worker's `if __name__ == "__main__":`: `main(*args)`; when it returns, what is alive is frozen out of the
     cycle collector before the interpreter's teardown (as every entry point's `run_cli` does; an exception
     leaves with its usual timing)."""

@@ -176,6 +176,6 @@ def main(phase: str, ckpt_root: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    from tests.dist.workers import run
+    from tests.dist.workers import run_worker
 
-    run(main, *sys.argv[1:4])
+    run_worker(main, *sys.argv[1:4])

@@ -81,6 +81,6 @@ def main(out: str, overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from tests.dist.workers import run
+    from tests.dist.workers import run_worker
 
-    run(main, sys.argv[1], sys.argv[2:])
+    run_worker(main, sys.argv[1], sys.argv[2:])

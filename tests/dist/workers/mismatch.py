@@ -24,6 +24,6 @@ def main(dump_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    from tests.dist.workers import run
+    from tests.dist.workers import run_worker
 
-    run(main, sys.argv[1])
+    run_worker(main, sys.argv[1])

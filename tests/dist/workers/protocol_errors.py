@@ -28,7 +28,7 @@ from lingua.distillation.client import TeacherClient
 from lingua.distillation.server import TeacherServer
 from lingua.errors import PeerStopped, TeacherError
 from lingua.logger import init_logger
-from tests.dist.workers import run, say
+from tests.dist.workers import run_worker, say
 
 
 def run_mode(teacher_dir: str, mode: str, topo) -> None:
@@ -83,4 +83,4 @@ def main(teacher_dir: str, modes: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    run(main, sys.argv[1], sys.argv[2:])
+    run_worker(main, sys.argv[1], sys.argv[2:])

@@ -23,7 +23,7 @@ from lingua.distillation.client import TeacherClient
 from lingua.distillation.server import TeacherServer
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
 from lingua.logger import init_logger
-from tests.dist.workers import run, say
+from tests.dist.workers import run_worker, say
 
 SHAPES = {0: (2, 9), 1: (3, 5)}  # uneven on purpose: rows and lengths differ per student
 K = 5
@@ -146,4 +146,4 @@ def main(teacher_dir: str, cases: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    run(main, sys.argv[1], sys.argv[2:])
+    run_worker(main, sys.argv[1], sys.argv[2:])

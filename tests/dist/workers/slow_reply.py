@@ -21,7 +21,7 @@ from lingua.distillation.teacher import load_teacher
 from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.logger import init_logger
 from lingua.parallel.launch_plan import DistributedArgs
-from tests.dist.workers import run, say
+from tests.dist.workers import run_worker, say
 
 SLOW_S = 3.0  # the second reply held back: far longer than a student takes from its first wait to its check
 TEACHER_KEYS = ("kd/teacher_busy", "kd/teacher_busy_s", "kd/teacher_idle_s", "kd/teacher_peak_gib")
@@ -80,4 +80,4 @@ def main(teacher_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    run(main, sys.argv[1])
+    run_worker(main, sys.argv[1])

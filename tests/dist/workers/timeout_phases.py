@@ -24,7 +24,7 @@ from lingua.distillation.teacher import load_teacher
 from lingua.distillation.client import TeacherClient
 from lingua.distillation.server import TeacherServer
 from lingua.logger import init_logger
-from tests.dist.workers import run, say
+from tests.dist.workers import run_worker, say
 
 INIT_TIMEOUT_S, TRAIN_TIMEOUT_S, SLOW_S, PAUSE_S = 60, 4, 3, 5
 FIRST_STEP = 5
@@ -70,4 +70,4 @@ def main(teacher_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    run(main, sys.argv[1])
+    run_worker(main, sys.argv[1])

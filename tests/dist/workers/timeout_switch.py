@@ -17,7 +17,7 @@ from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.parallel.launch_plan import DistributedArgs
 from lingua.parallel.timeouts import enter_training_timeout
 from lingua.logger import init_logger
-from tests.dist.workers import run, say
+from tests.dist.workers import run_worker, say
 
 TRAIN_TIMEOUT_S, STALL_S = 3, 40
 
@@ -44,4 +44,4 @@ def main(dump_dir: str, debug: bool) -> None:
 
 
 if __name__ == "__main__":
-    run(main, sys.argv[1], sys.argv[2] == "true")
+    run_worker(main, sys.argv[1], sys.argv[2] == "true")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.teacher import TeacherModel, load_teacher
 from lingua.distillation.tensor_parallel import shard_teacher
-from tests.dist.workers import run, say
+from tests.dist.workers import run_worker, say
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -68,4 +68,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run(main)
+    run_worker(main)

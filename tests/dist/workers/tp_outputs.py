@@ -21,7 +21,7 @@ from lingua.distillation.outputs import sparsify_teacher_logits
 from lingua.distillation.teacher import TeacherModel
 from lingua.distillation.tensor_parallel import VocabShard
 from lingua.distillation.vocab_parallel import sample_ids, vocab_parallel_cross_entropy, vocab_parallel_outputs
-from tests.dist.workers import run, say
+from tests.dist.workers import run_worker, say
 
 K = 8
 
@@ -160,4 +160,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run(main)
+    run_worker(main)
