@@ -196,8 +196,7 @@ def doc_causal_block_mask(doc_ids: torch.Tensor, block_size: int = FLEX_BLOCK_SI
     starts = torch.arange(n, device=doc_ids.device) * block_size
     first, last = doc_ids[:, starts], doc_ids[:, (starts + block_size - 1).clamp(max=seq_len - 1)]
     q, kv = starts[:, None], starts[None, :]  # [n, 1] query blocks, [1, n] key blocks
-    whole = torch.ones(n, dtype=torch.bool, device=doc_ids.device)
-    whole[-1] = seq_len % block_size == 0
+    whole = starts + block_size <= seq_len  # computed on the device: writing a Python bool into it would sync
     before = kv < q
     touches = (before & (last[:, None, :] == first[:, :, None])) | (kv == q)
     full = before & (first[:, None, :] == last[:, :, None]) & whole[:, None] & whole[None, :]

@@ -10,6 +10,8 @@ import subprocess
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: tests never reach the hub
+# inductor compiles in the test's own process: its worker pool would be a python launch the tiers' guard refuses
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest
 

@@ -221,7 +221,8 @@ def run_variant_subprocess(variant: str, args: BenchArgs) -> dict:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in asdict(args).items() if v is not None and k != "out"]
     results = {}
     for phase in ("time", "memory"):
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT))
+        python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # the caller's kept
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=python_path)
         if phase == "memory":
             env.update(MEMORY_PHASE_ENV)
         result = subprocess.run([sys.executable, "-m", "apps.bench.loss_step", "--worker", variant, "--phase", phase,

@@ -70,8 +70,8 @@ def test_document_masks_run_on_flex_attention_and_match_sdpa():
 
 
 def head_grads(dtype, teacher, hidden, weight, labels):
-    h = hidden.to(dtype).requires_grad_()
-    w = weight.to(dtype).requires_grad_()
+    h = hidden.detach().to(dtype).requires_grad_()  # detached: .to(float32) of fp32 would return `weight` itself
+    w = weight.detach().to(dtype).requires_grad_()
     loss, _ = fused_linear_kd_loss(h, w, labels, teacher, int((labels != -100).sum()), 0.5, 1.0, chunk_size=128)
     loss.backward()
     return w.grad.double()
