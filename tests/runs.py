@@ -16,11 +16,15 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, Iterable, TypeVar
 
 from lingua.rundir import RunDir, read_jsonl, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
+LAUNCHES_AT_ONCE = 2  # on 2 cores: one launch's imports overlap the other's torchrun start-up and polling
+Job = TypeVar("Job")
 
 WORDS = ("the model reads tokens and predicts the next one while the teacher sends its top guesses "
          "so that the student learns faster than from labels alone data flows through packed windows "
@@ -111,6 +115,12 @@ def torchrun(nproc: int, module_args: list[str], timeout: float, env: dict | Non
             proc.wait()
     reader.join(timeout=30)
     return subprocess.CompletedProcess(cmd, proc.returncode, "".join(chunks), "")
+
+
+def at_once(launch: Callable[[Job], object], jobs: Iterable[Job], n: int = LAUNCHES_AT_ONCE) -> list:
+    """`launch(job)` for independent jobs, `n` at a time; the results in the jobs' order."""
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(launch, jobs))
 
 
 def kill_launch(proc: subprocess.Popen) -> None:

@@ -16,13 +16,13 @@ prints their wall and CPU seconds (run pytest with -s to see them).
 import re
 import resource
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
 
 from tests.bad_configs import BAD_CONFIGS, BadConfig
-from tests.runs import base_overrides, distill_overrides, rank_exit_codes, rank_outputs, torchrun
+from tests.runs import (LAUNCHES_AT_ONCE, at_once, base_overrides, distill_overrides, rank_exit_codes,
+                        rank_outputs, torchrun)
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -32,7 +32,6 @@ LATE_RANK = 2  # "sigterm": the distillation launch, its teacher rank checking i
 SIGTERMED = ["negative_lr", "unknown_section_key"]  # a rule of validate() and one of the config parser
 JOBS = [(bad, kind) for bad in LAUNCHED for kind in ("plain", "distill")] + \
        [(bad, "sigterm") for bad in LAUNCHED if bad.name in SIGTERMED]
-LAUNCHES_AT_ONCE = 2  # on 2 cores: one launch's imports overlap the other's torchrun start-up and polling
 # Per launch, start to exit. On a quiet 2-core machine a launch takes ~9 s (two at a time); the bound leaves
 # room for a loaded CI machine while still failing any launch that waits on a collective (>= 60 s timeouts).
 LAUNCH_LIMIT_S = 30.0
@@ -69,8 +68,7 @@ def cpu_seconds_of_children() -> float:
 def outcomes(corpus, tiny_teacher, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("bad_configs")
     start, cpu_start = time.time(), cpu_seconds_of_children()
-    with ThreadPoolExecutor(LAUNCHES_AT_ONCE) as pool:
-        done = list(pool.map(lambda job: launch(*job, corpus, tiny_teacher, root), JOBS))
+    done = at_once(lambda job: launch(*job, corpus, tiny_teacher, root), JOBS)
     seconds = [o.seconds for o in done]
     # CPU seconds (torchrun and every rank) say what the launches cost a CI machine, whatever else runs beside it.
     print(f"\n{len(JOBS)} bad-config launches in {time.time() - start:.0f}s wall and "

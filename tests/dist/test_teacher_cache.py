@@ -13,7 +13,7 @@ from lingua.distillation.args import WIRE_DTYPES, DistillationArgs
 from lingua.rundir import train_rows
 from lingua.distillation.teacher import TeacherModel
 from lingua.distillation.cache import CacheManifest, read_shard, shard_metadata, shard_path
-from tests.runs import assert_ok, distill_overrides, torchrun
+from tests.runs import assert_ok, at_once, distill_overrides, torchrun
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -98,42 +98,48 @@ def test_training_from_the_cache_equals_online_training_and_resumes_exactly(cach
 @pytest.mark.timeout(200)
 def test_a_cache_with_other_settings_or_a_damaged_shard_is_one_sentence(cache, corpus, tiny_teacher, tmp_path):
     start = time.time()
-    other = torchrun(2, from_cache(corpus, tiny_teacher, cache, tmp_path / "k", **{"distillation.k": 4,
-                                                                                   "distillation.temperature": 2.0}),
-                     timeout=60)
+
+    def damaged_copy(name: str) -> Path:
+        """The cache with its own copy of the shards (the rest linked), one of which the test then damages."""
+        damaged = tmp_path / name
+        damaged.mkdir()
+        for item in cache.iterdir():
+            (damaged / item.name).symlink_to(item) if item.name != "shards" else None
+        (damaged / "shards").mkdir()
+        for shard in (cache / "shards").iterdir():
+            (damaged / "shards" / shard.name).write_bytes(shard.read_bytes())
+        return damaged / "shards" / "shard_00003.safetensors"
+
+    truncated, missing = damaged_copy("truncated"), damaged_copy("missing")
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    missing.unlink()
+    wide = tmp_path / "wide"
+    cache_command = dict(timeout=60, module="apps.main.teacher_cache")
+    # Five independent launches, two at a time.
+    other, rewrite, refused, damaged, absent = at_once(lambda launch: torchrun(**launch), [
+        dict(nproc=2, module_args=from_cache(corpus, tiny_teacher, cache, tmp_path / "k", **{
+            "distillation.k": 4, "distillation.temperature": 2.0}), timeout=60),
+        # Writing into the same cache_dir with other settings is refused too, before any shard is touched.
+        dict(nproc=1, module_args=cache_overrides(corpus, tiny_teacher, cache, **{"distillation.k": 4}), **cache_command),
+        # A top-k wider than the vocabulary: refused before the teacher loads, nothing written (as at the handshake).
+        dict(nproc=1, module_args=cache_overrides(corpus, tiny_teacher, wide, **{"distillation.k": 513}), **cache_command),
+        dict(nproc=2, module_args=from_cache(corpus, tiny_teacher, truncated.parents[1], tmp_path / "d"), timeout=60),
+        dict(nproc=2, module_args=from_cache(corpus, tiny_teacher, missing.parents[1], tmp_path / "m"), timeout=60),
+    ])
     assert other.returncode != 0
     sentence = (f"error: The teacher cache in {cache} was written with other settings: k is 8 in the cache but 4 here; "
                 f"temperature is 1.0 in the cache but 2.0 here.")
     assert other.stdout.count(sentence) == 2, other.stdout[-3000:]
-    # Writing into the same cache_dir with other settings is refused too, before any shard is touched.
-    rewrite = torchrun(1, cache_overrides(corpus, tiny_teacher, cache, **{"distillation.k": 4}), timeout=60,
-                       module="apps.main.teacher_cache")
     assert rewrite.returncode != 0 and "already holds a teacher cache written with other settings: k is 8 in the " \
         "cache but 4 here" in rewrite.stdout, rewrite.stdout[-3000:]
-    # A top-k wider than the vocabulary: refused before the teacher loads, nothing written (as at the handshake).
-    wide = tmp_path / "wide"
-    refused = torchrun(1, cache_overrides(corpus, tiny_teacher, wide, **{"distillation.k": 513}), timeout=60,
-                       module="apps.main.teacher_cache")
     assert refused.returncode != 0 and not (wide / "cache.json").exists()
     assert [line for line in refused.stdout.splitlines() if line.startswith("error: ")] == [
         "error: distillation.k=513 is more than the 512 token ids the top-k is taken from (the data tokenizer's "
         "vocabulary, which the students train on); set distillation.k <= 512."], refused.stdout[-3000:]
-    damaged = tmp_path / "damaged"
-    damaged.mkdir()
-    for item in cache.iterdir():
-        (damaged / item.name).symlink_to(item) if item.name != "shards" else None
-    (damaged / "shards").mkdir()
-    for shard in (cache / "shards").iterdir():
-        (damaged / "shards" / shard.name).write_bytes(shard.read_bytes())
-    victim = damaged / "shards" / "shard_00003.safetensors"
-    victim.write_bytes(victim.read_bytes()[:-100])
-    result = torchrun(2, from_cache(corpus, tiny_teacher, damaged, tmp_path / "d"), timeout=60)
-    assert result.returncode != 0
-    assert result.stdout.count(f"error: Teacher cache shard {victim} is damaged (") == 2, result.stdout[-3000:]
-    victim.unlink()
-    result = torchrun(2, from_cache(corpus, tiny_teacher, damaged, tmp_path / "m"), timeout=60)
-    assert result.stdout.count(f"error: Teacher cache shard {victim} is missing; run the cache command again") == 2
-    assert not re.search(r"\[rank\d\]: Traceback", result.stdout) and time.time() - start < 150  # torchrun's own may print
+    assert damaged.returncode != 0
+    assert damaged.stdout.count(f"error: Teacher cache shard {truncated} is damaged (") == 2, damaged.stdout[-3000:]
+    assert absent.stdout.count(f"error: Teacher cache shard {missing} is missing; run the cache command again") == 2
+    assert not re.search(r"\[rank\d\]: Traceback", absent.stdout) and time.time() - start < 150  # torchrun's own may print
 
 
 @pytest.mark.timeout(200)
