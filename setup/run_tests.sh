@@ -18,7 +18,7 @@ fi
 fast_dir=$(mktemp -d)
 "$VENV/bin/python" -m pytest -q -m "not slow" -p no:cacheprovider --basetemp "$fast_dir/tmp" > "$fast_dir/log" 2>&1 &
 fast_pid=$!
-trap 'kill "$fast_pid" 2>/dev/null; rm -rf "$fast_dir"' EXIT
+trap 'kill "$fast_pid" 2>/dev/null || true; rm -rf "$fast_dir"' EXIT  # interrupted: the fast tier stops too
 slow_rc=0
 "$VENV/bin/python" -m pytest -q -m slow || slow_rc=$?
 fast_rc=0
@@ -26,4 +26,5 @@ wait "$fast_pid" || fast_rc=$?
 echo; echo "=== the fast tier (pytest -m 'not slow'), run beside the slow tier ==="
 cat "$fast_dir/log"
 echo "=== slow tier exit status $slow_rc, fast tier $fast_rc ==="
-[ "$slow_rc" = 0 ] && [ "$fast_rc" = 0 ]
+[ "$slow_rc" = 0 ] && [ "$fast_rc" = 0 ] && exit 0
+exit 1
