@@ -15,16 +15,35 @@ if [ $# -gt 0 ]; then
 fi
 # Everything: the two tiers at once. The slow tier's launches leave about a third of two cores idle (imports,
 # rendezvous, deliberate timeouts), which the fast tier's in-process tests fill; its report follows the slow one.
+# Each tier runs in its own process group (set -m): background jobs would otherwise ignore SIGINT, and Ctrl-C or
+# a SIGTERM to this script is forwarded to both as SIGINT, so pytest stops its launches and reports.
+set -m
+tier() {  # pytest (exec: the job's pid is its own), with KeyboardInterrupt even where SIGINT came in ignored
+  exec "$VENV/bin/python" -c 'import signal, sys, pytest
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.exit(pytest.main())' -q "$@" < /dev/null
+}
 fast_dir=$(mktemp -d)
-"$VENV/bin/python" -m pytest -q -m "not slow" -p no:cacheprovider --basetemp "$fast_dir/tmp" > "$fast_dir/log" 2>&1 &
+tier -m "not slow" -p no:cacheprovider --basetemp "$fast_dir/tmp" > "$fast_dir/log" 2>&1 &
 fast_pid=$!
-trap 'kill "$fast_pid" 2>/dev/null || true; rm -rf "$fast_dir"' EXIT  # interrupted: the fast tier stops too
-slow_rc=0
-"$VENV/bin/python" -m pytest -q -m slow || slow_rc=$?
-fast_rc=0
-wait "$fast_pid" || fast_rc=$?
-echo; echo "=== the fast tier (pytest -m 'not slow'), run beside the slow tier ==="
-cat "$fast_dir/log"
-echo "=== slow tier exit status $slow_rc, fast tier $fast_rc ==="
+tier -m slow &
+slow_pid=$!
+trap 'kill -INT "$slow_pid" "$fast_pid" 2>/dev/null || true' INT TERM
+report_fast_tier() {
+  echo; echo "=== the fast tier (pytest -m 'not slow'), run beside the slow tier ==="
+  cat "$fast_dir/log"; rm -rf "$fast_dir"
+}
+trap report_fast_tier EXIT  # also when this script is stopped: the fast tier's output is not lost
+exit_status_of() {  # a tier's exit status; a trapped signal interrupts `wait`, which then waits again
+  local rc
+  while :; do
+    rc=0; wait "$1" || rc=$?
+    if [ "$rc" -gt 128 ] && kill -0 "$1" 2>/dev/null; then continue; fi
+    return "$rc"
+  done
+}
+slow_rc=0; exit_status_of "$slow_pid" || slow_rc=$?
+fast_rc=0; exit_status_of "$fast_pid" || fast_rc=$?
+echo "=== slow tier exit status $slow_rc, fast tier $fast_rc (the fast tier's report follows) ==="
 [ "$slow_rc" = 0 ] && [ "$fast_rc" = 0 ] && exit 0
 exit 1

@@ -7,11 +7,10 @@ forgets the mark fails saying so instead of quietly slowing the fast tier down.
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: tests never reach the hub
-# inductor compiles in the test's own process: its worker pool would be a python launch the tiers' guard refuses
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest
 
@@ -35,6 +34,11 @@ def fast_tests_launch_no_process(request, monkeypatch):
     """Outside the slow tier, starting python, bash or a launcher fails the test with the reason."""
     if request.node.get_closest_marker("slow") is not None:
         return
+    # inductor compiles in this process (its worker pool, which launched runs keep, would be a python launch)
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:  # already imported: its compile_threads was decided then
+        monkeypatch.setattr(inductor_config, "compile_threads", 1)
     popen_init = subprocess.Popen.__init__
 
     def refuse_launches(self, args, *rest, **kwargs):
