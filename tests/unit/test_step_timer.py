@@ -1,39 +1,61 @@
 """StepTimer (each part's own seconds, the arrival at the step's first collective) and the straggler columns."""
 
-import time
-
 import pytest
 
 from apps.main.report import STEP_PARTS, straggler_metrics
+from lingua import timing
 from lingua.timing import StepTimer
 
 
-def test_a_nested_part_is_not_counted_in_the_enclosing_one():
+class FakeClock:
+    """lingua.timing's clock, advanced only by `sleep`: the parts' seconds are exact, whatever the machine's load
+    (run_tests.sh runs these tests beside the slow tier's launches)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    time = perf_counter
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(timing, "time", fake)
+    return fake
+
+
+def test_a_nested_part_is_not_counted_in_the_enclosing_one(clock):
     timer = StepTimer()
     with timer.part("fwd_bwd"):
-        time.sleep(0.02)
+        clock.sleep(0.02)
         with timer.part("teacher_wait"):
-            time.sleep(0.05)
+            clock.sleep(0.05)
     seconds = timer.read()
-    assert seconds["teacher_wait"] >= 0.05
-    assert 0.02 <= seconds["fwd_bwd"] < 0.05  # its own 20 ms, not the 70 ms the block lasted
+    assert seconds["teacher_wait"] == pytest.approx(0.05)
+    assert seconds["fwd_bwd"] == pytest.approx(0.02)  # its own 20 ms, not the 70 ms the block lasted
     assert timer.entered == {"fwd_bwd", "teacher_wait"}
     assert timer.read() == seconds  # reading again changes nothing
     timer.reset()
     assert timer.read() == {} and timer.entered == set()
 
 
-def test_arrival_counts_from_the_last_common_point_across_steps():
+def test_arrival_counts_from_the_last_common_point_across_steps(clock):
     timer = StepTimer()
     timer.common_point()
-    time.sleep(0.03)  # after the agreed point: the previous step's save, log, eval ...
+    clock.sleep(0.03)  # after the agreed point: the previous step's save, log, eval ...
     timer.reset()  # ... then the next step starts
-    time.sleep(0.02)
+    clock.sleep(0.02)
     timer.arrive()
-    assert timer.arrival_s >= 0.05
+    assert timer.arrival_s == pytest.approx(0.05)
     timer.common_point()
     timer.arrive()
-    assert timer.arrival_s < 0.05
+    assert timer.arrival_s == 0.0
 
 
 def per_rank_row(parts: dict, step: float, arrival: float) -> list[float]:
