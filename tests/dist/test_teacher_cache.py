@@ -120,9 +120,11 @@ def test_a_cache_with_other_settings_or_a_damaged_shard_is_one_sentence(cache, c
         dict(nproc=2, module_args=from_cache(corpus, tiny_teacher, cache, tmp_path / "k", **{
             "distillation.k": 4, "distillation.temperature": 2.0}), timeout=60),
         # Writing into the same cache_dir with other settings is refused too, before any shard is touched.
-        dict(nproc=1, module_args=cache_overrides(corpus, tiny_teacher, cache, **{"distillation.k": 4}), **cache_command),
+        dict(nproc=1, module_args=cache_overrides(corpus, tiny_teacher, cache, **{"distillation.k": 4}),
+             **cache_command),
         # A top-k wider than the vocabulary: refused before the teacher loads, nothing written (as at the handshake).
-        dict(nproc=1, module_args=cache_overrides(corpus, tiny_teacher, wide, **{"distillation.k": 513}), **cache_command),
+        dict(nproc=1, module_args=cache_overrides(corpus, tiny_teacher, wide, **{"distillation.k": 513}),
+             **cache_command),
         dict(nproc=2, module_args=from_cache(corpus, tiny_teacher, truncated.parents[1], tmp_path / "d"), timeout=60),
         dict(nproc=2, module_args=from_cache(corpus, tiny_teacher, missing.parents[1], tmp_path / "m"), timeout=60),
     ])
