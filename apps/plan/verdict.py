@@ -17,8 +17,9 @@ this repository's studies (docs/kd_study/results.json, one pass over fresh data,
 U unique tokens read for 1 to 16 epochs, the default for a plan that repeats its data; a 7M student: their
 multipliers are facts of those sizes, and the plan says so when its sizes differ) or the user's own pilot run
 of `apps.bench.kd_study` at their sizes (`kd_measurement=<its results.json>`). A one-pass study's multiplier counts
-fresh tokens, so it is compared with the break-even in effective tokens; a data-wall study's (`--wall`) counts tokens over the same
-unique data at a number of epochs, so its multiplier at the epochs nearest the plan's is compared with 1 + overhead.
+fresh tokens, so it is compared with the break-even in effective tokens; a data-wall study's (`--wall`) counts
+tokens over the same unique data at a number of epochs, so its multiplier at the epochs nearest the plan's is
+compared with 1 + overhead.
 """
 
 import json
