@@ -12,4 +12,6 @@ per-position KD weight (1 aligned, 0 unaligned: CE only).
                      position, the teacher position that predicts the same next text (or -1)
     targets.py       student_topk_targets: the teacher's top-k at those positions as student top-k + kd_weight
                      (masses of ids mapping to one student id added, unmapped mass into the "rest" bucket)
+    teacher_side.py  CrossTokenizerTeacher: a batch of student windows -> the teacher's padded/cut [N, L] grid,
+                     and its top-k back in the student's positions (what a teacher rank or a cache writer runs)
 """
