@@ -7,7 +7,6 @@
 The trained ones stand for a Lingua user's own tokenizer; each is saved as a Hugging Face tokenizer directory.
 """
 
-import base64
 from pathlib import Path
 
 CORPUS = [
@@ -69,11 +68,6 @@ def sentencepiece_style(out: Path, vocab_size: int = 700) -> Path:
 
 def llama3_tiktoken(out: Path) -> Path:
     """Llama 3's BPE ranks (from quicktok-v1's wheel) as a `.tiktoken` file: a Lingua user's tiktoken tokenizer."""
-    import quicktok
+    from apps.bench.cross_tokenizer import write_llama3_tiktoken
 
-    encoding = quicktok.get_encoding("llama3")
-    # Llama 3's specials follow its BPE ranks; lingua's TikTokenTokenizer adds its own there.
-    n_base = min((encoding.encode_single_token(s) for s in encoding.special_tokens_set), default=encoding.n_vocab)
-    lines = [base64.b64encode(encoding.decode_single_token_bytes(i)) + b" " + str(i).encode() for i in range(n_base)]
-    out.write_bytes(b"\n".join(lines) + b"\n")
-    return out
+    return write_llama3_tiktoken(out)

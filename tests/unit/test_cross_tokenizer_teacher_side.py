@@ -78,3 +78,15 @@ def test_the_map_is_the_pair_s(teacher):
     assert cross.vocab_map.mapped == 256
     assert all(table[i] == -1 for i in tokenizer.all_special_ids)
     assert cross.pad_id == tokenizer.pad_token_id
+
+
+def test_the_alignment_bench_prints_a_row_per_pair(corpus, capsys):
+    """`python -m apps.bench.cross_tokenizer` in-process on the test corpus: a row per student, shares in (0, 1]."""
+    from apps.bench.cross_tokenizer import main
+
+    main(["--corpus", str(corpus / "text"), "--seq-len", "64", "--windows", "4", "--rounds", "1"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| bytes")
+            or line.startswith("| llama3")]
+    assert [row[0] for row in rows] == ["| bytes", "| llama3 (tiktoken)"]
+    assert rows[0][2] == "235 of 49152"
+    assert all(0.0 < float(row[3]) <= 1.0 and float(row[5].rstrip(" |")) > 0 for row in rows)

@@ -22,7 +22,8 @@ from lingua.distillation.cross_tokenizer.targets import student_topk_targets
 from lingua.distillation.cross_tokenizer.token_bytes import byte_fallback_ids, hf_token_bytes, student_token_bytes
 from lingua.distillation.cross_tokenizer.vocab_map import VocabMap, build_vocab_map
 from lingua.distillation.outputs import TeacherOutputs
-from lingua.tokenizer import Tokenizer
+from lingua.errors import ConfigError
+from lingua.tokenizer import Tokenizer, TokenizerArgs, build_tokenizer
 
 
 @dataclass
@@ -44,6 +45,7 @@ class CrossTokenizerTeacher:
     """The vocabulary map and the aligner of one (student tokenizer, teacher tokenizer) pair, built once."""
 
     def __init__(self, student: Tokenizer, teacher_tokenizer, max_positions: Optional[int] = None):
+        self.student = student
         student_bytes = student_token_bytes(student)
         teacher_bytes = hf_token_bytes(teacher_tokenizer)
         self.vocab_map: VocabMap = build_vocab_map(student_bytes, teacher_bytes, byte_fallback_ids(student))
@@ -77,3 +79,20 @@ class CrossTokenizerTeacher:
         """The teacher's top-k over its [N, L] positions as student targets [N, S, k] and kd_weight [N, S]."""
         return student_topk_targets(teacher_outputs, batch.source.to(teacher_outputs.values.device), self.vocab_map,
                                     wire_dtype)
+
+
+def load_cross_tokenizer(student_args: TokenizerArgs, teacher_tokenizer_path: Optional[str], teacher_tokenizer,
+                         max_positions: Optional[int]) -> CrossTokenizerTeacher:
+    """What a teacher rank builds at load: the students' tokenizer (from the config every rank shares) and its own,
+    read from `teacher_tokenizer_path` (distillation.teacher_tokenizer) or else the loaded teacher's."""
+    if teacher_tokenizer_path is not None:
+        from transformers import AutoTokenizer
+
+        try:
+            teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_tokenizer_path)
+        except Exception as err:  # a missing folder, no tokenizer.json, an unknown hub id, ...
+            raise ConfigError(f"distillation.teacher_tokenizer={teacher_tokenizer_path!r} cannot be read as a Hugging "
+                              f"Face tokenizer ({type(err).__name__}: {str(err).splitlines()[0][:200]}); point it at "
+                              f"the folder with the teacher's tokenizer.json, or leave it unset to use the "
+                              f"teacher's own.") from None
+    return CrossTokenizerTeacher(build_tokenizer(student_args), teacher_tokenizer, max_positions)
