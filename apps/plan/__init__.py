@@ -28,8 +28,9 @@ config as in training (`data.batch_size=8 distillation.k=32`). What it decides, 
    count (its bridges stay inside a node). Every layout printed is a `LaunchPlan` that constructed. When none
    keeps up: the layout with the most student throughput, and the largest smaller world size that would.
 5. Online or the offline cache: GPU-hours per run of each road, the cache's size on disk, the number of runs
-   from which the cache is the cheaper road, and the cache writer's overrides (`apps.main.teacher_cache` with
-   replicas of the smallest teacher_tp that fits, one stream per student of a run from the cache).
+   from which the cache is the cheaper road, and the cache writer's command (`apps.main.teacher_cache` with
+   replicas of the smallest teacher_tp that fits, a stream per GPU training from the cache, the planned windows
+   split evenly between them: it writes exactly the planned tokens).
 6. Whether to distill at all (`unique_tokens=`, `kd_measurement=`, `show=verdict`): see verdict.py.
 
 The package, in the order a plan is made:

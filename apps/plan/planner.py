@@ -23,8 +23,8 @@ class Planner:
     """Evaluates layouts of one config on one cluster; `plan()` returns the JSON-able plan. A student vocabulary
     of -1 in `args` becomes the teacher's, as the trainer makes it the tokenizer's."""
 
-    def __init__(self, args: PlanArgs, config_path: Optional[str] = None):
-        self.args, self.config_path = args, config_path
+    def __init__(self, args: PlanArgs, config_path: Optional[str] = None, overrides: tuple[str, ...] = ()):
+        self.args, self.config_path, self.overrides = args, config_path, list(overrides)  # the training keys given
         self.shape = read_teacher_shape(teacher_config_path(args))
         check_seq_len_fits_teacher(args.data.seq_len, self.shape.max_positions or 0,
                                    f"max_position_embeddings in {self.shape.path}")
@@ -201,9 +201,24 @@ class Planner:
         }
         # The writer's replicas: the smallest teacher_tp its forwards fit; every rank a teacher, a stream per student.
         writer_tp = self.smallest_fitting_tp(TeacherCacheArgs.forward_rows)
-        road["writer_overrides"] = (f"distillation.teacher_tp={writer_tp} streams={args.world_size}" if writer_tp
-                                    else None)
+        road["writer"] = self.cache_writer(tokens, writer_tp) if writer_tp else None
         return road
+
+    def cache_writer(self, tokens: int, writer_tp: int) -> dict:
+        """The cache writer's layout for `tokens` planned tokens: one stream per GPU (every GPU trains from the
+        cache), the windows split evenly between the streams, in shards that divide a stream's windows, so that
+        it writes exactly the planned tokens (rounded up to whole windows per stream only where they do not split
+        evenly: `tokens` then says what it writes)."""
+        args, streams, seq = self.args, self.args.world_size, self.args.data.seq_len
+        per_stream = -(-math.ceil(tokens / seq) // streams)
+        default_shard = TeacherCacheArgs.shard_sequences
+        shard = max(d for d in range(1, min(default_shard, per_stream) + 1) if per_stream % d == 0)
+        rows = args.grad_acc_steps * args.data.batch_size
+        return {"teacher_tp": writer_tp, "streams": streams, "sequences_per_stream": per_stream,
+                "shard_sequences": shard, "tokens": streams * per_stream * seq,
+                "train_steps": per_stream // rows if per_stream % rows == 0 else None,
+                "overrides": f"distillation.teacher_tp={writer_tp} streams={streams} "
+                             f"sequences_per_stream={per_stream} shard_sequences={shard}"}
 
     def facts(self) -> dict:
         """What the plan rests on: the inputs, both models' sizes, the speeds and the memory at each teacher_tp."""
@@ -211,7 +226,8 @@ class Planner:
         distillation = to_dict(args.distillation)
         return {
             "version": PLAN_VERSION,
-            "inputs": {"config": self.config_path, "world_size": args.world_size, "gpus_per_node": args.gpus_per_node,
+            "inputs": {"config": self.config_path, "overrides": self.overrides, "world_size": args.world_size,
+                       "gpus_per_node": args.gpus_per_node,
                        "gpu_mem_gib": args.gpu_mem_gib, "teacher_config": shape.path,
                        "teacher_tokens_per_s": args.teacher_tokens_per_s,
                        "student_tokens_per_s": args.student_tokens_per_s, "gpu_tflops": args.gpu_tflops,

@@ -1,6 +1,7 @@
 """The plan as the lines the planner prints, and the JSON file it writes (only over a plan of its own)."""
 
 import json
+import shlex
 from pathlib import Path
 
 from apps.plan.args import MAX_WAIT_SHARE, PLAN_VERSION
@@ -103,11 +104,34 @@ def format_plan(plan: dict) -> list[str]:
         f"  {cache['planned_runs']} planned run(s): cache {hours(cache['cache_gpu_hours'])} GPU-hours, online "
         f"{hours(cache['online_gpu_hours'])} (break-even at {cache['break_even_runs']:.2f} runs)",
     ]
-    if cache["writer_overrides"]:
-        lines.append(f"  write it on the {inputs['world_size']} GPUs: apps.main.teacher_cache "
-                     f"{cache['writer_overrides']}")
+    if cache["writer"]:
+        lines += writer_lines(cache["writer"], inputs, cache["tokens_per_run"])
     lines.append(f"recommendation: {plan['recommendation']}")
     return lines + verdict_lines(plan["verdict"])
+
+
+def launcher(inputs: dict) -> str:
+    """torchrun over the plan's GPUs (whole nodes)."""
+    nodes = inputs["world_size"] // inputs["gpus_per_node"]
+    return f"torchrun {f'--nnodes {nodes} ' if nodes > 1 else ''}--nproc-per-node {inputs['gpus_per_node']}"
+
+
+def training_command(inputs: dict, module: str) -> str:
+    """`torchrun ... -m <module> config=<the plan's config> <the training overrides planned with>`."""
+    given = "".join(f" {shlex.quote(item)}" for item in inputs.get("overrides", []))
+    return f"{launcher(inputs)} -m {module} config={inputs['config'] or '<config>'}{given}"
+
+
+def writer_lines(writer: dict, inputs: dict, planned: int) -> list[str]:
+    """The cache writer's command and what it writes: streams x windows per stream x tokens per window."""
+    exact = (", the planned tokens" if writer["tokens"] == planned else
+             f", the planned {planned:,} rounded up to whole windows per stream")
+    steps = (f"; train from it on the {writer['streams']} GPUs with steps={writer['train_steps']} (at grad_acc_steps="
+             f"{inputs['grad_acc_steps']}, data.batch_size={inputs['batch_size']})" if writer["train_steps"] else "")
+    return [f"  write it on the {inputs['world_size']} GPUs ({writer['streams']} streams x "
+            f"{writer['sequences_per_stream']:,} windows of {inputs['seq_len']:,} tokens = {writer['tokens']:,} "
+            f"tokens{exact}{steps}):",
+            f"    {training_command(inputs, 'apps.main.teacher_cache')} cache_dir=<dir> {writer['overrides']}"]
 
 
 def verdict_lines(verdict: dict) -> list[str]:

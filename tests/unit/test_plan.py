@@ -162,7 +162,22 @@ def test_llama3_70b_teaching_a_1b_student_on_256_gpus():
     assert online["wait_share"] == pytest.approx(0.92, abs=0.01)
     assert plan["smaller_world_that_keeps_up"] is None
     assert plan["cache"]["cheaper"] == "cache"
-    assert plan["cache"]["writer_overrides"] == "distillation.teacher_tp=2 streams=256"
+    # A stream per GPU training from the cache, the planned tokens split between them: 128 students online x
+    # 60,000 steps x 4 x 4,096 tokens = 256 streams x 120,000 windows (in shards of 64 that divide them).
+    writer = plan["cache"]["writer"]
+    assert writer["overrides"] == "distillation.teacher_tp=2 streams=256 sequences_per_stream=120000 shard_sequences=64"
+    assert writer["tokens"] == plan["cache"]["tokens_per_run"] and writer["train_steps"] == 30000
+
+
+def test_the_cache_writer_splits_the_planned_windows_evenly_and_says_when_it_rounds():
+    even = plan_of(EXAMPLES["smollm2"])["cache"]  # 4 students online x 1,000 steps x 8 rows: 8 streams x 4,000
+    assert (even["writer"]["sequences_per_stream"], even["writer"]["shard_sequences"]) == (4000, 50)
+    plan = plan_of(EXAMPLES["smollm2"] + ["tokens_per_run=1000000"])  # 977 windows of 1,024 over 8 streams: 123
+    writer = plan["cache"]["writer"]
+    assert (writer["sequences_per_stream"], writer["shard_sequences"], writer["tokens"]) == (123, 41, 8 * 123 * 1024)
+    assert writer["train_steps"] is None  # 123 windows are not whole steps of 8 rows
+    printed = "\n".join(format_plan(plan))
+    assert "8 streams x 123 windows of 1,024 tokens = 1,007,616 tokens, the planned 1,000,000 rounded up" in printed
 
 
 def test_measured_speeds_replace_the_cost_model():
