@@ -42,6 +42,7 @@ The package, in the order a plan is made:
     planner.py   Planner: the smallest fitting teacher_tp, the layout that keeps up, the cache road
     verdict.py   should it distill at all: the teacher's overhead, the break-even token multiplier (fresh, and
                  behind a data wall by the effective-data law), the multiplier a named study measured
+    evidence.py  what that study measured, the plan's settings outside it ("not measured here"), the pilot
     printing.py  format_plan (the printed lines), write_plan (only over a plan of its own)
     cli.py       main: parse, validate, plan, print, write (`python -m apps.plan` runs it via __main__.py)
 """

@@ -9,6 +9,7 @@ from apps.main.transformer import num_parameters
 from apps.plan.args import DTYPE_BYTES, GIB, MAX_WAIT_SHARE, PLAN_VERSION, USABLE_MEMORY, PlanArgs
 from apps.plan.memory import TeacherMemory, teacher_dtype, teacher_memory
 from apps.plan.sizes import read_teacher_shape, significant, student_flops_per_token, teacher_config_path
+from apps.plan.evidence import SETTINGS, pilot_commands
 from apps.plan.verdict import distill_verdict, read_measurement
 from apps.plan.timing import (Layout, Speeds, Timing, candidate_layouts, max_students_per_replica,
                               tensor_parallel_sizes)
@@ -268,13 +269,45 @@ class Planner:
         return f"the launch plan refuses every split of {args.world_size} ranks, the first with: {refusal}"
 
     def verdict(self, tokens: int, road: str, facts: dict) -> dict:
-        """Should this run distill at all: the teacher's overhead against the multiplier a study measured."""
-        args = self.args
-        measured = read_measurement(args.kd_measurement, args.distillation.output,
-                                    tokens / args.unique_tokens if args.unique_tokens else 1.0)
-        return distill_verdict(facts["teacher"]["forward_flops_per_token"], facts["student"]["train_flops_per_token"],
-                               tokens, args.unique_tokens, args.planned_runs, road, measured,
-                               self.student_params, self.shape.parameters(), args.repeat_decay)
+        """Should this run distill at all: the teacher's overhead against the multiplier a study measured, what of
+        the plan that study did not measure, and the pilot that would."""
+        args, kd = self.args, self.args.distillation
+        measured = read_measurement(args.kd_measurement, kd.output,
+                                    tokens / args.unique_tokens if args.unique_tokens else 1.0, args.unique_tokens)
+        settings = {name: getattr(kd, name) for name in SETTINGS} | {"vocab": args.model.vocab_size}
+        verdict = distill_verdict(facts["teacher"]["forward_flops_per_token"],
+                                  facts["student"]["train_flops_per_token"], tokens, args.unique_tokens,
+                                  args.planned_runs, road, measured, self.student_params, self.shape.parameters(),
+                                  args.repeat_decay, settings)
+        if verdict["unmeasured"]:
+            verdict["pilot"] = pilot_commands(facts["inputs"], facts["online"], args.dump_dir, args.steps)
+        return verdict
+
+    def recommend(self, result: dict, waiting: str) -> str:
+        """One recommendation from the road, the layout and the verdict: the road the verdict says pays; where none
+        pays, CE-only and why the cheaper road is not worth its teacher; where the plan is not measured, the pilot
+        first and what it must measure for the cheaper road to pay."""
+        args, online, cache, verdict = self.args, result["online"], result["cache"], result["verdict"]
+        close = cache["cheaper"] == "online" and cache["cache_gpu_hours"] < cache["online_gpu_hours"]
+        details = {
+            "cache": f"from the offline cache ({cache['cache_gpu_hours']:,.0f} GPU-hours for {args.planned_runs} "
+                     f"run(s) against {cache['online_gpu_hours']:,.0f} online"
+                     + (f", where {waiting}" if waiting else "") + "; write it with the command above)",
+            "online": f"online ({online['overrides']}" + (f"; {waiting}" if waiting else "")
+                      + (f"; the cache would cost within {MAX_WAIT_SHARE:.0%} of its GPU-hours" if close else "") + ")",
+        }
+        needed, worth, cheaper = verdict["needed_on_road"], verdict["worth"], cache["cheaper"]
+        if not verdict["measured_here"]:
+            return (f"pilot first, your plan is not measured here: distill {details[cheaper]} only if the pilot "
+                    f"measures KD worth more than {needed:.3g}x the CE tokens (the nearest measurement: {worth:.3g}x)")
+        if verdict["pays_on"] == cheaper:
+            return f"distill {details[cheaper]}"
+        if verdict["pays_on"] == "cache":  # online is cheaper in GPU-hours, but its teacher is not paid back
+            return (f"distill {details['cache']}: online costs fewer GPU-hours, but its teacher ({needed:.3g}x the "
+                    f"CE tokens) is more than KD's measured {worth:.3g}x")
+        road = "the offline cache" if cheaper == "cache" else "online distillation"
+        return (f"train CE-only, without the teacher: {road}, the cheaper road, needs KD worth {needed:.3g}x the CE "
+                f"tokens and the measurement gives {worth:.3g}x")
 
     def plan(self) -> dict:
         """The plan: the facts, the online layout (or why there is none), a smaller world size that keeps up when
@@ -302,13 +335,5 @@ class Planner:
         cache = result["cache"] = self.cache_road(online, tokens)
         result["verdict"] = self.verdict(tokens, cache["cheaper"], result)
         waiting = "" if reason is None else f"students would wait {online['wait_share']:.0%} of each step"
-        if cache["cheaper"] == "cache":
-            result["recommendation"] = (f"the offline cache: {cache['cache_gpu_hours']:,.0f} GPU-hours for "
-                                        f"{args.planned_runs} run(s) against {cache['online_gpu_hours']:,.0f} online"
-                                        + (f", where {waiting}" if waiting else ""))
-        else:
-            close = cache["cache_gpu_hours"] < cache["online_gpu_hours"]
-            result["recommendation"] = (f"online: {online['overrides']}" + (f" ({waiting})" if waiting else "")
-                                        + (f"; the cache would cost within {MAX_WAIT_SHARE:.0%} of its GPU-hours"
-                                           if close else ""))
+        result["recommendation"] = self.recommend(result, waiting)
         return result
