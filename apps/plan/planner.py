@@ -174,20 +174,24 @@ class Planner:
         }
 
     def cache_road(self, online: dict, tokens: int) -> dict:
-        """GPU-hours of the online road and of the cache road for `tokens` student tokens per run."""
+        """GPU-hours of the online road and of the cache road for `tokens` student tokens per run. Behind a data
+        wall the cache holds the unique tokens once (training from it reads them epoch after epoch), as the
+        verdict counts it."""
         args, speeds, seq = self.args, self.speeds, self.args.data.seq_len
         kd = args.distillation
         # The cache writer's format (v2): its coded size as measured on the KD study's data, scaled to k and vocab.
         per_token = planned_bytes_per_token(kd.output, kd.k, args.model.vocab_size, DTYPE_BYTES[kd.wire_dtype], seq,
                                             wire_dtype=kd.wire_dtype)
-        teacher_pass = tokens / speeds.teacher / 3600
+        cached = min(tokens, math.ceil(args.unique_tokens)) if args.unique_tokens > 0 else tokens
+        teacher_pass = cached / speeds.teacher / 3600
         students_only = tokens / speeds.student / 3600
         online_run = args.world_size * tokens / online["student_tokens_per_s"] / 3600
         runs = args.planned_runs
         cache_total, online_total = teacher_pass + runs * students_only, runs * online_run
         cheaper = "cache" if cache_total < online_total * (1 - MAX_WAIT_SHARE) else "online"
         road = {
-            "tokens_per_run": tokens, "bytes_per_token": round(per_token, 3), "size_bytes": round(tokens * per_token),
+            "tokens_per_run": tokens, "cached_tokens": cached, "bytes_per_token": round(per_token, 3),
+            "size_bytes": round(cached * per_token),
             "read_bytes_per_s": round(args.world_size * speeds.student * per_token),
             "teacher_pass_gpu_hours": significant(teacher_pass),
             "teacher_pass_hours": significant(teacher_pass / args.world_size),
@@ -202,22 +206,23 @@ class Planner:
         }
         # The writer's replicas: the smallest teacher_tp its forwards fit; every rank a teacher, a stream per student.
         writer_tp = self.smallest_fitting_tp(TeacherCacheArgs.forward_rows)
-        road["writer"] = self.cache_writer(tokens, writer_tp) if writer_tp else None
+        road["writer"] = self.cache_writer(cached, tokens, writer_tp) if writer_tp else None
         return road
 
-    def cache_writer(self, tokens: int, writer_tp: int) -> dict:
-        """The cache writer's layout for `tokens` planned tokens: one stream per GPU (every GPU trains from the
+    def cache_writer(self, cached: int, trained: int, writer_tp: int) -> dict:
+        """The cache writer's layout for `cached` planned tokens: one stream per GPU (every GPU trains from the
         cache), the windows split evenly between the streams, in shards that divide a stream's windows, so that
         it writes exactly the planned tokens (rounded up to whole windows per stream only where they do not split
-        evenly: `tokens` then says what it writes)."""
+        evenly: `tokens` then says what it writes); `train_steps`: the steps that train the run's `trained` tokens
+        from it (None where they are not whole steps)."""
         args, streams, seq = self.args, self.args.world_size, self.args.data.seq_len
-        per_stream = -(-math.ceil(tokens / seq) // streams)
+        per_stream = -(-math.ceil(cached / seq) // streams)
         default_shard = TeacherCacheArgs.shard_sequences
         shard = max(d for d in range(1, min(default_shard, per_stream) + 1) if per_stream % d == 0)
-        rows = args.grad_acc_steps * args.data.batch_size
+        step_tokens = args.grad_acc_steps * args.data.batch_size * seq * streams
         return {"teacher_tp": writer_tp, "streams": streams, "sequences_per_stream": per_stream,
                 "shard_sequences": shard, "tokens": streams * per_stream * seq,
-                "train_steps": per_stream // rows if per_stream % rows == 0 else None,
+                "train_steps": trained // step_tokens if trained % step_tokens == 0 else None,
                 "overrides": f"distillation.teacher_tp={writer_tp} streams={streams} "
                              f"sequences_per_stream={per_stream} shard_sequences={shard}"}
 

@@ -94,8 +94,11 @@ def format_plan(plan: dict) -> list[str]:
         lines.append("  no smaller world size keeps up either")
     cache = plan["cache"]
     lines += [
-        f"cache: {cache['bytes_per_token']:.4g} B/token on disk, {count(cache['tokens_per_run'])} tokens per run -> "
-        f"{size(cache['size_bytes'])}, read at {size(cache['read_bytes_per_s'])}/s by {inputs['world_size']} students",
+        f"cache: {cache['bytes_per_token']:.4g} B/token on disk, {count(cache['cached_tokens'])} tokens "
+        + ("per run" if cache["cached_tokens"] == cache["tokens_per_run"] else
+           f"(the unique ones, read {cache['tokens_per_run'] / cache['cached_tokens']:.3g} times by a run)")
+        + f" -> {size(cache['size_bytes'])}, read at {size(cache['read_bytes_per_s'])}/s by {inputs['world_size']} "
+        f"students",
         f"  teacher pass once: {hours(cache['teacher_pass_gpu_hours'])} GPU-hours "
         f"({hours(cache['teacher_pass_hours'])} h on {inputs['world_size']} GPUs); "
         f"then per run {hours(cache['cache_run_gpu_hours'])} GPU-hours "
@@ -105,7 +108,7 @@ def format_plan(plan: dict) -> list[str]:
         f"{hours(cache['online_gpu_hours'])} (break-even at {cache['break_even_runs']:.2f} runs)",
     ]
     if cache["writer"]:
-        lines += writer_lines(cache["writer"], inputs, cache["tokens_per_run"])
+        lines += writer_lines(cache["writer"], inputs, cache["cached_tokens"])
     lines.append(f"recommendation: {plan['recommendation']}")
     return lines + verdict_lines(plan["verdict"])
 

@@ -181,6 +181,13 @@ def test_the_cache_writer_splits_the_planned_windows_evenly_and_says_when_it_rou
     assert writer["train_steps"] is None  # 123 windows are not whole steps of 8 rows
     printed = "\n".join(format_plan(plan))
     assert "8 streams x 123 windows of 1,024 tokens = 1,007,616 tokens, the planned 1,000,000 rounded up" in printed
+    # Behind a data wall the cache holds the 2M unique tokens once and training reads it 16.4 times (its 500 steps).
+    walled = plan_of(EXAMPLES["smollm2"] + ["unique_tokens=2e6"])["cache"]
+    assert (walled["cached_tokens"], walled["tokens_per_run"]) == (2_000_000, 32_768_000)
+    assert walled["size_bytes"] == pytest.approx(2e6 * walled["bytes_per_token"], rel=1e-5)
+    assert walled["teacher_pass_gpu_hours"] < plan_of(EXAMPLES["smollm2"])["cache"]["teacher_pass_gpu_hours"] / 16
+    assert (walled["writer"]["sequences_per_stream"], walled["writer"]["tokens"], walled["writer"]["train_steps"]) == \
+        (245, 8 * 245 * 1024, 500)
 
 
 def test_measured_speeds_replace_the_cost_model():
