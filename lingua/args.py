@@ -20,6 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lingua.errors import ConfigError, MissingPathError
+from lingua.help import exit_with_help
 
 T = TypeVar("T")
 
@@ -214,11 +215,14 @@ def load_config_file(path: Any) -> DictConfig:
 
 
 def parse_args(cls: Type[T], argv: Optional[list[str]] = None) -> T:
-    """Parse `config=path.yaml key=value a.b=c` (sys.argv by default) into `cls`."""
+    """Parse `config=path.yaml key=value a.b=c` (sys.argv by default) into `cls`; `--help` (or `-h`) prints
+    its keys with their defaults and exits 0."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    exit_with_help(cls, argv)  # --help / -h: the keys, their defaults and a line each, then exit 0
     for item in argv:
         if "=" not in item:
-            raise ConfigError(f"Override {item!r} has no '='; write key=value (e.g. steps=20), without dashes.")
+            raise ConfigError(f"Override {item!r} has no '='; write key=value (e.g. steps=20), without dashes "
+                              f"(--help lists the keys).")
     try:
         cli = OmegaConf.from_cli(argv)
         file_cfg = load_config_file(cli.pop("config")) if "config" in cli else OmegaConf.create()

@@ -35,7 +35,9 @@ class PlanArgs(TrainArgs):
     planned_runs: int = 1  # training runs that could share one teacher cache
     tokens_per_run: int = 0  # student tokens of a run; 0 = steps x grad_acc_steps x batch_size x seq_len x students
     unique_tokens: float = 0.0  # unique training tokens there are (the data wall); 0 = every token fresh
-    kd_measurement: Optional[str] = None  # a kd_study results.json (your pilot's); None = docs/kd_study/results.json
+    # a kd_study results.json (your pilot's); None = this repository's: docs/kd_study/results.json for fresh data,
+    # docs/kd_study/wall/results.json with unique_tokens
+    kd_measurement: Optional[str] = None
     repeat_decay: float = 15.4  # R_D* of the effective-data law for repeated tokens (Muennighoff et al. 2023's fit)
     show: str = "all"  # all: the plan and the verdict; verdict: whether to distill only
     out: Optional[str] = "plan.json"  # the JSON plan; null = print only
