@@ -18,6 +18,8 @@ import typing
 from functools import lru_cache
 from typing import Any, Optional
 
+from lingua.config_words import format_value, type_words
+
 HELP_FLAGS = ("--help", "-h")
 
 
@@ -81,8 +83,6 @@ def _default(f: dataclasses.Field) -> Any:
 def help_rows(cls: type, instance: Any = None, prefix: str = "") -> list[tuple[str, str, str]]:
     """(dotted key, default as typed on the command line, one line) of every leaf key of `cls`, in field order;
     `instance` supplies the defaults (a parent's default_factory may set a nested dataclass's values)."""
-    from lingua.args import _type_words, format_value  # (lingua.args imports this module)
-
     hints = typing.get_type_hints(cls)
     comments = field_comments(cls)
     rows = []
@@ -93,7 +93,7 @@ def help_rows(cls: type, instance: Any = None, prefix: str = "") -> list[tuple[s
             rows += help_rows(sub, value if dataclasses.is_dataclass(value) else None, f"{prefix}{f.name}.")
             continue
         shown = "(required)" if value is dataclasses.MISSING else format_value(value)
-        doc = comments.get(f.name) or _type_words(hints[f.name])  # no comment in the source: what it takes
+        doc = comments.get(f.name) or type_words(hints[f.name])  # no comment in the source: what it takes
         rows.append((f"{prefix}{f.name}", shown, doc))
     return rows
 
