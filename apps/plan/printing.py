@@ -167,12 +167,13 @@ def verdict_lines(verdict: dict) -> list[str]:
     ]
     if verdict["unmeasured"]:
         lines.append(f"  not measured here: {unmeasured_words(verdict)}; the multiplier may not transfer")
+        pilot = verdict.get("pilot", [])
         lines += ["  the pilot that measures it (CE-only to twice the KD run's tokens, then KD with the planned "
-                  "layout):",
-                  *(f"    {command}" for command in verdict.get("pilot", [])),
-                  "    the multiplier: CE-only's tokens when its held-out CE (metrics.jsonl) first reaches the KD "
-                  "run's final, over the KD run's tokens; apps.bench.kd_study --config <yours> measures it as a "
-                  "results.json for kd_measurement="]
+                  "layout, then the multiplier: CE-only's tokens when its held-out CE first reaches the KD run's "
+                  "final, over the KD run's tokens):",
+                  *(f"    {command}" for command in pilot)]
+        if pilot:
+            lines.append(f"    then rerun this plan with kd_measurement={pilot[-1].rsplit('out=', 1)[-1]}")
     if measured["kind"] == "one_pass" and verdict["unique_tokens"] > 0 and verdict["epochs"] > 1:
         lines.append("  warning: the multiplier was measured on fresh data; behind a data wall this assumes the "
                      "teacher is worth the same share of effective data, which is what apps.bench.kd_study --wall "
@@ -181,12 +182,14 @@ def verdict_lines(verdict: dict) -> list[str]:
 
 
 def is_plan_file(path: Path) -> bool:
-    """Whether `path` holds a plan this planner wrote (the only kind of file `out=` replaces)."""
+    """Whether `path` holds a plan this planner wrote, this version or an earlier one (the only kind of file `out=`
+    replaces)."""
     try:
         existing = json.loads(path.read_text())
     except (OSError, ValueError, UnicodeDecodeError):
         return False
-    return isinstance(existing, dict) and existing.get("version") == PLAN_VERSION and "online" in existing
+    version = existing.get("version") if isinstance(existing, dict) else None
+    return isinstance(version, int) and 1 <= version <= PLAN_VERSION and "online" in existing
 
 
 def write_plan(plan: dict, path: Path) -> None:
