@@ -134,7 +134,8 @@ def worth_words(verdict: dict) -> str:
                 f"{best['multiplier']:.3g}x is the largest multiplier this study measured for {measured['arm']} "
                 f"(at E={best['epochs']:g}), and no more is claimed")
     prefix = {"at_least": "at least ", "at_most": "at most "}.get(measured["bound"] or "", "")
-    seeds = f" (seeds {measured['low']:.2f}-{measured['high']:.2f})" if measured["low"] is not None else ""
+    seeds = (f" (seeds {measured['low']:.2f}-{measured['high']:.2f})"
+             if measured["low"] is not None and measured["low"] != measured["high"] else "")  # one seed: its value
     return f"{prefix}{verdict['worth']:.3g}x{seeds}"
 
 

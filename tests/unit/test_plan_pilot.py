@@ -12,6 +12,7 @@ import pytest
 
 from apps.main.train import TrainArgs
 from apps.plan.pilot import main as pilot_main
+from apps.plan.printing import verdict_lines
 from lingua.args import dump_config, parse_args
 from lingua.cli import run_cli
 from tests.unit.test_plan import EXAMPLES, SMOLLM2, plan_of
@@ -157,8 +158,46 @@ def test_the_plan_that_printed_the_pilot_is_measured_by_it(tmp_path, teacher_dir
     assert verdict["measured"]["pilot"] and verdict["measured"]["tokens"] == kd_steps * students * PER_GPU
     assert verdict["measured"]["settings"]["output"] == "topk" and verdict["measured"]["settings"]["vocab"] == 49152
     assert not after["recommendation"].startswith("pilot first")
+    printed = verdict_lines(verdict)
+    assert f"kd_topk64 of {tmp_path / 'pilot.json'} (your pilot: student 73.9M, teacher 135M" in printed[2]
+    assert printed[3] == f"  worth: {verdict['worth']:.3g}x"  # one seed: its value, no range
+    assert not any("not measured here" in line for line in printed)
 
     # The same pilot read for a plan twice as long is not that plan's pilot: its tokens are named.
     longer = plan_of(EXAMPLES["smollm2"] + ["steps=4000", f"kd_measurement={tmp_path / 'pilot.json'}"])
     assert longer["verdict"]["unmeasured"] == [["pilot tokens", kd_steps * students * PER_GPU,
                                                 200 * students * PER_GPU]]
+
+
+def to_checkpoint_evals(dump_dir: Path) -> None:
+    """Move a run's held-out CE from metrics.jsonl's in-loop rows to metrics.validation.jsonl's checkpoint evals."""
+    rows = [json.loads(line) for line in (dump_dir / "metrics.jsonl").read_text().splitlines()]
+    (dump_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if "eval/loss" not in r))
+    (dump_dir / "metrics.validation.jsonl").write_text("".join(
+        json.dumps({"created_at": "2026-11-27T00:00:00+00:00", "global_step": r["step"],
+                    "heldout": {"ce": r["eval/loss"], "tokens": 1000}}) + "\n" for r in rows if "eval/loss" in r))
+
+
+def test_checkpoint_evals_are_read_when_both_runs_log_there(tmp_path, teacher_dir, capsys):
+    argv = pilots(tmp_path, teacher_dir, kd_final=3.32)
+    to_checkpoint_evals(tmp_path / "kd")
+    # One run in-loop, the other at checkpoints: not the same measurement, refused.
+    assert refusal(argv, capsys) == ("error: ce= logged its held-out CE in metrics.jsonl and kd= in "
+                                     "metrics.validation.jsonl; evaluate both the same way (heldout.every=<steps> on "
+                                     "both, as the plan prints).")
+    to_checkpoint_evals(tmp_path / "ce")
+    results = pilot_main(argv)
+    assert results["setup"]["pilot"]["heldout_source"] == "metrics.validation.jsonl"
+    assert results["arms"]["kd_topk64"]["token_multiplier"]["mean"] == pytest.approx(1.3 ** 0.4 * 1.4 ** 0.6)
+
+
+def test_a_kd_run_that_did_not_distill_or_finish_is_refused(tmp_path, teacher_dir, capsys):
+    ce = fake_run(tmp_path / "ce", ["enable_distillation=false", "steps=100", "heldout.every=5"], 8 * PER_GPU,
+                  ce_curve())
+    assert refusal([f"ce={ce}", f"kd={ce}"], capsys) == \
+        f"error: kd={ce} did not distill (enable_distillation=false); pass the KD pilot's dump_dir."
+    kd = fake_run(tmp_path / "kd", ["enable_distillation=true", f"distillation.teacher_path={teacher_dir}",
+                                    "steps=100", "heldout.every=50"], 4 * PER_GPU, {50: 3.4})
+    assert refusal([f"ce={ce}", f"kd={kd}"], capsys) == (
+        f"error: kd={kd}'s last held-out CE is at step 50 of its 100; let it finish with heldout.every dividing "
+        f"steps (the plan prints heldout.every=steps).")
