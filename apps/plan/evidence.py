@@ -129,17 +129,3 @@ def pilot_tokens(inputs: dict, online: dict, steps: int) -> int:
     return pilot_steps(steps) * inputs["grad_acc_steps"] * inputs["batch_size"] * inputs["seq_len"] * \
         online.get("students", 1)
 
-
-def nearest_words(measured: dict) -> str:
-    """The measurement in a phrase: its arm, study, epochs and sizes."""
-    from apps.plan.printing import count
-
-    kind = "pilot" if measured.get("pilot") else "one-pass study" if measured["kind"] == "one_pass" else \
-        f"data-wall study at E={measured['epochs']:g}"
-    settings = measured.get("settings") or {}
-    knobs = ", ".join(f"{name} {settings[name]}" for name in SETTINGS if name in settings)
-    return (f"{measured['arm']} of {measured['source']} ({measured['owner']} {kind}: student "
-            f"{count(measured['student'])}, teacher {count(measured['teacher'])}, {count(measured['tokens'])} tokens"
-            + (f", U {count(measured['unique_tokens'])}" if measured["unique_tokens"] else "")
-            + (f"; {knobs}" if knobs else "") + ")")
-

@@ -14,6 +14,10 @@ multiple) or KD is worse than CE's first eval ("at_most" that one's). The result
 shape (setup, arms, compute) with `mode: "pilot"`: verdict.read_measurement reads it, evidence.measured_settings
 parses the KD run's own config.yaml for its settings, and its tokens are compared with the pilot's KD tokens of
 the plan (a twentieth of the run, evidence.pilot_steps), not the whole run's.
+
+One caveat the reader should know: kd_study reads each CE budget's final (a whole lr schedule each); a pilot reads
+one CE run's curve, whose evals before its end come at a higher lr than a run of that length would end with. That
+reads CE slightly worse at KD's tokens, so a pilot's multiplier leans towards KD.
 """
 
 import dataclasses

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from apps.plan.args import MAX_WAIT_SHARE, PLAN_VERSION
-from apps.plan.evidence import nearest_words, training_command
+from apps.plan.evidence import SETTINGS, training_command
 from lingua.errors import ConfigError
 
 
@@ -123,6 +123,18 @@ def writer_lines(writer: dict, inputs: dict, planned: int) -> list[str]:
             f"{writer['sequences_per_stream']:,} windows of {inputs['seq_len']:,} tokens = {writer['tokens']:,} "
             f"tokens{exact}{steps}):",
             f"    {training_command(inputs, 'apps.main.teacher_cache')} cache_dir=<dir> {writer['overrides']}"]
+
+
+def nearest_words(measured: dict) -> str:
+    """The measurement in a phrase: its arm, study, epochs and sizes."""
+    kind = "pilot" if measured.get("pilot") else "one-pass study" if measured["kind"] == "one_pass" else \
+        f"data-wall study at E={measured['epochs']:g}"
+    settings = measured.get("settings") or {}
+    knobs = ", ".join(f"{name} {settings[name]}" for name in SETTINGS if name in settings)
+    return (f"{measured['arm']} of {measured['source']} ({measured['owner']} {kind}: student "
+            f"{count(measured['student'])}, teacher {count(measured['teacher'])}, {count(measured['tokens'])} tokens"
+            + (f", U {count(measured['unique_tokens'])}" if measured["unique_tokens"] else "")
+            + (f"; {knobs}" if knobs else "") + ")")
 
 
 def worth_words(verdict: dict) -> str:
