@@ -43,6 +43,7 @@ MAY_DIFFER = ("name", "dump_dir", "steps", "enable_distillation", "distillation"
               "checkpoint", "logging", "profiling", "eval", "async_eval_gpus", "probe_freq", "exit_after_steps",
               "preemption_grace_s", "inject_failure")
 MAY_DIFFER_PREFIXES = tuple(f"{key}." for key in MAY_DIFFER)
+MUST_MATCH = ("distributed.model_dtype", "distributed.matmul_allow_tf32")  # the numerics, whatever the layout
 
 
 @dataclasses.dataclass
@@ -108,8 +109,8 @@ def check_pair(ce: PilotRun, kd: PilotRun) -> None:
                         f"finish with heldout.every dividing steps (the plan prints heldout.every=steps).")
     theirs, ours = flat(to_dict(ce.args)), flat(to_dict(kd.args))
     differ = sorted(key for key in theirs.keys() | ours.keys()
-                    if theirs.get(key) != ours.get(key) and not key.startswith(MAY_DIFFER_PREFIXES)
-                    and key not in MAY_DIFFER)
+                    if theirs.get(key) != ours.get(key) and (key in MUST_MATCH or (
+                        not key.startswith(MAY_DIFFER_PREFIXES) and key not in MAY_DIFFER)))
     if differ:
         key = differ[0]
         raise ConfigError(f"ce= and kd= were trained with different configs ({key}: {theirs.get(key)!r} vs "

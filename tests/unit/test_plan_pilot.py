@@ -124,6 +124,12 @@ def test_bad_input_is_one_sentence(tmp_path, teacher_dir, capsys):
         "error: ce= and kd= were trained with different configs (model.dim: 256 vs 512); run both pilots from the "
         "plan's config as it prints them.")
 
+    other = tmp_path / "numerics"
+    other.mkdir()
+    argv = pilots(other, teacher_dir, kd_final=3.32, ce_overrides=["distributed.model_dtype=fp32"])
+    assert refusal(argv, capsys).startswith("error: ce= and kd= were trained with different configs "
+                                            "(distributed.model_dtype: 'fp32' vs 'bf16')")
+
     # A file that is not a pilot's results is never replaced.
     (tmp_path / "notes.json").write_text("{}")
     argv = [f"ce={tmp_path / 'ce'}", f"kd={tmp_path / 'kd'}", f"out={tmp_path / 'notes.json'}"]
