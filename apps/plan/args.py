@@ -7,7 +7,8 @@ from typing import Optional
 from apps.main.train import TrainArgs
 from lingua.args import require
 
-PLAN_VERSION = 1
+# The plan JSON's layout: 2 = cache.writer (was writer_overrides), the verdict's keys, the pilot's read command.
+PLAN_VERSION = 2
 MAX_WAIT_SHARE = 0.05  # of a student's step spent waiting on its teacher
 AUTO_LOGITS_WORK_TENSORS, AUTO_LOGITS_FREE_SHARE = 4, 0.25  # lingua/distillation/teacher.py's auto logits chunk rule
 USABLE_MEMORY = 0.9  # of a GPU's memory: the allocator's fragmentation and what the driver keeps

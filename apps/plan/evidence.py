@@ -54,13 +54,17 @@ def measured_settings(results: dict, arm: str, arm_overrides: list[str], file: P
 
 def unmeasured(measured: dict, plan: dict) -> list[list]:
     """[what, measured, planned] for each way the plan leaves the measurement: sizes and ratios further than
-    SIZE_TOLERANCE, epochs outside the measured range, other settings (where `plan` names them; a study that did
-    not record its settings then leaves them all unmeasured)."""
+    SIZE_TOLERANCE (a pilot's tokens against the plan's pilot's, `pilot_tokens`), epochs outside the measured
+    range, other settings (where `plan` names them; a study that did not record its settings then leaves them all
+    unmeasured)."""
     def far(theirs: float, ours: float) -> bool:
         return abs(ours - theirs) > SIZE_TOLERANCE * abs(theirs)
 
-    out = [[name, measured[name], plan[name]] for name in ("student", "teacher", "tokens")
-           if far(measured[name], plan[name])]
+    out = [[name, measured[name], plan[name]] for name in ("student", "teacher") if far(measured[name], plan[name])]
+    # A pilot measures at the pilot's length (pilot_steps), by design a fraction of the run: compared with that.
+    tokens = "pilot_tokens" if measured.get("pilot") and "pilot_tokens" in plan else "tokens"
+    if far(measured["tokens"], plan[tokens]):
+        out.append(["tokens" if tokens == "tokens" else "pilot tokens", measured["tokens"], plan[tokens]])
     low, high = measured["epoch_range"]
     if plan["epochs"] < low * (1 - SIZE_TOLERANCE) or plan["epochs"] > high * (1 + SIZE_TOLERANCE):
         out.append(["epochs", f"{low:g}-{high:g}" if low != high else f"{low:g}", plan["epochs"]])
@@ -102,25 +106,26 @@ def training_command(inputs: dict, module: str) -> str:
 def pilot_commands(inputs: dict, online: dict, dump_dir: str, steps: int) -> list[str]:
     """The two runs that measure the multiplier at the plan's sizes and settings: CE-only on every GPU to at least
     twice the KD run's tokens (its curve is what KD's final held-out CE is read against), and KD with the
-    planned layout (`online`: its overrides and student count)."""
+    planned layout (`online`: its overrides and student count); then `apps.plan.pilot`, which reads both and
+    writes the results.json for kd_measurement= (pilot_results_path)."""
     base = training_command(inputs, "apps.main.train")
     kd_steps = pilot_steps(steps)
     ce_steps = math.ceil(2 * kd_steps * online.get("students", 1) / inputs["world_size"])
     return [f"{base} enable_distillation=false steps={ce_steps} heldout.every={max(1, ce_steps // 20)} "
             f"dump_dir={dump_dir}_pilot_ce",
             f"{base} {online.get('overrides', 'enable_distillation=true')} steps={kd_steps} "
-            f"heldout.every={kd_steps} dump_dir={dump_dir}_pilot_kd"]
+            f"heldout.every={kd_steps} dump_dir={dump_dir}_pilot_kd",
+            f"python -m apps.plan.pilot ce={dump_dir}_pilot_ce kd={dump_dir}_pilot_kd "
+            f"out={pilot_results_path(dump_dir)}"]
 
 
-def nearest_words(measured: dict) -> str:
-    """The measurement in a phrase: its arm, study, epochs and sizes."""
-    from apps.plan.printing import count
+def pilot_results_path(dump_dir: str) -> str:
+    """Where the plan's pilot command writes its measurement."""
+    return f"{dump_dir}_pilot.json"
 
-    kind = "one-pass study" if measured["kind"] == "one_pass" else f"data-wall study at E={measured['epochs']:g}"
-    settings = measured.get("settings") or {}
-    knobs = ", ".join(f"{name} {settings[name]}" for name in SETTINGS if name in settings)
-    return (f"{measured['arm']} of {measured['source']} ({measured['owner']} {kind}: student "
-            f"{count(measured['student'])}, teacher {count(measured['teacher'])}, {count(measured['tokens'])} tokens"
-            + (f", U {count(measured['unique_tokens'])}" if measured["unique_tokens"] else "")
-            + (f"; {knobs}" if knobs else "") + ")")
+
+def pilot_tokens(inputs: dict, online: dict, steps: int) -> int:
+    """The KD tokens of the plan's pilot: its steps (pilot_steps) x the planned layout's tokens per step."""
+    return pilot_steps(steps) * inputs["grad_acc_steps"] * inputs["batch_size"] * inputs["seq_len"] * \
+        online.get("students", 1)
 

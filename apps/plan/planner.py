@@ -9,7 +9,7 @@ from apps.main.transformer import num_parameters
 from apps.plan.args import DTYPE_BYTES, GIB, MAX_WAIT_SHARE, PLAN_VERSION, USABLE_MEMORY, PlanArgs
 from apps.plan.memory import TeacherMemory, teacher_dtype, teacher_memory
 from apps.plan.sizes import read_teacher_shape, significant, student_flops_per_token, teacher_config_path
-from apps.plan.evidence import SETTINGS, pilot_commands
+from apps.plan.evidence import SETTINGS, pilot_commands, pilot_tokens
 from apps.plan.verdict import distill_verdict, read_measurement
 from apps.plan.timing import (Layout, Speeds, Timing, candidate_layouts, max_students_per_replica,
                               tensor_parallel_sizes)
@@ -283,7 +283,8 @@ class Planner:
         verdict = distill_verdict(facts["teacher"]["forward_flops_per_token"],
                                   facts["student"]["train_flops_per_token"], tokens, args.unique_tokens,
                                   args.planned_runs, road, measured, self.student_params, self.shape.parameters(),
-                                  args.repeat_decay, settings)
+                                  args.repeat_decay, settings,
+                                  pilot_tokens(facts["inputs"], facts["online"], args.steps))
         if verdict["unmeasured"]:
             verdict["pilot"] = pilot_commands(facts["inputs"], facts["online"], args.dump_dir, args.steps)
         return verdict

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from apps.plan.args import MAX_WAIT_SHARE, PLAN_VERSION
-from apps.plan.evidence import nearest_words, training_command
+from apps.plan.evidence import SETTINGS, training_command
 from lingua.errors import ConfigError
 
 
@@ -125,6 +125,18 @@ def writer_lines(writer: dict, inputs: dict, planned: int) -> list[str]:
             f"    {training_command(inputs, 'apps.main.teacher_cache')} cache_dir=<dir> {writer['overrides']}"]
 
 
+def nearest_words(measured: dict) -> str:
+    """The measurement in a phrase: its arm, study, epochs and sizes."""
+    kind = "pilot" if measured.get("pilot") else "one-pass study" if measured["kind"] == "one_pass" else \
+        f"data-wall study at E={measured['epochs']:g}"
+    settings = measured.get("settings") or {}
+    knobs = ", ".join(f"{name} {settings[name]}" for name in SETTINGS if name in settings)
+    return (f"{measured['arm']} of {measured['source']} ({measured['owner']} {kind}: student "
+            f"{count(measured['student'])}, teacher {count(measured['teacher'])}, {count(measured['tokens'])} tokens"
+            + (f", U {count(measured['unique_tokens'])}" if measured["unique_tokens"] else "")
+            + (f"; {knobs}" if knobs else "") + ")")
+
+
 def worth_words(verdict: dict) -> str:
     """What the teacher is worth, finite, and on what evidence."""
     measured = verdict["measured"]
@@ -134,7 +146,8 @@ def worth_words(verdict: dict) -> str:
                 f"{best['multiplier']:.3g}x is the largest multiplier this study measured for {measured['arm']} "
                 f"(at E={best['epochs']:g}), and no more is claimed")
     prefix = {"at_least": "at least ", "at_most": "at most "}.get(measured["bound"] or "", "")
-    seeds = f" (seeds {measured['low']:.2f}-{measured['high']:.2f})" if measured["low"] is not None else ""
+    seeds = (f" (seeds {measured['low']:.2f}-{measured['high']:.2f})"
+             if measured["low"] is not None and measured["low"] != measured["high"] else "")  # one seed: its value
     return f"{prefix}{verdict['worth']:.3g}x{seeds}"
 
 
@@ -167,12 +180,13 @@ def verdict_lines(verdict: dict) -> list[str]:
     ]
     if verdict["unmeasured"]:
         lines.append(f"  not measured here: {unmeasured_words(verdict)}; the multiplier may not transfer")
+        pilot = verdict.get("pilot", [])
         lines += ["  the pilot that measures it (CE-only to twice the KD run's tokens, then KD with the planned "
-                  "layout):",
-                  *(f"    {command}" for command in verdict.get("pilot", [])),
-                  "    the multiplier: CE-only's tokens when its held-out CE (metrics.jsonl) first reaches the KD "
-                  "run's final, over the KD run's tokens; apps.bench.kd_study --config <yours> measures it as a "
-                  "results.json for kd_measurement="]
+                  "layout, then the multiplier: CE-only's tokens when its held-out CE first reaches the KD run's "
+                  "final, over the KD run's tokens):",
+                  *(f"    {command}" for command in pilot)]
+        if pilot:
+            lines.append(f"    then rerun this plan with kd_measurement={pilot[-1].rsplit('out=', 1)[-1]}")
     if measured["kind"] == "one_pass" and verdict["unique_tokens"] > 0 and verdict["epochs"] > 1:
         lines.append("  warning: the multiplier was measured on fresh data; behind a data wall this assumes the "
                      "teacher is worth the same share of effective data, which is what apps.bench.kd_study --wall "
@@ -181,12 +195,14 @@ def verdict_lines(verdict: dict) -> list[str]:
 
 
 def is_plan_file(path: Path) -> bool:
-    """Whether `path` holds a plan this planner wrote (the only kind of file `out=` replaces)."""
+    """Whether `path` holds a plan this planner wrote, this version or an earlier one (the only kind of file `out=`
+    replaces)."""
     try:
         existing = json.loads(path.read_text())
     except (OSError, ValueError, UnicodeDecodeError):
         return False
-    return isinstance(existing, dict) and existing.get("version") == PLAN_VERSION and "online" in existing
+    version = existing.get("version") if isinstance(existing, dict) else None
+    return isinstance(version, int) and 1 <= version <= PLAN_VERSION and "online" in existing
 
 
 def write_plan(plan: dict, path: Path) -> None:

@@ -88,7 +88,8 @@ def arm_multiplier(arm: dict) -> tuple[Optional[float], Optional[str], Optional[
 
 def read_measurement(path: Optional[str], output: str, epochs: float, unique: float = 0.0) -> dict:
     """What a KD study measured for the plan's output format: {multiplier, low, high, bound, arm, kind, epochs,
-    epoch_range, student, teacher, tokens, unique_tokens, settings, best, source, why}; the arm is kd_<output>64
+    epoch_range, student, teacher, tokens, unique_tokens, settings, best, pilot, source, why} (pilot: a results.json
+    of `python -m apps.plan.pilot`, the one-pass shape); the arm is kd_<output>64
     where there is one, else the first KD arm. `multiplier` is finite: a measured mean, or the bound the study's
     CE budgets allowed; where KD beat every CE budget and CE had stopped improving ("beyond"), the largest
     multiplier the study measured for that arm at any epochs (`best`), never infinity."""
@@ -136,15 +137,17 @@ def read_measurement(path: Optional[str], output: str, epochs: float, unique: fl
     return {"source": name, "owner": owner, "why": why, "arm": arm, "kind": kind, "epochs": float(measured_epochs),
             "epoch_range": [min(budgets), max(budgets)], "tokens": tokens, "unique_tokens": unique_measured,
             "multiplier": multiplier, "bound": bound, "low": low, "high": high,
-            "best": {"multiplier": best[0], "epochs": best[1]}, "settings": settings, **sizes}
+            "best": {"multiplier": best[0], "epochs": best[1]}, "settings": settings,
+            "pilot": results.get("mode") == "pilot", **sizes}
 
 
 def distill_verdict(teacher_flops: float, student_flops: float, tokens: float, unique: float, runs: int,
                     road: str, measured: dict, student: int, teacher: int, r_star: float = MUENNIGHOFF_R_D,
-                    settings: Optional[dict] = None) -> dict:
+                    settings: Optional[dict] = None, pilot_tokens: Optional[float] = None) -> dict:
     """The verdict for a run of `tokens` student tokens over `unique` unique ones (0: fresh), `runs` runs sharing
     one cache, the planner's cheaper `road` ("online" | "cache"), against the `measured` multiplier; `settings`:
-    the plan's {output, k, alpha, temperature, divergence, vocab} (None: the measurement's)."""
+    the plan's {output, k, alpha, temperature, divergence, vocab} (None: the measurement's); `pilot_tokens`: the
+    KD tokens of this plan's pilot (what a pilot's measurement is compared with)."""
     ratio = teacher_flops / student_flops
     epochs = tokens / unique if unique > 0 else 1.0
     online = ratio
@@ -173,7 +176,7 @@ def distill_verdict(teacher_flops: float, student_flops: float, tokens: float, u
         pays_on, sentence = None, "do not distill: train CE-only on more tokens" + (
             f" (a cache would pay if shared by at least {min_runs} runs; you plan {runs})" if min_runs else "")
     plan = {"student": student, "teacher": teacher, "tokens": tokens, "epochs": epochs, "unique_tokens": unique,
-            **(settings or {})}
+            **(settings or {}), **({"pilot_tokens": pilot_tokens} if pilot_tokens else {})}
     outside = unmeasured(measured, plan)
     needed_road = needed(online if road == "online" else cache)
     return {

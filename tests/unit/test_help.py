@@ -15,6 +15,8 @@ ENTRY_POINTS = {
                         "top-k ids, or samples per position", "enable_distillation=false", "learn from a teacher"],
     "apps.plan.cli": ["world_size=0", "GPUs of the launch", "planned_runs=1", "training runs that could share one",
                       "kd_measurement=null", "steps=1000"],
+    "apps.plan.pilot": ["ce=''", "dump_dir of the CE-only pilot", "kd=''", "out='pilot_results.json'",
+                        "teacher_config=null"],
     "lingua.stool": ["nodes=1", "ngpus=8", "GPUs per node; 0 = CPU partition", "signal_grace_s=120",
                      "python -m apps.main.train --help"],
     "apps.main.eval": ["ckpt=''", "a checkpoint step directory, or a checkpoints root", "tasks='pydocs_cloze'",

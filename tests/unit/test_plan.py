@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from apps.main.transformer import LMTransformer, num_parameters
-from apps.plan.args import MAX_WAIT_SHARE, PlanArgs
+from apps.plan.args import MAX_WAIT_SHARE, PLAN_VERSION, PlanArgs
 from apps.plan.cli import main
 from apps.plan.planner import Planner
 from apps.plan.printing import format_plan, verdict_lines
@@ -259,6 +259,10 @@ def test_prints_and_writes_the_plan(tmp_path, monkeypatch, capsys):
     assert written["online"]["replicas"] == 4 and written["inputs"]["config"] == DEBUG
     code, _, _ = run(EXAMPLES["8b"] + [f"out={out}"], monkeypatch, capsys)  # a plan of ours is replaced
     assert code == 0 and json.loads(out.read_text())["inputs"]["world_size"] == 64
+    assert json.loads(out.read_text())["version"] == PLAN_VERSION == 2  # cache.writer, the verdict: its keys
+    out.write_text(json.dumps({**written, "version": 1}))  # an earlier version's plan is ours too
+    code, _, _ = run(EXAMPLES["smollm2"] + [f"out={out}"], monkeypatch, capsys)
+    assert code == 0 and json.loads(out.read_text())["version"] == PLAN_VERSION
 
 
 @pytest.mark.parametrize("argv, sentence", [

@@ -61,8 +61,13 @@ def test_outside_the_measurement_is_not_measured_here_with_the_nearest_one_and_a
     assert "  not measured here: output topk measured, full planned; k 64 measured, 32 planned; alpha 0.5 measured, " \
         "0.9 planned; temperature 1 measured, 2 planned; divergence fkl measured, rkl planned; the multiplier may " \
         "not transfer" in printed
-    ce, kd = verdict["pilot"]
+    ce, kd, read = verdict["pilot"]
     assert [line.strip() for line in printed if "-m apps.main.train" in line] == [ce, kd]
+    # Then apps.plan.pilot reads both runs into the results.json the plan is rerun with.
+    assert read == "python -m apps.plan.pilot ce=dumps/kd_study_pilot_ce kd=dumps/kd_study_pilot_kd " \
+        "out=dumps/kd_study_pilot.json"
+    assert printed[printed.index(f"    {read}") + 1] == "    then rerun this plan with kd_measurement=" \
+        "dumps/kd_study_pilot.json"
     for command, distilled in ((ce, False), (kd, True)):  # both are training command lines the trainer parses
         argv = shlex.split(command.split(" -m apps.main.train ", 1)[1])
         args = parse_args(TrainArgs, argv)
