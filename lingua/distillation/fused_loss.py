@@ -130,7 +130,7 @@ def _topk_kd(a, g, values, ids, extra, mask, kind, jsd_beta, kd_scale):
     else:
         log_q = a_ids - lse_ids.unsqueeze(-1)
     kd, G, q = divergence(log_p, log_q, kind, jsd_beta, with_grad=True)
-    bucket_grad = torch.where(mask.unsqueeze(-1), (G - q * G.sum(-1, keepdim=True)) * kd_scale, 0.0)
+    bucket_grad = torch.where(mask.unsqueeze(-1), (G - q * G.sum(-1, keepdim=True)) * kd_scale.unsqueeze(-1), 0.0)
     g.scatter_add_(-1, ids, bucket_grad[:, :k])
     if k < V:
         g.add_(rest.mul_(torch.where(mask, bucket_grad[:, k] / rest_sum, 0.0).unsqueeze(-1)))
@@ -157,12 +157,12 @@ def _full_kd(a, g, values, mask, kind, jsd_beta, kd_scale):
     log_q = a.sub_(a.logsumexp(-1, keepdim=True))
     kd, G, q = divergence(teacher_full_log_probs(values, a.dtype), log_q, kind, jsd_beta, with_grad=True)
     G.sub_(q.mul_(G.sum(-1, keepdim=True)))
-    g.add_(torch.where(mask.unsqueeze(-1), G.mul_(kd_scale), 0.0))
+    g.add_(torch.where(mask.unsqueeze(-1), G.mul_(kd_scale.unsqueeze(-1)), 0.0))
     return kd
 
 
 def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta,
-                chunk_size, need_grad_hidden, need_grad_weight):
+                chunk_size, kd_weight, need_grad_hidden, need_grad_weight):
     """(loss, stats [4], grad_hidden or None, grad_weight or None) of the flattened inputs, chunk by chunk."""
     N, D = hidden.shape
     V = weight.shape[0]
@@ -198,20 +198,27 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
             kd = mass = agree = torch.zeros_like(ce)
         else:
             values, ids, extra = (None if t is None else t[rows] for t in teacher)
+            # KD rows: valid labels with a positive KD weight; a row outside them takes CE alone.
+            row_weight = torch.ones_like(ce) if kd_weight is None else kd_weight[rows].to(dtype)
+            kd_rows = row_mask & (row_weight > 0)
+            row_weight = torch.where(kd_rows, row_weight, 0.0)
             if ids is not None:
                 # A padded position may carry any id; keep gathers in range (its row counts for nothing).
-                ids = ids.long().masked_fill(~row_mask.unsqueeze(-1), 0)
+                ids = ids.long().masked_fill(~kd_rows.unsqueeze(-1), 0)
             # KD works on a = z / T in z's buffer, which the format's function then overwrites.
             a = z.div_(temperature) if temperature != 1.0 else z
+            row_kd_scale = kd_scale * row_weight
             if teacher.format == "topk":
-                kd = _topk_kd(a, g, values, ids, extra, row_mask, divergence, jsd_beta, kd_scale)
+                kd = _topk_kd(a, g, values, ids, extra, kd_rows, divergence, jsd_beta, row_kd_scale)
             elif teacher.format == "sampled":
-                kd = _sampled_kd(a, g, ids, extra, row_mask, kd_scale)
+                kd = _sampled_kd(a, g, ids, extra, kd_rows, row_kd_scale)
             else:
-                kd = _full_kd(a, g, values, row_mask, divergence, jsd_beta, kd_scale)
+                kd = _full_kd(a, g, values, kd_rows, divergence, jsd_beta, row_kd_scale)
             mass, teacher_top1 = teacher_support(values, ids, extra, teacher.format)
             agree = (student_top1 == teacher_top1).to(dtype)
-        per_row = torch.stack([ce, kd, mass.to(dtype), agree])
+            # The KD stats are sums weighted by the KD weight (where, not multiply: a weight-0 row may be nan).
+            kd, mass, agree = (torch.where(kd_rows, t.to(dtype) * row_weight, 0.0) for t in (kd, mass, agree))
+        per_row = torch.stack([ce, kd, mass, agree])
         stats += torch.where(row_mask, per_row, 0.0).sum(-1)
         z = a = None  # free the chunk's work buffer before the grad GEMMs
         if need_grad_hidden or need_grad_weight:
@@ -247,10 +254,11 @@ class _FusedLinearKDLoss(torch.autograd.Function):
     """Forward computes the loss and both grads chunk by chunk; backward only scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size):
+    def forward(ctx, hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
+                kd_weight):
         loss, stats, ctx.grad_hidden, ctx.grad_weight = _fused_pass(
             hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-            ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+            kd_weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         ctx.mark_non_differentiable(stats)
         ctx.used = False
         return loss, stats
@@ -264,10 +272,11 @@ class _FusedLinearKDLoss(torch.autograd.Function):
         # In place: the buffers are ours and needed once, so scaling adds no [V, D] tensor.
         grads = [None if t is None else t.mul_(grad_loss) for t in (ctx.grad_hidden, ctx.grad_weight)]
         ctx.grad_hidden = ctx.grad_weight = None
-        return grads[0], grads[1], None, None, None, None, None, None, None, None
+        return grads[0], grads[1], None, None, None, None, None, None, None, None, None
 
 
-def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size):
+def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
+                kd_weight):
     if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
         raise ValueError(f"hidden {tuple(hidden.shape)} and the head weight {tuple(weight.shape)} must be [..., D] "
                          f"and [V, D]; pass the output head's weight (logits = hidden @ weight.T).")
@@ -286,6 +295,9 @@ def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature,
     if teacher is None:
         return
     check_format(teacher.format)
+    if kd_weight is not None and (tuple(kd_weight.shape) != tuple(labels.shape) or not kd_weight.is_floating_point()):
+        raise ValueError(f"kd_weight {tuple(kd_weight.shape)} {kd_weight.dtype} must be a float tensor shaped like "
+                         f"labels {tuple(labels.shape)} (one KD weight in [0, 1] per position).")
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha={alpha} must be in [0, 1] (the KD share of the loss).")
     if divergence not in DIVERGENCES:
@@ -317,6 +329,7 @@ def fused_linear_kd_loss(
     divergence: str = "fkl",
     jsd_beta: float = 0.5,
     chunk_size: int = 0,
+    kd_weight: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """((1 - alpha) * CE_sum + alpha * T^2 * KD_sum) / normalizer over labels != -100, fused with the head.
 
@@ -326,20 +339,26 @@ def fused_linear_kd_loss(
     [B, S] or [N], or None for CE alone (alpha is then ignored); normalizer: the step's valid-token
     count (number or 0-dim tensor; sums are divided by it). KD is computed on z / T against the
     teacher's log-probs at T exactly as `kd_loss.kd_loss` defines it, for every divergence/format
-    it accepts. chunk_size=0 picks rows per chunk from `AUTO_CHUNK_BYTES`.
+    it accepts. chunk_size=0 picks rows per chunk from `AUTO_CHUNK_BYTES`. kd_weight (labels' shape, float
+    in [0, 1], None = all ones) multiplies each position's KD term, value and gradient; at 0 the position
+    takes CE alone and its teacher tensors (any value, inf/nan included) are never read into the loss.
 
     Returns (loss, stats): loss is a scalar in promote(dtype, fp32) with autograd to hidden and weight
     (grads in their dtypes; a single backward pass); stats is a detached fp32 [4] tensor of sums over
     the masked positions: (CE, KD, teacher mass covered by the support, student argmax == teacher
-    top-1), the last three zero without a teacher. Nothing is read back to the host.
+    top-1), the last three zero without a teacher and each weighted by kd_weight (divide them by the
+    sum of kd_weight over valid labels for means). Nothing is read back to the host.
     """
-    _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size)
+    _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
+                kd_weight)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     N, V = flat_hidden.shape[0], weight.shape[0]
     flat_teacher = None if teacher is None else _FlatTeacher(teacher, N)
     if chunk_size == 0:
         chunk_size = auto_chunk_rows(V, None if teacher is None else teacher.format, hidden.device, hidden.dtype)
-    args = (labels.reshape(N), flat_teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size)
+    flat_kd_weight = None if kd_weight is None or teacher is None else kd_weight.reshape(N)
+    args = (labels.reshape(N), flat_teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
+            flat_kd_weight)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _FusedLinearKDLoss.apply(flat_hidden, weight, *args)
     loss, stats, _, _ = _fused_pass(flat_hidden, weight, *args, False, False)

@@ -48,7 +48,8 @@ def _problem(format, temperature, mask_pattern="some_ignored", seed=0, n=N, v=V,
     return hidden, weight, labels, teacher
 
 
-def _reference(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta=0.5):
+def _reference(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta=0.5,
+               kd_weight=None):
     """Today's unfused trainer path in float64: logits, CE sum / n_valid, kd_loss weighted by the token share."""
     logits = (hidden @ weight.T).unsqueeze(0)
     # cross_entropy_sum in float64 (it casts to fp32, which would cap this reference at fp32 precision).
@@ -57,7 +58,8 @@ def _reference(hidden, weight, labels, teacher, normalizer, alpha, temperature, 
         return ce, None
     batched = TeacherOutputs.from_tensors(teacher.format, [t.unsqueeze(0) for t in teacher.tensors()])
     mask = (labels != -100).unsqueeze(0)
-    kd, stats = kd_loss(logits, batched, mask, temperature, divergence, jsd_beta, chunk_size=4)
+    kd, stats = kd_loss(logits, batched, mask, temperature, divergence, jsd_beta, chunk_size=4,
+                        kd_weight=None if kd_weight is None else kd_weight.unsqueeze(0))
     weight_share = int(mask.sum()) / normalizer
     return distillation_loss(ce, kd * weight_share, alpha, temperature), stats
 
@@ -201,6 +203,52 @@ def test_masked_garbage_changes_nothing(format):
     assert torch.equal(loss, clean_loss) and torch.equal(stats, clean_stats)
     assert torch.equal(grads[0], clean_grads[0]) and torch.equal(grads[1], clean_grads[1])
     assert grads[0][~mask].abs().max().item() == 0.0 and grads[0][mask].abs().max().item() > 0.0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("format,divergence", CASES)
+def test_kd_weight_matches_the_reference_and_hides_weight_zero_teachers(format, divergence):
+    hidden, weight, labels, teacher = _problem(format, 2.0, seed=45)
+    mask = labels != -100
+    kd_weight = torch.rand(N, generator=torch.Generator().manual_seed(46), dtype=torch.float64)
+    kd_weight[0] = kd_weight[5] = 0.0  # valid labels (0 and 5 are not ignored): CE alone there
+    kd_weight[2] = 1.0
+    assert mask[0] and mask[5]
+    ref_loss, ref_grads, ref_stats = _value_and_grads(
+        lambda h, w: _reference(h, w, labels, teacher, 7, 0.5, 2.0, divergence, kd_weight=kd_weight), hidden, weight,
+        torch.float64)
+    # Garbage where the weight is 0 (and at ignored labels): it must not reach the loss, the grads or the stats.
+    dirty = [t.clone() for t in teacher.tensors()]
+    hidden_rows = ~mask | (kd_weight == 0)
+    dirty[0][hidden_rows] = float("nan")
+    if format != "full":
+        dirty[1][hidden_rows] = V + 1000
+        dirty[2][hidden_rows] = float("inf")
+    dirty_teacher = TeacherOutputs.from_tensors(format, dirty)
+    for chunk_size in (1, 3, 32):
+        loss, grads, stats = _value_and_grads(
+            lambda h, w: fused_linear_kd_loss(h, w, labels, dirty_teacher, 7, 0.5, 2.0, divergence,
+                                              chunk_size=chunk_size, kd_weight=kd_weight.float()),
+            hidden, weight, torch.float32)
+        torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-6)
+        for grad, ref_grad in zip(grads, ref_grads):
+            torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-4, atol=1e-6)
+        count = int(mask.sum())
+        expected = torch.tensor([ref_stats["kd"], ref_stats["teacher_mass"], ref_stats["top1_agreement"]]) * count
+        torch.testing.assert_close(stats[1:], expected.float(), rtol=1e-5, atol=1e-5)
+    # The CE sum is unweighted; all-ones weights are exactly no weights.
+    plain_loss, plain_grads, plain_stats = _value_and_grads(
+        lambda h, w: fused_linear_kd_loss(h, w, labels, teacher, 7, 0.5, 2.0, divergence, chunk_size=3),
+        hidden, weight, torch.float32)
+    torch.testing.assert_close(stats[0], plain_stats[0])
+    ones_loss, ones_grads, ones_stats = _value_and_grads(
+        lambda h, w: fused_linear_kd_loss(h, w, labels, teacher, 7, 0.5, 2.0, divergence, chunk_size=3,
+                                          kd_weight=torch.ones(N)),
+        hidden, weight, torch.float32)
+    assert torch.equal(ones_loss, plain_loss) and torch.equal(ones_stats, plain_stats)
+    assert all(torch.equal(a, b) for a, b in zip(ones_grads, plain_grads))
+    with pytest.raises(ValueError, match="kd_weight"):
+        fused_linear_kd_loss(hidden, weight, labels, teacher, 7, 0.5, 2.0, divergence, kd_weight=torch.ones(N - 1))
 
 
 @pytest.mark.timeout(30)
