@@ -10,7 +10,10 @@ the loss rows and dLoss/dz are written in closed form into the chunk's buffers, 
 through the head at once (grad_h = dz W, grad_W += dz^T h). Backward only scales the stored grads by
 grad_output. So one chunk of fp32 [rows, V] work lives at a time, nothing is recomputed, and the
 extra memory is grad_W ([V, D], which autograd would allocate anyway; kept in fp32 while the chunks
-add into it, then cast to the weight's dtype) from forward to backward.
+add into it, then cast to the weight's dtype) from forward to backward. A chunk's math is
+`fused_chunk.chunk_loss_and_grad`: at T = 1 top-k (every divergence) and sampled KD ride on CE's own
+five passes over [rows, V] (max, subtract, exp, sum, multiply) with k-wide gathers and scatters;
+T != 1 adds three passes and an addcmul, the full format its own log-softmax (tests/unit/test_fused_loss_passes.py).
 
 Gradients per position, with a = z / T, s = softmax(a), and bucket log-probs log q_b of the student:
 CE gives softmax(z) - onehot(y). KD enters as T^2 * dKD/dz = T * dKD/da, and dKD/da follows from
@@ -29,7 +32,8 @@ G_b = dKD/d(log q_b) (p = the teacher's buckets, `divergences.teacher_*_log_prob
              elsewhere     dKD/da_v = s_v / q_rest * (G_rest - q_rest sum(G))
                                     = exp(a_v - lse_rest(a)) * (G_rest - q_rest sum(G))
              (fkl: q_i - p_i on the ids, s_v (1 - p_rest / q_rest) elsewhere). exp(a_v - lse_rest) is
-             computed from the rest's own max, so a rest bucket far below the top ids stays exact.
+             computed from the rest's own max (the ids are set to -inf before CE's max pass), so a rest
+             bucket far below the top ids stays exact.
     sampled  KD = extra - mean_j log s(x_j);  dKD/da = s - counts / k  (counts of each id among the k)
 
 Masked positions (label -100) contribute exactly zero, also when their hidden states or teacher
@@ -51,15 +55,8 @@ from typing import Optional, Union
 
 import torch
 
-from lingua.distillation.divergences import (
-    DIVERGENCES,
-    distillation_loss,
-    divergence,
-    sampled_forward_kl,
-    teacher_full_log_probs,
-    teacher_support,
-    teacher_topk_log_probs,
-)
+from lingua.distillation.divergences import DIVERGENCES, distillation_loss, teacher_support
+from lingua.distillation.fused_chunk import chunk_loss_and_grad
 from lingua.distillation.outputs import TeacherOutputs, check_format
 
 # Auto chunking: rows per chunk so the chunk's fp32 [rows, V] work tensors fit about this many bytes.
@@ -113,54 +110,6 @@ def multiplies_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def _topk_kd(a, g, values, ids, extra, mask, kind, jsd_beta, kd_scale):
-    """KD over the k ids + rest; adds kd_scale * dKD/da into g and returns KD per row. Overwrites a."""
-    dtype, k, V = a.dtype, ids.shape[-1], a.shape[-1]
-    a_ids = a.gather(-1, ids)
-    lse_ids = a_ids.logsumexp(-1)
-    log_p = teacher_topk_log_probs(values, extra, dtype, with_rest=k < V)
-    if k < V:
-        a.scatter_(-1, ids, float("-inf"))
-        rest_max = a.amax(-1, keepdim=True)
-        rest = a.sub_(rest_max).exp_()  # exp(a_v - rest_max) off the ids, 0 on them
-        rest_sum = rest.sum(-1)
-        lse_rest = rest_max.squeeze(-1) + rest_sum.log()
-        lse = torch.logaddexp(lse_ids, lse_rest)
-        log_q = torch.cat([a_ids - lse.unsqueeze(-1), (lse_rest - lse).unsqueeze(-1)], dim=-1)
-    else:
-        log_q = a_ids - lse_ids.unsqueeze(-1)
-    kd, G, q = divergence(log_p, log_q, kind, jsd_beta, with_grad=True)
-    bucket_grad = torch.where(mask.unsqueeze(-1), (G - q * G.sum(-1, keepdim=True)) * kd_scale.unsqueeze(-1), 0.0)
-    g.scatter_add_(-1, ids, bucket_grad[:, :k])
-    if k < V:
-        g.add_(rest.mul_(torch.where(mask, bucket_grad[:, k] / rest_sum, 0.0).unsqueeze(-1)))
-    return kd
-
-
-def _sampled_kd(a, g, ids, extra, mask, kd_scale):
-    """Monte-Carlo forward KL from k samples of p_T; adds kd_scale * (s - counts / k) into g. Overwrites a."""
-    k = ids.shape[-1]
-    a_samples = a.gather(-1, ids)
-    a_max = a.amax(-1, keepdim=True)
-    s = a.sub_(a_max).exp_()
-    s_sum = s.sum(-1)
-    lse = a_max.squeeze(-1) + s_sum.log()
-    kd = sampled_forward_kl(extra, a_samples - lse.unsqueeze(-1))
-    g.add_(s.mul_(torch.where(mask, kd_scale / s_sum, 0.0).unsqueeze(-1)))
-    # scatter_add, not scatter: an id drawn twice counts twice.
-    g.scatter_add_(-1, ids, torch.where(mask, -kd_scale / k, 0.0).unsqueeze(-1).expand(-1, k))
-    return kd
-
-
-def _full_kd(a, g, values, mask, kind, jsd_beta, kd_scale):
-    """Exact divergence over the vocabulary; adds kd_scale * dKD/da into g. Overwrites a."""
-    log_q = a.sub_(a.logsumexp(-1, keepdim=True))
-    kd, G, q = divergence(teacher_full_log_probs(values, a.dtype), log_q, kind, jsd_beta, with_grad=True)
-    G.sub_(q.mul_(G.sum(-1, keepdim=True)))
-    g.add_(torch.where(mask.unsqueeze(-1), G.mul_(kd_scale.unsqueeze(-1)), 0.0))
-    return kd
-
-
 def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta,
                 chunk_size, kd_weight, need_grad_hidden, need_grad_weight):
     """(loss, stats [4], grad_hidden or None, grad_weight or None) of the flattened inputs, chunk by chunk."""
@@ -187,40 +136,33 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
         # where, not multiply: an inf/nan hidden row at a masked position must not reach the logits or grads.
         h = hidden[rows].masked_fill(~row_mask.unsqueeze(-1), 0.0)
         z = (h @ weight.T).to(dtype)
-        z_max, student_top1 = z.max(-1)
-        z_label = z.gather(-1, safe_labels[rows]).squeeze(-1)
-        g = (z - z_max.unsqueeze(-1)).exp_()
-        z_sum = g.sum(-1)
-        ce = z_max + z_sum.log() - z_label
-        g.mul_(torch.where(row_mask, ce_scale / z_sum, 0.0).unsqueeze(-1))
-        g.scatter_add_(-1, safe_labels[rows], torch.where(row_mask, -ce_scale, 0.0).unsqueeze(-1))
+        values = ids = extra = None
         if teacher is None:
-            kd = mass = agree = torch.zeros_like(ce)
+            kd_rows, row_kd_scale = row_mask, torch.zeros_like(row_mask, dtype=dtype)
         else:
             values, ids, extra = (None if t is None else t[rows] for t in teacher)
             # KD rows: valid labels with a positive KD weight; a row outside them takes CE alone.
-            row_weight = torch.ones_like(ce) if kd_weight is None else kd_weight[rows].to(dtype)
+            row_weight = torch.ones_like(row_mask, dtype=dtype) if kd_weight is None else kd_weight[rows].to(dtype)
             kd_rows = row_mask & (row_weight > 0)
             row_weight = torch.where(kd_rows, row_weight, 0.0)
-            if ids is not None:
-                # A padded position may carry any id; keep gathers in range (its row counts for nothing).
-                ids = ids.long().masked_fill(~kd_rows.unsqueeze(-1), 0)
-            # KD works on a = z / T in z's buffer, which the format's function then overwrites.
-            a = z.div_(temperature) if temperature != 1.0 else z
             row_kd_scale = kd_scale * row_weight
-            if teacher.format == "topk":
-                kd = _topk_kd(a, g, values, ids, extra, kd_rows, divergence, jsd_beta, row_kd_scale)
-            elif teacher.format == "sampled":
-                kd = _sampled_kd(a, g, ids, extra, kd_rows, row_kd_scale)
-            else:
-                kd = _full_kd(a, g, values, kd_rows, divergence, jsd_beta, row_kd_scale)
+            if ids is not None:
+                # A row outside the KD rows may carry any id: 0..k-1 keep gathers in range and the ids distinct.
+                ids = torch.where(kd_rows.unsqueeze(-1), ids.long(), torch.arange(ids.shape[-1], device=ids.device))
+        chunk_teacher = None if teacher is None else (teacher.format, values, extra)
+        ce, kd, student_top1, g = chunk_loss_and_grad(
+            z, safe_labels[rows], row_mask, chunk_teacher, ids, kd_rows, ce_scale, row_kd_scale, temperature,
+            divergence, jsd_beta)
+        if teacher is None:
+            kd = mass = agree = torch.zeros_like(ce)
+        else:
             mass, teacher_top1 = teacher_support(values, ids, extra, teacher.format)
             agree = (student_top1 == teacher_top1).to(dtype)
             # The KD stats are sums weighted by the KD weight (where, not multiply: a weight-0 row may be nan).
             kd, mass, agree = (torch.where(kd_rows, t.to(dtype) * row_weight, 0.0) for t in (kd, mass, agree))
         per_row = torch.stack([ce, kd, mass, agree])
         stats += torch.where(row_mask, per_row, 0.0).sum(-1)
-        z = a = None  # free the chunk's work buffer before the grad GEMMs
+        z = None  # g is z's buffer; only g lives on into the grad GEMMs
         if need_grad_hidden or need_grad_weight:
             g = g.to(weight.dtype)
             if need_grad_hidden:
