@@ -14,6 +14,12 @@ Each variant runs forward + backward from the final hidden states [tokens, dim] 
                   `OnlineDistiller.loss` does, backward
     fused_kd      `fused_linear_kd_loss` on the hidden states and the head weight, backward
 
+`--against liger` instead runs our variants (CE, top-k T=1/T=2, sampled, rkl, jsd) beside Liger-Kernel's
+fused linear CE and JSD in one process (`apps.bench.loss_against`):
+
+    python -m apps.bench.loss_step --device cuda --dtype bfloat16 --vocab 128256 --dim 2048 --tokens 8192 \
+        --k 64 --against liger --out DIR
+
 Every variant is measured in fresh processes (`--rounds` times, interleaved, so a busy machine slows
 all of them alike), one for time and one for memory, so neither peaks nor allocator states mix.
 Time: the median wall clock of --repeats fwd+bwd after --warmup (CPU time too: on a shared machine
@@ -40,7 +46,7 @@ import torch
 
 from lingua.cli import run_cli
 from lingua.distillation.divergences import DIVERGENCES, distillation_loss
-from lingua.distillation.fused_loss import auto_chunk_rows, fused_linear_kd_loss
+from lingua.distillation.fused_loss import WEIGHT_GRADS, auto_chunk_rows, fused_linear_kd_loss
 from lingua.distillation.outputs import FORMATS, TeacherOutputs, sparsify_teacher_logits
 from lingua.distillation.reference_loss import kd_loss
 from lingua.errors import ConfigError, RunFailed
@@ -75,6 +81,8 @@ class BenchArgs:
     dtype: str = "float32"
     device: str = "cpu"
     chunk_size: int = 0  # fused loss rows per chunk; 0 = its memory-budget default
+    against: str = ""  # "liger": every variant beside Liger-Kernel's fused linear CE and JSD, in one process
+    weight_grad: str = "accumulate"  # the fused loss's head-gradient mode (fused_loss.WEIGHT_GRADS)
     reference_chunk_size: int = 1024  # kd_loss chunk, the trainer's loss_chunk_size default
     seed: int = 0
     out: Optional[str] = None
@@ -99,6 +107,10 @@ def check_args(args: BenchArgs) -> None:
         raise ConfigError(f"--dtype {args.dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
     if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
         raise ConfigError(f"--device {args.device!r} is not available here; use cpu (or cuda on a GPU machine).")
+    if args.against not in ("", "liger"):
+        raise ConfigError(f"--against {args.against!r} is unknown; use --against liger (or leave it out).")
+    if args.weight_grad not in WEIGHT_GRADS:
+        raise ConfigError(f"--weight-grad {args.weight_grad!r} is unknown; use one of {', '.join(WEIGHT_GRADS)}.")
     if not 0.0 <= args.ignored < 1.0 or not 0.0 <= args.alpha <= 1.0 or args.temperature <= 0:
         raise ConfigError("--ignored must be in [0, 1), --alpha in [0, 1] and --temperature positive.")
 
@@ -129,14 +141,19 @@ def make_inputs(args: BenchArgs):
     weight = (torch.randn(args.vocab, args.dim, generator=generator) * args.dim**-0.5).to(device, dtype).requires_grad_()
     labels = torch.randint(0, args.vocab, (args.tokens,), generator=generator)
     labels[torch.rand(args.tokens, generator=generator) < args.ignored] = -100
+    return hidden, weight, labels.to(device), make_teacher(args, generator)
+
+
+def make_teacher(args: BenchArgs, generator: torch.Generator) -> TeacherOutputs:
+    """Teacher outputs [1, tokens, ...] in args.format at args.temperature on args.device, drawn from `generator`."""
     # A peaked teacher (logit scale 3) gives realistic top-k mass; drawn in slices to bound setup memory.
     parts = [sparsify_teacher_logits(torch.randn(1, min(TEACHER_ROWS, args.tokens - start), args.vocab,
                                                  generator=generator) * 3.0,
                                      args.format, args.k, args.temperature, generator=generator)
              for start in range(0, args.tokens, TEACHER_ROWS)]
-    tensors = [torch.cat([p.tensors()[i] for p in parts], dim=1).to(device) for i in range(len(parts[0].tensors()))]
-    teacher = TeacherOutputs.from_tensors(args.format, tensors)
-    return hidden, weight, labels.to(device), teacher
+    tensors = [torch.cat([p.tensors()[i] for p in parts], dim=1).to(args.device)
+               for i in range(len(parts[0].tensors()))]
+    return TeacherOutputs.from_tensors(args.format, tensors)
 
 
 def step_function(variant: str, args: BenchArgs, hidden, weight, labels, teacher) -> Callable[[], None]:
@@ -150,9 +167,10 @@ def step_function(variant: str, args: BenchArgs, hidden, weight, labels, teacher
         hidden.grad = weight.grad = None
         if variant == "fused_kd":
             loss, _ = fused_linear_kd_loss(hidden, weight, labels, teacher, n_valid, args.alpha, args.temperature,
-                                           args.divergence, chunk_size=args.chunk_size)
+                                           args.divergence, chunk_size=args.chunk_size, weight_grad=args.weight_grad)
         elif variant == "ce":
-            loss, _ = fused_linear_kd_loss(hidden, weight, labels, None, n_valid, 0.0, 1.0, chunk_size=args.chunk_size)
+            loss, _ = fused_linear_kd_loss(hidden, weight, labels, None, n_valid, 0.0, 1.0, chunk_size=args.chunk_size,
+                                           weight_grad=args.weight_grad)
         else:
             logits = (hidden @ weight.T).unsqueeze(0)
             loss = cross_entropy_sum(logits, batch_labels) / n_valid
@@ -299,6 +317,9 @@ def format_markdown(results: dict) -> str:
 def main(argv: Optional[list[str]] = None, run_variant: Callable[[str, BenchArgs], dict] = run_variant_subprocess):
     """Parse, run every variant --rounds times (each in a fresh process), write results.json, print the table."""
     args, worker = parse_args(argv)
+    if args.against:
+        from apps.bench.loss_against import run_against
+        return run_against(args)
     if worker is not None:
         print(json.dumps(measure(worker[0], args, worker[1])))
         return None

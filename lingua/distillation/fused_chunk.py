@@ -21,6 +21,8 @@ dKD/da_b = G_b - q_b sum(G) is spread over the rest as exp(a_v - lse_rest(a)) (s
 Masked rows come in with z = 0 and finite in-range ids; every per-row coefficient goes through `where`.
 """
 
+from typing import NamedTuple, Optional
+
 import torch
 
 from lingua.distillation.divergences import (
@@ -45,11 +47,12 @@ def _kd_rest_at_temperature(shifted_z, temperature):
 
 
 def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd_scale, temperature, kind, jsd_beta):
-    """(CE per row, KD per row or None, student argmax per row, g = dLoss/dz) for one chunk; overwrites z.
+    """(CE per row, KD per row or None, student argmax per row, g = dLoss/dz, recipe) for one chunk; overwrites z.
 
     z [rows, V] in the work dtype; labels [rows, 1] in range; row_mask [rows] (label != -100); teacher: None or
     (format, values, extra) of the chunk; ids [rows, k] in range and distinct per row (None without ids);
-    kd_rows [rows]: rows whose KD counts; ce_scale a 0-dim tensor, kd_scale [rows] (0 off kd_rows).
+    kd_rows [rows]: rows whose KD counts; ce_scale a 0-dim tensor, kd_scale [rows] (0 off kd_rows). The recipe
+    rebuilds g from z (`GradRecipe`; None for the full format): `vocab_block_weight_grad` needs it.
     """
     V = z.shape[-1]
     format = None if teacher is None else teacher[0]
@@ -88,7 +91,7 @@ def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd
     label_grad = torch.where(row_mask, -ce_scale, 0.0).unsqueeze(-1)
     if format is None:
         g.mul_(ce_coef).scatter_add_(-1, labels, label_grad)
-        return ce, None, student_top1, g
+        return ce, None, student_top1, g, GradRecipe(shift, ce_coef, None, labels, label_grad, None, None, False)
     if soft is None:  # T = 1: KD's softmax at a = z is CE's
         soft, soft_sum, a_shift, a_lse, a_ids = g, rest_sum, shift, lse, z_ids
     else:
@@ -104,12 +107,12 @@ def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd
         # s_T = soft / soft_sum everywhere; the samples' -counts / k by scatter_add (an id drawn twice counts twice).
         rest_coef = torch.where(kd_rows.unsqueeze(-1), kd_scale / soft_sum, 0.0)
         id_grad = torch.where(kd_rows.unsqueeze(-1), -kd_scale / ids.shape[-1], 0.0).expand(-1, ids.shape[-1])
-        _combine(g, ce_coef, soft, rest_coef)
+        coef, soft_coef = _combine(g, ce_coef, soft, rest_coef)
         g.scatter_add_(-1, ids, id_grad).scatter_add_(-1, labels, label_grad)
-        return ce, kd, student_top1, g
+        return ce, kd, student_top1, g, GradRecipe(shift, coef, soft_coef, labels, label_grad, ids, id_grad, False)
     if format == "full":
         g.mul_(ce_coef).scatter_add_(-1, labels, label_grad)
-        return ce, _full_kd(full_a, g, teacher[1], kd_rows, kind, jsd_beta, kd_scale), student_top1, g
+        return ce, _full_kd(full_a, g, teacher[1], kd_rows, kind, jsd_beta, kd_scale), student_top1, g, None
     log_q = a_ids - a_lse
     if excluded:
         log_q = torch.cat([log_q, a_shift + soft_sum.log() - a_lse], dim=-1)
@@ -120,19 +123,76 @@ def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd
     # On the ids: CE's softmax plus KD's bucket gradient, written over whatever g holds there.
     id_grad = torch.where(row_mask.unsqueeze(-1), (z_ids - lse).exp() * ce_scale, 0.0) + bucket_grad[:, :k]
     rest_coef = bucket_grad[:, k:] / soft_sum if excluded else None
-    _combine(g, ce_coef, soft, rest_coef)
+    coef, soft_coef = _combine(g, ce_coef, soft, rest_coef)
     g.scatter_(-1, ids, id_grad).scatter_add_(-1, labels, label_grad)
-    return ce, kd, student_top1, g
+    return ce, kd, student_top1, g, GradRecipe(shift, coef, soft_coef, labels, label_grad, ids, id_grad, True)
 
 
 def _combine(g, ce_coef, soft, rest_coef):
-    """g <- ce_coef * g + rest_coef * soft: one multiply pass when soft is g (T = 1), multiply + addcmul if not."""
+    """g <- ce_coef * g + rest_coef * soft: one multiply pass when soft is g (T = 1), multiply + addcmul if not.
+    Returns the (coefficient of g, coefficient of soft or None) it applied."""
     if rest_coef is None:
         g.mul_(ce_coef)
-    elif soft is g:
-        g.mul_(ce_coef + rest_coef)
-    else:
-        g.mul_(ce_coef).addcmul_(soft, rest_coef)
+        return ce_coef, None
+    if soft is g:
+        coef = ce_coef + rest_coef
+        g.mul_(coef)
+        return coef, None
+    g.mul_(ce_coef).addcmul_(soft, rest_coef)
+    return ce_coef, rest_coef
+
+
+class GradRecipe(NamedTuple):
+    """dLoss/dz of a chunk's rows without z: coef * exp(z - shift) [+ soft_coef * exp((z - shift) / T)], then the
+    ids' values written (ids_set) or added at ids, then label_grad added at labels. All [rows, 1] or [rows, k]."""
+    shift: torch.Tensor
+    coef: torch.Tensor
+    soft_coef: Optional[torch.Tensor]
+    labels: torch.Tensor
+    label_grad: torch.Tensor
+    ids: Optional[torch.Tensor]
+    id_grad: Optional[torch.Tensor]
+    ids_set: bool
+
+    @staticmethod
+    def cat(recipes: list) -> "GradRecipe":
+        fields = [[getattr(r, name) for r in recipes] for name in GradRecipe._fields[:-1]]
+        return GradRecipe(*(None if parts[0] is None else torch.cat(parts) for parts in fields), recipes[0].ids_set)
+
+
+def vocab_block_weight_grad(hidden, weight, recipe: GradRecipe, temperature: float, block: int, work_dtype):
+    """grad_W = dz^T hidden, one vocabulary block of `block` ids at a time: the block's logits are recomputed for
+    all rows, dz rebuilt from the recipe, and one GEMM over all rows writes the block (its fp32 accumulator
+    rounds once, to the weight's dtype): no fp32 [V, D] accumulator, one extra logits GEMM. hidden has its
+    masked rows zeroed already."""
+    V, N = weight.shape[0], hidden.shape[0]
+    grad_weight = torch.empty_like(weight)
+    buffer = torch.empty(N, block + 1, dtype=work_dtype, device=hidden.device)  # a spare column for others' ids
+    for start in range(0, V, block):
+        width = min(block, V - start)
+        dz = buffer[:, :width + 1]
+        logits = dz[:, :width]
+        if weight.dtype == work_dtype:
+            torch.mm(hidden, weight[start:start + width].T, out=logits)
+        else:
+            logits.copy_(hidden @ weight[start:start + width].T)
+        logits.sub_(recipe.shift)
+        soft = logits.div(temperature).exp_() if recipe.soft_coef is not None else None
+        logits.exp_().mul_(recipe.coef)
+        if soft is not None:
+            logits.addcmul_(soft, recipe.soft_coef)
+        if recipe.ids is not None:
+            local = _local_ids(recipe.ids, start, width)
+            (dz.scatter_ if recipe.ids_set else dz.scatter_add_)(-1, local, recipe.id_grad)
+        dz.scatter_add_(-1, _local_ids(recipe.labels, start, width), recipe.label_grad)
+        torch.mm(logits.to(weight.dtype).T, hidden, out=grad_weight[start:start + width])
+    return grad_weight
+
+
+def _local_ids(ids, start, width):
+    """ids relative to the block [start, start + width); ids outside it go to the spare column `width`."""
+    local = ids - start
+    return torch.where((local >= 0) & (local < width), local, width)
 
 
 def _full_kd(a, g, values, mask, kind, jsd_beta, kd_scale):

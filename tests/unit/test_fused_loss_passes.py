@@ -4,6 +4,7 @@ the per-position KD weight, each against the float64 reference."""
 import pytest
 import torch
 
+from lingua.distillation import fused_loss as fused_module
 from lingua.distillation.fused_loss import fused_linear_kd_loss
 from lingua.distillation.outputs import TeacherOutputs
 from tests.unit.test_fused_loss import CASES, N, V, _problem, _reference, _value_and_grads, one_thread  # noqa: F401
@@ -60,7 +61,8 @@ class _FullWidthOps(torch.utils._python_dispatch.TorchDispatchMode):
     gathers/scatters into it are not passes."""
 
     NOT_PASSES = ("t", "transpose", "permute", "view", "expand", "slice", "select", "unsqueeze", "squeeze",
-                  "as_strided", "alias", "detach", "_reshape_alias", "gather", "scatter", "scatter_", "scatter_add", "scatter_add_")
+                  "as_strided", "alias", "detach", "_reshape_alias", "gather", "scatter", "scatter_", "scatter_add",
+                  "scatter_add_")
 
     def __init__(self, shape):
         super().__init__()
@@ -128,3 +130,53 @@ def test_a_rest_bucket_far_below_the_ids_stays_exact(divergence, temperature):
     for grad, ref_grad in zip(grads, ref_grads):
         torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-4, atol=1e-6)
     assert ref_loss.item() > 1e-2  # the rest bucket's KD (~1e-3 * 100 for fkl) is what the loss is made of
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("format,divergence", [(None, "fkl")] + CASES)
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
+def test_vocab_blocks_give_the_reference_grads(format, divergence, temperature, monkeypatch):
+    """weight_grad="vocab_blocks" (grad_W from recomputed logits, one block of ids at a time, no fp32 [V, D]) equals
+    the float64 reference for blocks of 1, 5 and 13 ids (the ids and labels then fall in and out of blocks)."""
+    hidden, weight, labels, teacher = _problem(format or "topk", temperature, seed=120)
+    teacher = teacher if format else None
+    ref_loss, ref_grads, _ = _value_and_grads(
+        lambda h, w: _reference(h, w, labels, teacher, 7, 0.5, temperature, divergence), hidden, weight,
+        torch.float64)
+    blocks = []
+    original = fused_module.vocab_block_weight_grad
+    monkeypatch.setattr(fused_module, "vocab_block_weight_grad",
+                        lambda *args: blocks.append(args[4]) or original(*args))
+    for block in (1, 5, V):
+        for dtype, tolerance in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
+            # A budget of `block` ids per block at N rows (and of some rows per chunk).
+            budget = block * N * (torch.finfo(dtype).bits // 8) * fused_module.WORK_TENSORS[format]
+            monkeypatch.setattr(fused_module, "VOCAB_BLOCK_BYTES", {"cpu": budget, "cuda": budget})
+            loss, grads, _ = _value_and_grads(
+                lambda h, w: fused_linear_kd_loss(h, w, labels, teacher, 7, 0.5, temperature, divergence,
+                                                  weight_grad="vocab_blocks"), hidden, weight, dtype)
+            torch.testing.assert_close(loss.double(), ref_loss, rtol=tolerance, atol=tolerance / 100)
+            for grad, ref_grad in zip(grads, ref_grads):
+                torch.testing.assert_close(grad.double(), ref_grad, rtol=tolerance, atol=tolerance / 100)
+    assert blocks == ([] if format == "full" else [1, 1, 5, 5, V, V])  # the full format accumulates
+
+
+@pytest.mark.timeout(60)
+def test_vocab_blocks_round_a_bf16_head_grad_once():
+    """A bf16 head: each block's grad_W comes from one GEMM over all rows (fp32 inside, one rounding), so it is at
+    least as close to the exact gradient as the fp32 accumulation of per-chunk bf16 products."""
+    n, v = 96, 40
+    hidden, weight, labels, teacher = _problem("topk", 1.0, n=n, v=v, seed=130)
+    exact = _value_and_grads(lambda h, w: fused_linear_kd_loss(h, w, labels, teacher, n, 0.5, 1.0, chunk_size=8),
+                             hidden, weight, torch.float64)[1][1]
+    errors = {}
+    for weight_grad in ("accumulate", "vocab_blocks"):
+        grad_w = _value_and_grads(
+            lambda h, w: fused_linear_kd_loss(h, w, labels, teacher, n, 0.5, 1.0, chunk_size=8,
+                                              weight_grad=weight_grad), hidden, weight, torch.bfloat16)[1][1]
+        assert grad_w.dtype == torch.bfloat16
+        errors[weight_grad] = ((grad_w.double() - exact).norm() / exact.norm()).item()
+    assert errors["vocab_blocks"] < 2e-2, errors
+    assert errors["vocab_blocks"] <= errors["accumulate"] * 1.05, errors
+    with pytest.raises(ValueError, match="weight_grad"):
+        fused_linear_kd_loss(hidden, weight, labels, teacher, n, 0.5, 1.0, weight_grad="blocks")
