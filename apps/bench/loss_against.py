@@ -33,15 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
-from apps.bench.loss_step import (
-    MIB,
-    BenchArgs,
-    _proc_status_kib,
-    _ratio,
-    _reset_peak_rss,
-    make_inputs,
-    make_teacher,
-)
+from apps.bench.loss_inputs import MIB, BenchArgs, make_inputs, make_teacher, proc_status_kib, ratio, reset_peak_rss
 from lingua.distillation.fused_loss import fused_linear_kd_loss
 from lingua.transformer import cross_entropy_sum
 
@@ -120,10 +112,10 @@ def measure_peak(step: Callable[[], None], reset: Callable[[], None], device: st
         base = torch.cuda.memory_allocated()
         step()
         return (torch.cuda.max_memory_allocated() - base) / MIB
-    _reset_peak_rss()
-    base = _proc_status_kib("VmRSS")
+    reset_peak_rss()
+    base = proc_status_kib("VmRSS")
     step()
-    return (_proc_status_kib("VmHWM") - base) / 1024
+    return (proc_status_kib("VmHWM") - base) / 1024
 
 
 def measure_all(steps: dict[str, Callable[[], None]], reset: Callable[[], None], args: BenchArgs) -> dict[str, dict]:
@@ -161,8 +153,8 @@ def summarize(args: BenchArgs, measured: dict[str, dict], liger: dict, liger_ver
                "all_ms": measured[name]["all_ms"]}
         for base in ("ce", "liger_ce"):
             ok = base in measured
-            row[f"ms_over_{base}"] = _ratio(row["ms"], measured[base]["ms"]) if ok else None
-            row[f"peak_over_{base}"] = _ratio(row["peak_mib"], measured[base]["peak_mib"]) if ok else None
+            row[f"ms_over_{base}"] = ratio(row["ms"], measured[base]["ms"]) if ok else None
+            row[f"peak_over_{base}"] = ratio(row["peak_mib"], measured[base]["peak_mib"]) if ok else None
         rows[name] = row
     return {"variants": rows, "liger": liger_version or NOT_INSTALLED, "settings": asdict(args),
             "torch": torch.__version__,
@@ -178,16 +170,16 @@ def format_markdown(results: dict) -> str:
              f"{s['repeats']} x {s['rounds']} round(s)")
     lines = [title, "", "| " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * (len(COLUMNS) - 1)]
 
-    def ratio(value):
+    def shown(value):
         return "n/a" if value is None else f"{value:.2f}"
 
     for name, row in results["variants"].items():
         if row["status"] != "ok":
             lines.append(f"| {name} | {row['status']} | | | | | |")
             continue
-        lines.append(f"| {name} | {row['ms']:.1f} | {row['peak_mib']:.0f} | {ratio(row['ms_over_ce'])} | "
-                     f"{ratio(row['peak_over_ce'])} | {ratio(row['ms_over_liger_ce'])} | "
-                     f"{ratio(row['peak_over_liger_ce'])} |")
+        lines.append(f"| {name} | {row['ms']:.1f} | {row['peak_mib']:.0f} | {shown(row['ms_over_ce'])} | "
+                     f"{shown(row['peak_over_ce'])} | {shown(row['ms_over_liger_ce'])} | "
+                     f"{shown(row['peak_over_liger_ce'])} |")
     return "\n".join(lines)
 
 

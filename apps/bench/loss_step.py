@@ -33,59 +33,39 @@ import argparse
 import gc
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
+from apps.bench.loss_inputs import (
+    DTYPES,
+    MIB,
+    BenchArgs,
+    make_inputs,
+    proc_status_kib,
+    ratio,
+    reset_peak_rss,
+)
 from lingua.cli import run_cli
 from lingua.distillation.divergences import DIVERGENCES, distillation_loss
 from lingua.distillation.fused_loss import WEIGHT_GRADS, auto_chunk_rows, fused_linear_kd_loss
-from lingua.distillation.outputs import FORMATS, TeacherOutputs, sparsify_teacher_logits
+from lingua.distillation.outputs import FORMATS
 from lingua.distillation.reference_loss import kd_loss
 from lingua.errors import ConfigError, RunFailed
 from lingua.transformer import cross_entropy_sum
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("ce", "logits_ce", "reference_kd", "fused_kd")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-MIB = 2**20
-TEACHER_ROWS = 64  # teacher outputs are drawn this many rows at a time, so setup stays far below the measured peak
 # glibc raises its mmap threshold (up to 32 MiB) as big blocks are freed and then keeps freed heap blocks
 # resident, so RSS would count setup garbage and miss reuse; a fixed 64 KiB threshold maps and unmaps
 # every tensor block, and VmHWM then follows live tensor memory (checked: a sampling thread agrees).
 MEMORY_PHASE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
-
-
-@dataclass
-class BenchArgs:
-    vocab: int = 49152
-    tokens: int = 1024
-    dim: int = 576  # SmolLM2-135M's width
-    k: int = 64
-    format: str = "topk"
-    divergence: str = "fkl"
-    temperature: float = 1.0
-    alpha: float = 0.5
-    ignored: float = 0.0  # share of labels set to -100
-    repeats: int = 5
-    warmup: int = 1
-    rounds: int = 1
-    threads: int = 1
-    dtype: str = "float32"
-    device: str = "cpu"
-    chunk_size: int = 0  # fused loss rows per chunk; 0 = its memory-budget default
-    against: str = ""  # "liger": every variant beside Liger-Kernel's fused linear CE and JSD, in one process
-    weight_grad: str = "accumulate"  # the fused loss's head-gradient mode (fused_loss.WEIGHT_GRADS)
-    reference_chunk_size: int = 1024  # kd_loss chunk, the trainer's loss_chunk_size default
-    seed: int = 0
-    out: Optional[str] = None
 
 
 def check_args(args: BenchArgs) -> None:
@@ -133,29 +113,6 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchArgs, Optional[tu
     return args, None if worker is None else (worker, phase)
 
 
-def make_inputs(args: BenchArgs):
-    """(hidden, weight, labels, teacher) on args.device, from args.seed; teacher is None for CE alone."""
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    generator = torch.Generator().manual_seed(args.seed)
-    hidden = torch.randn(args.tokens, args.dim, generator=generator).to(device, dtype).requires_grad_()
-    weight = (torch.randn(args.vocab, args.dim, generator=generator) * args.dim**-0.5).to(device, dtype).requires_grad_()
-    labels = torch.randint(0, args.vocab, (args.tokens,), generator=generator)
-    labels[torch.rand(args.tokens, generator=generator) < args.ignored] = -100
-    return hidden, weight, labels.to(device), make_teacher(args, generator)
-
-
-def make_teacher(args: BenchArgs, generator: torch.Generator) -> TeacherOutputs:
-    """Teacher outputs [1, tokens, ...] in args.format at args.temperature on args.device, drawn from `generator`."""
-    # A peaked teacher (logit scale 3) gives realistic top-k mass; drawn in slices to bound setup memory.
-    parts = [sparsify_teacher_logits(torch.randn(1, min(TEACHER_ROWS, args.tokens - start), args.vocab,
-                                                 generator=generator) * 3.0,
-                                     args.format, args.k, args.temperature, generator=generator)
-             for start in range(0, args.tokens, TEACHER_ROWS)]
-    tensors = [torch.cat([p.tensors()[i] for p in parts], dim=1).to(args.device)
-               for i in range(len(parts[0].tensors()))]
-    return TeacherOutputs.from_tensors(args.format, tensors)
-
-
 def step_function(variant: str, args: BenchArgs, hidden, weight, labels, teacher) -> Callable[[], None]:
     """A closure running one forward + backward of `variant` (grads of hidden and weight reset first)."""
     n_valid = max(int((labels != -100).sum()), 1)
@@ -183,19 +140,6 @@ def step_function(variant: str, args: BenchArgs, hidden, weight, labels, teacher
     return step
 
 
-def _proc_status_kib(field: str) -> int:
-    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
-
-
-def _reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel does not allow it."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def measure(variant: str, args: BenchArgs, phase: str) -> dict:
     """One variant in this process (call it in a fresh one): phase "time" gives the median fwd+bwd wall and
     CPU ms over --repeats after --warmup; phase "memory" the peak above the memory right before the steps."""
@@ -210,14 +154,14 @@ def measure(variant: str, args: BenchArgs, phase: str) -> dict:
             torch.cuda.reset_peak_memory_stats()
             base, peak_reset = torch.cuda.memory_allocated(), True
         else:
-            peak_reset = _reset_peak_rss()
-            base = _proc_status_kib("VmRSS") * 1024
+            peak_reset = reset_peak_rss()
+            base = proc_status_kib("VmRSS") * 1024
         for _ in range(args.warmup + 1):
             step()
         if cuda:
             peak = torch.cuda.max_memory_allocated() - base
         else:
-            peak = _proc_status_kib("VmHWM") * 1024 - base
+            peak = proc_status_kib("VmHWM") * 1024 - base
         return {"peak_mib": peak / MIB, "peak_reset": peak_reset}
     for _ in range(args.warmup):
         step()
@@ -252,11 +196,6 @@ def run_variant_subprocess(variant: str, args: BenchArgs) -> dict:
     return results
 
 
-def _ratio(a: float, b: float) -> Optional[float]:
-    # Tiny runs can peak below the RSS page granularity: no ratio rather than a division by zero.
-    return a / b if b > 0 else None
-
-
 def summarize(args: BenchArgs, rounds: dict[str, list[dict]]) -> dict:
     """results.json: the medians over rounds per variant, their spread, the ratios and the settings."""
 
@@ -275,14 +214,14 @@ def summarize(args: BenchArgs, rounds: dict[str, list[dict]]) -> dict:
         results[f"{name}_ms_range"] = spread(variant, "ms")
         results[f"{name}_cpu_ms_range"] = spread(variant, "cpu_ms")
     results.update({
-        "kd_over_ce_ms": _ratio(results["kd_ms"], results["ce_ms"]),
-        "kd_over_ce_cpu_ms": _ratio(results["kd_cpu_ms"], results["ce_cpu_ms"]),
-        "kd_over_ce_peak": _ratio(results["kd_peak_mib"], results["ce_peak_mib"]),
-        "logits_ce_over_ce_ms": _ratio(results["logits_ce_ms"], results["ce_ms"]),
-        "logits_ce_over_ce_peak": _ratio(results["logits_ce_peak_mib"], results["ce_peak_mib"]),
-        "reference_kd_over_ce_ms": _ratio(results["reference_kd_ms"], results["ce_ms"]),
-        "reference_kd_over_ce_peak": _ratio(results["reference_kd_peak_mib"], results["ce_peak_mib"]),
-        "reference_kd_over_kd_ms": _ratio(results["reference_kd_ms"], results["kd_ms"]),
+        "kd_over_ce_ms": ratio(results["kd_ms"], results["ce_ms"]),
+        "kd_over_ce_cpu_ms": ratio(results["kd_cpu_ms"], results["ce_cpu_ms"]),
+        "kd_over_ce_peak": ratio(results["kd_peak_mib"], results["ce_peak_mib"]),
+        "logits_ce_over_ce_ms": ratio(results["logits_ce_ms"], results["ce_ms"]),
+        "logits_ce_over_ce_peak": ratio(results["logits_ce_peak_mib"], results["ce_peak_mib"]),
+        "reference_kd_over_ce_ms": ratio(results["reference_kd_ms"], results["ce_ms"]),
+        "reference_kd_over_ce_peak": ratio(results["reference_kd_peak_mib"], results["ce_peak_mib"]),
+        "reference_kd_over_kd_ms": ratio(results["reference_kd_ms"], results["kd_ms"]),
         "fused_chunk_rows": args.chunk_size or auto_chunk_rows(args.vocab, args.format, args.device, DTYPES[args.dtype]),
         "peak_reset": all(r["peak_reset"] for variant in VARIANTS for r in rounds[variant]),
         "settings": asdict(args),
@@ -302,15 +241,15 @@ def format_markdown(results: dict) -> str:
              f"median of {s['repeats']} repeats x {s['rounds']} round(s)", "",
              "| variant | fwd+bwd ms | CPU ms | peak MiB | time / CE | peak / CE |",
              "|---|---:|---:|---:|---:|---:|"]
-    def ratio(a, b):
-        value = _ratio(a, b)
+    def shown(a, b):
+        value = ratio(a, b)
         return "n/a" if value is None else f"{value:.2f}"
 
     for label, name in (("CE only (fused)", "ce"), ("CE only on logits", "logits_ce"),
                         ("reference KD (kd_loss)", "reference_kd"), ("fused KD", "kd")):
         lines.append(f"| {label} | {results[f'{name}_ms']:.0f} | {results[f'{name}_cpu_ms']:.0f} | "
-                     f"{results[f'{name}_peak_mib']:.0f} | {ratio(results[f'{name}_ms'], results['ce_ms'])} | "
-                     f"{ratio(results[f'{name}_peak_mib'], results['ce_peak_mib'])} |")
+                     f"{results[f'{name}_peak_mib']:.0f} | {shown(results[f'{name}_ms'], results['ce_ms'])} | "
+                     f"{shown(results[f'{name}_peak_mib'], results['ce_peak_mib'])} |")
     return "\n".join(lines)
 
 
