@@ -25,6 +25,7 @@ autograd backward would allocate anyway; here it exists from the forward until t
 Double backward through `kd_loss` is not supported.
 """
 import logging
+from typing import Optional
 
 import torch
 
@@ -65,7 +66,7 @@ def _chunk_stats(logits, values, ids, extra, format) -> tuple[torch.Tensor, torc
     return mass, (logits.argmax(-1) == teacher_top1).float()
 
 
-def _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size, want_grad):
+def _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size, kd_weight, want_grad):
     """(loss, stats [3] = kd, teacher_mass, top1_agreement, grad buffer or None)."""
     V = student_logits.shape[-1]
     dtype = torch.promote_types(student_logits.dtype, torch.float32)
@@ -75,18 +76,24 @@ def _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta
     if teacher.format == "full":
         flat_teacher += [None, None]
     count = flat_mask.sum().clamp_min(1).to(dtype)
+    flat_weight = torch.ones_like(flat_mask, dtype=dtype) if kd_weight is None else kd_weight.reshape(-1).to(dtype)
+    # KD rows: masked-in positions with a positive weight; the others' teacher tensors are never read into the loss.
+    flat_mask = flat_mask & (flat_weight > 0)
+    flat_weight = torch.where(flat_mask, flat_weight, 0.0)
     totals = torch.zeros(3, dtype=dtype, device=student_logits.device)
     grad = torch.empty_like(flat_logits) if want_grad else None
     for start in range(0, flat_logits.shape[0], chunk_size):
         end = min(start + chunk_size, flat_logits.shape[0])
-        chunk_mask = flat_mask[start:end]
+        chunk_mask, chunk_weight = flat_mask[start:end], flat_weight[start:end]
         values, ids, extra = (None if t is None else t[start:end] for t in flat_teacher)
+        if ids is not None:  # a position outside the KD rows may carry any id: keep gathers in range
+            ids = ids.long().masked_fill(~chunk_mask.unsqueeze(-1), 0)
         logits = flat_logits[start:end].detach()
         with torch.enable_grad():
             logits.requires_grad_(want_grad)
             per_position = _chunk_divergence(logits, values, ids, extra, teacher.format, temperature, divergence, jsd_beta, dtype)
             # where, not multiply: a masked position's value must not leak in, even if it is inf/nan.
-            chunk_loss = torch.where(chunk_mask, per_position, 0.0).sum() / count
+            chunk_loss = torch.where(chunk_mask, per_position * chunk_weight, 0.0).sum() / count
             if want_grad:
                 (chunk_grad,) = torch.autograd.grad(chunk_loss, logits)
                 # Explicit zero: 0 * inf inside the graph would still turn a masked inf/nan logit into a nan gradient.
@@ -95,8 +102,8 @@ def _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta
             mass, agree = (t.to(dtype) for t in _chunk_stats(logits.detach(), values, ids, extra, teacher.format))
             totals += torch.stack([
                 chunk_loss.detach(),
-                torch.where(chunk_mask, mass, 0.0).sum() / count,
-                torch.where(chunk_mask, agree, 0.0).sum() / count,
+                torch.where(chunk_mask, mass * chunk_weight, 0.0).sum() / count,
+                torch.where(chunk_mask, agree * chunk_weight, 0.0).sum() / count,
             ]).to(dtype)
     return totals[0].clone(), totals, grad
 
@@ -105,8 +112,9 @@ class _ChunkedKDLoss(torch.autograd.Function):
     """Computes the loss and its gradient chunk by chunk in forward; backward only scales the gradient."""
 
     @staticmethod
-    def forward(ctx, student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size):
-        loss, stats, grad = _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size, True)
+    def forward(ctx, student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size, kd_weight):
+        loss, stats, grad = _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size,
+                                        kd_weight, True)
         ctx.grad = grad.view(student_logits.shape)
         ctx.mark_non_differentiable(stats)
         return loss, stats
@@ -117,7 +125,7 @@ class _ChunkedKDLoss(torch.autograd.Function):
             raise RuntimeError("kd_loss supports a single backward pass; do not backward through it twice (retain_graph).")
         # In place: the buffer is ours and is needed once, so scaling it adds no full-size tensor.
         grad, ctx.grad = ctx.grad.mul_(grad_loss.to(ctx.grad.dtype)), None
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def kd_loss(
@@ -128,6 +136,7 @@ def kd_loss(
     divergence: str = "fkl",
     jsd_beta: float = 0.5,
     chunk_size: int = 1024,
+    kd_weight: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Mean over masked positions of D(teacher || student) on the teacher's support (see module doc).
 
@@ -136,7 +145,9 @@ def kd_loss(
     Returns (loss scalar with grad, stats) where stats are floats: "kd" (the divergence),
     "teacher_mass" (teacher probability covered by the support), "top1_agreement" (fraction of
     masked positions where the student's argmax is the teacher's top-1 id; for "sampled" the
-    teacher's top-1 is the most likely sampled id).
+    teacher's top-1 is the most likely sampled id). kd_weight [B, S] (float in [0, 1], None = all ones)
+    multiplies each position's divergence, and its mass and agreement in the stats; the mean still
+    divides by the masked count. A weight-0 position's teacher tensors may hold anything (inf/nan too).
     """
     # The settings come from a validated DistillationArgs (which explains each rule); a bad one here is our bug.
     check_format(teacher.format)
@@ -147,19 +158,25 @@ def kd_loss(
     B, S, V = student_logits.shape
     if tuple(teacher.values.shape[:2]) != (B, S) or tuple(mask.shape) != (B, S):
         raise ValueError(f"Teacher outputs {tuple(teacher.values.shape)} and mask {tuple(mask.shape)} must match the student's [B, S] = [{B}, {S}].")
+    if kd_weight is not None and tuple(kd_weight.shape) != (B, S):
+        raise ValueError(f"kd_weight {tuple(kd_weight.shape)} must match the student's [B, S] = [{B}, {S}].")
     if teacher.format == "full" and teacher.values.shape[-1] != V:
         raise ValueError(f"Teacher vocabulary {teacher.values.shape[-1]} differs from the student's {V}; both must use the same tokenizer.")
-    loss, stats = kd_loss_and_stats(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size)
+    loss, stats = kd_loss_and_stats(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size,
+                                    kd_weight)
     kd, teacher_mass, top1 = stats.tolist()  # a host sync: the trainer uses kd_loss_and_stats
     return loss, {"kd": kd, "teacher_mass": teacher_mass, "top1_agreement": top1}
 
 
 def kd_loss_and_stats(student_logits: torch.Tensor, teacher: TeacherOutputs, mask: torch.Tensor, temperature: float,
                       divergence: str = "fkl", jsd_beta: float = 0.5,
-                      chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk_size: int = 1024,
+                      kd_weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`kd_loss` with its stats as a detached device tensor [kd, teacher_mass, top1_agreement]: no host sync."""
     mask = mask.bool()
     if torch.is_grad_enabled() and student_logits.requires_grad:
-        return _ChunkedKDLoss.apply(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size)
-    loss, stats, _ = _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size, False)
+        return _ChunkedKDLoss.apply(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size,
+                                    kd_weight)
+    loss, stats, _ = _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size,
+                                 kd_weight, False)
     return loss, stats

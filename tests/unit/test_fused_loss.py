@@ -1,5 +1,6 @@
 """The fused head + CE + KD loss against today's unfused path (float64), gradcheck, stats, masks, host syncs."""
 
+import itertools
 import math
 
 import pytest
@@ -48,7 +49,8 @@ def _problem(format, temperature, mask_pattern="some_ignored", seed=0, n=N, v=V,
     return hidden, weight, labels, teacher
 
 
-def _reference(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta=0.5):
+def _reference(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta=0.5,
+               kd_weight=None):
     """Today's unfused trainer path in float64: logits, CE sum / n_valid, kd_loss weighted by the token share."""
     logits = (hidden @ weight.T).unsqueeze(0)
     # cross_entropy_sum in float64 (it casts to fp32, which would cap this reference at fp32 precision).
@@ -57,7 +59,8 @@ def _reference(hidden, weight, labels, teacher, normalizer, alpha, temperature, 
         return ce, None
     batched = TeacherOutputs.from_tensors(teacher.format, [t.unsqueeze(0) for t in teacher.tensors()])
     mask = (labels != -100).unsqueeze(0)
-    kd, stats = kd_loss(logits, batched, mask, temperature, divergence, jsd_beta, chunk_size=4)
+    kd, stats = kd_loss(logits, batched, mask, temperature, divergence, jsd_beta, chunk_size=4,
+                        kd_weight=None if kd_weight is None else kd_weight.unsqueeze(0))
     weight_share = int(mask.sum()) / normalizer
     return distillation_loss(ce, kd * weight_share, alpha, temperature), stats
 
@@ -216,10 +219,13 @@ def test_no_host_sync_in_forward_and_backward(monkeypatch):
             return _original(self, *a, **kw)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    for hidden, weight, labels, teacher in cases:
+    # T = 2 and T = 1 (KD in CE's passes), accumulated and vocabulary-blocked head grads, with KD weights.
+    for (hidden, weight, labels, teacher), temperature, weight_grad in itertools.product(
+            cases, (2.0, 1.0), ("accumulate", "vocab_blocks")):
         h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
         normalizer = (labels != -100).sum()  # a device tensor works as the normalizer too
-        loss, stats = fused_linear_kd_loss(h, w, labels, teacher, normalizer, 0.5, 2.0, chunk_size=4)
+        loss, stats = fused_linear_kd_loss(h, w, labels, teacher, normalizer, 0.5, temperature, chunk_size=4,
+                                           kd_weight=torch.rand(labels.shape), weight_grad=weight_grad)
         loss.backward()
     monkeypatch.undo()
     assert calls == []
@@ -333,3 +339,4 @@ def test_matches_liger_fused_linear_jsd(beta, divergence):
     for grad, ref_grad in zip(grads, ref_grads):
         torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-6)
     assert math.isfinite(loss.item())
+

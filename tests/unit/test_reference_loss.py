@@ -289,6 +289,35 @@ def test_backward_scales_with_upstream_and_refuses_second_backward():
 
 
 @pytest.mark.timeout(20)
+@pytest.mark.parametrize("format,divergence", [("topk", "fkl"), ("topk", "jsd"), ("sampled", "fkl"), ("full", "rkl")])
+def test_kd_weight_scales_each_position(format, divergence):
+    """Weighted = sum of w_i * (the loss with position i alone) / count, value, gradient and stats."""
+    teacher, student = _logits(1, 6, V, seed=40), _logits(1, 6, V, seed=41)
+    outputs = sparsify_teacher_logits(teacher, format, 4, 1.5, wire_dtype=torch.float32,
+                                      generator=torch.Generator().manual_seed(42))
+    mask = torch.tensor([[True, True, False, True, True, True]])
+    kd_weight = torch.tensor([[0.5, 0.0, 0.7, 1.0, 0.25, 0.0]], dtype=torch.float64)
+    expected_value, expected_grad, expected_stats = 0.0, torch.zeros_like(student), torch.zeros(3, dtype=torch.float64)
+    for i in range(6):
+        alone = torch.zeros_like(mask)
+        alone[0, i] = True
+        value, grad, stats = _value_and_grad(student, outputs, alone, 1.5, divergence)
+        w = float(kd_weight[0, i]) * bool(mask[0, i]) / int(mask.sum())
+        expected_value, expected_grad = expected_value + w * value, expected_grad + w * grad
+        expected_stats += w * torch.tensor([stats["kd"], stats["teacher_mass"], stats["top1_agreement"]])
+    dirty = [t.clone() for t in outputs.tensors()]
+    dirty[0][kd_weight == 0] = float("nan")  # a weight-0 position's teacher is never read into the loss
+    if format != "full":
+        dirty[1][kd_weight == 0] = V + 7
+    value, grad, stats = _value_and_grad(student, TeacherOutputs.from_tensors(format, dirty), mask, 1.5, divergence,
+                                         kd_weight=kd_weight, chunk_size=4)
+    torch.testing.assert_close(value, expected_value, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(torch.tensor([stats["kd"], stats["teacher_mass"], stats["top1_agreement"]],
+                                            dtype=torch.float64), expected_stats, rtol=1e-6, atol=1e-7)  # mass: fp32
+
+
+@pytest.mark.timeout(20)
 def test_distillation_loss_and_alpha():
     ce, kd = torch.tensor(2.0), torch.tensor(0.5)
     assert distillation_loss(ce, kd, alpha=0.3, temperature=2.0).item() == pytest.approx(0.7 * 2.0 + 0.3 * 4 * 0.5)
