@@ -19,16 +19,11 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lingua.config_words import format_value, type_words
 from lingua.errors import ConfigError, MissingPathError
+from lingua.help import exit_with_help
 
 T = TypeVar("T")
-
-
-def format_value(value: Any) -> str:
-    """A config value as the user would type it: strings quoted (newlines escaped), numbers plain, null, true/false."""
-    if value is None or isinstance(value, bool):
-        return {None: "null", True: "true", False: "false"}[value]
-    return repr(value) if isinstance(value, str) else str(value)
 
 
 def require(ok: bool, key: str, value: Any, fix: str) -> None:
@@ -71,31 +66,6 @@ def check_keys(cls: type, values: Any, where: str = "") -> None:
             check_keys(sub, value, path)
 
 
-def _type_words(annotation) -> str:
-    """What a value of `annotation` looks like, for "set <key> to <words>"."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if annotation is bool:
-        return "true or false"
-    if annotation is int:
-        return "an integer"
-    if annotation is float:
-        return "a number"
-    if annotation is str:
-        return "a string"
-    if dataclasses.is_dataclass(annotation):
-        return f"a mapping of {annotation.__name__} keys"
-    if origin is dict:
-        return f"a mapping of names to {_type_words(args[1]).removeprefix('a ').removeprefix('an ')}s"
-    if origin is list:
-        return f"a list of {_type_words(args[0]).removeprefix('a ').removeprefix('an ')}s"
-    if type(None) in args:
-        inner = [a for a in args if a is not type(None)]
-        return f"{_type_words(inner[0])} or null"
-    if origin is typing.Union:
-        return " or ".join(_type_words(arg) for arg in args)
-    return str(annotation)
-
-
 def _fits(value: Any, annotation) -> bool:
     """Whether a parsed value has the annotation's type, containers element by element."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -124,7 +94,7 @@ def check_types(obj: Any, where: str = "") -> None:
         key, value = f"{where}{f.name}", getattr(obj, f.name)
         if not _fits(value, hints[f.name]):
             raise ConfigError(f"{key}={format_value(value)} has the wrong type; set {key} to "
-                             f"{_type_words(hints[f.name])}.")
+                             f"{type_words(hints[f.name])}.")
         if dataclasses.is_dataclass(value):
             check_types(value, f"{key}.")
 
@@ -175,7 +145,7 @@ def _merge_error(cls: type, values: dict, err: Exception) -> ConfigError:
     if not key:
         return ConfigError(f"Invalid configuration: {message}; check the overrides and the config file.")
     annotation = _field_type(cls, key)
-    fix = f"set {key} to {_type_words(annotation)}" if annotation is not None else f"fix {key}"
+    fix = f"set {key} to {type_words(annotation)}" if annotation is not None else f"fix {key}"
     return ConfigError(f"Invalid value for {key}: {message}; {fix}.")
 
 
@@ -214,11 +184,14 @@ def load_config_file(path: Any) -> DictConfig:
 
 
 def parse_args(cls: Type[T], argv: Optional[list[str]] = None) -> T:
-    """Parse `config=path.yaml key=value a.b=c` (sys.argv by default) into `cls`."""
+    """Parse `config=path.yaml key=value a.b=c` (sys.argv by default) into `cls`; `--help` (or `-h`) prints
+    its keys with their defaults and exits 0."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    exit_with_help(cls, argv)  # --help / -h: the keys, their defaults and a line each, then exit 0
     for item in argv:
         if "=" not in item:
-            raise ConfigError(f"Override {item!r} has no '='; write key=value (e.g. steps=20), without dashes.")
+            raise ConfigError(f"Override {item!r} has no '='; write key=value (e.g. steps=20), without dashes "
+                              f"(--help lists the keys).")
     try:
         cli = OmegaConf.from_cli(argv)
         file_cfg = load_config_file(cli.pop("config")) if "config" in cli else OmegaConf.create()

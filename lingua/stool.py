@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from lingua.args import dataclass_from_dict, require, to_dict
 from lingua.cli import run_cli
 from lingua.errors import ConfigError, MissingPathError
+from lingua.help import exit_with_help
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, teacher_rank_count
 from lingua.slurm import UNLIMITED, build_sbatch_script, submit_sbatch, submit_submitit
 
@@ -85,6 +86,8 @@ def parse_stool_args(argv: list[str]) -> StoolArgs:
         argv, train_overrides = argv[:cut], argv[cut + 1:]
     else:
         train_overrides = []
+    exit_with_help(StoolArgs, argv, "usage: python -m lingua.stool config=<training yaml> [key=value ...] [-- "
+                   "training overrides]  (stool's keys; the training's: python -m apps.main.train --help)")
     args = dataclass_from_dict(StoolArgs, OmegaConf.from_cli(argv))
     args.overrides = list(args.overrides) + train_overrides
     return args

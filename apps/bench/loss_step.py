@@ -14,6 +14,12 @@ Each variant runs forward + backward from the final hidden states [tokens, dim] 
                   `OnlineDistiller.loss` does, backward
     fused_kd      `fused_linear_kd_loss` on the hidden states and the head weight, backward
 
+`--against liger` instead runs our variants (CE, top-k T=1/T=2, sampled, rkl, jsd) beside Liger-Kernel's
+fused linear CE and JSD in one process (`apps.bench.loss_against`):
+
+    python -m apps.bench.loss_step --device cuda --dtype bfloat16 --vocab 128256 --dim 2048 --tokens 8192 \
+        --k 64 --against liger --out DIR
+
 Every variant is measured in fresh processes (`--rounds` times, interleaved, so a busy machine slows
 all of them alike), one for time and one for memory, so neither peaks nor allocator states mix.
 Time: the median wall clock of --repeats fwd+bwd after --warmup (CPU time too: on a shared machine
@@ -27,57 +33,39 @@ import argparse
 import gc
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
+from apps.bench.loss_inputs import (
+    DTYPES,
+    MIB,
+    BenchArgs,
+    make_inputs,
+    proc_status_kib,
+    ratio,
+    reset_peak_rss,
+)
 from lingua.cli import run_cli
 from lingua.distillation.divergences import DIVERGENCES, distillation_loss
-from lingua.distillation.fused_loss import auto_chunk_rows, fused_linear_kd_loss
-from lingua.distillation.outputs import FORMATS, TeacherOutputs, sparsify_teacher_logits
+from lingua.distillation.fused_loss import WEIGHT_GRADS, auto_chunk_rows, fused_linear_kd_loss
+from lingua.distillation.outputs import FORMATS
 from lingua.distillation.reference_loss import kd_loss
 from lingua.errors import ConfigError, RunFailed
 from lingua.transformer import cross_entropy_sum
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("ce", "logits_ce", "reference_kd", "fused_kd")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-MIB = 2**20
-TEACHER_ROWS = 64  # teacher outputs are drawn this many rows at a time, so setup stays far below the measured peak
 # glibc raises its mmap threshold (up to 32 MiB) as big blocks are freed and then keeps freed heap blocks
 # resident, so RSS would count setup garbage and miss reuse; a fixed 64 KiB threshold maps and unmaps
 # every tensor block, and VmHWM then follows live tensor memory (checked: a sampling thread agrees).
 MEMORY_PHASE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
-
-
-@dataclass
-class BenchArgs:
-    vocab: int = 49152
-    tokens: int = 1024
-    dim: int = 576  # SmolLM2-135M's width
-    k: int = 64
-    format: str = "topk"
-    divergence: str = "fkl"
-    temperature: float = 1.0
-    alpha: float = 0.5
-    ignored: float = 0.0  # share of labels set to -100
-    repeats: int = 5
-    warmup: int = 1
-    rounds: int = 1
-    threads: int = 1
-    dtype: str = "float32"
-    device: str = "cpu"
-    chunk_size: int = 0  # fused loss rows per chunk; 0 = its memory-budget default
-    reference_chunk_size: int = 1024  # kd_loss chunk, the trainer's loss_chunk_size default
-    seed: int = 0
-    out: Optional[str] = None
 
 
 def check_args(args: BenchArgs) -> None:
@@ -99,6 +87,10 @@ def check_args(args: BenchArgs) -> None:
         raise ConfigError(f"--dtype {args.dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
     if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
         raise ConfigError(f"--device {args.device!r} is not available here; use cpu (or cuda on a GPU machine).")
+    if args.against not in ("", "liger"):
+        raise ConfigError(f"--against {args.against!r} is unknown; use --against liger (or leave it out).")
+    if args.weight_grad not in WEIGHT_GRADS:
+        raise ConfigError(f"--weight-grad {args.weight_grad!r} is unknown; use one of {', '.join(WEIGHT_GRADS)}.")
     if not 0.0 <= args.ignored < 1.0 or not 0.0 <= args.alpha <= 1.0 or args.temperature <= 0:
         raise ConfigError("--ignored must be in [0, 1), --alpha in [0, 1] and --temperature positive.")
 
@@ -121,24 +113,6 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchArgs, Optional[tu
     return args, None if worker is None else (worker, phase)
 
 
-def make_inputs(args: BenchArgs):
-    """(hidden, weight, labels, teacher) on args.device, from args.seed; teacher is None for CE alone."""
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    generator = torch.Generator().manual_seed(args.seed)
-    hidden = torch.randn(args.tokens, args.dim, generator=generator).to(device, dtype).requires_grad_()
-    weight = (torch.randn(args.vocab, args.dim, generator=generator) * args.dim**-0.5).to(device, dtype).requires_grad_()
-    labels = torch.randint(0, args.vocab, (args.tokens,), generator=generator)
-    labels[torch.rand(args.tokens, generator=generator) < args.ignored] = -100
-    # A peaked teacher (logit scale 3) gives realistic top-k mass; drawn in slices to bound setup memory.
-    parts = [sparsify_teacher_logits(torch.randn(1, min(TEACHER_ROWS, args.tokens - start), args.vocab,
-                                                 generator=generator) * 3.0,
-                                     args.format, args.k, args.temperature, generator=generator)
-             for start in range(0, args.tokens, TEACHER_ROWS)]
-    tensors = [torch.cat([p.tensors()[i] for p in parts], dim=1).to(device) for i in range(len(parts[0].tensors()))]
-    teacher = TeacherOutputs.from_tensors(args.format, tensors)
-    return hidden, weight, labels.to(device), teacher
-
-
 def step_function(variant: str, args: BenchArgs, hidden, weight, labels, teacher) -> Callable[[], None]:
     """A closure running one forward + backward of `variant` (grads of hidden and weight reset first)."""
     n_valid = max(int((labels != -100).sum()), 1)
@@ -150,9 +124,10 @@ def step_function(variant: str, args: BenchArgs, hidden, weight, labels, teacher
         hidden.grad = weight.grad = None
         if variant == "fused_kd":
             loss, _ = fused_linear_kd_loss(hidden, weight, labels, teacher, n_valid, args.alpha, args.temperature,
-                                           args.divergence, chunk_size=args.chunk_size)
+                                           args.divergence, chunk_size=args.chunk_size, weight_grad=args.weight_grad)
         elif variant == "ce":
-            loss, _ = fused_linear_kd_loss(hidden, weight, labels, None, n_valid, 0.0, 1.0, chunk_size=args.chunk_size)
+            loss, _ = fused_linear_kd_loss(hidden, weight, labels, None, n_valid, 0.0, 1.0, chunk_size=args.chunk_size,
+                                           weight_grad=args.weight_grad)
         else:
             logits = (hidden @ weight.T).unsqueeze(0)
             loss = cross_entropy_sum(logits, batch_labels) / n_valid
@@ -163,19 +138,6 @@ def step_function(variant: str, args: BenchArgs, hidden, weight, labels, teacher
         loss.backward()
 
     return step
-
-
-def _proc_status_kib(field: str) -> int:
-    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
-
-
-def _reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel does not allow it."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 def measure(variant: str, args: BenchArgs, phase: str) -> dict:
@@ -192,14 +154,14 @@ def measure(variant: str, args: BenchArgs, phase: str) -> dict:
             torch.cuda.reset_peak_memory_stats()
             base, peak_reset = torch.cuda.memory_allocated(), True
         else:
-            peak_reset = _reset_peak_rss()
-            base = _proc_status_kib("VmRSS") * 1024
+            peak_reset = reset_peak_rss()
+            base = proc_status_kib("VmRSS") * 1024
         for _ in range(args.warmup + 1):
             step()
         if cuda:
             peak = torch.cuda.max_memory_allocated() - base
         else:
-            peak = _proc_status_kib("VmHWM") * 1024 - base
+            peak = proc_status_kib("VmHWM") * 1024 - base
         return {"peak_mib": peak / MIB, "peak_reset": peak_reset}
     for _ in range(args.warmup):
         step()
@@ -234,11 +196,6 @@ def run_variant_subprocess(variant: str, args: BenchArgs) -> dict:
     return results
 
 
-def _ratio(a: float, b: float) -> Optional[float]:
-    # Tiny runs can peak below the RSS page granularity: no ratio rather than a division by zero.
-    return a / b if b > 0 else None
-
-
 def summarize(args: BenchArgs, rounds: dict[str, list[dict]]) -> dict:
     """results.json: the medians over rounds per variant, their spread, the ratios and the settings."""
 
@@ -257,14 +214,14 @@ def summarize(args: BenchArgs, rounds: dict[str, list[dict]]) -> dict:
         results[f"{name}_ms_range"] = spread(variant, "ms")
         results[f"{name}_cpu_ms_range"] = spread(variant, "cpu_ms")
     results.update({
-        "kd_over_ce_ms": _ratio(results["kd_ms"], results["ce_ms"]),
-        "kd_over_ce_cpu_ms": _ratio(results["kd_cpu_ms"], results["ce_cpu_ms"]),
-        "kd_over_ce_peak": _ratio(results["kd_peak_mib"], results["ce_peak_mib"]),
-        "logits_ce_over_ce_ms": _ratio(results["logits_ce_ms"], results["ce_ms"]),
-        "logits_ce_over_ce_peak": _ratio(results["logits_ce_peak_mib"], results["ce_peak_mib"]),
-        "reference_kd_over_ce_ms": _ratio(results["reference_kd_ms"], results["ce_ms"]),
-        "reference_kd_over_ce_peak": _ratio(results["reference_kd_peak_mib"], results["ce_peak_mib"]),
-        "reference_kd_over_kd_ms": _ratio(results["reference_kd_ms"], results["kd_ms"]),
+        "kd_over_ce_ms": ratio(results["kd_ms"], results["ce_ms"]),
+        "kd_over_ce_cpu_ms": ratio(results["kd_cpu_ms"], results["ce_cpu_ms"]),
+        "kd_over_ce_peak": ratio(results["kd_peak_mib"], results["ce_peak_mib"]),
+        "logits_ce_over_ce_ms": ratio(results["logits_ce_ms"], results["ce_ms"]),
+        "logits_ce_over_ce_peak": ratio(results["logits_ce_peak_mib"], results["ce_peak_mib"]),
+        "reference_kd_over_ce_ms": ratio(results["reference_kd_ms"], results["ce_ms"]),
+        "reference_kd_over_ce_peak": ratio(results["reference_kd_peak_mib"], results["ce_peak_mib"]),
+        "reference_kd_over_kd_ms": ratio(results["reference_kd_ms"], results["kd_ms"]),
         "fused_chunk_rows": args.chunk_size or auto_chunk_rows(args.vocab, args.format, args.device, DTYPES[args.dtype]),
         "peak_reset": all(r["peak_reset"] for variant in VARIANTS for r in rounds[variant]),
         "settings": asdict(args),
@@ -284,21 +241,24 @@ def format_markdown(results: dict) -> str:
              f"median of {s['repeats']} repeats x {s['rounds']} round(s)", "",
              "| variant | fwd+bwd ms | CPU ms | peak MiB | time / CE | peak / CE |",
              "|---|---:|---:|---:|---:|---:|"]
-    def ratio(a, b):
-        value = _ratio(a, b)
+    def shown(a, b):
+        value = ratio(a, b)
         return "n/a" if value is None else f"{value:.2f}"
 
     for label, name in (("CE only (fused)", "ce"), ("CE only on logits", "logits_ce"),
                         ("reference KD (kd_loss)", "reference_kd"), ("fused KD", "kd")):
         lines.append(f"| {label} | {results[f'{name}_ms']:.0f} | {results[f'{name}_cpu_ms']:.0f} | "
-                     f"{results[f'{name}_peak_mib']:.0f} | {ratio(results[f'{name}_ms'], results['ce_ms'])} | "
-                     f"{ratio(results[f'{name}_peak_mib'], results['ce_peak_mib'])} |")
+                     f"{results[f'{name}_peak_mib']:.0f} | {shown(results[f'{name}_ms'], results['ce_ms'])} | "
+                     f"{shown(results[f'{name}_peak_mib'], results['ce_peak_mib'])} |")
     return "\n".join(lines)
 
 
 def main(argv: Optional[list[str]] = None, run_variant: Callable[[str, BenchArgs], dict] = run_variant_subprocess):
     """Parse, run every variant --rounds times (each in a fresh process), write results.json, print the table."""
     args, worker = parse_args(argv)
+    if args.against:
+        from apps.bench.loss_against import run_against
+        return run_against(args)
     if worker is not None:
         print(json.dumps(measure(worker[0], args, worker[1])))
         return None

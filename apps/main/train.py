@@ -75,13 +75,13 @@ logger = logging.getLogger("train")
 
 @dataclass
 class TrainArgs:
-    name: str = "lingua"
-    dump_dir: str = "dumps/lingua"
-    seed: int = 42
-    steps: int = 1000
-    grad_acc_steps: int = 1
-    probe_freq: Optional[int] = None
-    enable_distillation: bool = False
+    name: str = "lingua"  # the run's name (logs, wandb, stool's job name)
+    dump_dir: str = "dumps/lingua"  # the run's folder: config, logs, metrics, checkpoints
+    seed: int = 42  # data order and the other random draws of the run (model.seed sets the init)
+    steps: int = 1000  # optimizer steps of the whole run
+    grad_acc_steps: int = 1  # micro-batches per optimizer step
+    probe_freq: Optional[int] = None  # steps between activation/gradient probes; null = none
+    enable_distillation: bool = False  # learn from a teacher (the distillation section) as well as the labels
     exit_after_steps: Optional[int] = None  # stop (with a checkpoint) after this many steps of this launch
     # Seconds between SLURM's USR2 and the kill (stool writes its signal_grace_s here); the trainer
     # warns when one step plus a checkpoint take longer than that. 0 = unknown, no check.

@@ -28,9 +28,12 @@ config as in training (`data.batch_size=8 distillation.k=32`). What it decides, 
    count (its bridges stay inside a node). Every layout printed is a `LaunchPlan` that constructed. When none
    keeps up: the layout with the most student throughput, and the largest smaller world size that would.
 5. Online or the offline cache: GPU-hours per run of each road, the cache's size on disk, the number of runs
-   from which the cache is the cheaper road, and the cache writer's overrides (`apps.main.teacher_cache` with
-   replicas of the smallest teacher_tp that fits, one stream per student of a run from the cache).
-6. Whether to distill at all (`unique_tokens=`, `kd_measurement=`, `show=verdict`): see verdict.py.
+   from which the cache is the cheaper road, and the cache writer's command (`apps.main.teacher_cache` with
+   replicas of the smallest teacher_tp that fits, a stream per GPU training from the cache, the planned windows
+   split evenly between them: it writes exactly the planned tokens).
+6. Whether to distill at all (`unique_tokens=`, `kd_measurement=`, `show=verdict`): see verdict.py. Where the
+   plan is not measured, it prints a pilot: two short training runs, then `python -m apps.plan.pilot`, whose
+   results.json (`kd_measurement=`) measures the plan.
 
 The package, in the order a plan is made:
 
@@ -41,6 +44,9 @@ The package, in the order a plan is made:
     planner.py   Planner: the smallest fitting teacher_tp, the layout that keeps up, the cache road
     verdict.py   should it distill at all: the teacher's overhead, the break-even token multiplier (fresh, and
                  behind a data wall by the effective-data law), the multiplier a named study measured
+    evidence.py  what that study measured, the plan's settings outside it ("not measured here"), the pilot
     printing.py  format_plan (the printed lines), write_plan (only over a plan of its own)
     cli.py       main: parse, validate, plan, print, write (`python -m apps.plan` runs it via __main__.py)
+    pilot.py     `python -m apps.plan.pilot`: the two pilot runs' held-out CE -> kd_study's token multiplier,
+                 a results.json for kd_measurement=
 """

@@ -7,7 +7,8 @@ from typing import Optional
 from apps.main.train import TrainArgs
 from lingua.args import require
 
-PLAN_VERSION = 1
+# The plan JSON's layout: 2 = cache.writer (was writer_overrides), the verdict's keys, the pilot's read command.
+PLAN_VERSION = 2
 MAX_WAIT_SHARE = 0.05  # of a student's step spent waiting on its teacher
 AUTO_LOGITS_WORK_TENSORS, AUTO_LOGITS_FREE_SHARE = 4, 0.25  # lingua/distillation/teacher.py's auto logits chunk rule
 USABLE_MEMORY = 0.9  # of a GPU's memory: the allocator's fragmentation and what the driver keeps
@@ -35,7 +36,9 @@ class PlanArgs(TrainArgs):
     planned_runs: int = 1  # training runs that could share one teacher cache
     tokens_per_run: int = 0  # student tokens of a run; 0 = steps x grad_acc_steps x batch_size x seq_len x students
     unique_tokens: float = 0.0  # unique training tokens there are (the data wall); 0 = every token fresh
-    kd_measurement: Optional[str] = None  # a kd_study results.json (your pilot's); None = docs/kd_study/results.json
+    # a kd_study results.json (your pilot's); None = this repository's: docs/kd_study/results.json for fresh data,
+    # docs/kd_study/wall/results.json with unique_tokens
+    kd_measurement: Optional[str] = None
     repeat_decay: float = 15.4  # R_D* of the effective-data law for repeated tokens (Muennighoff et al. 2023's fit)
     show: str = "all"  # all: the plan and the verdict; verdict: whether to distill only
     out: Optional[str] = "plan.json"  # the JSON plan; null = print only

@@ -1,13 +1,21 @@
 """`python -m apps.plan`: parse, validate, plan, print, write."""
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Optional
 
+from apps.main.train import TrainArgs
 from apps.plan.args import PlanArgs
 from apps.plan.planner import Planner
 from apps.plan.printing import format_plan, verdict_lines, write_plan
 from lingua.args import parse_args
+
+
+def training_overrides(argv: list[str]) -> list[str]:
+    """The command line's training keys (not config= nor the planner's own), for the commands the plan prints."""
+    planner_keys = {f.name for f in dataclasses.fields(PlanArgs)} - {f.name for f in dataclasses.fields(TrainArgs)}
+    return [item for item in argv if item.split("=", 1)[0].split(".", 1)[0] not in planner_keys | {"config"}]
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -16,7 +24,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(PlanArgs, argv)
     args.validate_plan()
     config_path = next((item.split("=", 1)[1] for item in argv if item.startswith("config=")), None)
-    plan = Planner(args, config_path).plan()
+    plan = Planner(args, config_path, training_overrides(argv)).plan()
     print("\n".join(format_plan(plan) if args.show == "all" else verdict_lines(plan["verdict"]) if "verdict" in plan
                     else [f"no verdict: {plan['recommendation']}"]))
     if args.out:

@@ -9,6 +9,7 @@ from apps.main.transformer import num_parameters
 from apps.plan.args import DTYPE_BYTES, GIB, MAX_WAIT_SHARE, PLAN_VERSION, USABLE_MEMORY, PlanArgs
 from apps.plan.memory import TeacherMemory, teacher_dtype, teacher_memory
 from apps.plan.sizes import read_teacher_shape, significant, student_flops_per_token, teacher_config_path
+from apps.plan.evidence import SETTINGS, pilot_commands, pilot_tokens
 from apps.plan.verdict import distill_verdict, read_measurement
 from apps.plan.timing import (Layout, Speeds, Timing, candidate_layouts, max_students_per_replica,
                               tensor_parallel_sizes)
@@ -23,8 +24,8 @@ class Planner:
     """Evaluates layouts of one config on one cluster; `plan()` returns the JSON-able plan. A student vocabulary
     of -1 in `args` becomes the teacher's, as the trainer makes it the tokenizer's."""
 
-    def __init__(self, args: PlanArgs, config_path: Optional[str] = None):
-        self.args, self.config_path = args, config_path
+    def __init__(self, args: PlanArgs, config_path: Optional[str] = None, overrides: tuple[str, ...] = ()):
+        self.args, self.config_path, self.overrides = args, config_path, list(overrides)  # the training keys given
         self.shape = read_teacher_shape(teacher_config_path(args))
         check_seq_len_fits_teacher(args.data.seq_len, self.shape.max_positions or 0,
                                    f"max_position_embeddings in {self.shape.path}")
@@ -173,20 +174,24 @@ class Planner:
         }
 
     def cache_road(self, online: dict, tokens: int) -> dict:
-        """GPU-hours of the online road and of the cache road for `tokens` student tokens per run."""
+        """GPU-hours of the online road and of the cache road for `tokens` student tokens per run. Behind a data
+        wall the cache holds the unique tokens once (training from it reads them epoch after epoch), as the
+        verdict counts it."""
         args, speeds, seq = self.args, self.speeds, self.args.data.seq_len
         kd = args.distillation
         # The cache writer's format (v2): its coded size as measured on the KD study's data, scaled to k and vocab.
         per_token = planned_bytes_per_token(kd.output, kd.k, args.model.vocab_size, DTYPE_BYTES[kd.wire_dtype], seq,
                                             wire_dtype=kd.wire_dtype)
-        teacher_pass = tokens / speeds.teacher / 3600
+        cached = min(tokens, math.ceil(args.unique_tokens)) if args.unique_tokens > 0 else tokens
+        teacher_pass = cached / speeds.teacher / 3600
         students_only = tokens / speeds.student / 3600
         online_run = args.world_size * tokens / online["student_tokens_per_s"] / 3600
         runs = args.planned_runs
         cache_total, online_total = teacher_pass + runs * students_only, runs * online_run
         cheaper = "cache" if cache_total < online_total * (1 - MAX_WAIT_SHARE) else "online"
         road = {
-            "tokens_per_run": tokens, "bytes_per_token": round(per_token, 3), "size_bytes": round(tokens * per_token),
+            "tokens_per_run": tokens, "cached_tokens": cached, "bytes_per_token": round(per_token, 3),
+            "size_bytes": round(cached * per_token),
             "read_bytes_per_s": round(args.world_size * speeds.student * per_token),
             "teacher_pass_gpu_hours": significant(teacher_pass),
             "teacher_pass_hours": significant(teacher_pass / args.world_size),
@@ -201,9 +206,25 @@ class Planner:
         }
         # The writer's replicas: the smallest teacher_tp its forwards fit; every rank a teacher, a stream per student.
         writer_tp = self.smallest_fitting_tp(TeacherCacheArgs.forward_rows)
-        road["writer_overrides"] = (f"distillation.teacher_tp={writer_tp} streams={args.world_size}" if writer_tp
-                                    else None)
+        road["writer"] = self.cache_writer(cached, tokens, writer_tp) if writer_tp else None
         return road
+
+    def cache_writer(self, cached: int, trained: int, writer_tp: int) -> dict:
+        """The cache writer's layout for `cached` planned tokens: one stream per GPU (every GPU trains from the
+        cache), the windows split evenly between the streams, in shards that divide a stream's windows, so that
+        it writes exactly the planned tokens (rounded up to whole windows per stream only where they do not split
+        evenly: `tokens` then says what it writes); `train_steps`: the steps that train the run's `trained` tokens
+        from it (None where they are not whole steps)."""
+        args, streams, seq = self.args, self.args.world_size, self.args.data.seq_len
+        per_stream = -(-math.ceil(cached / seq) // streams)
+        default_shard = TeacherCacheArgs.shard_sequences
+        shard = max(d for d in range(1, min(default_shard, per_stream) + 1) if per_stream % d == 0)
+        step_tokens = args.grad_acc_steps * args.data.batch_size * seq * streams
+        return {"teacher_tp": writer_tp, "streams": streams, "sequences_per_stream": per_stream,
+                "shard_sequences": shard, "tokens": streams * per_stream * seq,
+                "train_steps": trained // step_tokens if trained % step_tokens == 0 else None,
+                "overrides": f"distillation.teacher_tp={writer_tp} streams={streams} "
+                             f"sequences_per_stream={per_stream} shard_sequences={shard}"}
 
     def facts(self) -> dict:
         """What the plan rests on: the inputs, both models' sizes, the speeds and the memory at each teacher_tp."""
@@ -211,7 +232,8 @@ class Planner:
         distillation = to_dict(args.distillation)
         return {
             "version": PLAN_VERSION,
-            "inputs": {"config": self.config_path, "world_size": args.world_size, "gpus_per_node": args.gpus_per_node,
+            "inputs": {"config": self.config_path, "overrides": self.overrides, "world_size": args.world_size,
+                       "gpus_per_node": args.gpus_per_node,
                        "gpu_mem_gib": args.gpu_mem_gib, "teacher_config": shape.path,
                        "teacher_tokens_per_s": args.teacher_tokens_per_s,
                        "student_tokens_per_s": args.student_tokens_per_s, "gpu_tflops": args.gpu_tflops,
@@ -252,13 +274,46 @@ class Planner:
         return f"the launch plan refuses every split of {args.world_size} ranks, the first with: {refusal}"
 
     def verdict(self, tokens: int, road: str, facts: dict) -> dict:
-        """Should this run distill at all: the teacher's overhead against the multiplier a study measured."""
-        args = self.args
-        measured = read_measurement(args.kd_measurement, args.distillation.output,
-                                    tokens / args.unique_tokens if args.unique_tokens else 1.0)
-        return distill_verdict(facts["teacher"]["forward_flops_per_token"], facts["student"]["train_flops_per_token"],
-                               tokens, args.unique_tokens, args.planned_runs, road, measured,
-                               self.student_params, self.shape.parameters(), args.repeat_decay)
+        """Should this run distill at all: the teacher's overhead against the multiplier a study measured, what of
+        the plan that study did not measure, and the pilot that would."""
+        args, kd = self.args, self.args.distillation
+        measured = read_measurement(args.kd_measurement, kd.output,
+                                    tokens / args.unique_tokens if args.unique_tokens else 1.0, args.unique_tokens)
+        settings = {name: getattr(kd, name) for name in SETTINGS} | {"vocab": args.model.vocab_size}
+        verdict = distill_verdict(facts["teacher"]["forward_flops_per_token"],
+                                  facts["student"]["train_flops_per_token"], tokens, args.unique_tokens,
+                                  args.planned_runs, road, measured, self.student_params, self.shape.parameters(),
+                                  args.repeat_decay, settings,
+                                  pilot_tokens(facts["inputs"], facts["online"], args.steps))
+        if verdict["unmeasured"]:
+            verdict["pilot"] = pilot_commands(facts["inputs"], facts["online"], args.dump_dir, args.steps)
+        return verdict
+
+    def recommend(self, result: dict, waiting: str) -> str:
+        """One recommendation from the road, the layout and the verdict: the road the verdict says pays; where none
+        pays, CE-only and why the cheaper road is not worth its teacher; where the plan is not measured, the pilot
+        first and what it must measure for the cheaper road to pay."""
+        args, online, cache, verdict = self.args, result["online"], result["cache"], result["verdict"]
+        close = cache["cheaper"] == "online" and cache["cache_gpu_hours"] < cache["online_gpu_hours"]
+        details = {
+            "cache": f"from the offline cache ({cache['cache_gpu_hours']:,.0f} GPU-hours for {args.planned_runs} "
+                     f"run(s) against {cache['online_gpu_hours']:,.0f} online"
+                     + (f", where {waiting}" if waiting else "") + "; write it with the command above)",
+            "online": f"online ({online['overrides']}" + (f"; {waiting}" if waiting else "")
+                      + (f"; the cache would cost within {MAX_WAIT_SHARE:.0%} of its GPU-hours" if close else "") + ")",
+        }
+        needed, worth, cheaper = verdict["needed_on_road"], verdict["worth"], cache["cheaper"]
+        if not verdict["measured_here"]:
+            return (f"pilot first, your plan is not measured here: distill {details[cheaper]} only if the pilot "
+                    f"measures KD worth more than {needed:.3g}x the CE tokens (the nearest measurement: {worth:.3g}x)")
+        if verdict["pays_on"] == cheaper:
+            return f"distill {details[cheaper]}"
+        if verdict["pays_on"] == "cache":  # online is cheaper in GPU-hours, but its teacher is not paid back
+            return (f"distill {details['cache']}: online costs fewer GPU-hours, but its teacher ({needed:.3g}x the "
+                    f"CE tokens) is more than KD's measured {worth:.3g}x")
+        road = "the offline cache" if cheaper == "cache" else "online distillation"
+        return (f"train CE-only, without the teacher: {road}, the cheaper road, needs KD worth {needed:.3g}x the CE "
+                f"tokens and the measurement gives {worth:.3g}x")
 
     def plan(self) -> dict:
         """The plan: the facts, the online layout (or why there is none), a smaller world size that keeps up when
@@ -286,13 +341,5 @@ class Planner:
         cache = result["cache"] = self.cache_road(online, tokens)
         result["verdict"] = self.verdict(tokens, cache["cheaper"], result)
         waiting = "" if reason is None else f"students would wait {online['wait_share']:.0%} of each step"
-        if cache["cheaper"] == "cache":
-            result["recommendation"] = (f"the offline cache: {cache['cache_gpu_hours']:,.0f} GPU-hours for "
-                                        f"{args.planned_runs} run(s) against {cache['online_gpu_hours']:,.0f} online"
-                                        + (f", where {waiting}" if waiting else ""))
-        else:
-            close = cache["cache_gpu_hours"] < cache["online_gpu_hours"]
-            result["recommendation"] = (f"online: {online['overrides']}" + (f" ({waiting})" if waiting else "")
-                                        + (f"; the cache would cost within {MAX_WAIT_SHARE:.0%} of its GPU-hours"
-                                           if close else ""))
+        result["recommendation"] = self.recommend(result, waiting)
         return result

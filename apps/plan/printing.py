@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 from apps.plan.args import MAX_WAIT_SHARE, PLAN_VERSION
+from apps.plan.evidence import SETTINGS, training_command
 from lingua.errors import ConfigError
 
 
@@ -93,8 +94,11 @@ def format_plan(plan: dict) -> list[str]:
         lines.append("  no smaller world size keeps up either")
     cache = plan["cache"]
     lines += [
-        f"cache: {cache['bytes_per_token']:.4g} B/token on disk, {count(cache['tokens_per_run'])} tokens per run -> "
-        f"{size(cache['size_bytes'])}, read at {size(cache['read_bytes_per_s'])}/s by {inputs['world_size']} students",
+        f"cache: {cache['bytes_per_token']:.4g} B/token on disk, {count(cache['cached_tokens'])} tokens "
+        + ("per run" if cache["cached_tokens"] == cache["tokens_per_run"] else
+           f"(the unique ones, read {cache['tokens_per_run'] / cache['cached_tokens']:.3g} times by a run)")
+        + f" -> {size(cache['size_bytes'])}, read at {size(cache['read_bytes_per_s'])}/s by {inputs['world_size']} "
+        f"students",
         f"  teacher pass once: {hours(cache['teacher_pass_gpu_hours'])} GPU-hours "
         f"({hours(cache['teacher_pass_hours'])} h on {inputs['world_size']} GPUs); "
         f"then per run {hours(cache['cache_run_gpu_hours'])} GPU-hours "
@@ -103,26 +107,67 @@ def format_plan(plan: dict) -> list[str]:
         f"  {cache['planned_runs']} planned run(s): cache {hours(cache['cache_gpu_hours'])} GPU-hours, online "
         f"{hours(cache['online_gpu_hours'])} (break-even at {cache['break_even_runs']:.2f} runs)",
     ]
-    if cache["writer_overrides"]:
-        lines.append(f"  write it on the {inputs['world_size']} GPUs: apps.main.teacher_cache "
-                     f"{cache['writer_overrides']}")
+    if cache["writer"]:
+        lines += writer_lines(cache["writer"], inputs, cache["cached_tokens"])
     lines.append(f"recommendation: {plan['recommendation']}")
     return lines + verdict_lines(plan["verdict"])
 
 
+def writer_lines(writer: dict, inputs: dict, planned: int) -> list[str]:
+    """The cache writer's command and what it writes: streams x windows per stream x tokens per window."""
+    exact = (", the planned tokens" if writer["tokens"] == planned else
+             f", the planned {planned:,} rounded up to whole windows per stream")
+    steps = (f"; train from it on the {writer['streams']} GPUs with steps={writer['train_steps']} (at grad_acc_steps="
+             f"{inputs['grad_acc_steps']}, data.batch_size={inputs['batch_size']})" if writer["train_steps"] else "")
+    return [f"  write it on the {inputs['world_size']} GPUs ({writer['streams']} streams x "
+            f"{writer['sequences_per_stream']:,} windows of {inputs['seq_len']:,} tokens = {writer['tokens']:,} "
+            f"tokens{exact}{steps}):",
+            f"    {training_command(inputs, 'apps.main.teacher_cache')} cache_dir=<dir> {writer['overrides']}"]
+
+
+def nearest_words(measured: dict) -> str:
+    """The measurement in a phrase: its arm, study, epochs and sizes."""
+    kind = "pilot" if measured.get("pilot") else "one-pass study" if measured["kind"] == "one_pass" else \
+        f"data-wall study at E={measured['epochs']:g}"
+    settings = measured.get("settings") or {}
+    knobs = ", ".join(f"{name} {settings[name]}" for name in SETTINGS if name in settings)
+    return (f"{measured['arm']} of {measured['source']} ({measured['owner']} {kind}: student "
+            f"{count(measured['student'])}, teacher {count(measured['teacher'])}, {count(measured['tokens'])} tokens"
+            + (f", U {count(measured['unique_tokens'])}" if measured["unique_tokens"] else "")
+            + (f"; {knobs}" if knobs else "") + ")")
+
+
+def worth_words(verdict: dict) -> str:
+    """What the teacher is worth, finite, and on what evidence."""
+    measured = verdict["measured"]
+    if measured["bound"] == "beyond":
+        best = measured["best"]
+        return (f"at least {verdict['worth']:.3g}x: KD below every CE-only budget run and CE had stopped improving; "
+                f"{best['multiplier']:.3g}x is the largest multiplier this study measured for {measured['arm']} "
+                f"(at E={best['epochs']:g}), and no more is claimed")
+    prefix = {"at_least": "at least ", "at_most": "at most "}.get(measured["bound"] or "", "")
+    seeds = (f" (seeds {measured['low']:.2f}-{measured['high']:.2f})"
+             if measured["low"] is not None and measured["low"] != measured["high"] else "")  # one seed: its value
+    return f"{prefix}{verdict['worth']:.3g}x{seeds}"
+
+
+def unmeasured_words(verdict: dict) -> str:
+    def value(v) -> str:
+        return count(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) >= 1000 else \
+            f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    return "; ".join(f"{name} {value(theirs)} measured, {value(ours)} planned"
+                     for name, theirs, ours in verdict["unmeasured"])
+
+
 def verdict_lines(verdict: dict) -> list[str]:
-    """Should I distill? the teacher's overhead, the break-even multipliers, the measured one, the sentence."""
+    """Should I distill? the teacher's overhead, the break-even multipliers, the measured worth and its evidence,
+    what of the plan is not measured (and the pilot that would measure it), the sentence."""
     over, even, measured = verdict["overhead"], verdict["break_even"], verdict["measured"]
     wall = (f"behind the data wall ({count(verdict['unique_tokens'])} unique tokens, {verdict['epochs']:.3g} epochs; "
             f"effective data U + U*R*(1-exp(-R/R*)), R* = {even['r_star']:g}, Muennighoff et al. 2023): "
             f"{even['repeated_online']:.2f}x online, {even['repeated_cache']:.2f}x from the cache"
             if verdict["unique_tokens"] > 0 else "every token fresh (unique_tokens=0)")
-    worth = ("beyond CE-only's reach (KD below every CE budget from these epochs on, and CE had stopped improving)"
-             if measured["bound"] == "beyond" else
-             {"at_least": "at least ", "at_most": "at most "}.get(measured["bound"] or "", "")
-             + f"{verdict['expected']:.2f}x")
-    seeds = f" (seeds {measured['low']:.2f}-{measured['high']:.2f})" if measured["low"] is not None else ""
-    kind = "one-pass study" if measured["kind"] == "one_pass" else f"data-wall study at {measured['epochs']:g} epochs"
     lines = [
         f"distill? the teacher's forward is {verdict['teacher_over_student_flops']:.3g}x the student's training per "
         f"token: overhead {over['online']:.3g}x online (every epoch); from a cache written once over the unique "
@@ -130,15 +175,18 @@ def verdict_lines(verdict: dict) -> list[str]:
         f"{max(verdict['epochs'], 1):.3g} epoch(s)) = {over['cache']:.3g}x",
         f"  break-even token multiplier: {even['fresh_online']:.2f}x online, {even['fresh_cache']:.2f}x from the "
         f"cache on fresh data; {wall}",
-        f"  expected: {worth}{seeds}: {measured['arm']} of {measured['source']}, "
-        f"{measured['owner']} {kind} (student {count(measured['student'])}, teacher {count(measured['teacher'])}, "
-        f"{count(measured['tokens'])} tokens), compared in {even['compared']}",
+        f"  reads {nearest_words(measured)}, compared in {even['compared']}; why this study: {measured['why']}",
+        f"  worth: {worth_words(verdict)}",
     ]
-    if verdict["warnings"]:
-        differ = "; ".join(f"{name} {count(theirs)} measured, {count(ours)} planned"
-                           for name, theirs, ours in verdict["warnings"])
-        lines.append(f"  warning: sizes differ ({differ}): the multiplier may not transfer; measure yours with a "
-                     f"pilot of apps.bench.kd_study and pass kd_measurement=<its results.json>")
+    if verdict["unmeasured"]:
+        lines.append(f"  not measured here: {unmeasured_words(verdict)}; the multiplier may not transfer")
+        pilot = verdict.get("pilot", [])
+        lines += ["  the pilot that measures it (CE-only to twice the KD run's tokens, then KD with the planned "
+                  "layout, then the multiplier: CE-only's tokens when its held-out CE first reaches the KD run's "
+                  "final, over the KD run's tokens):",
+                  *(f"    {command}" for command in pilot)]
+        if pilot:
+            lines.append(f"    then rerun this plan with kd_measurement={pilot[-1].rsplit('out=', 1)[-1]}")
     if measured["kind"] == "one_pass" and verdict["unique_tokens"] > 0 and verdict["epochs"] > 1:
         lines.append("  warning: the multiplier was measured on fresh data; behind a data wall this assumes the "
                      "teacher is worth the same share of effective data, which is what apps.bench.kd_study --wall "
@@ -147,12 +195,14 @@ def verdict_lines(verdict: dict) -> list[str]:
 
 
 def is_plan_file(path: Path) -> bool:
-    """Whether `path` holds a plan this planner wrote (the only kind of file `out=` replaces)."""
+    """Whether `path` holds a plan this planner wrote, this version or an earlier one (the only kind of file `out=`
+    replaces)."""
     try:
         existing = json.loads(path.read_text())
     except (OSError, ValueError, UnicodeDecodeError):
         return False
-    return isinstance(existing, dict) and existing.get("version") == PLAN_VERSION and "online" in existing
+    version = existing.get("version") if isinstance(existing, dict) else None
+    return isinstance(version, int) and 1 <= version <= PLAN_VERSION and "online" in existing
 
 
 def write_plan(plan: dict, path: Path) -> None:

@@ -12,14 +12,17 @@ that many tokens:
   of U unique tokens repeated R more times as U + U R_D* (1 - exp(-R / R_D*)), R_D* ~ 15.4. The break-even is
   then effective((1 + overhead) D) / effective(D), below 1 + overhead.
 
-What the teacher is worth comes from a measurement named with its provenance, never from published constants:
-this repository's studies (docs/kd_study/results.json, one pass over fresh data, and docs/kd_study/wall/results.json,
-U unique tokens read for 1 to 16 epochs, the default for a plan that repeats its data; a 7M student: their
-multipliers are facts of those sizes, and the plan says so when its sizes differ) or the user's own pilot run
-of `apps.bench.kd_study` at their sizes (`kd_measurement=<its results.json>`). A one-pass study's multiplier counts
-fresh tokens, so it is compared with the break-even in effective tokens; a data-wall study's (`--wall`) counts
-tokens over the same unique data at a number of epochs, so its multiplier at the epochs nearest the plan's is
-compared with 1 + overhead.
+What the teacher is worth comes from a measurement named with its provenance, never from published constants,
+and it is finite: a measured multiplier, or the bound the study's CE budgets allowed (where KD beat every CE budget
+and CE had stopped improving, the largest multiplier the study measured for that arm, and no more). The
+measurement: the user's own pilot of `apps.bench.kd_study` at their sizes (`kd_measurement=<its results.json>`),
+else this repository's studies: docs/kd_study/results.json (one pass over fresh data) for a plan with
+unique_tokens=0, docs/kd_study/wall/results.json (U unique tokens read for 1 to 16 epochs) for any plan with
+unique_tokens, read at its nearest epochs, so the reading does not jump at one epoch. A one-pass study's
+multiplier counts fresh tokens, so it is compared with the break-even in effective tokens; a data-wall study's
+counts tokens over the same unique data, so it is compared with 1 + overhead. Where the plan leaves the
+measurement (sizes, epochs, U/V, output, k, alpha, temperature, divergence: evidence.py) the verdict says "not
+measured here" and reads the nearest measurement.
 """
 
 import json
@@ -27,13 +30,13 @@ import math
 from pathlib import Path
 from typing import Optional
 
+from apps.plan.evidence import measured_settings, unmeasured
 from lingua.errors import DataError, MissingPathError
 
 REPO_MEASUREMENT = "docs/kd_study/results.json"
 REPO_WALL_MEASUREMENT = "docs/kd_study/wall/results.json"
 MUENNIGHOFF_R_D = 15.4  # R_D*, the repetitions after which repeated data's value has decayed by 1/e (their fit)
 MAX_CACHE_RUNS = 10_000  # beyond this many runs sharing one cache the plan says "do not distill"
-SIZE_TOLERANCE = 0.1  # a measurement's student, teacher or tokens further than this (relative) from the plan's
 
 
 def effective_tokens(tokens: float, unique: float, r_star: float = MUENNIGHOFF_R_D) -> float:
@@ -56,19 +59,41 @@ def cache_overhead(ratio: float, tokens: float, unique: float, runs: int) -> flo
     return ratio * cached / tokens / runs
 
 
-def measurement_path(path: Optional[str], epochs: float = 1.0) -> tuple[Path, str, str]:
-    """(the file, its name as printed, whose): the user's file, else this repository's study nearest the plan: the
-    data-wall study for a plan that reads its unique data more than once, the one-pass study otherwise."""
+def measurement_path(path: Optional[str], unique: float = 0.0) -> tuple[Path, str, str, str]:
+    """(the file, its name as printed, whose, why this one): the user's file, else this repository's study of the
+    plan's kind of data: the data-wall study for any plan with unique_tokens (finite data, read at its nearest
+    epochs, so the reading moves continuously through one epoch), the one-pass study for fresh data."""
     if path:
-        return Path(path).expanduser(), str(path), "your"
-    name = REPO_WALL_MEASUREMENT if epochs > 1 else REPO_MEASUREMENT
-    return Path(__file__).resolve().parents[2] / name, name, "this repository's"
+        return Path(path).expanduser(), str(path), "your", "kd_measurement= names it"
+    if unique > 0:
+        name = REPO_WALL_MEASUREMENT
+        why = "unique_tokens is set: finite data, the data-wall study at its nearest epochs"
+    else:
+        name, why = REPO_MEASUREMENT, "unique_tokens=0: every token fresh, the one-pass study"
+    return Path(__file__).resolve().parents[2] / name, name, "this repository's", why
 
 
-def read_measurement(path: Optional[str], output: str, epochs: float) -> dict:
+def arm_multiplier(arm: dict) -> tuple[Optional[float], Optional[str], Optional[float], Optional[float]]:
+    """(multiplier or its bound, None | "at_least" | "at_most", low, high) of a KD arm's token_multiplier."""
+    tm = arm["token_multiplier"]
+    if tm["mean"] is not None:
+        return tm["mean"], None, tm["min"], tm["max"]
+    per_seed = list(tm["per_seed"].values())
+    lower = [v["at_least"] for v in per_seed if "at_least" in v]
+    upper = [v["at_most"] for v in per_seed if "at_most" in v]
+    if lower and not upper:
+        return min(lower), "at_least", None, None
+    return (max(upper) if upper else 1.0), "at_most", None, None
+
+
+def read_measurement(path: Optional[str], output: str, epochs: float, unique: float = 0.0) -> dict:
     """What a KD study measured for the plan's output format: {multiplier, low, high, bound, arm, kind, epochs,
-    student, teacher, tokens, source}; the arm is kd_<output>64 where there is one, else the first KD arm."""
-    file, name, owner = measurement_path(path, epochs)
+    epoch_range, student, teacher, tokens, unique_tokens, settings, best, pilot, source, why} (pilot: a results.json
+    of `python -m apps.plan.pilot`, the one-pass shape); the arm is kd_<output>64
+    where there is one, else the first KD arm. `multiplier` is finite: a measured mean, or the bound the study's
+    CE budgets allowed; where KD beat every CE budget and CE had stopped improving ("beyond"), the largest
+    multiplier the study measured for that arm at any epochs (`best`), never infinity."""
+    file, name, owner, why = measurement_path(path, unique)
     if not file.is_file():
         raise MissingPathError(f"kd_measurement={path or name} does not exist; pass the results.json of a "
                                f"`python -m apps.bench.kd_study` run (or leave it out for this repository's).")
@@ -80,52 +105,49 @@ def read_measurement(path: Optional[str], output: str, epochs: float) -> dict:
         raise DataError(f"kd_measurement={path} is not a results.json written by apps.bench.kd_study; pass one "
                         f"(its `compute` and `arms` are what the verdict reads).") from None
     if results.get("mode") == "data_wall":
-        measured_epochs = sorted(results["epochs"], key=lambda e: abs(math.log(float(e) / max(epochs, 1e-9))))[0]
-        arms, kind = results["epochs"][measured_epochs]["arms"], "data_wall"
-        tokens = results["setup"]["unique_tokens"] * float(measured_epochs)
+        budgets = {float(e): budget["arms"] for e, budget in results["epochs"].items()}
+        measured_epochs = min(budgets, key=lambda e: abs(math.log(e / max(epochs, 1e-9))))
+        arms, kind, unique_measured = budgets[measured_epochs], "data_wall", results["setup"]["unique_tokens"]
+        tokens = unique_measured * measured_epochs
     else:
-        measured_epochs, arms, kind = 1, results["arms"], "one_pass"
+        measured_epochs, arms, kind, unique_measured = 1.0, results["arms"], "one_pass", 0
+        budgets = {1.0: arms}
         tokens = results["setup"]["tokens_per_run"]
     kd_arms = [n for n, arm in arms.items() if "token_multiplier" in arm]
     if not kd_arms:
         raise DataError(f"kd_measurement={path} holds no KD arm with a token multiplier; finish the study's runs "
                         f"(or its --report-only) first.")
     arm = next((n for n in kd_arms if n == f"kd_{output}64"), kd_arms[0])
-    tm = arms[arm]["token_multiplier"]
-    per_seed = list(tm["per_seed"].values())
-    bound = None
-    if tm["mean"] is None:
-        if not per_seed:
-            raise DataError(f"kd_measurement={path}: {arm} has no seed with a token multiplier; finish the study's "
-                            f"runs (or its --report-only) first.")
-        lower = [v["at_least"] for v in per_seed if "at_least" in v]
-        upper = [v["at_most"] for v in per_seed if "at_most" in v]
-        bound = ("at_least", min(lower)) if lower and not upper else ("at_most", max(upper) if upper else 1.0)
-        wall = results.get("wall", {})
-        worst_kd = max((seed["final_heldout_ce"] for seed in arms[arm].get("seeds", {}).values()), default=math.inf)
-        if bound[0] == "at_least" and kind == "data_wall" and wall.get("stopped_improving") \
-                and worst_kd < wall.get("best_heldout_ce", -math.inf):
-            # KD, every seed, below the best CE-only reached at any budget, and CE-only had stopped improving:
-            # more CE tokens never get there. (Below only the larger budgets is not that: an earlier, cheaper CE
-            # budget may still be better.)
-            bound = ("beyond", None)
-    return {"source": name, "owner": owner, "arm": arm, "kind": kind, "epochs": float(measured_epochs),
-            "tokens": tokens,
-            "multiplier": tm["mean"] if tm["mean"] is not None else bound[1], "bound": bound and bound[0],
-            "low": tm["min"], "high": tm["max"], **sizes}
-
-
-def size_warnings(measured: dict, student: int, teacher: int, tokens: float) -> list[list]:
-    """[name, measured, planned] of each size that differs from the measurement's by more than SIZE_TOLERANCE."""
-    pairs = (("student", measured["student"], student), ("teacher", measured["teacher"], teacher),
-             ("tokens", measured["tokens"], tokens))
-    return [[name, theirs, ours] for name, theirs, ours in pairs if abs(ours - theirs) > SIZE_TOLERANCE * theirs]
+    if arms[arm]["token_multiplier"]["mean"] is None and not arms[arm]["token_multiplier"]["per_seed"]:
+        raise DataError(f"kd_measurement={path}: {arm} has no seed with a token multiplier; finish the study's "
+                        f"runs (or its --report-only) first.")
+    multiplier, bound, low, high = arm_multiplier(arms[arm])
+    # The largest multiplier (or lower bound) measured for this arm at any epochs, with where.
+    measured_anywhere = [(arm_multiplier(b[arm])[0], e) for e, b in budgets.items()
+                         if arm in b and "token_multiplier" in b[arm] and arm_multiplier(b[arm])[1] != "at_most"]
+    best = max(measured_anywhere, default=(multiplier, measured_epochs))
+    wall = results.get("wall", {})
+    worst_kd = max((seed["final_heldout_ce"] for seed in arms[arm].get("seeds", {}).values()), default=math.inf)
+    if bound == "at_least" and kind == "data_wall" and wall.get("stopped_improving") \
+            and worst_kd < wall.get("best_heldout_ce", -math.inf):
+        # KD, every seed, below the best CE-only reached at any budget, and CE had stopped improving: more CE
+        # tokens did not get there. Worth at least what the study measured anywhere, and no more is claimed.
+        bound, multiplier = "beyond", max(multiplier, best[0])
+    settings = measured_settings(results, arm, arms[arm].get("overrides", []), file)
+    return {"source": name, "owner": owner, "why": why, "arm": arm, "kind": kind, "epochs": float(measured_epochs),
+            "epoch_range": [min(budgets), max(budgets)], "tokens": tokens, "unique_tokens": unique_measured,
+            "multiplier": multiplier, "bound": bound, "low": low, "high": high,
+            "best": {"multiplier": best[0], "epochs": best[1]}, "settings": settings,
+            "pilot": results.get("mode") == "pilot", **sizes}
 
 
 def distill_verdict(teacher_flops: float, student_flops: float, tokens: float, unique: float, runs: int,
-                    road: str, measured: dict, student: int, teacher: int, r_star: float = MUENNIGHOFF_R_D) -> dict:
+                    road: str, measured: dict, student: int, teacher: int, r_star: float = MUENNIGHOFF_R_D,
+                    settings: Optional[dict] = None, pilot_tokens: Optional[float] = None) -> dict:
     """The verdict for a run of `tokens` student tokens over `unique` unique ones (0: fresh), `runs` runs sharing
-    one cache, the planner's cheaper `road` ("online" | "cache"), against the `measured` multiplier."""
+    one cache, the planner's cheaper `road` ("online" | "cache"), against the `measured` multiplier; `settings`:
+    the plan's {output, k, alpha, temperature, divergence, vocab} (None: the measurement's); `pilot_tokens`: the
+    KD tokens of this plan's pilot (what a pilot's measurement is compared with)."""
     ratio = teacher_flops / student_flops
     epochs = tokens / unique if unique > 0 else 1.0
     online = ratio
@@ -139,7 +161,7 @@ def distill_verdict(teacher_flops: float, student_flops: float, tokens: float, u
             return break_even(overhead, tokens, unique, r_star)
 
     expected = measured["multiplier"]
-    worth = {"at_most": min(expected or 1.0, 1.0), "beyond": math.inf}.get(measured["bound"], expected)
+    worth = min(expected, 1.0) if measured["bound"] == "at_most" else expected  # finite: measured, or its bound
 
     def pays(overhead: float) -> bool:
         return worth > needed(overhead)
@@ -147,12 +169,16 @@ def distill_verdict(teacher_flops: float, student_flops: float, tokens: float, u
     min_runs = next((n for n in range(1, MAX_CACHE_RUNS + 1) if pays(cache_overhead(ratio, tokens, unique, n))),
                     None)
     if road == "online" and pays(online):
-        sentence = "distill online"
+        pays_on, sentence = "online", "distill online"
     elif min_runs is not None and runs >= min_runs:
-        sentence = f"distill from a cache shared by at least {min_runs} run(s) (you plan {runs})"
+        pays_on, sentence = "cache", f"distill from a cache shared by at least {min_runs} run(s) (you plan {runs})"
     else:
-        sentence = "do not distill: train CE-only on more tokens" + (
+        pays_on, sentence = None, "do not distill: train CE-only on more tokens" + (
             f" (a cache would pay if shared by at least {min_runs} runs; you plan {runs})" if min_runs else "")
+    plan = {"student": student, "teacher": teacher, "tokens": tokens, "epochs": epochs, "unique_tokens": unique,
+            **(settings or {}), **({"pilot_tokens": pilot_tokens} if pilot_tokens else {})}
+    outside = unmeasured(measured, plan)
+    needed_road = needed(online if road == "online" else cache)
     return {
         "teacher_over_student_flops": round(ratio, 4), "epochs": round(epochs, 4), "unique_tokens": unique,
         "runs": runs,
@@ -162,6 +188,8 @@ def distill_verdict(teacher_flops: float, student_flops: float, tokens: float, u
                        "repeated_cache": round(break_even(cache, tokens, unique, r_star), 4),
                        "compared": "tokens over the same unique data" if measured["kind"] == "data_wall"
                        else "effective tokens", "r_star": r_star},
-        "measured": measured, "expected": expected, "min_cache_runs": min_runs,
-        "warnings": size_warnings(measured, student, teacher, tokens), "verdict": sentence,
+        "measured": measured, "expected": expected, "worth": worth, "road": road,
+        "needed_on_road": round(needed_road, 4), "min_cache_runs": min_runs, "pays_on": pays_on,
+        "unmeasured": outside, "measured_here": not outside,
+        "verdict": sentence if not outside else f"not measured here: on the nearest measurement, {sentence}",
     }

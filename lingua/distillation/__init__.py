@@ -6,6 +6,7 @@ Student side (the loop asks one `Distiller` for the KD part of each step):
     feed.py            MicroBatchFeed: a step's micro-batches, their teacher requests submitted ahead (look-ahead)
     client.py          TeacherClient: the student end of a bridge (handshake, submit -> handle.wait(), STOP)
     fused_loss.py      fused_linear_kd_loss: CE + KD fused with the output head (the default loss)
+    fused_chunk.py     one chunk of it: KD folded into CE's passes over [rows, V]; grad_W by vocabulary blocks
     reference_loss.py  kd_loss on logits: the float64 check of the fused loss (distillation.fused_loss=false)
     divergences.py     the math both losses share: fkl/rkl/jsd and their gradients, teacher buckets, CE/KD mix
     cache.py           the offline teacher cache: manifest, safetensors shards, the loader training reads

@@ -19,6 +19,7 @@ import torch
 
 from lingua.args import require
 from lingua.distillation.divergences import DIVERGENCES
+from lingua.distillation.fused_loss import WEIGHT_GRADS
 from lingua.distillation.outputs import FORMATS
 from lingua.errors import PeerStopped, TeacherError
 from lingua.parallel.collectives import AgreedError
@@ -59,9 +60,12 @@ class DistillationArgs:
     attn_implementation: Optional[str] = "sdpa"
     wire_dtype: str = "bf16"  # dtype of the values sent to students: "bf16" | "fp16" | "fp32"
     # The student's CE + KD computed fused with its output head (lingua/distillation/fused_loss.py: no [tokens, vocab]
-    # logits, KD costs about what CE does); false = logits, then CE and the chunked kd_loss on them.
+    # logits, KD at T = 1 in CE's own passes); false = logits, then CE and the chunked kd_loss on them.
     fused_loss: bool = True
     loss_chunk_size: int = 0  # positions per chunk of the student's loss; 0 = auto (fused: a memory budget; else 1024)
+    # The fused loss's head gradient: "accumulate" (an fp32 [V, D] sum over the chunks) or "vocab_blocks" (written
+    # one vocabulary block at a time after the chunks, logits recomputed: less memory, one more head GEMM).
+    loss_weight_grad: str = "accumulate"
     # Teacher rows per lm_head chunk (bounds the teacher's logits memory); 0 = auto: 4 on CPU, on GPU from the memory
     # free after loading the teacher.
     logits_chunk_rows: int = 0
@@ -85,7 +89,7 @@ class DistillationArgs:
         and the teacher path or cache directory only matter with it on."""
         for key, allowed in (("output", FORMATS), ("divergence", DIVERGENCES), ("alpha_schedule", ALPHA_SCHEDULES),
                              ("teacher_dtype", TEACHER_DTYPES), ("wire_dtype", tuple(WIRE_DTYPES)),
-                             ("source", SOURCES)):
+                             ("source", SOURCES), ("loss_weight_grad", WEIGHT_GRADS)):
             require(getattr(self, key) in allowed, f"distillation.{key}", getattr(self, key),
                     f"use one of {', '.join(allowed)}")
         require(isinstance(self.fused_loss, bool), "distillation.fused_loss", self.fused_loss, "use true or false")

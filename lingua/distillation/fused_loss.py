@@ -10,7 +10,10 @@ the loss rows and dLoss/dz are written in closed form into the chunk's buffers, 
 through the head at once (grad_h = dz W, grad_W += dz^T h). Backward only scales the stored grads by
 grad_output. So one chunk of fp32 [rows, V] work lives at a time, nothing is recomputed, and the
 extra memory is grad_W ([V, D], which autograd would allocate anyway; kept in fp32 while the chunks
-add into it, then cast to the weight's dtype) from forward to backward.
+add into it, then cast to the weight's dtype) from forward to backward. A chunk's math is
+`fused_chunk.chunk_loss_and_grad`: at T = 1 top-k (every divergence) and sampled KD ride on CE's own
+five passes over [rows, V] (max, subtract, exp, sum, multiply) with k-wide gathers and scatters;
+T != 1 adds three passes and an addcmul, the full format its own log-softmax (tests/unit/test_fused_loss_passes.py).
 
 Gradients per position, with a = z / T, s = softmax(a), and bucket log-probs log q_b of the student:
 CE gives softmax(z) - onehot(y). KD enters as T^2 * dKD/dz = T * dKD/da, and dKD/da follows from
@@ -29,7 +32,8 @@ G_b = dKD/d(log q_b) (p = the teacher's buckets, `divergences.teacher_*_log_prob
              elsewhere     dKD/da_v = s_v / q_rest * (G_rest - q_rest sum(G))
                                     = exp(a_v - lse_rest(a)) * (G_rest - q_rest sum(G))
              (fkl: q_i - p_i on the ids, s_v (1 - p_rest / q_rest) elsewhere). exp(a_v - lse_rest) is
-             computed from the rest's own max, so a rest bucket far below the top ids stays exact.
+             computed from the rest's own max (the ids are set to -inf before CE's max pass), so a rest
+             bucket far below the top ids stays exact.
     sampled  KD = extra - mean_j log s(x_j);  dKD/da = s - counts / k  (counts of each id among the k)
 
 Masked positions (label -100) contribute exactly zero, also when their hidden states or teacher
@@ -51,15 +55,8 @@ from typing import Optional, Union
 
 import torch
 
-from lingua.distillation.divergences import (
-    DIVERGENCES,
-    distillation_loss,
-    divergence,
-    sampled_forward_kl,
-    teacher_full_log_probs,
-    teacher_support,
-    teacher_topk_log_probs,
-)
+from lingua.distillation.divergences import DIVERGENCES, distillation_loss, teacher_support
+from lingua.distillation.fused_chunk import GradRecipe, chunk_loss_and_grad, vocab_block_weight_grad
 from lingua.distillation.outputs import TeacherOutputs, check_format
 
 # Auto chunking: rows per chunk so the chunk's fp32 [rows, V] work tensors fit about this many bytes.
@@ -70,14 +67,20 @@ from lingua.distillation.outputs import TeacherOutputs, check_format
 # SMs, and 1 GiB is a small share of a GPU. A fixed budget, not a share of free memory, keeps chunk
 # boundaries (hence rounding) the same from run to run and rank to rank.
 AUTO_CHUNK_BYTES = {"cpu": 256 * 2**20, "cuda": 1024 * 2**20}
+# weight_grad="vocab_blocks" keeps no fp32 [V, D]: its chunks and vocabulary blocks get a smaller budget, a peak
+# close to the grads themselves (a GPU sets the final value: docs/gpu.md).
+VOCAB_BLOCK_BYTES = {"cpu": 256 * 2**20, "cuda": 256 * 2**20}
+WEIGHT_GRADS = ("accumulate", "vocab_blocks")
 # [rows, V] tensors of the work dtype alive at once per format (the full format builds a few more).
 WORK_TENSORS = {None: 3, "topk": 3, "sampled": 3, "full": 8}
 
 
 def auto_chunk_rows(vocab_size: int, format: Optional[str], device: Union[str, torch.device] = "cpu",
-                    dtype: torch.dtype = torch.float32) -> int:
-    """Rows per chunk such that the chunk's [rows, V] work tensors stay within AUTO_CHUNK_BYTES; at least 1."""
-    budget = AUTO_CHUNK_BYTES.get(torch.device(device).type, AUTO_CHUNK_BYTES["cuda"])
+                    dtype: torch.dtype = torch.float32, budgets: Optional[dict] = None) -> int:
+    """Rows per chunk such that the chunk's [rows, V] work tensors stay within the device's budget (AUTO_CHUNK_BYTES
+    unless `budgets` says otherwise); at least 1."""
+    budgets = budgets or AUTO_CHUNK_BYTES
+    budget = budgets.get(torch.device(device).type, budgets["cuda"])
     work_dtype = torch.promote_types(dtype, torch.float32)
     per_row = vocab_size * torch.tensor([], dtype=work_dtype).element_size() * WORK_TENSORS[format]
     return max(1, budget // per_row)
@@ -113,57 +116,10 @@ def multiplies_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def _topk_kd(a, g, values, ids, extra, mask, kind, jsd_beta, kd_scale):
-    """KD over the k ids + rest; adds kd_scale * dKD/da into g and returns KD per row. Overwrites a."""
-    dtype, k, V = a.dtype, ids.shape[-1], a.shape[-1]
-    a_ids = a.gather(-1, ids)
-    lse_ids = a_ids.logsumexp(-1)
-    log_p = teacher_topk_log_probs(values, extra, dtype, with_rest=k < V)
-    if k < V:
-        a.scatter_(-1, ids, float("-inf"))
-        rest_max = a.amax(-1, keepdim=True)
-        rest = a.sub_(rest_max).exp_()  # exp(a_v - rest_max) off the ids, 0 on them
-        rest_sum = rest.sum(-1)
-        lse_rest = rest_max.squeeze(-1) + rest_sum.log()
-        lse = torch.logaddexp(lse_ids, lse_rest)
-        log_q = torch.cat([a_ids - lse.unsqueeze(-1), (lse_rest - lse).unsqueeze(-1)], dim=-1)
-    else:
-        log_q = a_ids - lse_ids.unsqueeze(-1)
-    kd, G, q = divergence(log_p, log_q, kind, jsd_beta, with_grad=True)
-    bucket_grad = torch.where(mask.unsqueeze(-1), (G - q * G.sum(-1, keepdim=True)) * kd_scale.unsqueeze(-1), 0.0)
-    g.scatter_add_(-1, ids, bucket_grad[:, :k])
-    if k < V:
-        g.add_(rest.mul_(torch.where(mask, bucket_grad[:, k] / rest_sum, 0.0).unsqueeze(-1)))
-    return kd
-
-
-def _sampled_kd(a, g, ids, extra, mask, kd_scale):
-    """Monte-Carlo forward KL from k samples of p_T; adds kd_scale * (s - counts / k) into g. Overwrites a."""
-    k = ids.shape[-1]
-    a_samples = a.gather(-1, ids)
-    a_max = a.amax(-1, keepdim=True)
-    s = a.sub_(a_max).exp_()
-    s_sum = s.sum(-1)
-    lse = a_max.squeeze(-1) + s_sum.log()
-    kd = sampled_forward_kl(extra, a_samples - lse.unsqueeze(-1))
-    g.add_(s.mul_(torch.where(mask, kd_scale / s_sum, 0.0).unsqueeze(-1)))
-    # scatter_add, not scatter: an id drawn twice counts twice.
-    g.scatter_add_(-1, ids, torch.where(mask, -kd_scale / k, 0.0).unsqueeze(-1).expand(-1, k))
-    return kd
-
-
-def _full_kd(a, g, values, mask, kind, jsd_beta, kd_scale):
-    """Exact divergence over the vocabulary; adds kd_scale * dKD/da into g. Overwrites a."""
-    log_q = a.sub_(a.logsumexp(-1, keepdim=True))
-    kd, G, q = divergence(teacher_full_log_probs(values, a.dtype), log_q, kind, jsd_beta, with_grad=True)
-    G.sub_(q.mul_(G.sum(-1, keepdim=True)))
-    g.add_(torch.where(mask.unsqueeze(-1), G.mul_(kd_scale.unsqueeze(-1)), 0.0))
-    return kd
-
-
 def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta,
-                chunk_size, kd_weight, need_grad_hidden, need_grad_weight):
-    """(loss, stats [4], grad_hidden or None, grad_weight or None) of the flattened inputs, chunk by chunk."""
+                chunk_size, kd_weight, vocab_block, need_grad_hidden, need_grad_weight):
+    """(loss, stats [4], grad_hidden or None, grad_weight or None) of the flattened inputs, chunk by chunk;
+    vocab_block > 0: grad_W by `vocab_block_weight_grad` in blocks of that many ids, not by accumulation."""
     N, D = hidden.shape
     V = weight.shape[0]
     dtype = torch.promote_types(hidden.dtype, torch.float32)
@@ -178,61 +134,66 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
     ce_scale, kd_scale = (1.0 - alpha) * inv_norm, alpha * temperature * inv_norm
     stats = torch.zeros(4, dtype=dtype, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
+    # The recipes rebuild dz block by block after the chunks; the full format has none (it accumulates).
+    by_blocks = need_grad_weight and vocab_block > 0 and (teacher is None or teacher.format != "full")
+    recipes = []
     # fp32 accumulator for a bf16 head: adding bf16 partial sums chunk after chunk would round each time.
-    grad_weight = torch.zeros(V, D, dtype=dtype, device=weight.device) if need_grad_weight else None
+    grad_weight = torch.zeros(V, D, dtype=dtype, device=weight.device) if need_grad_weight and not by_blocks else None
     fp32_addmm = need_grad_weight and dtype != weight.dtype and accumulates_in_fp32(weight.device, weight.dtype)
+    # where, not multiply: an inf/nan hidden row at a masked position must not reach the logits or grads.
+    masked_hidden = hidden.masked_fill(~mask.unsqueeze(-1), 0.0)
     for start in range(0, N, chunk_size):
         rows = slice(start, min(start + chunk_size, N))
         row_mask = mask[rows]
-        # where, not multiply: an inf/nan hidden row at a masked position must not reach the logits or grads.
-        h = hidden[rows].masked_fill(~row_mask.unsqueeze(-1), 0.0)
+        h = masked_hidden[rows]
         z = (h @ weight.T).to(dtype)
-        z_max, student_top1 = z.max(-1)
-        z_label = z.gather(-1, safe_labels[rows]).squeeze(-1)
-        g = (z - z_max.unsqueeze(-1)).exp_()
-        z_sum = g.sum(-1)
-        ce = z_max + z_sum.log() - z_label
-        g.mul_(torch.where(row_mask, ce_scale / z_sum, 0.0).unsqueeze(-1))
-        g.scatter_add_(-1, safe_labels[rows], torch.where(row_mask, -ce_scale, 0.0).unsqueeze(-1))
+        values = ids = extra = None
         if teacher is None:
-            kd = mass = agree = torch.zeros_like(ce)
+            kd_rows, row_kd_scale = row_mask, torch.zeros_like(row_mask, dtype=dtype)
         else:
             values, ids, extra = (None if t is None else t[rows] for t in teacher)
             # KD rows: valid labels with a positive KD weight; a row outside them takes CE alone.
-            row_weight = torch.ones_like(ce) if kd_weight is None else kd_weight[rows].to(dtype)
+            row_weight = torch.ones_like(row_mask, dtype=dtype) if kd_weight is None else kd_weight[rows].to(dtype)
             kd_rows = row_mask & (row_weight > 0)
             row_weight = torch.where(kd_rows, row_weight, 0.0)
-            if ids is not None:
-                # A padded position may carry any id; keep gathers in range (its row counts for nothing).
-                ids = ids.long().masked_fill(~kd_rows.unsqueeze(-1), 0)
-            # KD works on a = z / T in z's buffer, which the format's function then overwrites.
-            a = z.div_(temperature) if temperature != 1.0 else z
             row_kd_scale = kd_scale * row_weight
-            if teacher.format == "topk":
-                kd = _topk_kd(a, g, values, ids, extra, kd_rows, divergence, jsd_beta, row_kd_scale)
-            elif teacher.format == "sampled":
-                kd = _sampled_kd(a, g, ids, extra, kd_rows, row_kd_scale)
-            else:
-                kd = _full_kd(a, g, values, kd_rows, divergence, jsd_beta, row_kd_scale)
+            if ids is not None:
+                # A row outside the KD rows may carry any id: 0..k-1 keep gathers in range and the ids distinct.
+                ids = torch.where(kd_rows.unsqueeze(-1), ids.long(), torch.arange(ids.shape[-1], device=ids.device))
+        chunk_teacher = None if teacher is None else (teacher.format, values, extra)
+        ce, kd, student_top1, g, recipe = chunk_loss_and_grad(
+            z, safe_labels[rows], row_mask, chunk_teacher, ids, kd_rows, ce_scale, row_kd_scale, temperature,
+            divergence, jsd_beta)
+        if teacher is None:
+            kd = mass = agree = torch.zeros_like(ce)
+        else:
             mass, teacher_top1 = teacher_support(values, ids, extra, teacher.format)
             agree = (student_top1 == teacher_top1).to(dtype)
             # The KD stats are sums weighted by the KD weight (where, not multiply: a weight-0 row may be nan).
             kd, mass, agree = (torch.where(kd_rows, t.to(dtype) * row_weight, 0.0) for t in (kd, mass, agree))
         per_row = torch.stack([ce, kd, mass, agree])
         stats += torch.where(row_mask, per_row, 0.0).sum(-1)
-        z = a = None  # free the chunk's work buffer before the grad GEMMs
+        z = None  # g is z's buffer; only g lives on into the grad GEMMs
+        if by_blocks:
+            recipes.append(recipe)
         if need_grad_hidden or need_grad_weight:
             g = g.to(weight.dtype)
             if need_grad_hidden:
                 torch.mm(g, weight, out=grad_hidden[rows])
-            if need_grad_weight and dtype == weight.dtype:
+            if grad_weight is None:  # no head grad, or it comes from the vocabulary blocks below
+                continue
+            if dtype == weight.dtype:
                 grad_weight.addmm_(g.T, h)
             elif fp32_addmm:  # a bf16 GEMM summed into fp32: no [V, D] temporary
                 torch.addmm(grad_weight, g.T, h, out_dtype=dtype, out=grad_weight)
-            elif need_grad_weight:
+            else:
                 grad_weight.add_(g.T @ h)
     loss = distillation_loss(stats[0], stats[1], alpha, temperature) * inv_norm
-    if grad_weight is not None:
+    if by_blocks:
+        g = None
+        grad_weight = vocab_block_weight_grad(masked_hidden, weight, GradRecipe.cat(recipes), temperature,
+                                              vocab_block, dtype)
+    elif grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     return loss, stats.float(), grad_hidden, grad_weight
 
@@ -255,10 +216,10 @@ class _FusedLinearKDLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-                kd_weight):
+                kd_weight, vocab_block):
         loss, stats, ctx.grad_hidden, ctx.grad_weight = _fused_pass(
             hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-            kd_weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+            kd_weight, vocab_block, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         ctx.mark_non_differentiable(stats)
         ctx.used = False
         return loss, stats
@@ -272,11 +233,11 @@ class _FusedLinearKDLoss(torch.autograd.Function):
         # In place: the buffers are ours and needed once, so scaling adds no [V, D] tensor.
         grads = [None if t is None else t.mul_(grad_loss) for t in (ctx.grad_hidden, ctx.grad_weight)]
         ctx.grad_hidden = ctx.grad_weight = None
-        return grads[0], grads[1], None, None, None, None, None, None, None, None, None
+        return grads[0], grads[1], None, None, None, None, None, None, None, None, None, None
 
 
 def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-                kd_weight):
+                kd_weight, weight_grad):
     if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
         raise ValueError(f"hidden {tuple(hidden.shape)} and the head weight {tuple(weight.shape)} must be [..., D] "
                          f"and [V, D]; pass the output head's weight (logits = hidden @ weight.T).")
@@ -290,6 +251,8 @@ def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature,
         raise ValueError(f"normalizer={normalizer} must be positive; pass max(valid tokens in the step, 1).")
     if temperature <= 0:
         raise ValueError(f"Distillation temperature {temperature} must be positive.")
+    if weight_grad not in WEIGHT_GRADS:
+        raise ValueError(f"weight_grad={weight_grad!r} is unknown; use one of {', '.join(WEIGHT_GRADS)}.")
     if chunk_size < 0:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1, or 0 for a size chosen from the memory budget.")
     if teacher is None:
@@ -330,6 +293,7 @@ def fused_linear_kd_loss(
     jsd_beta: float = 0.5,
     chunk_size: int = 0,
     kd_weight: Optional[torch.Tensor] = None,
+    weight_grad: str = "accumulate",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """((1 - alpha) * CE_sum + alpha * T^2 * KD_sum) / normalizer over labels != -100, fused with the head.
 
@@ -342,6 +306,10 @@ def fused_linear_kd_loss(
     it accepts. chunk_size=0 picks rows per chunk from `AUTO_CHUNK_BYTES`. kd_weight (labels' shape, float
     in [0, 1], None = all ones) multiplies each position's KD term, value and gradient; at 0 the position
     takes CE alone and its teacher tensors (any value, inf/nan included) are never read into the loss.
+    weight_grad: "accumulate" sums each chunk's grad_W GEMM into an fp32 [V, D] buffer; "vocab_blocks" keeps
+    per-row coefficients instead and, after the chunks, writes grad_W one vocabulary block at a time from
+    one GEMM over all rows (the block's logits recomputed: one more head GEMM, no fp32 [V, D] and chunks
+    sized from `VOCAB_BLOCK_BYTES`); the full format always accumulates.
 
     Returns (loss, stats): loss is a scalar in promote(dtype, fp32) with autograd to hidden and weight
     (grads in their dtypes; a single backward pass); stats is a detached fp32 [4] tensor of sums over
@@ -350,15 +318,20 @@ def fused_linear_kd_loss(
     sum of kd_weight over valid labels for means). Nothing is read back to the host.
     """
     _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-                kd_weight)
+                kd_weight, weight_grad)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     N, V = flat_hidden.shape[0], weight.shape[0]
     flat_teacher = None if teacher is None else _FlatTeacher(teacher, N)
+    format = None if teacher is None else teacher.format
+    budgets = VOCAB_BLOCK_BYTES if weight_grad == "vocab_blocks" else None
     if chunk_size == 0:
-        chunk_size = auto_chunk_rows(V, None if teacher is None else teacher.format, hidden.device, hidden.dtype)
+        chunk_size = auto_chunk_rows(V, format, hidden.device, hidden.dtype, budgets)
+    # The blocks' [N, block] work matches a chunk's [rows, V]: the same bytes.
+    vocab_block = 0 if budgets is None else max(1, min(V, auto_chunk_rows(N, format, hidden.device, hidden.dtype,
+                                                                          budgets)))
     flat_kd_weight = None if kd_weight is None or teacher is None else kd_weight.reshape(N)
     args = (labels.reshape(N), flat_teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-            flat_kd_weight)
+            flat_kd_weight, vocab_block)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _FusedLinearKDLoss.apply(flat_hidden, weight, *args)
     loss, stats, _, _ = _fused_pass(flat_hidden, weight, *args, False, False)

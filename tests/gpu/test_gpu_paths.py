@@ -69,6 +69,17 @@ def test_document_masks_run_on_flex_attention_and_match_sdpa():
         torch.testing.assert_close(flex_grad, sdpa_grad, rtol=5e-2, atol=5e-2)
 
 
+def head_problem(N, D, V, k, seed):
+    """(hidden, weight, labels, top-k teacher correlated with the student) on the GPU, in fp32."""
+    generator = torch.Generator(device=CUDA).manual_seed(seed)
+    hidden = torch.randn(N, D, device=CUDA, generator=generator)
+    weight = torch.randn(V, D, device=CUDA, generator=generator) * 0.05
+    labels = torch.randint(0, V, (N,), device=CUDA, generator=generator)
+    teacher = sparsify_teacher_logits(hidden @ weight.T + torch.randn(N, V, device=CUDA, generator=generator),
+                                      "topk", k, 1.0)
+    return hidden, weight, labels, teacher
+
+
 def head_grads(dtype, teacher, hidden, weight, labels):
     h = hidden.detach().to(dtype).requires_grad_()  # detached: .to(float32) of fp32 would return `weight` itself
     w = weight.detach().to(dtype).requires_grad_()
@@ -84,13 +95,7 @@ def test_a_bf16_head_gradient_is_summed_in_fp32_without_a_bf16_temporary(monkeyp
     if not accumulates_in_fp32(CUDA, torch.bfloat16):  # older kernels want the added tensor in the inputs' dtype
         pytest.skip(f"torch {torch.__version__}'s CUDA addmm(out_dtype=float32) refuses an fp32 accumulator: the "
                     f"fused loss keeps its bf16 [V, D] product per chunk here")
-    generator = torch.Generator(device=CUDA).manual_seed(0)
-    N, D, V = 1024, 256, 8192
-    hidden = torch.randn(N, D, device=CUDA, generator=generator)
-    weight = torch.randn(V, D, device=CUDA, generator=generator) * 0.05
-    labels = torch.randint(0, V, (N,), device=CUDA, generator=generator)
-    teacher = sparsify_teacher_logits(hidden @ weight.T + torch.randn(N, V, device=CUDA, generator=generator),
-                                      "topk", 16, 1.0)
+    hidden, weight, labels, teacher = head_problem(1024, 256, 8192, 16, seed=0)
     exact = head_grads(torch.float32, teacher, hidden, weight, labels)
     fused = head_grads(torch.bfloat16, teacher, hidden, weight, labels)
     monkeypatch.setattr(fused_module, "accumulates_in_fp32", lambda device, dtype: False)
@@ -98,6 +103,30 @@ def test_a_bf16_head_gradient_is_summed_in_fp32_without_a_bf16_temporary(monkeyp
     error, temporary_error = ((g - exact).norm() / exact.norm() for g in (fused, with_temporary))
     assert error < 2e-2, error
     assert error <= temporary_error * 1.05, (error, temporary_error)
+
+
+@needs_gpus(1)
+def test_vocab_blocks_round_a_bf16_head_gradient_once_and_peak_lower():
+    """weight_grad="vocab_blocks" on CUDA: each block's bf16 grad_W GEMM over all rows rounds once, so it is as close to
+    fp32's as the fp32 accumulation, and without the fp32 [V, D] accumulator its peak is lower (issue 34)."""
+    N = 2048
+    hidden, weight, labels, teacher = head_problem(N, 256, 32768, 64, seed=1)
+    exact = head_grads(torch.float32, teacher, hidden, weight, labels)
+    grads, peaks = {}, {}
+    for weight_grad in ("accumulate", "vocab_blocks"):
+        h = hidden.to(torch.bfloat16).requires_grad_()
+        w = weight.to(torch.bfloat16).requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss, _ = fused_linear_kd_loss(h, w, labels, teacher, N, 0.5, 1.0, weight_grad=weight_grad)
+        loss.backward()
+        torch.cuda.synchronize()
+        peaks[weight_grad] = torch.cuda.max_memory_allocated() - base
+        grads[weight_grad] = w.grad.double()
+    error = {name: ((g - exact).norm() / exact.norm()).item() for name, g in grads.items()}
+    assert error["vocab_blocks"] < 2e-2 and error["vocab_blocks"] <= error["accumulate"] * 1.05, error
+    assert peaks["vocab_blocks"] < peaks["accumulate"], peaks
 
 
 @needs_gpus(1)

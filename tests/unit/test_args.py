@@ -78,7 +78,7 @@ def test_unknown_key_names_the_key_and_the_valid_ones(override, key, level, vali
                 "model to a mapping of LMTransformerArgs keys."),
     ("logging.wandb.tags.0=0", "Invalid value for logging.wandb.tags: Cannot merge incompatible container types; "
                                "set logging.wandb.tags to a list of strings or null."),
-    ("steps", "Override 'steps' has no '='; write key=value (e.g. steps=20), without dashes."),
+    ("steps", "Override 'steps' has no '='; write key=value (e.g. steps=20), without dashes (--help lists the keys)."),
     ("dump_dir=${", "Invalid value for dump_dir: no viable alternative at input '${'; set dump_dir to a string."),
     ("a=[1,", "Could not parse the overrides (while parsing a flow node did not find expected node content in "
               "\"<unicode string>\", line 2, column 1); write key=value, with YAML values (lists [a, b], mappings {a: 1})."),

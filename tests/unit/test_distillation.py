@@ -219,6 +219,31 @@ def test_a_negative_logits_chunk_rows_is_refused():
         DistillationArgs(logits_chunk_rows=-1).validate(enabled=False)
 
 
+def test_an_unknown_loss_weight_grad_is_refused():
+    with pytest.raises(ValueError, match=r"distillation.loss_weight_grad='blocks'; use one of accumulate, vocab_blocks"):
+        DistillationArgs(loss_weight_grad="blocks").validate(enabled=False)
+    DistillationArgs(loss_weight_grad="vocab_blocks").validate(enabled=False)
+
+
+def test_loss_weight_grad_reaches_the_fused_ce_head():
+    """distillation.loss_weight_grad=vocab_blocks trains through the same loss and gradients as the accumulator."""
+    from lingua.distillation.distiller import NoDistiller
+
+    generator = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 6, 8, generator=generator), torch.randn(40, 8, generator=generator)
+    labels = torch.randint(0, 40, (2, 6), generator=generator)
+    results = []
+    for weight_grad in ("accumulate", "vocab_blocks"):
+        distiller = NoDistiller(DistillationArgs(loss_weight_grad=weight_grad, loss_chunk_size=5))
+        distiller.begin_step(0, 1.0)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = distiller.head_loss(labels, None, 12, None)(h, w)
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad, distiller.step_metrics()["loss/ce"]))
+    for accumulated, blocked in zip(*results):
+        torch.testing.assert_close(blocked, accumulated)
+
+
 def test_auto_prefetch_looks_ahead_unless_the_ranks_oversubscribe_the_cores():
     from lingua.distillation.args import resolve_prefetch
 

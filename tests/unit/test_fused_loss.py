@@ -1,5 +1,6 @@
 """The fused head + CE + KD loss against today's unfused path (float64), gradcheck, stats, masks, host syncs."""
 
+import itertools
 import math
 
 import pytest
@@ -264,10 +265,13 @@ def test_no_host_sync_in_forward_and_backward(monkeypatch):
             return _original(self, *a, **kw)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    for hidden, weight, labels, teacher in cases:
+    # T = 2 and T = 1 (KD in CE's passes), accumulated and vocabulary-blocked head grads, with KD weights.
+    for (hidden, weight, labels, teacher), temperature, weight_grad in itertools.product(
+            cases, (2.0, 1.0), ("accumulate", "vocab_blocks")):
         h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
         normalizer = (labels != -100).sum()  # a device tensor works as the normalizer too
-        loss, stats = fused_linear_kd_loss(h, w, labels, teacher, normalizer, 0.5, 2.0, chunk_size=4)
+        loss, stats = fused_linear_kd_loss(h, w, labels, teacher, normalizer, 0.5, temperature, chunk_size=4,
+                                           kd_weight=torch.rand(labels.shape), weight_grad=weight_grad)
         loss.backward()
     monkeypatch.undo()
     assert calls == []
@@ -381,3 +385,4 @@ def test_matches_liger_fused_linear_jsd(beta, divergence):
     for grad, ref_grad in zip(grads, ref_grads):
         torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-6)
     assert math.isfinite(loss.item())
+

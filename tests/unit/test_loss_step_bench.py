@@ -78,3 +78,45 @@ def test_inputs_follow_the_settings():
     assert teacher.values.shape == (1, 12, 4) and 0 < int((labels == -100).sum()) < 12
     again = bench.make_inputs(args)
     assert torch.equal(again[0], hidden) and torch.equal(again[3].ids, teacher.ids)  # seeded
+
+
+@pytest.mark.timeout(20)
+def test_against_table_ratios_and_missing_liger():
+    from apps.bench import loss_against
+
+    args, _ = bench.parse_args(TINY + ["--against", "liger", "--out", "unused"])
+    measured = {name: {"ms": ms, "peak_mib": peak, "all_ms": [ms]}
+                for name, ms, peak in (("ce", 10.0, 100.0), ("kd_topk_t1", 10.5, 100.0), ("liger_ce", 8.0, 50.0),
+                                       ("logits_ce", 9.0, 400.0))}
+    liger = {"liger_ce": object(), "liger_jsd": "needs CUDA (Triton kernel)"}
+    results = loss_against.summarize(args, measured, liger, "0.8.5")
+    rows = results["variants"]
+    assert list(rows) == list(loss_against.VARIANTS)
+    assert rows["kd_topk_t1"]["ms_over_ce"] == pytest.approx(1.05) and rows["kd_topk_t1"]["peak_over_liger_ce"] == 2.0
+    assert rows["liger_ce"]["ms_over_liger_ce"] == 1.0 and rows["ce"]["ms_over_liger_ce"] == 1.25
+    assert rows["liger_jsd"] == {"status": "needs CUDA (Triton kernel)"}
+    assert rows["kd_rkl"] == {"status": "not installed"}  # a variant not measured at all says so too
+    table = loss_against.format_markdown(results)
+    assert "| kd_topk_t1 | 10.5 | 100 | 1.05 | 1.00 | 1.31 | 2.00 |" in table
+    assert "| liger_jsd | needs CUDA (Triton kernel) |" in table and "Liger 0.8.5" in table
+    without = loss_against.summarize(args, {k: v for k, v in measured.items() if k != "liger_ce"},
+                                     {name: loss_against.NOT_INSTALLED for name in loss_against.LIGER}, None)
+    assert without["liger"] == "not installed" and without["variants"]["ce"]["ms_over_liger_ce"] is None
+    assert "| liger_ce | not installed |" in loss_against.format_markdown(without)
+    with pytest.raises(ValueError, match="--against"):
+        bench.parse_args(TINY + ["--against", "unsloth", "--out", "unused"])
+
+
+@pytest.mark.timeout(60)
+def test_against_runs_every_variant_in_this_process(tmp_path, keep_threads, capsys):
+    from apps.bench import loss_against
+
+    args, _ = bench.parse_args(TINY + ["--against", "liger", "--rounds", "2", "--repeats", "2", "--out", str(tmp_path)])
+    results = loss_against.run_against(args, liger={name: loss_against.NOT_INSTALLED for name in loss_against.LIGER})
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved == json.loads(json.dumps(results))
+    ours = [name for name in loss_against.VARIANTS if name not in loss_against.LIGER]
+    assert all(saved["variants"][name]["status"] == "ok" and len(saved["variants"][name]["all_ms"]) == 4
+               for name in ours)
+    assert saved["variants"]["ce"]["ms_over_ce"] == 1.0 and saved["variants"]["liger_jsd"]["status"] == "not installed"
+    assert (tmp_path / "table.md").read_text().strip() == capsys.readouterr().out.strip()

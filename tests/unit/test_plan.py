@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from apps.main.transformer import LMTransformer, num_parameters
-from apps.plan.args import MAX_WAIT_SHARE, PlanArgs
+from apps.plan.args import MAX_WAIT_SHARE, PLAN_VERSION, PlanArgs
 from apps.plan.cli import main
 from apps.plan.planner import Planner
 from apps.plan.printing import format_plan, verdict_lines
@@ -126,7 +126,9 @@ def test_smollm2_teaching_the_debug_student_on_8_gpus():
     assert plan["teacher"]["teacher_tp_sizes"] == [1]  # 9 heads, 3 KV heads: no split inside a node of 8
     # The cache format v2's size as measured on the KD study's data (top-64 of the same 49k vocabulary).
     assert plan["cache"]["bytes_per_token"] == pytest.approx(MEASURED_TOPK64_49K, abs=0.1)
-    assert plan["recommendation"].startswith("online:")  # the cache would cost within 5% for one run
+    # The road: online, the cache within 5% for one run; 74M students are not the study's 7M: the pilot first.
+    assert plan["cache"]["cheaper"] == "online" and plan["recommendation"].startswith(
+        "pilot first, your plan is not measured here: distill online (enable_distillation=true")
 
 
 def test_llama3_8b_teaching_a_1b_student_on_64_gpus():
@@ -146,7 +148,8 @@ def test_llama3_8b_teaching_a_1b_student_on_64_gpus():
     assert plan["cache"]["bytes_per_token"] == pytest.approx(
         planned_bytes_per_token("topk", 64, 128256, 2, 4096), abs=1e-3)
     assert MEASURED_TOPK64_49K < plan["cache"]["bytes_per_token"] < 4 * 4097 / 4096 + 2 + 64 * 6 + 4  # v1
-    assert plan["recommendation"].startswith("the offline cache")
+    assert plan["recommendation"].startswith("pilot first, your plan is not measured here: distill from the offline "
+                                             "cache")
 
 
 def test_llama3_70b_teaching_a_1b_student_on_256_gpus():
@@ -162,7 +165,29 @@ def test_llama3_70b_teaching_a_1b_student_on_256_gpus():
     assert online["wait_share"] == pytest.approx(0.92, abs=0.01)
     assert plan["smaller_world_that_keeps_up"] is None
     assert plan["cache"]["cheaper"] == "cache"
-    assert plan["cache"]["writer_overrides"] == "distillation.teacher_tp=2 streams=256"
+    # A stream per GPU training from the cache, the planned tokens split between them: 128 students online x
+    # 60,000 steps x 4 x 4,096 tokens = 256 streams x 120,000 windows (in shards of 64 that divide them).
+    writer = plan["cache"]["writer"]
+    assert writer["overrides"] == "distillation.teacher_tp=2 streams=256 sequences_per_stream=120000 shard_sequences=64"
+    assert writer["tokens"] == plan["cache"]["tokens_per_run"] and writer["train_steps"] == 30000
+
+
+def test_the_cache_writer_splits_the_planned_windows_evenly_and_says_when_it_rounds():
+    even = plan_of(EXAMPLES["smollm2"])["cache"]  # 4 students online x 1,000 steps x 8 rows: 8 streams x 4,000
+    assert (even["writer"]["sequences_per_stream"], even["writer"]["shard_sequences"]) == (4000, 50)
+    plan = plan_of(EXAMPLES["smollm2"] + ["tokens_per_run=1000000"])  # 977 windows of 1,024 over 8 streams: 123
+    writer = plan["cache"]["writer"]
+    assert (writer["sequences_per_stream"], writer["shard_sequences"], writer["tokens"]) == (123, 41, 8 * 123 * 1024)
+    assert writer["train_steps"] is None  # 123 windows are not whole steps of 8 rows
+    printed = "\n".join(format_plan(plan))
+    assert "8 streams x 123 windows of 1,024 tokens = 1,007,616 tokens, the planned 1,000,000 rounded up" in printed
+    # Behind a data wall the cache holds the 2M unique tokens once and training reads it 16.4 times (its 500 steps).
+    walled = plan_of(EXAMPLES["smollm2"] + ["unique_tokens=2e6"])["cache"]
+    assert (walled["cached_tokens"], walled["tokens_per_run"]) == (2_000_000, 32_768_000)
+    assert walled["size_bytes"] == pytest.approx(2e6 * walled["bytes_per_token"], rel=1e-5)
+    assert walled["teacher_pass_gpu_hours"] < plan_of(EXAMPLES["smollm2"])["cache"]["teacher_pass_gpu_hours"] / 16
+    assert (walled["writer"]["sequences_per_stream"], walled["writer"]["tokens"], walled["writer"]["train_steps"]) == \
+        (245, 8 * 245 * 1024, 500)
 
 
 def test_measured_speeds_replace_the_cost_model():
@@ -234,6 +259,10 @@ def test_prints_and_writes_the_plan(tmp_path, monkeypatch, capsys):
     assert written["online"]["replicas"] == 4 and written["inputs"]["config"] == DEBUG
     code, _, _ = run(EXAMPLES["8b"] + [f"out={out}"], monkeypatch, capsys)  # a plan of ours is replaced
     assert code == 0 and json.loads(out.read_text())["inputs"]["world_size"] == 64
+    assert json.loads(out.read_text())["version"] == PLAN_VERSION == 2  # cache.writer, the verdict: its keys
+    out.write_text(json.dumps({**written, "version": 1}))  # an earlier version's plan is ours too
+    code, _, _ = run(EXAMPLES["smollm2"] + [f"out={out}"], monkeypatch, capsys)
+    assert code == 0 and json.loads(out.read_text())["version"] == PLAN_VERSION
 
 
 @pytest.mark.parametrize("argv, sentence", [

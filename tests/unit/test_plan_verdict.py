@@ -47,9 +47,14 @@ def test_effective_data_law_and_break_even_by_hand():
     assert break_even(1.0, 4e6, 1e6, r_star=1e9) == pytest.approx(2.0, abs=1e-6)  # no decay: repeats are fresh
 
 
+SETTINGS = {"output": "topk", "k": 64, "alpha": 0.5, "temperature": 1.0, "divergence": "fkl", "vocab": 49152}
+
+
 def measured(multiplier, kind="one_pass", low=None, high=None, bound=None) -> dict:
-    return {"source": "x", "owner": "your", "arm": "kd_topk64", "kind": kind, "epochs": 1.0, "tokens": 1e6,
-            "multiplier": multiplier, "bound": bound, "low": low, "high": high, "student": 7e6, "teacher": 135e6}
+    return {"source": "x", "owner": "your", "why": "kd_measurement= names it", "arm": "kd_topk64", "kind": kind,
+            "epochs": 1.0, "epoch_range": [1.0, 1.0], "tokens": 1e6, "unique_tokens": 0, "multiplier": multiplier,
+            "bound": bound, "low": low, "high": high, "best": {"multiplier": multiplier, "epochs": 1.0},
+            "settings": SETTINGS, "student": 7e6, "teacher": 135e6}
 
 
 def test_the_three_sentences():
@@ -64,7 +69,7 @@ def test_the_three_sentences():
         "least 4 runs; you plan 3)"
     never = distill_verdict(runs=3, road="online", measured=measured(1.0, bound="at_most"), **args)
     assert never["min_cache_runs"] is None and never["verdict"] == "do not distill: train CE-only on more tokens"
-    assert never["warnings"] == []
+    assert never["unmeasured"] == [] and never["measured_here"]
 
 
 def test_the_one_pass_study_says_ce_wins_as_it_measured():
@@ -73,7 +78,7 @@ def test_the_one_pass_study_says_ce_wins_as_it_measured():
     # The planner's FLOP counts are the study's: the teacher's forward is 6.4x the 7M student's training per token.
     ratio = compute["teacher"]["forward_per_token"] / compute["student"]["train_per_token"]
     assert verdict["teacher_over_student_flops"] == pytest.approx(ratio, rel=1e-3) and 6.3 < ratio < 6.5
-    assert verdict["warnings"] == []  # the same student, teacher and tokens: nothing to transfer
+    assert verdict["unmeasured"] == []  # the same student, teacher, tokens, k, alpha, T: nothing to transfer
     assert verdict["measured"]["arm"] == "kd_topk64" and verdict["expected"] == pytest.approx(1.18, abs=0.01)
     # The cache shared by its 6 runs: 6.4 / 6 = 1.07 of overhead, 2.07x to break even; KD was worth 1.18x. CE-only at
     # 2x the tokens (5.69) beat KD from the cache (6.04) for about the same FLOPs, as the study measured.
@@ -97,8 +102,8 @@ def wall_results(path: Path, multipliers: dict) -> Path:
     epochs = {str(e): {"arms": {"kd_topk64": {"token_multiplier": {
         "mean": m, "min": m, "max": m, "per_seed": {"0": {"value": m} if m else {"value": None, "at_least": 2.0}}}}}}
         for e, m in multipliers.items()}
-    path.write_text(json.dumps({"mode": "data_wall", "setup": {"unique_tokens": 61440}, "compute": compute,
-                                "epochs": epochs}))
+    setup = {"unique_tokens": 61440, "config": STUDY["setup"]["config"], "student": STUDY["setup"]["student"]}
+    path.write_text(json.dumps({"mode": "data_wall", "setup": setup, "compute": compute, "epochs": epochs}))
     return path
 
 
@@ -111,9 +116,13 @@ def test_a_data_wall_measurement_is_read_at_the_nearest_epochs(tmp_path):
     assert at_4["break_even"]["compared"] == "tokens over the same unique data"
     # 6.4 / (4 epochs x N runs): 2.6, 1.8, 1.53 for 1-3 runs, 1.40 from 4 runs.
     assert at_4["min_cache_runs"] == 4 and at_4["verdict"].startswith("do not distill")
+    assert at_4["unmeasured"] == [] and at_4["measured_here"]
     at_16 = verdict_of(base + ["unique_tokens=15360"])  # 16 epochs: KD below every CE budget, at least 2x
     assert at_16["measured"]["bound"] == "at_least" and at_16["expected"] == 2.0
-    assert at_16["verdict"] == "distill from a cache shared by at least 1 run(s) (you plan 1)"  # 1 + 6.4 / 16 = 1.4
+    # 1 + 6.4 / 16 = 1.4 to break even; but a quarter of the study's U, read 16 times, is not what it measured.
+    assert at_16["verdict"] == "not measured here: on the nearest measurement, distill from a cache shared by at " \
+        "least 1 run(s) (you plan 1)"
+    assert at_16["unmeasured"] == [["tokens", 61440 * 16, 245760], ["U/V", 1.25, 0.312]]
 
 
 @pytest.mark.parametrize("argv, sentence", [
@@ -133,5 +142,5 @@ def test_bad_verdict_input_is_one_sentence(argv, sentence, monkeypatch, capsys):
 def test_show_verdict_prints_only_the_verdict(monkeypatch, capsys):
     code, printed, _ = run(AS_STUDIED + ["out=null", "show=verdict"], monkeypatch, capsys)
     lines = printed.splitlines()
-    assert code == 0 and lines[0].startswith("distill? the teacher's forward is 6.4") and len(lines) == 4
+    assert code == 0 and lines[0].startswith("distill? the teacher's forward is 6.4") and len(lines) == 5
     assert lines[-1].startswith("  verdict: do not distill")

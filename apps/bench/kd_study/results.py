@@ -97,13 +97,19 @@ def token_multipliers(arms: dict) -> None:
     for name, arm in arms.items():
         if name not in ARMS or ARMS[name].is_ce:
             continue
-        per_seed = {seed: interpolate_multiplier(curves.get(seed, {}), values["final_heldout_ce"])
-                    for seed, values in arm["seeds"].items()}
-        values = [v["value"] for v in per_seed.values() if v["value"] is not None]
-        arm["token_multiplier"] = {"mean": statistics.fmean(values) if values else None,
-                                   "min": min(values) if values else None, "max": max(values) if values else None,
-                                   "per_seed": per_seed}
-        arm["ce_tokens_equivalent"] = arm["token_multiplier"]["mean"] * arm["tokens"] if values else None
+        arm["token_multiplier"] = token_multiplier({
+            seed: interpolate_multiplier(curves.get(seed, {}), values["final_heldout_ce"])
+            for seed, values in arm["seeds"].items()})
+        mean = arm["token_multiplier"]["mean"]
+        arm["ce_tokens_equivalent"] = mean * arm["tokens"] if mean is not None else None
+
+
+def token_multiplier(per_seed: dict[str, dict]) -> dict:
+    """A KD arm's `token_multiplier` from its seeds' `interpolate_multiplier` results: {mean, min, max} over the
+    seeds where it is a value (None where none is), and `per_seed` (bounds stay per seed)."""
+    values = [v["value"] for v in per_seed.values() if v["value"] is not None]
+    return {"mean": statistics.fmean(values) if values else None, "min": min(values) if values else None,
+            "max": max(values) if values else None, "per_seed": per_seed}
 
 
 def conditional_arm_needed(arms: dict) -> tuple[bool, str]:
