@@ -139,7 +139,8 @@ class TrainArgs:
         if n_teacher_ranks(self) and self.distillation.teacher_path:
             # From the teacher's config.json when it is on disk (a missing teacher is the teacher's own error).
             max_positions = read_max_positions(self.distillation.teacher_path)
-            check_seq_len_fits_teacher(self.data.seq_len, max_positions or 0,
+            # Cross-tokenizer: the teacher's rows have their own length, cut at its max positions (teacher_side.py).
+            check_seq_len_fits_teacher(self.data.seq_len, 0 if self.distillation.cross_tokenizer else max_positions or 0,
                                        f"max_position_embeddings in {self.distillation.teacher_path}/config.json")
             check_heads_divide(self.distillation.teacher_path, teacher_tp(self))
         if world_size is not None:  # roles, bridges, teacher replicas and the students' mesh for this many ranks
@@ -179,7 +180,10 @@ def distillation_process(args: TrainArgs, topo: Topology, phases: PhaseLog, pree
     """Teacher rank: load the HF model, handshake with its students, serve until STOP."""
     index = topo.teacher_ranks.index(topo.global_rank)
     server = TeacherServer(args.distillation, topo, preemption, phases=phases, attn_mask=args.model.attn_mask,
-                           heldout=teacher_heldout(args.heldout, args.data, len(topo.student_ranks)),
+                           student_tokenizer=args.data.tokenizer,
+                           # A teacher of another tokenizer has no CE per student token (bits per byte: issue 36).
+                           heldout=None if args.distillation.cross_tokenizer else
+                           teacher_heldout(args.heldout, args.data, len(topo.student_ranks)),
                            inject_load_failure=FaultInjector.teacher_load_fails(args.inject_failure, index),
                            inject_serve_failure_at=FaultInjector.teacher_serve_fails_at(args.inject_failure, index))
     # The generous timeout holds through the students' first step; a request sent after it (or STOP)

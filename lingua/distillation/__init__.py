@@ -26,6 +26,11 @@ Teacher side (the last ranks run `apps.main.train.distillation_process`):
     vocab_parallel.py  the outputs from each rank's vocabulary slice (merged top-k, sampling, full, CE)
     replica.py         a replica's ranks as one teacher: load records, the bridge spec, one round per request
 
+Cross-tokenizer (a teacher whose tokenizer is not the student's; issue 36, phase 1: the library, not wired yet):
+
+    cross_tokenizer/   token bytes of every tokenizer kind, the vocabulary map, alignment of student windows to
+                       the teacher's tokens by byte offsets, and the teacher's top-k as student targets + kd_weight
+
 Both ends:
 
     bridge.py          the wire records (RequestHeader, HandshakeRecord, ResponseStatus) and the handshake

@@ -78,6 +78,11 @@ class DistillationArgs:
     # forward), across step boundaries: with 1 the teacher's forward hides behind the student's whole step.
     # "auto": 1 where it can (each rank its own GPU, or the node's cores enough for its ranks), else 0.
     prefetch: Union[int, str] = "auto"
+    # A teacher whose tokenizer is not the student's (lingua/distillation/cross_tokenizer/): the teacher rank reads
+    # the students' windows as text, tokenizes it with its own tokenizer, and sends its top-k back in the students'
+    # positions and ids with a per-position KD weight (0 where no teacher token starts where the student's does).
+    cross_tokenizer: bool = False
+    teacher_tokenizer: Optional[str] = None  # the teacher's Hugging Face tokenizer directory; None = teacher_path
 
     def validate(self, enabled: bool = True) -> None:
         """Every value is checked (a typo stays an error with distillation off); the source, the teacher count
@@ -105,6 +110,16 @@ class DistillationArgs:
                 "distillation.prefetch", self.prefetch, f"use auto, 0 (no look-ahead), 1 or {MAX_PREFETCH}")
         require(self.teacher_tp >= 1, "distillation.teacher_tp", self.teacher_tp,
                 "use 1 (one rank per teacher) or the number of ranks to shard each teacher over")
+        require(isinstance(self.cross_tokenizer, bool), "distillation.cross_tokenizer", self.cross_tokenizer,
+                "use true or false")
+        if self.cross_tokenizer:
+            require(self.output == "topk", "distillation.output", self.output,
+                    "distillation.cross_tokenizer=true maps the teacher's top-k ids to the student's; set output=topk")
+            require(self.teacher_tp == 1, "distillation.teacher_tp", self.teacher_tp,
+                    "distillation.cross_tokenizer=true runs on unsharded teachers for now; set teacher_tp=1")
+            require(self.source == "online", "distillation.source", self.source,
+                    "distillation.cross_tokenizer=true works online for now (the cache road is not built yet); "
+                    "set source=online")
         if not enabled:
             return
         if self.source == "cache":  # the cache holds the teacher's outputs: no teacher ranks, no teacher_path

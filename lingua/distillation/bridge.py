@@ -115,13 +115,15 @@ AGREED_SETTINGS = (
     ("temperature", "distillation.temperature", _float_bits, _bits_float),  # applied by the teacher, used by the loss
     # doc_causal: requests carry document ids and the teacher attends within documents, like the student.
     ("attn_mask", "model.attn_mask", ATTN_MASKS.index, lambda v: ATTN_MASKS[v]),
+    # The teacher aligns the students' text to its own tokenizer; replies carry a kd_weight per position.
+    ("cross_tokenizer", "distillation.cross_tokenizer", int, bool),
 )
 
 
 def agreed_settings(args: DistillationArgs, attn_mask: str = "causal") -> dict:
     """This rank's values of the settings both ends of a bridge must share."""
     return {"output": args.output, "k": args.k, "wire_dtype": args.wire_dtype, "temperature": args.temperature,
-            "attn_mask": attn_mask}
+            "attn_mask": attn_mask, "cross_tokenizer": args.cross_tokenizer}
 
 
 @dataclass
@@ -237,6 +239,7 @@ class BridgeSpec:
     k: int
     wire_dtype: torch.dtype
     doc_boundaries: bool = False  # requests carry [max_bsz, max_seqlen] document ids after the tokens
+    kd_weight: bool = False  # cross-tokenizer: responses carry each position's KD weight after the top-k
     teacher_heldout_ce: Optional[float] = None  # the teacher's own held-out CE, if it computed one
     segments: list = field(init=False, repr=False)  # (offset, nbytes) of each payload tensor
 
@@ -244,7 +247,8 @@ class BridgeSpec:
         self.segments = payload_segments(self.payload_spec())
 
     def payload_spec(self):
-        return TeacherOutputs.wire_spec(self.output, self.max_bsz, self.max_seqlen, self.k, self.vocab_size, self.wire_dtype)
+        return TeacherOutputs.wire_spec(self.output, self.max_bsz, self.max_seqlen, self.k, self.vocab_size,
+                                        self.wire_dtype, self.kd_weight)
 
     def response_bytes(self) -> int:
         last_offset, last_nbytes = self.segments[-1]
@@ -336,12 +340,21 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
             raise ConfigError(f"Teacher rank {teacher.global_rank} and student rank {student.global_rank} disagree: "
                               f"{detail}; give every rank the same distillation settings (one config for the whole job).")
     for student in students:
+        if served["cross_tokenizer"] and (student.tokenizer_fingerprint != teacher.tokenizer_fingerprint
+                                          or student.vocab != teacher.vocab):
+            raise ConfigError(
+                f"Teacher rank {teacher.global_rank} aligns from a student tokenizer (vocab {teacher.vocab}) that is "
+                f"not student rank {student.global_rank}'s (vocab {student.vocab}); give every rank the same "
+                f"data.tokenizer (one config for the whole job).")
+        if served["cross_tokenizer"]:
+            continue
         if student.tokenizer_fingerprint != teacher.tokenizer_fingerprint or student.vocab > teacher.vocab:
             same_size = ", the same size but different tokens" if student.vocab == teacher.vocab else ""
             raise ConfigError(
                 f"Student rank {student.global_rank}'s tokenizer (vocab {student.vocab}) does not match the teacher's "
-                f"(vocab {teacher.vocab}{same_size}) at {args.teacher_path}. Students must use the teacher's "
-                f"tokenizer: set data.tokenizer.name=hf data.tokenizer.path={args.teacher_path}."
+                f"(vocab {teacher.vocab}{same_size}) at {args.teacher_path}. Use the teacher's tokenizer (set "
+                f"data.tokenizer.name=hf data.tokenizer.path={args.teacher_path}), or keep yours and set "
+                f"distillation.cross_tokenizer=true."
             )
     max_bsz, max_seqlen = max(s.max_bsz for s in students), max(s.max_seqlen for s in students)
     # Checked at startup already when the teacher's config.json is on disk; a hub teacher is checked here.
@@ -351,7 +364,7 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
     check_k_fits_vocab(served["output"], served["k"], vocab, teacher)
     return BridgeSpec(max_bsz, max_seqlen, vocab, served["output"], served["k"],
                       WIRE_DTYPES[served["wire_dtype"]], doc_boundaries=served["attn_mask"] == "doc_causal",
-                      teacher_heldout_ce=teacher.heldout_ce)
+                      kd_weight=served["cross_tokenizer"], teacher_heldout_ce=teacher.heldout_ce)
 
 
 def check_k_fits_vocab(output: str, k: int, vocab: int, teacher: HandshakeRecord) -> None:

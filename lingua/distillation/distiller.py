@@ -166,9 +166,11 @@ class KDDistiller(Distiller):
             ce = cross_entropy_sum(logits, labels) / max(n_valid, 1)
             teacher_outputs = self.targets(pending, logits.device, timer)
             kd, stats = kd_loss_and_stats(logits, teacher_outputs, mask, args.temperature, args.divergence,
-                                          args.jsd_beta, args.loss_chunk_size or REFERENCE_CHUNK_SIZE)
+                                          args.jsd_beta, args.loss_chunk_size or REFERENCE_CHUNK_SIZE,
+                                          kd_weight=teacher_outputs.kd_weight)
             self._add_ce(ce)
-            self._add_kd_stats(stats.double() * weight_of_batch)
+            self._add_kd_stats(self._with_aligned(stats.double() * weight_of_batch, teacher_outputs, labels,
+                                                  n_valid))
             return distillation_loss(ce, kd * weight_of_batch, self.alpha, args.temperature)
         return distillation_head_loss
 
@@ -179,20 +181,30 @@ class KDDistiller(Distiller):
         teacher_outputs = self.targets(pending, hidden.device, timer)
         loss, sums = fused_linear_kd_loss(hidden, weight, labels, teacher_outputs, normalizer, self.alpha,
                                           args.temperature, args.divergence, args.jsd_beta, args.loss_chunk_size,
-                                          weight_grad=args.loss_weight_grad)
+                                          kd_weight=teacher_outputs.kd_weight, weight_grad=args.loss_weight_grad)
         sums = sums.double() / normalizer  # (CE, KD, teacher mass, top-1 agreement) summed over positions
         self._add_ce(sums[0])
-        self._add_kd_stats(sums[1:])
+        self._add_kd_stats(self._with_aligned(sums[1:], teacher_outputs, labels, n_valid))
         return loss
+
+    @staticmethod
+    def _with_aligned(stats: torch.Tensor, teacher_outputs: TeacherOutputs, labels: torch.Tensor,
+                      n_valid: int) -> torch.Tensor:
+        """Cross-tokenizer targets add a fourth statistic: the share of the step's positions with a target."""
+        if teacher_outputs.kd_weight is None:
+            return stats
+        aligned = (teacher_outputs.kd_weight * (labels != -100)).sum().double() / max(n_valid, 1)
+        return torch.cat([stats, aligned.reshape(1).to(stats.device)])
 
     def _add_kd_stats(self, stats: torch.Tensor) -> None:
         self.kd_stats = stats if self.kd_stats is None else self.kd_stats + stats
 
     def step_metrics(self) -> dict:
-        kd, mass, agreement = self.kd_stats.unbind()
+        kd, mass, agreement, *aligned = self.kd_stats.unbind()
         return {"loss/ce": self.ce_sum, "loss/kd": kd, "kd/teacher_mass": mass, "kd/top1_agreement": agreement,
                 "kd/alpha": self.alpha, "loss/total": distillation_loss(self.ce_sum, kd, self.alpha,
-                                                                        self.args.temperature)}
+                                                                        self.args.temperature),
+                **({"kd/aligned": aligned[0]} if aligned else {})}
 
 
 class CacheDistiller(KDDistiller):

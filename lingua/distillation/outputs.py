@@ -39,12 +39,14 @@ class TeacherOutputs:
     values: torch.Tensor
     ids: Optional[torch.Tensor] = None
     extra: Optional[torch.Tensor] = None
+    # [B, S] float32 in [0, 1], cross-tokenizer top-k only: each position's KD weight (0 = no aligned target)
+    kd_weight: Optional[torch.Tensor] = None
 
     def tensors(self) -> list[torch.Tensor]:
         """The wire tensors, in the order of `wire_spec`."""
         if self.format == "full":
             return [self.values]
-        return [self.values, self.ids, self.extra]
+        return [self.values, self.ids, self.extra] + ([] if self.kd_weight is None else [self.kd_weight])
 
     def nan_flag(self) -> torch.Tensor:
         """1 when any value is NaN (a broken teacher: NaN or inf weights, an overflow), as a device int64 scalar: no
@@ -53,22 +55,24 @@ class TeacherOutputs:
                            ).any().to(torch.int64)
 
     @staticmethod
-    def wire_spec(format: str, B: int, S: int, k: int, V: int, wire_dtype: torch.dtype = torch.bfloat16) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    def wire_spec(format: str, B: int, S: int, k: int, V: int, wire_dtype: torch.dtype = torch.bfloat16,
+                  kd_weight: bool = False) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of each wire tensor for a [B, S] micro-batch, so a receiver can preallocate."""
         check_format(format)
         if format == "full":
             return [((B, S, V), wire_dtype)]
-        return [((B, S, k), wire_dtype), ((B, S, k), torch.int32), ((B, S), torch.float32)]
+        weight = [((B, S), torch.float32)] if kd_weight else []
+        return [((B, S, k), wire_dtype), ((B, S, k), torch.int32), ((B, S), torch.float32)] + weight
 
     @classmethod
     def from_tensors(cls, format: str, tensors: list[torch.Tensor]) -> "TeacherOutputs":
         """Inverse of `tensors()`."""
         check_format(format)
-        expected = 1 if format == "full" else 3
-        assert len(tensors) == expected, f"{format} outputs have {expected} wire tensors, got {len(tensors)}"
+        expected = (1,) if format == "full" else (3, 4) if format == "topk" else (3,)
+        assert len(tensors) in expected, f"{format} outputs have {expected} wire tensors, got {len(tensors)}"
         if format == "full":
             return cls(format, tensors[0])
-        return cls(format, tensors[0], tensors[1], tensors[2])
+        return cls(format, *tensors)
 
     def to(self, device, non_blocking: bool = False) -> "TeacherOutputs":
         """A copy with every tensor on `device`."""

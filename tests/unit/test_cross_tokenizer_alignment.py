@@ -1,0 +1,167 @@
+"""Alignment by byte offsets, checked as properties over random texts: several documents packed into a window
+cut anywhere (mid-document, mid-character for the byte tokenizer), unicode, whitespace runs; students of each
+kind against a byte-level BPE teacher (SmolLM2's, one trained here) and a SentencePiece-style one.
+
+The properties, per window: the teacher's tokens of each document spell that document's text (by the teacher's
+own decode); every aligned student position's target is a teacher position with the same text before it in the
+same document (sound); every student position whose next token starts at a character where a teacher token of
+the same document starts is aligned (complete); documents stay documents on both sides.
+"""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lingua.distillation.cross_tokenizer.alignment import ALIGN_NONE, WindowAligner, student_doc_ids, utf8_pieces
+from lingua.distillation.cross_tokenizer.token_bytes import hf_token_bytes, student_token_bytes
+
+PROPERTIES = settings(max_examples=15, deadline=None, derandomize=True, database=None,
+                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+TEXT = st.one_of(
+    st.text(st.characters(blacklist_categories=("Cs",)), max_size=40),  # any unicode but lone surrogates
+    st.text(st.sampled_from(list(" \t\n\r  a b é 🎉 漢 e\u0301 x1.,'")), max_size=40),  # whitespace runs, mixed
+    st.lists(st.sampled_from(["the", " quick", "  ", "fox", "\n\n", " déjà", "🎉🚀", "123", " 漢字", "\t"]),
+             max_size=12).map("".join),
+)
+DOCUMENTS = st.lists(TEXT, min_size=1, max_size=3)
+CUT = st.tuples(st.floats(0.0, 0.5), st.floats(0.5, 1.0))
+
+STUDENTS = ["bytes", "llama3", "trained_bpe", "trained_sp"]
+TEACHERS = ["smollm2", "trained_bpe", "trained_sp"]
+
+
+def window_of(student, documents, cut):
+    """The documents packed as the loader packs them (bos, text, eos each), then a slice of it."""
+    tokens = [t for text in documents for t in student.encode(text, add_bos=True, add_eos=True)]
+    start, end = int(cut[0] * len(tokens)), max(int(cut[1] * len(tokens)), int(cut[0] * len(tokens)) + 1)
+    return tokens[start:end]
+
+
+def same_text(teacher_text: str, student_text: str) -> bool:
+    """Equal, allowing the one leading space a SentencePiece-style decode strips."""
+    return teacher_text == student_text or (student_text.startswith(" ") and teacher_text == student_text[1:])
+
+
+_TABLES: dict[int, list] = {}
+
+
+def token_bytes_of(tokenizer, hf: bool) -> list:
+    """Each tokenizer's bytes table, built once (Llama 3's has 128k entries)."""
+    if id(tokenizer) not in _TABLES:
+        _TABLES[id(tokenizer)] = hf_token_bytes(tokenizer.tokenizer) if hf else student_token_bytes(tokenizer)
+    return _TABLES[id(tokenizer)]
+
+
+def check_window(student, teacher, tokens) -> int:
+    """Check the properties on one window; return how many positions were aligned."""
+    student_bytes = token_bytes_of(student, hf=False)
+    teacher_bytes = token_bytes_of(teacher, hf=True)
+    aligner = WindowAligner(student_bytes, student.bos_id, student.eos_id, teacher.tokenizer, teacher_bytes)
+    docs = student_doc_ids(tokens, student.bos_id, student.eos_id)
+    window = aligner.align(tokens, docs)
+    separators = {teacher.bos_id, teacher.eos_id} - {None}
+    assert len(window.source) == len(tokens) and len(window.ids) == len(window.doc_ids)
+    assert window.doc_ids == sorted(window.doc_ids) and set(window.doc_ids) <= set(docs)
+
+    def spelled(table, ids):
+        return b"".join(table[t] or b"" for t in ids)
+
+    runs, representable, teacher_of_doc = {}, {}, {}
+    for doc in set(docs):
+        run = spelled(student_bytes, [t for t, d in zip(tokens, docs) if d == doc])
+        teacher_ids = [t for t, d in zip(window.ids, window.doc_ids) if d == doc and t not in separators]
+        valid = "".join(run[a:b].decode() for a, b in utf8_pieces(run))
+        runs[doc], teacher_of_doc[doc] = run, teacher_ids
+        # The teacher's tokens spell the document's text, unless its vocabulary cannot (SmolLM2 lacks some bytes).
+        decoded = teacher.tokenizer.decode(teacher_ids, skip_special_tokens=True)
+        round_trip = teacher.tokenizer.decode(teacher.encode(valid, add_bos=False, add_eos=False))
+        representable[doc] = len(utf8_pieces(run)) <= 1 and same_text(round_trip, valid)
+        if representable[doc]:
+            assert same_text(decoded, valid), (decoded, valid)
+
+    prefix = {}  # doc -> bytes of its tokens so far
+    for i in range(len(tokens) - 1):
+        doc = docs[i]
+        prefix[doc] = prefix.get(doc, b"") + (student_bytes[tokens[i]] or b"")
+        nxt, source = tokens[i + 1], window.source[i]
+        if student_bytes[nxt] is None or docs[i + 1] != doc:
+            assert source == ALIGN_NONE  # the next token is a special one, or another document's
+            continue
+        before, run = prefix[doc], runs[doc]
+        pieces = [(a, b) for a, b in utf8_pieces(run) if a <= len(before) < b]
+        if source != ALIGN_NONE:
+            # Sound: the teacher position predicts after the same text, in the same document.
+            assert window.doc_ids[source] == doc and pieces, (before, utf8_pieces(run))
+            if not representable[doc]:
+                continue
+            teacher_before = [t for j, (t, d) in enumerate(zip(window.ids, window.doc_ids))
+                              if d == doc and j <= source and t not in separators]
+            student_before = before[pieces[0][0]:]
+            spelled_before = spelled(teacher_bytes, teacher_before)
+            if spelled_before in (student_before, b" " + student_before):  # byte-level: exact, even mid-character
+                continue
+            assert same_text(teacher.tokenizer.decode(teacher_before, skip_special_tokens=True),
+                             student_before.decode()), (teacher_before, student_before)
+        elif pieces and representable[doc] and (run[len(before)] & 0xC0) != 0x80:
+            # Complete: no teacher token of this document starts at this character (after its first token).
+            a, b = pieces[0]
+            if len(before) == a:
+                continue  # the first token of a piece is aligned only after a separator
+            starts = teacher_char_starts(teacher, teacher_bytes, run[a:b].decode())
+            assert len(run[a:len(before)].decode()) not in starts[1:], (run[a:b], before, tokens)
+    return window.aligned
+
+
+def teacher_char_starts(teacher, teacher_bytes, text: str) -> list[int]:
+    """Character offsets where the teacher's tokens of `text` start, by its own offsets; a token that begins
+    with a UTF-8 continuation byte starts inside a character and is left out (its offset is the character's)."""
+    encoding = teacher.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+    return [start for t, (start, _) in zip(encoding.ids, encoding.offsets)
+            if not (teacher_bytes[t] and teacher_bytes[t][0] & 0xC0 == 0x80)]
+
+
+@pytest.mark.parametrize("teacher", TEACHERS)
+@pytest.mark.parametrize("student", STUDENTS)
+@PROPERTIES
+@given(documents=DOCUMENTS, cut=CUT)
+def test_alignment_properties(cross_tokenizers, student, teacher, documents, cut):
+    student_tok, teacher_tok = cross_tokenizers[student], cross_tokenizers[teacher]
+    check_window(student_tok, teacher_tok, window_of(student_tok, documents, cut))
+
+
+def test_alignment_of_known_text(cross_tokenizers):
+    """Two documents, byte student, SmolLM2 teacher: the positions and targets, spelled out."""
+    student, teacher = cross_tokenizers["bytes"], cross_tokenizers["smollm2"]
+    aligner = WindowAligner(token_bytes_of(student, False), student.bos_id, student.eos_id, teacher.tokenizer,
+                            token_bytes_of(teacher, True))
+    tokens = student.encode("Hi there", True, True) + student.encode("ok", True, True)
+    window = aligner.align(tokens)
+    pieces = teacher.tokenizer.convert_ids_to_tokens(window.ids)
+    assert pieces == ["<|im_start|>", "Hi", "Ġthere", "<|im_end|>", "<|im_start|>", "ok", "<|im_end|>"]
+    assert window.doc_ids == [0, 0, 0, 0, 1, 1, 1]
+    # Student positions: bos H i ' ' t h e r e eos bos o k eos. Position 0 (bos) predicts "H": the teacher's bos
+    # predicts "Hi"; position 2 ("i") predicts " t": "Hi" predicts " there"; "ok" after the second bos.
+    assert window.source == [0, -1, 1, -1, -1, -1, -1, -1, -1, -1, 4, -1, -1, -1]
+
+
+def test_alignment_rate_over_random_texts(cross_tokenizers):
+    """Across many windows a real teacher aligns a good share of the byte tokenizer's positions (one per teacher
+    token) and most of Llama 3's (a vocabulary of the same family)."""
+    rates = {}
+    for student in ("bytes", "llama3"):
+        aligned = total = 0
+        for text in CORPUS_SAMPLES:
+            tokens = cross_tokenizers[student].encode(text, True, True)
+            aligned += check_window(cross_tokenizers[student], cross_tokenizers["smollm2"], tokens)
+            total += len(tokens)
+        rates[student] = aligned / total
+    assert 0.15 < rates["bytes"] < 0.5 and rates["llama3"] > 0.6, rates
+
+
+CORPUS_SAMPLES = [
+    "Knowledge distillation trains a small student to match a large teacher.",
+    "def f(x):\n    return x * 2  # doubles\n",
+    "Les élèves apprennent à prédire le prochain mot.",
+    "Numbers 12345 and 3.14159, emoji 🎉, and CJK 漢字.",
+]

@@ -1,0 +1,89 @@
+"""The online road's pieces without processes: the handshake with distillation.cross_tokenizer, the kd_weight on
+the wire, the refusals (config, an unreadable teacher tokenizer), and the students' kd/aligned statistic."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lingua.distillation.args import DistillationArgs
+from lingua.distillation.bridge import BridgeSpec, HandshakeRecord, agreed_settings, check_handshake
+from lingua.distillation.cross_tokenizer.teacher_side import load_cross_tokenizer
+from lingua.distillation.distiller import KDDistiller
+from lingua.distillation.outputs import TeacherOutputs
+from lingua.errors import ConfigError
+from lingua.tokenizer import TokenizerArgs
+
+CROSS = DistillationArgs(teacher_path="/teachers/a", cross_tokenizer=True)
+
+
+def records(teacher_args, student_args, teacher_vocab=258, teacher_fingerprint=7, student_fingerprint=7):
+    teacher = HandshakeRecord("teacher", 2, teacher_vocab, teacher_fingerprint, agreed_settings(teacher_args))
+    students = [HandshakeRecord("student", rank, 258, student_fingerprint, agreed_settings(student_args),
+                                max_bsz=2, max_seqlen=64) for rank in (0, 1)]
+    return [HandshakeRecord.unpack(r.pack()) for r in (*students, teacher)]
+
+
+def test_the_handshake_accepts_another_tokenizer_and_sizes_the_kd_weight():
+    spec = check_handshake(records(CROSS, CROSS), CROSS)
+    assert spec.kd_weight and spec.vocab_size == 258
+    shapes = [shape for shape, _ in spec.payload_spec()]
+    assert shapes == [(2, 64, 64), (2, 64, 64), (2, 64), (2, 64)]
+    plain = BridgeSpec(2, 64, 258, "topk", 64, torch.bfloat16)
+    assert len(plain.payload_spec()) == 3 and spec.response_bytes() == plain.response_bytes() + 2 * 64 * 4
+
+
+def test_cross_tokenizer_is_an_agreed_setting():
+    with pytest.raises(ConfigError, match=r"distillation\.cross_tokenizer is True on the teacher but False on the "
+                                          r"student"):
+        check_handshake(records(CROSS, replace(CROSS, cross_tokenizer=False)), CROSS)
+
+
+def test_a_teacher_aligning_from_another_student_tokenizer_is_one_sentence():
+    with pytest.raises(ConfigError) as caught:
+        check_handshake(records(CROSS, CROSS, teacher_fingerprint=8), CROSS)
+    assert str(caught.value) == ("Teacher rank 2 aligns from a student tokenizer (vocab 258) that is not student rank "
+                                 "0's (vocab 258); give every rank the same data.tokenizer (one config for the whole "
+                                 "job).")
+
+
+def test_without_cross_tokenizer_the_refusal_names_the_key():
+    plain = DistillationArgs(teacher_path="/teachers/a")
+    with pytest.raises(ConfigError, match=r"or keep yours and set distillation\.cross_tokenizer=true\.$"):
+        check_handshake(records(plain, plain, teacher_vocab=512, teacher_fingerprint=8), plain)
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(output="sampled"), "distillation.output=sampled: distillation.cross_tokenizer=true maps the teacher's "
+                             "top-k ids to the student's; set output=topk"),
+    (dict(teacher_tp=2, n_teacher_ranks=2), "distillation.teacher_tp=2: distillation.cross_tokenizer=true runs on "
+                                            "unsharded teachers for now; set teacher_tp=1"),
+])
+def test_config_refusals(change, words):
+    with pytest.raises(ConfigError) as caught:
+        replace(CROSS, **change).validate(enabled=False)
+    assert words.split(": ", 1)[1] in str(caught.value) and words.split(":")[0].split("=")[0] in str(caught.value)
+
+
+def test_an_unreadable_teacher_tokenizer_is_one_sentence(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError) as caught:
+        load_cross_tokenizer(TokenizerArgs("bytes"), str(tmp_path / "empty"), None, None)
+    sentence = str(caught.value)
+    assert sentence.startswith(f"distillation.teacher_tokenizer='{tmp_path / 'empty'}' cannot be read as a Hugging "
+                               f"Face tokenizer (")
+    assert sentence.endswith("point it at the folder with the teacher's tokenizer.json, or leave it unset to use "
+                             "the teacher's own.") and "\n" not in sentence
+
+
+def test_kd_weight_travels_and_becomes_kd_aligned():
+    outputs = TeacherOutputs("topk", torch.zeros(2, 3, 4), torch.zeros(2, 3, 4, dtype=torch.int32),
+                             torch.zeros(2, 3), kd_weight=torch.tensor([[1.0, 0, 1], [0, 0, 1]]))
+    assert len(outputs.tensors()) == 4
+    again = TeacherOutputs.from_tensors("topk", outputs.tensors())
+    assert torch.equal(again.kd_weight, outputs.kd_weight) and again.to("cpu").kd_weight is not None
+    labels = torch.tensor([[5, 5, -100], [5, 5, 5]])
+    stats = KDDistiller._with_aligned(torch.zeros(3, dtype=torch.float64), outputs, labels, n_valid=5)
+    assert stats.tolist() == [0.0, 0.0, 0.0, 0.4]  # 2 of 5 valid positions aligned (row 0's third is masked)
+    plain = replace(outputs, kd_weight=None)
+    assert KDDistiller._with_aligned(torch.zeros(3), plain, labels, 5).numel() == 3

@@ -1,0 +1,92 @@
+"""The teacher's side of a cross-tokenizer batch with a real (tiny, random) transformers teacher: the student's
+rows become one padded grid of the teacher's tokens, and neither the padding nor the cut at the teacher's max
+positions changes any aligned target."""
+
+import pytest
+import torch
+
+from lingua.distillation.cross_tokenizer.teacher_side import CrossTokenizerTeacher
+from lingua.distillation.outputs import sparsify_teacher_logits
+from lingua.tokenizer import ByteTokenizer
+
+TEXTS = ["def f(x): return x + 1", "Commas, periods; colons: and \"quotes\".", "ünï 🎉 short"]
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny_teacher):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_teacher), dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(str(tiny_teacher))
+
+
+def student_rows(student, texts, seq_len):
+    """Windows as the loader packs them: each text [bos] ... [eos], cut or repeated to seq_len tokens."""
+    rows = []
+    for text in texts:
+        tokens = student.encode(text, add_bos=True, add_eos=True) * 4
+        rows.append(tokens[:seq_len])
+    return torch.tensor(rows)
+
+
+def targets(cross, model, input_ids, k=8):
+    batch = cross.teacher_batch(input_ids)
+    with torch.no_grad():
+        logits = model(batch.tokens).logits
+    return batch, cross.student_outputs(sparsify_teacher_logits(logits, "topk", k, 1.0, torch.float32), batch,
+                                        torch.float32)
+
+
+def test_padding_changes_no_target(teacher):
+    model, tokenizer = teacher
+    student = ByteTokenizer()
+    cross = CrossTokenizerTeacher(student, tokenizer)
+    input_ids = student_rows(student, TEXTS, 40)
+    batch, (outputs, kd_weight) = targets(cross, model, input_ids)
+    assert batch.tokens.shape[0] == 3 and batch.tokens.shape[1] < 40  # BPE: fewer teacher tokens than bytes
+    assert 0.0 < batch.aligned_share <= 1.0 and kd_weight.mean().item() == pytest.approx(batch.aligned_share)
+    for row in range(3):
+        alone, (row_outputs, row_weight) = targets(cross, model, input_ids[row: row + 1])
+        assert torch.equal(row_weight[0], kd_weight[row])
+        aligned = kd_weight[row].bool()
+        torch.testing.assert_close(row_outputs.values[0][aligned], outputs.values[row][aligned], rtol=1e-4, atol=1e-4)
+        assert torch.equal(row_outputs.ids[0][aligned], outputs.ids[row][aligned])
+
+
+def test_the_cut_at_max_positions_unaligns_only_what_lies_past_it(teacher):
+    model, tokenizer = teacher
+    student = ByteTokenizer()
+    input_ids = student_rows(student, TEXTS, 40)
+    full_batch, (full, full_weight) = targets(CrossTokenizerTeacher(student, tokenizer), model, input_ids)
+    cap = full_batch.tokens.shape[1] // 2
+    cut_batch, (cut, cut_weight) = targets(CrossTokenizerTeacher(student, tokenizer, max_positions=cap), model,
+                                           input_ids)
+    assert cut_batch.tokens.shape[1] == cap
+    assert ((cut_weight <= full_weight).all() and cut_weight.sum() < full_weight.sum())
+    # Unaligned by the cut: exactly the positions whose target was at column >= cap.
+    columns = full_batch.source % full_batch.tokens.shape[1]
+    assert torch.equal(cut_weight.bool(), full_weight.bool() & (columns < cap))
+    kept = cut_weight.bool()
+    torch.testing.assert_close(cut.values[kept], full.values[kept], rtol=1e-4, atol=1e-4)
+
+
+def test_the_map_is_the_pair_s(teacher):
+    """The teacher's byte-level tokens that are one byte map onto the byte tokenizer; its specials do not."""
+    _, tokenizer = teacher
+    cross = CrossTokenizerTeacher(ByteTokenizer(), tokenizer)
+    table = cross.vocab_map.teacher_to_student
+    assert cross.vocab_map.mapped == 256
+    assert all(table[i] == -1 for i in tokenizer.all_special_ids)
+    assert cross.pad_id == tokenizer.pad_token_id
+
+
+def test_the_alignment_bench_prints_a_row_per_pair(corpus, capsys):
+    """`python -m apps.bench.cross_tokenizer` in-process on the test corpus (the byte student; Llama 3's is in the
+    vocabulary tests): its row, a share in (0, 1]."""
+    from apps.bench.cross_tokenizer import main
+
+    main(["--corpus", str(corpus / "text"), "--seq-len", "64", "--windows", "4", "--rounds", "1", "--students",
+          "bytes"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| bytes")]
+    assert len(rows) == 1 and rows[0][2] == "235 of 49152"
+    assert 0.0 < float(rows[0][3]) <= 1.0 and float(rows[0][5].rstrip(" |")) > 0
