@@ -143,7 +143,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     wall.add_argument("--unique-tokens", type=int, default=None, help="U: whole steps of the config's tokens "
                       "(default 16384; 2097152 with --device, 256 with --tiny)")
     wall.add_argument("--epochs", default=None, help="the budgets E, in reads of the U tokens (default 1,2,4,8,16; "
-                      "1,4,16 with --device, 1,2 with --tiny)")
+                      "1,4,8 with --device, 1,2 with --tiny)")
     wall.add_argument("--wall-arms", default=None, help=f"comma list of {', '.join(WALL_ARMS)} (default all; "
                       f"ce,ce_wd10x,kd_sampled64 with --device)")
     wall.add_argument("--wall-seeds", default=None, help="seeds at every E (default 0,1; 0 with --tiny)")

@@ -50,7 +50,7 @@ POST_CUTOFF_SPLIT = "repodocs"
 TINY_OVERRIDES = ["model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "data.seq_len=32",
                   "model.max_seqlen=32", "data.batch_size=4", "heldout.max_batches=2", "optim.warmup=1"]
 # The command's defaults per mode (an explicit option wins): the GPU study and its tiny CPU version.
-DEVICE_DEFAULTS = {"unique_tokens": 2_097_152, "epochs": "1,4,16", "wall_seeds": "0,1", "wall_end_seeds": "",
+DEVICE_DEFAULTS = {"unique_tokens": 2_097_152, "epochs": "1,4,8", "wall_seeds": "0,1", "wall_end_seeds": "",
                    "wall_arms": "ce,ce_wd10x,kd_sampled64", "cache_ranks": 1}
 TINY_DEFAULTS = {**DEVICE_DEFAULTS, "unique_tokens": 256, "epochs": "1,2", "wall_seeds": "0"}
 
