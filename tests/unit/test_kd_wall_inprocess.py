@@ -23,10 +23,9 @@ def test_device_and_tiny_name_the_option_they_need():
             study.main(["--wall", "--device", "cuda", "--out", "unused"])
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_tiny_in_process_wall_study_reports_every_arm_seed_and_epoch(corpus, tiny_teacher, tmp_path):
-    """`--wall --device cpu --tiny`: one cache launch, every run in this process, both held-out splits with the
+    """`--wall --device cpu --tiny`: the cache written and every run trained in this process (no launch), both held-out splits with the
     teacher's CE beside them; a rerun trains nothing and reports the same numbers."""
     check_tiny_study(corpus, tiny_teacher, tmp_path, "cpu")
 

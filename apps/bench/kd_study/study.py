@@ -130,8 +130,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=None, help="training steps of a 1x run (default: the config's)")
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time, one CPU thread each")
-    parser.add_argument("--cache-ranks", type=int, default=None, help="teacher ranks writing a cache (default 2; 1 "
-                        "with --device)")
+    parser.add_argument("--cache-ranks", type=int, default=None, help="teacher ranks writing a cache (default 2; "
+                        "with --device it is written by this process)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per 1x run (a 2x run gets twice ...)")
     parser.add_argument("--cache-timeout", type=float, default=3 * 3600, help="seconds per cache build")
     parser.add_argument("--no-cloze", action="store_true", help=f"skip the {CLOZE_TASK} eval of each final checkpoint")

@@ -5,8 +5,8 @@
         data.root_dir=... distillation.teacher_path=... data.tokenizer.path=...        # the pipeline in seconds
 
 The arms, budgets and report are the launched wall study's (wall.py, wall_report.py); what changes is where the
-runs happen. Each output format's teacher cache is written once over the U tokens (one `apps.main.teacher_cache`
-launch each), then read once into memory (on the device): every run steps through those same batches, epoch
+runs happen: nothing is launched. Each output format's teacher cache is written once over the U tokens
+(`apps.main.teacher_cache` as one rank of this process), then read once into memory (on the device): every run steps through those same batches, epoch
 after epoch, in the same order, as a cache-reading trainer would. A run builds its model from its seed, takes
 the config's optimizer and warmup + cosine schedule over its own E x U tokens, and is scored at its end on both
 held-out splits (`pydocs`, CPython's docs, which the teacher may have seen; `repodocs`, this repository's docs,
@@ -51,7 +51,7 @@ TINY_OVERRIDES = ["model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.
                   "model.max_seqlen=32", "data.batch_size=4", "heldout.max_batches=2", "optim.warmup=1"]
 # The command's defaults per mode (an explicit option wins): the GPU study and its tiny CPU version.
 DEVICE_DEFAULTS = {"unique_tokens": 2_097_152, "epochs": "1,4,8", "wall_seeds": "0,1", "wall_end_seeds": "",
-                   "wall_arms": "ce,ce_wd10x,kd_sampled64", "cache_ranks": 1}
+                   "wall_arms": "ce,ce_wd10x,kd_sampled64"}
 TINY_DEFAULTS = {**DEVICE_DEFAULTS, "unique_tokens": 256, "epochs": "1,2", "wall_seeds": "0"}
 
 
@@ -192,7 +192,7 @@ def resolve_defaults(options) -> None:
 
 
 def main(options, plan_wall_runs, windows_of) -> dict:
-    """The study in this process: caches (launched once each), every run here, the report."""
+    """The study in this process: the caches (written once each), every run, the report."""
     resolve_defaults(options)
     device = torch.device(options.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -222,8 +222,8 @@ def main(options, plan_wall_runs, windows_of) -> dict:
             torch.backends.cuda.matmul.allow_tf32 = True
         for name in cache_names:
             build_cache(options.config, [*shared, *CACHES[name], f"sequences_per_stream={windows}",
-                                         f"shard_sequences={math.gcd(windows, 64)}"],
-                        cache_dir_of(cache_root, name), options.cache_ranks, options.cache_timeout)
+                                         f"shard_sequences={math.gcd(windows, 64)}", f"dump_dir={out}"],
+                        cache_dir_of(cache_root, name), 1, options.cache_timeout, in_process=True)
         splits = held_out_splits(args, tokenizer, device)
         refs = teacher_references(args, splits, device, out)
         logger.info("the teacher's held-out CE: " + ", ".join(f"{k} {v:.4f}" for k, v in refs.items()))
