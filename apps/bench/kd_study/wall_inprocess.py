@@ -176,7 +176,9 @@ def teacher_references(args, splits: dict, device: torch.device, out: Path) -> d
         loss_sum, tokens = teacher.heldout_ce(batches, args.model.vocab_size, doc_causal)
         refs[name] = loss_sum / max(tokens, 1)
     del teacher
-    path.write_text(json.dumps(refs) + "\n")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(refs) + "\n")
+    tmp.replace(path)
     return refs
 
 
