@@ -1,6 +1,6 @@
 """A held-out split the teacher cannot have seen: this repository's own docs and docstrings, written in 2026.
 
-    python -m setup.repo_docs_corpus --out data/corpus          # install the committed snapshot (prepare_corpus does it)
+    python -m setup.repo_docs_corpus --out data/corpus          # install the frozen snapshot (prepare_corpus does)
     python -m setup.repo_docs_corpus --snapshot setup/data/repodocs.v2.val.jsonl   # freeze a new version
 
 SmolLM2's training data ends before this project existed, so its CE here is free of contamination, unlike the

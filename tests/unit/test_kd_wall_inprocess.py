@@ -25,8 +25,8 @@ def test_device_and_tiny_name_the_option_they_need():
 
 @pytest.mark.timeout(300)
 def test_the_tiny_in_process_wall_study_reports_every_arm_seed_and_epoch(corpus, tiny_teacher, tmp_path):
-    """`--wall --device cpu --tiny`: the cache written and every run trained in this process (no launch), both held-out splits with the
-    teacher's CE beside them; a rerun trains nothing and reports the same numbers."""
+    """`--wall --device cpu --tiny`: the cache written and every run trained in this process (no launch), both
+    held-out splits with the teacher's CE beside them; a rerun trains nothing and reports the same numbers."""
     check_tiny_study(corpus, tiny_teacher, tmp_path, "cpu")
 
 
@@ -43,8 +43,8 @@ def check_tiny_study(corpus, tiny_teacher, tmp_path, device: str) -> None:
             f"data.tokenizer.path={tiny_teacher}"]
     results = study.main(argv)
 
-    assert results["mode"] == "data_wall" and results["setup"]["device"] == ("cpu" if device == "cpu" else
-                                                                     torch.cuda.get_device_name(0)) and results["setup"]["in_process"]
+    card = "cpu" if device == "cpu" else torch.cuda.get_device_name(0)
+    assert results["mode"] == "data_wall" and results["setup"]["device"] == card and results["setup"]["in_process"]
     assert results["setup"]["unique_tokens"] == 256 and results["setup"]["steps_per_epoch"] == 2
     assert "missing_runs" not in results
     teacher = results["setup"]["teacher_heldout_ce_by_split"]

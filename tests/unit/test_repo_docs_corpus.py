@@ -47,7 +47,8 @@ def test_the_split_takes_whole_files_markdown_and_docstrings(tmp_path):
     (tmp_path / "lingua" / "empty.py").write_text("X = 1\n")
     docs = repo_docs.collect_repo_docs(tmp_path)
     assert [d["file"] for d in docs] == ["README.md", "docs/page.md", "lingua/mod.py"]
-    assert docs[2]["text"] == "Module lingua.mod\n\nThe module.\n\nlingua.mod.Box\n\nA box.\n\nlingua.mod.Box.open\n\nOpens it."
+    assert docs[2]["text"] == ("Module lingua.mod\n\nThe module.\n\nlingua.mod.Box\n\nA box.\n\n"
+                               "lingua.mod.Box.open\n\nOpens it.")
     chosen = repo_docs.held_out_files(docs, min_chars=150)
     assert 1 <= len(chosen) <= 3 and all(d in docs for d in chosen)
     assert sum(len(d["text"]) for d in chosen) >= 150

@@ -6,13 +6,14 @@
 
 The arms, budgets and report are the launched wall study's (wall.py, wall_report.py); what changes is where the
 runs happen: nothing is launched. Each output format's teacher cache is written once over the U tokens
-(`apps.main.teacher_cache` as one rank of this process), then read once into memory (on the device): every run steps through those same batches, epoch
-after epoch, in the same order, as a cache-reading trainer would. A run builds its model from its seed, takes
-the config's optimizer and warmup + cosine schedule over its own E x U tokens, and is scored at its end on both
-held-out splits (`pydocs`, CPython's docs, which the teacher may have seen; `repodocs`, this repository's docs,
-written after its cutoff); the teacher's own CE on both is measured once, beside them. CE arms train on the
-cache's tokens with the fused CE head (`NoDistiller`: exactly the alpha = 0 loss, without the KD work). On CUDA
-the student trains under bf16 autocast when `distributed.model_dtype=bf16` (fp32 weights), with no compile.
+(`apps.main.teacher_cache` as one rank of this process), then read once into memory (on the device): every run
+steps through those same batches, epoch after epoch, in the same order, as a cache-reading trainer would. A run
+builds its model from its seed, takes the config's optimizer and warmup + cosine schedule over its own E x U
+tokens, and is scored at its end on both held-out splits (`pydocs`, CPython's docs, which the teacher may have
+seen; `repodocs`, this repository's docs, written after its cutoff); the teacher's own CE on both is measured
+once, beside them. CE arms train on the cache's tokens with the fused CE head (`NoDistiller`: exactly the
+alpha = 0 loss, without the KD work). On CUDA the student trains under bf16 autocast when
+`distributed.model_dtype=bf16` (fp32 weights), with no compile.
 
 A finished run is kept (`runs/<arm>_e<E>_seed<s>/metrics.jsonl`, written at its end): rerunning the command
 resumes the study, so a run cut short by a time limit loses only the run in progress.
