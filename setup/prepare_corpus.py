@@ -6,7 +6,9 @@ Sources, in a fixed order: the language reference topics behind `help()` (`pydoc
 docstrings of a fixed list of standard-library modules (module, class, function and method docs).
 Writes our data layout, `<out>/pydocs/pydocs.chunk.<i>.jsonl` plus a held-out `pydocs.val.jsonl`
 (whole documents, at least VAL_MIN_CHARS characters: ~38k SmolLM2 tokens, none of them in training),
-one `{"text": ...}` per line. Same Python version -> byte-identical files.
+one `{"text": ...}` per line. Same Python version -> byte-identical files. Public crawls carry CPython's
+docs, so a teacher may have trained on the held-out split; `<out>/repodocs/repodocs.val.jsonl`, installed
+beside it (setup/repo_docs_corpus.py), is a second held-out split written after the teacher's cutoff.
 """
 
 import argparse
@@ -26,6 +28,7 @@ from pathlib import Path
 from lingua.cli import run_cli
 from lingua.errors import ConfigError, DataError
 from setup.atomic_dir import atomic_output_dir
+from setup.repo_docs_corpus import prepare_repo_docs
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +234,10 @@ def main(argv=None) -> None:
         f"{source_dir}: {stats['n_train_docs']} train docs / {stats['train_chars']:,} chars in "
         f"{stats['n_chunks']} chunks, {stats['n_val_docs']} val docs / {stats['val_chars']:,} chars"
     )
+    post_cutoff = prepare_repo_docs(args.out)
+    stats = json.loads((post_cutoff / MARKER_NAME).read_text())
+    print(f"{post_cutoff}: {stats['n_val_docs']} held-out files / {stats['val_chars']:,} chars, written after the "
+          f"teacher's cutoff (version {stats['version']})")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     python -m apps.bench.kd_study --seeds 0 --steps 8 --out /tmp/kd_quick heldout.max_batches=4   # the pipeline, minutes
     python -m apps.bench.kd_study --out dumps/kd_study --report-only   # re-render from the runs on disk
     python -m apps.bench.kd_study --wall --unique-tokens 16384 --out dumps/kd_wall   # the data wall (wall.py)
+    python -m apps.bench.kd_study --wall --device cuda --out dumps/kd_wall_gpu     # where users stand, one GPU
 
 Setup (configs/distill_exps/kd_study.yaml): SmolLM2-135M-Instruct teaches a 7M student that uses its
 tokenizer, on the embedded Python-docs corpus. The teacher's outputs are written once per output format by
@@ -41,6 +42,8 @@ The package, in the order a study runs:
     render.py   kd_study.png and table.md
     study.py    main: plan the runs, caches, phase one, the 4x decision, report; --wall hands over to wall.py
     wall.py     the data-wall mode: U unique tokens read for E epochs, CE (two weight decays) and KD arms
+    wall_inprocess.py  --wall --device: every run in one process (U = 2M tokens on one GPU; --tiny on a CPU),
+                the held-out CE on both splits (pydocs and the post-cutoff repodocs) with the teacher's beside it
     wall_report.py  its report: held-out CE vs E and vs FLOPs, the CE frontier, the crossings, the wall
     __main__.py `python -m apps.bench.kd_study` runs study.main
 """

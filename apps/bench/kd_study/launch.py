@@ -21,29 +21,49 @@ from lingua.rundir import eval_rows
 logger = logging.getLogger("kd_study")
 
 
-def build_cache(config: str, overrides: list[str], cache_dir: Path, ranks: int, timeout_s: float) -> Optional[float]:
-    """Writes the teacher cache on `ranks` ranks; returns its wall seconds (None when it was already complete)."""
+def build_cache(config: str, overrides: list[str], cache_dir: Path, ranks: int, timeout_s: float,
+                in_process: bool = False) -> Optional[float]:
+    """Writes the teacher cache on `ranks` launched ranks, or (`in_process`) as one rank in this process; returns
+    its wall seconds (None when it was already complete)."""
     if cache_is_complete(cache_dir):
         logger.info(f"teacher cache {cache_dir} is complete: reusing it")
         return None
     cache_dir.mkdir(parents=True, exist_ok=True)
-    logger.info(f"writing the teacher cache on {ranks} rank(s) into {cache_dir} (log: {cache_dir}.log)")
-    command = torchrun_command(ranks, "apps.main.teacher_cache", [
-        f"config={config}", *overrides, f"cache_dir={cache_dir}", "streams=1"])
+    cache_args = [f"config={config}", *overrides, f"cache_dir={cache_dir}", "streams=1"]
     start = time.perf_counter()
-    process = popen_logged(command, Path(f"{cache_dir}.log"))
-    try:
-        code = process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        code = f"killed after {timeout_s:.0f}s, raise --cache-timeout"
-    finally:  # a timeout, SIGTERM or Ctrl-C: the teacher ranks stop with it (a rerun resumes the cache)
-        stop_tree(process)
+    if in_process:
+        logger.info(f"writing the teacher cache in this process into {cache_dir}")
+        write_cache_here(cache_args)
+        code = 0
+    else:
+        logger.info(f"writing the teacher cache on {ranks} rank(s) into {cache_dir} (log: {cache_dir}.log)")
+        process = popen_logged(torchrun_command(ranks, "apps.main.teacher_cache", cache_args), Path(f"{cache_dir}.log"))
+        try:
+            code = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = f"killed after {timeout_s:.0f}s, raise --cache-timeout"
+        finally:  # a timeout, SIGTERM or Ctrl-C: the teacher ranks stop with it (a rerun resumes the cache)
+            stop_tree(process)
     wall_s = time.perf_counter() - start
     if code != 0:
         raise RunFailed(f"writing the teacher cache failed ({code}); its log: {cache_dir}.log")
     build_record_path(cache_dir).write_text(json.dumps({"wall_s": wall_s, "ranks": ranks, "finished": now_iso()}) + "\n")
     logger.info(f"teacher cache {cache_dir} written in {wall_s / 60:.1f} min")
     return wall_s
+
+def write_cache_here(cache_args: list[str]) -> None:
+    """`apps.main.teacher_cache` as one rank of this process (its process group is destroyed when it returns);
+    the study's own log handlers are put back after it installs its rank-prefixed ones."""
+    from apps.main.teacher_cache import main as write_cache
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        write_cache(cache_args)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
 
 def child_env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1",

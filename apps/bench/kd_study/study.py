@@ -20,6 +20,7 @@ from apps.bench.kd_study.render import plot, table
 from apps.bench.kd_study.results import (add_flops, collect, conditional_arm_needed, student_flops_per_token,
                                          teacher_flops_per_token, token_multipliers)
 from apps.bench.kd_study.wall import main as wall_study
+from apps.bench.kd_study.wall_inprocess import GPU_CONFIG
 from apps.main.train import TrainArgs
 from lingua.distillation.cache import CacheManifest
 from lingua.errors import ConfigError, RunFailed
@@ -120,7 +121,7 @@ def report(options, args: TrainArgs, runs: list[Run], cache_root: Path, cache_na
 def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m apps.bench.kd_study",
                                      description=apps.bench.kd_study.__doc__.split("\n")[0])
-    parser.add_argument("--config", default=CONFIG)
+    parser.add_argument("--config", default=None, help=f"default {CONFIG} ({GPU_CONFIG} with --wall --device)")
     parser.add_argument("--out", default="dumps/kd_study", help="runs, results.json, kd_study.png, table.md")
     parser.add_argument("--cache-root", default=None, help="where cache_topk64/, cache_sampled64/ live (default: --out)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
@@ -129,7 +130,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=None, help="training steps of a 1x run (default: the config's)")
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time, one CPU thread each")
-    parser.add_argument("--cache-ranks", type=int, default=2, help="teacher ranks writing a cache")
+    parser.add_argument("--cache-ranks", type=int, default=None, help="teacher ranks writing a cache (default 2; "
+                        "with --device it is written by this process)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per 1x run (a 2x run gets twice ...)")
     parser.add_argument("--cache-timeout", type=float, default=3 * 3600, help="seconds per cache build")
     parser.add_argument("--no-cloze", action="store_true", help=f"skip the {CLOZE_TASK} eval of each final checkpoint")
@@ -138,16 +140,28 @@ def main(argv: Optional[list[str]] = None) -> dict:
     wall = parser.add_argument_group("the data wall (--wall): U unique tokens read for E epochs (apps/bench/kd_study/"
                                      "wall.py)")
     wall.add_argument("--wall", action="store_true", help="run the data-wall study instead of the one-pass one")
-    wall.add_argument("--unique-tokens", type=int, default=16384, help="U: whole steps of the config's tokens")
-    wall.add_argument("--epochs", default="1,2,4,8,16", help="the budgets E, in reads of the U tokens")
-    wall.add_argument("--wall-arms", default=",".join(WALL_ARMS), help=f"comma list of {', '.join(WALL_ARMS)}")
-    wall.add_argument("--wall-seeds", default="0,1", help="seeds at every E")
-    wall.add_argument("--wall-end-seeds", default="2", help="more seeds at the smallest and the largest E")
+    wall.add_argument("--unique-tokens", type=int, default=None, help="U: whole steps of the config's tokens "
+                      "(default 16384; 2097152 with --device, 256 with --tiny)")
+    wall.add_argument("--epochs", default=None, help="the budgets E, in reads of the U tokens (default 1,2,4,8,16; "
+                      "1,4,8 with --device, 1,2 with --tiny)")
+    wall.add_argument("--wall-arms", default=None, help=f"comma list of {', '.join(WALL_ARMS)} (default all; "
+                      f"ce,ce_wd10x,kd_sampled64 with --device)")
+    wall.add_argument("--wall-seeds", default=None, help="seeds at every E (default 0,1; 0 with --tiny)")
+    wall.add_argument("--wall-end-seeds", default=None, help="more seeds at the smallest and the largest E "
+                      "(default 2; none with --device)")
+    wall.add_argument("--device", default=None, help="cuda or cpu: every run in this one process, the caches "
+                      "written once (apps/bench/kd_study/wall_inprocess.py); without it each run is a launch")
+    wall.add_argument("--tiny", action="store_true", help="with --device: the same study at a size a CPU finishes "
+                      "in seconds (the test suite's version)")
     parser.add_argument("overrides", nargs="*", help="training overrides shared by every run (key=value)")
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kd_study: %(message)s")
     if options.wall:
         return wall_study(options)
+    if options.device or options.tiny:
+        raise ConfigError("--device and --tiny belong to the data-wall study; add --wall.")
+    options.config = options.config or CONFIG
+    options.cache_ranks = options.cache_ranks or 2
 
     names = [a for a in options.arms.split(",") if a]
     unknown = [a for a in names if a not in ARMS]

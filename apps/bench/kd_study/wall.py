@@ -29,7 +29,8 @@ import logging
 import math
 from pathlib import Path
 
-from apps.bench.kd_study.arms import CACHES, WALL_ARMS, WallRun, check_inputs, study_args
+from apps.bench.kd_study import wall_inprocess
+from apps.bench.kd_study.arms import CACHES, CONFIG, WALL_ARMS, WallRun, check_inputs, study_args
 from apps.bench.kd_study.disk import cache_dir_of, run_finished
 from apps.bench.kd_study.launch import build_cache, pending, run_all
 from apps.bench.kd_study.wall_report import report
@@ -69,14 +70,34 @@ def plan_wall_runs(options, base: list[str], steps_per_epoch: int, out: Path, ca
     return sorted(runs, key=lambda r: -r.steps)
 
 
-def main(options) -> dict:
-    """The data-wall study: caches over U, every run, the report (or only the report)."""
+def check_options(options):
+    """The wall options in one sentence each when they name nothing runnable; returns them."""
+    if options.device:  # the in-process mode fills its own defaults first
+        wall_inprocess.resolve_defaults(options)
     unknown = [a for a in options.wall_arms.split(",") if a and a not in WALL_ARMS]
     if unknown:
         raise ConfigError(f"unknown wall arm(s) {', '.join(unknown)}; use some of {', '.join(WALL_ARMS)}.")
     if not ints(options.epochs) or not ints(options.wall_seeds) or min(ints(options.epochs)) < 1:
         raise ConfigError(f"--epochs {options.epochs!r} --wall-seeds {options.wall_seeds!r}: name at least one "
                           f"epoch count (>= 1) and one seed.")
+    return options
+
+
+LAUNCHED_DEFAULTS = {"config": CONFIG, "unique_tokens": 16384, "epochs": "1,2,4,8,16", "wall_seeds": "0,1",
+                     "wall_end_seeds": "2", "wall_arms": ",".join(WALL_ARMS), "cache_ranks": 2}
+
+
+def main(options) -> dict:
+    """The data-wall study: caches over U, every run, the report (or only the report); with --device, every run
+    in this process (wall_inprocess.py)."""
+    if options.device:
+        return wall_inprocess.main(check_options(options), plan_wall_runs, windows_of)
+    if options.tiny:
+        raise ConfigError("--tiny sizes the in-process study; add --device cpu (or cuda).")
+    for key, value in LAUNCHED_DEFAULTS.items():
+        if getattr(options, key) is None:
+            setattr(options, key, value)
+    check_options(options)
     args = study_args(options.config, list(options.overrides))
     args.heldout.every = args.steps  # a wall run evaluates once, at its end
     check_inputs(args)

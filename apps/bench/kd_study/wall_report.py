@@ -29,8 +29,12 @@ def collect_wall(runs: list, tokens_per_step: int) -> dict:
         arm = epochs.setdefault(str(run.epochs), {"arms": {}})["arms"].setdefault(run.arm, {
             "is_ce": WALL_ARMS[run.arm].is_ce, "overrides": list(WALL_ARMS[run.arm].overrides), "steps": run.steps,
             "tokens": run.steps * tokens_per_step, "seeds": {}})
-        seed = {"final_heldout_ce": rows[max(rows)]["eval/loss"], "tokens": run.steps * tokens_per_step,
-                "wall_s": run.wall_s if run.wall_s is not None else read_wall_s(run.dump_dir)}
+        final = rows[max(rows)]
+        seed = {"final_heldout_ce": final["eval/loss"], "tokens": run.steps * tokens_per_step,
+                "wall_s": run.wall_s if run.wall_s is not None else read_wall_s(run.dump_dir),
+                # the other held-out splits, when the run scored them (the in-process study: eval/loss_<split>)
+                **{f"final_heldout_ce_{key[len('eval/loss_'):]}": v for key, v in final.items()
+                   if key.startswith("eval/loss_")}}
         cloze = read_cloze(run.dump_dir, run.steps)
         if cloze is not None:
             seed.update(cloze_acc=cloze["acc"], cloze_acc_norm=cloze["acc_norm"], cloze_n=cloze["n"])
@@ -38,6 +42,8 @@ def collect_wall(runs: list, tokens_per_step: int) -> dict:
     for budget in epochs.values():
         for arm in budget["arms"].values():
             arm["final_heldout_ce"] = spread([s["final_heldout_ce"] for s in arm["seeds"].values()])
+            for key in sorted({k for s in arm["seeds"].values() for k in s if k.startswith("final_heldout_ce_")}):
+                arm[key] = spread([s[key] for s in arm["seeds"].values() if key in s])
             accs = [s["cloze_acc"] for s in arm["seeds"].values() if "cloze_acc" in s]
             if accs:
                 arm["cloze_acc"] = spread(accs)
@@ -147,7 +153,25 @@ def table(results: dict) -> str:
                          f"{final['std']:.4f} | {seeds} | {format_flops(arm['flops']['total'])} | "
                          f"{diff(arm.get('minus_frontier_equal_tokens')) if not arm['is_ce'] else '—'} | "
                          f"{flops if not arm['is_ce'] else '—'} | {tm} | {cloze} |")
-    return "\n".join(lines) + "\n\n" + "\n".join(f"- {line}" for line in summary_lines(results)) + "\n"
+    return ("\n".join(lines) + "\n\n" + "\n".join(f"- {line}" for line in summary_lines(results)) + "\n"
+            + splits_table(results))
+
+
+def splits_table(results: dict) -> str:
+    """Held-out CE on every split the runs scored, with the teacher's own CE on each (the in-process study)."""
+    teacher = results.get("setup", {}).get("teacher_heldout_ce_by_split")
+    if not teacher:
+        return ""
+    first, others = list(teacher)[0], list(teacher)[1:]
+    keys = ["final_heldout_ce", *(f"final_heldout_ce_{name}" for name in others)]
+    lines = ["", "Held-out CE on each split, mean ± std over seeds (the teacher's own CE on the first row):", "",
+             "| E | arm | " + " | ".join(teacher) + " |", "|---|---|" + "---|" * len(teacher),
+             "| — | teacher | " + " | ".join(f"{v:.4f}" for v in teacher.values()) + " |"]
+    for e, budget in results["epochs"].items():
+        for name, arm in budget["arms"].items():
+            cells = [f"{arm[k]['mean']:.4f} ± {arm[k]['std']:.4f}" if k in arm else "—" for k in keys]
+            lines.append(f"| {e} | {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + f"\n\n`{first}` is the config's held-out split; the others are scored beside it.\n"
 
 
 def summary_lines(results: dict) -> list[str]:
@@ -209,8 +233,9 @@ def plot(results: dict, out: Path) -> Path:
     return path
 
 
-def report(options, args, runs: list, finished: list, cache_root: Path, cache_names: list[str], out: Path) -> dict:
-    """results.json, table.md and kd_wall.png from the finished runs on disk."""
+def report(options, args, runs: list, finished: list, cache_root: Path, cache_names: list[str], out: Path,
+           extra: Optional[dict] = None) -> dict:
+    """results.json, table.md and kd_wall.png from the finished runs on disk; `extra` joins `setup`."""
     started = time.perf_counter()
     tokens_per_step = args.grad_acc_steps * args.data.batch_size * args.data.seq_len
     epochs = collect_wall(finished, tokens_per_step)
@@ -239,7 +264,7 @@ def report(options, args, runs: list, finished: list, cache_root: Path, cache_na
                   "student": {k: getattr(args.model, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads")},
                   "teacher": args.distillation.teacher_path,
                   "schedule": "a separate run per (arm, E, seed): the config's cosine over its own E x U tokens, "
-                              "warmup a tenth of its steps; one held-out eval at its end"},
+                              "warmup a tenth of its steps; one held-out eval at its end", **(extra or {})},
         "teacher_heldout_ce": next((c["teacher_heldout_ce"] for c in caches.values()
                                     if c["teacher_heldout_ce"] is not None), None),
         "compute": {"student": student, "teacher": teacher,
