@@ -42,9 +42,12 @@ TORCHTUNE_LOSSES = {
 @pytest.fixture(scope="module")
 def trl_gkd():
     """TRL's GKDTrainer (it lives in trl.experimental, which warns on import that its API may change)."""
+    pytest.importorskip("trl")
+    # Not importorskip: with trl installed, an import error of the trainer's module (a missing dep) must fail.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return pytest.importorskip("trl.experimental.gkd").GKDTrainer
+        from trl.experimental.gkd import GKDTrainer
+    return GKDTrainer
 
 
 @pytest.fixture(scope="module")
