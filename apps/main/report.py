@@ -95,10 +95,9 @@ class StepReporter:
                   stop_now: bool) -> None:
         """After the step's checkpoint (`save_s` seconds, not in `step_time`): the grace warning, then a log row
         (collective on log steps) or the live line."""
-        if "checkpoint" in timer.entered:
-            self.unlogged_save_s += save_s
-            if self.topo.is_train_master:
-                self.check_preemption_grace(state.step, step_time + save_s, save_s)
+        self.unlogged_save_s += save_s
+        if "checkpoint" in timer.entered and self.topo.is_train_master:
+            self.check_preemption_grace(state.step, step_time + save_s, save_s)
         if self.should_log(state.step, stop_now):
             self.log_step(state, metrics, timer, step_time, float(grad_norm), lr)
         elif self.progress is not None and self.progress.is_tty:

@@ -307,7 +307,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             for kind in kinds:
                 train_state = dict(state.state_dict(), scheduler=scheduler.state_dict(), data=feed.state_dict())
                 checkpoint.save(model, optimizer, train_state, state.step, to_dict(args), kind=kind)
-        save_s = time.perf_counter() - start
+        save_s = time.perf_counter() - start if kinds else 0.0
         checkpoint_eval.after_save(kinds, state.step, checkpoint.final_dir(state.step), hang_watch,
                                    startup.collective_timeout_s)
         return save_s
