@@ -99,6 +99,7 @@ class BatchProducer:
         """Stop the producer: asked first, killed if it does not stop within STOP_WAIT_S."""
         if self.reader.closed:
             return
+        self._close_at_exit.cancel()  # it holds this producer: let it go
         self.stop.set()
         self.process.join(timeout=STOP_WAIT_S)
         if self.process.is_alive():

@@ -192,7 +192,7 @@ def test_state_restores_the_exact_stream(tmp_path, save_async, load_async):
                 assert torch.equal(got[key], want[key])
         assert resumed.state_dict()["windows"] == (9 + 12) * 2
         assert resumed.bad_lines >= state["bad_lines"]
-        # Loading again mid-stream rewinds, also with a live prefetch thread.
+        # Loading again mid-stream rewinds, also with a live producer process.
         resumed.load_state_dict(state)
         assert torch.equal(next(resumed)["input_ids"], expected[0]["input_ids"])
 
