@@ -57,6 +57,7 @@ class DataArgs:
     add_eos: bool = True
     load_async: bool = True  # build batches in a producer process per rank (false: in the training process)
     prefetch_size: int = 64  # batches the producer may build ahead
+    workers: int = 0  # with load_async: tokenizing processes feeding the producer (0: it tokenizes itself)
     tokenizer: TokenizerArgs = field(default_factory=TokenizerArgs)
     eval_sources: Optional[list[str]] = None  # sources whose *.val.jsonl to evaluate; None = all that have one
     n_views: int = 2  # Meta Lingua's key: a batch holds 2 views of each window (input_ids, labels = shifted by 1)
@@ -74,6 +75,8 @@ class DataArgs:
                 "all weights are 0; give at least one source a positive weight")
         for key in ("batch_size", "seq_len", "prefetch_size"):
             require(getattr(self, key) >= 1, f"data.{key}", getattr(self, key), "use a positive number")
+        require(self.workers >= 0, "data.workers", self.workers, "use 0 (the producer tokenizes) or a number of "
+                "tokenizing processes")
         require(self.n_views == 2, "data.n_views", self.n_views, "the loader yields 2 views (input_ids and the "
                 "labels shifted by one); set data.n_views=2")
         self.tokenizer.validate()
@@ -114,7 +117,7 @@ class DataLoader:
 
     def _make_stream(self) -> functools.partial:
         settings = StreamSettings(dict(self.args.sources), self.args.batch_size, self.args.seq_len, self.args.seed,
-                                  self.args.add_bos, self.args.add_eos)
+                                  self.args.add_bos, self.args.add_eos, self.args.workers if self.args.load_async else 0)
         return functools.partial(TrainStream, settings, self.tokenizer, self.shards, copy.deepcopy(self._state))
 
     def __next__(self) -> dict[str, torch.Tensor]:

@@ -53,13 +53,14 @@ class BatchProducer:
         context = multiprocessing.get_context("spawn")
         self.reader, writer = context.Pipe(duplex=False)
         self.stop = context.Event()
-        self.process = context.Process(target=produce, name=name, daemon=True, args=(
+        # Not a daemon: it may start tokenizing workers; it is closed before the exit joins it (below).
+        self.process = context.Process(target=produce, name=name, args=(
             make_stream, writer, size, self.stop, os.getpid(), threading.current_thread() is threading.main_thread(),
             logging.getLogger().getEffectiveLevel()))
         with _main_module_hidden():
             self.process.start()
         writer.close()  # the producer holds the only write end: its death is an end of file here, never a wait
-        # Before multiprocessing's own exit step, which would SIGTERM it (ignored) and wait for it forever.
+        # Before multiprocessing's own exit step, which would wait forever for it to end by itself.
         self._close_at_exit = multiprocessing.util.Finalize(self, self.close, exitpriority=10)
         logger.info(f"{name} process started (pid {self.process.pid})")
 
@@ -127,7 +128,7 @@ def produce(make_stream, writer, size: int, stop, parent_pid: int, parent_is_mai
             log_level: int) -> None:
     """The producer process: batches and their states to the rank until `stop`, or the error that ended it.
     A sender thread writes them to the pipe while this one builds the next (up to `size` wait in between)."""
-    _die_with_parent(parent_pid, parent_is_main_thread)
+    die_with_parent(parent_pid, parent_is_main_thread)
     for name in IGNORED_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     outbox: queue.Queue = queue.Queue(maxsize=size)
@@ -187,7 +188,7 @@ class _ForwardLogs(logging.Handler):
         _put(self.outbox, self.stop, ("log", (record.name, record.levelno, record.getMessage())))
 
 
-def _die_with_parent(parent_pid: int, parent_is_main_thread: bool) -> None:
+def die_with_parent(parent_pid: int, parent_is_main_thread: bool) -> None:
     """Exit when the rank exits, however: the kernel's parent-death signal, and a thread watching the parent's pipe."""
     if sys.platform.startswith("linux") and parent_is_main_thread:  # the signal follows the starting thread
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

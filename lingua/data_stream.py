@@ -7,6 +7,10 @@ batches starts in a fraction of a second.
 
 import functools
 import logging
+import multiprocessing
+import os
+import signal
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,6 +23,7 @@ from lingua.tokenizer import Tokenizer
 logger = logging.getLogger("lingua.data")
 
 STATE_VERSION = 1
+CHUNK_DOCS = 16  # documents per tokenizing task (a task's round trip costs about as much as tokenizing a few)
 
 
 class _SourceReader:
@@ -96,19 +101,87 @@ class _SourceReader:
             self._file = None
 
 
+class _Documents:
+    """A source's next documents, tokenized here; the reader's position and this source's skipped lines as of the
+    last one handed out."""
+
+    def __init__(self, reader: _SourceReader, encode):
+        self.reader, self.encode = reader, encode
+        self.bad_lines = 0  # malformed lines this source skipped up to the last document handed out
+        self.read_bad_lines = 0  # and up to the last one read
+
+    def read(self) -> tuple[str, dict]:
+        before = self.reader.malformed.count
+        text, location = self.reader.next_document()
+        self.read_bad_lines += self.reader.malformed.count - before
+        return text, location
+
+    def next(self) -> tuple[list[int], dict]:
+        text, location = self.read()
+        self.bad_lines = self.read_bad_lines
+        return self.encode(text), location
+
+    def position(self) -> dict:
+        return self.reader.position()
+
+
+class _DocumentsAhead(_Documents):
+    """The same documents in the same order, read ahead and tokenized by a pool of worker processes (`CHUNK_DOCS` a
+    task, `depth` tasks in flight); the position and counts are those after the last one handed out, not read."""
+
+    def __init__(self, reader: _SourceReader, pool, depth: int):
+        super().__init__(reader, encode=None)
+        self.pool, self.depth = pool, depth
+        self.tasks: deque = deque()  # (the chunk's pending tokens, [(location, position, bad lines) after each])
+        self.ready: deque = deque()  # (tokens, location, position, bad lines) of the chunk being handed out
+        self._position = reader.position()
+
+    def next(self) -> tuple[list[int], dict]:
+        while len(self.tasks) < self.depth:
+            texts, marks = [], []
+            for _ in range(CHUNK_DOCS):
+                text, location = self.read()
+                texts.append(text)
+                marks.append((location, self.reader.position(), self.read_bad_lines))
+            self.tasks.append((self.pool.apply_async(_encode_in_worker, (texts,)), marks))
+        if not self.ready:
+            pending, marks = self.tasks.popleft()
+            self.ready.extend((tokens, *mark) for tokens, mark in zip(pending.get(), marks))
+        tokens, location, self._position, self.bad_lines = self.ready.popleft()
+        return tokens, location
+
+    def position(self) -> dict:
+        return self._position
+
+
+_worker_encode = None  # a tokenizing worker's tokenizer.encode, with the stream's bos/eos settings
+
+
+def _start_worker(tokenizer: Tokenizer, add_bos: bool, add_eos: bool, parent_pid: int) -> None:
+    from lingua.data_producer import die_with_parent
+
+    global _worker_encode
+    die_with_parent(parent_pid, True)
+    for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2"):  # its producer's rank decides what they mean
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    _worker_encode = functools.partial(tokenizer.encode, add_bos=add_bos, add_eos=add_eos)
+
+
+def _encode_in_worker(texts: list[str]) -> list[list[int]]:
+    return [_worker_encode(text) for text in texts]
+
+
 class _SourcePacker:
     """Cuts one source's token stream into windows; a document cut at a window end carries over."""
 
-    def __init__(self, reader: _SourceReader, tokenizer: Tokenizer, add_bos: bool, add_eos: bool,
-                 cut_document: Optional[dict]):
-        self.reader = reader
-        self.encode = functools.partial(tokenizer.encode, add_bos=add_bos, add_eos=add_eos)
+    def __init__(self, docs: _Documents, encode, cut_document: Optional[dict]):
+        self.docs = docs
         self.doc_tokens: list[int] = []
         self.doc_pos = 0
         self.doc_location: Optional[dict] = None
         if cut_document is not None:
             self.doc_location = {k: cut_document[k] for k in ("file_index", "offset", "line")}
-            self.doc_tokens = self.encode(reader.document_at(self.doc_location))
+            self.doc_tokens = encode(docs.reader.document_at(self.doc_location))
             self.doc_pos = cut_document["token"]
 
     def window(self, length: int) -> tuple[list[int], list[int]]:
@@ -117,8 +190,8 @@ class _SourcePacker:
         doc_ids: list[int] = []
         while len(tokens) < length:
             if self.doc_pos >= len(self.doc_tokens):
-                text, self.doc_location = self.reader.next_document()
-                self.doc_tokens, self.doc_pos = self.encode(text), 0
+                self.doc_tokens, self.doc_location = self.docs.next()
+                self.doc_pos = 0
                 continue
             take = min(length - len(tokens), len(self.doc_tokens) - self.doc_pos)
             doc_ids.extend([doc_ids[-1] + 1 if doc_ids else 0] * take)
@@ -128,7 +201,7 @@ class _SourcePacker:
 
     def state(self) -> dict:
         cut = None if self.doc_pos >= len(self.doc_tokens) else dict(self.doc_location, token=self.doc_pos)
-        return dict(self.reader.position(), document=cut)
+        return dict(self.docs.position(), document=cut)
 
 
 def initial_state(shards: dict[str, list[FileShard]], dp_rank: int, dp_degree: int) -> dict:
@@ -154,6 +227,7 @@ class StreamSettings:
     seed: int
     add_bos: bool
     add_eos: bool
+    workers: int = 0  # tokenizing worker processes (0: tokenize in the stream's own process)
 
 
 class TrainStream:
@@ -168,13 +242,19 @@ class TrainStream:
         self.windows = state["windows"]
         self.files = {name: state["sources"][name]["files"] for name in self.names}
         self.malformed = MalformedLines(state["bad_lines"])
+        self.bad_lines_before = state["bad_lines"]
         self.packers = {}
+        encode = functools.partial(tokenizer.encode, add_bos=args.add_bos, add_eos=args.add_eos)
+        self.pool = None
         try:
+            if args.workers:  # spawned, never forked: the producer may hold threads
+                self.pool = multiprocessing.get_context("spawn").Pool(
+                    args.workers, initializer=_start_worker, initargs=(tokenizer, args.add_bos, args.add_eos, os.getpid()))
             for name in self.names:
                 source_state = state["sources"][name]
                 reader = _SourceReader(name, shards[name], source_state, self.malformed)
-                self.packers[name] = _SourcePacker(reader, tokenizer, args.add_bos, args.add_eos,
-                                                   source_state["document"])
+                docs = _DocumentsAhead(reader, self.pool, 2 * args.workers) if self.pool else _Documents(reader, encode)
+                self.packers[name] = _SourcePacker(docs, encode, source_state["document"])
         except BaseException:
             self.close()
             raise
@@ -198,8 +278,12 @@ class TrainStream:
     def state_dict(self) -> dict:
         sources = {name: dict(packer.state(), files=self.files[name]) for name, packer in self.packers.items()}
         return dict(version=STATE_VERSION, dp_rank=self.dp_rank, dp_degree=self.dp_degree, windows=self.windows,
-                    bad_lines=self.malformed.count, sources=sources)
+                    bad_lines=self.bad_lines_before + sum(p.docs.bad_lines for p in self.packers.values()),
+                    sources=sources)
 
     def close(self) -> None:
         for packer in self.packers.values():
-            packer.reader.close()
+            packer.docs.reader.close()
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool = None

@@ -29,12 +29,20 @@ def corpus(tmp_path, n_docs: int = 60):
     return {"web": 2.0, "code": 1.0}
 
 
-@pytest.mark.timeout(30)
-def test_producer_batches_and_states_equal_the_in_line_ones_across_restores(tmp_path):
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_producer_batches_and_states_equal_the_in_line_ones_across_restores(tmp_path, workers):
+    """With tokenizing workers too (documents read and tokenized ahead, handed out in order): the same batches, and
+    states (positions, malformed-line counts) as of the last batch handed out."""
     sources = corpus(tmp_path)
+    write_chunks(tmp_path, "junk", [[b"junk\n" if i % 3 == 0 else f'{{"text": "j{i} {"x" * i}"}}\n'.encode()
+                                     for i in range(40)]])
+    sources["junk"] = 1.0
     with DataLoader(make_args(tmp_path, sources, load_async=False), TOKENIZER, 0, 2) as in_line:
         expected = [(next(in_line), in_line.state_dict()) for _ in range(12)]
-    with DataLoader(make_args(tmp_path, sources, load_async=True, prefetch_size=3), TOKENIZER, 0, 2) as produced:
+    assert 0 < expected[3][1]["bad_lines"] < expected[-1][1]["bad_lines"]
+    with DataLoader(make_args(tmp_path, sources, load_async=True, prefetch_size=3, workers=workers), TOKENIZER, 0,
+                    2) as produced:
         for i in range(12):
             if i in (4, 9):  # a restore (as from a checkpoint) throws away what the producer built ahead
                 produced.load_state_dict(expected[i - 1][1])
@@ -118,11 +126,12 @@ RANK = textwrap.dedent("""
     from tests.unit.test_data import TOKENIZER, make_args
     flag = []
     signal.signal(signal.SIGUSR1, lambda *_: flag.append(1))  # the rank's preemption handler: it only sets a flag
-    loader = DataLoader(make_args(sys.argv[1], {"web": 2.0, "code": 1.0}, load_async=True, prefetch_size=2),
-                        TOKENIZER, 0, 1)
+    loader = DataLoader(make_args(sys.argv[1], {"web": 2.0, "code": 1.0}, load_async=True, prefetch_size=2,
+                                  workers=1), TOKENIZER, 0, 1)
     with loader:
         next(loader)
-        print(loader._producer.process.pid, flush=True)
+        pid = loader._producer.process.pid
+        print(pid, open(f"/proc/{pid}/task/{pid}/children").read(), flush=True)  # the producer, its worker
         while not flag:
             next(loader)
             time.sleep(0.01)
@@ -137,13 +146,14 @@ RANK = textwrap.dedent("""
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGINT to the group", "SIGUSR1 to the group"])
 def test_no_producer_outlives_its_rank(tmp_path, how):
     """Ctrl-C reaches the whole process group, SLURM's preemption signal every process of the job step; SIGTERM and
-    SIGKILL the rank alone. The producer ends with its rank each time, and its rank exits (no wait on it)."""
+    SIGKILL the rank alone. The producer and its tokenizing worker end with the rank each time, and the rank exits
+    (no wait on them)."""
     corpus(tmp_path)
     rank = subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        producer = int(rank.stdout.readline())
-        assert running(producer)
+        producer, *workers = map(int, rank.stdout.readline().split())
+        assert running(producer) and len(workers) == 1 and running(workers[0])
         name = how.split()[0]
         if how.endswith("to the group"):
             os.killpg(rank.pid, getattr(signal, name))
@@ -151,9 +161,10 @@ def test_no_producer_outlives_its_rank(tmp_path, how):
             os.kill(rank.pid, getattr(signal, name))
         out, err = rank.communicate(timeout=30)
         deadline = time.time() + 10
-        while running(producer) and time.time() < deadline:
+        while any(map(running, [producer, *workers])) and time.time() < deadline:
             time.sleep(0.05)
         assert not running(producer), f"the producer {producer} outlived its rank ({how})"
+        assert not running(workers[0]), f"the producer's tokenizing worker {workers[0]} outlived it ({how})"
         if name == "SIGUSR1":
             assert rank.returncode == 0 and "saved" in out, err
         elif name == "SIGINT":
