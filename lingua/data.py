@@ -116,8 +116,9 @@ class DataLoader:
         return self
 
     def _make_stream(self) -> functools.partial:
+        workers = self.args.workers if self.args.load_async else 0  # a pool belongs in the producer, not the trainer
         settings = StreamSettings(dict(self.args.sources), self.args.batch_size, self.args.seq_len, self.args.seed,
-                                  self.args.add_bos, self.args.add_eos, self.args.workers if self.args.load_async else 0)
+                                  self.args.add_bos, self.args.add_eos, workers)
         return functools.partial(TrainStream, settings, self.tokenizer, self.shards, copy.deepcopy(self._state))
 
     def __next__(self) -> dict[str, torch.Tensor]:

@@ -1,5 +1,6 @@
 """Training batches built in a producer process per rank (Meta Lingua's `async_iterator`: a `Process` feeding a
-bounded `Queue`; here a pipe fed by a bounded queue), so a training loop busy in Python never slows the data down (a thread would share its GIL).
+bounded `Queue`; here a pipe fed by a bounded queue), so a training loop busy in Python never slows the data down
+(a thread would share its GIL).
 
     producer = BatchProducer(make_stream, size=64)   # make_stream(): an iterator of batches with state_dict()
     batch, state = producer.get()                     # in order: the batch and the stream's state right after it

@@ -248,8 +248,9 @@ class TrainStream:
         self.pool = None
         try:
             if args.workers:  # spawned, never forked: the producer may hold threads
-                self.pool = multiprocessing.get_context("spawn").Pool(
-                    args.workers, initializer=_start_worker, initargs=(tokenizer, args.add_bos, args.add_eos, os.getpid()))
+                self.pool = multiprocessing.get_context("spawn").Pool(args.workers, initializer=_start_worker,
+                                                                      initargs=(tokenizer, args.add_bos, args.add_eos,
+                                                                                os.getpid()))
             for name in self.names:
                 source_state = state["sources"][name]
                 reader = _SourceReader(name, shards[name], source_state, self.malformed)
