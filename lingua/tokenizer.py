@@ -164,13 +164,23 @@ class HFTokenizer(Tokenizer):
         self.eos_id = self.tokenizer.eos_token_id
 
     def _encode_text(self, text: str) -> list[int]:
-        # The Rust backend never mutates itself here, so the prefetch thread and eval can share it.
+        if self.tokenizer is None:  # unpickled in a data producer: the Rust backend alone
+            return self.backend.encode(text, add_special_tokens=False).ids
         if getattr(self.tokenizer, "is_fast", False):
             return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return self.backend.decode(list(ids), skip_special_tokens=True)
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def __getstate__(self) -> dict:
+        # A fast tokenizer travels to a data producer process as its Rust backend: unpickling it there imports
+        # neither transformers nor torch (seconds of start-up per rank).
+        if not getattr(self.tokenizer, "is_fast", False):
+            return self.__dict__
+        return {**self.__dict__, "tokenizer": None, "backend": self.tokenizer.backend_tokenizer}
 
 
 def build_tokenizer(args: TokenizerArgs) -> Tokenizer:

@@ -164,6 +164,7 @@ BAD_CONFIGS = [
     BadConfig("negative_weight", {"data.sources.text": -1}, "data.sources.text"),
     BadConfig("zero_seq_len", {"data.seq_len": 0}, "data.seq_len"),
     BadConfig("prefetch", {"data.prefetch_size": 0}, "data.prefetch_size"),
+    BadConfig("data_workers", {"data.workers": -1}, "data.workers"),
     BadConfig("tokenizer_name", {"data.tokenizer.name": "gpt2"}, "data.tokenizer.name"),
     BadConfig("tokenizer_without_path", {"data.tokenizer.name": "sp", "data.tokenizer.path": "null"},
               "data.tokenizer.path"),

@@ -191,6 +191,35 @@ def worker_pids(parent_pid: int) -> list[int]:
     return sorted(int(p) for p in children.read_text().split())
 
 
+def producer_pids(dump: Path, ranks: Iterable[int]) -> list[int]:
+    """The data producer processes the ranks started (each logs its pid: lingua/data_producer.py)."""
+    pids = []
+    for rank in ranks:
+        log = RunDir(dump).rank_log(rank)
+        text = log.read_text(errors="replace") if log.exists() else ""
+        pids += [int(pid) for pid in re.findall(r"data-producer process started \(pid (\d+)\)", text)]
+    return pids
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (dead, waiting for its parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def assert_no_orphan_producers(dump: Path, ranks: Iterable[int], within_s: float = 10.0) -> None:
+    """Every data producer the ranks started is gone (they end with their rank, however it ends)."""
+    pids = producer_pids(dump, ranks)
+    assert pids, f"no rank of {list(ranks)} logged a data producer"
+    deadline = time.time() + within_s
+    while any(running(pid) for pid in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if running(pid)], f"data producers outlived their ranks: {pids}"
+
+
 def rank_pid(dump: Path, rank: int, timeout: float = 60) -> int:
     """The pid a rank wrote into its startup file."""
     path = RunDir(dump).startup(rank)

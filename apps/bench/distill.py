@@ -12,7 +12,7 @@ a teacher that takes L ms per request, prefetch 0 vs 1, `DIR/results.json`. Othe
 It launches the trainer under torchrun once per variant (and per --repeats, interleaved):
 
     kd_off              nproc - n_teacher_ranks processes: the students alone, data loaded in a thread
-    kd_off_no_prefetch  the same with data.load_async=false (no data prefetch thread)
+    kd_off_no_prefetch  the same with data.load_async=false (no data producer process)
     kd_on               nproc processes: the same students plus the teacher rank(s)
     kd_on_tp<T>         with --teacher-tp T1,T2,...: kd_on once per distillation.teacher_tp, each teacher replica
                         then T ranks (n_teacher_ranks x T teacher ranks, the same students)

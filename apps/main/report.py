@@ -81,6 +81,7 @@ class StepReporter:
         self.warned_grace = False  # this launch only
         self.warned_teacher_bound = False  # once per launch: the progress line keeps showing the share
         self.last_logged: dict = {}  # the last log row's loss and teacher share, for the live line in between
+        self.unlogged_save_s = 0.0  # checkpoint seconds since the last log row (a save on a step that does not log)
 
     def tokens_per_step(self) -> int:
         """Tokens one optimizer step consumes over all students."""
@@ -90,10 +91,13 @@ class StepReporter:
     def should_log(self, step: int, stop_now: bool) -> bool:
         return step % self.args.logging.freq == 0 or step == self.args.steps or stop_now
 
-    def step_done(self, state, metrics: dict, timer, step_time: float, grad_norm, lr: float, stop_now: bool) -> None:
-        """After the step's checkpoint: the grace warning, then a log row (collective on log steps) or the live line."""
-        if "checkpoint" in timer.entered and self.topo.is_train_master:  # the save synced already: reading is free
-            self.check_preemption_grace(state.step, step_time, timer.read()["checkpoint"])
+    def step_done(self, state, metrics: dict, timer, step_time: float, save_s: float, grad_norm, lr: float,
+                  stop_now: bool) -> None:
+        """After the step's checkpoint (`save_s` seconds, not in `step_time`): the grace warning, then a log row
+        (collective on log steps) or the live line."""
+        self.unlogged_save_s += save_s
+        if "checkpoint" in timer.entered and self.topo.is_train_master:
+            self.check_preemption_grace(state.step, step_time + save_s, save_s)
         if self.should_log(state.step, stop_now):
             self.log_step(state, metrics, timer, step_time, float(grad_norm), lr)
         elif self.progress is not None and self.progress.is_tty:
@@ -128,6 +132,8 @@ class StepReporter:
                "speed/data_time_s": seconds.get("data", 0.0), "time": time.time(),
                **self.memory.get_peak_stats(), **self.distiller.log_metrics(timer),
                **straggler_metrics(per_rank, topo.student_ranks)}
+        if self.unlogged_save_s:  # this rank's saves since the last row, timed apart from the steps
+            row["checkpoint/save_s"], self.unlogged_save_s = self.unlogged_save_s, 0.0
         mfu = estimate_mfu(self.flops_per_token, tokens_per_s / topo.train_world_size, device)
         if mfu is not None:
             row["speed/mfu"] = mfu

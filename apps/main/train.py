@@ -30,17 +30,12 @@ from apps.main.checkpoint_eval import (CheckpointEvaluation, EvalAtCheckpointArg
 from apps.main.eval import EvalArgs, Evaluator, teacher_heldout
 from apps.main.faults import FaultInjector, parse_injected_failure
 from apps.main.report import StepReporter, nonfinite_sentence
-from apps.main.transformer import (
-    LMTransformer,
-    LMTransformerArgs,
-    batch_documents,
-    get_no_recompute_ops,
-    get_num_flop_per_token,
-)
+from apps.main.transformer import (LMTransformer, LMTransformerArgs, batch_documents, get_no_recompute_ops,
+                                   get_num_flop_per_token)
 from lingua.args import dump_config, parse_args, require, to_dict
 from lingua.checkpoint import CheckpointArgs, CheckpointManager
 from lingua.cli import run_cli
-from lingua.data import DataArgs, DataLoader
+from lingua.data import DataArgs, training_loader
 from lingua.distillation.args import DistillationArgs, check_seq_len_fits_teacher
 from lingua.distillation.cache import open_cache, settings_manifest
 from lingua.distillation.distiller import build_distiller
@@ -286,8 +281,8 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
     state = TrainState()
     with phases.span("checkpoint_load"):
         checkpoint, saved = restore_checkpoint(args, topo, model, optimizer)
-    with phases.span("data_init"):
-        loader = cache or DataLoader(args.data, tokenizer, topo.train_rank, topo.train_world_size)
+    with phases.span("data_init"):  # with data.load_async, a producer process builds (or decodes) the batches
+        loader = training_loader(args.data, tokenizer, topo.train_rank, topo.train_world_size, cache)
     if saved is not None:
         state.step, state.tokens = saved["step"], saved["tokens"]
         scheduler.load_state_dict(saved["scheduler"])
@@ -309,13 +304,17 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
     feed = MicroBatchFeed(loader, distiller, args.grad_acc_steps, distiller.prefetch, last_step,
                           pin_memory=device.type == "cuda")
 
-    def save(kinds: list[str]) -> None:
+    def save(kinds: list[str]) -> float:
+        """The step's checkpoints (if any); returns their seconds, logged apart from the step's (checkpoint/save_s)."""
+        start = time.perf_counter()
         with timer.part("checkpoint"):
             for kind in kinds:
                 train_state = dict(state.state_dict(), scheduler=scheduler.state_dict(), data=feed.state_dict())
                 checkpoint.save(model, optimizer, train_state, state.step, to_dict(args), kind=kind)
+        save_s = time.perf_counter() - start if kinds else 0.0
         checkpoint_eval.after_save(kinds, state.step, checkpoint.final_dir(state.step), hang_watch,
                                    startup.collective_timeout_s)
+        return save_s
 
     with (maybe_run_profiler(args.dump_dir, model, args.profiling, topo.global_rank, topo.is_train_master,
                              group) as profiler, contextlib.closing(loader), reporter, HangWatch() as hang_watch,
@@ -355,9 +354,10 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             stop_now = preempted or (args.exit_after_steps is not None and state.step == last_step)
             if stop_now:
                 distiller.drain()  # look-ahead requests answered before the save and the STOP
-            save(checkpoint.should_save(state.step, stop_now, last_step=state.step == args.steps))
-            reporter.step_done(state, metrics, timer, time.perf_counter() - step_start, grad_norm,
-                               scheduler.get_last_lr()[0], stop_now)
+            step_time = time.perf_counter() - step_start  # a save is not part of the step's time and tokens/s
+            save_s = save(checkpoint.should_save(state.step, stop_now, last_step=state.step == args.steps))
+            reporter.step_done(state, metrics, timer, step_time, save_s, grad_norm, scheduler.get_last_lr()[0],
+                               stop_now)
             if stop_now:
                 ended = "preempted" if preempted else "exit_after_steps"
                 break

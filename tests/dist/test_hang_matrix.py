@@ -9,7 +9,8 @@ import time
 import pytest
 
 from lingua.rundir import read_metrics, train_rows
-from tests.runs import assert_ok, distill_overrides, ranks_that_cleaned_up, signal_ranks, torchrun
+from tests.runs import (assert_no_orphan_producers, assert_ok, distill_overrides, ranks_that_cleaned_up, signal_ranks,
+                        torchrun)
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -48,14 +49,16 @@ def test_sigusr2_to_two_ranks_seconds_apart(corpus, tiny_teacher, tmp_path, rank
 @pytest.mark.timeout(150)
 def test_sigusr2_to_the_teacher_alone(corpus, tiny_teacher, tmp_path):
     # The teacher cannot stop anything itself: its bit rides on its next response, the students fold
-    # it into the agreed flags, save at that step, send STOP, and every rank (teacher too) exits 0.
+    # it into the agreed flags, save at that step, send STOP, and every rank (teacher too) exits 0. The students
+    # build their batches in producer processes: none is left after the preemption save.
     dump = tmp_path / "run"
     delivered: list[int] = []
-    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=100000), timeout=SCENARIO_LIMIT_S,
-                      signal_plan=signal_ranks(dump, [(2, 0.0)], delivered=delivered))
+    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=100000, **{"data.load_async": "true"}),
+                      timeout=SCENARIO_LIMIT_S, signal_plan=signal_ranks(dump, [(2, 0.0)], delivered=delivered))
     step = assert_agreed_preemption_save(result, dump)
     assert delivered == [2] and 3 <= step < 100000
     assert result.stdout.count("received SIGUSR2") == 1, result.stdout[-4000:]
+    assert_no_orphan_producers(dump, ranks=(0, 1))
 
 
 @pytest.mark.timeout(150)

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from lingua.rundir import RunDir
-from tests.runs import ROOT, distill_overrides, rank_exit_codes, rank_outputs, rank_pid, torchrun, wait_for_step
+from tests.runs import (ROOT, assert_no_orphan_producers, distill_overrides, rank_exit_codes, rank_outputs, rank_pid,
+                        torchrun, wait_for_step)
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -84,7 +85,8 @@ def test_a_student_raising_mid_step_is_named_by_the_others(corpus, tiny_teacher,
 @pytest.mark.timeout(120)
 def test_a_sigkilled_student_is_named_by_the_others_on_its_host(corpus, tiny_teacher, tmp_path):
     """SIGKILL leaves no note: the survivors see that rank 1's process (same host) is gone. On another host
-    they would say "a peer rank stopped" and point at the logs folder."""
+    they would say "a peer rank stopped" and point at the logs folder. The students' data producer processes
+    end with them: the killed one's and the survivor's."""
     dump, logs = tmp_path / "run", tmp_path / "torchrun"
     killed = []
 
@@ -101,7 +103,8 @@ def test_a_sigkilled_student_is_named_by_the_others_on_its_host(corpus, tiny_tea
 
     start = time.time()
     result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=100000,
-                                           **{"distributed.init_timeout_s": 300, "distributed.train_timeout_s": 300}),
+                                           **{"distributed.init_timeout_s": 300, "distributed.train_timeout_s": 300,
+                                              "data.load_async": "true"}),
                       timeout=LIMIT_S, log_dir=logs, signal_plan=kill_rank_1)
     elapsed = time.time() - start
     assert killed and result.returncode != 0
@@ -110,6 +113,7 @@ def test_a_sigkilled_student_is_named_by_the_others_on_its_host(corpus, tiny_tea
     assert json.loads(RunDir(dump).status(1).read_text())["state"] == "running"  # it never got to say more
     assert_survivors_name(rank_outputs(logs), codes, dump, dead=1, survivors=[0, 2], tail=result.stdout[-4000:])
     assert elapsed < LIMIT_S
+    assert_no_orphan_producers(dump, ranks=(0, 1))
     # Afterwards: the rank that was killed first, the step it had reached (its heartbeat), the survivors' steps.
     report, text = postmortem(dump)
     assert report["first"] == dict(rank=1, role="student", why="ranks 0, 2 lost it"), report

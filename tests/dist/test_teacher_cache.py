@@ -78,9 +78,12 @@ def test_training_from_the_cache_equals_online_training_and_resumes_exactly(cach
     first = torchrun(2, from_cache(corpus, tiny_teacher, cache, cached, exit_after_steps=4, **evals), timeout=150)
     assert_ok(first)
     assert "role=teacher" not in first.stdout  # every rank is a student
-    resumed = torchrun(2, from_cache(corpus, tiny_teacher, cache, cached, **evals), timeout=150)
+    # Resumed with the shards read and decoded in a producer process per rank: the same numbers.
+    resumed = torchrun(2, from_cache(corpus, tiny_teacher, cache, cached, **evals, **{"data.load_async": "true"}),
+                       timeout=150)
     assert_ok(resumed)
     assert "resumed from step 4" in resumed.stdout
+    assert resumed.stdout.count("data-producer process started") == 2, resumed.stdout[-3000:]
     a, b = train_rows(online), train_rows(cached)
     for step in range(1, 7):
         assert [b[step][k] for k in KEYS] == [a[step][k] for k in KEYS], step

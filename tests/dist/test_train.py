@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from lingua.rundir import read_metrics, train_rows
-from tests.runs import assert_ok, base_overrides, signal_ranks, torchrun, wait_for_step, worker_pids
+from tests.runs import (assert_no_orphan_producers, assert_ok, base_overrides, signal_ranks, torchrun, wait_for_step,
+                        worker_pids)
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -84,9 +85,10 @@ def test_resume_gives_the_same_losses_and_a_partial_save_never_becomes_latest(co
 
 @pytest.mark.timeout(300)
 def test_killed_after_a_save_resumes_with_the_same_losses(corpus, tmp_path, eight_steps):
-    """save at step 4 -> SIGKILL at step 7 (no clean exit, no final save) -> resume: the same curve."""
+    """save at step 4 -> SIGKILL at step 7 (no clean exit, no final save) -> resume: the same curve. Both launches
+    build their batches in a producer process per rank (the reference run in-line): none outlives the SIGKILL."""
     killed = tmp_path / "killed"
-    every_4 = {"checkpoint.dump.every": 4}
+    every_4 = {"checkpoint.dump.every": 4, "data.load_async": "true"}
 
     def kill_during_step_7(proc):
         wait_for_step(killed, 6)
@@ -99,6 +101,7 @@ def test_killed_after_a_save_resumes_with_the_same_losses(corpus, tmp_path, eigh
                       signal_plan=kill_during_step_7)
     assert result.returncode != 0
     assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == [f"{4:010d}"]
+    assert_no_orphan_producers(killed, ranks=(0, 1))
     resumed = torchrun(2, base_overrides(corpus, killed, steps=8, **every_4), timeout=120)
     assert_ok(resumed)
     assert "resumed from step 4" in resumed.stdout
@@ -200,6 +203,9 @@ def test_debug_cpu_config_trains_logs_checkpoints_and_resumes(corpus, tmp_path):
     assert rows[40]["loss/ce"] < rows[5]["loss/ce"]
     assert [r["step"] for r in read_metrics(dump) if "eval/loss" in r] == [20, 40]
     assert sorted(p.name for p in (dump / "checkpoints").iterdir()) == [f"{20:010d}", f"{40:010d}"]
+    # The saves are timed apart from their steps' time and tokens/s.
+    assert [step for step, row in sorted(rows.items()) if "checkpoint/save_s" in row] == [20, 40]
+    assert all(rows[step]["checkpoint/save_s"] > 0 for step in (20, 40))
     assert (dump / "config.yaml").exists() and "vocab_size: 258" in (dump / "config.yaml").read_text()
 
 

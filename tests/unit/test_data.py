@@ -5,8 +5,8 @@ All on the byte tokenizer (bos=256, eos=257), so a document's tokens are [256] +
 
 import json
 import logging
+import multiprocessing
 import random
-import threading
 from pathlib import Path
 
 import pytest
@@ -192,7 +192,7 @@ def test_state_restores_the_exact_stream(tmp_path, save_async, load_async):
                 assert torch.equal(got[key], want[key])
         assert resumed.state_dict()["windows"] == (9 + 12) * 2
         assert resumed.bad_lines >= state["bad_lines"]
-        # Loading again mid-stream rewinds, also with a live prefetch thread.
+        # Loading again mid-stream rewinds, also with a live producer process.
         resumed.load_state_dict(state)
         assert torch.equal(next(resumed)["input_ids"], expected[0]["input_ids"])
 
@@ -252,19 +252,21 @@ def test_missing_or_empty_source_dir_names_the_directory(tmp_path):
         DataLoader(make_args(tmp_path, {}), TOKENIZER, 0, 1)
 
 
-@pytest.mark.timeout(10)
-def test_prefetch_thread_stops_on_close(tmp_path):
+@pytest.mark.timeout(20)
+def test_producer_process_stops_on_close(tmp_path):
     write_chunks(tmp_path, "web", [random_texts(random.Random(2), 20, "d")])
     loader = DataLoader(make_args(tmp_path, {"web": 1.0}, load_async=True, prefetch_size=2), TOKENIZER, 0, 1)
     next(loader)
-    workers = [t for t in threading.enumerate() if t.name == "data-prefetch"]
-    assert len(workers) == 1 and workers[0].daemon
+    process = loader._producer.process
+    assert process.is_alive()
     loader.close()
-    assert not workers[0].is_alive()
+    assert not process.is_alive()
     loader.close()
     with DataLoader(make_args(tmp_path, {"web": 1.0}, load_async=True), TOKENIZER, 0, 1) as loader:
         next(loader)
-    assert not any(t.name == "data-prefetch" and t.is_alive() for t in threading.enumerate())
+        process = loader._producer.process
+    assert not process.is_alive()
+    assert not multiprocessing.active_children()
 
 
 @pytest.mark.timeout(10)

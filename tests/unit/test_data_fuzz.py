@@ -78,7 +78,7 @@ def lowered_line_bound():
 
 @contextmanager
 def data_warnings():
-    """The messages lingua.data warns with meanwhile (the prefetch thread's too)."""
+    """The messages lingua.data warns with meanwhile (in-line)."""
     messages: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: messages.append(record.getMessage())
@@ -156,7 +156,9 @@ def reader_after(entries: list, n_tokens: dict, tokens: int) -> tuple[int, int]:
 
 
 def check_loader(data: bytes, entries: list, tokenizer, dp_rank: int, dp_degree: int, batch_size: int, seq_len: int,
-                 load_async: bool, resume_at: Optional[int]) -> None:
+                 resume_at: Optional[int]) -> None:
+    """In-line (load_async=false): the lowered line bound is patched into this process only. The producer process
+    builds the same stream (tests/unit/test_data_producer.py)."""
     mine = [e for e in entries if e[0] % dp_degree == dp_rank]
     docs = [text for _, text, _ in mine if text is not None]
     skips = sum(reason is not None for _, _, reason in mine)
@@ -164,8 +166,7 @@ def check_loader(data: bytes, entries: list, tokenizer, dp_rank: int, dp_degree:
     with tempfile.TemporaryDirectory() as root, lowered_line_bound(), data_warnings() as warnings:
         write_chunks(Path(root), "web", [[data]])
         path = str(Path(root) / "web" / "web.chunk.0.jsonl")
-        args = make_args(root, {"web": 1.0}, batch_size=batch_size, seq_len=seq_len, load_async=load_async,
-                         prefetch_size=2)
+        args = make_args(root, {"web": 1.0}, batch_size=batch_size, seq_len=seq_len, load_async=False)
         if not docs:
             with DataLoader(args, tokenizer, dp_rank, dp_degree) as loader:
                 with pytest.raises(ValueError, match="Source 'web' has no valid document in this rank's share"):
@@ -194,7 +195,7 @@ def check_loader(data: bytes, entries: list, tokenizer, dp_rank: int, dp_degree:
         share = f" (this rank reads 1/{dp_degree} of its lines)" if dp_degree > 1 else ""
         totals = [m for m in warnings if m.startswith("data file ")]
         assert set(totals) <= {f"data file {path}: skipped {skips} malformed line{'s' if skips > 1 else ''}{share}"}
-        assert bool(totals) == (skips > 0 and states[-1]["sources"]["web"]["epoch"] > 0) or load_async
+        assert bool(totals) == (skips > 0 and states[-1]["sources"]["web"]["epoch"] > 0)
         first = [m for m in warnings if m.startswith("skipping malformed")]
         skipped_lines = [(i, reason) for i, _, reason in mine if reason is not None]
         last_words = "; further ones are only counted (totals at 10, 100, 1000, ... and per file)"
@@ -221,13 +222,13 @@ def test_parse_line_never_raises_and_partitions_lines(data):
 @pytest.mark.timeout(120)
 @settings(FUZZ, max_examples=120)
 @given(items, line_ends, st.booleans(), st.integers(0, 2), st.sampled_from([1, 2, 3]), st.integers(1, 3),
-       st.integers(1, 24), st.booleans(), st.none() | st.integers(0, 40))
+       st.integers(1, 24), st.none() | st.integers(0, 40))
 def test_loader_on_any_file_counts_every_line(generated, ends, last_end, rank, dp_degree, batch_size, seq_len,
-                                              load_async, resume_at):
+                                              resume_at):
     data, expected = build_file(generated, ends, last_end)
     with lowered_line_bound():
         entries = check_rule(data, expected)
-    check_loader(data, entries, BYTES, rank % dp_degree, dp_degree, batch_size, seq_len, load_async, resume_at)
+    check_loader(data, entries, BYTES, rank % dp_degree, dp_degree, batch_size, seq_len, resume_at)
 
 
 @pytest.mark.timeout(120)
@@ -237,7 +238,7 @@ def test_loader_with_the_hf_tokenizer_never_raises(tiny_teacher, generated, ends
     data, expected = build_file(generated, ends, last_end)
     with lowered_line_bound():
         entries = check_rule(data, expected)
-    check_loader(data, entries, hf_tokenizer(str(tiny_teacher)), 0, 1, 2, seq_len, False, None)
+    check_loader(data, entries, hf_tokenizer(str(tiny_teacher)), 0, 1, 2, seq_len, None)
 
 
 @pytest.mark.timeout(120)

@@ -100,7 +100,7 @@ def test_every_nasty_line_is_counted_and_named_with_its_file_and_line(tmp_path, 
     assert messages[2].startswith(f"skipping malformed data line {path}:5: nested deeper than 100 levels")
     assert messages[4].endswith("; further ones are only counted (totals at 10, 100, 1000, ... and per file)")
     assert messages[5].startswith(f"10 malformed data lines skipped so far (latest {path}:12: ")
-    assert messages[6] == f"data file {path}: skipped {len(nasty)} malformed lines"  # the prefetch thread may log more
+    assert messages[6] == f"data file {path}: skipped {len(nasty)} malformed lines"  # the producer may log more
 
 
 @pytest.mark.timeout(30)
@@ -118,7 +118,7 @@ def test_hf_tokenizer_trains_past_the_nasty_line(tmp_path, tiny_teacher, caplog,
             assert loader.bad_lines == 1
     assert stream[:len(expected)] == expected
     path = tmp_path / "web" / "web.chunk.0.jsonl"
-    # The first pass's; the prefetch thread may be passes ahead.
+    # The first pass's; the producer may be passes ahead.
     assert data_warnings(caplog)[:2] == [f"skipping malformed data line {path}:2: {parse_line(nasty)[1]}",
                                          f"data file {path}: skipped 1 malformed line"]
 

@@ -5,7 +5,7 @@ Run: torchrun --nproc-per-node 3 -m tests.dist.workers.count_syncs <out.json> <t
 On CUDA each `.item()`, `.tolist()`, `bool()`, `int()`, `float()`, `.numpy()` of a device tensor blocks
 the host until the GPU has caught up. No GPU here, so this counts the calls themselves (a proxy: on CPU
 they are cheap, but a call per micro-batch on CPU is a host sync per micro-batch on CUDA). Counted in
-each student's main thread between one step's start and the next (the data thread is not the step).
+each student's main thread between one step's start and the next (the data producer is not the step).
 Each student writes {step: [count, [call sites]]} to <out.json>.<train rank>. With COUNT_SYNCS_TTY=1 in the
 environment rank 0's progress line behaves as on a terminal (redrawn every step).
 """
