@@ -145,8 +145,14 @@ def shard_location(index: int, streams: int) -> tuple[int, int]:
 
 def write_shard(path: Path, tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs,
                 manifest: CacheManifest, metadata: dict) -> None:
-    """One shard, atomically: written to `.tmp`, synced, renamed (a crash leaves no half shard under the name).
-    Version 2 codes it (`cache_codec`); version 1 (the converter's tests) stores the bridge's tensors."""
+    """One shard, atomically: written to `.tmp`, synced, renamed (a crash leaves no half shard under the name)."""
+    write_file_atomic(path, shard_bytes(tokens, doc_ids, outputs, manifest, metadata))
+
+
+def shard_bytes(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs, manifest: CacheManifest,
+                metadata: dict) -> bytes:
+    """A shard file's bytes. Version 2 codes it (`cache_codec`, with its round-trip check); version 1 (the
+    converter's tests) stores the bridge's tensors."""
     if manifest.version == 1:
         names = ("values",) if outputs.format == "full" else ("values", "ids", "extra")
         tensors = {"tokens": tokens.to(torch.int32).contiguous(),
@@ -156,7 +162,11 @@ def write_shard(path: Path, tokens: torch.Tensor, doc_ids: torch.Tensor, outputs
     else:
         tensors, codec = encode_shard(tokens, doc_ids, outputs, manifest.vocab_size)
         metadata = {**metadata, "codec": codec}
-    data = canonical_safetensors(save(tensors, metadata={key: json.dumps(value) for key, value in metadata.items()}))
+    return canonical_safetensors(save(tensors, metadata={key: json.dumps(value) for key, value in metadata.items()}))
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """`data` to `path` through `.tmp`, synced, renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:

@@ -131,6 +131,15 @@ def _ready_worker() -> int:
     return os.getpid()
 
 
+def start_encode_pool(workers: int) -> ProcessPoolExecutor:
+    """`workers` encode processes, started now (while the teacher loads): spawned, not forked, since the writer
+    holds threads (the read-ahead, torch's) and maybe a CUDA context."""
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_start_encode_worker,
+                               initargs=(os.getpid(),))
+    pool.submit(_ready_worker)
+    return pool
+
+
 class ShardWriters:
     """Encode and write shards atomically (`cache.write_shard`): in line (`workers=0`, the serial writer) or in a
     pool of `workers` spawned processes, at most `workers + 1` shards pending (the main thread waits for a free
@@ -142,10 +151,7 @@ class ShardWriters:
         self.pending: dict[int, tuple[Path, Future]] = {}
         self.pool: Optional[ProcessPoolExecutor] = None
         if workers > 0:
-            # spawn, not fork: the writer holds threads (the read-ahead, torch's) and maybe a CUDA context
-            self.pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_start_encode_worker,
-                                            initargs=(os.getpid(),))
-            self.pool.submit(_ready_worker)  # start the workers now, while the teacher loads
+            self.pool = start_encode_pool(workers)
 
     def submit(self, index: int, path: Path, tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs,
                manifest: CacheManifest, metadata: dict) -> None:
