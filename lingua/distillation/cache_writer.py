@@ -187,7 +187,7 @@ class ShardWriters:
             raise ShardWriteError(f"An encode worker of the teacher cache writer died while shard {index} ({path}) "
                                   f"was pending ({err}); run the cache command again: finished shards are kept.") \
                 from None
-        except (UserError, OSError, RuntimeError, ValueError) as err:
+        except Exception as err:  # the worker's exception, re-raised here: any kind, one sentence
             self.close()
             remote = getattr(err, "__cause__", None)  # the worker's traceback, as ProcessPoolExecutor relays it
             logger.error(f"teacher cache shard {index} ({path}) was not written: {type(err).__name__}: {err}"
