@@ -190,8 +190,8 @@ def format_table(results: dict) -> str:
     """The markdown table of results.json: loader, writer stages, reader (and the GPU steps where measured)."""
     lines = [f"feeding rates, {results['machine']}, {results['date']} (tokens/s per rank)", "",
              "| path | measured | note |", "|---|---|---|"]
-    loader = results["loader"]
-    for mode in ("inline", "async"):
+    loader = results.get("loader", {})  # absent with --skip-loader
+    for mode in [m for m in ("inline", "async") if m in loader]:
         for consumer in ("idle", "busy"):
             row = loader[mode][consumer]
             lines.append(f"| loader, load_async={str(mode == 'async').lower()}, training thread {consumer} | "
@@ -225,6 +225,7 @@ def parse(argv: Optional[list[str]]) -> tuple[argparse.Namespace, TeacherCacheAr
     parser.add_argument("--rounds", type=int, help="repeats, in alternating order (default 3 on cpu, 1 on cuda)")
     parser.add_argument("--steps", type=int, default=30, help="training steps per run (--device cuda)")
     parser.add_argument("--students", default="139m,810m", help="the students of the step comparison (--device cuda)")
+    parser.add_argument("--skip-loader", action="store_true", help="measure the writer and reader only")
     parser.add_argument("--compare-steps", action="store_true", help="the step comparison on the CPU too (tests)")
     parser.add_argument("--teacher", choices=("random-tiny", "random", "config"),
                         help="the config's teacher's shape with random weights (default on cuda), 2 layers of width "
@@ -251,9 +252,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     results = {"machine": f"{os.cpu_count()} CPUs" + (f", {torch.cuda.get_device_name()}" if options.device == "cuda"
                                                      else ""),
                "date": time.strftime("%Y-%m-%d", time.gmtime()), "config": options.config, "device": options.device}
-    tokenizer = build_tokenizer(args.data.tokenizer)
-    results["loader"] = loader_rates(args.data, tokenizer, options.batches, options.rounds)
-    print(json.dumps({"loader": results["loader"]}), flush=True)
+    if not options.skip_loader:
+        tokenizer = build_tokenizer(args.data.tokenizer)
+        results["loader"] = loader_rates(args.data, tokenizer, options.batches, options.rounds)
+        print(json.dumps({"loader": results["loader"]}), flush=True)
     with tempfile.TemporaryDirectory() as folder:
         if options.teacher != "config":
             args.distillation.teacher_path = str(random_teacher(args.distillation.teacher_path, Path(folder) / "teacher",

@@ -36,6 +36,8 @@ def test_the_table_shows_every_rate_the_encode_scaling_and_the_pipeline_against_
     assert "| writer, pipelined (1 encode workers) | 9,000 | 2.25x serial, 90% of the teacher's forward |" in table
     assert "| reader: decode, one thread | 150,000 |  |" in table
     assert "then (issue 35" not in table  # no step comparison measured
+    without_loader = format_table({key: value for key, value in RESULTS.items() if key != "loader"})
+    assert "loader" not in without_loader and "| writer: encode, 2 workers | 14,400 |" in without_loader
 
 
 def test_the_step_table_gives_then_and_now(tmp_path):
