@@ -131,6 +131,24 @@ def _ready_worker() -> int:
     return os.getpid()
 
 
+def _portable(tensor: torch.Tensor) -> tuple:
+    """A tensor as its bytes, dtype and shape: pickled through the pool's pipe, not torch's shared-memory file
+    descriptors (whose server thread prints a traceback when a worker is stopped during a transfer)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape)
+
+
+def _tensor(portable: tuple) -> torch.Tensor:
+    data, dtype, shape = portable
+    return torch.from_numpy(data).view(dtype).reshape(shape)
+
+
+def _write_portable(path: Path, tokens: tuple, doc_ids: tuple, output_format: str, outputs: list, manifest,
+                    metadata: dict) -> None:
+    """An encode worker's task: `write_shard` of the tensors `_portable` packed."""
+    teacher = TeacherOutputs.from_tensors(output_format, [_tensor(t) for t in outputs])
+    write_shard(path, _tensor(tokens), _tensor(doc_ids), teacher, manifest, metadata)
+
+
 def start_encode_pool(workers: int) -> ProcessPoolExecutor:
     """`workers` encode processes, started now (while the teacher loads): spawned, not forked, since the writer
     holds threads (the read-ahead, torch's) and maybe a CUDA context."""
@@ -162,8 +180,10 @@ class ShardWriters:
         else:
             while len(self.pending) > self.workers:
                 self._finish_one()
+            packed = [_portable(t) for t in outputs.tensors()]
             self.pending[index] = (path, self._run(index, path, lambda: self.pool.submit(
-                write_shard, path, tokens, doc_ids, outputs, manifest, metadata)))
+                _write_portable, path, _portable(tokens), _portable(doc_ids), outputs.format, packed, manifest,
+                metadata)))
         self.clock.add("encode", since)
 
     def _finish_one(self) -> None:
@@ -192,10 +212,11 @@ class ShardWriters:
             remote = getattr(err, "__cause__", None)  # the worker's traceback, as ProcessPoolExecutor relays it
             logger.error(f"teacher cache shard {index} ({path}) was not written: {type(err).__name__}: {err}"
                          + (f"{remote}" if remote is not None else ""), exc_info=remote is None, extra=FILE_ONLY)
-            sentence = " ".join(str(err).split())
-            raise ShardWriteError(f"Teacher cache shard {index} ({path}) was not written: {sentence} (the traceback "
-                                  f"is in the rank's log; finished shards are kept, so run the cache command again "
-                                  f"once it is fixed).") from None
+            what = " ".join(str(err).split())
+            if not isinstance(err, UserError):  # a user error's own sentence says what to do; a bug's does not
+                what = (f"{type(err).__name__}: {what}. The traceback is in the rank's log (cache_dir/logs); finished "
+                        f"shards are kept, so the same command resumes once it is fixed.")
+            raise ShardWriteError(f"Teacher cache shard {index} ({path}) was not written: {what}") from None
 
     def close(self) -> None:
         """Stop the workers at once: pending shards are dropped (never renamed into place, so a rerun writes them)."""

@@ -3,6 +3,7 @@ resumable, one sentence per failed shard, no worker left behind."""
 
 import multiprocessing
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -17,7 +18,8 @@ import torch
 from apps.main.teacher_cache import TeacherCacheArgs, write_cache
 from lingua.args import parse_args
 from lingua.distillation.cache import CacheManifest, shard_path
-from lingua.distillation.cache_writer import ShardWriteError, ShardWriters, StageClock, WindowReadAhead
+from lingua.distillation.cache_writer import (ShardWriteError, ShardWriters, StageClock, WindowReadAhead, _portable,
+                                              _tensor)
 from lingua.distillation.outputs import TeacherOutputs
 from tests.dist.test_lost import nan_teacher
 from tests.runs import distill_overrides
@@ -78,6 +80,26 @@ def test_a_shard_that_fails_in_line_is_one_sentence_naming_it(tmp_path):
         writers.submit(7, shard_path(tmp_path, 7), torch.zeros(1, 3, dtype=torch.int32),
                        torch.zeros(1, 2, dtype=torch.int16), outputs, manifest, {})
     assert not shard_path(tmp_path, 7).exists() and writers.written == 0
+
+
+def test_a_bug_in_encoding_is_one_sentence_pointing_at_the_log(tmp_path, monkeypatch):
+    def broken(*args):
+        raise KeyError("codec")
+    monkeypatch.setattr("lingua.distillation.cache_writer.write_shard", broken)
+    with pytest.raises(ShardWriteError) as raised:
+        ShardWriters(0, StageClock()).submit(3, shard_path(tmp_path, 3), torch.zeros(1, 3), torch.zeros(1, 2), None,
+                                             None, {})
+    assert str(raised.value) == (f"Teacher cache shard 3 ({shard_path(tmp_path, 3)}) was not written: KeyError: 'codec'. "
+                                 f"The traceback is in the rank's log (cache_dir/logs); finished shards are kept, so "
+                                 f"the same command resumes once it is fixed.")
+
+
+def test_shard_tensors_cross_to_a_worker_bit_for_bit():
+    for tensor in (torch.randn(3, 4).bfloat16(), torch.arange(12, dtype=torch.int32).view(2, 6),
+                   torch.randn(2, 3, 4), torch.zeros(0, 5, dtype=torch.int16)):
+        back = _tensor(pickle.loads(pickle.dumps(_portable(tensor))))
+        assert back.dtype == tensor.dtype and back.shape == tensor.shape
+        assert torch.equal(back.view(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
 
 
 @pytest.mark.slow  # starts encode worker processes
