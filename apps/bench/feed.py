@@ -88,7 +88,8 @@ def loader_rates(data_args, tokenizer, batches: int, rounds: int) -> dict:
             args = replace(data_args, load_async=mode == "async")
             runs.setdefault((mode, consumer), []).append(
                 loader_run(args, tokenizer, batches, per_batch if consumer == "busy" else 0.0))
-    out = {mode: {consumer: medians(runs[mode, consumer]) for consumer in ("idle", "busy")} for mode in ("inline", "async")}
+    out = {mode: {consumer: medians(runs[mode, consumer]) for consumer in ("idle", "busy")}
+           for mode in ("inline", "async")}
     out["busy_spin_s"] = per_batch
     out["workers"] = getattr(data_args, "workers", None)  # the process loader's setting, where the config has it
     return out
@@ -127,13 +128,16 @@ def encode_rate(jobs: list[tuple], workers: int, tokens: int) -> float:
     return tokens / seconds
 
 
-def writer_rates(args: TeacherCacheArgs, device: torch.device, shards: int, rounds: int, folder: Path) -> dict:
-    """The writer's stages over `shards` shards, the whole writer pipelined against serial, the reader's decode."""
+def writer_rates(args: TeacherCacheArgs, device: torch.device, shards: int, rounds: int, folder: Path,
+                 encode_only: bool = False) -> dict:
+    """The writer's stages over `shards` shards, the whole writer pipelined against serial, the reader's decode
+    (`encode_only`: the stages up to the encoding)."""
     tokenizer = build_tokenizer(args.data.tokenizer)
     teacher = TeacherModel(args.distillation, device)
     args = replace(args, streams=1, sequences_per_stream=shards * args.shard_sequences)
     manifest = planned_manifest(args, tokenizer)
-    tokens_per_shard, total = manifest.shard_sequences * args.data.seq_len, shards * manifest.shard_sequences * args.data.seq_len
+    tokens_per_shard = manifest.shard_sequences * args.data.seq_len
+    total = shards * tokens_per_shard
     reader = StreamReader(args, tokenizer, folder / "unused", manifest)
     windows, tokenize_s = timed(lambda: [reader.shard_windows(i) for i in range(shards)])
     teacher_outputs(teacher, windows[0][2], manifest, args.forward_rows, None)  # warm-up (kernels, allocator)
@@ -146,6 +150,14 @@ def writer_rates(args: TeacherCacheArgs, device: torch.device, shards: int, roun
     for round_ in range(rounds):
         for workers in ((1, 2) if round_ % 2 == 0 else (2, 1)):
             encode[workers].append(encode_rate(jobs, workers, total))
+    stages = {"shards": shards, "tokens_per_shard": tokens_per_shard, "teacher_params": teacher.n_params,
+              "tokenize_tokens_per_s": total / tokenize_s, "forward_tokens_per_s": total / forward_s,
+              "encode_1_worker_tokens_per_s": statistics.median(encode[1]),
+              "encode_2_workers_tokens_per_s": statistics.median(encode[2]),
+              "encode_scaling_2_over_1": statistics.median(encode[2]) / statistics.median(encode[1]),
+              "encode_rounds": {"1": encode[1], "2": encode[2]}, "encode_workers_auto": auto_encode_workers()}
+    if encode_only:
+        return stages
     files, _ = timed(lambda: [shard_bytes(*job) for job in jobs])
     cache = folder / "stages"
     _, write_s = timed(lambda: [write_file_atomic(shard_path(cache, i), data) for i, data in enumerate(files)])
@@ -164,12 +176,7 @@ def writer_rates(args: TeacherCacheArgs, device: torch.device, shards: int, roun
         with single_thread():
             decode_s.append(timed(lambda: read_shard(shard_path(cache, i), range(manifest.shard_sequences),
                                                      manifest))[1])
-    return {"shards": shards, "tokens_per_shard": tokens_per_shard, "teacher_params": teacher.n_params,
-            "tokenize_tokens_per_s": total / tokenize_s, "forward_tokens_per_s": total / forward_s,
-            "encode_1_worker_tokens_per_s": statistics.median(encode[1]),
-            "encode_2_workers_tokens_per_s": statistics.median(encode[2]),
-            "encode_scaling_2_over_1": statistics.median(encode[2]) / statistics.median(encode[1]),
-            "write_tokens_per_s": total / write_s, "encode_workers_auto": auto_encode_workers(),
+    return {**stages, "write_tokens_per_s": total / write_s,
             "serial_writer_tokens_per_s": statistics.median(whole["serial"]),
             "pipelined_writer_tokens_per_s": statistics.median(whole["pipelined"]),
             "reader_decode_tokens_per_s": tokens_per_shard / statistics.median(decode_s)}
@@ -198,10 +205,13 @@ def format_table(results: dict) -> str:
                          f"{row['tokens_per_s']:,.0f} | waits {100 * row['wait_share']:.0f}% of the time |")
     writer = results["writer"]
     for key, label in (("tokenize", "writer: tokenize"), ("forward", "writer: teacher forward + top-k"),
-                       ("encode_1_worker", "writer: encode, 1 worker"), ("encode_2_workers", "writer: encode, 2 workers"),
+                       ("encode_1_worker", "writer: encode, 1 worker"),
+                       ("encode_2_workers", "writer: encode, 2 workers"),
                        ("write", "writer: write"), ("serial_writer", "writer, serial"),
                        ("pipelined_writer", f"writer, pipelined ({writer['encode_workers_auto']} encode workers)"),
                        ("reader_decode", "reader: decode, one thread")):
+        if key + "_tokens_per_s" not in writer:  # --encode-only
+            continue
         note = ""
         if key == "encode_2_workers":
             note = f"{writer['encode_scaling_2_over_1']:.2f}x one worker"
@@ -226,6 +236,7 @@ def parse(argv: Optional[list[str]]) -> tuple[argparse.Namespace, TeacherCacheAr
     parser.add_argument("--steps", type=int, default=30, help="training steps per run (--device cuda)")
     parser.add_argument("--students", default="139m,810m", help="the students of the step comparison (--device cuda)")
     parser.add_argument("--skip-loader", action="store_true", help="measure the writer and reader only")
+    parser.add_argument("--encode-only", action="store_true", help="of the writer, the stages up to encoding only")
     parser.add_argument("--compare-steps", action="store_true", help="the step comparison on the CPU too (tests)")
     parser.add_argument("--teacher", choices=("random-tiny", "random", "config"),
                         help="the config's teacher's shape with random weights (default on cuda), 2 layers of width "
@@ -237,8 +248,8 @@ def parse(argv: Optional[list[str]]) -> tuple[argparse.Namespace, TeacherCacheAr
     options.rounds = options.rounds or (1 if options.device == "cuda" else 3)  # cuda: within gpu_check's budget
     options.teacher = options.teacher or ("random" if options.device == "cuda" else "random-tiny")
     # On the GPU, the issue's setting: 8 windows of 2,048 tokens a step, top-64
-    gpu = ["data.seq_len=2048", "data.batch_size=8", "distillation.output=topk", "distillation.k=64",
-           "distillation.teacher_dtype=bf16"]
+    gpu = ["data.seq_len=2048", "data.batch_size=8", "model.max_seqlen=2048", "distillation.output=topk",
+           "distillation.k=64", "distillation.teacher_dtype=bf16"]
     options.overrides = [*(gpu if options.device == "cuda" else []), *overrides]
     cache_keys = ["shard_sequences=16", "cache_dir=unused", "forward_rows=8"]
     return options, parse_args(TeacherCacheArgs, [f"config={options.config}", *cache_keys, *options.overrides])
@@ -258,12 +269,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(json.dumps({"loader": results["loader"]}), flush=True)
     with tempfile.TemporaryDirectory() as folder:
         if options.teacher != "config":
-            args.distillation.teacher_path = str(random_teacher(args.distillation.teacher_path, Path(folder) / "teacher",
-                                                                tiny=options.teacher == "random-tiny"))
+            teacher = random_teacher(args.distillation.teacher_path, Path(folder) / "teacher",
+                                     tiny=options.teacher == "random-tiny")
+            args.distillation.teacher_path = str(teacher)
         results["teacher"] = options.teacher
-        results["writer"] = writer_rates(args, device, options.shards, options.rounds, Path(folder))
+        results["writer"] = writer_rates(args, device, options.shards, options.rounds, Path(folder),
+                                         options.encode_only)
         print(json.dumps({"writer": results["writer"]}), flush=True)
-        if options.device == "cuda" or options.compare_steps:
+        if (options.device == "cuda" or options.compare_steps) and not options.encode_only:
             results["steps"] = step_comparison(options, args, Path(folder))
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")

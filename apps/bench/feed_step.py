@@ -106,7 +106,8 @@ def format_step_table(results: dict, then: dict) -> str:
                      f"{100 * row['kd_cache']['data_share']:.1f}% of {1e3 * row['kd_cache']['step_s']:.0f} ms |")
         lines.append(f"| {student} student: fwd+bwd KD / CE | - | {row['fwd_bwd_kd_over_ce']:.2f}x |")
     lines.append(f"| cache writer / its teacher's forward + top-64 | {then['writer_tokens_per_s']:,} / "
-                 f"{then['teacher_forward_tokens_per_s']:,} tokens/s | {writer['pipelined_writer_tokens_per_s']:,.0f} / "
+                 f"{then['teacher_forward_tokens_per_s']:,} tokens/s | "
+                 f"{writer['pipelined_writer_tokens_per_s']:,.0f} / "
                  f"{writer['forward_tokens_per_s']:,.0f} tokens/s "
                  f"({100 * writer['pipelined_writer_tokens_per_s'] / writer['forward_tokens_per_s']:.0f}%) |")
     lines.append(f"| v2 reader decode, one thread | {then['reader_decode_tokens_per_s']:,} tokens/s | "

@@ -9,7 +9,9 @@ Every rank is a teacher: it loads the teacher, tokenizes and packs the data exac
 assigned to it (shard i is chunk i // M of stream i % M; rank r writes shards r, r+N, ...). With
 distillation.teacher_tp=T the N ranks form N / T replicas of T consecutive ranks (on one node), each
 holding the teacher sharded tensor-parallel: replica j writes shards j, j + N/T, ..., its first rank
-writing the files, every rank of it running the forward. Shards are
+writing the files, every rank of it running the forward. A rank reads its next windows ahead on a thread
+and hands finished shards to `encode_workers` processes that encode and write them while its teacher runs the
+next forward (lingua/distillation/cache_writer.py; 0 = the serial writer, the same bytes). Shards are
 written atomically, so a rerun skips the finished ones and resumes the others from the loader state
 saved in the last finished shard of their stream. The teacher's held-out CE (the students' reference line)
 is computed last, its batches split over the replicas. `cache.json` records the settings: training refuses

@@ -89,8 +89,8 @@ def test_a_bug_in_encoding_is_one_sentence_pointing_at_the_log(tmp_path, monkeyp
     with pytest.raises(ShardWriteError) as raised:
         ShardWriters(0, StageClock()).submit(3, shard_path(tmp_path, 3), torch.zeros(1, 3), torch.zeros(1, 2), None,
                                              None, {})
-    assert str(raised.value) == (f"Teacher cache shard 3 ({shard_path(tmp_path, 3)}) was not written: KeyError: 'codec'. "
-                                 f"The traceback is in the rank's log (cache_dir/logs); finished shards are kept, so "
+    assert str(raised.value) == (f"Teacher cache shard 3 ({shard_path(tmp_path, 3)}) was not written: "
+                                 f"KeyError: 'codec'. The traceback is in the rank's log (cache_dir/logs); finished shards are kept, so "
                                  f"the same command resumes once it is fixed.")
 
 
@@ -132,8 +132,9 @@ def test_a_failing_encode_worker_is_one_sentence_and_leaves_no_worker(corpus, ti
     with pytest.raises(ShardWriteError) as raised:
         write_cache(cache_args(corpus, broken, tmp_path / "cache", workers=2), one_rank())
     sentence = str(raised.value)
-    assert sentence.startswith("Teacher cache shard 0 (") and "shard_00000.safetensors) was not written: The teacher's " \
-        "outputs are not finite (NaN log-probs)" in sentence and "\n" not in sentence, sentence
+    assert sentence.startswith("Teacher cache shard 0 (") and "\n" not in sentence, sentence
+    assert ("shard_00000.safetensors) was not written: The teacher's outputs are not finite (NaN log-probs)"
+            in sentence), sentence
     assert not multiprocessing.active_children() and time.time() - start < 120
     assert not list((tmp_path / "cache" / "shards").glob("*.safetensors"))
 
