@@ -9,7 +9,9 @@ Every rank is a teacher: it loads the teacher, tokenizes and packs the data exac
 assigned to it (shard i is chunk i // M of stream i % M; rank r writes shards r, r+N, ...). With
 distillation.teacher_tp=T the N ranks form N / T replicas of T consecutive ranks (on one node), each
 holding the teacher sharded tensor-parallel: replica j writes shards j, j + N/T, ..., its first rank
-writing the files, every rank of it running the forward. Shards are
+writing the files, every rank of it running the forward. A rank reads its next windows ahead on a thread
+and hands finished shards to `encode_workers` processes that encode and write them while its teacher runs the
+next forward (lingua/distillation/cache_writer.py; 0 = the serial writer, the same bytes). Shards are
 written atomically, so a rerun skips the finished ones and resumes the others from the loader state
 saved in the last finished shard of their stream. The teacher's held-out CE (the students' reference line)
 is computed last, its batches split over the replicas. `cache.json` records the settings: training refuses
@@ -48,8 +50,8 @@ from lingua.distillation.cache import (
     shard_metadata,
     shard_path,
     write_json_atomic,
-    write_shard,
 )
+from lingua.distillation.cache_writer import READ_AHEAD, ShardWriters, StageClock, WindowReadAhead, auto_encode_workers
 from lingua.distillation.distiller import tokenizer_vocab
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.distillation.teacher import TeacherModel
@@ -73,6 +75,9 @@ class TeacherCacheArgs(TrainArgs):
     sequences_per_stream: int = 0  # windows per stream; 0 = what the config trains on: steps x grad_acc x batch
     shard_sequences: int = 64  # windows per shard file (the unit of resuming)
     forward_rows: int = 8  # windows per teacher forward
+    # Processes encoding and writing shards while the teacher runs (lingua/distillation/cache_writer.py); -1: one
+    # per core the writer's main thread leaves free; 0: the serial writer (read, forward, encode, write in turn)
+    encode_workers: int = -1
 
     def validate(self, world_size: Optional[int] = None, local_world_size: Optional[int] = None) -> None:
         """The trainer's pass for the config with an online teacher (whatever distillation.source says: this
@@ -83,6 +88,8 @@ class TeacherCacheArgs(TrainArgs):
         require(bool(self.cache_dir), "cache_dir", self.cache_dir, "pass cache_dir=<folder for the teacher cache>")
         for key in ("streams", "shard_sequences", "forward_rows"):
             require(getattr(self, key) >= 1, key, getattr(self, key), "use a positive integer")
+        require(self.encode_workers >= -1, "encode_workers", self.encode_workers,
+                "use -1 (one per free core), 0 (the serial writer) or a number of worker processes")
         require(self.sequences_per_stream >= 0, "sequences_per_stream", self.sequences_per_stream,
                 "use 0 (the config's steps x grad_acc_steps x data.batch_size) or a positive number of windows")
         if world_size is not None:
@@ -155,6 +162,12 @@ class StreamReader:
             self.next_chunk[stream] += 1
         self.next_chunk[stream] += 1
         return next(loader)
+
+    def shard_windows(self, index: int) -> tuple[int, int, dict, dict]:
+        """(stream, chunk, windows, the stream's loader state after them) of shard `index`."""
+        stream, chunk = shard_location(index, self.manifest.streams)
+        batch = self.chunk(stream, chunk)
+        return stream, chunk, batch, self.loaders[stream].state_dict()
 
 
 def teacher_outputs(teacher: TeacherModel, batch: dict, manifest: CacheManifest, forward_rows: int,
@@ -260,27 +273,9 @@ def write_cache(args: TeacherCacheArgs, topo) -> None:
                 f"written, {len(todo)} to write ({manifest.shard_sequences} windows of {args.data.seq_len} tokens each)"
                 + (f"; tensor-parallel replica {replica} of {tp} ranks" + ("" if writer else ", not writing")
                    if tp > 1 else ""))
-    streams = StreamReader(args, tokenizer, cache_dir, manifest)
-    start = last_report = time.perf_counter()
-    tokens_per_shard = manifest.shard_sequences * args.data.seq_len
-    for done, index in enumerate(todo, 1):
-        stream, chunk = shard_location(index, manifest.streams)
-        batch = streams.chunk(stream, chunk)
-        generator = torch.Generator(device=topo.device).manual_seed(args.distillation.seed * 1_000_003 + index)
-        outputs = teacher_outputs(teacher, batch, manifest, args.forward_rows, generator)
-        if not writer:  # its part of the outputs went to the replica's first rank
-            continue
-        tokens = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1)
-        write_shard(shard_path(cache_dir, index), tokens, batch["doc_ids"], outputs, manifest,
-                    dict(shard=index, stream=stream, chunk=chunk,
-                         loader_state=streams.loaders[stream].state_dict()))
-        now = time.perf_counter()
-        if now - last_report > PROGRESS_EVERY_S or done == len(todo):
-            last_report, rate = now, done * tokens_per_shard / (now - start)
-            eta = format_duration((len(todo) - done) * tokens_per_shard / rate)
-            logger.info(f"cache rank {rank}: {done}/{len(todo)} shards, {done * tokens_per_shard:,} tokens, "
-                        f"{rate:,.0f} tokens/s, ETA {eta}")
+    write_shards(args, StreamReader(args, tokenizer, cache_dir, manifest), teacher, manifest, todo, writer, topo)
     barrier(topo, "every shard written")
+    tokens_per_shard = manifest.shard_sequences * args.data.seq_len
     manifest.teacher_heldout_ce = heldout_reference(args, tokenizer, teacher, manifest, topo, replica, replicas, writer)
     if rank == 0:
         manifest.write(cache_dir)
@@ -294,6 +289,50 @@ def write_cache(args: TeacherCacheArgs, topo) -> None:
         logger.info(f"teacher cache complete in {cache_dir}: {manifest.n_shards} shards, "
                     f"{manifest.n_shards * tokens_per_shard:,} tokens{reference}")
     barrier(topo, "cache index")
+
+
+def write_shards(args: TeacherCacheArgs, streams: StreamReader, teacher: TeacherModel, manifest: CacheManifest,
+                 todo: list[int], writer: bool, topo) -> None:
+    """Shards `todo`: windows read ahead, the teacher's forward here, encoding and writing in worker processes
+    (`encode_workers`; 0: each in turn on this thread). Same bytes either way (lingua/distillation/cache_writer.py)."""
+    pipelined = args.encode_workers != 0
+    workers = (auto_encode_workers() if args.encode_workers < 0 else args.encode_workers) if pipelined and writer else 0
+    clock = StageClock()
+    windows = WindowReadAhead(streams.shard_windows, todo, clock, depth=READ_AHEAD if pipelined else 0)
+    shards = ShardWriters(workers, clock)
+    last_report, tokens_per_shard = clock.start, manifest.shard_sequences * args.data.seq_len
+    if writer:
+        logger.info(f"cache rank {topo.global_rank}: " + (f"{workers} encode worker(s), windows read ahead"
+                                                           if pipelined else "serial writer (encode_workers=0)"))
+    try:
+        for index, (stream, chunk, batch, loader_state) in windows:
+            since = time.perf_counter()
+            generator = torch.Generator(device=topo.device).manual_seed(args.distillation.seed * 1_000_003 + index)
+            outputs = teacher_outputs(teacher, batch, manifest, args.forward_rows, generator)
+            clock.add("teacher", since)
+            if not writer:  # its part of the outputs went to the replica's first rank
+                continue
+            tokens = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1)
+            shards.submit(index, shard_path(streams.cache_dir, index), tokens, batch["doc_ids"], outputs, manifest,
+                          dict(shard=index, stream=stream, chunk=chunk, loader_state=loader_state))
+            if time.perf_counter() - last_report > PROGRESS_EVERY_S:
+                last_report = report_progress(topo.global_rank, shards.written, len(todo), tokens_per_shard, clock)
+        shards.drain()
+        if writer and todo:
+            report_progress(topo.global_rank, shards.written, len(todo), tokens_per_shard, clock)
+    finally:
+        windows.close()
+        shards.close()
+
+
+def report_progress(rank: int, written: int, total: int, tokens_per_shard: int, clock: StageClock) -> float:
+    """The progress line: shards written, tokens/s, ETA, and where the writer's time went."""
+    now = time.perf_counter()
+    rate = written * tokens_per_shard / max(now - clock.start, 1e-9)
+    eta = format_duration((total - written) * tokens_per_shard / rate) if rate > 0 else "unknown"
+    logger.info(f"cache rank {rank}: {written}/{total} shards, {written * tokens_per_shard:,} tokens, {rate:,.0f} "
+                f"tokens/s, ETA {eta}; {clock.shares()}")
+    return now
 
 
 def barrier(topo, what: str) -> None:

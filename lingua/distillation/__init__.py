@@ -12,6 +12,8 @@ Student side (the loop asks one `Distiller` for the KD part of each step):
     cache.py           the offline teacher cache: manifest, safetensors shards, the loader training reads
     cache_codec.py     cache format v2: a shard's tensors coded losslessly (sorted values as bit-pattern gaps,
                        ids by frequency rank, sampled draws as distinct ids with counts), then zstd
+    cache_writer.py    the cache writer's pipeline: windows read ahead, shards encoded and written by worker
+                       processes while the teacher runs
 
 Teacher side (the last ranks run `apps.main.train.distillation_process`):
 

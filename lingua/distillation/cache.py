@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from lingua.distillation.bridge import tokenizer_fingerprint
 from lingua.distillation.cache_codec import canonical_sampled, decode_shard, encode_shard
@@ -145,8 +145,14 @@ def shard_location(index: int, streams: int) -> tuple[int, int]:
 
 def write_shard(path: Path, tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs,
                 manifest: CacheManifest, metadata: dict) -> None:
-    """One shard, atomically: written to `.tmp`, synced, renamed (a crash leaves no half shard under the name).
-    Version 2 codes it (`cache_codec`); version 1 (the converter's tests) stores the bridge's tensors."""
+    """One shard, atomically: written to `.tmp`, synced, renamed (a crash leaves no half shard under the name)."""
+    write_file_atomic(path, shard_bytes(tokens, doc_ids, outputs, manifest, metadata))
+
+
+def shard_bytes(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs, manifest: CacheManifest,
+                metadata: dict) -> bytes:
+    """A shard file's bytes. Version 2 codes it (`cache_codec`, with its round-trip check); version 1 (the
+    converter's tests) stores the bridge's tensors."""
     if manifest.version == 1:
         names = ("values",) if outputs.format == "full" else ("values", "ids", "extra")
         tensors = {"tokens": tokens.to(torch.int32).contiguous(),
@@ -156,12 +162,31 @@ def write_shard(path: Path, tokens: torch.Tensor, doc_ids: torch.Tensor, outputs
     else:
         tensors, codec = encode_shard(tokens, doc_ids, outputs, manifest.vocab_size)
         metadata = {**metadata, "codec": codec}
+    return canonical_safetensors(save(tensors, metadata={key: json.dumps(value) for key, value in metadata.items()}))
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """`data` to `path` through `.tmp`, synced, renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={key: json.dumps(value) for key, value in metadata.items()})
-    with open(tmp, "rb+") as f:
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def canonical_safetensors(data: bytes) -> bytes:
+    """A safetensors file's bytes with its metadata keys sorted. The library writes them in a hash map's order,
+    which changes from call to call and process to process; a shard must be the same bytes whoever writes it
+    (the serial writer, an encode worker, a rerun). Same header length, so the tensors' offsets hold."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    assert len(text) <= size, (len(text), size)  # the same entries, reordered: never longer
+    return data[:8] + text.ljust(size, b" ") + data[8 + size:]
 
 
 def shard_metadata(path: Path) -> Optional[dict]:
