@@ -4,7 +4,8 @@ Layout of a cache directory (written by `apps/main/teacher_cache.py`):
 
     cache.json                      the manifest: teacher, tokenizer fingerprint, output format, k, temperature,
                                     wire dtype, attention mask, data settings, streams, shard size, the teacher's
-                                    held-out CE
+                                    held-out CE (cross-tokenizer: also the teacher tokenizer's and the
+                                    vocabulary map's fingerprints; the targets are in the students' ids)
     shards/shard_<i:05d>.safetensors  `shard_sequences` windows of one stream: the tokens [K, S+1], doc_ids [K, S]
                                     and the teacher's outputs, coded losslessly by `cache_codec` (format v2: about
                                     half of v1's bytes; v1 stored the bridge's tensors as they are); its metadata
