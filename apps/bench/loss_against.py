@@ -64,7 +64,7 @@ def load_liger(device: str) -> dict:
 
 def step_functions(args: BenchArgs, liger: dict) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
     """(one closure per runnable variant: forward + backward on shared inputs, a closure that frees the grads)."""
-    hidden, weight, labels, _ = make_inputs(replace(args, format="topk"))
+    hidden, weight, labels, _ = make_inputs(replace(args, format="topk"), with_teacher=False)
     generator = torch.Generator().manual_seed(args.seed + 1)
     teachers = {spec[0::2]: make_teacher(replace(args, format=spec[0], temperature=spec[2]), generator)
                 for spec in OURS.values() if spec is not None}

@@ -40,15 +40,16 @@ class BenchArgs:
     out: Optional[str] = None
 
 
-def make_inputs(args: BenchArgs):
-    """(hidden, weight, labels, teacher) on args.device, from args.seed; teacher is None for CE alone."""
+def make_inputs(args: BenchArgs, with_teacher: bool = True):
+    """(hidden, weight, labels, teacher) on args.device, from args.seed; teacher is None for CE alone or when not
+    wanted (drawing it costs seconds at V=128k; the other tensors do not depend on it)."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     generator = torch.Generator().manual_seed(args.seed)
     hidden = torch.randn(args.tokens, args.dim, generator=generator).to(device, dtype).requires_grad_()
     weight = (torch.randn(args.vocab, args.dim, generator=generator) * args.dim**-0.5).to(device, dtype).requires_grad_()
     labels = torch.randint(0, args.vocab, (args.tokens,), generator=generator)
     labels[torch.rand(args.tokens, generator=generator) < args.ignored] = -100
-    return hidden, weight, labels.to(device), make_teacher(args, generator)
+    return hidden, weight, labels.to(device), make_teacher(args, generator) if with_teacher else None
 
 
 def make_teacher(args: BenchArgs, generator: torch.Generator) -> TeacherOutputs:

@@ -8,11 +8,12 @@ SHAPE_TIMEOUT_S) and prints each ratio table. Everything lands in one folder, na
 (default dumps/gpu_bench/<UTC time>): loss_V<vocab>/results.json and table.md per shape, and bench.md
 (the machine line and the tables, to commit under docs/gpu/ with the date and the card). About 3-5 minutes
 on one H100 (most of it drawing the teachers' outputs on the CPU); the whole mode stays under 10 minutes.
-Exit status 0 when every shape ran, else 1. Liger-Kernel is optional (`pip install liger-kernel`): without
-it its rows say "not installed".
+Exit status 0 when every shape ran, else 1. Liger-Kernel is a bench dependency (setup/create_env.sh installs it;
+in another environment `pip install liger-kernel`): without it its rows say "not installed".
 """
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -29,7 +30,8 @@ def loss_bench_argv(vocab: int, dim: int, out: Path, tokens: int = TOKENS, devic
     """The loss bench's command line for one shape."""
     return [sys.executable, "-m", "apps.bench.loss_step", "--device", device, "--dtype", "bfloat16",
             "--vocab", str(vocab), "--dim", str(dim), "--tokens", str(tokens), "--k", str(K), "--repeats", "10",
-            "--warmup", "2", "--rounds", "1", "--against", "liger", "--out", str(out)]
+            "--warmup", "2", "--rounds", "1", "--against", "liger", "--out", str(out),
+            "--threads", str(min(8, os.cpu_count() or 1))]  # the teachers' outputs are drawn on the CPU
 
 
 def main(argv: Optional[list[str]] = None, run: Callable = subprocess.run) -> int:

@@ -19,6 +19,9 @@ from lingua.distillation.cache_codec import planned_bytes_per_token
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.parallel.launch_plan import LaunchPlan
 
+# A cache shard of fewer windows than this batches the writer's forwards too finely: the plan rounds up instead.
+MIN_EXACT_SHARD = 16
+
 
 class Planner:
     """Evaluates layouts of one config on one cluster; `plan()` returns the JSON-able plan. A student vocabulary
@@ -219,12 +222,15 @@ class Planner:
         """The cache writer's layout for `cached` planned tokens: one stream per GPU (every GPU trains from the
         cache), the windows split evenly between the streams, in shards that divide a stream's windows, so that
         it writes exactly the planned tokens (rounded up to whole windows per stream only where they do not split
-        evenly: `tokens` then says what it writes); `train_steps`: the steps that train the run's `trained` tokens
+        evenly, or where the only shards that divide them would be tiny: `tokens` then says what it writes, and the
+        writer batches its forwards by shard); `train_steps`: the steps that train the run's `trained` tokens
         from it (None where they are not whole steps)."""
         args, streams, seq = self.args, self.args.world_size, self.args.data.seq_len
         per_stream = -(-math.ceil(cached / seq) // streams)
         default_shard = TeacherCacheArgs.shard_sequences
         shard = max(d for d in range(1, min(default_shard, per_stream) + 1) if per_stream % d == 0)
+        if shard < MIN_EXACT_SHARD <= per_stream:  # no divisor near a full shard: whole shards, a few windows more
+            shard, per_stream = default_shard, -(-per_stream // default_shard) * default_shard
         step_tokens = args.grad_acc_steps * args.data.batch_size * seq * streams
         return {"teacher_tp": writer_tp, "streams": streams, "sequences_per_stream": per_stream,
                 "shard_sequences": shard, "tokens": streams * per_stream * seq,

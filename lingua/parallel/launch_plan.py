@@ -41,11 +41,9 @@ class DistributedArgs:
     model_dtype: str = "bf16"  # parameter dtype under FSDP mixed precision: "bf16" | "fp32"
     compile: bool = False
     activation_checkpointing: str = "none"  # "none" | "full" | "selective"
-    # Meta Lingua's names, accepted so its configs run unchanged: selective_activation_checkpointing=true is
-    # activation_checkpointing=selective (folded by `validate`); tp_size above 1 (student tensor parallelism) is
-    # refused: the student is sharded with FSDP (dp_shard / dp_replicate) only.
-    selective_activation_checkpointing: Optional[bool] = None
-    tp_size: int = 1
+    # Meta Lingua's names, accepted so its configs run unchanged (folded by `validate`).
+    selective_activation_checkpointing: Optional[bool] = None  # Lingua's: true = activation_checkpointing=selective
+    tp_size: int = 1  # Lingua's student tensor parallelism: above 1 is refused (shard with dp_shard / dp_replicate)
     backend: str = "auto"  # "auto" (nccl on GPU, gloo on CPU) | "nccl" | "gloo"
     teacher_placement: str = "last"  # "last" global ranks | "per_node" (last local rank of each node)
     # Two-phase timeouts: generous while loading/compiling, short once the first step went through.

@@ -61,8 +61,8 @@ class _FullWidthOps(torch.utils._python_dispatch.TorchDispatchMode):
     gathers/scatters into it are not passes."""
 
     NOT_PASSES = ("t", "transpose", "permute", "view", "expand", "slice", "select", "unsqueeze", "squeeze",
-                  "as_strided", "alias", "detach", "_reshape_alias", "gather", "scatter", "scatter_", "scatter_add",
-                  "scatter_add_")
+                  "as_strided", "alias", "detach", "_reshape_alias", "gather", "scatter_", "scatter_add_")
+    # (out-of-place scatter and scatter_add copy the whole tensor: they are passes, and counted)
 
     def __init__(self, shape):
         super().__init__()

@@ -181,6 +181,10 @@ def test_the_cache_writer_splits_the_planned_windows_evenly_and_says_when_it_rou
     assert writer["train_steps"] is None  # 123 windows are not whole steps of 8 rows
     printed = "\n".join(format_plan(plan))
     assert "8 streams x 123 windows of 1,024 tokens = 1,007,616 tokens, the planned 1,000,000 rounded up" in printed
+    # 127 windows a stream (a prime): shards of 1 window would batch every teacher forward by one; whole shards
+    # of 64 instead, a window more per stream, said as rounding.
+    prime = plan_of(EXAMPLES["smollm2"] + [f"tokens_per_run={8 * 127 * 1024}"])["cache"]["writer"]
+    assert (prime["sequences_per_stream"], prime["shard_sequences"], prime["tokens"]) == (128, 64, 8 * 128 * 1024)
     # Behind a data wall the cache holds the 2M unique tokens once and training reads it 16.4 times (its 500 steps).
     walled = plan_of(EXAMPLES["smollm2"] + ["unique_tokens=2e6"])["cache"]
     assert (walled["cached_tokens"], walled["tokens_per_run"]) == (2_000_000, 32_768_000)
