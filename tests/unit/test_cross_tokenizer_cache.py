@@ -164,3 +164,17 @@ def test_a_cache_for_another_student_tokenizer_or_without_cross_tokenizer_is_one
     with pytest.raises(DataError, match=r"cross_tokenizer is True in the cache but False here "
                                         r"\(distillation\.cross_tokenizer\)\. Train with"):
         open_cache(str(cache_dir), plain, 2, 0, 2)
+
+
+def test_a_writer_rerun_with_another_teacher_tokenizer_is_one_sentence(cross_cache):
+    """Finishing a cross-tokenizer cache with another teacher tokenizer (another vocabulary map) is refused."""
+    from apps.main.teacher_cache import settle_manifest
+
+    cache_dir, _ = cross_cache
+    planned = replace(CacheManifest.read(cache_dir), teacher_tokenizer_fingerprint=1, vocab_map_fingerprint="0" * 16)
+    with pytest.raises(DataError) as caught:
+        settle_manifest(cache_dir, planned)
+    manifest = CacheManifest.read(cache_dir)
+    assert (f"teacher_tokenizer_fingerprint is {manifest.teacher_tokenizer_fingerprint} in the cache but 1 here; "
+            f"vocab_map_fingerprint is {manifest.vocab_map_fingerprint} in the cache but {'0' * 16} here. Use another "
+            f"cache_dir") in str(caught.value)
