@@ -16,10 +16,11 @@ written atomically, so a rerun skips the finished ones and resumes the others fr
 saved in the last finished shard of their stream. With distillation.cross_tokenizer=true the teacher keeps its
 own tokenizer: each window is aligned on the read-ahead thread as an online teacher rank aligns it
 (CrossTokenizerTeacher), and the shards hold the student-side targets (the students' ids and positions, a
-kd_weight bit per position), so the cache trains any run of that student tokenizer. The teacher's held-out CE (the students' reference line)
-is computed last, its batches split over the replicas. `cache.json` records the settings: training refuses
-a cache whose settings differ from its own. `index.json`, written last, marks the cache complete.
-Then a sweep over alpha, temperature or student size pays the teacher once (see lingua/distillation/cache.py).
+kd_weight bit per position), so the cache trains any run of that student tokenizer. The teacher's held-out
+CE (the students' reference line; not with another tokenizer) is computed last, its batches split over the
+replicas. `cache.json` records the settings: training refuses a cache whose settings differ from its own.
+`index.json`, written last, marks the cache complete. Then a sweep over alpha, temperature or student size
+pays the teacher once (see lingua/distillation/cache.py).
 """
 
 if __name__ == "__main__":  # first, before the slow imports: see lingua.cli.hold_sigterm
@@ -297,8 +298,9 @@ def write_cache(args: TeacherCacheArgs, topo) -> None:
     if args.distillation.cross_tokenizer:  # the teacher keeps its tokenizer; the shards hold student-side targets
         cross = load_cross_tokenizer(args.data.tokenizer, args.distillation.teacher_tokenizer, teacher.tokenizer,
                                      teacher.max_positions)
-        logger.info(f"cross-tokenizer: {cross.vocab_map.mapped} of the teacher's {len(cross.vocab_map.teacher_to_student)}"
-                    f" ids are student tokens (map {cross.vocab_map.fingerprint()})")
+        vocab_map = cross.vocab_map
+        logger.info(f"cross-tokenizer: {vocab_map.mapped} of the teacher's {len(vocab_map.teacher_to_student)} ids are "
+                    f"student tokens (map {vocab_map.fingerprint()})")
     else:
         check_tokenizers(tokenizer, teacher, str(args.distillation.teacher_path))
     manifest = planned_manifest(args, tokenizer, cross)
@@ -344,6 +346,7 @@ def write_shards(args: TeacherCacheArgs, streams: StreamReader, teacher: Teacher
     pipelined = args.encode_workers != 0
     workers = (auto_encode_workers() if args.encode_workers < 0 else args.encode_workers) if pipelined and writer else 0
     clock = StageClock()
+
     def read(index: int) -> tuple:
         stream, chunk, batch, loader_state = streams.shard_windows(index)
         if cross is not None:  # on the read-ahead thread: the alignment is host work, off the teacher's
