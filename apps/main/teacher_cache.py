@@ -13,10 +13,14 @@ writing the files, every rank of it running the forward. A rank reads its next w
 and hands finished shards to `encode_workers` processes that encode and write them while its teacher runs the
 next forward (lingua/distillation/cache_writer.py; 0 = the serial writer, the same bytes). Shards are
 written atomically, so a rerun skips the finished ones and resumes the others from the loader state
-saved in the last finished shard of their stream. The teacher's held-out CE (the students' reference line)
-is computed last, its batches split over the replicas. `cache.json` records the settings: training refuses
-a cache whose settings differ from its own. `index.json`, written last, marks the cache complete.
-Then a sweep over alpha, temperature or student size pays the teacher once (see lingua/distillation/cache.py).
+saved in the last finished shard of their stream. With distillation.cross_tokenizer=true the teacher keeps its
+own tokenizer: each window is aligned on the read-ahead thread as an online teacher rank aligns it
+(CrossTokenizerTeacher), and the shards hold the student-side targets (the students' ids and positions, a
+kd_weight bit per position), so the cache trains any run of that student tokenizer. The teacher's held-out
+CE (the students' reference line; not with another tokenizer) is computed last, its batches split over the
+replicas. `cache.json` records the settings: training refuses a cache whose settings differ from its own.
+`index.json`, written last, marks the cache complete. Then a sweep over alpha, temperature or student size
+pays the teacher once (see lingua/distillation/cache.py).
 """
 
 if __name__ == "__main__":  # first, before the slow imports: see lingua.cli.hold_sigterm
@@ -42,6 +46,7 @@ from lingua.distillation.args import WIRE_DTYPES
 from lingua.distillation.bridge import tokenizer_fingerprint
 from lingua.distillation.cache import (
     CONVERT_HINT,
+    CROSS_FIELDS,
     INDEX,
     CacheManifest,
     describe_differences,
@@ -52,6 +57,7 @@ from lingua.distillation.cache import (
     write_json_atomic,
 )
 from lingua.distillation.cache_writer import READ_AHEAD, ShardWriters, StageClock, WindowReadAhead, auto_encode_workers
+from lingua.distillation.cross_tokenizer.teacher_side import CrossTokenizerTeacher, load_cross_tokenizer
 from lingua.distillation.distiller import tokenizer_vocab
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.distillation.teacher import TeacherModel
@@ -101,11 +107,16 @@ class TeacherCacheArgs(TrainArgs):
             tensor_parallel_replicas(list(range(world_size)), tp, local_world_size or world_size)
 
 
-def planned_manifest(args: TeacherCacheArgs, tokenizer) -> CacheManifest:
+def planned_manifest(args: TeacherCacheArgs, tokenizer, cross: Optional[CrossTokenizerTeacher] = None) -> CacheManifest:
+    """The manifest this writer writes; a cross-tokenizer one also records the teacher's tokenizer and the map."""
     wanted = args.sequences_per_stream or args.steps * args.grad_acc_steps * args.data.batch_size
     per_stream = -(-wanted // args.shard_sequences) * args.shard_sequences  # whole shards
-    return settings_manifest(args.distillation, args.data, args.model.attn_mask, tokenizer, streams=args.streams,
-                             sequences_per_stream=per_stream, shard_sequences=args.shard_sequences)
+    manifest = settings_manifest(args.distillation, args.data, args.model.attn_mask, tokenizer, streams=args.streams,
+                                 sequences_per_stream=per_stream, shard_sequences=args.shard_sequences)
+    if cross is not None:
+        manifest.teacher_tokenizer_fingerprint = cross.teacher_fingerprint
+        manifest.vocab_map_fingerprint = cross.vocab_map.fingerprint()
+    return manifest
 
 
 def check_tokenizers(tokenizer, teacher: TeacherModel, teacher_path: str) -> None:
@@ -114,7 +125,8 @@ def check_tokenizers(tokenizer, teacher: TeacherModel, teacher_path: str) -> Non
     if student != tokenizer_fingerprint(teacher.tokenizer.get_vocab()) or tokenizer.n_words > teacher.vocab_size:
         raise ConfigError(f"The data tokenizer (vocab {tokenizer.n_words}) does not match the teacher's (vocab "
                           f"{teacher.vocab_size}) at {teacher_path}. Students must use the teacher's tokenizer: set "
-                          f"data.tokenizer.name=hf data.tokenizer.path={teacher_path}.")
+                          f"data.tokenizer.name=hf data.tokenizer.path={teacher_path}, or keep yours and set "
+                          f"distillation.cross_tokenizer=true.")
 
 
 def settle_manifest(cache_dir: Path, planned: CacheManifest) -> None:
@@ -129,7 +141,7 @@ def settle_manifest(cache_dir: Path, planned: CacheManifest) -> None:
         planned.version = existing.version
     differ = describe_differences(existing, planned, ("teacher_path", "tokenizer_fingerprint", "vocab_size", "output",
                                                       "k", "temperature", "wire_dtype", "attn_mask", "data", "streams",
-                                                      "sequences_per_stream", "shard_sequences"))
+                                                      "sequences_per_stream", "shard_sequences", *CROSS_FIELDS))
     if differ:
         raise DataError(f"{cache_dir} already holds a teacher cache written with other settings: {'; '.join(differ)}. "
                         f"Use another cache_dir, or the settings it was started with to finish it.")
@@ -170,12 +182,37 @@ class StreamReader:
         return stream, chunk, batch, self.loaders[stream].state_dict()
 
 
+def align_windows(cross: CrossTokenizerTeacher, batch: dict, manifest: CacheManifest, forward_rows: int) -> dict:
+    """distillation.cross_tokenizer: a chunk's windows with each forward's rows aligned to the teacher's tokens
+    (`aligned`, a TeacherBatch per forward of `forward_rows` windows), as an online teacher rank aligns them."""
+    doc_causal = manifest.attn_mask == "doc_causal"
+    aligned = [cross.teacher_batch(batch["input_ids"][start:start + forward_rows],
+                                   batch["doc_ids"][start:start + forward_rows] if doc_causal else None)
+               for start in range(0, batch["input_ids"].shape[0], forward_rows)]
+    return {**batch, "aligned": aligned}
+
+
+def cross_outputs(teacher: TeacherModel, cross: CrossTokenizerTeacher, aligned, manifest: CacheManifest,
+                  generator) -> TeacherOutputs:
+    """The teacher's forward on its own tokens, its top-k (fp32, every teacher id) mapped to the student's
+    positions and ids with kd_weight: what `TeacherServer._cross_forward_rows` sends a student."""
+    doc_ids = aligned.doc_ids.to(teacher.device) if manifest.attn_mask == "doc_causal" else None
+    hidden = teacher.hidden_states(aligned.tokens.to(teacher.device), doc_ids)
+    teacher_topk = teacher.sparse_outputs(hidden, "topk", manifest.k, torch.float32, teacher.vocab_size, generator)
+    outputs, kd_weight = cross.student_outputs(teacher_topk, aligned, WIRE_DTYPES[manifest.wire_dtype])
+    outputs.kd_weight = kd_weight
+    return outputs
+
+
 def teacher_outputs(teacher: TeacherModel, batch: dict, manifest: CacheManifest, forward_rows: int,
-                    generator) -> Optional[TeacherOutputs]:
+                    generator, cross: Optional[CrossTokenizerTeacher] = None) -> Optional[TeacherOutputs]:
     """The teacher's outputs for a chunk's windows, `forward_rows` windows per forward (tensor-parallel: on the
-    replica's first rank, None on the others)."""
+    replica's first rank, None on the others; cross-tokenizer: from the windows `align_windows` aligned)."""
     parts = []
-    for start in range(0, batch["input_ids"].shape[0], forward_rows):
+    for index, start in enumerate(range(0, batch["input_ids"].shape[0], forward_rows)):
+        if cross is not None:
+            parts.append(cross_outputs(teacher, cross, batch["aligned"][index], manifest, generator))
+            continue
         rows = slice(start, start + forward_rows)
         doc_ids = batch["doc_ids"][rows].to(teacher.device) if manifest.attn_mask == "doc_causal" else None
         hidden = teacher.hidden_states(batch["input_ids"][rows].to(teacher.device), doc_ids)
@@ -257,8 +294,16 @@ def write_cache(args: TeacherCacheArgs, topo) -> None:
     tp = args.distillation.teacher_tp
     tp_group = replica_group(topo, tp, args.distributed.init_timeout_s)
     teacher = TeacherModel(args.distillation, topo.device, tp_group)
-    check_tokenizers(tokenizer, teacher, str(args.distillation.teacher_path))
-    manifest = planned_manifest(args, tokenizer)
+    cross = None
+    if args.distillation.cross_tokenizer:  # the teacher keeps its tokenizer; the shards hold student-side targets
+        cross = load_cross_tokenizer(args.data.tokenizer, args.distillation.teacher_tokenizer, teacher.tokenizer,
+                                     teacher.max_positions)
+        vocab_map = cross.vocab_map
+        logger.info(f"cross-tokenizer: {vocab_map.mapped} of the teacher's {len(vocab_map.teacher_to_student)} ids are "
+                    f"student tokens (map {vocab_map.fingerprint()})")
+    else:
+        check_tokenizers(tokenizer, teacher, str(args.distillation.teacher_path))
+    manifest = planned_manifest(args, tokenizer, cross)
     settle_manifest(cache_dir, manifest)
     world, rank = topo.world_size, topo.global_rank
     replicas, replica, writer = world // tp, rank // tp, rank % tp == 0  # replicas are consecutive ranks
@@ -273,10 +318,12 @@ def write_cache(args: TeacherCacheArgs, topo) -> None:
                 f"written, {len(todo)} to write ({manifest.shard_sequences} windows of {args.data.seq_len} tokens each)"
                 + (f"; tensor-parallel replica {replica} of {tp} ranks" + ("" if writer else ", not writing")
                    if tp > 1 else ""))
-    write_shards(args, StreamReader(args, tokenizer, cache_dir, manifest), teacher, manifest, todo, writer, topo)
+    write_shards(args, StreamReader(args, tokenizer, cache_dir, manifest), teacher, manifest, todo, writer, topo, cross)
     barrier(topo, "every shard written")
     tokens_per_shard = manifest.shard_sequences * args.data.seq_len
-    manifest.teacher_heldout_ce = heldout_reference(args, tokenizer, teacher, manifest, topo, replica, replicas, writer)
+    # A teacher of another tokenizer has no CE per student token (the config decides it: every rank skips it).
+    manifest.teacher_heldout_ce = None if cross is not None else \
+        heldout_reference(args, tokenizer, teacher, manifest, topo, replica, replicas, writer)
     if rank == 0:
         manifest.write(cache_dir)
         missing = [i for i in range(manifest.n_shards) if shard_metadata(shard_path(cache_dir, i)) is None]
@@ -292,13 +339,21 @@ def write_cache(args: TeacherCacheArgs, topo) -> None:
 
 
 def write_shards(args: TeacherCacheArgs, streams: StreamReader, teacher: TeacherModel, manifest: CacheManifest,
-                 todo: list[int], writer: bool, topo) -> None:
-    """Shards `todo`: windows read ahead, the teacher's forward here, encoding and writing in worker processes
-    (`encode_workers`; 0: each in turn on this thread). Same bytes either way (lingua/distillation/cache_writer.py)."""
+                 todo: list[int], writer: bool, topo, cross: Optional[CrossTokenizerTeacher] = None) -> None:
+    """Shards `todo`: windows read ahead (and aligned there, cross-tokenizer), the teacher's forward here, encoding
+    and writing in worker processes (`encode_workers`; 0: each in turn on this thread). Same bytes either way
+    (lingua/distillation/cache_writer.py)."""
     pipelined = args.encode_workers != 0
     workers = (auto_encode_workers() if args.encode_workers < 0 else args.encode_workers) if pipelined and writer else 0
     clock = StageClock()
-    windows = WindowReadAhead(streams.shard_windows, todo, clock, depth=READ_AHEAD if pipelined else 0)
+
+    def read(index: int) -> tuple:
+        stream, chunk, batch, loader_state = streams.shard_windows(index)
+        if cross is not None:  # on the read-ahead thread: the alignment is host work, off the teacher's
+            batch = align_windows(cross, batch, manifest, args.forward_rows)
+        return stream, chunk, batch, loader_state
+
+    windows = WindowReadAhead(read, todo, clock, depth=READ_AHEAD if pipelined else 0)
     shards = ShardWriters(workers, clock)
     last_report, tokens_per_shard = clock.start, manifest.shard_sequences * args.data.seq_len
     if writer:
@@ -308,7 +363,7 @@ def write_shards(args: TeacherCacheArgs, streams: StreamReader, teacher: Teacher
         for index, (stream, chunk, batch, loader_state) in windows:
             since = time.perf_counter()
             generator = torch.Generator(device=topo.device).manual_seed(args.distillation.seed * 1_000_003 + index)
-            outputs = teacher_outputs(teacher, batch, manifest, args.forward_rows, generator)
+            outputs = teacher_outputs(teacher, batch, manifest, args.forward_rows, generator, cross)
             clock.add("teacher", since)
             if not writer:  # its part of the outputs went to the replica's first rank
                 continue

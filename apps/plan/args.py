@@ -31,6 +31,9 @@ class PlanArgs(TrainArgs):
     teacher_config: Optional[str] = None  # a config.json; default <distillation.teacher_path>/config.json
     teacher_tokens_per_s: float = 0.0  # measured, per teacher GPU (a replica's tokens/s / teacher_tp); 0 = cost model
     student_tokens_per_s: float = 0.0  # measured, per student GPU; 0 = cost model
+    # distillation.cross_tokenizer: the teacher's tokens per student token on your data (its forward's work per
+    # student token scales by it), as `python -m apps.bench.cross_tokenizer` prints it for the pair
+    teacher_tokens_per_student_token: float = 1.0
     gpu_tflops: float = 989.0  # dense bf16 peak of one GPU (H100 SXM), for the cost model
     mfu: float = 0.4  # the share of that peak the teacher and the students reach, for the cost model
     planned_runs: int = 1  # training runs that could share one teacher cache
@@ -59,6 +62,12 @@ class PlanArgs(TrainArgs):
             value = getattr(self, key)
             require(math.isfinite(value) and value >= 0, key, value,
                     "use measured tokens/s per GPU, or 0 for the cost model (gpu_tflops x mfu)")
+        ratio = self.teacher_tokens_per_student_token
+        require(math.isfinite(ratio) and ratio > 0, "teacher_tokens_per_student_token", ratio,
+                "use the measured ratio (python -m apps.bench.cross_tokenizer prints it), e.g. 1.1")
+        require(ratio == 1 or self.distillation.cross_tokenizer, "teacher_tokens_per_student_token", ratio,
+                "a student on the teacher's tokenizer has one teacher token per student token; leave it at 1, or "
+                "set distillation.cross_tokenizer=true")
         require(self.planned_runs >= 1, "planned_runs", self.planned_runs, "use 1 or more runs")
         require(self.tokens_per_run >= 0, "tokens_per_run", self.tokens_per_run,
                 "use 0 (steps x grad_acc_steps x data.batch_size x data.seq_len x students) or a token count")

@@ -30,8 +30,9 @@ class Planner:
     def __init__(self, args: PlanArgs, config_path: Optional[str] = None, overrides: tuple[str, ...] = ()):
         self.args, self.config_path, self.overrides = args, config_path, list(overrides)  # the training keys given
         self.shape = read_teacher_shape(teacher_config_path(args))
-        check_seq_len_fits_teacher(args.data.seq_len, self.shape.max_positions or 0,
-                                   f"max_position_embeddings in {self.shape.path}")
+        # Cross-tokenizer: the teacher's rows have their own length, cut at its max positions (as the trainer says).
+        check_seq_len_fits_teacher(args.data.seq_len, 0 if args.distillation.cross_tokenizer else
+                                   self.shape.max_positions or 0, f"max_position_embeddings in {self.shape.path}")
         if args.model.vocab_size == -1:  # the student speaks the teacher's tokenizer
             args.model = dataclasses.replace(args.model, vocab_size=self.shape.vocab)
         self.student_params = num_parameters(args.model)
@@ -46,16 +47,21 @@ class Planner:
     def measure_or_model(self) -> Speeds:
         args = self.args
         student_flops = student_flops_per_token(args, self.student_params)
-        teacher_flops = self.shape.forward_flops_per_token(args.data.seq_len)
+        # Speeds count student tokens: a teacher of another tokenizer runs `ratio` of its own tokens per student
+        # token, in rows `ratio` times the students' length.
+        ratio = args.teacher_tokens_per_student_token
+        teacher_flops = ratio * self.shape.forward_flops_per_token(max(1, round(args.data.seq_len * ratio)))
         peak = args.gpu_tflops * 1e12 * args.mfu
         student = args.student_tokens_per_s or peak / student_flops
-        teacher = args.teacher_tokens_per_s or peak / teacher_flops
+        teacher = args.teacher_tokens_per_s / ratio if args.teacher_tokens_per_s else peak / teacher_flops
         measured = [name for name in ("student", "teacher") if getattr(args, f"{name}_tokens_per_s")]
         modelled = [name for name in ("student", "teacher") if name not in measured]
         words = [f"{' and '.join(measured)} measured"] if measured else []
         if modelled:
             words.append(f"{' and '.join(modelled)} from the cost model "
                          f"({args.gpu_tflops:g} TFLOP/s x MFU {args.mfu:g})")
+        if ratio != 1:
+            words.append(f"the teacher at {ratio:g} of its tokens per student token")
         return Speeds(student, teacher, "; ".join(words))
 
     def memory(self, tp: int, students_per_bridge: int) -> TeacherMemory:
@@ -242,7 +248,9 @@ class Planner:
                        "gpus_per_node": args.gpus_per_node,
                        "gpu_mem_gib": args.gpu_mem_gib, "teacher_config": shape.path,
                        "teacher_tokens_per_s": args.teacher_tokens_per_s,
-                       "student_tokens_per_s": args.student_tokens_per_s, "gpu_tflops": args.gpu_tflops,
+                       "student_tokens_per_s": args.student_tokens_per_s,
+                       "teacher_tokens_per_student_token": args.teacher_tokens_per_student_token,
+                       "gpu_tflops": args.gpu_tflops,
                        "mfu": args.mfu, "planned_runs": args.planned_runs, "teacher_dtype": teacher_dtype(args),
                        "batch_size": args.data.batch_size, "seq_len": args.data.seq_len, "steps": args.steps,
                        "grad_acc_steps": args.grad_acc_steps, "prefetch": self.prefetch,

@@ -80,7 +80,8 @@ class DistillationArgs:
     prefetch: Union[int, str] = "auto"
     # A teacher whose tokenizer is not the student's (lingua/distillation/cross_tokenizer/): the teacher rank reads
     # the students' windows as text, tokenizes it with its own tokenizer, and sends its top-k back in the students'
-    # positions and ids with a per-position KD weight (0 where no teacher token starts where the student's does).
+    # positions and ids with a per-position KD weight (0 where no teacher token starts where the student's does);
+    # the cache writer does the same and stores those targets (a cache of one student tokenizer).
     cross_tokenizer: bool = False
     teacher_tokenizer: Optional[str] = None  # the teacher's Hugging Face tokenizer directory; None = teacher_path
 
@@ -117,9 +118,6 @@ class DistillationArgs:
                     "distillation.cross_tokenizer=true maps the teacher's top-k ids to the student's; set output=topk")
             require(self.teacher_tp == 1, "distillation.teacher_tp", self.teacher_tp,
                     "distillation.cross_tokenizer=true runs on unsharded teachers for now; set teacher_tp=1")
-            require(self.source == "online", "distillation.source", self.source,
-                    "distillation.cross_tokenizer=true works online for now (the cache road is not built yet); "
-                    "set source=online")
         if not enabled:
             return
         if self.source == "cache":  # the cache holds the teacher's outputs: no teacher ranks, no teacher_path

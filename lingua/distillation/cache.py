@@ -4,7 +4,8 @@ Layout of a cache directory (written by `apps/main/teacher_cache.py`):
 
     cache.json                      the manifest: teacher, tokenizer fingerprint, output format, k, temperature,
                                     wire dtype, attention mask, data settings, streams, shard size, the teacher's
-                                    held-out CE
+                                    held-out CE (cross-tokenizer: also the teacher tokenizer's and the
+                                    vocabulary map's fingerprints; the targets are in the students' ids)
     shards/shard_<i:05d>.safetensors  `shard_sequences` windows of one stream: the tokens [K, S+1], doc_ids [K, S]
                                     and the teacher's outputs, coded losslessly by `cache_codec` (format v2: about
                                     half of v1's bytes; v1 stored the bridge's tensors as they are); its metadata
@@ -48,6 +49,12 @@ PREPARE_HINT = "write it with `torchrun --nproc-per-node N -m apps.main.teacher_
 CONVERT_HINT = "convert it with `python -m apps.main.convert_cache {src} <new dir>`"
 
 
+CROSS_FIELDS = ("cross_tokenizer", "teacher_tokenizer_fingerprint", "vocab_map_fingerprint")
+# What a differing setting means, where its name alone does not say.
+SETTING_NOTES = {"tokenizer_fingerprint": " (the students' tokenizer, data.tokenizer: the targets are in its ids)",
+                 "cross_tokenizer": " (distillation.cross_tokenizer)"}
+
+
 @dataclass
 class CacheManifest:
     """What a cache was written with; training compares its own settings against these."""
@@ -66,6 +73,12 @@ class CacheManifest:
     shard_sequences: int
     teacher_heldout_ce: Optional[float] = None  # the teacher's own CE on the held-out split (a reference line)
     version: int = CACHE_VERSION
+    # distillation.cross_tokenizer: the targets are in the student's ids and positions, with a kd_weight bit per
+    # position; tokenizer_fingerprint and vocab_size are the student's. Written only then (CROSS_FIELDS), so a
+    # same-tokenizer manifest keeps its fields and bytes.
+    cross_tokenizer: bool = False
+    teacher_tokenizer_fingerprint: Optional[int] = None
+    vocab_map_fingerprint: Optional[str] = None
 
     @property
     def n_shards(self) -> int:
@@ -76,7 +89,10 @@ class CacheManifest:
         return torch.uint16 if self.vocab_size <= 2**16 else torch.int32
 
     def write(self, cache_dir: Path) -> None:
-        write_json_atomic(Path(cache_dir) / MANIFEST, asdict(self))
+        values = asdict(self)
+        if not self.cross_tokenizer:
+            values = {key: value for key, value in values.items() if key not in CROSS_FIELDS}
+        write_json_atomic(Path(cache_dir) / MANIFEST, values)
 
     @classmethod
     def read(cls, cache_dir: Path) -> "CacheManifest":
@@ -105,12 +121,14 @@ def data_identity(data_args) -> dict:
 
 
 def settings_manifest(kd_args, data_args, attn_mask: str, tokenizer, **layout) -> CacheManifest:
-    """The manifest these settings would write (`layout`: streams, sequences_per_stream, shard_sequences)."""
+    """The manifest these settings would write (`layout`: streams, sequences_per_stream, shard_sequences; a
+    cross-tokenizer writer adds the teacher's tokenizer and the vocabulary map's fingerprints)."""
     layout = {"streams": 1, "sequences_per_stream": 0, "shard_sequences": 1, **layout}
     return CacheManifest(teacher_path=str(kd_args.teacher_path), vocab_size=tokenizer.n_words,
                          tokenizer_fingerprint=tokenizer_fingerprint(tokenizer_vocab(tokenizer)), output=kd_args.output,
                          k=kd_args.k, temperature=kd_args.temperature, wire_dtype=kd_args.wire_dtype,
-                         attn_mask=attn_mask, data=data_identity(data_args), **layout)
+                         attn_mask=attn_mask, data=data_identity(data_args), cross_tokenizer=kd_args.cross_tokenizer,
+                         **layout)
 
 
 def describe_differences(cache: CacheManifest, wanted: CacheManifest, keys: tuple[str, ...]) -> list[str]:
@@ -121,7 +139,7 @@ def describe_differences(cache: CacheManifest, wanted: CacheManifest, keys: tupl
         if key == "k" and cache.output == wanted.output == "full":
             continue  # full sends no ids
         if have != want:
-            out.append(f"{key} is {have} in the cache but {want} here")
+            out.append(f"{key} is {have} in the cache but {want} here{SETTING_NOTES.get(key, '')}")
     return out
 
 
@@ -340,7 +358,7 @@ def open_cache(cache_dir: str, wanted: CacheManifest, batch_size: int, dp_rank: 
     """The training side: refuse a cache written with other settings (one sentence naming both values)."""
     manifest = CacheManifest.read(Path(cache_dir))
     differ = describe_differences(manifest, wanted, ("output", "k", "temperature", "wire_dtype", "attn_mask",
-                                                     "tokenizer_fingerprint", "vocab_size", "data"))
+                                                     "tokenizer_fingerprint", "vocab_size", "data", "cross_tokenizer"))
     if differ:
         raise DataError(f"The teacher cache in {cache_dir} was written with other settings: {'; '.join(differ)}. "
                         f"Train with the cache's settings, or write a new cache for these: "

@@ -16,6 +16,8 @@ a multi-byte stream: all first bytes, then all second bytes, each plane with its
     extra             the topk tail mass or the sampled negative entropy, float32
     n_distinct, counts  sampled only: a position's k draws as its distinct ids (most likely first, ties by id)
                       with their counts; the reader expands them back to k entries
+    kd_weight         cross-tokenizer caches only: a bit per position (1 = aligned, a KD target; 0 = CE only),
+                      packed 8 to a byte; a same-tokenizer shard has no such stream (the same bytes as before)
 
 Entries are stored slot by slot (every position's first entry, then every second one, ...): entries of one
 slot are alike, and zstd adapts to what it sees together. topk keeps the bridge's order and every bit.
@@ -145,6 +147,14 @@ def _get(streams: dict, specs: dict, name: str) -> np.ndarray:
     return _decompress(streams[name], specs[name])
 
 
+def _pack_mask(kd_weight: torch.Tensor) -> np.ndarray:
+    """A cross-tokenizer kd_weight (0 or 1 per position) as packed bits (lossless only for a mask: refused else)."""
+    weight = kd_weight.float().numpy().ravel()
+    if not bool(((weight == 0) | (weight == 1)).all()):
+        raise CodecError("a kd_weight other than 0 or 1: the cache stores it as one bit per position")
+    return np.packbits(weight == 1)
+
+
 def canonical_sampled(outputs: TeacherOutputs) -> TeacherOutputs:
     """A sampled position's draws in the canonical order: most likely first, ties by id (the same multiset)."""
     by_id = outputs.ids.sort(dim=-1, stable=True)
@@ -187,6 +197,8 @@ def encode_shard(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOu
             ids, keys = ids[keep], keys[keep]
         _code_entries(ids.ravel(), keys.ravel(), run_lengths, streams, specs)
         _put(streams, specs, "extra", outputs.extra.numpy().astype(np.float32).view(np.uint32))
+        if outputs.kd_weight is not None:
+            _put(streams, specs, "kd_weight", _pack_mask(outputs.kd_weight), planes=False)
     decoded = decode_shard(streams, specs)  # the writer's check: what it stores decodes to the teacher's bits
     pairs = [(decoded["tokens"], tokens), (decoded["doc_ids"], doc_ids), *zip(decoded["teacher"].tensors(),
                                                                              outputs.tensors())]
@@ -216,8 +228,13 @@ def decode_shard(streams: dict, specs: dict) -> dict:
         ids, keys = _decode_entries(streams, specs, np.full(int(np.prod(positions)), k))
     extra = torch.from_numpy(_get(streams, specs, "extra").view(np.float32).copy())
     values = _keys_to_values(keys, wire).view(*positions, k)
+    kd_weight = None
+    if "kd_weight" in specs:  # a cross-tokenizer shard: the aligned bits
+        bits = np.unpackbits(_get(streams, specs, "kd_weight"), count=int(np.prod(positions)))
+        kd_weight = torch.from_numpy(bits.astype(np.float32)).view(positions)
     return {"tokens": tokens, "doc_ids": doc_ids, "teacher": TeacherOutputs(
-        specs["format"], values, torch.from_numpy(ids.astype(np.int32)).view(*positions, k), extra.view(positions))}
+        specs["format"], values, torch.from_numpy(ids.astype(np.int32)).view(*positions, k), extra.view(positions),
+        kd_weight)}
 
 
 # A v2 shard's bytes per token on the KD study's data (SmolLM2-135M-Instruct's 49,152 ids, Python docs, 128-token

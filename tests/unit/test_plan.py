@@ -364,3 +364,33 @@ def test_the_configs_mesh_settings_bound_the_layouts():
     assert launch_plan_of(online, dp_replicate=-1, dp_shard=3).mesh_dims == (2, 3)
     plan = plan_of(EXAMPLES["smollm2"] + ["distributed.dp_shard=3"])  # exactly 3 students: no split of 8 ranks
     assert plan["online"]["reason"].startswith("the launch plan refuses every split of 8 ranks, the first with: Mesh")
+
+
+# ---------------------------------------------------------------- a teacher of another tokenizer
+
+def test_a_cross_tokenizer_teacher_is_counted_in_its_own_tokens_per_student_token():
+    """teacher_tokens_per_student_token (apps.bench.cross_tokenizer's column) scales the teacher's work per
+    student token: its measured speed divides by it; the cost model counts its forward at its own row length."""
+    measured = EXAMPLES["8b"] + ["teacher_tokens_per_s=40000", "student_tokens_per_s=10000",
+                                 "distillation.cross_tokenizer=true"]
+    same, double = plan_of(measured), plan_of(measured + ["teacher_tokens_per_student_token=2"])
+    assert (same["speed"]["teacher_gpus_per_student_gpu"], double["speed"]["teacher_gpus_per_student_gpu"]) == (0.25,
+                                                                                                                0.5)
+    assert double["speed"]["source"] == "student and teacher measured; the teacher at 2 of its tokens per student token"
+    assert double["inputs"]["teacher_tokens_per_student_token"] == 2.0
+    modelled = [plan_of(EXAMPLES["8b"] + ["distillation.cross_tokenizer=true", f"teacher_tokens_per_student_token={r}"])
+                for r in (1, 0.5)]
+    ratio = modelled[1]["speed"]["teacher_tokens_per_s_per_gpu"] / modelled[0]["speed"]["teacher_tokens_per_s_per_gpu"]
+    assert 2.0 <= ratio < 2.2  # half the tokens, each in a row half as long (less attention per token)
+
+
+@pytest.mark.parametrize("argv, sentence", [
+    (["teacher_tokens_per_student_token=1.1"],
+     "error: teacher_tokens_per_student_token=1.1; a student on the teacher's tokenizer has one teacher token per "
+     "student token; leave it at 1, or set distillation.cross_tokenizer=true."),
+    (["teacher_tokens_per_student_token=0", "distillation.cross_tokenizer=true"],
+     "error: teacher_tokens_per_student_token=0.0; use the measured ratio"),
+])
+def test_a_bad_teacher_tokens_per_student_token_is_one_sentence(argv, sentence, monkeypatch, capsys, tmp_path):
+    code, printed, err = run(EXAMPLES["smollm2"] + [f"out={tmp_path / 'plan.json'}"] + argv, monkeypatch, capsys)
+    assert code == 2 and err.startswith(sentence) and err.count("\n") == 1 and printed == ""

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from lingua.distillation.bridge import tokenizer_fingerprint
 from lingua.distillation.cross_tokenizer.alignment import WindowAligner
 from lingua.distillation.cross_tokenizer.targets import student_topk_targets
 from lingua.distillation.cross_tokenizer.token_bytes import byte_fallback_ids, hf_token_bytes, student_token_bytes
@@ -46,6 +47,7 @@ class CrossTokenizerTeacher:
 
     def __init__(self, student: Tokenizer, teacher_tokenizer, max_positions: Optional[int] = None):
         self.student = student
+        self.teacher_fingerprint = tokenizer_fingerprint(teacher_tokenizer.get_vocab())  # a cache's manifest records it
         student_bytes = student_token_bytes(student)
         teacher_bytes = hf_token_bytes(teacher_tokenizer)
         self.vocab_map: VocabMap = build_vocab_map(student_bytes, teacher_bytes, byte_fallback_ids(student))

@@ -1,0 +1,180 @@
+"""The cache road of cross-tokenizer distillation in one process: the kd_weight bit in the shard codec, the
+manifest's fingerprints, a cache written for a byte-tokenizer student of a BPE teacher holding what the online
+teacher would send, the refusals, and the same-tokenizer cache unchanged (shard bytes, manifest fields)."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from apps.main.teacher_cache import TeacherCacheArgs, write_cache
+from lingua.args import parse_args
+from lingua.distillation.args import DistillationArgs
+from lingua.distillation.cache import (
+    CacheManifest,
+    canonical_safetensors,
+    open_cache,
+    read_shard,
+    settings_manifest,
+    shard_bytes,
+    shard_metadata,
+    shard_path,
+)
+from lingua.distillation.cache_codec import CodecError, decode_shard, encode_shard
+from lingua.distillation.cross_tokenizer.teacher_side import load_cross_tokenizer
+from lingua.distillation.distiller import CacheDistiller
+from lingua.distillation.teacher import TeacherModel
+from lingua.errors import DataError
+from lingua.tokenizer import TokenizerArgs, build_tokenizer
+from tests.runs import distill_overrides
+from tests.unit.test_cache_codec import FIXTURES, assert_bit_equal, outputs_of, windows
+from tests.unit.test_cache_writer import one_rank
+
+# The manifest keys of a same-tokenizer cache, as every cache before the cross-tokenizer road wrote them.
+SAME_TOKENIZER_KEYS = ["teacher_path", "tokenizer_fingerprint", "vocab_size", "output", "k", "temperature",
+                       "wire_dtype", "attn_mask", "data", "streams", "sequences_per_stream", "shard_sequences",
+                       "teacher_heldout_ce", "version"]
+CROSS = {"data.tokenizer.name": "bytes", "data.tokenizer.path": "null", "distillation.cross_tokenizer": "true",
+         "model.attn_mask": "doc_causal"}
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 4), seq=st.integers(1, 40), seed=st.integers(0, 1000), share=st.floats(0.0, 1.0))
+def test_the_kd_weight_bit_round_trips(rows, seq, seed, share):
+    outputs = outputs_of("topk", rows=rows, seq=seq, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    outputs.kd_weight = (torch.rand(rows, seq, generator=generator) < share).float()
+    tokens, doc_ids = windows(rows, seq, seed=seed)
+    streams, specs = encode_shard(tokens, doc_ids, outputs, vocab_size=300)
+    assert "kd_weight" in specs and streams["kd_weight"].numel() <= 100 + rows * seq // 8
+    assert_bit_equal(decode_shard(streams, specs)["teacher"], outputs)
+
+
+def test_a_kd_weight_that_is_not_a_mask_is_refused_at_write_time():
+    outputs = outputs_of("topk")
+    outputs.kd_weight = torch.full(outputs.extra.shape, 0.5)
+    with pytest.raises(CodecError, match="a kd_weight other than 0 or 1"):
+        encode_shard(*windows(), outputs, vocab_size=300)
+
+
+@pytest.mark.parametrize("format", ["topk", "sampled"])
+def test_a_same_tokenizer_shard_keeps_its_bytes(format):
+    """The fixture shards were written before the cross-tokenizer road (metadata keys sorted since): re-coded
+    today, the same bytes, and no kd_weight stream."""
+    path = FIXTURES / f"{format}64.safetensors"
+    manifest = CacheManifest(teacher_path="smollm2", tokenizer_fingerprint=0, vocab_size=49152, output=format, k=64,
+                             temperature=1.0, wire_dtype="bf16", attn_mask="doc_causal", data={"seq_len": 128},
+                             streams=1, sequences_per_stream=32, shard_sequences=32)
+    batch = read_shard(path, range(0, 32), manifest)
+    assert batch["teacher"].kd_weight is None
+    metadata = {key: value for key, value in shard_metadata(path).items() if key != "codec"}
+    tokens = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1)
+    assert shard_bytes(tokens, batch["doc_ids"], batch["teacher"], manifest, metadata) == \
+        canonical_safetensors(path.read_bytes())
+
+
+def test_a_same_tokenizer_manifest_keeps_its_fields(tmp_path):
+    manifest = settings_manifest(DistillationArgs(teacher_path="t"), parse_args(TeacherCacheArgs, []).data, "causal",
+                                 build_tokenizer(TokenizerArgs("bytes")), streams=2)
+    manifest.write(tmp_path)
+    assert list(json.loads((tmp_path / "cache.json").read_text())) == SAME_TOKENIZER_KEYS
+    assert CacheManifest.read(tmp_path) == manifest
+
+
+@pytest.fixture(scope="module")
+def cross_cache(corpus, tiny_teacher, tmp_path_factory, train_group) -> tuple[Path, TeacherCacheArgs]:
+    """A byte-tokenizer student's cache from the tiny BPE teacher: 1 rank, 2 streams of 3 shards of 4 windows,
+    forwards of 3 windows, the serial writer (no processes)."""
+    cache_dir = tmp_path_factory.mktemp("cross") / "cache"
+    overrides = [*distill_overrides(corpus, tiny_teacher, cache_dir / "dump", steps=3, grad_acc_steps=2, **CROSS),
+                 f"cache_dir={cache_dir}", "streams=2", "shard_sequences=4", "forward_rows=3", "encode_workers=0",
+                 "heldout.every=2"]
+    args = parse_args(TeacherCacheArgs, overrides)
+    write_cache(args, one_rank())
+    return cache_dir, args
+
+
+def test_the_cache_holds_what_the_online_teacher_sends(cross_cache):
+    """Every shard's student-side targets equal, bit for bit, what an online teacher rank computes for the same
+    windows (CrossTokenizerTeacher, the teacher's forward, top-k in fp32, mapped to the student's ids)."""
+    cache_dir, args = cross_cache
+    manifest = CacheManifest.read(cache_dir)
+    cross = load_cross_tokenizer(args.data.tokenizer, None, TeacherModel(args.distillation, torch.device("cpu"))
+                                 .tokenizer, None)
+    assert manifest.cross_tokenizer and manifest.vocab_size == 258 and manifest.teacher_heldout_ce is None
+    assert manifest.teacher_tokenizer_fingerprint == cross.teacher_fingerprint
+    assert manifest.vocab_map_fingerprint == cross.vocab_map.fingerprint()
+    assert set(CacheManifest.__dataclass_fields__) == set(json.loads((cache_dir / "cache.json").read_text()))
+    teacher = TeacherModel(args.distillation, torch.device("cpu"))
+    aligned_shares = []
+    for index in range(manifest.n_shards):
+        batch = read_shard(shard_path(cache_dir, index), range(0, 4), manifest)
+        cached = batch["teacher"]
+        for start in (0, 3):  # the writer's forwards of forward_rows=3 windows
+            rows = slice(start, start + 3)
+            aligned = cross.teacher_batch(batch["input_ids"][rows], batch["doc_ids"][rows])
+            hidden = teacher.hidden_states(aligned.tokens, aligned.doc_ids)
+            topk = teacher.sparse_outputs(hidden, "topk", manifest.k, torch.float32, teacher.vocab_size, None)
+            online, kd_weight = cross.student_outputs(topk, aligned, torch.bfloat16)
+            online.kd_weight = kd_weight
+            assert_bit_equal(replace(cached, **{name: getattr(cached, name)[rows] for name in
+                                                ("values", "ids", "extra", "kd_weight")}), online)
+        aligned_shares.append(cached.kd_weight.mean().item())
+    assert all(0.0 < share <= 1.0 for share in aligned_shares) and min(aligned_shares) < 1.0
+
+
+def test_training_reads_the_kd_weight_and_logs_kd_aligned(cross_cache):
+    cache_dir, args = cross_cache
+    train = replace(args.distillation, source="cache", cache_dir=str(cache_dir))
+    wanted = settings_manifest(train, args.data, args.model.attn_mask, build_tokenizer(args.data.tokenizer))
+    loader = open_cache(str(cache_dir), wanted, batch_size=2, dp_rank=0, dp_degree=2)
+    batch = next(loader)
+    assert batch["teacher"].kd_weight.shape == batch["input_ids"].shape
+    distiller = CacheDistiller(train, loader.manifest.teacher_heldout_ce)
+    distiller.begin_step(0, 1.0)
+    generator = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(*batch["input_ids"].shape, 16, generator=generator), torch.randn(258, 16)
+    loss = distiller.head_loss(batch["labels"], distiller.submit(batch, 0, 0), batch["labels"].numel(), None)(
+        hidden, weight)
+    metrics = distiller.step_metrics()
+    assert torch.isfinite(loss) and metrics["kd/aligned"].item() == pytest.approx(
+        batch["teacher"].kd_weight.mean().item())
+
+
+def test_a_cache_for_another_student_tokenizer_or_without_cross_tokenizer_is_one_sentence(cross_cache, tiny_teacher):
+    cache_dir, args = cross_cache
+    manifest = CacheManifest.read(cache_dir)
+    train = replace(args.distillation, source="cache", cache_dir=str(cache_dir))
+    other = build_tokenizer(TokenizerArgs("hf", str(tiny_teacher)))
+    wanted = settings_manifest(train, args.data, args.model.attn_mask, other)
+    with pytest.raises(DataError) as caught:
+        open_cache(str(cache_dir), wanted, 2, 0, 2)
+    assert str(caught.value) == (
+        f"The teacher cache in {cache_dir} was written with other settings: tokenizer_fingerprint is "
+        f"{manifest.tokenizer_fingerprint} in the cache but {wanted.tokenizer_fingerprint} here (the students' "
+        f"tokenizer, data.tokenizer: the targets are in its ids); vocab_size is 258 in the cache but 512 here. "
+        f"Train with the cache's settings, or write a new cache for these: write it with `torchrun "
+        f"--nproc-per-node N -m apps.main.teacher_cache config=<config> cache_dir=<new dir>`.")
+    plain = settings_manifest(replace(train, cross_tokenizer=False), args.data, args.model.attn_mask,
+                              build_tokenizer(args.data.tokenizer))
+    with pytest.raises(DataError, match=r"cross_tokenizer is True in the cache but False here "
+                                        r"\(distillation\.cross_tokenizer\)\. Train with"):
+        open_cache(str(cache_dir), plain, 2, 0, 2)
+
+
+def test_a_writer_rerun_with_another_teacher_tokenizer_is_one_sentence(cross_cache):
+    """Finishing a cross-tokenizer cache with another teacher tokenizer (another vocabulary map) is refused."""
+    from apps.main.teacher_cache import settle_manifest
+
+    cache_dir, _ = cross_cache
+    planned = replace(CacheManifest.read(cache_dir), teacher_tokenizer_fingerprint=1, vocab_map_fingerprint="0" * 16)
+    with pytest.raises(DataError) as caught:
+        settle_manifest(cache_dir, planned)
+    manifest = CacheManifest.read(cache_dir)
+    assert (f"teacher_tokenizer_fingerprint is {manifest.teacher_tokenizer_fingerprint} in the cache but 1 here; "
+            f"vocab_map_fingerprint is {manifest.vocab_map_fingerprint} in the cache but {'0' * 16} here. Use another "
+            f"cache_dir") in str(caught.value)
