@@ -2,7 +2,8 @@
 # The GPU self-check, the first thing to run on a GPU machine: every test marked `cuda`, then a pass/fail table,
 # written with every check's logs to the folder it names on its first line (dumps/gpu_check/<UTC time>).
 #   bash setup/gpu_check.sh [--quick] [--out DIR] [pytest args]   (--quick: one GPU's in-process checks, ~1 min)
-#   bash setup/gpu_check.sh --bench [--out DIR]   the loss bench against Liger-Kernel at two shapes (apps/debug/gpu_bench.py)
+#   bash setup/gpu_check.sh --bench [--out DIR]   the loss bench against Liger-Kernel at two shapes, then the feeding
+#                                                 bench and whole steps, CE-only vs KD from a cache (apps/debug/gpu_bench.py)
 #   VENV=path for another virtualenv (default .venv); CREATE_ENV=0 uses it as it is (an offline machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,9 @@ fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 if [ "${1:-}" = "--bench" ]; then
   shift
+  # The feeding bench reads the corpus and SmolLM2's tokenizer (both offline, once; outside the bench's clock).
+  "$VENV/bin/python" -m setup.prepare_corpus > /dev/null
+  "$VENV/bin/python" -m setup.prepare_teacher > /dev/null
   exec "$VENV/bin/python" -m apps.debug.gpu_bench "$@"
 fi
 exec "$VENV/bin/python" -m apps.debug.gpu_check "$@"

@@ -280,6 +280,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             results["steps"] = step_comparison(options, args, Path(folder))
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (options.out / "table.md").write_text(format_table(results) + "\n")
     print(format_table(results))
 
 
