@@ -1,6 +1,7 @@
 """Held-out CE in bits per byte: hand computations for the byte tokenizer and an HF byte-level BPE, special tokens
 at 0 bytes, and the in-loop Evaluator's eval/bpb against a direct forward."""
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -10,6 +11,9 @@ import torch
 from apps.main.eval import EvalArgs, Evaluator
 from lingua.bits_per_byte import bits_per_byte, target_bytes, token_byte_lengths
 from lingua.data import DataArgs
+from lingua.distillation.args import DistillationArgs
+from lingua.distillation.cache import MANIFEST, CacheManifest
+from lingua.distillation.distiller import CacheDistiller
 from lingua.eval_data import iterate_eval_batches
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
 from tests.unit.test_export import build, tiny_args
@@ -97,3 +101,18 @@ def test_in_loop_eval_logs_bpb_of_the_scored_targets(corpus):
     assert (row["eval/teacher_loss"], row["eval/teacher_bpb"]) == (2.5, 3.5)
     again = evaluator.run(model, step=2)  # the teacher's reference is logged once
     assert "eval/teacher_bpb" not in again and again["eval/bpb"] == pytest.approx(row["eval/bpb"], rel=1e-12)
+
+
+def test_a_cache_manifest_written_before_bpb_reads_without_the_teacher_bpb(tmp_path):
+    manifest = CacheManifest(teacher_path="t", tokenizer_fingerprint=1, vocab_size=258, output="topk", k=4,
+                             temperature=1.0, wire_dtype="bf16", attn_mask="causal", data={}, streams=1,
+                             sequences_per_stream=4, shard_sequences=4, teacher_heldout_ce=3.0, teacher_heldout_bpb=4.0)
+    manifest.write(tmp_path)
+    assert CacheManifest.read(tmp_path).teacher_heldout_bpb == 4.0
+    older = json.loads((tmp_path / MANIFEST).read_text())
+    del older["teacher_heldout_bpb"]
+    (tmp_path / MANIFEST).write_text(json.dumps(older))
+    read = CacheManifest.read(tmp_path)
+    assert (read.teacher_heldout_ce, read.teacher_heldout_bpb) == (3.0, None)  # eval/teacher_bpb is left out
+    assert CacheDistiller(DistillationArgs(), read.teacher_heldout_ce, read.teacher_heldout_bpb).teacher_heldout == \
+        (3.0, None)
