@@ -10,6 +10,7 @@ their CE stays in the sum, the text they stand for is none.
 """
 
 import math
+from typing import Optional
 
 import torch
 
@@ -20,10 +21,14 @@ from lingua.tokenizer import Tokenizer
 LN2 = math.log(2)
 
 
+def byte_lengths(table: list[Optional[bytes]]) -> torch.Tensor:
+    """A token-bytes table (None for a special id) as the bytes per id, an int64 tensor indexed by id."""
+    return torch.tensor([len(piece) if piece else 0 for piece in table], dtype=torch.int64)
+
+
 def token_byte_lengths(tokenizer: Tokenizer) -> torch.Tensor:
-    """UTF-8 bytes each id below `tokenizer.n_words` stands for, as an int64 tensor indexed by id (0 for bos, eos
-    and the other special ids)."""
-    return torch.tensor([len(piece) if piece else 0 for piece in student_token_bytes(tokenizer)], dtype=torch.int64)
+    """UTF-8 bytes each id below `tokenizer.n_words` stands for (0 for bos, eos and the other special ids)."""
+    return byte_lengths(student_token_bytes(tokenizer))
 
 
 def target_bytes(labels: torch.Tensor, byte_lengths: torch.Tensor) -> int:

@@ -176,9 +176,7 @@ def distillation_process(args: TrainArgs, topo: Topology, phases: PhaseLog, pree
     index = topo.teacher_ranks.index(topo.global_rank)
     server = TeacherServer(args.distillation, topo, preemption, phases=phases, attn_mask=args.model.attn_mask,
                            student_tokenizer=args.data.tokenizer,
-                           # A teacher of another tokenizer has no CE per student token (bits per byte: issue 36).
-                           heldout=None if args.distillation.cross_tokenizer else
-                           teacher_heldout(args.heldout, args.data, len(topo.student_ranks)),
+                           heldout=teacher_heldout(args.heldout, args.data, len(topo.student_ranks)),
                            inject_load_failure=FaultInjector.teacher_load_fails(args.inject_failure, index),
                            inject_serve_failure_at=FaultInjector.teacher_serve_fails_at(args.inject_failure, index))
     # The generous timeout holds through the students' first step; a request sent after it (or STOP)

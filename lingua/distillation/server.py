@@ -164,15 +164,19 @@ class TeacherServer:
     def idle_s(self) -> float:
         return self.clock.idle_s
 
-    def _heldout_ce(self, heldout, attn_mask: str) -> tuple[float, float]:
+    def _heldout_ce(self, heldout, attn_mask: str) -> tuple[Optional[float], float]:
         """The teacher's CE and bits per byte on (held-out batches of every student, the students' vocab, the bytes
-        of their targets): a reference line."""
+        of their targets): a reference line. A cross-tokenizer teacher scores the same text in its own tokens: its
+        bits per byte compare with the students', its CE per token does not (None)."""
         batches, vocab_size, n_bytes = heldout
+        if self.cross is not None:
+            batches, n_bytes = self.cross.own_heldout(batches)
+            vocab_size = self.teacher.vocab_size
         loss_sum, tokens = self.teacher.heldout_ce(batches, vocab_size, doc_causal=attn_mask == "doc_causal")
         bpb = bits_per_byte(loss_sum, n_bytes)
-        logger.info(f"teacher's held-out CE: {loss_sum / max(tokens, 1):.4f} over {tokens:,} tokens, "
-                    f"{bpb:.4f} bits per byte")
-        return loss_sum / max(tokens, 1), bpb
+        logger.info(f"teacher's held-out CE: {loss_sum / max(tokens, 1):.4f} over {tokens:,} tokens"
+                    f"{' of its own' if self.cross is not None else ''}, {bpb:.4f} bits per byte")
+        return (None if self.cross is not None else loss_sum / max(tokens, 1)), bpb
 
     def _throughput(self) -> str:
         """This rank's serving numbers, for its log: tokens/s of busy time, the forward's share, peak memory."""
