@@ -28,6 +28,7 @@ PANELS = (
     ("Agreement with the teacher", "fraction", [("kd/top1_agreement", "-"), ("kd/teacher_mass", "--")]),
     ("Throughput", "tokens / s", [("speed/tokens_per_s", "-")]),
     ("Eval loss", "loss", [("eval/loss", "-")]),
+    ("Eval bits per byte (compares tokenizers)", "bits / byte", [("eval/bpb", "-")]),
 )
 
 
@@ -61,10 +62,14 @@ def series(rows: list[dict], key: str, x_key: str) -> tuple[list[float], list[fl
     return xs, [by_x[x] for x in xs]
 
 
+def panels_with_data(runs: list[tuple[str, list[dict]]], x_key: str = "step") -> list[tuple]:
+    """The PANELS that have data for at least one of `runs` ((label, rows) pairs)."""
+    return [panel for panel in PANELS if any(series(rows, key, x_key)[0] for _, rows in runs for key, _ in panel[2])]
+
+
 def plot_runs(runs: list[tuple[str, list[dict]]], out: str, x_key: str = "step") -> Path:
     """Draw every panel that has data for at least one of `runs` ((label, rows) pairs) into `out`."""
-    panels = [panel for panel in PANELS
-              if any(series(rows, key, x_key)[0] for _, rows in runs for key, _ in panel[2])]
+    panels = panels_with_data(runs, x_key)
     if not panels:
         raise DataError(f"none of the runs has any of the plotted metrics against {x_key!r}; "
                         f"check that the files are training metrics.jsonl files.")

@@ -28,6 +28,7 @@ import torch
 
 from apps.main.transformer import batch_documents
 from lingua.args import require
+from lingua.bits_per_byte import batches_target_bytes, bits_per_byte, target_bytes, token_byte_lengths
 from lingua.cli import run_cli
 from lingua.distillation.fused_loss import fused_ce_head
 from lingua.errors import ConfigError, MissingPathError
@@ -73,10 +74,13 @@ def batch_ce_sum(model, batch: dict, device) -> tuple[float, int]:
 class Evaluator:
     """Owns its cadence (`should_run`) and runs the eval over this rank's share of the held-out files."""
 
-    def __init__(self, args: EvalArgs, data_args, tokenizer, topo, teacher_loss: Optional[float] = None):
+    def __init__(self, args: EvalArgs, data_args, tokenizer, topo, teacher_loss: Optional[float] = None,
+                 teacher_bpb: Optional[float] = None):
         self.args, self.data_args = args, data_args
         self.tokenizer, self.topo = tokenizer, topo
         self.teacher_loss = teacher_loss  # the teacher's own CE on these windows: logged once, as a reference
+        self.teacher_bpb = teacher_bpb  # the same in bits per byte
+        self.byte_lengths: Optional[torch.Tensor] = None  # bytes per token id, read on the first eval
 
     def should_run(self, step: int) -> bool:
         return bool(self.args.every) and step % self.args.every == 0
@@ -89,25 +93,33 @@ class Evaluator:
                                             self.args.max_batches))
         n_batches = agree_count(len(batches), topo.train_group, topo.device, "eval batches",
                                 mode="min" if self.args.uneven == "min" else "equal")
-        loss_sum = tokens = 0.0
+        if self.byte_lengths is None:
+            self.byte_lengths = token_byte_lengths(self.tokenizer)
+        loss_sum = tokens = n_bytes = 0.0
         model.eval()
         for batch in batches[:n_batches]:
             batch_loss, batch_tokens = batch_ce_sum(model, batch, topo.device)
             loss_sum += batch_loss
             tokens += batch_tokens
+            n_bytes += target_bytes(batch["labels"], self.byte_lengths)
         model.train()
-        totals = dist_mean_dict(dict(loss_sum=loss_sum, tokens=tokens), topo.train_group, topo.device)
+        # Means over the group: their ratios are the ratios of the sums.
+        totals = dist_mean_dict(dict(loss_sum=loss_sum, tokens=tokens, bytes=n_bytes), topo.train_group, topo.device)
         eval_loss = totals["loss_sum"] / max(totals["tokens"], 1)
-        logger.info(f"eval step {step}: loss {eval_loss:.4f} over {n_batches} batches per rank"
-                    + (f" (the teacher's: {self.teacher_loss:.4f})" if self.teacher_loss is not None else ""))
-        row = {"step": step, "eval/loss": eval_loss, "eval/ppl": math.exp(min(eval_loss, 50))}
+        eval_bpb = bits_per_byte(totals["loss_sum"], totals["bytes"])
+        logger.info(f"eval step {step}: loss {eval_loss:.4f}, {eval_bpb:.4f} bits per byte over {n_batches} batches "
+                    f"per rank" + (f" (the teacher's: {self.teacher_loss:.4f})" if self.teacher_loss is not None else ""))
+        row = {"step": step, "eval/loss": eval_loss, "eval/bpb": eval_bpb, "eval/ppl": math.exp(min(eval_loss, 50))}
         if self.teacher_loss is not None:
             row["eval/teacher_loss"], self.teacher_loss = self.teacher_loss, None
+        if self.teacher_bpb is not None:
+            row["eval/teacher_bpb"], self.teacher_bpb = self.teacher_bpb, None
         return row
 
 
 def teacher_heldout(args: EvalArgs, data_args, n_students: int):
-    """(held-out batches of every student, the students' vocab) for the teacher's reference CE, or None."""
+    """(held-out batches of every student, the students' vocab, the bytes of their targets) for the teacher's
+    reference CE and bits per byte, or None."""
     from lingua.tokenizer import build_tokenizer
 
     if not args.every:
@@ -118,7 +130,7 @@ def teacher_heldout(args: EvalArgs, data_args, n_students: int):
                    for batch in iterate_eval_batches(data_args, tokenizer, rank, n_students, args.max_batches)]
     except FileNotFoundError:  # no held-out files: the students' eval says so in its own words
         return None
-    return batches, tokenizer.n_words
+    return batches, tokenizer.n_words, batches_target_bytes(batches, token_byte_lengths(tokenizer))
 
 
 # ---- evaluating a finished checkpoint: python -m apps.main.eval ckpt=... tasks=...
@@ -237,14 +249,17 @@ def held_out_data_args(params: dict, data_dir: Optional[str], eval_sources: Opti
 @torch.no_grad()
 def held_out_perplexity(model, data_args, tokenizer, device, max_batches: Optional[int] = None) -> dict:
     """Mean CE per predicted token over the held-out windows (one rank, all batches or the first `max_batches`),
-    and its exp."""
-    loss_sum, tokens, n_batches = 0.0, 0, 0
+    its exp, and the summed CE in bits per byte of the text the targets stand for (`bytes`)."""
+    byte_lengths = token_byte_lengths(tokenizer)
+    loss_sum, tokens, n_bytes, n_batches = 0.0, 0, 0, 0
     for batch in iterate_eval_batches(data_args, tokenizer, dp_rank=0, dp_degree=1, max_batches=max_batches):
         batch_loss, batch_tokens = batch_ce_sum(model, batch, device)
         loss_sum, tokens, n_batches = loss_sum + batch_loss, tokens + batch_tokens, n_batches + 1
+        n_bytes += target_bytes(batch["labels"], byte_lengths)
     ce = loss_sum / max(tokens, 1)
-    return {"tokens": tokens, "ce": ce, "ppl": math.exp(min(ce, 50)), "batches": n_batches,
-            "seq_len": data_args.seq_len, "root_dir": str(data_args.root_dir)}
+    return {"tokens": tokens, "ce": ce, "ppl": math.exp(min(ce, 50)), "bytes": n_bytes,
+            "bpb": bits_per_byte(loss_sum, n_bytes), "batches": n_batches, "seq_len": data_args.seq_len,
+            "root_dir": str(data_args.root_dir)}
 
 
 def task_results(results: dict) -> dict:
@@ -348,8 +363,8 @@ def evaluate_checkpoint(args: CheckpointEvalArgs) -> dict:
         tokenizer = build_tokenizer(tokenizer_args)
         report["heldout"] = held_out_perplexity(model, data_args, tokenizer, device, args.perplexity_max_batches)
         del model
-        logger.info(f"held-out: CE {report['heldout']['ce']:.4f}, ppl {report['heldout']['ppl']:.2f} over "
-                    f"{report['heldout']['tokens']:,} tokens")
+        logger.info(f"held-out: CE {report['heldout']['ce']:.4f}, ppl {report['heldout']['ppl']:.2f}, "
+                    f"{report['heldout']['bpb']:.4f} bits per byte over {report['heldout']['tokens']:,} tokens")
     if tasks:
         with tempfile.TemporaryDirectory(prefix="lingua_eval_") as tmp:
             hf_dir = export_checkpoint(ExportArgs(ckpt=str(step_dir), out=args.hf_dir or tmp))
@@ -409,7 +424,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k in ("acc", "acc_norm")))
     if "heldout" in report:
         heldout = report["heldout"]
-        print(f"held-out: CE {heldout['ce']:.4f} nats/token, ppl {heldout['ppl']:.2f}, {heldout['tokens']:,} tokens")
+        print(f"held-out: CE {heldout['ce']:.4f} nats/token, ppl {heldout['ppl']:.2f}, {heldout['bpb']:.4f} bits/byte, "
+              f"{heldout['tokens']:,} tokens")
     print(f"wrote {eval_json_path(args, Path(report['checkpoint']))}")
 
 

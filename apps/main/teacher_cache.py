@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from apps.main.train import TrainArgs
 from lingua.args import parse_args, require
+from lingua.bits_per_byte import batches_target_bytes, bits_per_byte, token_byte_lengths
 from lingua.cli import release_sigterm, run_cli
 from lingua.data import DataLoader
 from lingua.distillation.args import WIRE_DTYPES
@@ -224,9 +225,9 @@ def teacher_outputs(teacher: TeacherModel, batch: dict, manifest: CacheManifest,
 
 
 def heldout_reference(args: TeacherCacheArgs, tokenizer, teacher: TeacherModel, manifest: CacheManifest, topo,
-                      replica: int, replicas: int, writer: bool) -> Optional[float]:
-    """The teacher's CE on the held-out windows the students evaluate on (each stream's share), or None (no
-    held-out files). The batches are split over the replicas, each computing its share (every rank of a
+                      replica: int, replicas: int, writer: bool) -> tuple[Optional[float], Optional[float]]:
+    """The teacher's CE and bits per byte on the held-out windows the students evaluate on (each stream's share),
+    or (None, None) (no held-out files). The batches are split over the replicas, each computing its share (every rank of a
     replica: the sharded forward needs them all), and the sums are all-reduced over the job: no rank waits
     idle in a collective while another computes them all."""
     try:
@@ -236,7 +237,7 @@ def heldout_reference(args: TeacherCacheArgs, tokenizer, teacher: TeacherModel, 
         batches = None
     # Whether to compute at all decides the collectives below: every rank agrees first.
     if agree_flags({"missing": batches is None}, dist.group.WORLD, topo.device)["missing"]:
-        return None
+        return None, None
     share = batches[replica::replicas]
     loss_sum, tokens = teacher.heldout_ce(share, manifest.vocab_size, manifest.attn_mask == "doc_causal")
     # One rank per replica counts its share (the others of a tensor-parallel replica hold the same numbers).
@@ -245,9 +246,11 @@ def heldout_reference(args: TeacherCacheArgs, tokenizer, teacher: TeacherModel, 
         log_collective("all_reduce held-out CE", dist.group.WORLD, totals)
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=dist.group.WORLD)
     loss_sum, tokens = totals.tolist()
+    bpb = bits_per_byte(loss_sum, batches_target_bytes(batches, token_byte_lengths(tokenizer)))  # every rank has all
     logger.info(f"cache rank {topo.global_rank}: held-out CE over {len(share)} of {len(batches)} batch(es) here "
-                f"(replica {replica} of {replicas}); {loss_sum / max(tokens, 1):.4f} over {int(tokens):,} tokens in all")
-    return loss_sum / max(tokens, 1)
+                f"(replica {replica} of {replicas}); {loss_sum / max(tokens, 1):.4f} over {int(tokens):,} tokens in all, "
+                f"{bpb:.4f} bits per byte")
+    return loss_sum / max(tokens, 1), bpb
 
 
 def check_k_fits_vocab(args: TeacherCacheArgs, tokenizer) -> None:
@@ -321,9 +324,9 @@ def write_cache(args: TeacherCacheArgs, topo) -> None:
     write_shards(args, StreamReader(args, tokenizer, cache_dir, manifest), teacher, manifest, todo, writer, topo, cross)
     barrier(topo, "every shard written")
     tokens_per_shard = manifest.shard_sequences * args.data.seq_len
-    # A teacher of another tokenizer has no CE per student token (the config decides it: every rank skips it).
-    manifest.teacher_heldout_ce = None if cross is not None else \
-        heldout_reference(args, tokenizer, teacher, manifest, topo, replica, replicas, writer)
+    if cross is None:  # another tokenizer's teacher has no CE per student token (the config decides: every rank skips)
+        manifest.teacher_heldout_ce, manifest.teacher_heldout_bpb = heldout_reference(
+            args, tokenizer, teacher, manifest, topo, replica, replicas, writer)
     if rank == 0:
         manifest.write(cache_dir)
         missing = [i for i in range(manifest.n_shards) if shard_metadata(shard_path(cache_dir, i)) is None]
@@ -332,7 +335,8 @@ def write_cache(args: TeacherCacheArgs, topo) -> None:
         write_json_atomic(cache_dir / INDEX, {"shards": [shard_path(cache_dir, i).name for i in range(manifest.n_shards)],
                                                "tokens": manifest.n_shards * tokens_per_shard})
         reference = "" if manifest.teacher_heldout_ce is None else \
-            f"; the teacher's held-out CE is {manifest.teacher_heldout_ce:.4f}"
+            f"; the teacher's held-out CE is {manifest.teacher_heldout_ce:.4f} ({manifest.teacher_heldout_bpb:.4f} " \
+            f"bits per byte)"
         logger.info(f"teacher cache complete in {cache_dir}: {manifest.n_shards} shards, "
                     f"{manifest.n_shards * tokens_per_shard:,} tokens{reference}")
     barrier(topo, "cache index")

@@ -176,9 +176,7 @@ def distillation_process(args: TrainArgs, topo: Topology, phases: PhaseLog, pree
     index = topo.teacher_ranks.index(topo.global_rank)
     server = TeacherServer(args.distillation, topo, preemption, phases=phases, attn_mask=args.model.attn_mask,
                            student_tokenizer=args.data.tokenizer,
-                           # A teacher of another tokenizer has no CE per student token (bits per byte: issue 36).
-                           heldout=None if args.distillation.cross_tokenizer else
-                           teacher_heldout(args.heldout, args.data, len(topo.student_ranks)),
+                           heldout=teacher_heldout(args.heldout, args.data, len(topo.student_ranks)),
                            inject_load_failure=FaultInjector.teacher_load_fails(args.inject_failure, index),
                            inject_serve_failure_at=FaultInjector.teacher_serve_fails_at(args.inject_failure, index))
     # The generous timeout holds through the students' first step; a request sent after it (or STOP)
@@ -291,7 +289,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
 
     probe = ActivationProbe(model, args.dump_dir, topo.global_rank, topo.is_train_master, group,
                             every=args.probe_freq) if args.probe_freq else None
-    evaluator = Evaluator(args.heldout, args.data, tokenizer, topo, distiller.teacher_heldout_ce)
+    evaluator = Evaluator(args.heldout, args.data, tokenizer, topo, *distiller.teacher_heldout)
     checkpoint_eval = CheckpointEvaluation(args, topo, checkpoint)  # Lingua's eval: section, after checkpoint.eval saves
     # The embedding lookup is no matmul; the output head is (and with tied weights it is the only copy counted).
     matmul_params = n_params - (0 if args.model.tie_embeddings else args.model.vocab_size * args.model.dim)

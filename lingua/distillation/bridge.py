@@ -141,25 +141,29 @@ class HandshakeRecord:
     max_bsz: int = 0  # student: the largest batch it will send
     max_seqlen: int = 0
     heldout_ce: Optional[float] = None  # teacher: its own CE on the students' held-out windows, when asked
+    heldout_bpb: Optional[float] = None  # teacher: the same in bits per byte
     message: str = ""
 
     ROLES = ("", "teacher", "student")  # wire codes 1 and 2
 
     def pack(self) -> torch.Tensor:
         settings = [encode(self.settings[name]) for name, _, encode, _ in AGREED_SETTINGS]
-        heldout = _float_bits(float("nan") if self.heldout_ce is None else self.heldout_ce)
+        heldout = [_float_bits(float("nan") if value is None else value) for value in (self.heldout_ce,
+                                                                                        self.heldout_bpb)]
         return pack_record([self.ROLES.index(self.role), failure_word(not self.loaded, self.bug), self.vocab,
                             self.tokenizer_fingerprint, self.max_positions, self.max_bsz, self.max_seqlen,
-                            self.global_rank, *settings, heldout], self.message)
+                            self.global_rank, *settings, *heldout], self.message)
 
     @classmethod
     def unpack(cls, record: torch.Tensor) -> "HandshakeRecord":
         role, failed, vocab, fingerprint, max_pos, max_bsz, max_seqlen, rank, *rest = record_ints(record)
         settings = {name: decode(value) for (name, _, _, decode), value in zip(AGREED_SETTINGS, rest)}
-        heldout = _bits_float(rest[len(AGREED_SETTINGS)])
+        heldout_ce, heldout_bpb = (_bits_float(bits) for bits in rest[len(AGREED_SETTINGS):len(AGREED_SETTINGS) + 2])
         return cls(cls.ROLES[role], rank, vocab, fingerprint, settings, loaded=not failed, bug=failed == Failure.BUG,
                    max_positions=max_pos, max_bsz=max_bsz, max_seqlen=max_seqlen,
-                   heldout_ce=None if heldout != heldout else heldout, message=record_message(record) if failed else "")
+                   heldout_ce=None if heldout_ce != heldout_ce else heldout_ce,
+                   heldout_bpb=None if heldout_bpb != heldout_bpb else heldout_bpb,
+                   message=record_message(record) if failed else "")
 
 
 @dataclass
@@ -241,6 +245,7 @@ class BridgeSpec:
     doc_boundaries: bool = False  # requests carry [max_bsz, max_seqlen] document ids after the tokens
     kd_weight: bool = False  # cross-tokenizer: responses carry each position's KD weight after the top-k
     teacher_heldout_ce: Optional[float] = None  # the teacher's own held-out CE, if it computed one
+    teacher_heldout_bpb: Optional[float] = None  # the same in bits per byte
     segments: list = field(init=False, repr=False)  # (offset, nbytes) of each payload tensor
 
     def __post_init__(self):
@@ -364,7 +369,8 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
     check_k_fits_vocab(served["output"], served["k"], vocab, teacher)
     return BridgeSpec(max_bsz, max_seqlen, vocab, served["output"], served["k"],
                       WIRE_DTYPES[served["wire_dtype"]], doc_boundaries=served["attn_mask"] == "doc_causal",
-                      kd_weight=served["cross_tokenizer"], teacher_heldout_ce=teacher.heldout_ce)
+                      kd_weight=served["cross_tokenizer"], teacher_heldout_ce=teacher.heldout_ce,
+                      teacher_heldout_bpb=teacher.heldout_bpb)
 
 
 def check_k_fits_vocab(output: str, k: int, vocab: int, teacher: HandshakeRecord) -> None:

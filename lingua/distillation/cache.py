@@ -72,6 +72,7 @@ class CacheManifest:
     sequences_per_stream: int
     shard_sequences: int
     teacher_heldout_ce: Optional[float] = None  # the teacher's own CE on the held-out split (a reference line)
+    teacher_heldout_bpb: Optional[float] = None  # the same in bits per byte (None in caches written before it)
     version: int = CACHE_VERSION
     # distillation.cross_tokenizer: the targets are in the student's ids and positions, with a kd_weight bit per
     # position; tokenizer_fingerprint and vocab_size are the student's. Written only then (CROSS_FIELDS), so a

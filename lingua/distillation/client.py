@@ -148,6 +148,7 @@ class TeacherClient:
                                agreed_settings(args, attn_mask), max_bsz=max_bsz, max_seqlen=max_seqlen)
         self.spec = agreed_handshake(topo, mine, args)
         self.teacher_heldout_ce = self.spec.teacher_heldout_ce
+        self.teacher_heldout_bpb = self.spec.teacher_heldout_bpb
         self.n_words = n_words
         self.device = topo.device
         self.pin = self.device.type == "cuda"  # pinned host buffers: the copy to the GPU does not block

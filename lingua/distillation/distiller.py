@@ -49,10 +49,16 @@ class Distiller:
 
     prefetch = 0  # requests submitted ahead of the micro-batch being computed
     teacher_heldout_ce: Optional[float] = None  # the teacher's own held-out CE, when known (logged with the eval)
+    teacher_heldout_bpb: Optional[float] = None  # the same in bits per byte
     first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done) of the first request
 
     def __init__(self, args: DistillationArgs):
         self.args = args
+
+    @property
+    def teacher_heldout(self) -> tuple[Optional[float], Optional[float]]:
+        """The teacher's own held-out (CE, bits per byte), each None when not known: the eval's reference line."""
+        return self.teacher_heldout_ce, self.teacher_heldout_bpb
 
     def begin_step(self, step: int, lr_factor: float) -> None:
         """A new step: fresh statistics (and the KD weight for this step)."""
@@ -210,9 +216,10 @@ class KDDistiller(Distiller):
 class CacheDistiller(KDDistiller):
     """Targets from the offline teacher cache: they come with each batch (`batch["teacher"]`), nothing to wait for."""
 
-    def __init__(self, args: DistillationArgs, teacher_heldout_ce: Optional[float]):
+    def __init__(self, args: DistillationArgs, teacher_heldout_ce: Optional[float],
+                 teacher_heldout_bpb: Optional[float] = None):
         super().__init__(args)
-        self.teacher_heldout_ce = teacher_heldout_ce
+        self.teacher_heldout_ce, self.teacher_heldout_bpb = teacher_heldout_ce, teacher_heldout_bpb
 
     def submit(self, batch: dict, step: int, micro_step: int):
         return batch["teacher"]
@@ -228,7 +235,7 @@ class OnlineDistiller(KDDistiller):
         super().__init__(args)
         self.client = client
         self.prefetch = prefetch
-        self.teacher_heldout_ce = client.teacher_heldout_ce
+        self.teacher_heldout_ce, self.teacher_heldout_bpb = client.teacher_heldout_ce, client.teacher_heldout_bpb
 
     @property
     def first_round_trip(self) -> Optional[tuple[float, float]]:
@@ -292,7 +299,7 @@ def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tok
     if not enable_distillation:
         return NoDistiller(args)
     if cache is not None:
-        return CacheDistiller(args, cache.manifest.teacher_heldout_ce)
+        return CacheDistiller(args, cache.manifest.teacher_heldout_ce, cache.manifest.teacher_heldout_bpb)
     with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
         client = TeacherClient(args, topo, tokenizer_vocab(tokenizer), tokenizer.n_words, *max_batch, attn_mask)
     return OnlineDistiller(args, client, agreed_prefetch(args, topo))

@@ -30,6 +30,7 @@ from typing import NoReturn, Optional
 import torch
 import torch.distributed as dist
 
+from lingua.bits_per_byte import bits_per_byte
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.bridge import (
     HEADER_INTS,
@@ -111,7 +112,7 @@ class TeacherServer:
                            f"{shard.start}-{shard.end - 1} and {self.teacher.n_local_params / 1e6:.1f}M params here"
                            if shard is not None else ""))
             if heldout is not None and not tensor_parallel:
-                record.heldout_ce = self._heldout_ce(heldout, attn_mask)
+                record.heldout_ce, record.heldout_bpb = self._heldout_ce(heldout, attn_mask)
         except Exception as err:  # every rank must hear about it, not only this one
             load_error = err
             record.loaded, record.bug, record.message = False, is_bug(err), failure_words(err)
@@ -119,7 +120,7 @@ class TeacherServer:
         if tensor_parallel:
             record = replica_load_record(topo, record)  # no rank of the replica goes on alone
             if heldout is not None and record.loaded:  # collective: a failure here ends this rank (peers follow)
-                record.heldout_ce = self._heldout_ce(heldout, attn_mask)
+                record.heldout_ce, record.heldout_bpb = self._heldout_ce(heldout, attn_mask)
         if phases is not None:
             phases.record("teacher_load", start_wall, time.time())
         with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
@@ -163,11 +164,19 @@ class TeacherServer:
     def idle_s(self) -> float:
         return self.clock.idle_s
 
-    def _heldout_ce(self, heldout, attn_mask: str) -> float:
-        """The teacher's CE on (held-out batches of every student, the students' vocab): a reference line."""
-        loss_sum, tokens = self.teacher.heldout_ce(*heldout, doc_causal=attn_mask == "doc_causal")
-        logger.info(f"teacher's held-out CE: {loss_sum / max(tokens, 1):.4f} over {tokens:,} tokens")
-        return loss_sum / max(tokens, 1)
+    def _heldout_ce(self, heldout, attn_mask: str) -> tuple[Optional[float], float]:
+        """The teacher's CE and bits per byte on (held-out batches of every student, the students' vocab, the bytes
+        of their targets): a reference line. A cross-tokenizer teacher scores the same text in its own tokens: its
+        bits per byte compare with the students', its CE per token does not (None)."""
+        batches, vocab_size, n_bytes = heldout
+        if self.cross is not None:
+            batches, n_bytes = self.cross.own_heldout(batches)
+            vocab_size = self.teacher.vocab_size
+        loss_sum, tokens = self.teacher.heldout_ce(batches, vocab_size, doc_causal=attn_mask == "doc_causal")
+        bpb = bits_per_byte(loss_sum, n_bytes)
+        logger.info(f"teacher's held-out CE: {loss_sum / max(tokens, 1):.4f} over {tokens:,} tokens"
+                    f"{' of its own' if self.cross is not None else ''}, {bpb:.4f} bits per byte")
+        return (None if self.cross is not None else loss_sum / max(tokens, 1)), bpb
 
     def _throughput(self) -> str:
         """This rank's serving numbers, for its log: tokens/s of busy time, the forward's share, peak memory."""

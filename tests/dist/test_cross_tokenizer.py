@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lingua.rundir import train_rows
+from lingua.rundir import read_metrics, train_rows
 from tests.runs import assert_ok, distill_overrides, torchrun
 
 pytestmark = pytest.mark.slow  # launches torchrun
@@ -14,20 +14,25 @@ pytestmark = pytest.mark.slow  # launches torchrun
 def test_a_byte_student_learns_from_a_bpe_teacher(corpus, tiny_teacher, tmp_path):
     """The handshake accepts the other tokenizer, the teacher aligns (with document ids: doc_causal), and every
     logged step has a share of aligned positions in (0, 1] and finite losses. The students' held-out CE runs; the
-    teacher computes no reference CE on their ids (they are not its tokens)."""
+    teacher's reference is in bits per byte only (it scores the same text in its own tokens)."""
     dump = tmp_path / "run"
     result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=4, **{
         "data.tokenizer.name": "bytes", "data.tokenizer.path": "null", "distillation.cross_tokenizer": "true",
         "model.attn_mask": "doc_causal", "heldout.every": 2}), timeout=120)
     assert_ok(result)
     assert "cross-tokenizer: 256 of the teacher's 512 ids are student tokens" in result.stdout
-    assert "teacher's held-out CE" not in result.stdout
+    assert "tokens of its own" in result.stdout
     rows = train_rows(dump)
     assert sorted(rows) == [1, 2, 3, 4]
     for row in rows.values():
         assert 0.0 < row["kd/aligned"] <= 1.0, row
         assert all(math.isfinite(row[key]) and row[key] >= 0 for key in ("loss/ce", "loss/kd", "loss/total")), row
         assert 0.0 < row["kd/teacher_mass"] <= row["kd/aligned"] + 1e-6, row  # mass is counted where aligned only
+    evals = [row for row in read_metrics(dump) if "eval/loss" in row]
+    assert [row["step"] for row in evals] == [2, 4] and all(math.isfinite(row["eval/bpb"]) for row in evals)
+    # Bits per byte compare across the two tokenizers; the teacher's CE per token (over its own tokens) does not.
+    assert math.isfinite(evals[0]["eval/teacher_bpb"]) and evals[0]["eval/teacher_bpb"] > 0
+    assert not any("eval/teacher_loss" in row for row in evals) and "eval/teacher_bpb" not in evals[1]
 
 
 @pytest.mark.timeout(240)

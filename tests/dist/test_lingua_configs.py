@@ -43,6 +43,7 @@ def test_lingua_debug_config_trains_and_evaluates_each_eval_checkpoint_in_proces
     for row in validation:  # 4 held-out batches of 2 x 32 tokens; an untrained 512-token model: CE near ln(512)
         assert row["heldout"]["batches"] == 4 and row["heldout"]["tokens"] == 4 * 2 * 32
         assert abs(row["heldout"]["ce"] - math.log(512)) < 1.0
+        assert math.isfinite(row["heldout"]["bpb"]) and row["heldout"]["bytes"] > 0
     report = json.loads((dump / "evals" / f"{4:010d}" / "eval.json").read_text())
     assert report["step"] == 4 and report["heldout"] == validation[1]["heldout"]
     settings = report["settings"]  # Lingua's generator settings as lm-eval takes them

@@ -1,6 +1,7 @@
 """The offline teacher cache: written by apps.main.teacher_cache on 2 ranks, read as the dataset by 2 students."""
 
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -55,6 +56,7 @@ def test_cached_outputs_equal_a_fresh_teacher_forward_of_the_cached_tokens(cache
     assert (manifest.streams, manifest.sequences_per_stream, manifest.n_shards) == (2, 24, 12)
     assert json.loads((cache / "index.json").read_text())["tokens"] == 12 * 4 * 32
     assert manifest.teacher_heldout_ce is not None and 0 < manifest.teacher_heldout_ce < 10
+    assert manifest.teacher_heldout_bpb is not None and 0 < manifest.teacher_heldout_bpb < 10
     teacher = TeacherModel(DistillationArgs(teacher_path=str(tiny_teacher), teacher_dtype="fp32"), torch.device("cpu"))
     for index in (0, 5, 11):
         batch = read_shard(shard_path(cache, index), range(0, 4), manifest)
@@ -93,9 +95,13 @@ def test_training_from_the_cache_equals_online_training_and_resumes_exactly(cach
                     if "eval/loss" in line]
     assert [r["step"] for r in cached_evals] == [r["step"] for r in online_evals] == [3, 6]
     assert [r["eval/loss"] for r in cached_evals] == [r["eval/loss"] for r in online_evals]
-    # The teacher's own held-out CE, logged once per launch with its first eval, is the same number either way.
+    assert [r["eval/bpb"] for r in cached_evals] == [r["eval/bpb"] for r in online_evals]
+    assert all(math.isfinite(r["eval/bpb"]) and 0 < r["eval/bpb"] for r in online_evals)
+    # The teacher's own held-out CE (and its bits per byte), logged once per launch with its first eval, is the
+    # same number either way.
     assert cached_evals[0]["eval/teacher_loss"] == pytest.approx(online_evals[0]["eval/teacher_loss"], rel=1e-6)
-    assert "eval/teacher_loss" not in online_evals[1]
+    assert cached_evals[0]["eval/teacher_bpb"] == pytest.approx(online_evals[0]["eval/teacher_bpb"], rel=1e-6)
+    assert "eval/teacher_loss" not in online_evals[1] and "eval/teacher_bpb" not in online_evals[1]
 
 
 @pytest.mark.timeout(200)

@@ -104,6 +104,7 @@ def test_a_tp2_replica_trains_like_one_teacher_rank_survives_sigusr2_on_a_follow
     evals = {tag: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
                    if "eval/teacher_loss" in line] for tag, run in (("one", one), ("tp", split))}
     assert evals["tp"][0]["eval/teacher_loss"] == pytest.approx(evals["one"][0]["eval/teacher_loss"], rel=1e-5)
+    assert evals["tp"][0]["eval/teacher_bpb"] == pytest.approx(evals["one"][0]["eval/teacher_bpb"], rel=1e-5)
     # Each rank logs its own serving numbers; the status carries the replica's largest peak memory.
     for rank in (2, 3):
         assert f"[r{rank} teacher]" in second.stdout and "tokens/s of busy time" in second.stdout

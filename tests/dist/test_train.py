@@ -201,7 +201,10 @@ def test_debug_cpu_config_trains_logs_checkpoints_and_resumes(corpus, tmp_path):
     rows = train_rows(dump)
     assert sorted(rows) == list(range(5, 41, 5))  # logging.freq: 5
     assert rows[40]["loss/ce"] < rows[5]["loss/ce"]
-    assert [r["step"] for r in read_metrics(dump) if "eval/loss" in r] == [20, 40]
+    evals = [r for r in read_metrics(dump) if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [20, 40]
+    # Bits per byte beside it: the byte tokenizer's EOS targets add CE and no bytes, so at least the CE in bits.
+    assert all(math.isfinite(r["eval/bpb"]) and r["eval/bpb"] >= r["eval/loss"] / math.log(2) for r in evals)
     assert sorted(p.name for p in (dump / "checkpoints").iterdir()) == [f"{20:010d}", f"{40:010d}"]
     # The saves are timed apart from their steps' time and tokens/s.
     assert [step for step, row in sorted(rows.items()) if "checkpoint/save_s" in row] == [20, 40]

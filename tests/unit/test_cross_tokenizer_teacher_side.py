@@ -90,3 +90,38 @@ def test_the_alignment_bench_prints_a_row_per_pair(corpus, capsys):
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| bytes")]
     assert len(rows) == 1 and rows[0][2] == "235 of 49152"
     assert 0.0 < float(rows[0][3]) <= 1.0 and float(rows[0][5].rstrip(" |")) > 0
+
+
+@pytest.mark.parametrize("max_positions", [None, 8])
+def test_own_heldout_scores_the_students_windows_text_in_the_teachers_tokens(teacher, corpus, max_positions):
+    """The teacher's held-out bits per byte (cross-tokenizer): each student window becomes the same text in the
+    teacher's tokens (cut to its max positions), and the bytes are those of the teacher's targets."""
+    from lingua.data import DataArgs
+    from lingua.eval_data import iterate_eval_batches
+    from lingua.tokenizer import TokenizerArgs
+
+    _, hf = teacher
+    student = ByteTokenizer()
+    data = DataArgs(root_dir=str(corpus), sources={"text": 1.0}, batch_size=4, seq_len=48, add_bos=True,
+                    add_eos=True, tokenizer=TokenizerArgs("bytes"))
+    batches = list(iterate_eval_batches(data, student, 0, 1, max_batches=3))
+    cross = CrossTokenizerTeacher(student, hf, max_positions)
+    own, n_bytes = cross.own_heldout(batches)
+    assert [b["input_ids"].shape[0] for b in own] == [4, 4, 4]
+    hand_bytes = 0
+    for student_batch, teacher_batch in zip(batches, own):
+        for row in range(4):
+            window = student_batch["input_ids"][row].tolist() + [int(student_batch["labels"][row, -1])]
+            labels = teacher_batch["labels"][row]
+            n = int((labels != -100).sum())
+            assert (labels[:n - 1] == teacher_batch["input_ids"][row, 1:n]).all()  # labels: the next teacher token
+            scored = hf.decode(labels[:n].tolist(), skip_special_tokens=True)
+            hand_bytes += len(scored.encode("utf-8"))
+            whole = hf.decode([int(teacher_batch["input_ids"][row, 0])] + labels[:n].tolist(),
+                              skip_special_tokens=True)
+            text = bytes(t for t in window if t < 256).decode("utf-8")
+            if max_positions is None:  # the same text as the student's window, in the teacher's tokens
+                assert whole == text
+            else:
+                assert n <= max_positions and text.startswith(whole)
+    assert n_bytes == hand_bytes > 0

@@ -49,6 +49,9 @@ def test_wire_records_round_trip_with_their_field_names():
     assert HandshakeRecord.unpack(packed) == record
     failed = HandshakeRecord("teacher", 6, 0, 0, settings, loaded=False, message="OSError: no such file é")
     assert HandshakeRecord.unpack(failed.pack()) == failed
+    teacher = HandshakeRecord("teacher", 6, 512, 7, settings, heldout_ce=3.25, heldout_bpb=2.5)
+    assert HandshakeRecord.unpack(teacher.pack()) == teacher  # the teacher's held-out CE and bits per byte
+    assert HandshakeRecord.unpack(record.pack()).heldout_bpb is None
     bug = HandshakeRecord("teacher", 6, 0, 0, settings, loaded=False, bug=True, message="KeyError: 'x'")
     assert HandshakeRecord.unpack(bug.pack()) == bug and HandshakeRecord.unpack(failed.pack()).bug is False
     status = ResponseStatus(ok=True, teacher_preempt=True, busy_s=12.5, idle_s=0.25, peak_bytes=3 * 2**30)

@@ -33,12 +33,13 @@ def tiny_checkpoint(root, tokenizer_dir, corpus, add_bos: bool):
 
 
 @torch.no_grad()
-def direct_held_out_ce(model, tokenizer, corpus, add_bos: bool) -> tuple[float, int]:
-    """Every val document framed and concatenated, cut into disjoint windows of SEQ_LEN + 1, scored by hand."""
+def direct_held_out_ce(model, tokenizer, corpus, add_bos: bool) -> tuple[float, int, float]:
+    """Every val document framed and concatenated, cut into disjoint windows of SEQ_LEN + 1, scored by hand; also
+    the bits per byte of the scored targets' text (decoded without BOS/EOS: the corpus is ASCII)."""
     stream = []
     for line in (corpus / "text" / "text.val.jsonl").read_text().splitlines():
         stream += tokenizer.encode(json.loads(line)["text"], add_bos=add_bos, add_eos=True)
-    loss_sum, tokens = 0.0, 0
+    loss_sum, tokens, n_bytes = 0.0, 0, 0
     for start in range(0, len(stream), SEQ_LEN + 1):
         window = torch.tensor([stream[start:start + SEQ_LEN + 1]])
         if window.shape[1] < 2:
@@ -46,7 +47,8 @@ def direct_held_out_ce(model, tokenizer, corpus, add_bos: bool) -> tuple[float, 
         logits = model(window[:, :-1])
         loss_sum += torch.nn.functional.cross_entropy(logits[0].double(), window[0, 1:], reduction="sum").item()
         tokens += window.shape[1] - 1
-    return loss_sum / tokens, tokens
+        n_bytes += len(tokenizer.tokenizer.decode(window[0, 1:].tolist(), skip_special_tokens=True).encode("utf-8"))
+    return loss_sum / tokens, tokens, loss_sum / math.log(2) / n_bytes
 
 
 @torch.no_grad()
@@ -91,9 +93,10 @@ def test_eval_app_scores_checkpoint_with_local_task_and_held_out_perplexity(tmp_
     assert context == tokenizer.encode("The list type", add_bos=add_bos, add_eos=False)
 
     heldout = report["heldout"]
-    ce, tokens = direct_held_out_ce(model, tokenizer, corpus, add_bos)
+    ce, tokens, bpb = direct_held_out_ce(model, tokenizer, corpus, add_bos)
     assert heldout["tokens"] == tokens and math.isfinite(heldout["ce"])
     assert heldout["ce"] == pytest.approx(ce, rel=1e-5) and heldout["ppl"] == pytest.approx(math.exp(ce), rel=1e-5)
+    assert heldout["bpb"] == pytest.approx(bpb, rel=1e-5) and 0 < heldout["bytes"]
 
 
 @pytest.mark.timeout(60)

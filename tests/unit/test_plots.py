@@ -23,7 +23,8 @@ def write_run(dump_dir, with_kd: bool):
             row.update({"loss/kd": 1.0 / step, "kd/top1_agreement": step / 20, "kd/teacher_mass": 0.9})
         lines.append(json.dumps(row))
         if step % 10 == 0:
-            lines.append(json.dumps({"step": step, "eval/loss": 3.0 / step, "eval/ppl": 2.0}))
+            bpb = {"eval/bpb": 4.3 / step} if with_kd else {}  # one run from before eval/bpb
+            lines.append(json.dumps({"step": step, "eval/loss": 3.0 / step, "eval/ppl": 2.0, **bpb}))
     (dump_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
 
@@ -40,6 +41,10 @@ def test_plot_two_runs_one_without_kd(tmp_path):
 
 def test_plot_only_panels_with_data():
     rows = [{"step": 1, "loss/ce": 2.0}, {"step": 2, "loss/ce": 1.5}]
+    older = rows + [{"step": 2, "eval/loss": 3.0}]  # a run logged before eval/bpb existed
+    newer = rows + [{"step": 2, "eval/loss": 3.0, "eval/bpb": 4.0}]
+    assert [panel[0] for panel in plots.panels_with_data([("old", older)])] == ["Training loss", "Eval loss"]
+    assert plots.panels_with_data([("old", older), ("new", newer)])[-1][2] == [("eval/bpb", "-")]
     assert plots.series(rows, "loss/kd", "step") == ([], [])
     assert plots.series(rows + [{"step": 2, "loss/ce": 1.4}], "loss/ce", "step") == ([1, 2], [2.0, 1.4])
 

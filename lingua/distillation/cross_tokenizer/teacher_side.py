@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from lingua.bits_per_byte import batches_target_bytes, byte_lengths
+from lingua.data import IGNORE_INDEX
 from lingua.distillation.bridge import tokenizer_fingerprint
 from lingua.distillation.cross_tokenizer.alignment import WindowAligner
 from lingua.distillation.cross_tokenizer.targets import student_topk_targets
@@ -75,6 +77,34 @@ class CrossTokenizerTeacher:
             row_source = torch.tensor(window.source, dtype=torch.int64)
             source[r] = torch.where((row_source >= 0) & (row_source < length), row_source + r * length, -1)
         return TeacherBatch(tokens, docs, source)
+
+    def own_heldout(self, batches: list[dict]) -> tuple[list[dict], int]:
+        """The students' held-out windows in the teacher's own tokens (the same text, cut to max_positions), as
+        held-out batches of the same shape kind, and the UTF-8 bytes of their targets: the teacher's bits per byte
+        (its CE per token is over other tokens than the students')."""
+        windows = []
+        for batch in batches:
+            for row, labels in zip(batch["input_ids"], batch["labels"]):
+                n_targets = int((labels != IGNORE_INDEX).sum())  # a prefix: padding follows the window's targets
+                if n_targets:
+                    window = self.aligner.align(row[:n_targets].tolist() + [int(labels[n_targets - 1])])
+                    length = min(len(window.ids), (self.max_positions or len(window.ids)) + 1)
+                    windows.append((window.ids[:length], window.doc_ids[:length]))
+        size = max((batch["labels"].shape[0] for batch in batches), default=1)
+        own = []
+        for start in range(0, len(windows), size):
+            chunk = windows[start:start + size]
+            width = max(len(ids) for ids, _ in chunk) - 1
+            input_ids = torch.full((len(chunk), max(width, 1)), self.pad_id, dtype=torch.int64)
+            labels = torch.full_like(input_ids, IGNORE_INDEX)
+            doc_ids = torch.zeros(input_ids.shape, dtype=torch.int32)
+            for r, (ids, docs) in enumerate(chunk):
+                n = len(ids) - 1
+                input_ids[r, :n], labels[r, :n] = torch.tensor(ids[:-1]), torch.tensor(ids[1:])
+                doc_ids[r, :n] = torch.tensor(docs[:-1], dtype=torch.int32)
+                doc_ids[r, n:] = (docs[n - 1] + 1) if n else 0  # padding: a document of its own
+            own.append(dict(input_ids=input_ids, labels=labels, doc_ids=doc_ids))
+        return own, batches_target_bytes(own, byte_lengths(self.aligner.teacher_bytes))
 
     def student_outputs(self, teacher_outputs: TeacherOutputs, batch: TeacherBatch,
                         wire_dtype: torch.dtype = torch.bfloat16) -> tuple[TeacherOutputs, torch.Tensor]:
