@@ -64,7 +64,6 @@ from lingua.rundir import RunDir
 from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
 from lingua.tokenizer import build_tokenizer
 
-
 logger = logging.getLogger("train")
 
 
@@ -132,10 +131,9 @@ class TrainArgs:
         if self.heldout.every:
             eval_files(self.data)
         if n_teacher_ranks(self) and self.distillation.teacher_path:
-            # From the teacher's config.json when it is on disk (a missing teacher is the teacher's own error).
-            max_positions = read_max_positions(self.distillation.teacher_path)
-            # Cross-tokenizer: the teacher's rows have their own length, cut at its max positions (teacher_side.py).
-            check_seq_len_fits_teacher(self.data.seq_len, 0 if self.distillation.cross_tokenizer else max_positions or 0,
+            # From its config.json when on disk (a missing teacher is its own error); cross-tokenizer rows are cut.
+            max_positions = 0 if self.distillation.cross_tokenizer else read_max_positions(self.distillation.teacher_path)
+            check_seq_len_fits_teacher(self.data.seq_len, max_positions or 0,
                                        f"max_position_embeddings in {self.distillation.teacher_path}/config.json")
             check_heads_divide(self.distillation.teacher_path, teacher_tp(self))
         if world_size is not None:  # roles, bridges, teacher replicas and the students' mesh for this many ranks
