@@ -3,8 +3,9 @@
     bash setup/gpu_check.sh --bench [--out DIR]      # = python -m apps.debug.gpu_bench [--out DIR]
 
 For V / D = 128,256 / 2,048 and 49,152 / 576 (bf16, N = 8,192 tokens, k = 64) it runs
-`python -m apps.bench.loss_step --device cuda --against liger` (each shape in its own process, at most
-SHAPE_TIMEOUT_S) and prints each ratio table. Everything lands in one folder, named on the first line
+`python -m apps.bench.loss_step --device cuda --against liger --compiled ce,kd_topk_t1` (each shape in its own
+process, at most SHAPE_TIMEOUT_S) and prints each ratio table: CE and top-k KD at T = 1 also run with the chunk
+math compiled (`distillation.loss_compile=true`: inductor's Triton) beside the eager ones, to set that default. Everything lands in one folder, named on the first line
 (default dumps/gpu_bench/<UTC time>): loss_V<vocab>/results.json and table.md per shape, and bench.md
 (the machine line and the tables, to commit under docs/gpu/ with the date and the card). About 3-5 minutes
 on one H100 (most of it drawing the teachers' outputs on the CPU); the whole mode stays under 10 minutes.
@@ -23,6 +24,7 @@ from typing import Callable, Optional
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = ((128256, 2048), (49152, 576))  # (vocab, dim): Llama-3's head at 1B, SmolLM2-135M's
 TOKENS, K = 8192, 64
+COMPILED = "ce,kd_topk_t1"  # the compiled twins timed beside the eager variants (one compile each per shape)
 SHAPE_TIMEOUT_S = 270  # two shapes stay under the mode's 10 minutes
 
 
@@ -30,7 +32,7 @@ def loss_bench_argv(vocab: int, dim: int, out: Path, tokens: int = TOKENS, devic
     """The loss bench's command line for one shape."""
     return [sys.executable, "-m", "apps.bench.loss_step", "--device", device, "--dtype", "bfloat16",
             "--vocab", str(vocab), "--dim", str(dim), "--tokens", str(tokens), "--k", str(K), "--repeats", "10",
-            "--warmup", "2", "--rounds", "1", "--against", "liger", "--out", str(out),
+            "--warmup", "2", "--rounds", "1", "--against", "liger", "--compiled", COMPILED, "--out", str(out),
             "--threads", str(min(8, os.cpu_count() or 1))]  # the teachers' outputs are drawn on the CPU
 
 

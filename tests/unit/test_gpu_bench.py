@@ -28,6 +28,7 @@ def test_both_shapes_run_the_liger_bench_and_the_summary_keeps_their_tables(tmp_
         flags = dict(zip(command[3::2], command[4::2]))
         assert flags["--device"] == "cuda" and flags["--dtype"] == "bfloat16" and flags["--against"] == "liger"
         assert flags["--tokens"] == "8192" and flags["--k"] == "64"
+        assert flags["--compiled"] == "ce,kd_topk_t1"  # the compiled twins beside the eager CE and KD
     summary = (tmp_path / "bench.md").read_text()
     assert "| table of V=128256 |" in summary and "| table of V=49152 |" in summary
     assert summary in capsys.readouterr().out
