@@ -5,10 +5,11 @@
 For V / D = 128,256 / 2,048 and 49,152 / 576 (bf16, N = 8,192 tokens, k = 64) it runs
 `python -m apps.bench.loss_step --device cuda --against liger --compiled ce,kd_topk_t1` (each shape in its own
 process, at most SHAPE_TIMEOUT_S) and prints each ratio table: CE and top-k KD at T = 1 also run with the chunk
-math compiled (`distillation.loss_compile=true`: inductor's Triton) beside the eager ones, to set that default. Everything lands in one folder, named on the first line
-(default dumps/gpu_bench/<UTC time>): loss_V<vocab>/results.json and table.md per shape, and bench.md
-(the machine line and the tables, to commit under docs/gpu/ with the date and the card). About 3-5 minutes
-on one H100 (most of it drawing the teachers' outputs on the CPU); the whole mode stays under 10 minutes.
+math compiled (`distillation.loss_compile=true`: inductor's Triton) beside the eager ones, to set that default.
+Everything lands in one folder, named on the first line (default dumps/gpu_bench/<UTC time>):
+loss_V<vocab>/results.json and table.md per shape, and bench.md (the machine line and the tables, to commit under
+docs/gpu/ with the date and the card). About 3-5 minutes on one H100 before the compiled rows (most of it drawing
+the teachers' outputs on the CPU), plus their compiles (unmeasured on a GPU); the mode stays under 10 minutes.
 Exit status 0 when every shape ran, else 1. Liger-Kernel is a bench dependency (setup/create_env.sh installs it;
 in another environment `pip install liger-kernel`): without it its rows say "not installed".
 """

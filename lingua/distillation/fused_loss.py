@@ -55,8 +55,8 @@ from typing import Optional, Union
 
 import torch
 
-from lingua.distillation.divergences import DIVERGENCES, distillation_loss, teacher_support
 from lingua.distillation.compiled_chunk import compiled_chunk_loss_and_grad
+from lingua.distillation.divergences import DIVERGENCES, distillation_loss, teacher_support
 from lingua.distillation.fused_chunk import GradRecipe, chunk_loss_and_grad, vocab_block_weight_grad
 from lingua.distillation.outputs import TeacherOutputs, check_format
 

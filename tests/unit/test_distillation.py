@@ -351,7 +351,8 @@ def test_the_wait_clock_on_a_real_gpu_counts_unread_steps_in_the_total():
 
 def test_loss_compile_reaches_the_fused_head_and_refuses_what_it_cannot_compile(monkeypatch):
     """distillation.loss_compile=true runs the fused CE head's chunks through the compiled math (traced with
-    aot_eager here) with the same loss, grads and metric; a non-bool or loss_compile without the fused loss is refused."""
+    aot_eager here) with the same loss, grads and metric; a non-bool, or loss_compile without the fused loss, is
+    refused."""
     from lingua.distillation import compiled_chunk, fused_loss
 
     monkeypatch.setattr(compiled_chunk, "BACKEND", "aot_eager")
