@@ -11,6 +11,8 @@ Variants (each one forward + backward from the hidden states [tokens, dim] and t
     kd_sampled         CE + KD against k samples of the teacher (T = 1)
     kd_rkl / kd_jsd    top-k at T = 1 with the reverse KL / the JSD (beta 0.5)
     liger_ce           Liger's LigerFusedLinearCrossEntropyLoss (Triton: CUDA only): the second baseline
+    <ours>_compiled    --compiled NAMES: the same with the chunk math compiled (`compiled=True`), compiled once
+                       before any measurement (compile_s in results.json)
     liger_jsd          Liger's LigerFusedLinearJSDLoss (it runs the teacher's head too: teacher hidden = a copy of
                        the student's, teacher head = a second [vocab, dim] weight)
 --weight-grad vocab_blocks runs our variants in that mode. Liger is optional (a bench dependency, never the
@@ -35,6 +37,7 @@ import torch
 
 from apps.bench.loss_inputs import MIB, BenchArgs, make_inputs, make_teacher, proc_status_kib, ratio, reset_peak_rss
 from lingua.distillation.fused_loss import fused_linear_kd_loss
+from lingua.errors import ConfigError
 from lingua.transformer import cross_entropy_sum
 
 # name: (teacher format, divergence, temperature) of our variants; None = no teacher.
@@ -43,7 +46,17 @@ OURS = {"ce": None, "kd_topk_t1": ("topk", "fkl", 1.0), "kd_topk_t2": ("topk", "
 LIGER = ("liger_ce", "liger_jsd")
 VARIANTS = ("logits_ce", *OURS, *LIGER)
 NOT_INSTALLED = "not installed"
+COMPILED = "_compiled"
 COLUMNS = ("variant", "fwd+bwd ms", "peak MiB", "time / our CE", "peak / our CE", "time / Liger CE", "peak / Liger CE")
+
+
+def compiled_names(value: str) -> list[str]:
+    """Our variants named by --compiled ("all" or a comma-separated list); one sentence on an unknown name."""
+    names = list(OURS) if value == "all" else [name for name in value.split(",") if name]
+    unknown = [name for name in names if name not in OURS]
+    if unknown:
+        raise ConfigError(f"--compiled {value!r} names {', '.join(unknown)}; use all or some of {', '.join(OURS)}.")
+    return names
 
 
 def load_liger(device: str) -> dict:
@@ -72,14 +85,18 @@ def step_functions(args: BenchArgs, liger: dict) -> tuple[dict[str, Callable[[],
     teacher_hidden = hidden.detach().clone()
     teacher_weight = torch.randn(weight.shape, generator=generator).mul_(args.dim**-0.5).to(weight.device, weight.dtype)
 
-    def ours(spec):
+    def ours(spec, compiled=False):
         teacher = None if spec is None else teachers[spec[0::2]]
         alpha, divergence, temperature = (0.0, "fkl", 1.0) if spec is None else (args.alpha, spec[1], spec[2])
         return lambda: fused_linear_kd_loss(hidden, weight, labels, teacher, n_valid, alpha, temperature, divergence,
-                                            chunk_size=args.chunk_size, weight_grad=args.weight_grad)[0]
+                                            chunk_size=args.chunk_size, weight_grad=args.weight_grad,
+                                            compiled=compiled)[0]
 
     losses = {"logits_ce": lambda: cross_entropy_sum((hidden @ weight.T).unsqueeze(0), labels.unsqueeze(0)) / n_valid}
-    losses.update({name: ours(spec) for name, spec in OURS.items()})
+    for name, spec in OURS.items():
+        losses[name] = ours(spec)
+        if name in compiled_names(args.compiled):  # beside its eager twin, in the same rounds
+            losses[name + COMPILED] = ours(spec, compiled=True)
     if not isinstance(liger.get("liger_ce"), str):
         losses["liger_ce"] = lambda: liger["liger_ce"](weight, hidden, labels)
     if not isinstance(liger.get("liger_jsd"), str):
@@ -125,7 +142,18 @@ def measure_all(steps: dict[str, Callable[[], None]], reset: Callable[[], None],
         libc.mallopt(-3, 65536)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, 65536)  # M_TRIM_THRESHOLD
     names = list(steps)
+    compile_s = {}
+    for name in names:  # compiling is a one-off per process: neither a peak nor a timed step may include it
+        if name.endswith(COMPILED):
+            _sync(args.device)
+            start = time.perf_counter()
+            steps[name]()
+            _sync(args.device)
+            compile_s[name] = time.perf_counter() - start
+    reset()
     results = {name: {"all_ms": [], "peak_mib": measure_peak(steps[name], reset, args.device)} for name in names}
+    for name, seconds in compile_s.items():
+        results[name]["compile_s"] = seconds
     for round_index in range(args.rounds):
         order = names[round_index % len(names):] + names[:round_index % len(names)]
         for name in order:
@@ -145,12 +173,14 @@ def measure_all(steps: dict[str, Callable[[], None]], reset: Callable[[], None],
 def summarize(args: BenchArgs, measured: dict[str, dict], liger: dict, liger_version: Optional[str]) -> dict:
     """results.json: every variant's time and peak (or why it did not run) and its ratios to our CE and Liger's."""
     rows = {}
-    for name in VARIANTS:
+    for name in [*VARIANTS[:-len(LIGER)], *(n for n in measured if n.endswith(COMPILED)), *LIGER]:
         if name not in measured:
             rows[name] = {"status": liger.get(name, NOT_INSTALLED)}
             continue
         row = {"status": "ok", "ms": measured[name]["ms"], "peak_mib": measured[name]["peak_mib"],
                "all_ms": measured[name]["all_ms"]}
+        if "compile_s" in measured[name]:
+            row["compile_s"] = measured[name]["compile_s"]
         for base in ("ce", "liger_ce"):
             ok = base in measured
             row[f"ms_over_{base}"] = ratio(row["ms"], measured[base]["ms"]) if ok else None

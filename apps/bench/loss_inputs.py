@@ -35,6 +35,9 @@ class BenchArgs:
     chunk_size: int = 0  # fused loss rows per chunk; 0 = its memory-budget default
     against: str = ""  # "liger": every variant beside Liger-Kernel's fused linear CE and JSD, in one process
     weight_grad: str = "accumulate"  # the fused loss's head-gradient mode (fused_loss.WEIGHT_GRADS)
+    # --against: our variants also run with compiled=True (torch.compile of the chunk math), by name ("ce,kd_topk_t1")
+    # or "all"; "" = none. Each is compiled once before any measurement (results.json: compile_s).
+    compiled: str = ""
     reference_chunk_size: int = 1024  # kd_loss chunk, the trainer's loss_chunk_size default
     seed: int = 0
     out: Optional[str] = None

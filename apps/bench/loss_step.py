@@ -20,6 +20,10 @@ fused linear CE and JSD in one process (`apps.bench.loss_against`):
     python -m apps.bench.loss_step --device cuda --dtype bfloat16 --vocab 128256 --dim 2048 --tokens 8192 \
         --k 64 --against liger --out DIR
 
+and `--compiled ce,kd_topk_t1` (or `all`) adds those variants with the chunk math compiled (`fused_linear_kd_loss(...,
+compiled=True)`) beside the eager ones, in the same process and rounds: the comparison that sets
+`distillation.loss_compile`'s default.
+
 Every variant is measured in fresh processes (`--rounds` times, interleaved, so a busy machine slows
 all of them alike), one for time and one for memory, so neither peaks nor allocator states mix.
 Time: the median wall clock of --repeats fwd+bwd after --warmup (CPU time too: on a shared machine
@@ -91,6 +95,11 @@ def check_args(args: BenchArgs) -> None:
         raise ConfigError(f"--against {args.against!r} is unknown; use --against liger (or leave it out).")
     if args.weight_grad not in WEIGHT_GRADS:
         raise ConfigError(f"--weight-grad {args.weight_grad!r} is unknown; use one of {', '.join(WEIGHT_GRADS)}.")
+    if args.compiled and not args.against:
+        raise ConfigError("--compiled runs beside the eager variants in one process: add --against liger.")
+    if args.compiled:
+        from apps.bench.loss_against import compiled_names
+        compiled_names(args.compiled)  # raises on an unknown name
     if not 0.0 <= args.ignored < 1.0 or not 0.0 <= args.alpha <= 1.0 or args.temperature <= 0:
         raise ConfigError("--ignored must be in [0, 1), --alpha in [0, 1] and --temperature positive.")
 

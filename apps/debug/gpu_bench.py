@@ -3,8 +3,10 @@
     bash setup/gpu_check.sh --bench [--out DIR]      # = python -m apps.debug.gpu_bench [--out DIR]
 
 1. For V / D = 128,256 / 2,048 and 49,152 / 576 (bf16, N = 8,192 tokens, k = 64):
-   `python -m apps.bench.loss_step --device cuda --against liger` (each shape in its own process, at most
-   SHAPE_TIMEOUT_S), our CE and KD variants beside Liger-Kernel's fused linear CE and JSD.
+   `python -m apps.bench.loss_step --device cuda --against liger --compiled ce,kd_topk_t1` (each shape in its own
+   process, at most SHAPE_TIMEOUT_S), our CE and KD variants beside Liger-Kernel's fused linear CE and JSD; CE and
+   top-k KD at T = 1 also with the chunk math compiled (`distillation.loss_compile=true`: inductor's Triton),
+   to set that default.
 2. `python -m apps.bench.feed --device cuda`: the loader (training thread idle and busy), the cache writer's
    stages against its teacher's forward, the reader's decode, and whole training steps of a 139M-like and an
    810M-like student, CE-only against KD from a top-64 cache (data wait share, fwd+bwd ratio).
@@ -29,13 +31,14 @@ SHAPES = ((128256, 2048), (49152, 576))  # (vocab, dim): Llama-3's head at 1B, S
 TOKENS, K = 8192, 64
 BUDGET_S = 570  # the whole mode stays under 10 minutes: each part gets at most what is left
 SHAPE_TIMEOUT_S = 200  # a loss shape; the whole-step comparison gets the rest
+COMPILED = "ce,kd_topk_t1"  # the compiled twins timed beside the eager variants (one compile each per shape)
 
 
 def loss_bench_argv(vocab: int, dim: int, out: Path, tokens: int = TOKENS, device: str = "cuda") -> list[str]:
     """The loss bench's command line for one shape."""
     return [sys.executable, "-m", "apps.bench.loss_step", "--device", device, "--dtype", "bfloat16",
             "--vocab", str(vocab), "--dim", str(dim), "--tokens", str(tokens), "--k", str(K), "--repeats", "10",
-            "--warmup", "2", "--rounds", "1", "--against", "liger", "--out", str(out),
+            "--warmup", "2", "--rounds", "1", "--against", "liger", "--compiled", COMPILED, "--out", str(out),
             "--threads", str(min(8, os.cpu_count() or 1))]  # the teachers' outputs are drawn on the CPU
 
 

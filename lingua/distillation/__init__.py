@@ -7,6 +7,7 @@ Student side (the loop asks one `Distiller` for the KD part of each step):
     client.py          TeacherClient: the student end of a bridge (handshake, submit -> handle.wait(), STOP)
     fused_loss.py      fused_linear_kd_loss: CE + KD fused with the output head (the default loss)
     fused_chunk.py     one chunk of it: KD folded into CE's passes over [rows, V]; grad_W by vocabulary blocks
+    compiled_chunk.py  that chunk math under torch.compile (distillation.loss_compile): Triton on CUDA, C++ on CPU
     reference_loss.py  kd_loss on logits: the float64 check of the fused loss (distillation.fused_loss=false)
     divergences.py     the math both losses share: fkl/rkl/jsd and their gradients, teacher buckets, CE/KD mix
     cache.py           the offline teacher cache: manifest, safetensors shards, the loader training reads

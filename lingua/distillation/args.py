@@ -66,6 +66,9 @@ class DistillationArgs:
     # The fused loss's head gradient: "accumulate" (an fp32 [V, D] sum over the chunks) or "vocab_blocks" (written
     # one vocabulary block at a time after the chunks, logits recomputed: less memory, one more head GEMM).
     loss_weight_grad: str = "accumulate"
+    # The fused loss's chunk math through torch.compile (lingua/distillation/compiled_chunk.py: inductor fuses its
+    # passes over [tokens, vocab]; Triton on CUDA, C++ on CPU); one compile per process. Off until a GPU bench says.
+    loss_compile: bool = False
     # Teacher rows per lm_head chunk (bounds the teacher's logits memory); 0 = auto: 4 on CPU, on GPU from the memory
     # free after loading the teacher.
     logits_chunk_rows: int = 0
@@ -94,6 +97,10 @@ class DistillationArgs:
             require(getattr(self, key) in allowed, f"distillation.{key}", getattr(self, key),
                     f"use one of {', '.join(allowed)}")
         require(isinstance(self.fused_loss, bool), "distillation.fused_loss", self.fused_loss, "use true or false")
+        require(isinstance(self.loss_compile, bool), "distillation.loss_compile", self.loss_compile,
+                "use true or false")
+        require(not self.loss_compile or self.fused_loss, "distillation.loss_compile", self.loss_compile,
+                "it compiles the fused loss's chunk math; set distillation.fused_loss=true or loss_compile=false")
         require(self.output != "sampled" or self.divergence == "fkl", "distillation.divergence", self.divergence,
                 "distillation.output=sampled estimates the forward KL only; set distillation.divergence=fkl")
         require(self.divergence != "jsd" or 0.0 < self.jsd_beta < 1.0, "distillation.jsd_beta", self.jsd_beta,

@@ -134,7 +134,8 @@ class NoDistiller(Distiller):
                 return ce
             loss, sums = fused_linear_kd_loss(hidden, weight, labels, None, max(n_valid, 1), 0.0, 1.0,
                                               chunk_size=self.args.loss_chunk_size,
-                                              weight_grad=self.args.loss_weight_grad)
+                                              weight_grad=self.args.loss_weight_grad,
+                                              compiled=self.args.loss_compile)
             self._add_ce(sums[0] / max(n_valid, 1))
             return loss
         return ce_loss
@@ -187,7 +188,8 @@ class KDDistiller(Distiller):
         teacher_outputs = self.targets(pending, hidden.device, timer)
         loss, sums = fused_linear_kd_loss(hidden, weight, labels, teacher_outputs, normalizer, self.alpha,
                                           args.temperature, args.divergence, args.jsd_beta, args.loss_chunk_size,
-                                          kd_weight=teacher_outputs.kd_weight, weight_grad=args.loss_weight_grad)
+                                          kd_weight=teacher_outputs.kd_weight, weight_grad=args.loss_weight_grad,
+                                          compiled=args.loss_compile)
         sums = sums.double() / normalizer  # (CE, KD, teacher mass, top-1 agreement) summed over positions
         self._add_ce(sums[0])
         self._add_kd_stats(self._with_aligned(sums[1:], teacher_outputs, labels, n_valid))

@@ -55,6 +55,7 @@ from typing import Optional, Union
 
 import torch
 
+from lingua.distillation.compiled_chunk import compiled_chunk_loss_and_grad
 from lingua.distillation.divergences import DIVERGENCES, distillation_loss, teacher_support
 from lingua.distillation.fused_chunk import GradRecipe, chunk_loss_and_grad, vocab_block_weight_grad
 from lingua.distillation.outputs import TeacherOutputs, check_format
@@ -117,9 +118,10 @@ def multiplies_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta,
-                chunk_size, kd_weight, vocab_block, need_grad_hidden, need_grad_weight):
+                chunk_size, kd_weight, vocab_block, compiled, need_grad_hidden, need_grad_weight):
     """(loss, stats [4], grad_hidden or None, grad_weight or None) of the flattened inputs, chunk by chunk;
-    vocab_block > 0: grad_W by `vocab_block_weight_grad` in blocks of that many ids, not by accumulation."""
+    vocab_block > 0: grad_W by `vocab_block_weight_grad` in blocks of that many ids, not by accumulation;
+    compiled: the chunk math through torch.compile (`compiled_chunk`), the last chunk padded to the others' rows."""
     N, D = hidden.shape
     V = weight.shape[0]
     dtype = torch.promote_types(hidden.dtype, torch.float32)
@@ -142,18 +144,22 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
     fp32_addmm = need_grad_weight and dtype != weight.dtype and accumulates_in_fp32(weight.device, weight.dtype)
     # where, not multiply: an inf/nan hidden row at a masked position must not reach the logits or grads.
     masked_hidden = hidden.masked_fill(~mask.unsqueeze(-1), 0.0)
+    chunk_rows = min(chunk_size, N)
     for start in range(0, N, chunk_size):
         rows = slice(start, min(start + chunk_size, N))
-        row_mask = mask[rows]
-        h = masked_hidden[rows]
-        z = (h @ weight.T).to(dtype)
+        n_rows = rows.stop - rows.start
+        # Compiled: one chunk shape per step (one compile), the short last chunk filled with masked rows.
+        pad = functools.partial(_pad_rows, extra_rows=chunk_rows - n_rows if compiled else 0)
+        row_mask = pad(mask[rows])
+        h = pad(masked_hidden[rows])
+        z = h @ weight.T if compiled else (h @ weight.T).to(dtype)
         values = ids = extra = None
         if teacher is None:
             kd_rows, row_kd_scale = row_mask, torch.zeros_like(row_mask, dtype=dtype)
         else:
-            values, ids, extra = (None if t is None else t[rows] for t in teacher)
+            values, ids, extra = (None if t is None else pad(t[rows]) for t in teacher)
             # KD rows: valid labels with a positive KD weight; a row outside them takes CE alone.
-            row_weight = torch.ones_like(row_mask, dtype=dtype) if kd_weight is None else kd_weight[rows].to(dtype)
+            row_weight = torch.ones_like(row_mask, dtype=dtype) if kd_weight is None else pad(kd_weight[rows]).to(dtype)
             kd_rows = row_mask & (row_weight > 0)
             row_weight = torch.where(kd_rows, row_weight, 0.0)
             row_kd_scale = kd_scale * row_weight
@@ -161,9 +167,12 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
                 # A row outside the KD rows may carry any id: 0..k-1 keep gathers in range and the ids distinct.
                 ids = torch.where(kd_rows.unsqueeze(-1), ids.long(), torch.arange(ids.shape[-1], device=ids.device))
         chunk_teacher = None if teacher is None else (teacher.format, values, extra)
-        ce, kd, student_top1, g, recipe = chunk_loss_and_grad(
-            z, safe_labels[rows], row_mask, chunk_teacher, ids, kd_rows, ce_scale, row_kd_scale, temperature,
-            divergence, jsd_beta)
+        chunk_args = (pad(safe_labels[rows]), row_mask, chunk_teacher, ids, kd_rows, ce_scale, row_kd_scale,
+                      temperature, divergence, jsd_beta)
+        if compiled:  # z in the head's dtype; g comes back in it, written over z
+            ce, kd, student_top1, g, recipe = compiled_chunk_loss_and_grad(z, dtype, *chunk_args)
+        else:
+            ce, kd, student_top1, g, recipe = chunk_loss_and_grad(z, *chunk_args)
         if teacher is None:
             kd = mass = agree = torch.zeros_like(ce)
         else:
@@ -175,11 +184,11 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
         stats += torch.where(row_mask, per_row, 0.0).sum(-1)
         z = None  # g is z's buffer; only g lives on into the grad GEMMs
         if by_blocks:
-            recipes.append(recipe)
+            recipes.append(GradRecipe(*(None if t is None else t[:n_rows] for t in recipe[:-1]), recipe.ids_set))
         if need_grad_hidden or need_grad_weight:
             g = g.to(weight.dtype)
-            if need_grad_hidden:
-                torch.mm(g, weight, out=grad_hidden[rows])
+            if need_grad_hidden:  # padded rows of g are zero, and h's too, so grad_W may take them all
+                torch.mm(g[:n_rows], weight, out=grad_hidden[rows])
             if grad_weight is None:  # no head grad, or it comes from the vocabulary blocks below
                 continue
             if dtype == weight.dtype:
@@ -196,6 +205,13 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
     elif grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     return loss, stats.float(), grad_hidden, grad_weight
+
+
+def _pad_rows(t, extra_rows):
+    """t with `extra_rows` rows of zeros (False, id 0) appended: masked rows for a compiled short chunk."""
+    if extra_rows == 0:
+        return t
+    return torch.cat([t, t.new_zeros((extra_rows,) + tuple(t.shape[1:]))])
 
 
 class _FlatTeacher:
@@ -216,10 +232,10 @@ class _FusedLinearKDLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-                kd_weight, vocab_block):
+                kd_weight, vocab_block, compiled):
         loss, stats, ctx.grad_hidden, ctx.grad_weight = _fused_pass(
             hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-            kd_weight, vocab_block, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+            kd_weight, vocab_block, compiled, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         ctx.mark_non_differentiable(stats)
         ctx.used = False
         return loss, stats
@@ -233,7 +249,7 @@ class _FusedLinearKDLoss(torch.autograd.Function):
         # In place: the buffers are ours and needed once, so scaling adds no [V, D] tensor.
         grads = [None if t is None else t.mul_(grad_loss) for t in (ctx.grad_hidden, ctx.grad_weight)]
         ctx.grad_hidden = ctx.grad_weight = None
-        return grads[0], grads[1], None, None, None, None, None, None, None, None, None, None
+        return grads[0], grads[1], None, None, None, None, None, None, None, None, None, None, None
 
 
 def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
@@ -294,6 +310,7 @@ def fused_linear_kd_loss(
     chunk_size: int = 0,
     kd_weight: Optional[torch.Tensor] = None,
     weight_grad: str = "accumulate",
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """((1 - alpha) * CE_sum + alpha * T^2 * KD_sum) / normalizer over labels != -100, fused with the head.
 
@@ -309,7 +326,9 @@ def fused_linear_kd_loss(
     weight_grad: "accumulate" sums each chunk's grad_W GEMM into an fp32 [V, D] buffer; "vocab_blocks" keeps
     per-row coefficients instead and, after the chunks, writes grad_W one vocabulary block at a time from
     one GEMM over all rows (the block's logits recomputed: one more head GEMM, no fp32 [V, D] and chunks
-    sized from `VOCAB_BLOCK_BYTES`); the full format always accumulates.
+    sized from `VOCAB_BLOCK_BYTES`); the full format always accumulates. compiled=True runs each chunk's math
+    (everything between the logits GEMM and the gradient GEMMs) through torch.compile (`compiled_chunk`): the same
+    results within fp32 rounding, one compile per static configuration per process.
 
     Returns (loss, stats): loss is a scalar in promote(dtype, fp32) with autograd to hidden and weight
     (grads in their dtypes; a single backward pass); stats is a detached fp32 [4] tensor of sums over
@@ -331,7 +350,7 @@ def fused_linear_kd_loss(
                                                                           budgets)))
     flat_kd_weight = None if kd_weight is None or teacher is None else kd_weight.reshape(N)
     args = (labels.reshape(N), flat_teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-            flat_kd_weight, vocab_block)
+            flat_kd_weight, vocab_block, compiled)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _FusedLinearKDLoss.apply(flat_hidden, weight, *args)
     loss, stats, _, _ = _fused_pass(flat_hidden, weight, *args, False, False)

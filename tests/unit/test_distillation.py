@@ -230,21 +230,25 @@ def test_an_unknown_loss_weight_grad_is_refused():
 
 def test_loss_weight_grad_reaches_the_fused_ce_head():
     """distillation.loss_weight_grad=vocab_blocks trains through the same loss and gradients as the accumulator."""
+    accumulated = _ce_head_step(DistillationArgs(loss_weight_grad="accumulate", loss_chunk_size=5))
+    blocked = _ce_head_step(DistillationArgs(loss_weight_grad="vocab_blocks", loss_chunk_size=5))
+    for blocked_value, accumulated_value in zip(blocked, accumulated):
+        torch.testing.assert_close(blocked_value, accumulated_value)
+
+
+def _ce_head_step(args: DistillationArgs):
+    """(loss, grad of the hidden states, grad of the head, loss/ce) of one CE-only step through NoDistiller's head."""
     from lingua.distillation.distiller import NoDistiller
 
     generator = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(2, 6, 8, generator=generator), torch.randn(40, 8, generator=generator)
     labels = torch.randint(0, 40, (2, 6), generator=generator)
-    results = []
-    for weight_grad in ("accumulate", "vocab_blocks"):
-        distiller = NoDistiller(DistillationArgs(loss_weight_grad=weight_grad, loss_chunk_size=5))
-        distiller.begin_step(0, 1.0)
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        loss = distiller.head_loss(labels, None, 12, None)(h, w)
-        loss.backward()
-        results.append((loss.detach(), h.grad, w.grad, distiller.step_metrics()["loss/ce"]))
-    for accumulated, blocked in zip(*results):
-        torch.testing.assert_close(blocked, accumulated)
+    distiller = NoDistiller(args)
+    distiller.begin_step(0, 1.0)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = distiller.head_loss(labels, None, 12, None)(h, w)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad, distiller.step_metrics()["loss/ce"]
 
 
 def test_auto_prefetch_looks_ahead_unless_the_ranks_oversubscribe_the_cores():
@@ -346,3 +350,26 @@ def test_the_wait_clock_on_a_real_gpu_counts_unread_steps_in_the_total():
     step_s = clock.read_step()  # only the second step is read
     assert step_s > 0
     assert clock.total_s == pytest.approx(2 * step_s, rel=0.2)
+
+
+def test_loss_compile_reaches_the_fused_head_and_refuses_what_it_cannot_compile(monkeypatch):
+    """distillation.loss_compile=true runs the fused CE head's chunks through the compiled math (traced with
+    aot_eager here) with the same loss, grads and metric; a non-bool, or loss_compile without the fused loss, is
+    refused."""
+    from lingua.distillation import compiled_chunk, fused_loss
+
+    monkeypatch.setattr(compiled_chunk, "BACKEND", "aot_eager")
+    monkeypatch.setattr(compiled_chunk, "_compiled", {})
+    chunks = []
+    monkeypatch.setattr(fused_loss, "compiled_chunk_loss_and_grad",
+                        lambda *args: chunks.append(1) or compiled_chunk.compiled_chunk_loss_and_grad(*args))
+    eager = _ce_head_step(DistillationArgs(loss_chunk_size=5))
+    compiled = _ce_head_step(DistillationArgs(loss_compile=True, loss_chunk_size=5))
+    assert len(chunks) == 3  # 12 positions in chunks of 5: the last one padded
+    for compiled_value, eager_value in zip(compiled, eager):
+        torch.testing.assert_close(compiled_value, eager_value)
+    with pytest.raises(ValueError, match="distillation.loss_compile='yes'; use true or false"):
+        DistillationArgs(loss_compile="yes").validate(enabled=False)
+    with pytest.raises(ValueError, match="distillation.loss_compile=true; it compiles the fused loss"):
+        DistillationArgs(loss_compile=True, fused_loss=False).validate(enabled=False)
+    torch._dynamo.reset()

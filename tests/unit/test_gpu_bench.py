@@ -35,6 +35,7 @@ def test_both_shapes_and_the_feeding_bench_run_within_the_budget_and_the_summary
         flags = dict(zip(command[3::2], command[4::2]))
         assert flags["--device"] == "cuda" and flags["--dtype"] == "bfloat16" and flags["--against"] == "liger"
         assert flags["--tokens"] == "8192" and flags["--k"] == "64"
+        assert flags["--compiled"] == "ce,kd_topk_t1"  # the compiled twins beside the eager CE and KD
     assert feed[:3] == [sys.executable, "-m", "apps.bench.feed"] and feed[feed.index("--device") + 1] == "cuda"
     # Each part gets at most what is left of the budget, and the budget is under 10 minutes.
     assert timeouts[:2] == [gpu_bench.SHAPE_TIMEOUT_S] * 2 and timeouts[2] <= gpu_bench.BUDGET_S < 600

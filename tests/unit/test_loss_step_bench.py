@@ -120,3 +120,27 @@ def test_against_runs_every_variant_in_this_process(tmp_path, keep_threads, caps
                for name in ours)
     assert saved["variants"]["ce"]["ms_over_ce"] == 1.0 and saved["variants"]["liger_jsd"]["status"] == "not installed"
     assert (tmp_path / "table.md").read_text().strip() == capsys.readouterr().out.strip()
+
+
+@pytest.mark.timeout(120)
+def test_compiled_variants_run_beside_their_eager_twins(tmp_path, keep_threads, capsys, monkeypatch):
+    """--compiled adds `<name>_compiled` rows (compiled once before the measurements, compile_s recorded), timed in the
+    same rounds as the eager ones; traced through aot_eager here (inductor's own code: test_fused_loss_compiled)."""
+    from apps.bench import loss_against
+    from lingua.distillation import compiled_chunk
+
+    monkeypatch.setattr(compiled_chunk, "BACKEND", "aot_eager")
+    monkeypatch.setattr(compiled_chunk, "_compiled", {})
+    args, _ = bench.parse_args(TINY + ["--against", "liger", "--compiled", "ce,kd_topk_t2", "--rounds", "2",
+                                       "--out", str(tmp_path)])
+    results = loss_against.run_against(args, liger={name: loss_against.NOT_INSTALLED for name in loss_against.LIGER})
+    rows = results["variants"]
+    for name in ("ce_compiled", "kd_topk_t2_compiled"):
+        assert rows[name]["status"] == "ok" and len(rows[name]["all_ms"]) == 2 and rows[name]["compile_s"] > 0
+        assert f"| {name} | " in (tmp_path / "table.md").read_text()
+    assert "kd_topk_t1_compiled" not in rows and "compile_s" not in rows["ce"]
+    assert list(rows)[-2:] == list(loss_against.LIGER)
+    for flags, message in ((["--compiled", "ce"], "--against"),
+                           (["--against", "liger", "--compiled", "ce,kd_t3"], "kd_t3")):
+        with pytest.raises(ValueError, match=message):
+            bench.parse_args(TINY + flags + ["--out", str(tmp_path)])
