@@ -58,11 +58,14 @@ class BatchProducer:
         self.process = context.Process(target=produce, name=name, args=(
             make_stream, writer, size, self.stop, os.getpid(), threading.current_thread() is threading.main_thread(),
             logging.getLogger().getEffectiveLevel()))
-        with _main_module_hidden():
-            self.process.start()
-        writer.close()  # the producer holds the only write end: its death is an end of file here, never a wait
-        # Before multiprocessing's own exit step, which would wait forever for it to end by itself.
+        # Closed before multiprocessing's own exit step, which would wait forever for it to end by itself; registered
+        # before the start, so a Ctrl-C landing during the start leaves no child that nothing stops.
         self._close_at_exit = multiprocessing.util.Finalize(self, self.close, exitpriority=10)
+        try:
+            with _main_module_hidden():
+                self.process.start()
+        finally:
+            writer.close()  # the producer holds the only write end: its death is an end of file here, never a wait
         logger.info(f"{name} process started (pid {self.process.pid})")
 
     def get(self) -> tuple[Any, dict]:
@@ -103,10 +106,11 @@ class BatchProducer:
             return
         self._close_at_exit.cancel()  # it holds this producer: let it go
         self.stop.set()
-        self.process.join(timeout=STOP_WAIT_S)
-        if self.process.is_alive():
-            self.process.kill()  # it ignores SIGTERM
-            self.process.join()
+        if self.process.pid is not None:  # started (a start interrupted before the fork leaves nothing to stop)
+            self.process.join(timeout=STOP_WAIT_S)
+            if self.process.is_alive():
+                self.process.kill()  # it ignores SIGTERM
+                self.process.join()
         self.reader.close()
 
 

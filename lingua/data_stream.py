@@ -7,7 +7,6 @@ batches starts in a fraction of a second.
 
 import functools
 import logging
-import multiprocessing
 import os
 import signal
 from collections import deque
@@ -18,6 +17,7 @@ import numpy as np
 
 from lingua.documents import FileShard, MalformedLines, read_line
 from lingua.errors import DataError
+from lingua.process_pool import BrokenProcessPool, spawn_pool, stop_pool
 from lingua.tokenizer import Tokenizer
 
 logger = logging.getLogger("lingua.data")
@@ -143,10 +143,15 @@ class _DocumentsAhead(_Documents):
                 text, location = self.read()
                 texts.append(text)
                 marks.append((location, self.reader.position(), self.read_bad_lines))
-            self.tasks.append((self.pool.apply_async(_encode_in_worker, (texts,)), marks))
+            self.tasks.append((self.pool.submit(_encode_in_worker, texts), marks))
         if not self.ready:
             pending, marks = self.tasks.popleft()
-            self.ready.extend((tokens, *mark) for tokens, mark in zip(pending.get(), marks))
+            try:
+                encoded = pending.result()
+            except BrokenProcessPool as err:  # a worker killed from outside (the OOM killer): fail, never wait
+                raise DataError(f"A tokenizing worker of the data producer died ({err}); the run stops here and "
+                                f"resumes from its last checkpoint (data.workers=0 tokenizes in the producer).") from None
+            self.ready.extend((tokens, *mark) for tokens, mark in zip(encoded, marks))
         tokens, location, self._position, self.bad_lines = self.ready.popleft()
         return tokens, location
 
@@ -248,9 +253,7 @@ class TrainStream:
         self.pool = None
         try:
             if args.workers:  # spawned, never forked: the producer may hold threads
-                self.pool = multiprocessing.get_context("spawn").Pool(args.workers, initializer=_start_worker,
-                                                                      initargs=(tokenizer, args.add_bos, args.add_eos,
-                                                                                os.getpid()))
+                self.pool = spawn_pool(args.workers, _start_worker, (tokenizer, args.add_bos, args.add_eos, os.getpid()))
             for name in self.names:
                 source_state = state["sources"][name]
                 reader = _SourceReader(name, shards[name], source_state, self.malformed)
@@ -286,5 +289,5 @@ class TrainStream:
         for packer in self.packers.values():
             packer.docs.reader.close()
         if self.pool is not None:
-            self.pool.terminate()
+            stop_pool(self.pool)
             self.pool = None

@@ -18,8 +18,6 @@ import signal
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -29,6 +27,7 @@ from lingua.distillation.cache import CacheManifest, write_shard
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.errors import UserError
 from lingua.logger import FILE_ONLY
+from lingua.process_pool import BrokenProcessPool, spawn_pool, stop_pool
 
 logger = logging.getLogger(__name__)
 READ_AHEAD = 2  # shards of windows read ahead of the teacher: tokenizing one takes far less than its forward
@@ -152,8 +151,7 @@ def _write_portable(path: Path, tokens: tuple, doc_ids: tuple, output_format: st
 def start_encode_pool(workers: int) -> ProcessPoolExecutor:
     """`workers` encode processes, started now (while the teacher loads): spawned, not forked, since the writer
     holds threads (the read-ahead, torch's) and maybe a CUDA context."""
-    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_start_encode_worker,
-                               initargs=(os.getpid(),))
+    pool = spawn_pool(workers, _start_encode_worker, (os.getpid(),))
     pool.submit(_ready_worker)
     return pool
 
@@ -224,13 +222,4 @@ class ShardWriters:
         self.pending.clear()
         if pool is None:
             return
-        processes = list((getattr(pool, "_processes", None) or {}).values())  # the pool's own (3.14: terminate_workers)
-        pool.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
+        stop_pool(pool)

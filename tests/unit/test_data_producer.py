@@ -17,7 +17,7 @@ import torch
 from lingua.data import DataLoader, training_loader
 from lingua.data_producer import BatchProducer, ProducedLoader, from_wire, to_wire
 from lingua.distillation.outputs import TeacherOutputs
-from lingua.errors import RunFailed
+from lingua.errors import DataError, RunFailed
 from tests.runs import ROOT, running
 from tests.unit.counting_loader import CountingLoader
 from tests.unit.test_data import TOKENIZER, make_args, random_texts, write_chunks
@@ -50,6 +50,24 @@ def test_producer_batches_and_states_equal_the_in_line_ones_across_restores(tmp_
             assert produced.state_dict() == expected[i][1], i
             for key, tensor in expected[i][0].items():
                 assert batch[key].dtype == tensor.dtype and torch.equal(batch[key], tensor), (i, key)
+
+
+@pytest.mark.timeout(60)
+def test_a_tokenizing_worker_killed_from_outside_is_one_sentence_not_a_wait(tmp_path):
+    """The OOM killer takes a tokenizing worker: its pending documents fail the stream with a sentence (a
+    multiprocessing.Pool would wait for the lost task forever, and the rank with it)."""
+    with DataLoader(make_args(tmp_path, corpus(tmp_path, n_docs=400), load_async=True, workers=1), TOKENIZER, 0,
+                    1) as loader:
+        stream = loader._make_stream()()  # the producer's stream, here in-process: its pool is reachable
+        try:
+            next(stream)
+            for worker in list(stream.pool._processes.values()):
+                os.kill(worker.pid, signal.SIGKILL)
+            with pytest.raises(DataError, match="A tokenizing worker of the data producer died"):
+                for _ in range(400):  # past what was tokenized ahead
+                    next(stream)
+        finally:
+            stream.close()
 
 
 def test_tensors_and_teacher_outputs_cross_the_pipe_unchanged():
