@@ -43,7 +43,7 @@ from lingua.parallel.collectives import log_collective
 
 logger = logging.getLogger(__name__)
 
-RECORD_INTS = 16  # int64 fields of a handshake record / response status
+RECORD_INTS = 20  # int64 fields of a handshake record / response status
 MESSAGE_BYTES = 2048
 RECORD_BYTES = RECORD_INTS * 8 + MESSAGE_BYTES
 NAN_WORD = 6  # int64 field of a ResponseStatus after the packed ones: the teacher's outputs held NaN (a device copy)
@@ -117,13 +117,15 @@ AGREED_SETTINGS = (
     ("attn_mask", "model.attn_mask", ATTN_MASKS.index, lambda v: ATTN_MASKS[v]),
     # The teacher aligns the students' text to its own tokenizer; replies carry a kd_weight per position.
     ("cross_tokenizer", "distillation.cross_tokenizer", int, bool),
+    # > 0: cross-tokenizer replies also carry the teacher's unmapped entries, marked, for ULD (`uld.py`).
+    ("uld_weight", "distillation.uld_weight", _float_bits, _bits_float),
 )
 
 
 def agreed_settings(args: DistillationArgs, attn_mask: str = "causal") -> dict:
     """This rank's values of the settings both ends of a bridge must share."""
     return {"output": args.output, "k": args.k, "wire_dtype": args.wire_dtype, "temperature": args.temperature,
-            "attn_mask": attn_mask, "cross_tokenizer": args.cross_tokenizer}
+            "attn_mask": attn_mask, "cross_tokenizer": args.cross_tokenizer, "uld_weight": args.uld_weight}
 
 
 @dataclass
