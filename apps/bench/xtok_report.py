@@ -45,8 +45,9 @@ def collect(arms_spec: dict, finished) -> dict:
     for run in finished:
         row = json.loads((run.dump_dir / "metrics.jsonl").read_text().splitlines()[-1])
         spec = arms_spec[run.arm]
-        arm = arms.setdefault(run.arm, {"tokenizer": spec.tokenizer, "cache": spec.cache, "is_ce": spec.is_ce, "baseline": spec.baseline,
-                                        "overrides": list(spec.overrides), "steps": run.steps, "seeds": {}})
+        arm = arms.setdefault(run.arm, {"tokenizer": spec.tokenizer, "cache": spec.cache, "is_ce": spec.is_ce,
+                                        "baseline": spec.baseline, "overrides": list(spec.settings),
+                                        "steps": run.steps, "seeds": {}})
         arm["seeds"][str(run.seed)] = {f"bpb_{s}": row[f"eval/bpb_{s}"] for s in SPLITS} | {
             "ce_per_token_pydocs": row["eval/loss"], "ce_per_token_repodocs": row["eval/loss_repodocs"],
             "train_loss": row["loss/total"], "wall_s": row["wall_s"], "aligned": row.get("kd/aligned")}
@@ -65,9 +66,9 @@ def cell(stats: dict) -> str:
 
 def table(results: dict) -> str:
     setup = results["setup"]
-    lines = ["| arm | tokenizer | settings | kd/aligned | pydocs bpb: mean ± std (max-min) | repodocs bpb: mean ± std "
-             "(max-min) | minus its CE-only, paired: pydocs / repodocs | beats its CE-only beyond the seed spread? "
-             "pydocs / repodocs |", "|" + "---|" * 8]
+    lines = ["| arm | tokenizer | settings | kd/aligned | pydocs bpb: mean ± std (max-min) | repodocs bpb: mean "
+             "± std (max-min) | minus its CE-only, paired: pydocs / repodocs | beats its CE-only beyond the seed "
+             "spread? pydocs / repodocs |", "|" + "---|" * 8]
     for name, arm in results["arms"].items():
         side = setup["sides"].get(arm["cache"], {})
         tokenizer = (f"own BPE, {side.get('n_words', '?')} ids" if arm["tokenizer"] == "own"
@@ -79,8 +80,8 @@ def table(results: dict) -> str:
             f"{versus[s]['mean']:+.4f} ({versus[s]['min']:+.4f} to {versus[s]['max']:+.4f})" if "mean" in versus[s]
             else versus[s]["verdict"] for s in SPLITS)
         verdict = "— (baseline)" if versus is None else " / ".join(versus[s]["verdict"] for s in SPLITS)
-        lines.append(f"| {name} | {tokenizer} | {' '.join(arm['overrides'])} | {aligned} | {cell(arm['bpb']['pydocs'])} "
-                     f"| {cell(arm['bpb']['repodocs'])} | {minus} | {verdict} |")
+        lines.append(f"| {name} | {tokenizer} | {' '.join(arm['overrides'])} | {aligned} | "
+                     f"{cell(arm['bpb']['pydocs'])} | {cell(arm['bpb']['repodocs'])} | {minus} | {verdict} |")
     teacher = setup.get("teacher_bpb")
     if teacher:
         repodocs = "not scored (--teacher-bpb)" if teacher["repodocs"] is None else f"{teacher['repodocs']:.4f}"
@@ -96,7 +97,8 @@ def table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report(setup: dict, arms_spec: dict, runs: list, finished: list, out: Path, wall_s: float, finished_at: str) -> dict:
+def report(setup: dict, arms_spec: dict, runs: list, finished: list, out: Path, wall_s: float,
+           finished_at: str) -> dict:
     """results.json and table.md from the finished runs; returns the results."""
     results = {"mode": "cross_tokenizer", "setup": setup, "arms": collect(arms_spec, finished),
                "study_wall_s": wall_s, "finished": finished_at,

@@ -9,8 +9,8 @@ The student's "own" tokenizer stands for a Lingua user's: a byte-level BPE of `-
 `tokenizers` library on the training split (deterministic, cached as a Hugging Face folder under `--out`). The
 teacher is the config's (SmolLM2-135M-Instruct, real weights, CPU). Behind a data wall (U unique tokens read
 for E epochs, where the KD study measured the teacher paying), every arm trains one process-local run per seed
-from a teacher cache written once (per tokenizer, and once more for ULD) (`apps.main.teacher_cache`, in this process), at equal steps
-and equal student shape apart from the embedding and head its vocabulary dictates:
+from a teacher cache written once (per tokenizer, and once more for ULD: `apps.main.teacher_cache`, in this
+process), at equal steps and equal student shape apart from the embedding and head its vocabulary dictates:
 
     ce_own        CE only, own tokenizer (the cross arms' baseline)
     kd_cross      cross-tokenizer KD (distillation.cross_tokenizer=true): the teacher's top-64 at aligned
@@ -79,6 +79,11 @@ class XtokArm:
     @property
     def tokenizer(self) -> str:
         return CACHES[self.cache][0]
+
+    @property
+    def settings(self) -> tuple[str, ...]:
+        """Its own overrides and its cache's (the ULD weight), as the table shows them."""
+        return (*self.overrides, *CACHES[self.cache][1])
 
 
 ARMS = {
@@ -166,16 +171,17 @@ def prepare_side(side: Side, config: str, windows: int, steps_per_epoch: int, ou
     # The serial writer (same bytes as the pipelined one): no encoder process to start on two shared cores. The
     # writer's own held-out reference is cut to one batch: the teacher's forward is the study's expensive part, and
     # --teacher-bpb scores the whole splits.
-    build_cache(config, [*cache_overrides, f"sequences_per_stream={windows}", f"shard_sequences={math.gcd(windows, 64)}",
-                         f"dump_dir={out}", "encode_workers=0", "heldout.max_batches=1"], side.cache_dir, 1, timeout_s,
-                in_process=True)
+    layout = [f"sequences_per_stream={windows}", f"shard_sequences={math.gcd(windows, 64)}", f"dump_dir={out}"]
+    build_cache(config, [*cache_overrides, *layout, "encode_workers=0", "heldout.max_batches=1"], side.cache_dir, 1,
+                timeout_s, in_process=True)
     args = study_args(config, side.overrides)
     tokenizer = build_tokenizer(args.data.tokenizer)
     side.study = Study(config, side.overrides, tokenizer.n_words, torch.device("cpu"), bf16=False)
     side.splits = held_out_splits(args, tokenizer, side.study.device)
     lengths = token_byte_lengths(tokenizer)
     side.split_stats = {name: {"tokens": sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches),
-                               "bytes": batches_target_bytes(batches, lengths)} for name, batches in side.splits.items()}
+                               "bytes": batches_target_bytes(batches, lengths)}
+                        for name, batches in side.splits.items()}
     side.batches = cached_batches(side.study.args_of(list(CACHE)), tokenizer, side.cache_dir, steps_per_epoch,
                                   side.study.device)
     weight = [b["teacher"].kd_weight for b in side.batches]
@@ -218,7 +224,8 @@ def parse_options(argv):
     parser.add_argument("--out", default="dumps/xtok_study", help="tokenizer, caches, runs, results.json, table.md")
     parser.add_argument("--config", default=CONFIG)
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
-    parser.add_argument("--seeds", default=None, help="a count (3: seeds 0,1,2, the default) or a comma list of seeds (\"4,\" is seed 4 alone)")
+    parser.add_argument("--seeds", default=None, help="a count (3: seeds 0,1,2, the default) or a comma list of "
+                        "seeds (\"4,\" is seed 4 alone)")
     parser.add_argument("--unique-tokens", type=int, default=None, help="U, the cached training tokens per "
                         f"tokenizer (default {DEFAULTS['unique_tokens']})")
     parser.add_argument("--steps", type=int, default=None, help=f"training steps of every run (default "
@@ -268,13 +275,20 @@ def main(argv: Optional[list[str]] = None) -> dict:
              for name in CACHES if any(ARMS[a].cache == name for a in options.arm_list)}
     runs = plan_runs(options.arm_list, options.seed_list, sides, options.steps, out)
     todo = [r for r in runs if not run_finished(r.dump_dir, r.steps)]
-    teacher = None
-    if not options.report_only and todo:
+    sides_path = out / "sides.json"
+    if not options.report_only and (todo or not sides_path.is_file()):
         for side in sides.values():
             prepare_side(side, options.config, windows, steps_per_epoch, out, options.cache_timeout)
+        # What each cache's side holds, written before the runs: a study stopped early still reports.
+        known = json.loads(sides_path.read_text()) if sides_path.is_file() else {}
+        known.update({name: {"tokenizer": CACHES[name][0], "n_words": side.study.vocab_size, "aligned": side.aligned,
+                             "splits": side.split_stats, "cache_dir": str(side.cache_dir)}
+                      for name, side in sides.items()})
+        tmp = sides_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(known, indent=1) + "\n")
+        tmp.replace(sides_path)
         if options.teacher_bpb and "same" in sides:
-            teacher = teacher_bpb(sides["same"], options.config, out)
-            (out / "teacher_bpb.json").write_text(json.dumps(teacher) + "\n")
+            (out / "teacher_bpb.json").write_text(json.dumps(teacher_bpb(sides["same"], options.config, out)) + "\n")
         logger.info(f"{len(runs)} runs of {options.steps} steps ({options.steps / steps_per_epoch:g} epochs over U = "
                     f"{options.unique_tokens} tokens), {len(runs) - len(todo)} done")
         for run in todo:
@@ -284,16 +298,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
             finish_run(run, row, start)
             logger.info(f"done {run.arm} seed {run.seed} in {row['wall_s']:.1f}s: "
                         + ", ".join(f"{k} {v:.4f}" for k, v in row.items() if k.startswith("eval/bpb")))
-        sides_info = {name: {"tokenizer": CACHES[name][0], "n_words": side.study.vocab_size, "aligned": side.aligned, "splits": side.split_stats,
-                             "cache_dir": str(side.cache_dir)} for name, side in sides.items()}
-        (out / "sides.json").write_text(json.dumps(sides_info, indent=1) + "\n")
     teacher_path = out / "teacher_bpb.json"
     setup = {"config": options.config, "overrides": shared, "unique_tokens": options.unique_tokens,
              "steps": options.steps, "epochs": options.steps / steps_per_epoch, "steps_per_epoch": steps_per_epoch,
              "tokens_per_step": args.data.batch_size * args.data.seq_len, "seeds": options.seed_list,
              "student": {k: getattr(args.model, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads")},
              "teacher": args.distillation.teacher_path, "own_tokenizer": {"folder": str(own_folder), **stamp},
-             "sides": json.loads((out / "sides.json").read_text()) if (out / "sides.json").is_file() else {},
+             "sides": json.loads(sides_path.read_text()) if sides_path.is_file() else {},
              "teacher_bpb": json.loads(teacher_path.read_text()) if teacher_path.is_file() else None,
              "machine": "cpu, torch threads " + str(torch.get_num_threads()), "torch": torch.__version__}
     finished = [r for r in runs if run_finished(r.dump_dir, r.steps)]
