@@ -275,8 +275,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
              for name in CACHES if any(ARMS[a].cache == name for a in options.arm_list)}
     runs = plan_runs(options.arm_list, options.seed_list, sides, options.steps, out)
     todo = [r for r in runs if not run_finished(r.dump_dir, r.steps)]
-    sides_path = out / "sides.json"
-    if not options.report_only and (todo or not sides_path.is_file()):
+    sides_path, teacher_path = out / "sides.json", out / "teacher_bpb.json"
+    teacher_wanted = options.teacher_bpb and "same" in sides and not teacher_path.is_file()
+    if not options.report_only and (todo or teacher_wanted or not sides_path.is_file()):
         for side in sides.values():
             prepare_side(side, options.config, windows, steps_per_epoch, out, options.cache_timeout)
         # What each cache's side holds, written before the runs: a study stopped early still reports.
@@ -287,8 +288,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         tmp = sides_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(known, indent=1) + "\n")
         tmp.replace(sides_path)
-        if options.teacher_bpb and "same" in sides:
-            (out / "teacher_bpb.json").write_text(json.dumps(teacher_bpb(sides["same"], options.config, out)) + "\n")
+        if teacher_wanted:
+            teacher_path.write_text(json.dumps(teacher_bpb(sides["same"], options.config, out)) + "\n")
         logger.info(f"{len(runs)} runs of {options.steps} steps ({options.steps / steps_per_epoch:g} epochs over U = "
                     f"{options.unique_tokens} tokens), {len(runs) - len(todo)} done")
         for run in todo:
@@ -298,7 +299,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
             finish_run(run, row, start)
             logger.info(f"done {run.arm} seed {run.seed} in {row['wall_s']:.1f}s: "
                         + ", ".join(f"{k} {v:.4f}" for k, v in row.items() if k.startswith("eval/bpb")))
-    teacher_path = out / "teacher_bpb.json"
     setup = {"config": options.config, "overrides": shared, "unique_tokens": options.unique_tokens,
              "steps": options.steps, "epochs": options.steps / steps_per_epoch, "steps_per_epoch": steps_per_epoch,
              "tokens_per_step": args.data.batch_size * args.data.seq_len, "seeds": options.seed_list,
