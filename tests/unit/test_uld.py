@@ -181,3 +181,15 @@ def test_uld_refusals_are_one_sentence():
         fused_linear_kd_loss(hidden, weight, labels, marked, 7, 0.5, 1.0, uld_weight=1.0, uld_k=0)
     with pytest.raises(ValueError, match="compiled=False"):
         fused_linear_kd_loss(hidden, weight, labels, marked, 7, 0.5, 1.0, uld_weight=1.0, compiled=True)
+
+
+def test_the_bench_prints_on_off_ratios(monkeypatch, capsys):
+    from apps.bench import uld_loss
+
+    monkeypatch.setattr("sys.argv", ["uld_loss", "--vocab", "300", "--tokens", "16", "--dim", "8", "--k", "8",
+                                     "--uld-k", "4", "--rounds", "2"])
+    uld_loss.main()
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("V=300 N=16 D=8 k=8 uld_k=4 threads=1 rounds=2: ULD off ") and " CPU" in line
+    ratios = [float(part.split()[0]) for part in line.split("on / off = ")[1].split(", ")]
+    assert len(ratios) == 2 and all(r > 0 for r in ratios)
