@@ -146,11 +146,15 @@ def test_weight_zero_and_ignored_rows_may_hold_anything():
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_fused_uld_gradient_passes_gradcheck(temperature):
     hidden, weight, labels, marked, _ = _problem(temperature, seed=21)
-    def loss_fn(h, w):
-        return fused_linear_kd_loss(h, w, labels, marked, 7, 0.5, temperature, "fkl", chunk_size=3, uld_weight=1.0,
-                                    uld_k=5)[0]
+    rows = 6  # fewer rows: gradcheck perturbs every input once
+    teacher = TeacherOutputs("topk", *(t[:rows] for t in marked.tensors()))
+    assert (teacher.ids[labels[:rows] != -100] < 0).any()  # ULD has unmapped entries to match
 
-    inputs = (hidden.clone().requires_grad_(), weight.clone().requires_grad_())
+    def loss_fn(h, w):
+        return fused_linear_kd_loss(h, w, labels[:rows], teacher, 7, 0.5, temperature, "fkl", chunk_size=3,
+                                    uld_weight=1.0, uld_k=5)[0]
+
+    inputs = (hidden[:rows].clone().requires_grad_(), weight.clone().requires_grad_())
     assert torch.autograd.gradcheck(lambda h, w: _FreshGraph.apply(h, w, loss_fn), inputs, eps=1e-6, atol=1e-7)
 
 
@@ -175,6 +179,7 @@ def _ops(marked, temperature, rows=8, uld_weight=0.0):
     weight = torch.randn(V, D, generator=_generator(6))
     labels = torch.randint(0, V, (rows,), generator=_generator(7))
     teacher = TeacherOutputs("topk", *(t[:rows] for t in marked.tensors()))
+    assert (teacher.ids[labels[:rows] != -100] < 0).any()  # ULD has unmapped entries to match
     h, w = hidden.requires_grad_(), weight.requires_grad_()
     with _FullWidthOps((rows, V)) as counter:
         loss, stats = fused_linear_kd_loss(h, w, labels, teacher, 7, 0.5, temperature, "fkl", chunk_size=rows,
