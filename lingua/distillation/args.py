@@ -89,9 +89,9 @@ class DistillationArgs:
     teacher_tokenizer: Optional[str] = None  # the teacher's Hugging Face tokenizer directory; None = teacher_path
     # Cross-tokenizer only: > 0 adds Universal Logit Distillation for the teacher's unmapped mass (its top-k ids that
     # are no student token), weighted by this against the KD (lingua/distillation/uld.py); 0 = off, the rest bucket
-    # alone. uld_k: how many sorted probabilities (teacher's unmapped, student's rest) are compared.
+    # alone.
     uld_weight: float = 0.0
-    uld_k: int = 16
+    uld_k: int = 16  # with uld_weight > 0: how many sorted probabilities (teacher unmapped, student rest) ULD compares
 
     def validate(self, enabled: bool = True) -> None:
         """Every value is checked (a typo stays an error with distillation off); the source, the teacher count

@@ -11,6 +11,7 @@ from lingua.distillation.fused_loss import fused_linear_kd_loss
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
 from lingua.distillation.reference_loss import kd_loss
 from lingua.distillation.uld import split_unmapped, uld_reference
+from tests.gpu.gpus import needs_gpus
 from tests.unit.test_fused_loss import _FreshGraph, _value_and_grads, one_thread  # noqa: F401
 from tests.unit.test_fused_loss_passes import _FullWidthOps
 
@@ -118,15 +119,42 @@ def test_fused_uld_matches_the_reference_in_float64(divergence, temperature, uld
     assert abs(float(plain_loss - ref_loss)) > 1e-3
 
 
+@pytest.mark.timeout(30)
+def test_weight_zero_and_ignored_rows_may_hold_anything():
+    """Garbage teacher rows (nan values, inf tails, marked ids out of range) where kd_weight is 0 or the label is
+    ignored reach neither the loss nor the grads, ULD included, in the fused loss and the reference."""
+    hidden, weight, labels, marked, _ = _problem(1.0, seed=61)
+    kd_weight = torch.ones(N, dtype=torch.float64)
+    kd_weight[3] = 0.0
+    hidden_rows = (labels == -100) | (kd_weight == 0)
+    values, ids, extra = (t.clone() for t in marked.tensors())
+    values[hidden_rows], extra[hidden_rows] = float("nan"), float("inf")
+    ids[hidden_rows] = torch.tensor([-V - 5, V + 5, -1, 0], dtype=ids.dtype)
+    dirty = TeacherOutputs("topk", values, ids, extra)
+    for loss_fn in (
+            lambda h, w, t: fused_linear_kd_loss(h, w, labels, t, 7, 0.5, 1.0, chunk_size=3, kd_weight=kd_weight,
+                                                 uld_weight=0.5, uld_k=5),
+            lambda h, w, t: _reference(h, w, labels, t, 1.0, "fkl", 0.5, 5, kd_weight)):
+        clean_loss, clean_grads, _ = _value_and_grads(lambda h, w: loss_fn(h, w, marked), hidden, weight,
+                                                      torch.float64)
+        loss, grads, _ = _value_and_grads(lambda h, w: loss_fn(h, w, dirty), hidden, weight, torch.float64)
+        assert torch.isfinite(loss) and torch.equal(loss, clean_loss)
+        assert all(torch.equal(a, b) for a, b in zip(grads, clean_grads))
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_fused_uld_gradient_passes_gradcheck(temperature):
     hidden, weight, labels, marked, _ = _problem(temperature, seed=21)
-    def loss_fn(h, w):
-        return fused_linear_kd_loss(h, w, labels, marked, 7, 0.5, temperature, "fkl", chunk_size=3, uld_weight=1.0,
-                                    uld_k=5)[0]
+    rows = 6  # fewer rows: gradcheck perturbs every input once
+    teacher = TeacherOutputs("topk", *(t[:rows] for t in marked.tensors()))
+    assert (teacher.ids[labels[:rows] != -100] < 0).any()  # ULD has unmapped entries to match
 
-    inputs = (hidden.clone().requires_grad_(), weight.clone().requires_grad_())
+    def loss_fn(h, w):
+        return fused_linear_kd_loss(h, w, labels[:rows], teacher, 7, 0.5, temperature, "fkl", chunk_size=3,
+                                    uld_weight=1.0, uld_k=5)[0]
+
+    inputs = (hidden[:rows].clone().requires_grad_(), weight.clone().requires_grad_())
     assert torch.autograd.gradcheck(lambda h, w: _FreshGraph.apply(h, w, loss_fn), inputs, eps=1e-6, atol=1e-7)
 
 
@@ -165,6 +193,7 @@ def test_uld_takes_the_max_pass_topk_and_off_is_todays_loss(temperature):
     """ULD's topk over the rest replaces CE's max pass (the rest's max is its first value): the same count of passes
     over the chunk, one of them a topk. Off, marked targets are never read as marks: today's ops, bit for bit."""
     _, _, _, marked, plain = _problem(temperature, seed=41)
+    assert (marked.ids[:8] < 0).any()  # the ULD run has unmapped entries in its 8 rows
     off = _ops(plain, temperature)
     on = _ops(marked, temperature, uld_weight=0.5)
     assert len(on[0]) == len(off[0]) and sorted(on[0]) == sorted(["topk" if op == "max" else op for op in off[0]]), \
@@ -181,3 +210,34 @@ def test_uld_refusals_are_one_sentence():
         fused_linear_kd_loss(hidden, weight, labels, marked, 7, 0.5, 1.0, uld_weight=1.0, uld_k=0)
     with pytest.raises(ValueError, match="compiled=False"):
         fused_linear_kd_loss(hidden, weight, labels, marked, 7, 0.5, 1.0, uld_weight=1.0, compiled=True)
+
+
+def test_the_bench_prints_on_off_ratios(monkeypatch, capsys):
+    from apps.bench import uld_loss
+
+    monkeypatch.setattr("sys.argv", ["uld_loss", "--vocab", "300", "--tokens", "16", "--dim", "8", "--k", "8",
+                                     "--uld-k", "4", "--rounds", "2"])
+    uld_loss.main()
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("V=300 N=16 D=8 k=8 uld_k=4 threads=1 rounds=2: ULD off ") and " CPU" in line
+    ratios = [float(part.split()[0]) for part in line.split("on / off = ")[1].split(", ")]
+    assert len(ratios) == 2 and all(r > 0 for r in ratios)
+
+
+@needs_gpus(1)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+def test_fused_uld_on_a_gpu_matches_the_float64_reference(dtype, tolerance):
+    """ULD's topk and closed-form gradient on CUDA (fp32 and bf16) against the CPU float64 reference."""
+    hidden, weight, labels, marked, _ = _problem(2.0, seed=51)
+    ref_loss, ref_grads, _ = _value_and_grads(
+        lambda h, w: _reference(h, w, labels, marked, 2.0, "fkl", 0.5, 6), hidden, weight, torch.float64)
+    cuda = torch.device("cuda", 0)
+    h = hidden.to(cuda, dtype).requires_grad_()
+    w = weight.to(cuda, dtype).requires_grad_()
+    loss, _ = fused_linear_kd_loss(h, w, labels.to(cuda), marked.to(cuda), 7, 0.5, 2.0, "fkl", chunk_size=4,
+                                   uld_weight=0.5, uld_k=6)
+    loss.backward()
+    torch.testing.assert_close(loss.double().cpu(), ref_loss, rtol=tolerance, atol=tolerance)
+    for grad, ref_grad in zip((h.grad, w.grad), ref_grads):
+        torch.testing.assert_close(grad.double().cpu(), ref_grad, rtol=tolerance, atol=tolerance)
