@@ -59,6 +59,7 @@ from lingua.distillation.compiled_chunk import compiled_chunk_loss_and_grad
 from lingua.distillation.divergences import DIVERGENCES, distillation_loss, teacher_support
 from lingua.distillation.fused_chunk import GradRecipe, chunk_loss_and_grad, vocab_block_weight_grad
 from lingua.distillation.outputs import TeacherOutputs, check_format
+from lingua.distillation.uld import ChunkULD, check_uld, split_unmapped
 
 # Auto chunking: rows per chunk so the chunk's fp32 [rows, V] work tensors fit about this many bytes.
 # CPU: 256 MiB is ~450 rows at V=49k. Measured (2-core CPU, V=49k, N=1k): with 1 thread any chunk of
@@ -118,10 +119,11 @@ def multiplies_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta,
-                chunk_size, kd_weight, vocab_block, compiled, need_grad_hidden, need_grad_weight):
+                chunk_size, kd_weight, vocab_block, compiled, uld, need_grad_hidden, need_grad_weight):
     """(loss, stats [4], grad_hidden or None, grad_weight or None) of the flattened inputs, chunk by chunk;
     vocab_block > 0: grad_W by `vocab_block_weight_grad` in blocks of that many ids, not by accumulation;
-    compiled: the chunk math through torch.compile (`compiled_chunk`), the last chunk padded to the others' rows."""
+    compiled: the chunk math through torch.compile (`compiled_chunk`), the last chunk padded to the others' rows;
+    uld: None or (uld_weight, uld_k) for marked cross-tokenizer top-k rows (`uld.py`)."""
     N, D = hidden.shape
     V = weight.shape[0]
     dtype = torch.promote_types(hidden.dtype, torch.float32)
@@ -163,12 +165,16 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
             kd_rows = row_mask & (row_weight > 0)
             row_weight = torch.where(kd_rows, row_weight, 0.0)
             row_kd_scale = kd_scale * row_weight
+            if uld is not None:  # the unmapped entries leave the top-k targets and become ULD's teacher side
+                values, ids, teacher_sorted = split_unmapped(values, ids, extra, uld[1], dtype)
+                chunk_uld = ChunkULD(torch.where(kd_rows.unsqueeze(-1), teacher_sorted, 0.0), uld[0],
+                                     V - ids.shape[-1])
             if ids is not None:
                 # A row outside the KD rows may carry any id: 0..k-1 keep gathers in range and the ids distinct.
                 ids = torch.where(kd_rows.unsqueeze(-1), ids.long(), torch.arange(ids.shape[-1], device=ids.device))
         chunk_teacher = None if teacher is None else (teacher.format, values, extra)
         chunk_args = (pad(safe_labels[rows]), row_mask, chunk_teacher, ids, kd_rows, ce_scale, row_kd_scale,
-                      temperature, divergence, jsd_beta)
+                      temperature, divergence, jsd_beta) + ((chunk_uld,) if uld is not None else ())
         if compiled:  # z in the head's dtype; g comes back in it, written over z
             ce, kd, student_top1, g, recipe = compiled_chunk_loss_and_grad(z, dtype, *chunk_args)
         else:
@@ -232,10 +238,10 @@ class _FusedLinearKDLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-                kd_weight, vocab_block, compiled):
+                kd_weight, vocab_block, compiled, uld):
         loss, stats, ctx.grad_hidden, ctx.grad_weight = _fused_pass(
             hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-            kd_weight, vocab_block, compiled, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+            kd_weight, vocab_block, compiled, uld, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         ctx.mark_non_differentiable(stats)
         ctx.used = False
         return loss, stats
@@ -249,11 +255,11 @@ class _FusedLinearKDLoss(torch.autograd.Function):
         # In place: the buffers are ours and needed once, so scaling adds no [V, D] tensor.
         grads = [None if t is None else t.mul_(grad_loss) for t in (ctx.grad_hidden, ctx.grad_weight)]
         ctx.grad_hidden = ctx.grad_weight = None
-        return grads[0], grads[1], None, None, None, None, None, None, None, None, None, None, None
+        return grads[0], grads[1], None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-                kd_weight, weight_grad):
+                kd_weight, weight_grad, uld_weight=0.0, uld_k=1, compiled=False):
     if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
         raise ValueError(f"hidden {tuple(hidden.shape)} and the head weight {tuple(weight.shape)} must be [..., D] "
                          f"and [V, D]; pass the output head's weight (logits = hidden @ weight.T).")
@@ -271,6 +277,12 @@ def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature,
         raise ValueError(f"weight_grad={weight_grad!r} is unknown; use one of {', '.join(WEIGHT_GRADS)}.")
     if chunk_size < 0:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1, or 0 for a size chosen from the memory budget.")
+    uld_problem = check_uld(uld_weight, uld_k)
+    if uld_problem is not None:
+        raise ValueError(f"{uld_problem}.")
+    if uld_weight > 0 and (teacher is None or teacher.format != "topk" or compiled):
+        raise ValueError("uld_weight > 0 reads the unmapped entries of cross-tokenizer top-k targets in the eager "
+                         "chunk math; pass top-k teacher outputs and compiled=False, or uld_weight=0.")
     if teacher is None:
         return
     check_format(teacher.format)
@@ -311,6 +323,8 @@ def fused_linear_kd_loss(
     kd_weight: Optional[torch.Tensor] = None,
     weight_grad: str = "accumulate",
     compiled: bool = False,
+    uld_weight: float = 0.0,
+    uld_k: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """((1 - alpha) * CE_sum + alpha * T^2 * KD_sum) / normalizer over labels != -100, fused with the head.
 
@@ -328,7 +342,9 @@ def fused_linear_kd_loss(
     one GEMM over all rows (the block's logits recomputed: one more head GEMM, no fp32 [V, D] and chunks
     sized from `VOCAB_BLOCK_BYTES`); the full format always accumulates. compiled=True runs each chunk's math
     (everything between the logits GEMM and the gradient GEMMs) through torch.compile (`compiled_chunk`): the same
-    results within fp32 rounding, one compile per static configuration per process.
+    results within fp32 rounding, one compile per static configuration per process. uld_weight > 0 (cross-tokenizer
+    top-k whose unmapped entries are marked, `uld.py`): each KD row adds uld_weight times the ULD distance between
+    the teacher's sorted unmapped probabilities and the student's uld_k largest rest probabilities.
 
     Returns (loss, stats): loss is a scalar in promote(dtype, fp32) with autograd to hidden and weight
     (grads in their dtypes; a single backward pass); stats is a detached fp32 [4] tensor of sums over
@@ -337,7 +353,7 @@ def fused_linear_kd_loss(
     sum of kd_weight over valid labels for means). Nothing is read back to the host.
     """
     _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-                kd_weight, weight_grad)
+                kd_weight, weight_grad, uld_weight, uld_k, compiled)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     N, V = flat_hidden.shape[0], weight.shape[0]
     flat_teacher = None if teacher is None else _FlatTeacher(teacher, N)
@@ -350,7 +366,7 @@ def fused_linear_kd_loss(
                                                                           budgets)))
     flat_kd_weight = None if kd_weight is None or teacher is None else kd_weight.reshape(N)
     args = (labels.reshape(N), flat_teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-            flat_kd_weight, vocab_block, compiled)
+            flat_kd_weight, vocab_block, compiled, (uld_weight, uld_k) if uld_weight > 0 else None)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _FusedLinearKDLoss.apply(flat_hidden, weight, *args)
     loss, stats, _, _ = _fused_pass(flat_hidden, weight, *args, False, False)
