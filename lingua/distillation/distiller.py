@@ -135,7 +135,7 @@ class NoDistiller(Distiller):
             loss, sums = fused_linear_kd_loss(hidden, weight, labels, None, max(n_valid, 1), 0.0, 1.0,
                                               chunk_size=self.args.loss_chunk_size,
                                               weight_grad=self.args.loss_weight_grad,
-                                              compiled=self.args.loss_compile)
+                                              compiled=self.args.compiles_loss(False, hidden.device))
             self._add_ce(sums[0] / max(n_valid, 1))
             return loss
         return ce_loss
@@ -190,7 +190,8 @@ class KDDistiller(Distiller):
         loss, sums = fused_linear_kd_loss(hidden, weight, labels, teacher_outputs, normalizer, self.alpha,
                                           args.temperature, args.divergence, args.jsd_beta, args.loss_chunk_size,
                                           kd_weight=teacher_outputs.kd_weight, weight_grad=args.loss_weight_grad,
-                                          compiled=args.loss_compile, uld_weight=args.uld_weight, uld_k=args.uld_k)
+                                          compiled=args.compiles_loss(True, hidden.device), uld_weight=args.uld_weight,
+                                          uld_k=args.uld_k)
         sums = sums.double() / normalizer  # (CE, KD, teacher mass, top-1 agreement) summed over positions
         self._add_ce(sums[0])
         self._add_kd_stats(self._with_aligned(sums[1:], teacher_outputs, labels, n_valid))

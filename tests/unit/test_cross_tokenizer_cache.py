@@ -24,7 +24,7 @@ from lingua.distillation.cache import (
     shard_metadata,
     shard_path,
 )
-from lingua.distillation.cache_codec import CodecError, decode_shard, encode_shard
+from lingua.distillation.cache_codec import OLD_ZSTD_LEVEL, CodecError, decode_shard, encode_shard
 from lingua.distillation.cross_tokenizer.teacher_side import load_cross_tokenizer
 from lingua.distillation.distiller import CacheDistiller
 from lingua.distillation.teacher import TeacherModel
@@ -37,7 +37,7 @@ from tests.unit.test_cache_writer import one_rank
 # The manifest keys of a same-tokenizer cache, as every cache before the cross-tokenizer road wrote them.
 SAME_TOKENIZER_KEYS = ["teacher_path", "tokenizer_fingerprint", "vocab_size", "output", "k", "temperature",
                        "wire_dtype", "attn_mask", "data", "streams", "sequences_per_stream", "shard_sequences",
-                       "teacher_heldout_ce", "teacher_heldout_bpb", "version"]
+                       "teacher_heldout_ce", "teacher_heldout_bpb", "version", "zstd_level"]
 CROSS = {"data.tokenizer.name": "bytes", "data.tokenizer.path": "null", "distillation.cross_tokenizer": "true",
          "model.attn_mask": "doc_causal"}
 
@@ -63,12 +63,12 @@ def test_a_kd_weight_that_is_not_a_mask_is_refused_at_write_time():
 
 @pytest.mark.parametrize("format", ["topk", "sampled"])
 def test_a_same_tokenizer_shard_keeps_its_bytes(format):
-    """The fixture shards were written before the cross-tokenizer road (metadata keys sorted since): re-coded
-    today, the same bytes, and no kd_weight stream."""
+    """The fixture shards were written before the cross-tokenizer road (metadata keys sorted since), at the zstd
+    level of their time: re-coded today at that level, the same bytes, and no kd_weight stream."""
     path = FIXTURES / f"{format}64.safetensors"
     manifest = CacheManifest(teacher_path="smollm2", tokenizer_fingerprint=0, vocab_size=49152, output=format, k=64,
                              temperature=1.0, wire_dtype="bf16", attn_mask="doc_causal", data={"seq_len": 128},
-                             streams=1, sequences_per_stream=32, shard_sequences=32)
+                             streams=1, sequences_per_stream=32, shard_sequences=32, zstd_level=OLD_ZSTD_LEVEL)
     batch = read_shard(path, range(0, 32), manifest)
     assert batch["teacher"].kd_weight is None
     metadata = {key: value for key, value in shard_metadata(path).items() if key != "codec"}
@@ -83,6 +83,27 @@ def test_a_same_tokenizer_manifest_keeps_its_fields(tmp_path):
     manifest.write(tmp_path)
     assert list(json.loads((tmp_path / "cache.json").read_text())) == SAME_TOKENIZER_KEYS
     assert CacheManifest.read(tmp_path) == manifest
+
+
+def test_a_cache_keeps_its_zstd_level(tmp_path, corpus, tiny_teacher):
+    """A manifest written before the level was recorded reads as level 19 (what it was written at), and a writer
+    resuming a cache finishes it at the cache's level whatever zstd_level says now: one level per cache."""
+    from apps.main.teacher_cache import settle_manifest
+
+    manifest = settings_manifest(DistillationArgs(teacher_path="t"), parse_args(TeacherCacheArgs, []).data, "causal",
+                                 build_tokenizer(TokenizerArgs("bytes")), streams=2)
+    assert manifest.zstd_level == parse_args(TeacherCacheArgs, []).zstd_level == 1
+    manifest.write(tmp_path)
+    values = json.loads((tmp_path / "cache.json").read_text())
+    del values["zstd_level"]
+    (tmp_path / "cache.json").write_text(json.dumps(values))
+    assert CacheManifest.read(tmp_path).zstd_level == OLD_ZSTD_LEVEL == 19
+    settle_manifest(tmp_path, manifest)
+    assert manifest.zstd_level == 19
+    for level in (0, 23):
+        with pytest.raises(ValueError, match=f"zstd_level={level}; use a zstd level from 1"):
+            parse_args(TeacherCacheArgs, [*distill_overrides(corpus, tiny_teacher, tmp_path / "dump"),
+                                          f"cache_dir={tmp_path}", f"zstd_level={level}"]).validate()
 
 
 @pytest.fixture(scope="module")
