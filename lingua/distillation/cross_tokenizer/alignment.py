@@ -15,10 +15,14 @@ predict the same text after the same text). Offsets are bytes of UTF-8 rather th
 every character boundary and also place tokens that are parts of a character (byte tokenizers, byte fallback).
 
 Document boundaries: a student bos becomes the teacher's bos (its eos when it has none), a student eos the
-teacher's eos, so documents stay apart on both sides; the first token of a document is aligned through that
-separator, and teacher documents take the student's document ids. Bytes that are not UTF-8 (a window cut
-inside a character) cut the run: the text on each side is tokenized alone, and no position across a cut is
-aligned. The window's last position never is: its next token is not in the window.
+teacher's eos, so documents stay apart on both sides (each document's text is tokenized alone, never merged
+with its neighbour's); the first token of a document is aligned through that separator, and teacher documents
+take the student's document ids. A position whose next token is the student's eos (or bos) in the same document
+is aligned to the teacher position before its separator: the vocabulary map sends the teacher's eos to the
+student's (by role, `vocab_map.py`), so "the document ends here" is distilled. Bytes that are not UTF-8 (a window
+cut inside a character) cut the run: the text on each side is tokenized alone, and no position across a cut is
+aligned. The window's last position predicts the label just past the window: given it (`next_token`, the label
+stream's last token) the aligner reads it too, and that position is aligned when a teacher token starts there.
 """
 
 from dataclasses import dataclass, field
@@ -117,17 +121,36 @@ class WindowAligner:
         return ids, [-1 if spelled[k] and spelled[k][0] & 0xC0 == 0x80 else int(byte_at[min(start, len(string))])
                      for k, (start, _) in enumerate(encoding.offsets)]
 
-    def align(self, tokens: Sequence[int], doc_ids: Optional[Sequence[int]] = None) -> TeacherWindow:
-        """The teacher's sequence for student `tokens` and each student position's target index (module docstring)."""
+    def window_tokens(self, tokens: Sequence[int], doc_ids: Optional[Sequence[int]],
+                      next_token: Optional[int]) -> tuple[list[int], list[int]]:
+        """The student tokens the aligner reads and their document ids: the window, and the label past it when
+        given (a negative `next_token` is none), numbered as the loader numbers documents."""
         tokens = [int(t) for t in tokens]
-        docs = list(doc_ids) if doc_ids is not None else student_doc_ids(tokens, self.student_bos, self.student_eos)
+        extended = tokens + ([int(next_token)] if tokens and next_token is not None and next_token >= 0 else [])
+        numbered = student_doc_ids(extended, self.student_bos, self.student_eos)
+        if doc_ids is None:
+            return extended, numbered
+        docs = [int(d) for d in doc_ids]
+        if len(extended) > len(tokens):  # the label's document: the window's last, or the one after it
+            docs.append(docs[-1] + numbered[-1] - numbered[-2])
+        return extended, docs
+
+    def align(self, tokens: Sequence[int], doc_ids: Optional[Sequence[int]] = None,
+              next_token: Optional[int] = None) -> TeacherWindow:
+        """The teacher's sequence for student `tokens` (and the label past them, `next_token`) and each student
+        position's target index (module docstring)."""
+        n_positions = len(tokens)
+        tokens, docs = self.window_tokens(tokens, doc_ids, next_token)
         window = TeacherWindow(source=[ALIGN_NONE] * len(tokens))
         separator_of: dict[int, int] = {}  # student index of a special token -> teacher index of its separator
+        run_end: dict[int, int] = {}  # student index of a run's last token -> teacher index of the run's last token
         i = 0
         while i < len(tokens):
             if self._bytes_of(tokens[i]) is None:
                 separator = self._separator(tokens[i], opens=i == 0 or docs[i] != docs[i - 1])
                 if separator is not None:  # each student special its own, in its document (bos = eos for GPT-2)
+                    if i > 0 and docs[i] == docs[i - 1]:  # "the document ends here": what precedes both is the same
+                        window.source[i - 1] = separator_of.get(i - 1, run_end.get(i - 1, ALIGN_NONE))
                     window.ids.append(separator)
                     window.doc_ids.append(int(docs[i]))
                     separator_of[i] = len(window.ids) - 1
@@ -143,14 +166,18 @@ class WindowAligner:
             predictor_at = self._tokenize_run(run, window, int(docs[i]), separator_of.get(i - 1))
             for m in range(max(i, 1), end):
                 window.source[m - 1] = predictor_at.get(starts[m - i], ALIGN_NONE)
+            run_end[end - 1] = predictor_at.get(len(run), ALIGN_NONE)
             i = end
+        window.source = window.source[:n_positions]
         return window
 
     def _tokenize_run(self, run: bytes, window: TeacherWindow, doc: int, separator: Optional[int]) -> dict[int, int]:
         """Append the teacher's tokens of one run; return {byte offset in the run: index of the teacher position
-        that predicts the token starting there} for the offsets that have one."""
+        that predicts the token starting there} for the offsets that have one, the run's end included (its last
+        teacher token, when the run ends in whole characters)."""
         predictor_at: dict[int, int] = {}
-        for piece_start, piece_end in utf8_pieces(run):
+        pieces, ids = utf8_pieces(run), []
+        for piece_start, piece_end in pieces:
             ids, starts = self.teacher_tokens(run[piece_start:piece_end])
             base = len(window.ids)
             window.ids.extend(ids)
@@ -165,4 +192,6 @@ class WindowAligner:
                     predictor_at[offset] = separator
                 else:
                     predictor_at[offset] = ALIGN_NONE
+        if pieces and pieces[-1][1] == len(run) and ids:  # the last piece's tokens end where the run does
+            predictor_at[len(run)] = len(window.ids) - 1
         return predictor_at
