@@ -395,11 +395,12 @@ class TeacherServer:
                 dest[: source.shape[0], : source.shape[1]] = source
 
     def _cross_forward_rows(self, students, headers: dict[int, RequestHeader], tokens: torch.Tensor,
-                            doc_ids: Optional[torch.Tensor], next_tokens: torch.Tensor) -> None:
+                            doc_ids: Optional[torch.Tensor], next_tokens: Optional[torch.Tensor] = None) -> None:
         """distillation.cross_tokenizer: the students' rows (and the labels past them) aligned to the teacher's
         tokens (on this rank's CPU), one forward on those, and each student's top-k mapped back to its positions,
         with kd_weight."""
-        batch = self.cross.teacher_batch(tokens.cpu(), None if doc_ids is None else doc_ids.cpu(), next_tokens.cpu())
+        batch = self.cross.teacher_batch(tokens.cpu(), None if doc_ids is None else doc_ids.cpu(),
+                                         None if next_tokens is None else next_tokens.cpu())
         device = tokens.device
         hidden = self.teacher.hidden_states(batch.tokens.to(device),
                                             batch.doc_ids.to(device) if doc_ids is not None else None)
