@@ -114,8 +114,12 @@ def test_fingerprint_names_the_map(cross_tokenizers):
     assert 235 == a.mapped < c.mapped
 
 
-@pytest.mark.parametrize("teacher", ["smollm2", "trained_bpe", "trained_sp"])
-@pytest.mark.parametrize("student", ["bytes", "llama3", "trained_bpe", "sentencepiece"])
+@pytest.mark.parametrize("student,teacher", [
+    ("bytes", "smollm2"),  # distinct bos and eos on both sides, named differently
+    ("sentencepiece", "trained_bpe"),  # a teacher whose bos is its eos
+    ("trained_bpe", "smollm2"),  # a student whose bos is its eos
+    ("llama3", "trained_sp"),
+])
 def test_eos_and_bos_map_by_role(cross_tokenizers, teacher, student):
     """The pair's map (CrossTokenizerTeacher's) sends the teacher's eos to the student's eos and its bos to the
     student's bos, whatever their strings (<|im_end|> to the byte tokenizer's 257, </s> to <|endoftext|>); a teacher
@@ -124,8 +128,9 @@ def test_eos_and_bos_map_by_role(cross_tokenizers, teacher, student):
     from lingua.distillation.cross_tokenizer.teacher_side import CrossTokenizerTeacher
 
     student_tok, teacher_tok = cross_tokenizers[student], cross_tokenizers[teacher]
-    table = CrossTokenizerTeacher(student_tok, teacher_tok.tokenizer).vocab_map.teacher_to_student
-    bytes_only = build_vocab_map(student_token_bytes(student_tok), hf_token_bytes(teacher_tok.tokenizer),
+    cross = CrossTokenizerTeacher(student_tok, teacher_tok.tokenizer)
+    table = cross.vocab_map.teacher_to_student
+    bytes_only = build_vocab_map(cross.aligner.student_bytes, cross.aligner.teacher_bytes,
                                  byte_fallback_ids(student_tok)).teacher_to_student
     teacher_bos, teacher_eos = teacher_tok.tokenizer.bos_token_id, teacher_tok.tokenizer.eos_token_id
     assert int(table[teacher_eos]) == student_tok.eos_id
