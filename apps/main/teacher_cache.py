@@ -198,7 +198,8 @@ def align_windows(cross: CrossTokenizerTeacher, batch: dict, manifest: CacheMani
     (`aligned`, a TeacherBatch per forward of `forward_rows` windows), as an online teacher rank aligns them."""
     doc_causal = manifest.attn_mask == "doc_causal"
     aligned = [cross.teacher_batch(batch["input_ids"][start:start + forward_rows],
-                                   batch["doc_ids"][start:start + forward_rows] if doc_causal else None)
+                                   batch["doc_ids"][start:start + forward_rows] if doc_causal else None,
+                                   batch["labels"][start:start + forward_rows, -1])
                for start in range(0, batch["input_ids"].shape[0], forward_rows)]
     return {**batch, "aligned": aligned}
 

@@ -266,7 +266,8 @@ class BridgeSpec:
 
     def request_ints(self) -> int:
         grid = self.max_bsz * self.max_seqlen
-        return HEADER_INTS + grid * (2 if self.doc_boundaries else 1)
+        # cross-tokenizer: each row's label past the window, so the teacher aligns the window's last position too
+        return HEADER_INTS + grid * (2 if self.doc_boundaries else 1) + (self.max_bsz if self.kd_weight else 0)
 
     def payload_views(self, response: torch.Tensor) -> list[torch.Tensor]:
         """Each payload tensor as a [max_bsz, max_seqlen, ...] view into a response buffer."""
@@ -281,7 +282,13 @@ class BridgeSpec:
     def doc_grid(self, request: torch.Tensor) -> torch.Tensor:
         """The [max_bsz, max_seqlen] document-id area of a request buffer (doc_boundaries only)."""
         assert self.doc_boundaries, "this bridge sends no document ids"
-        return request[HEADER_INTS + self.max_bsz * self.max_seqlen:].view(self.max_bsz, self.max_seqlen)
+        start = HEADER_INTS + self.max_bsz * self.max_seqlen
+        return request[start: start + self.max_bsz * self.max_seqlen].view(self.max_bsz, self.max_seqlen)
+
+    def next_tokens(self, request: torch.Tensor) -> torch.Tensor:
+        """The [max_bsz] area of a cross-tokenizer request holding each row's label past the window (-1: none)."""
+        assert self.kd_weight, "only a cross-tokenizer bridge sends the labels past the windows"
+        return request[self.request_ints() - self.max_bsz:]
 
 
 def synchronize(device: torch.device) -> None:

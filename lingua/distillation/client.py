@@ -197,8 +197,8 @@ class TeacherClient:
                 "kd/teacher_peak_gib": status.peak_bytes / 2**30, "kd/bytes_up": self.bytes_up,
                 "kd/bytes_down": self.bytes_down}
 
-    def _request(self, header: RequestHeader, tokens: Optional[torch.Tensor],
-                 doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    def _request(self, header: RequestHeader, tokens: Optional[torch.Tensor], doc_ids: Optional[torch.Tensor],
+                 next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The request buffer, built on the host (pinned on CUDA) and sent to the device without blocking."""
         request = torch.zeros(self.spec.request_ints(), dtype=torch.int32, pin_memory=self.pin)
         request[:HEADER_INTS] = torch.tensor(header.to_ints(), dtype=torch.int32)
@@ -209,10 +209,14 @@ class TeacherClient:
             self.spec.token_grid(request)[: header.bsz, : header.seqlen] = tokens
             if self.spec.doc_boundaries:
                 self.spec.doc_grid(request)[: header.bsz, : header.seqlen] = doc_ids.cpu()
+            if self.spec.kd_weight:  # a label outside the vocabulary (-100: none) leaves the last position unaligned
+                nexts = torch.full((header.bsz,), -1) if next_tokens is None else next_tokens.cpu()
+                self.spec.next_tokens(request)[: header.bsz] = torch.where((nexts >= 0) & (nexts < self.n_words),
+                                                                           nexts, -1)
         return request.to(self.device, non_blocking=True)
 
     def _post(self, op: Op, step: int, micro_step: int, tokens: Optional[torch.Tensor],
-              doc_ids: Optional[torch.Tensor] = None) -> TeacherHandle:
+              doc_ids: Optional[torch.Tensor] = None, next_tokens: Optional[torch.Tensor] = None) -> TeacherHandle:
         bsz, seqlen = (0, 0) if tokens is None else tuple(tokens.shape)
         if bsz > self.spec.max_bsz or seqlen > self.spec.max_seqlen:
             raise ValueError(
@@ -224,7 +228,7 @@ class TeacherClient:
                              "batch has no doc_ids.")
         header = RequestHeader(op, step, micro_step, bsz, seqlen, self.topo.train_rank,
                                in_training=int(self.in_training and not self.pause_follows))
-        request = self._request(header, tokens, doc_ids)
+        request = self._request(header, tokens, doc_ids, next_tokens)
         response = torch.empty(self.spec.response_bytes(), dtype=torch.uint8, device=self.device)
         group = self.topo.bridge_group
         log_collective(f"gather+scatter request op={op.name} step={step}.{micro_step}", group, request, response)
@@ -235,11 +239,12 @@ class TeacherClient:
         self.in_flight.append(handle)
         return handle
 
-    def submit(self, input_ids: torch.Tensor, step: int, micro_step: int,
-               doc_ids: Optional[torch.Tensor] = None) -> TeacherHandle:
+    def submit(self, input_ids: torch.Tensor, step: int, micro_step: int, doc_ids: Optional[torch.Tensor] = None,
+               next_tokens: Optional[torch.Tensor] = None) -> TeacherHandle:
         """Send one micro-batch of tokens [bsz, seqlen] (host tensors are best: no device round trip; with
-        doc boundaries also its document ids); returns a handle whose wait() gives outputs."""
-        return self._post(Op.FORWARD, step, micro_step, input_ids, doc_ids)
+        doc boundaries also its document ids; cross-tokenizer, each row's label past the window [bsz]); returns a
+        handle whose wait() gives outputs."""
+        return self._post(Op.FORWARD, step, micro_step, input_ids, doc_ids, next_tokens)
 
     def payload(self, response: torch.Tensor, bsz: int, seqlen: int) -> TeacherOutputs:
         return TeacherOutputs.from_tensors(self.spec.output,

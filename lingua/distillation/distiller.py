@@ -251,7 +251,9 @@ class OnlineDistiller(KDDistiller):
 
     def submit(self, batch: dict, step: int, micro_step: int):
         doc_ids = batch.get("doc_ids") if self.client.spec.doc_boundaries else None
-        return self.client.submit(batch["input_ids"], step, micro_step, doc_ids)
+        # Another tokenizer's teacher aligns the window's last position through the label just past it.
+        next_tokens = batch["labels"][:, -1] if self.client.spec.kd_weight and "labels" in batch else None
+        return self.client.submit(batch["input_ids"], step, micro_step, doc_ids, next_tokens)
 
     def targets(self, pending, device: torch.device, timer) -> TeacherOutputs:
         with timer.part("teacher_wait"):

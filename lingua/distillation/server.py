@@ -377,7 +377,8 @@ class TeacherServer:
         doc_ids = torch.cat([self.spec.doc_grid(buf)[:headers[r].bsz, :seqlen] for r, buf in students]) \
             if self.spec.doc_boundaries else None
         if self.cross is not None:
-            return self._cross_forward_rows(students, headers, tokens, doc_ids)
+            next_tokens = torch.cat([self.spec.next_tokens(buf)[:headers[r].bsz] for r, buf in students])
+            return self._cross_forward_rows(students, headers, tokens, doc_ids, next_tokens)
         hidden = self.teacher.hidden_states(tokens, doc_ids)
         row = 0
         for rank, _ in students:
@@ -394,10 +395,12 @@ class TeacherServer:
                 dest[: source.shape[0], : source.shape[1]] = source
 
     def _cross_forward_rows(self, students, headers: dict[int, RequestHeader], tokens: torch.Tensor,
-                            doc_ids: Optional[torch.Tensor]) -> None:
-        """distillation.cross_tokenizer: the students' rows aligned to the teacher's tokens (on this rank's CPU),
-        one forward on those, and each student's top-k mapped back to its positions, with kd_weight."""
-        batch = self.cross.teacher_batch(tokens.cpu(), None if doc_ids is None else doc_ids.cpu())
+                            doc_ids: Optional[torch.Tensor], next_tokens: Optional[torch.Tensor] = None) -> None:
+        """distillation.cross_tokenizer: the students' rows (and the labels past them) aligned to the teacher's
+        tokens (on this rank's CPU), one forward on those, and each student's top-k mapped back to its positions,
+        with kd_weight."""
+        batch = self.cross.teacher_batch(tokens.cpu(), None if doc_ids is None else doc_ids.cpu(),
+                                         None if next_tokens is None else next_tokens.cpu())
         device = tokens.device
         hidden = self.teacher.hidden_states(batch.tokens.to(device),
                                             batch.doc_ids.to(device) if doc_ids is not None else None)

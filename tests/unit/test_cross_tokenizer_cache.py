@@ -131,13 +131,13 @@ def test_the_cache_holds_what_the_online_teacher_sends(cross_cache):
     assert manifest.vocab_map_fingerprint == cross.vocab_map.fingerprint()
     assert set(CacheManifest.__dataclass_fields__) == set(json.loads((cache_dir / "cache.json").read_text()))
     teacher = TeacherModel(args.distillation, torch.device("cpu"))
-    aligned_shares = []
+    aligned_shares, last_aligned = [], False
     for index in range(manifest.n_shards):
         batch = read_shard(shard_path(cache_dir, index), range(0, 4), manifest)
         cached = batch["teacher"]
         for start in (0, 3):  # the writer's forwards of forward_rows=3 windows
             rows = slice(start, start + 3)
-            aligned = cross.teacher_batch(batch["input_ids"][rows], batch["doc_ids"][rows])
+            aligned = cross.teacher_batch(batch["input_ids"][rows], batch["doc_ids"][rows], batch["labels"][rows, -1])
             hidden = teacher.hidden_states(aligned.tokens, aligned.doc_ids)
             topk = teacher.sparse_outputs(hidden, "topk", manifest.k, torch.float32, teacher.vocab_size, None)
             online, kd_weight = cross.student_outputs(topk, aligned, torch.bfloat16)
@@ -145,7 +145,9 @@ def test_the_cache_holds_what_the_online_teacher_sends(cross_cache):
             assert_bit_equal(replace(cached, **{name: getattr(cached, name)[rows] for name in
                                                 ("values", "ids", "extra", "kd_weight")}), online)
         aligned_shares.append(cached.kd_weight.mean().item())
+        last_aligned = last_aligned or bool(cached.kd_weight[:, -1].any())
     assert all(0.0 < share <= 1.0 for share in aligned_shares) and min(aligned_shares) < 1.0
+    assert last_aligned  # the writer read the label past each window: some windows' last position has a target
 
 
 def test_training_reads_the_kd_weight_and_logs_kd_aligned(cross_cache):
