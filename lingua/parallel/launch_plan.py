@@ -200,8 +200,9 @@ def resolve_mesh_dims(dp_replicate: int, dp_shard: int, n_students: int) -> tupl
 
 
 def split_roles(world_size: int, n_teachers: int, placement: str, local_world_size: int,
-                teacher_tp: int = 1) -> tuple[list[int], list[int]]:
-    """(student global ranks, teacher global ranks), validated before any collective."""
+                teacher_tp: int = 1, one_teacher: bool = True) -> tuple[list[int], list[int]]:
+    """(student global ranks, teacher global ranks), validated before any collective (`one_teacher` False: the
+    students' split among several teachers' replicas is checked per teacher, by the LaunchPlan)."""
     assert n_teachers >= 0 and placement in TEACHER_PLACEMENTS and teacher_tp >= 1, (n_teachers, placement, teacher_tp)
     if n_teachers == 0:
         return list(range(world_size)), []
@@ -235,7 +236,7 @@ def split_roles(world_size: int, n_teachers: int, placement: str, local_world_si
     teacher_set = set(teachers)  # a set: at 16k ranks a list lookup per rank is quadratic
     students = [r for r in range(world_size) if r not in teacher_set]
     n_replicas = n_teachers // teacher_tp
-    if len(students) % n_replicas:
+    if one_teacher and len(students) % n_replicas:
         if teacher_tp == 1:
             raise LaunchError(
                 f"{len(students)} student ranks cannot be split evenly among {n_teachers} teachers; "
@@ -299,8 +300,11 @@ class LaunchPlan:
 
     def __post_init__(self):
         assert self.fsdp_type in FSDP_TYPES, self.fsdp_type  # DistributedArgs.validate() names the choices
+        if self.teacher_counts and self.teacher_placement != "last":
+            raise LaunchError("Several teachers (distillation.teachers) take the last ranks, one teacher after the "
+                              "other; set distributed.teacher_placement=last.")
         students, teachers = split_roles(self.world_size, self.n_teachers, self.teacher_placement,
-                                         self.local_world_size, self.teacher_tp)
+                                         self.local_world_size, self.teacher_tp, one_teacher=not self.teacher_counts)
         object.__setattr__(self, "student_ranks", students)
         object.__setattr__(self, "teacher_ranks", teachers)
         object.__setattr__(self, "mesh_dims", resolve_mesh_dims(self.dp_replicate, self.dp_shard, len(students)))
@@ -310,9 +314,6 @@ class LaunchPlan:
     def _check_several_teachers(self) -> None:
         """Several teachers: their ranks after the students, and each teacher's replicas divide the students."""
         assert sum(self.teacher_counts) == self.n_teachers, (self.teacher_counts, self.n_teachers)
-        if self.teacher_placement != "last":
-            raise LaunchError("Several teachers (distillation.teachers) take the last ranks, one teacher after the "
-                              "other; set distributed.teacher_placement=last.")
         for i, ranks in enumerate(self.teacher_models):
             n_replicas = len(ranks) // self.teacher_tp
             if len(self.student_ranks) % n_replicas:
