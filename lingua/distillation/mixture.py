@@ -12,9 +12,11 @@ loss is (1 - alpha) * CE + alpha * T^2 * sum_i weight_i * KD_i: the weighted sum
 
 Every teacher receives every micro-batch's request, whatever the routing: each bridge's per-step protocol is
 the one-teacher protocol, and no rank decides alone to skip a collective (the routing only weighs the answers).
-The fused loss runs once per teacher: the first carries CE, the others alpha = 1 with kd_weight = alpha * weight,
-which is exactly alpha * T^2 * weight * KD and no CE. Each extra teacher costs one more pass of the fused head
-(its three GEMMs and the chunk math), about what the KD loss of one teacher costs.
+The fused loss takes the teachers together (`fused_linear_kd_loss(..., more_teachers=...)`): one logits GEMM and
+one pair of gradient GEMMs per chunk for all of them, each further teacher's chunk math (CE's passes over
+[rows, V], its KD folded in) on a copy of the chunk's logits. With loss_weight_grad=vocab_blocks or loss_compile it
+runs once per teacher instead: the first carries CE, the others alpha = 1 with kd_weight = alpha * weight, which
+is exactly alpha * T^2 * weight * KD and no CE (each costs one more pass of the fused head, GEMMs included).
 """
 
 from typing import Optional
@@ -81,6 +83,12 @@ def mixed_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
             kd = kd + kd_i
             per_teacher.append(stats.double()[:3] * share)
         loss = distillation_loss(ce, kd * share, alpha, args.temperature)
+    elif args.loss_weight_grad == "accumulate" and not args.loss_compile:  # one set of head GEMMs for all
+        loss, sums = fused_linear_kd_loss(hidden, weight, labels, outputs[0], normalizer, alpha, args.temperature,
+                                          args.divergence, args.jsd_beta, args.loss_chunk_size, kd_weight=weights[0],
+                                          more_teachers=tuple(zip(outputs[1:], weights[1:])))
+        sums = sums.double() / normalizer
+        ce, per_teacher = sums[0], list(sums[1:].view(-1, 3))
     else:
         for i, (teacher, w) in enumerate(zip(outputs, weights)):
             if i and alpha == 0.0:  # no KD term at all this step: nothing to add but the first call's CE

@@ -175,3 +175,26 @@ def test_the_mixed_loss_is_the_weighted_sum_of_each_teachers_kd(fused):
     metrics = teacher_metrics(stats, [False, True])
     assert set(metrics) == {f"kd/{i}/{name}" for i in (0, 1) for name in ("loss", "teacher_mass", "top1_agreement",
                                                                        "weight")} | {"kd/1/aligned"}
+
+
+def test_teachers_on_shared_gemms_equal_one_call_per_teacher():
+    """The fused loss with more_teachers (one set of head GEMMs, weight_grad=accumulate) and the per-teacher calls
+    it falls back to (vocab_blocks here) give the same loss, gradients and statistics."""
+    generator = torch.Generator().manual_seed(1)
+    B, S, D, V, k, alpha = 2, 7, 8, 50, 5, 0.3
+    hidden = torch.randn(B, S, D, generator=generator, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(V, D, generator=generator, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (B, S), generator=generator)
+    outputs = [topk_outputs(generator, B, S, V, k) for _ in range(3)]
+    weights = [torch.rand(B, S, generator=generator, dtype=torch.float64) for _ in range(3)]
+    results = []
+    for weight_grad in ("accumulate", "vocab_blocks"):
+        args = DistillationArgs(alpha=alpha, loss_weight_grad=weight_grad, loss_chunk_size=4)
+        loss, ce, stats = mixed_head_loss(hidden, head, labels, outputs, weights, B * S, alpha, args)
+        results.append((loss, ce, stats, torch.autograd.grad(loss, (hidden, head))))
+    (loss_a, ce_a, stats_a, grads_a), (loss_b, ce_b, stats_b, grads_b) = results
+    assert loss_a.item() == pytest.approx(loss_b.item(), rel=1e-12)
+    assert ce_a.item() == pytest.approx(ce_b.item(), rel=1e-6)
+    torch.testing.assert_close(stats_a, stats_b, rtol=1e-5, atol=1e-7)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
