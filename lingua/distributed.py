@@ -227,12 +227,13 @@ def enable_debug_env(dump_dir: Optional[str], mode: str = "true") -> None:
 
 
 def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir: Optional[str] = None,
-                            teacher_tp: int = 1, teacher_counts: tuple[int, ...] = ()) -> Topology:
-    """Initialise torch.distributed and build the Topology (`teacher_counts`: the ranks of each of several
-    teachers). Config errors raise before any collective."""
+                            teacher_tp: int = 1, teacher_counts: tuple[int, ...] = (),
+                            teacher_paths: tuple[str, ...] = ()) -> Topology:
+    """Initialise torch.distributed and build the Topology (`teacher_counts`, `teacher_paths`: the ranks and
+    checkpoint of each of several teachers). Config errors raise before any collective."""
     launch = read_launch_env()
     plan = LaunchPlan.for_launch(args, n_teachers, launch.world_size, launch.local_world_size, teacher_tp,
-                                 teacher_counts)
+                                 teacher_counts, teacher_paths)
     device, backend = choose_device(args, launch.local_rank, launch.local_world_size)
     if backend == "nccl":
         torch.cuda.set_device(device)

@@ -415,7 +415,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     failure: Optional[BaseException] = None  # an exceptional exit aborts the process groups (clean_up)
     try:
         topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir, teacher_tp(args),
-                                       teacher_counts(args))
+                                       teacher_counts(args), tuple(t.path for t in args.distillation.teachers))
         init_logger(topo.global_rank, topo.role, str(RunDir(args.dump_dir).rank_log(topo.global_rank)))
         # From here a rank that fails leaves a note, and one that loses a peer names the rank that stopped.
         with (RankStatus(args.dump_dir, topo, debug=args.distributed.debug_mode) as status,

@@ -294,6 +294,7 @@ class LaunchPlan:
     fsdp_type: str = "full_shard"
     teacher_tp: int = 1  # ranks per teacher replica (distillation.teacher_tp)
     teacher_counts: tuple[int, ...] = ()  # ranks of each of several teachers, in order; () = one teacher
+    teacher_paths: tuple[str, ...] = ()  # the checkpoint of each of several teachers, for sentences naming them
     student_ranks: list[int] = field(init=False)
     teacher_ranks: list[int] = field(init=False)
     mesh_dims: tuple[int, int] = field(init=False)  # (dp_replicate, dp_shard), -1s resolved
@@ -323,12 +324,22 @@ class LaunchPlan:
 
     @classmethod
     def for_launch(cls, args: DistributedArgs, n_teachers: int, world_size: int, local_world_size: int,
-                   teacher_tp: int = 1, teacher_counts: tuple[int, ...] = ()) -> "LaunchPlan":
+                   teacher_tp: int = 1, teacher_counts: tuple[int, ...] = (),
+                   teacher_paths: tuple[str, ...] = ()) -> "LaunchPlan":
         """The plan of `args` for a launch of `world_size` ranks (`args` are validated first); `teacher_counts`
-        the ranks of each of several teachers (their sum is `n_teachers`)."""
+        the ranks of each of several teachers (their sum is `n_teachers`), `teacher_paths` their checkpoints."""
         args.validate()
+        several = len(teacher_counts) > 1
         return cls(world_size, local_world_size, n_teachers, args.teacher_placement, args.dp_replicate,
-                   args.dp_shard, args.fsdp_type, teacher_tp, tuple(teacher_counts) if len(teacher_counts) > 1 else ())
+                   args.dp_shard, args.fsdp_type, teacher_tp, tuple(teacher_counts) if several else (),
+                   tuple(teacher_paths) if several else ())
+
+    def rank_words(self, rank: int) -> str:
+        """How a sentence names a rank's role: "student", "teacher", or with several teachers "teacher 1 (<path>)"."""
+        if not self.teacher_counts or self.role(rank) != "teacher":
+            return self.role(rank)
+        index = next(i for i, ranks in enumerate(self.teacher_models) if rank in ranks)
+        return f"teacher {index}" + (f" ({self.teacher_paths[index]})" if index < len(self.teacher_paths) else "")
 
     @cached_property
     def teacher_models(self) -> list[list[int]]:

@@ -198,3 +198,22 @@ def test_teachers_on_shared_gemms_equal_one_call_per_teacher():
     torch.testing.assert_close(stats_a, stats_b, rtol=1e-5, atol=1e-7)
     for a, b in zip(grads_a, grads_b):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_sentences_about_a_teacher_name_it_by_index_and_path(tmp_path):
+    """A teacher that failed to load (its handshake record), or a rank that stopped (the lost-peer sentence's
+    words for it): with several teachers the sentence says which teacher, with one it reads as before."""
+    from lingua.distillation.bridge import HandshakeRecord, agreed_settings, check_handshake
+    from lingua.errors import TeacherError
+
+    args = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}}}", "{{path: {t1}}}")).distillation
+    failed = HandshakeRecord("teacher", 3, 0, 0, agreed_settings(args), loaded=False, message="no such file")
+    student = HandshakeRecord("student", 0, 256, 0, agreed_settings(args), max_bsz=2, max_seqlen=8)
+    with pytest.raises(TeacherError, match=rf"^Teacher 1 \({tmp_path / 't1'}\) on rank 3 failed to load: no such "):
+        check_handshake([student, failed], args.teacher_args(1))
+    with pytest.raises(TeacherError, match=r"^Teacher rank 3 failed to load: no such file"):
+        check_handshake([student, failed], DistillationArgs(teacher_path="x"))
+    plan = LaunchPlan.for_launch(DistributedArgs(), 3, 5, 5, teacher_counts=(2, 1), teacher_paths=("a", "b"))
+    assert [plan.rank_words(rank) for rank in range(5)] == ["student", "student", "teacher 0 (a)", "teacher 0 (a)",
+                                                            "teacher 1 (b)"]
+    assert LaunchPlan(3, 3, 1).rank_words(2) == "teacher"
