@@ -105,6 +105,10 @@ class DistillationArgs:
     # (lingua/distillation/mixture.py). One element without sources is the same run as teacher_path.
     teachers: list[TeacherArgs] = field(default_factory=list)
 
+    def __post_init__(self):  # a one-teacher list is teacher_path as soon as it is read, for every app
+        if len(self.teachers) == 1 and not (self.teachers[0].sources or self.teacher_path or self.cross_tokenizer):
+            self._fold_single_teacher()
+
     def validate(self, enabled: bool = True) -> None:
         """Every value is checked (a typo stays an error with distillation off); the source, the teacher count
         and the teacher path or cache directory only matter with it on."""

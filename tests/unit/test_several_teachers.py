@@ -217,3 +217,17 @@ def test_sentences_about_a_teacher_name_it_by_index_and_path(tmp_path):
     assert [plan.rank_words(rank) for rank in range(5)] == ["student", "student", "teacher 0 (a)", "teacher 0 (a)",
                                                             "teacher 1 (b)"]
     assert LaunchPlan(3, 3, 1).rank_words(2) == "teacher"
+
+
+def test_the_cache_writer_refuses_several_teachers_and_takes_a_one_teacher_list(tmp_path):
+    from apps.main.teacher_cache import TeacherCacheArgs
+
+    overrides = [f"config={ROOT / 'configs/distill_exps/debug_cpu.yaml'}", f"data.root_dir={tmp_path / 'corpus'}",
+                 "data.tokenizer.name=bytes", "data.tokenizer.path=null", "distillation.teacher_path=null",
+                 f"cache_dir={tmp_path / 'cache'}"]
+    kd_args(tmp_path)  # the stubs
+    several = parse_args(TeacherCacheArgs, overrides + [teachers(tmp_path, "{{path: {t0}}}", "{{path: {t1}}}")])
+    with pytest.raises(ConfigError, match=r"the cache writer runs one teacher: write each teacher's cache"):
+        several.validate(world_size=1)
+    one = parse_args(TeacherCacheArgs, overrides + [teachers(tmp_path, "{{path: {t1}}}")])
+    assert one.distillation.teacher_path == str(tmp_path / "t1") and one.distillation.teachers == []
