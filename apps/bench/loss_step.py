@@ -228,7 +228,8 @@ def summarize(args: BenchArgs, rounds: dict[str, list[dict]]) -> dict:
     def spread(variant, key):
         return [min(r[key] for r in rounds[variant]), max(r[key] for r in rounds[variant])]
 
-    names = {"ce": "ce", "logits_ce": "logits_ce", "reference_kd": "reference_kd", "fused_kd": "kd"}
+    names = {"ce": "ce", "logits_ce": "logits_ce", "reference_kd": "reference_kd", "fused_kd": "kd",
+             "fused_kd_2_teachers": "kd_2_teachers"}
     results = {}
     for variant, name in names.items():
         results[f"{name}_ms"] = median(variant, "ms")
@@ -245,6 +246,8 @@ def summarize(args: BenchArgs, rounds: dict[str, list[dict]]) -> dict:
         "reference_kd_over_ce_ms": ratio(results["reference_kd_ms"], results["ce_ms"]),
         "reference_kd_over_ce_peak": ratio(results["reference_kd_peak_mib"], results["ce_peak_mib"]),
         "reference_kd_over_kd_ms": ratio(results["reference_kd_ms"], results["kd_ms"]),
+        "kd_2_teachers_over_kd_ms": ratio(results["kd_2_teachers_ms"], results["kd_ms"]),
+        "kd_2_teachers_over_kd_cpu_ms": ratio(results["kd_2_teachers_cpu_ms"], results["kd_cpu_ms"]),
         "fused_chunk_rows": args.chunk_size or auto_chunk_rows(args.vocab, args.format, args.device, DTYPES[args.dtype]),
         "peak_reset": all(r["peak_reset"] for variant in VARIANTS for r in rounds[variant]),
         "settings": asdict(args),
@@ -269,7 +272,8 @@ def format_markdown(results: dict) -> str:
         return "n/a" if value is None else f"{value:.2f}"
 
     for label, name in (("CE only (fused)", "ce"), ("CE only on logits", "logits_ce"),
-                        ("reference KD (kd_loss)", "reference_kd"), ("fused KD", "kd")):
+                        ("reference KD (kd_loss)", "reference_kd"), ("fused KD", "kd"),
+                        ("fused KD, 2 teachers", "kd_2_teachers")):
         lines.append(f"| {label} | {results[f'{name}_ms']:.0f} | {results[f'{name}_cpu_ms']:.0f} | "
                      f"{results[f'{name}_peak_mib']:.0f} | {shown(results[f'{name}_ms'], results['ce_ms'])} | "
                      f"{shown(results[f'{name}_peak_mib'], results['ce_peak_mib'])} |")
