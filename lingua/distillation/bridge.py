@@ -304,8 +304,10 @@ def agreed_handshakes(topo, bridges: list[tuple]) -> list[Optional[BridgeSpec]]:
     student's one per teacher, a teacher rank's one), then one world-wide share of every rank's verdict."""
     specs, error = [], None
     try:
-        for view, mine, args in bridges:
-            specs.append(check_handshake(_exchange(view, mine), args) if mine is not None else None)
+        # Every bridge's records first, then the checks: a refusal on one bridge must not leave another's
+        # members waiting in an exchange this rank skipped.
+        records = [_exchange(view, mine) if mine is not None else None for view, mine, _ in bridges]
+        specs = [check_handshake(r, args) if r is not None else None for r, (_, _, args) in zip(records, bridges)]
     except Exception as err:  # a bug in the checks too: the other ranks must not wait for this one's verdict
         error = err
     # (whether it is a bug, its words) of each rank that failed

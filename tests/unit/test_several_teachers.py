@@ -231,3 +231,35 @@ def test_the_cache_writer_refuses_several_teachers_and_takes_a_one_teacher_list(
         several.validate(world_size=1)
     one = parse_args(TeacherCacheArgs, overrides + [teachers(tmp_path, "{{path: {t1}}}")])
     assert one.distillation.teacher_path == str(tmp_path / "t1") and one.distillation.teachers == []
+
+
+def test_a_refused_bridge_does_not_skip_the_next_ones_exchange(tmp_path, monkeypatch):
+    """A student exchanges its records on every bridge before it checks any: teacher 0 refused must not leave
+    teacher 1 waiting in an exchange the student skipped; then every rank shares the verdicts and raises."""
+    from types import SimpleNamespace
+
+    from lingua.distillation import bridge
+    from lingua.distillation.bridge import HandshakeRecord, agreed_settings
+    from lingua.errors import TeacherError
+
+    args = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}}}", "{{path: {t1}}}")).distillation
+    settings = agreed_settings(args)
+    student = HandshakeRecord("student", 0, 256, 7, settings, max_bsz=2, max_seqlen=8)
+    teacher_records = {0: HandshakeRecord("teacher", 2, 0, 0, settings, loaded=False, message="broken"),
+                       1: HandshakeRecord("teacher", 3, 256, 7, settings)}
+    exchanged = []
+
+    def exchange(view, mine):
+        exchanged.append(view.teacher_view)
+        return [mine, teacher_records[view.teacher_view]]
+
+    def all_gather_object(out, verdict, group):
+        out[:] = [verdict] + [None] * (len(out) - 1)
+
+    monkeypatch.setattr(bridge, "_exchange", exchange)
+    monkeypatch.setattr(bridge.dist, "all_gather_object", all_gather_object)
+    topo = SimpleNamespace(world_size=4, teacher_ranks=[2, 3])
+    views = [SimpleNamespace(teacher_view=i) for i in (0, 1)]
+    with pytest.raises(TeacherError, match=r"^Teacher 0 \(.*t0\) on rank 2 failed to load: broken"):
+        bridge.agreed_handshakes(topo, [(view, student, args.teacher_args(i)) for i, view in enumerate(views)])
+    assert exchanged == [0, 1]
