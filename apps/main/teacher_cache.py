@@ -202,7 +202,8 @@ def cross_outputs(teacher: TeacherModel, cross: CrossTokenizerTeacher, aligned, 
     doc_ids = aligned.doc_ids.to(teacher.device) if manifest.attn_mask == "doc_causal" else None
     hidden = teacher.hidden_states(aligned.tokens.to(teacher.device), doc_ids)
     teacher_topk = teacher.sparse_outputs(hidden, "topk", manifest.k, torch.float32, teacher.vocab_size, generator)
-    outputs, kd_weight = cross.student_outputs(teacher_topk, aligned, WIRE_DTYPES[manifest.wire_dtype])
+    outputs, kd_weight = cross.student_outputs(teacher_topk, aligned, WIRE_DTYPES[manifest.wire_dtype],
+                                               manifest.unmapped_entries)
     outputs.kd_weight = kd_weight
     return outputs
 

@@ -14,6 +14,8 @@ Student side (the loop asks one `Distiller` for the KD part of each step):
     compiled_chunk.py  that chunk math under torch.compile (distillation.loss_compile): Triton on CUDA, C++ on CPU
     reference_loss.py  kd_loss on logits: the float64 check of the fused loss (distillation.fused_loss=false)
     divergences.py     the math both losses share: fkl/rkl/jsd and their gradients, teacher buckets, CE/KD mix
+    uld.py             ULD (distillation.uld_weight): sorted-probability distance for a cross-tokenizer teacher's
+                       unmapped mass; the wire's marked entries, the reference and the fused chunk's closed form
     cache.py           the offline teacher cache: manifest, safetensors shards, the loader training reads
     cache_codec.py     cache format v2: a shard's tensors coded losslessly (sorted values as bit-pattern gaps,
                        ids by frequency rank, sampled draws as distinct ids with counts), then zstd

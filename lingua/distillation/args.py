@@ -100,6 +100,11 @@ class DistillationArgs:
     # the cache writer does the same and stores those targets (a cache of one student tokenizer).
     cross_tokenizer: bool = False
     teacher_tokenizer: Optional[str] = None  # the teacher's Hugging Face tokenizer directory; None = teacher_path
+    # Cross-tokenizer only: > 0 adds Universal Logit Distillation for the teacher's unmapped mass (its top-k ids that
+    # are no student token), weighted by this against the KD (lingua/distillation/uld.py); 0 = off, the rest bucket
+    # alone.
+    uld_weight: float = 0.0
+    uld_k: int = 16  # with uld_weight > 0: how many sorted probabilities (teacher unmapped, student rest) ULD compares
     # Several teachers, each on its own ranks (instead of teacher_path, n_teacher_ranks, cross_tokenizer and
     # teacher_tokenizer): the students mix their KD terms by weight and per data source
     # (lingua/distillation/mixture.py). One element without sources is the same run as teacher_path.
@@ -142,7 +147,19 @@ class DistillationArgs:
         require(isinstance(self.cross_tokenizer, bool), "distillation.cross_tokenizer", self.cross_tokenizer,
                 "use true or false")
         self.validate_cross_tokenizer()
+        require(isinstance(self.uld_weight, (int, float)) and math.isfinite(self.uld_weight) and self.uld_weight >= 0,
+                "distillation.uld_weight", self.uld_weight, "use a finite weight >= 0 (0 = no ULD term)")
+        require(type(self.uld_k) is int and self.uld_k >= 1, "distillation.uld_k", self.uld_k,
+                "use a positive number of sorted probabilities to compare")
         self._fold_single_teacher()
+        if self.uld_weight > 0:
+            require(not self.teachers, "distillation.uld_weight", self.uld_weight,
+                    "ULD runs with one teacher for now; set uld_weight=0 with distillation.teachers")
+            require(self.cross_tokenizer, "distillation.uld_weight", self.uld_weight,
+                    "ULD matches the mass a teacher of another tokenizer cannot map; set "
+                    "distillation.cross_tokenizer=true, or uld_weight=0")
+            require(not self.loss_compile, "distillation.loss_compile", self.loss_compile,
+                    "ULD runs in the eager chunk math; set distillation.loss_compile=false, or uld_weight=0")
         if not enabled:
             return
         if self.teachers:

@@ -43,9 +43,11 @@ from lingua.parallel.collectives import log_collective
 
 logger = logging.getLogger(__name__)
 
-RECORD_INTS = 16  # int64 fields of a handshake record / response status
+RECORD_INTS = 16  # int64 fields of a response status (and the default of a record)
+HANDSHAKE_INTS = 20  # int64 fields of a handshake record (its settings outgrew 16; responses keep their size)
 MESSAGE_BYTES = 2048
 RECORD_BYTES = RECORD_INTS * 8 + MESSAGE_BYTES
+HANDSHAKE_BYTES = HANDSHAKE_INTS * 8 + MESSAGE_BYTES
 NAN_WORD = 6  # int64 field of a ResponseStatus after the packed ones: the teacher's outputs held NaN (a device copy)
 WIRE_NAMES = tuple(WIRE_DTYPES)
 
@@ -75,25 +77,25 @@ def teacher_failure(sentence: str, bug: bool) -> Exception:
     return PeerStopped(sentence) if bug else TeacherError(sentence)
 
 
-def pack_record(ints: list[int], message: str = "", pin: bool = False) -> torch.Tensor:
-    """RECORD_INTS int64 fields then the message, as one uint8 tensor of RECORD_BYTES on the host
+def pack_record(ints: list[int], message: str = "", pin: bool = False, n_ints: int = RECORD_INTS) -> torch.Tensor:
+    """`n_ints` int64 fields then the message, as one uint8 tensor of n_ints * 8 + MESSAGE_BYTES on the host
     (pinned with `pin`, so the copy to a GPU does not block)."""
-    record = torch.zeros(RECORD_BYTES, dtype=torch.uint8, pin_memory=pin)
-    values = torch.zeros(RECORD_INTS, dtype=torch.int64)
+    record = torch.zeros(n_ints * 8 + MESSAGE_BYTES, dtype=torch.uint8, pin_memory=pin)
+    values = torch.zeros(n_ints, dtype=torch.int64)
     values[: len(ints)] = torch.tensor(ints, dtype=torch.int64)
-    record[: RECORD_INTS * 8] = values.view(torch.uint8)
+    record[: n_ints * 8] = values.view(torch.uint8)
     encoded = message.encode()[:MESSAGE_BYTES]
-    record[RECORD_INTS * 8: RECORD_INTS * 8 + len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    record[n_ints * 8: n_ints * 8 + len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
     return record
 
 
-def record_ints(record: torch.Tensor) -> list[int]:
+def record_ints(record: torch.Tensor, n_ints: int = RECORD_INTS) -> list[int]:
     """The int64 fields of a record (one copy to the host)."""
-    return record[: RECORD_INTS * 8].cpu().clone().view(torch.int64).tolist()
+    return record[: n_ints * 8].cpu().clone().view(torch.int64).tolist()
 
 
-def record_message(record: torch.Tensor) -> str:
-    return bytes(record[RECORD_INTS * 8:].cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+def record_message(record: torch.Tensor, n_ints: int = RECORD_INTS) -> str:
+    return bytes(record[n_ints * 8:].cpu().tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 def _float_bits(x: float) -> int:
@@ -117,13 +119,15 @@ AGREED_SETTINGS = (
     ("attn_mask", "model.attn_mask", ATTN_MASKS.index, lambda v: ATTN_MASKS[v]),
     # The teacher aligns the students' text to its own tokenizer; replies carry a kd_weight per position.
     ("cross_tokenizer", "distillation.cross_tokenizer", int, bool),
+    # > 0: cross-tokenizer replies also carry the teacher's unmapped entries, marked, for ULD (`uld.py`).
+    ("uld_weight", "distillation.uld_weight", _float_bits, _bits_float),
 )
 
 
 def agreed_settings(args: DistillationArgs, attn_mask: str = "causal") -> dict:
     """This rank's values of the settings both ends of a bridge must share."""
     return {"output": args.output, "k": args.k, "wire_dtype": args.wire_dtype, "temperature": args.temperature,
-            "attn_mask": attn_mask, "cross_tokenizer": args.cross_tokenizer}
+            "attn_mask": attn_mask, "cross_tokenizer": args.cross_tokenizer, "uld_weight": args.uld_weight}
 
 
 @dataclass
@@ -152,18 +156,19 @@ class HandshakeRecord:
                                                                                         self.heldout_bpb)]
         return pack_record([self.ROLES.index(self.role), failure_word(not self.loaded, self.bug), self.vocab,
                             self.tokenizer_fingerprint, self.max_positions, self.max_bsz, self.max_seqlen,
-                            self.global_rank, *settings, *heldout], self.message)
+                            self.global_rank, *settings, *heldout], self.message, n_ints=HANDSHAKE_INTS)
 
     @classmethod
     def unpack(cls, record: torch.Tensor) -> "HandshakeRecord":
-        role, failed, vocab, fingerprint, max_pos, max_bsz, max_seqlen, rank, *rest = record_ints(record)
+        fields = record_ints(record, HANDSHAKE_INTS)
+        role, failed, vocab, fingerprint, max_pos, max_bsz, max_seqlen, rank, *rest = fields
         settings = {name: decode(value) for (name, _, _, decode), value in zip(AGREED_SETTINGS, rest)}
         heldout_ce, heldout_bpb = (_bits_float(bits) for bits in rest[len(AGREED_SETTINGS):len(AGREED_SETTINGS) + 2])
         return cls(cls.ROLES[role], rank, vocab, fingerprint, settings, loaded=not failed, bug=failed == Failure.BUG,
                    max_positions=max_pos, max_bsz=max_bsz, max_seqlen=max_seqlen,
                    heldout_ce=None if heldout_ce != heldout_ce else heldout_ce,
                    heldout_bpb=None if heldout_bpb != heldout_bpb else heldout_bpb,
-                   message=record_message(record) if failed else "")
+                   message=record_message(record, HANDSHAKE_INTS) if failed else "")
 
 
 @dataclass

@@ -49,10 +49,11 @@ PREPARE_HINT = "write it with `torchrun --nproc-per-node N -m apps.main.teacher_
 CONVERT_HINT = "convert it with `python -m apps.main.convert_cache {src} <new dir>`"
 
 
-CROSS_FIELDS = ("cross_tokenizer", "teacher_tokenizer_fingerprint", "vocab_map_fingerprint")
+CROSS_FIELDS = ("cross_tokenizer", "teacher_tokenizer_fingerprint", "vocab_map_fingerprint", "unmapped_entries")
 # What a differing setting means, where its name alone does not say.
 SETTING_NOTES = {"tokenizer_fingerprint": " (the students' tokenizer, data.tokenizer: the targets are in its ids)",
-                 "cross_tokenizer": " (distillation.cross_tokenizer)"}
+                 "cross_tokenizer": " (distillation.cross_tokenizer)",
+                 "unmapped_entries": " (the teacher's unmapped entries that ULD reads: distillation.uld_weight > 0)"}
 
 
 @dataclass
@@ -80,6 +81,7 @@ class CacheManifest:
     cross_tokenizer: bool = False
     teacher_tokenizer_fingerprint: Optional[int] = None
     vocab_map_fingerprint: Optional[str] = None
+    unmapped_entries: bool = False  # written with distillation.uld_weight > 0: the shards carry them, marked (uld.py)
 
     @property
     def n_shards(self) -> int:
@@ -129,7 +131,7 @@ def settings_manifest(kd_args, data_args, attn_mask: str, tokenizer, **layout) -
                          tokenizer_fingerprint=tokenizer_fingerprint(tokenizer_vocab(tokenizer)), output=kd_args.output,
                          k=kd_args.k, temperature=kd_args.temperature, wire_dtype=kd_args.wire_dtype,
                          attn_mask=attn_mask, data=data_identity(data_args), cross_tokenizer=kd_args.cross_tokenizer,
-                         **layout)
+                         unmapped_entries=kd_args.cross_tokenizer and kd_args.uld_weight > 0, **layout)
 
 
 def describe_differences(cache: CacheManifest, wanted: CacheManifest, keys: tuple[str, ...]) -> list[str]:
@@ -359,7 +361,8 @@ def open_cache(cache_dir: str, wanted: CacheManifest, batch_size: int, dp_rank: 
     """The training side: refuse a cache written with other settings (one sentence naming both values)."""
     manifest = CacheManifest.read(Path(cache_dir))
     differ = describe_differences(manifest, wanted, ("output", "k", "temperature", "wire_dtype", "attn_mask",
-                                                     "tokenizer_fingerprint", "vocab_size", "data", "cross_tokenizer"))
+                                                     "tokenizer_fingerprint", "vocab_size", "data", "cross_tokenizer",
+                                                     "unmapped_entries"))
     if differ:
         raise DataError(f"The teacher cache in {cache_dir} was written with other settings: {'; '.join(differ)}. "
                         f"Train with the cache's settings, or write a new cache for these: "

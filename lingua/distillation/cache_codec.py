@@ -5,7 +5,8 @@ stores the same information in these streams, each in zstd frames with checksums
 a multi-byte stream: all first bytes, then all second bytes, each plane with its own statistics):
 
     tokens, doc_ids   the windows (uint16 tokens when the vocabulary fits)
-    id_table          the shard's distinct teacher ids, most frequent first (ties ascending, zigzag deltas)
+    id_table          the shard's distinct teacher ids, most frequent first (ties ascending, zigzag deltas; a
+                      cross-tokenizer cache written for ULD also holds the negative ids of unmapped entries)
     id_ranks          each entry's id as its rank in id_table: frequent ids get small numbers, which zstd's byte
                       coder turns into fewer bits (about an order-0 entropy coder's rate)
     value_first       per position, its first (most likely) entry's value as its float bit pattern
@@ -111,11 +112,12 @@ def _code_entries(ids: np.ndarray, keys: np.ndarray, run_lengths: np.ndarray, st
     _put(streams, specs, "value_escapes", gaps[gaps >= ESCAPE].astype(np.uint32))  # in the gaps' order
     distinct, counts = np.unique(ids, return_counts=True)
     table = distinct[np.argsort(-counts, kind="stable")]  # most frequent first; ties ascend by id, so deltas are small
-    rank = np.empty(int(distinct.max(initial=0)) + 1, dtype=np.int64)
-    rank[table] = np.arange(len(table))
+    lowest = int(distinct.min(initial=0))  # below 0: the marked unmapped entries of a ULD cache (`uld.py`)
+    rank = np.empty(int(distinct.max(initial=0)) - lowest + 1, dtype=np.int64)
+    rank[table - lowest] = np.arange(len(table))
     steps = np.diff(table, prepend=0)
     _put(streams, specs, "id_table", np.where(steps >= 0, 2 * steps, -2 * steps - 1).astype(np.uint32))  # zigzag
-    _put(streams, specs, "id_ranks", rank[ids[order]].astype(np.uint16 if len(table) <= 2**16 else np.uint32))
+    _put(streams, specs, "id_ranks", rank[ids[order] - lowest].astype(np.uint16 if len(table) <= 2**16 else np.uint32))
 
 
 def _decode_entries(streams: dict, specs: dict, run_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -177,7 +177,8 @@ class KDDistiller(Distiller):
             teacher_outputs = self.targets(pending, logits.device, timer)
             kd, stats = kd_loss_and_stats(logits, teacher_outputs, mask, args.temperature, args.divergence,
                                           args.jsd_beta, args.loss_chunk_size or REFERENCE_CHUNK_SIZE,
-                                          kd_weight=teacher_outputs.kd_weight)
+                                          kd_weight=teacher_outputs.kd_weight, uld_weight=args.uld_weight,
+                                          uld_k=args.uld_k)
             self._add_ce(ce)
             self._add_kd_stats(self._with_aligned(stats.double() * weight_of_batch, teacher_outputs, labels,
                                                   n_valid))
@@ -192,7 +193,7 @@ class KDDistiller(Distiller):
         loss, sums = fused_linear_kd_loss(hidden, weight, labels, teacher_outputs, normalizer, self.alpha,
                                           args.temperature, args.divergence, args.jsd_beta, args.loss_chunk_size,
                                           kd_weight=teacher_outputs.kd_weight, weight_grad=args.loss_weight_grad,
-                                          compiled=args.loss_compile)
+                                          compiled=args.loss_compile, uld_weight=args.uld_weight, uld_k=args.uld_k)
         sums = sums.double() / normalizer  # (CE, KD, teacher mass, top-1 agreement) summed over positions
         self._add_ce(sums[0])
         self._add_kd_stats(self._with_aligned(sums[1:], teacher_outputs, labels, n_valid))

@@ -46,13 +46,15 @@ def _kd_rest_at_temperature(shifted_z, temperature):
     return soft, soft.sum(-1, keepdim=True)
 
 
-def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd_scale, temperature, kind, jsd_beta):
+def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd_scale, temperature, kind, jsd_beta,
+                        uld=None):
     """(CE per row, KD per row or None, student argmax per row, g = dLoss/dz, recipe) for one chunk; overwrites z.
 
     z [rows, V] in the work dtype; labels [rows, 1] in range; row_mask [rows] (label != -100); teacher: None or
     (format, values, extra) of the chunk; ids [rows, k] in range and distinct per row (None without ids);
     kd_rows [rows]: rows whose KD counts; ce_scale a 0-dim tensor, kd_scale [rows] (0 off kd_rows). The recipe
-    rebuilds g from z (`GradRecipe`; None for the full format): `vocab_block_weight_grad` needs it.
+    rebuilds g from z (`GradRecipe`; None for the full format): `vocab_block_weight_grad` needs it. uld: None or a
+    `uld.ChunkULD` (top-k only): its topk over the rest replaces the max pass, its term joins KD (`uld.py`).
     """
     V = z.shape[-1]
     format = None if teacher is None else teacher[0]
@@ -62,7 +64,8 @@ def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd
     excluded = format == "topk" and ids.shape[-1] < V
     if excluded:
         z.scatter_(-1, ids, float("-inf"))
-    shift, argmax = z.max(-1, keepdim=True)
+    with_uld = uld is not None and excluded
+    shift, argmax = uld.rest_top(z) if with_uld else z.max(-1, keepdim=True)
     if excluded:
         z_max = torch.maximum(shift, z_ids.amax(-1, keepdim=True))
         student_top1 = _student_top1(z_ids, ids, shift, argmax.squeeze(-1), z_max, V)
@@ -123,9 +126,17 @@ def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd
     # On the ids: CE's softmax plus KD's bucket gradient, written over whatever g holds there.
     id_grad = torch.where(row_mask.unsqueeze(-1), (z_ids - lse).exp() * ce_scale, 0.0) + bucket_grad[:, :k]
     rest_coef = bucket_grad[:, k:] / soft_sum if excluded else None
+    added_ids, added_grad = labels, label_grad  # added after the ids' values are written
+    if with_uld:
+        uld_kd, uld_id_grad, uld_rest_coef, uld_top_grad = uld.value_and_grads(
+            temperature, a_lse, q[:, :k], a_shift, kd_rows, kd_scale)
+        kd, id_grad, rest_coef = kd + uld_kd, id_grad + uld_id_grad, rest_coef + uld_rest_coef
+        added_ids, added_grad = torch.cat([labels, uld.top_ids], -1), torch.cat([label_grad, uld_top_grad], -1)
+    elif uld is not None:  # no rest (k = V): the student's side is all zeros, a constant
+        kd = kd + uld.weight * uld.teacher_sorted.sum(-1)
     coef, soft_coef = _combine(g, ce_coef, soft, rest_coef)
-    g.scatter_(-1, ids, id_grad).scatter_add_(-1, labels, label_grad)
-    return ce, kd, student_top1, g, GradRecipe(shift, coef, soft_coef, labels, label_grad, ids, id_grad, True)
+    g.scatter_(-1, ids, id_grad).scatter_add_(-1, added_ids, added_grad)
+    return ce, kd, student_top1, g, GradRecipe(shift, coef, soft_coef, added_ids, added_grad, ids, id_grad, True)
 
 
 def _combine(g, ce_coef, soft, rest_coef):
@@ -144,7 +155,8 @@ def _combine(g, ce_coef, soft, rest_coef):
 
 class GradRecipe(NamedTuple):
     """dLoss/dz of a chunk's rows without z: coef * exp(z - shift) [+ soft_coef * exp((z - shift) / T)], then the
-    ids' values written (ids_set) or added at ids, then label_grad added at labels. All [rows, 1] or [rows, k]."""
+    ids' values written (ids_set) or added at ids, then label_grad added at labels (with ULD, also at the rest's
+    top-K ids). All [rows, 1], [rows, k] or [rows, 1 + K]."""
     shift: torch.Tensor
     coef: torch.Tensor
     soft_coef: Optional[torch.Tensor]

@@ -59,6 +59,7 @@ from lingua.distillation.compiled_chunk import compiled_chunk_loss_and_grad
 from lingua.distillation.divergences import DIVERGENCES, distillation_loss, teacher_support
 from lingua.distillation.fused_chunk import GradRecipe, chunk_loss_and_grad, vocab_block_weight_grad
 from lingua.distillation.outputs import TeacherOutputs, check_format
+from lingua.distillation.uld import ChunkULD, check_uld, split_unmapped
 
 # Auto chunking: rows per chunk so the chunk's fp32 [rows, V] work tensors fit about this many bytes.
 # CPU: 256 MiB is ~450 rows at V=49k. Measured (2-core CPU, V=49k, N=1k): with 1 thread any chunk of
@@ -118,12 +119,13 @@ def multiplies_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta,
-                chunk_size, kd_weight, vocab_block, compiled, need_grad_hidden, need_grad_weight, more=()):
+                chunk_size, kd_weight, vocab_block, compiled, uld, need_grad_hidden, need_grad_weight, more=()):
     """(loss, stats [4 + 3 * len(more)], grad_hidden or None, grad_weight or None) of the flattened inputs, chunk
     by chunk; vocab_block > 0: grad_W by `vocab_block_weight_grad` in blocks of that many ids, not by accumulation;
     compiled: the chunk math through torch.compile (`compiled_chunk`), the last chunk padded to the others' rows;
-    more: (flat teacher, flat kd_weight) of further teachers whose KD terms add to the loss on the same logits and
-    gradient GEMMs (neither vocab_block nor compiled)."""
+    uld: None or (uld_weight, uld_k) for marked cross-tokenizer top-k rows (`uld.py`); more: (flat teacher, flat
+    kd_weight) of further teachers whose KD terms add to the loss on the same logits and gradient GEMMs (neither
+    vocab_block, compiled nor uld)."""
     N, D = hidden.shape
     V = weight.shape[0]
     dtype = torch.promote_types(hidden.dtype, torch.float32)
@@ -160,11 +162,11 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
         if teacher is None:
             kd_rows, row_kd_scale = row_mask, torch.zeros_like(row_mask, dtype=dtype)
         else:
-            values, ids, extra, row_weight, kd_rows, row_kd_scale = _chunk_teacher(teacher, kd_weight, rows, pad,
-                                                                                   row_mask, kd_scale, dtype)
+            values, ids, extra, row_weight, kd_rows, row_kd_scale, chunk_uld = _chunk_teacher(
+                teacher, kd_weight, rows, pad, row_mask, kd_scale, dtype, uld, V)
         chunk_teacher = None if teacher is None else (teacher.format, values, extra)
         chunk_args = (pad(safe_labels[rows]), row_mask, chunk_teacher, ids, kd_rows, ce_scale, row_kd_scale,
-                      temperature, divergence, jsd_beta)
+                      temperature, divergence, jsd_beta) + ((chunk_uld,) if uld is not None else ())
         if compiled:  # z in the head's dtype; g comes back in it, written over z
             ce, kd, student_top1, g, recipe = compiled_chunk_loss_and_grad(z, dtype, *chunk_args)
         else:
@@ -208,17 +210,22 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
     return loss, stats.float(), grad_hidden, grad_weight
 
 
-def _chunk_teacher(teacher, kd_weight, rows, pad, row_mask, kd_scale, dtype):
+def _chunk_teacher(teacher, kd_weight, rows, pad, row_mask, kd_scale, dtype, uld=None, vocab_size=0):
     """A teacher's tensors for the chunk's rows, its KD weight and KD rows (valid labels with a positive weight; a
-    row outside them takes CE alone) and each row's KD scale."""
+    row outside them takes CE alone), each row's KD scale and, with `uld`, the chunk's ULD side (else None)."""
     values, ids, extra = (None if t is None else pad(t[rows]) for t in teacher)
     row_weight = torch.ones_like(row_mask, dtype=dtype) if kd_weight is None else pad(kd_weight[rows]).to(dtype)
     kd_rows = row_mask & (row_weight > 0)
     row_weight = torch.where(kd_rows, row_weight, 0.0)
+    chunk_uld = None
+    if uld is not None:  # the unmapped entries leave the top-k targets and become ULD's teacher side
+        values, ids, teacher_sorted = split_unmapped(values, ids, extra, uld[1], dtype)
+        chunk_uld = ChunkULD(torch.where(kd_rows.unsqueeze(-1), teacher_sorted, 0.0), uld[0],
+                             vocab_size - ids.shape[-1])
     if ids is not None:
         # A row outside the KD rows may carry any id: 0..k-1 keep gathers in range and the ids distinct.
         ids = torch.where(kd_rows.unsqueeze(-1), ids.long(), torch.arange(ids.shape[-1], device=ids.device))
-    return values, ids, extra, row_weight, kd_rows, kd_scale * row_weight
+    return values, ids, extra, row_weight, kd_rows, kd_scale * row_weight, chunk_uld
 
 
 def _more_teachers(z, more, rows, pad, safe_labels, row_mask, g, kd_scale, temperature, divergence, jsd_beta, dtype):
@@ -228,8 +235,8 @@ def _more_teachers(z, more, rows, pad, safe_labels, row_mask, g, kd_scale, tempe
     per_row = []
     for i, (teacher, kd_weight) in enumerate(more):
         z_i = z.clone() if i + 1 < len(more) else z
-        values, ids, extra, row_weight, kd_rows, row_kd_scale = _chunk_teacher(teacher, kd_weight, rows, pad,
-                                                                               row_mask, kd_scale, dtype)
+        values, ids, extra, row_weight, kd_rows, row_kd_scale, _ = _chunk_teacher(teacher, kd_weight, rows, pad,
+                                                                                  row_mask, kd_scale, dtype)
         _, kd, student_top1, g_i, _ = chunk_loss_and_grad(z_i, pad(safe_labels[rows]), row_mask,
                                                           (teacher.format, values, extra), ids, kd_rows, zero,
                                                           row_kd_scale, temperature, divergence, jsd_beta)
@@ -265,10 +272,10 @@ class _FusedLinearKDLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-                kd_weight, vocab_block, compiled, more):
+                kd_weight, vocab_block, compiled, uld, more):
         loss, stats, ctx.grad_hidden, ctx.grad_weight = _fused_pass(
             hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-            kd_weight, vocab_block, compiled, ctx.needs_input_grad[0], ctx.needs_input_grad[1], more)
+            kd_weight, vocab_block, compiled, uld, ctx.needs_input_grad[0], ctx.needs_input_grad[1], more)
         ctx.mark_non_differentiable(stats)
         ctx.used = False
         return loss, stats
@@ -282,11 +289,11 @@ class _FusedLinearKDLoss(torch.autograd.Function):
         # In place: the buffers are ours and needed once, so scaling adds no [V, D] tensor.
         grads = [None if t is None else t.mul_(grad_loss) for t in (ctx.grad_hidden, ctx.grad_weight)]
         ctx.grad_hidden = ctx.grad_weight = None
-        return grads[0], grads[1], None, None, None, None, None, None, None, None, None, None, None, None
+        return grads[0], grads[1], None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-                kd_weight, weight_grad):
+                kd_weight, weight_grad, uld_weight=0.0, uld_k=1, compiled=False):
     if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
         raise ValueError(f"hidden {tuple(hidden.shape)} and the head weight {tuple(weight.shape)} must be [..., D] "
                          f"and [V, D]; pass the output head's weight (logits = hidden @ weight.T).")
@@ -304,6 +311,12 @@ def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature,
         raise ValueError(f"weight_grad={weight_grad!r} is unknown; use one of {', '.join(WEIGHT_GRADS)}.")
     if chunk_size < 0:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1, or 0 for a size chosen from the memory budget.")
+    uld_problem = check_uld(uld_weight, uld_k)
+    if uld_problem is not None:
+        raise ValueError(f"{uld_problem}.")
+    if uld_weight > 0 and (teacher is None or teacher.format != "topk" or compiled):
+        raise ValueError("uld_weight > 0 reads the unmapped entries of cross-tokenizer top-k targets in the eager "
+                         "chunk math; pass top-k teacher outputs and compiled=False, or uld_weight=0.")
     if teacher is None:
         return
     check_format(teacher.format)
@@ -344,6 +357,8 @@ def fused_linear_kd_loss(
     kd_weight: Optional[torch.Tensor] = None,
     weight_grad: str = "accumulate",
     compiled: bool = False,
+    uld_weight: float = 0.0,
+    uld_k: int = 16,
     more_teachers: tuple = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """((1 - alpha) * CE_sum + alpha * T^2 * KD_sum) / normalizer over labels != -100, fused with the head.
@@ -362,7 +377,9 @@ def fused_linear_kd_loss(
     one GEMM over all rows (the block's logits recomputed: one more head GEMM, no fp32 [V, D] and chunks
     sized from `VOCAB_BLOCK_BYTES`); the full format always accumulates. compiled=True runs each chunk's math
     (everything between the logits GEMM and the gradient GEMMs) through torch.compile (`compiled_chunk`): the same
-    results within fp32 rounding, one compile per static configuration per process.
+    results within fp32 rounding, one compile per static configuration per process. uld_weight > 0 (cross-tokenizer
+    top-k whose unmapped entries are marked, `uld.py`): each KD row adds uld_weight times the ULD distance between
+    the teacher's sorted unmapped probabilities and the student's uld_k largest rest probabilities.
 
     Returns (loss, stats): loss is a scalar in promote(dtype, fp32) with autograd to hidden and weight
     (grads in their dtypes; a single backward pass); stats is a detached fp32 [4] tensor of sums over
@@ -376,7 +393,7 @@ def fused_linear_kd_loss(
     weight_grad="vocab_blocks" or compiled=True (call once per teacher there).
     """
     _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-                kd_weight, weight_grad)
+                kd_weight, weight_grad, uld_weight, uld_k, compiled)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     N, V = flat_hidden.shape[0], weight.shape[0]
     flat_teacher = None if teacher is None else _FlatTeacher(teacher, N)
@@ -389,13 +406,14 @@ def fused_linear_kd_loss(
                                                                           budgets)))
     flat_kd_weight = None if kd_weight is None or teacher is None else kd_weight.reshape(N)
     if more_teachers:
-        assert teacher is not None and weight_grad == "accumulate" and not compiled, "see more_teachers"
+        assert teacher is not None and weight_grad == "accumulate" and not compiled and not uld_weight, \
+            "see more_teachers"
         for other, other_weight in more_teachers:
             _check_args(hidden, weight, labels, other, normalizer, alpha, temperature, divergence, jsd_beta,
-                        chunk_size, other_weight, weight_grad)
+                        chunk_size, other_weight, weight_grad, uld_weight, uld_k, compiled)
     more = tuple((_FlatTeacher(other, N), None if w is None else w.reshape(N)) for other, w in more_teachers)
     args = (labels.reshape(N), flat_teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-            flat_kd_weight, vocab_block, compiled, more)
+            flat_kd_weight, vocab_block, compiled, (uld_weight, uld_k) if uld_weight > 0 else None, more)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _FusedLinearKDLoss.apply(flat_hidden, weight, *args)
     loss, stats, _, _ = _fused_pass(flat_hidden, weight, *args[:-1], False, False, more)

@@ -15,6 +15,8 @@ trains with. Both compute through `divergences.py`. The student-side loss is
              weights that avoid that are biased at finite k. Reverse KL and JSD have no unbiased
              estimator from samples of p_T, so they are rejected for this format.
     full     exact divergence over the vocabulary.
+    uld      (cross-tokenizer top-k, uld_weight > 0) the divergence plus uld_weight times the ULD distance between
+             the teacher's sorted unmapped probabilities and the student's sorted rest (`uld.uld_reference`).
 
 Memory: `kd_loss` walks the flattened positions in chunks. With gradients enabled it runs a
 custom autograd function that, for each chunk, builds the fp32 graph, takes its gradient at once
@@ -38,12 +40,15 @@ from lingua.distillation.divergences import (
     teacher_topk_log_probs,
 )
 from lingua.distillation.outputs import TeacherOutputs, check_format
+from lingua.distillation.uld import split_unmapped, uld_reference
 
 logger = logging.getLogger(__name__)
 
 
-def _chunk_divergence(logits, values, ids, extra, format, temperature, kind, jsd_beta, dtype) -> torch.Tensor:
-    """Per-position divergence [C] for one chunk of flattened positions (logits [C, V])."""
+def _chunk_divergence(logits, values, ids, extra, format, temperature, kind, jsd_beta, dtype,
+                      uld=None) -> torch.Tensor:
+    """Per-position divergence [C] for one chunk of flattened positions (logits [C, V]); uld: None or (uld_weight,
+    the teacher's sorted unmapped probabilities [C, K]) for targets `split_unmapped` cleaned."""
     z = logits.to(dtype) / temperature
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
     if format == "full":
@@ -57,7 +62,8 @@ def _chunk_divergence(logits, values, ids, extra, format, temperature, kind, jsd
         # Student rest bucket as a log-sum-exp over the other ids: exact even when the rest is tiny.
         log_s_rest = torch.logsumexp(z.scatter(-1, ids, float("-inf")), dim=-1, keepdim=True) - lse
         log_s = torch.cat([log_s, log_s_rest], dim=-1)
-    return divergence(teacher_topk_log_probs(values, extra, dtype, with_rest), log_s, kind, jsd_beta)
+    value = divergence(teacher_topk_log_probs(values, extra, dtype, with_rest), log_s, kind, jsd_beta)
+    return value if uld is None else value + uld[0] * uld_reference(z, ids, uld[1])
 
 
 def _chunk_stats(logits, values, ids, extra, format) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,15 +72,16 @@ def _chunk_stats(logits, values, ids, extra, format) -> tuple[torch.Tensor, torc
     return mass, (logits.argmax(-1) == teacher_top1).float()
 
 
-def _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size, kd_weight, want_grad):
-    """(loss, stats [3] = kd, teacher_mass, top1_agreement, grad buffer or None)."""
+def _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size, kd_weight, want_grad,
+                uld=None):
+    """(loss, stats [3] = kd, teacher_mass, top1_agreement, grad buffer or None); uld: None or (weight, k)."""
     V = student_logits.shape[-1]
     dtype = torch.promote_types(student_logits.dtype, torch.float32)
     flat_logits = student_logits.reshape(-1, V)
     flat_mask = mask.reshape(-1)
-    flat_teacher = [t.reshape(flat_mask.shape[0], *t.shape[2:]) for t in teacher.tensors()]
-    if teacher.format == "full":
-        flat_teacher += [None, None]
+    # values, ids, extra (not tensors(): a cross-tokenizer teacher's kd_weight comes in as kd_weight)
+    flat_teacher = [None if t is None else t.reshape(flat_mask.shape[0], *t.shape[2:])
+                    for t in (teacher.values, teacher.ids, teacher.extra)]
     count = flat_mask.sum().clamp_min(1).to(dtype)
     flat_weight = torch.ones_like(flat_mask, dtype=dtype) if kd_weight is None else kd_weight.reshape(-1).to(dtype)
     # KD rows: masked-in positions with a positive weight; the others' teacher tensors are never read into the loss.
@@ -86,12 +93,17 @@ def _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta
         end = min(start + chunk_size, flat_logits.shape[0])
         chunk_mask, chunk_weight = flat_mask[start:end], flat_weight[start:end]
         values, ids, extra = (None if t is None else t[start:end] for t in flat_teacher)
+        chunk_uld = None
+        if uld is not None:  # unmapped entries: out of the top-k targets, into ULD's teacher side
+            values, ids, teacher_sorted = split_unmapped(values, ids, extra, uld[1], dtype)
+            chunk_uld = (uld[0], torch.where(chunk_mask.unsqueeze(-1), teacher_sorted, 0.0))
         if ids is not None:  # a position outside the KD rows may carry any id: keep gathers in range
             ids = ids.long().masked_fill(~chunk_mask.unsqueeze(-1), 0)
         logits = flat_logits[start:end].detach()
         with torch.enable_grad():
             logits.requires_grad_(want_grad)
-            per_position = _chunk_divergence(logits, values, ids, extra, teacher.format, temperature, divergence, jsd_beta, dtype)
+            per_position = _chunk_divergence(logits, values, ids, extra, teacher.format, temperature, divergence,
+                                             jsd_beta, dtype, chunk_uld)
             # where, not multiply: a masked position's value must not leak in, even if it is inf/nan.
             chunk_loss = torch.where(chunk_mask, per_position * chunk_weight, 0.0).sum() / count
             if want_grad:
@@ -112,9 +124,9 @@ class _ChunkedKDLoss(torch.autograd.Function):
     """Computes the loss and its gradient chunk by chunk in forward; backward only scales the gradient."""
 
     @staticmethod
-    def forward(ctx, student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size, kd_weight):
+    def forward(ctx, student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size, kd_weight, uld):
         loss, stats, grad = _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size,
-                                        kd_weight, True)
+                                        kd_weight, True, uld)
         ctx.grad = grad.view(student_logits.shape)
         ctx.mark_non_differentiable(stats)
         return loss, stats
@@ -125,7 +137,7 @@ class _ChunkedKDLoss(torch.autograd.Function):
             raise RuntimeError("kd_loss supports a single backward pass; do not backward through it twice (retain_graph).")
         # In place: the buffer is ours and is needed once, so scaling it adds no full-size tensor.
         grad, ctx.grad = ctx.grad.mul_(grad_loss.to(ctx.grad.dtype)), None
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None
 
 
 def kd_loss(
@@ -137,6 +149,8 @@ def kd_loss(
     jsd_beta: float = 0.5,
     chunk_size: int = 1024,
     kd_weight: Optional[torch.Tensor] = None,
+    uld_weight: float = 0.0,
+    uld_k: int = 16,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Mean over masked positions of D(teacher || student) on the teacher's support (see module doc).
 
@@ -148,6 +162,7 @@ def kd_loss(
     teacher's top-1 is the most likely sampled id). kd_weight [B, S] (float in [0, 1], None = all ones)
     multiplies each position's divergence, and its mass and agreement in the stats; the mean still
     divides by the masked count. A weight-0 position's teacher tensors may hold anything (inf/nan too).
+    uld_weight > 0: cross-tokenizer top-k with marked unmapped entries (`uld.py`); uld_k sorted ranks compared.
     """
     # The settings come from a validated DistillationArgs (which explains each rule); a bad one here is our bug.
     check_format(teacher.format)
@@ -155,6 +170,7 @@ def kd_loss(
     assert teacher.format != "sampled" or divergence == "fkl", "sampled outputs only estimate the forward KL"
     assert divergence != "jsd" or 0.0 < jsd_beta < 1.0, jsd_beta
     assert temperature > 0 and chunk_size >= 1, (temperature, chunk_size)
+    assert uld_weight == 0 or (teacher.format == "topk" and uld_k >= 1), (uld_weight, uld_k)
     B, S, V = student_logits.shape
     if tuple(teacher.values.shape[:2]) != (B, S) or tuple(mask.shape) != (B, S):
         raise ValueError(f"Teacher outputs {tuple(teacher.values.shape)} and mask {tuple(mask.shape)} must match the student's [B, S] = [{B}, {S}].")
@@ -163,7 +179,7 @@ def kd_loss(
     if teacher.format == "full" and teacher.values.shape[-1] != V:
         raise ValueError(f"Teacher vocabulary {teacher.values.shape[-1]} differs from the student's {V}; both must use the same tokenizer.")
     loss, stats = kd_loss_and_stats(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size,
-                                    kd_weight)
+                                    kd_weight, uld_weight, uld_k)
     kd, teacher_mass, top1 = stats.tolist()  # a host sync: the trainer uses kd_loss_and_stats
     return loss, {"kd": kd, "teacher_mass": teacher_mass, "top1_agreement": top1}
 
@@ -171,12 +187,14 @@ def kd_loss(
 def kd_loss_and_stats(student_logits: torch.Tensor, teacher: TeacherOutputs, mask: torch.Tensor, temperature: float,
                       divergence: str = "fkl", jsd_beta: float = 0.5,
                       chunk_size: int = 1024,
-                      kd_weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      kd_weight: Optional[torch.Tensor] = None, uld_weight: float = 0.0,
+                      uld_k: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """`kd_loss` with its stats as a detached device tensor [kd, teacher_mass, top1_agreement]: no host sync."""
     mask = mask.bool()
+    uld = (uld_weight, uld_k) if uld_weight > 0 else None
     if torch.is_grad_enabled() and student_logits.requires_grad:
         return _ChunkedKDLoss.apply(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size,
-                                    kd_weight)
+                                    kd_weight, uld)
     loss, stats, _ = _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size,
-                                 kd_weight, False)
+                                 kd_weight, False, uld)
     return loss, stats

@@ -409,7 +409,8 @@ class TeacherServer:
         # Every teacher id (fp32, so the masses that map to one student id add up exactly), then the student's.
         teacher_topk = self.teacher.sparse_outputs(hidden, "topk", self.spec.k, torch.float32,
                                                    self.teacher.vocab_size, self.generator)
-        outputs, kd_weight = self.cross.student_outputs(teacher_topk, batch, self.spec.wire_dtype)
+        outputs, kd_weight = self.cross.student_outputs(teacher_topk, batch, self.spec.wire_dtype,
+                                                        self.args.uld_weight > 0)
         outputs.kd_weight = kd_weight.to(device)
         row = 0
         for rank, _ in students:

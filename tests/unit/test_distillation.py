@@ -11,8 +11,8 @@ import torch
 
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.bridge import (
+    HANDSHAKE_BYTES,
     HEADER_INTS,
-    RECORD_BYTES,
     HandshakeRecord,
     Op,
     RequestHeader,
@@ -45,7 +45,7 @@ def test_wire_records_round_trip_with_their_field_names():
     settings = agreed_settings(DistillationArgs(output="sampled", k=7, wire_dtype="fp16", temperature=1.5))
     record = HandshakeRecord("student", 5, 49152, 2**62 + 3, settings, max_bsz=4, max_seqlen=2048)
     packed = record.pack()
-    assert packed.dtype == torch.uint8 and packed.numel() == RECORD_BYTES
+    assert packed.dtype == torch.uint8 and packed.numel() == HANDSHAKE_BYTES
     assert HandshakeRecord.unpack(packed) == record
     failed = HandshakeRecord("teacher", 6, 0, 0, settings, loaded=False, message="OSError: no such file é")
     assert HandshakeRecord.unpack(failed.pack()) == failed

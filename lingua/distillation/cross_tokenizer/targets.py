@@ -9,6 +9,10 @@ of teacher ids that map to one student id add up, and those of unmapped ids join
 the top-k format already carries). Slots left over (fewer distinct student ids than k) hold other student ids
 with probability 0, so the ids of a row stay distinct, as the losses need. kd_weight is 1 there and 0 at
 unaligned positions, whose rows are a harmless placeholder (CE only: the loss weighs their KD by 0).
+
+With `unmapped_entries` (distillation.uld_weight > 0) the unmapped teacher entries also travel, in the free slots
+(there are always enough: k minus the distinct mapped ids), marked by a negative id (`lingua/distillation/uld.py`),
+and each row is sorted most likely first again; their mass stays in the rest bucket too.
 """
 
 import torch
@@ -28,7 +32,8 @@ def _padding_ids(kept_ids: torch.Tensor, kept: torch.Tensor, student_vocab_size:
     return candidates[order]
 
 
-def map_topk_rows(values: torch.Tensor, ids: torch.Tensor, tail: torch.Tensor, vocab_map: VocabMap):
+def map_topk_rows(values: torch.Tensor, ids: torch.Tensor, tail: torch.Tensor, vocab_map: VocabMap,
+                  unmapped_entries: bool = False):
     """Teacher top-k rows [N, k] (log-probs, ids, tail) -> student rows [N, k] in the same format, most likely
     first; see the module docstring."""
     N, k = ids.shape
@@ -53,13 +58,29 @@ def map_topk_rows(values: torch.Tensor, ids: torch.Tensor, tail: torch.Tensor, v
     # Kept ids come first (sorted by mass), so the j-th free slot takes the j-th padding id.
     free_rank = (~kept).to(torch.int64).cumsum(-1) - 1
     out_ids = torch.where(kept, kept_ids, padding.gather(-1, free_rank.clamp_min(0)))
+    if unmapped_entries:
+        log_values, out_ids = _with_unmapped_entries(log_values, out_ids, kept, free_rank,
+                                                     torch.where(mapped, float("-inf"), values.float()))
     return log_values, out_ids.to(torch.int32), rest.clamp(0.0, 1.0)
 
 
+def _with_unmapped_entries(log_values, out_ids, kept, free_rank, unmapped_log):
+    """The j-th free slot takes the j-th largest unmapped log-prob (id marked ~padding id), then the row is
+    sorted most likely first (stable: the placeholders keep their order at the end)."""
+    ranked = unmapped_log.sort(-1, descending=True).values.gather(-1, free_rank.clamp_min(0))
+    entry = ~kept & (ranked > float("-inf"))
+    log_values = torch.where(entry, ranked, log_values)
+    out_ids = torch.where(entry, ~out_ids, out_ids)
+    log_values, order = log_values.sort(dim=-1, descending=True, stable=True)
+    return log_values, out_ids.gather(-1, order)
+
+
 def student_topk_targets(teacher: TeacherOutputs, source: torch.Tensor, vocab_map: VocabMap,
-                         wire_dtype: torch.dtype = torch.bfloat16) -> tuple[TeacherOutputs, torch.Tensor]:
+                         wire_dtype: torch.dtype = torch.bfloat16,
+                         unmapped_entries: bool = False) -> tuple[TeacherOutputs, torch.Tensor]:
     """Student-side top-k targets [B, S, k] and kd_weight [B, S] (float32, 1 aligned, 0 not) from the teacher's
-    top-k over its positions (any leading shape, flattened) and `source` [B, S] (indices into them, or -1)."""
+    top-k over its positions (any leading shape, flattened) and `source` [B, S] (indices into them, or -1);
+    `unmapped_entries`: with the marked unmapped entries ULD reads (module docstring)."""
     if teacher.format != "topk":
         raise ConfigError(f"Cross-tokenizer distillation maps top-k teacher outputs, not {teacher.format!r}; set "
                           f"distillation.output=topk.")
@@ -69,7 +90,7 @@ def student_topk_targets(teacher: TeacherOutputs, source: torch.Tensor, vocab_ma
         values, ids, tail = values.new_zeros(1, k), torch.arange(k, dtype=ids.dtype).view(1, k), tail.new_zeros(1)
     aligned = source >= 0
     rows = source.clamp_min(0).reshape(-1)
-    out_values, out_ids, rest = map_topk_rows(values[rows], ids[rows], tail[rows], vocab_map)
+    out_values, out_ids, rest = map_topk_rows(values[rows], ids[rows], tail[rows], vocab_map, unmapped_entries)
     shape = (*source.shape, k)
     # Unaligned rows: the first k student ids, uniform, no rest: finite, and weighed by 0 in the loss.
     placeholder_ids = torch.arange(k, dtype=torch.int32, device=out_ids.device).expand(rows.numel(), k)

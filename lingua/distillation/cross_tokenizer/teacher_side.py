@@ -107,10 +107,12 @@ class CrossTokenizerTeacher:
         return own, batches_target_bytes(own, byte_lengths(self.aligner.teacher_bytes))
 
     def student_outputs(self, teacher_outputs: TeacherOutputs, batch: TeacherBatch,
-                        wire_dtype: torch.dtype = torch.bfloat16) -> tuple[TeacherOutputs, torch.Tensor]:
-        """The teacher's top-k over its [N, L] positions as student targets [N, S, k] and kd_weight [N, S]."""
+                        wire_dtype: torch.dtype = torch.bfloat16,
+                        unmapped_entries: bool = False) -> tuple[TeacherOutputs, torch.Tensor]:
+        """The teacher's top-k over its [N, L] positions as student targets [N, S, k] and kd_weight [N, S]; with
+        `unmapped_entries` (distillation.uld_weight > 0) also its unmapped entries, marked (`uld.py`)."""
         return student_topk_targets(teacher_outputs, batch.source.to(teacher_outputs.values.device), self.vocab_map,
-                                    wire_dtype)
+                                    wire_dtype, unmapped_entries)
 
 
 def load_cross_tokenizer(student_args: TokenizerArgs, teacher_tokenizer_path: Optional[str], teacher_tokenizer,
