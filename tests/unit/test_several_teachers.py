@@ -77,6 +77,8 @@ def test_several_teachers_lay_out_after_the_students(tmp_path):
      "several teachers run online only for now"),
     (["{{path: {t0}, n_teacher_ranks: 3}}", "{{path: {t1}}}"], "teacher 0's 3 replica(s)"),
     (["{{path: {t0}}}", "{{path: {t1}}}", "distributed.teacher_placement=per_node"], "teacher_placement=last"),
+    (["{{path: {t0}}}", "{{path: {t1}, cross_tokenizer: true}}", "distillation.uld_weight=0.5"],
+     "ULD runs with one teacher for now"),
 ])
 def test_each_bad_teacher_setting_is_one_sentence(tmp_path, overrides, words):
     listed = [o for o in overrides if o.startswith("{")]
