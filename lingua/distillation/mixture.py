@@ -83,7 +83,7 @@ def mixed_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
             kd = kd + kd_i
             per_teacher.append(stats.double()[:3] * share)
         loss = distillation_loss(ce, kd * share, alpha, args.temperature)
-    elif args.loss_weight_grad == "accumulate" and not args.loss_compile:  # one set of head GEMMs for all
+    elif args.loss_weight_grad == "accumulate" and not args.compiles_loss(True, hidden.device):  # shared head GEMMs
         loss, sums = fused_linear_kd_loss(hidden, weight, labels, outputs[0], normalizer, alpha, args.temperature,
                                           args.divergence, args.jsd_beta, args.loss_chunk_size, kd_weight=weights[0],
                                           more_teachers=tuple(zip(outputs[1:], weights[1:])))
@@ -98,7 +98,7 @@ def mixed_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
             part, sums = fused_linear_kd_loss(hidden, weight, labels, teacher, normalizer, alpha if i == 0 else 1.0,
                                               args.temperature, args.divergence, args.jsd_beta, args.loss_chunk_size,
                                               kd_weight=w if i == 0 else w * alpha, weight_grad=args.loss_weight_grad,
-                                              compiled=args.loss_compile)
+                                              compiled=args.compiles_loss(True, hidden.device))
             sums = sums.double() / normalizer
             if i == 0:
                 ce = sums[0]
