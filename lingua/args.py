@@ -64,6 +64,10 @@ def check_keys(cls: type, values: Any, where: str = "") -> None:
         sub = _dataclass_type(hints[key])
         if sub is not None:
             check_keys(sub, value, path)
+        element = typing.get_args(hints[key])[0] if typing.get_origin(hints[key]) is list else None
+        if dataclasses.is_dataclass(element) and isinstance(value, (list, ListConfig)):
+            for i, item in enumerate(value):  # a list of sections (distillation.teachers): each element's keys
+                check_keys(element, item, f"{path}[{i}]")
 
 
 def _fits(value: Any, annotation) -> bool:

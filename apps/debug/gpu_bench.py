@@ -51,6 +51,8 @@ def feed_bench_argv(out: Path, device: str = "cuda") -> list[str]:
 def main(argv: Optional[list[str]] = None, run: Callable = subprocess.run) -> int:
     parser = argparse.ArgumentParser(prog="bash setup/gpu_check.sh --bench", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None, help="the folder for every result (default dumps/gpu_bench/<UTC>)")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S,
+                        help=f"seconds for the whole mode (default {BUDGET_S}); a part that would overrun is cut")
     parser.add_argument("--tokens", type=int, default=TOKENS, help=argparse.SUPPRESS)  # a smaller dry run
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -58,12 +60,12 @@ def main(argv: Optional[list[str]] = None, run: Callable = subprocess.run) -> in
     out.mkdir(parents=True, exist_ok=True)
     print(f"gpu bench: results in {out}", flush=True)
     sections, failed = [f"# GPU bench, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", ""], 0
-    deadline = time.monotonic() + BUDGET_S
+    deadline = time.monotonic() + args.budget_s
     parts = [(f"Loss step, V={vocab} D={dim}", loss_bench_argv(vocab, dim, out / f"loss_V{vocab}", args.tokens,
                                                               args.device), out / f"loss_V{vocab}", SHAPE_TIMEOUT_S)
              for vocab, dim in SHAPES]
     parts.append(("Feeding and whole steps (CE-only vs KD from a cache; the writer vs its teacher)",
-                  feed_bench_argv(out / "feed", args.device), out / "feed", BUDGET_S))
+                  feed_bench_argv(out / "feed", args.device), out / "feed", args.budget_s))
     for title, command, part_out, limit in parts:
         left = min(limit, deadline - time.monotonic())
         try:

@@ -46,12 +46,14 @@ from apps.main.train import (
     open_training_cache,
     optimizer_step,
     restore_checkpoint,
+    teacher_counts,
     teacher_tp,
     train_step,
 )
 from lingua.args import parse_args, require
 from lingua.cli import release_sigterm, run_cli
 from lingua.data import DataLoader
+from lingua.data_stream import active_sources
 from lingua.distillation.distiller import build_distiller
 from lingua.distillation.feed import MicroBatchFeed
 from lingua.distributed import (
@@ -139,7 +141,8 @@ def student_startup(args: TrainArgs, topo: Topology, phases: PhaseLog, phase: in
         model = build_model(args, topo)
     cache = open_training_cache(args, tokenizer, topo)
     distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer,
-                                (args.data.batch_size, args.data.seq_len), args.model.attn_mask, cache, phases)
+                                (args.data.batch_size, args.data.seq_len), args.model.attn_mask, cache, phases,
+                                active_sources(args.data.sources))
     saved, step, loader = None, 0, None
     try:
         if phase >= 5:
@@ -194,7 +197,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args.validate(launch.world_size, launch.local_world_size)  # the trainer's own pass
     release_sigterm()
     role = LaunchPlan.for_launch(args.distributed, n_teacher_ranks(args), launch.world_size,
-                                 launch.local_world_size, teacher_tp(args)).role(launch.rank)
+                                 launch.local_world_size, teacher_tp(args), teacher_counts(args)).role(launch.rank)
     out_dir = Path(args.dump_dir) / "startup_diag"
     init_logger(launch.rank, role, str(out_dir / "logs" / f"rank_{launch.rank}.log"))
     phases = PhaseLog(str(out_dir), launch.rank, role)
@@ -207,7 +210,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         else:
             with phases.span("setup_torch_distributed"):
                 topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir,
-                                               teacher_tp(args))
+                                               teacher_tp(args), teacher_counts(args))
             with phases.span("rank_map"):
                 log_rank_device_map(topo)
             first_collectives(topo, phases)

@@ -57,6 +57,7 @@ from lingua.distillation.cache import (
     shard_path,
     write_json_atomic,
 )
+from lingua.distillation.cache_codec import ZSTD_LEVEL
 from lingua.distillation.cache_writer import READ_AHEAD, ShardWriters, StageClock, WindowReadAhead, auto_encode_workers
 from lingua.distillation.cross_tokenizer.teacher_side import CrossTokenizerTeacher, load_cross_tokenizer
 from lingua.distillation.distiller import tokenizer_vocab
@@ -85,16 +86,23 @@ class TeacherCacheArgs(TrainArgs):
     # Processes encoding and writing shards while the teacher runs (lingua/distillation/cache_writer.py); -1: one
     # per core the writer's main thread leaves free; 0: the serial writer (read, forward, encode, write in turn)
     encode_workers: int = -1
+    # zstd's level for the shards: 1 (fast: a GPU teacher outruns level 19 many times over) to 19 (2.5-4% smaller
+    # shards, 5-10x the encoding time); a cache keeps the level it was started with. Reading speed is the same.
+    zstd_level: int = ZSTD_LEVEL
 
     def validate(self, world_size: Optional[int] = None, local_world_size: Optional[int] = None) -> None:
         """The trainer's pass for the config with an online teacher (whatever distillation.source says: this
         job is the teacher), then the cache's own keys. Every rank is a teacher here, so the launch is planned
         without teacher ranks, then cut into replicas of distillation.teacher_tp ranks."""
+        require(not self.distillation.teachers, "distillation.teachers", [t.path for t in self.distillation.teachers],
+                "the cache writer runs one teacher: write each teacher's cache with its distillation.teacher_path")
         teacher = replace(self.distillation, source="online", n_teacher_ranks=self.distillation.teacher_tp)
         TrainArgs.validate(replace(self, enable_distillation=True, distillation=teacher))
         require(bool(self.cache_dir), "cache_dir", self.cache_dir, "pass cache_dir=<folder for the teacher cache>")
         for key in ("streams", "shard_sequences", "forward_rows"):
             require(getattr(self, key) >= 1, key, getattr(self, key), "use a positive integer")
+        require(type(self.zstd_level) is int and 1 <= self.zstd_level <= 22, "zstd_level", self.zstd_level,
+                "use a zstd level from 1 (fastest) to 22 (smallest); 19 suits a CPU teacher, 1 a GPU one")
         require(self.encode_workers >= -1, "encode_workers", self.encode_workers,
                 "use -1 (one per free core), 0 (the serial writer) or a number of worker processes")
         require(self.sequences_per_stream >= 0, "sequences_per_stream", self.sequences_per_stream,
@@ -113,7 +121,8 @@ def planned_manifest(args: TeacherCacheArgs, tokenizer, cross: Optional[CrossTok
     wanted = args.sequences_per_stream or args.steps * args.grad_acc_steps * args.data.batch_size
     per_stream = -(-wanted // args.shard_sequences) * args.shard_sequences  # whole shards
     manifest = settings_manifest(args.distillation, args.data, args.model.attn_mask, tokenizer, streams=args.streams,
-                                 sequences_per_stream=per_stream, shard_sequences=args.shard_sequences)
+                                 sequences_per_stream=per_stream, shard_sequences=args.shard_sequences,
+                                 zstd_level=args.zstd_level)
     if cross is not None:
         manifest.teacher_tokenizer_fingerprint = cross.teacher_fingerprint
         manifest.vocab_map_fingerprint = cross.vocab_map.fingerprint()
@@ -140,6 +149,9 @@ def settle_manifest(cache_dir: Path, planned: CacheManifest) -> None:
         logger.warning(f"{cache_dir} was started as a version {existing.version} cache: finishing it in that format; "
                        f"{CONVERT_HINT.format(src=cache_dir)} once it is complete.")
         planned.version = existing.version
+    if existing.zstd_level != planned.zstd_level:  # the bytes differ, not what they decode to: one level per cache
+        logger.warning(f"{cache_dir} was started at zstd_level={existing.zstd_level}: finishing it at that level.")
+        planned.zstd_level = existing.zstd_level
     differ = describe_differences(existing, planned, ("teacher_path", "tokenizer_fingerprint", "vocab_size", "output",
                                                       "k", "temperature", "wire_dtype", "attn_mask", "data", "streams",
                                                       "sequences_per_stream", "shard_sequences", *CROSS_FIELDS))
@@ -188,7 +200,8 @@ def align_windows(cross: CrossTokenizerTeacher, batch: dict, manifest: CacheMani
     (`aligned`, a TeacherBatch per forward of `forward_rows` windows), as an online teacher rank aligns them."""
     doc_causal = manifest.attn_mask == "doc_causal"
     aligned = [cross.teacher_batch(batch["input_ids"][start:start + forward_rows],
-                                   batch["doc_ids"][start:start + forward_rows] if doc_causal else None)
+                                   batch["doc_ids"][start:start + forward_rows] if doc_causal else None,
+                                   batch["labels"][start:start + forward_rows, -1])
                for start in range(0, batch["input_ids"].shape[0], forward_rows)]
     return {**batch, "aligned": aligned}
 

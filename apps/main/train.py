@@ -36,14 +36,14 @@ from lingua.args import dump_config, parse_args, require, to_dict
 from lingua.checkpoint import CheckpointArgs, CheckpointManager
 from lingua.cli import run_cli
 from lingua.data import DataArgs, training_loader
-from lingua.distillation.args import DistillationArgs, check_seq_len_fits_teacher
+from lingua.data_stream import active_sources
+from lingua.distillation.args import DistillationArgs, teacher_rank_counts
 from lingua.distillation.cache import open_cache, settings_manifest
 from lingua.distillation.distiller import build_distiller
 from lingua.distillation.feed import MicroBatchFeed
 from lingua.distillation.fused_loss import fused_ce_head
 from lingua.distillation.server import TeacherServer
-from lingua.distillation.teacher import read_max_positions
-from lingua.distillation.tensor_parallel import heads_problem, read_teacher_config
+from lingua.distillation.teachers import check_teachers_fit, serving_args
 from lingua.distributed import Topology, clean_up, log_rank_device_map, setup_torch_distributed
 from lingua.dump_owner import DumpDirOwner
 from lingua.errors import ConfigError, NonFiniteError
@@ -52,7 +52,7 @@ from lingua.logger import init_logger
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs, build_optimizer, clip_grad_norm_
 from lingua.parallel.collectives import AgreedError, agree_count, agree_flags
-from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, read_launch_env, teacher_rank_count
+from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, read_launch_env
 from lingua.parallel.parallelize import parallelize_model
 from lingua.parallel.preemption import PreemptionFlag, requeue_if_slurm
 from lingua.parallel.rank_status import RankStatus
@@ -130,33 +130,25 @@ class TrainArgs:
                 f"the model must fit data.seq_len={self.data.seq_len}; set model.max_seqlen >= {self.data.seq_len}")
         if self.heldout.every:
             eval_files(self.data)
-        if n_teacher_ranks(self) and self.distillation.teacher_path:
-            # From its config.json when on disk (a missing teacher is its own error); cross-tokenizer rows are cut.
-            max_positions = 0 if self.distillation.cross_tokenizer else read_max_positions(self.distillation.teacher_path)
-            check_seq_len_fits_teacher(self.data.seq_len, max_positions or 0,
-                                       f"max_position_embeddings in {self.distillation.teacher_path}/config.json")
-            check_heads_divide(self.distillation.teacher_path, teacher_tp(self))
+        if n_teacher_ranks(self):  # each teacher's positions and head counts, the sources it teaches
+            check_teachers_fit(self.distillation, self.data, teacher_tp(self))
         if world_size is not None:  # roles, bridges, teacher replicas and the students' mesh for this many ranks
             LaunchPlan.for_launch(self.distributed, n_teacher_ranks(self), world_size, local_world_size or world_size,
-                                  teacher_tp(self))
+                                  teacher_tp(self), teacher_counts(self))
+
+
+def teacher_counts(args: TrainArgs) -> tuple[int, ...]:
+    """Ranks of each teacher of this launch, in rank order after the students (() without teacher ranks)."""
+    return teacher_rank_counts(args.enable_distillation and args.distillation.source == "online", args.distillation)
 
 
 def n_teacher_ranks(args: TrainArgs) -> int:
-    online = args.enable_distillation and args.distillation.source == "online"
-    return teacher_rank_count(online, args.distillation.n_teacher_ranks)
+    return sum(teacher_counts(args))
 
 
 def teacher_tp(args: TrainArgs) -> int:
     """Ranks per teacher replica of this launch (1 without teacher ranks)."""
     return args.distillation.teacher_tp if n_teacher_ranks(args) else 1
-
-
-def check_heads_divide(teacher_path: str, tp: int) -> None:
-    """A tensor-parallel teacher's attention and KV head counts divide by teacher_tp (from its config.json when
-    it is on disk; a hub teacher is checked when it loads)."""
-    config = read_teacher_config(teacher_path)
-    if config is not None and (problem := heads_problem(config, tp, f"{teacher_path}/config.json")) is not None:
-        raise ConfigError(problem)
 
 
 def open_training_cache(args: TrainArgs, tokenizer, topo: Topology):
@@ -172,8 +164,9 @@ def open_training_cache(args: TrainArgs, tokenizer, topo: Topology):
 def distillation_process(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: PreemptionFlag) -> None:
     """Teacher rank: load the HF model, handshake with its students, serve until STOP."""
     index = topo.teacher_ranks.index(topo.global_rank)
-    server = TeacherServer(args.distillation, topo, preemption, phases=phases, attn_mask=args.model.attn_mask,
-                           student_tokenizer=args.data.tokenizer,
+    kd, teacher_names = serving_args(args.distillation, topo)  # with several teachers: this rank's own settings
+    server = TeacherServer(kd, topo, preemption, phases=phases, attn_mask=args.model.attn_mask,
+                           student_tokenizer=args.data.tokenizer, teacher_names=teacher_names,
                            heldout=teacher_heldout(args.heldout, args.data, len(topo.student_ranks)),
                            inject_load_failure=FaultInjector.teacher_load_fails(args.inject_failure, index),
                            inject_serve_failure_at=FaultInjector.teacher_serve_fails_at(args.inject_failure, index))
@@ -272,7 +265,8 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
         logger.info(f"student mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))} over ranks {mesh.mesh.tolist()}")
     cache = open_training_cache(args, tokenizer, topo)  # a cache written with other settings is refused here
     distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer,
-                                (args.data.batch_size, args.data.seq_len), args.model.attn_mask, cache, phases)
+                                (args.data.batch_size, args.data.seq_len), args.model.attn_mask, cache, phases,
+                                active_sources(args.data.sources))
     optimizer, scheduler = build_optimizer(model, args.optim, args.steps)
     state = TrainState()
     with phases.span("checkpoint_load"):
@@ -420,7 +414,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     owner = DumpDirOwner(args.dump_dir, launch, args.distributed.init_timeout_s).take()
     failure: Optional[BaseException] = None  # an exceptional exit aborts the process groups (clean_up)
     try:
-        topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir, teacher_tp(args))
+        topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir, teacher_tp(args),
+                                       teacher_counts(args), tuple(t.path for t in args.distillation.teachers))
         init_logger(topo.global_rank, topo.role, str(RunDir(args.dump_dir).rank_log(topo.global_rank)))
         # From here a rank that fails leaves a note, and one that loses a peer names the rank that stopped.
         with (RankStatus(args.dump_dir, topo, debug=args.distributed.debug_mode) as status,

@@ -2,7 +2,11 @@
 
 Student side (the loop asks one `Distiller` for the KD part of each step):
 
-    distiller.py       Distiller: NoDistiller (CE only), OnlineDistiller (a teacher rank), CacheDistiller (a cache)
+    distiller.py       Distiller: NoDistiller (CE only), OnlineDistiller (a teacher rank), CacheDistiller (a cache),
+                       SeveralTeachersDistiller (distillation.teachers: one bridge per teacher)
+    mixture.py         several teachers: routing by data source, each position's KD weights, the mixed loss
+    teachers.py        the launch's teachers, one or several: their checks before any process group, which one a
+                       teacher rank serves as
     feed.py            MicroBatchFeed: a step's micro-batches, their teacher requests submitted ahead (look-ahead)
     client.py          TeacherClient: the student end of a bridge (handshake, submit -> handle.wait(), STOP)
     fused_loss.py      fused_linear_kd_loss: CE + KD fused with the output head (the default loss)

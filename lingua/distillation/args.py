@@ -11,7 +11,7 @@ A distillation job splits its ranks into students and teachers (`lingua/parallel
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional, Union
 
@@ -43,6 +43,19 @@ class AgreedTeacherError(TeacherError, AgreedError):
 
 
 @dataclass
+class TeacherArgs:
+    """One of several teachers (`distillation.teachers`): its checkpoint, its own ranks, its share of the KD term,
+    its tokenizer and the data sources it teaches. The other distillation settings are shared by all teachers."""
+
+    path: Optional[str] = None  # local directory (or hub id) of a transformers causal LM
+    n_teacher_ranks: int = 1  # its ranks, laid out after the students and the teachers before it
+    weight: float = 1.0  # its share of each position's KD term (normalised over the teachers of the position)
+    cross_tokenizer: bool = False  # its tokenizer is not the students' (see DistillationArgs.cross_tokenizer)
+    tokenizer: Optional[str] = None  # its Hugging Face tokenizer directory with cross_tokenizer; None = path
+    sources: list[str] = field(default_factory=list)  # the data.sources it teaches; [] = every source
+
+
+@dataclass
 class DistillationArgs:
     teacher_path: Optional[str] = None  # local directory (or hub id when online) of a transformers causal LM
     n_teacher_ranks: int = 1
@@ -67,8 +80,10 @@ class DistillationArgs:
     # one vocabulary block at a time after the chunks, logits recomputed: less memory, one more head GEMM).
     loss_weight_grad: str = "accumulate"
     # The fused loss's chunk math through torch.compile (lingua/distillation/compiled_chunk.py: inductor fuses its
-    # passes over [tokens, vocab]; Triton on CUDA, C++ on CPU); one compile per process. Off until a GPU bench says.
-    loss_compile: bool = False
+    # passes over [tokens, vocab]; Triton on CUDA, C++ on CPU); one compile per process. "auto": the CE-only loss on
+    # a GPU (measured on an H100: 0.48-0.72x eager's time at no more memory), eager with a teacher (faster compiled,
+    # but 1.2-1.4x the peak) and on the CPU (slower compiled); true / false: always / never.
+    loss_compile: Union[bool, str] = "auto"
     # Teacher rows per lm_head chunk (bounds the teacher's logits memory); 0 = auto: 4 on CPU, on GPU from the memory
     # free after loading the teacher.
     logits_chunk_rows: int = 0
@@ -92,6 +107,20 @@ class DistillationArgs:
     # alone.
     uld_weight: float = 0.0
     uld_k: int = 16  # with uld_weight > 0: how many sorted probabilities (teacher unmapped, student rest) ULD compares
+    # Several teachers, each on its own ranks (instead of teacher_path, n_teacher_ranks, cross_tokenizer and
+    # teacher_tokenizer): the students mix their KD terms by weight and per data source
+    # (lingua/distillation/mixture.py). One element without sources is the same run as teacher_path.
+    teachers: list[TeacherArgs] = field(default_factory=list)
+
+    def __post_init__(self):  # a one-teacher list is teacher_path as soon as it is read, for every app
+        if len(self.teachers) == 1 and not (self.teachers[0].sources or self.teacher_path or self.cross_tokenizer):
+            self._fold_single_teacher()
+
+    def compiles_loss(self, with_teacher: bool, device: torch.device) -> bool:
+        """Whether the fused loss's chunk math runs compiled (`loss_compile`; "auto": CE alone, on a GPU)."""
+        if self.loss_compile == "auto":
+            return not with_teacher and device.type == "cuda" and self.fused_loss
+        return self.loss_compile
 
     def validate(self, enabled: bool = True) -> None:
         """Every value is checked (a typo stays an error with distillation off); the source, the teacher count
@@ -102,10 +131,10 @@ class DistillationArgs:
             require(getattr(self, key) in allowed, f"distillation.{key}", getattr(self, key),
                     f"use one of {', '.join(allowed)}")
         require(isinstance(self.fused_loss, bool), "distillation.fused_loss", self.fused_loss, "use true or false")
-        require(isinstance(self.loss_compile, bool), "distillation.loss_compile", self.loss_compile,
-                "use true or false")
-        require(not self.loss_compile or self.fused_loss, "distillation.loss_compile", self.loss_compile,
-                "it compiles the fused loss's chunk math; set distillation.fused_loss=true or loss_compile=false")
+        require(isinstance(self.loss_compile, bool) or self.loss_compile == "auto", "distillation.loss_compile",
+                self.loss_compile, "use auto, true or false")
+        require(self.loss_compile is not True or self.fused_loss, "distillation.loss_compile", self.loss_compile,
+                "it compiles the fused loss's chunk math; set distillation.fused_loss=true or loss_compile=auto")
         require(self.output != "sampled" or self.divergence == "fkl", "distillation.divergence", self.divergence,
                 "distillation.output=sampled estimates the forward KL only; set distillation.divergence=fkl")
         require(self.divergence != "jsd" or 0.0 < self.jsd_beta < 1.0, "distillation.jsd_beta", self.jsd_beta,
@@ -125,23 +154,24 @@ class DistillationArgs:
                 "use 1 (one rank per teacher) or the number of ranks to shard each teacher over")
         require(isinstance(self.cross_tokenizer, bool), "distillation.cross_tokenizer", self.cross_tokenizer,
                 "use true or false")
-        if self.cross_tokenizer:
-            require(self.output == "topk", "distillation.output", self.output,
-                    "distillation.cross_tokenizer=true maps the teacher's top-k ids to the student's; set output=topk")
-            require(self.teacher_tp == 1, "distillation.teacher_tp", self.teacher_tp,
-                    "distillation.cross_tokenizer=true runs on unsharded teachers for now; set teacher_tp=1")
+        self.validate_cross_tokenizer()
         require(isinstance(self.uld_weight, (int, float)) and math.isfinite(self.uld_weight) and self.uld_weight >= 0,
                 "distillation.uld_weight", self.uld_weight, "use a finite weight >= 0 (0 = no ULD term)")
         require(type(self.uld_k) is int and self.uld_k >= 1, "distillation.uld_k", self.uld_k,
                 "use a positive number of sorted probabilities to compare")
+        self._fold_single_teacher()
         if self.uld_weight > 0:
+            require(not self.teachers, "distillation.uld_weight", self.uld_weight,
+                    "ULD runs with one teacher for now; set uld_weight=0 with distillation.teachers")
             require(self.cross_tokenizer, "distillation.uld_weight", self.uld_weight,
                     "ULD matches the mass a teacher of another tokenizer cannot map; set "
                     "distillation.cross_tokenizer=true, or uld_weight=0")
-            require(not self.loss_compile, "distillation.loss_compile", self.loss_compile,
-                    "ULD runs in the eager chunk math; set distillation.loss_compile=false, or uld_weight=0")
+            require(self.loss_compile is not True, "distillation.loss_compile", self.loss_compile,
+                    "ULD runs in the eager chunk math; set distillation.loss_compile=auto, or uld_weight=0")
         if not enabled:
             return
+        if self.teachers:
+            return self._validate_teachers()
         if self.source == "cache":  # the cache holds the teacher's outputs: no teacher ranks, no teacher_path
             require(bool(self.cache_dir), "distillation.cache_dir", self.cache_dir,
                     "distillation.source=cache needs the folder of a cache written by apps.main.teacher_cache")
@@ -152,12 +182,89 @@ class DistillationArgs:
         require(bool(self.teacher_path), "distillation.teacher_path", self.teacher_path,
                 "distillation is on: point it at a transformers checkpoint directory, or set "
                 "enable_distillation=false")
-        # A path written as one (absolute, ./, ../, ~) cannot be a hub id: refuse it now, not at the handshake.
-        looks_local = self.teacher_path.startswith(("/", ".", "~"))
-        require(not looks_local or Path(self.teacher_path).expanduser().exists(), "distillation.teacher_path",
-                self.teacher_path, "that directory does not exist; point it at a transformers checkpoint directory "
-                "(`python -m setup.prepare_teacher --out DIR` makes SmolLM2-135M-Instruct, `python -m "
-                "setup.make_tiny_teacher --out DIR` a tiny random one)")
+        _check_teacher_dir(self.teacher_path, "distillation.teacher_path")
+
+    def _fold_single_teacher(self) -> None:
+        """`teachers` with one element and no sources is `teacher_path` and its keys: the same run, the same code."""
+        if len(self.teachers) != 1 or self.teachers[0].sources or self.teacher_path:
+            return
+        only = self.teachers[0]
+        require(not self.cross_tokenizer, "distillation.cross_tokenizer", self.cross_tokenizer,
+                "with distillation.teachers set cross_tokenizer per teacher (teachers[0].cross_tokenizer)")
+        self.teacher_path, self.n_teacher_ranks = only.path, only.n_teacher_ranks
+        self.cross_tokenizer, self.teacher_tokenizer, self.teachers = only.cross_tokenizer, only.tokenizer, []
+        self.validate_cross_tokenizer()
+
+    def _validate_teachers(self) -> None:
+        """Several teachers: each its path, ranks and weight; the keys of the one-teacher case left unset."""
+        require(not self.teacher_path, "distillation.teacher_path", self.teacher_path,
+                "distillation.teachers names the teachers; set teacher_path=null or remove distillation.teachers")
+        require(not self.cross_tokenizer, "distillation.cross_tokenizer", self.cross_tokenizer,
+                "with distillation.teachers set cross_tokenizer per teacher (teachers[i].cross_tokenizer)")
+        require(self.source == "online", "distillation.source", self.source,
+                "several teachers run online only for now; set source=online or train from one teacher's cache")
+        for i, teacher in enumerate(self.teachers):
+            key = f"distillation.teachers[{i}]"
+            require(bool(teacher.path), f"{key}.path", teacher.path, "point it at a transformers checkpoint directory")
+            _check_teacher_dir(teacher.path, f"{key}.path")
+            require(teacher.n_teacher_ranks >= 1 and teacher.n_teacher_ranks % self.teacher_tp == 0,
+                    f"{key}.n_teacher_ranks", teacher.n_teacher_ranks,
+                    f"use a positive multiple of distillation.teacher_tp={self.teacher_tp}")
+            require(math.isfinite(teacher.weight) and teacher.weight > 0, f"{key}.weight", teacher.weight,
+                    "use a positive share of the KD term (weights are normalised over a position's teachers)")
+            require(isinstance(teacher.cross_tokenizer, bool), f"{key}.cross_tokenizer", teacher.cross_tokenizer,
+                    "use true or false")
+            if teacher.cross_tokenizer:
+                self.teacher_args(i).validate_cross_tokenizer(key)
+
+    def validate_cross_tokenizer(self, key: str = "distillation") -> None:
+        """A cross-tokenizer teacher takes top-k outputs from an unsharded model."""
+        if self.cross_tokenizer:
+            require(self.output == "topk", "distillation.output", self.output,
+                    f"{key}.cross_tokenizer=true maps the teacher's top-k ids to the student's; set output=topk")
+            require(self.teacher_tp == 1, "distillation.teacher_tp", self.teacher_tp,
+                    f"{key}.cross_tokenizer=true runs on unsharded teachers for now; set teacher_tp=1")
+
+    def teacher_args(self, index: int) -> "OneTeacherArgs":
+        """The settings teacher `index` of `teachers` runs with: these, its own path, ranks and tokenizer."""
+        teacher = self.teachers[index]
+        shared = {f.name: getattr(self, f.name) for f in fields(DistillationArgs)}
+        shared.update(teacher_path=teacher.path, n_teacher_ranks=teacher.n_teacher_ranks, teachers=[],
+                      cross_tokenizer=teacher.cross_tokenizer, teacher_tokenizer=teacher.tokenizer)
+        return OneTeacherArgs(**shared, index=index)
+
+
+@dataclass
+class OneTeacherArgs(DistillationArgs):
+    """The settings of teacher `index` of several (`DistillationArgs.teacher_args`): what its bridge, client and
+    server read; their sentences name it by index and path."""
+
+    index: int = 0
+
+
+def teacher_title(args: DistillationArgs, rank: int) -> str:
+    """How a sentence names a teacher rank: "Teacher rank 2", or with several "Teacher 1 (<path>) on rank 4"."""
+    if isinstance(args, OneTeacherArgs):
+        return f"Teacher {args.index} ({args.teacher_path}) on rank {rank}"
+    return f"Teacher rank {rank}"
+
+
+def teacher_rank_counts(enabled_online: bool, args: DistillationArgs) -> tuple[int, ...]:
+    """Ranks of each teacher of a launch, in rank order after the students: () for none, (n,) for one."""
+    if not enabled_online:
+        return ()
+    if args.teachers:
+        return tuple(t.n_teacher_ranks for t in args.teachers)
+    return (teacher_rank_count(True, args.n_teacher_ranks),)
+
+
+def _check_teacher_dir(path: str, key: str) -> None:
+    """A path written as one (absolute, ./, ../, ~) cannot be a hub id: refuse it now, not at the handshake."""
+    looks_local = path.startswith(("/", ".", "~"))
+    require(not looks_local or Path(path).expanduser().exists(), key, path,
+            "that directory does not exist; point it at a transformers checkpoint directory "
+            "(`python -m setup.prepare_teacher --out DIR` makes SmolLM2-135M-Instruct, `python -m "
+            "setup.make_tiny_teacher --out DIR` a tiny random one)")
 
 
 def check_seq_len_fits_teacher(seq_len: int, max_positions: int, where: str) -> None:

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lingua.distillation.args import WIRE_DTYPES, DistillationArgs, check_seq_len_fits_teacher
+from lingua.distillation.args import WIRE_DTYPES, DistillationArgs, check_seq_len_fits_teacher, teacher_title
 from lingua.distillation.outputs import FORMATS, TeacherOutputs
 from lingua.errors import ConfigError, PeerStopped, TeacherError, UserError, describe
 from lingua.parallel.collectives import log_collective
@@ -266,7 +266,8 @@ class BridgeSpec:
 
     def request_ints(self) -> int:
         grid = self.max_bsz * self.max_seqlen
-        return HEADER_INTS + grid * (2 if self.doc_boundaries else 1)
+        # cross-tokenizer: each row's label past the window, so the teacher aligns the window's last position too
+        return HEADER_INTS + grid * (2 if self.doc_boundaries else 1) + (self.max_bsz if self.kd_weight else 0)
 
     def payload_views(self, response: torch.Tensor) -> list[torch.Tensor]:
         """Each payload tensor as a [max_bsz, max_seqlen, ...] view into a response buffer."""
@@ -281,7 +282,13 @@ class BridgeSpec:
     def doc_grid(self, request: torch.Tensor) -> torch.Tensor:
         """The [max_bsz, max_seqlen] document-id area of a request buffer (doc_boundaries only)."""
         assert self.doc_boundaries, "this bridge sends no document ids"
-        return request[HEADER_INTS + self.max_bsz * self.max_seqlen:].view(self.max_bsz, self.max_seqlen)
+        start = HEADER_INTS + self.max_bsz * self.max_seqlen
+        return request[start: start + self.max_bsz * self.max_seqlen].view(self.max_bsz, self.max_seqlen)
+
+    def next_tokens(self, request: torch.Tensor) -> torch.Tensor:
+        """The [max_bsz] area of a cross-tokenizer request holding each row's label past the window (-1: none)."""
+        assert self.kd_weight, "only a cross-tokenizer bridge sends the labels past the windows"
+        return request[self.request_ints() - self.max_bsz:]
 
 
 def synchronize(device: torch.device) -> None:
@@ -301,10 +308,18 @@ def agreed_handshake(topo, mine: Optional[HandshakeRecord], args: DistillationAr
     (teacher 1 could not load) stops the ranks of every bridge with its sentence, not only its own.
     A teacher rank off the bridge (a tensor-parallel replica's other ranks: `mine` None) only shares the
     verdicts, and raises its own replica's sentence; it returns None (its first rank shares the spec)."""
-    spec, error = None, None
+    return agreed_handshakes(topo, [(topo, mine, args)])[0]
+
+
+def agreed_handshakes(topo, bridges: list[tuple]) -> list[Optional[BridgeSpec]]:
+    """`agreed_handshake` over several bridges of this rank, (topology view, record, args) each in teacher order (a
+    student's one per teacher, a teacher rank's one), then one world-wide share of every rank's verdict."""
+    specs, error = [], None
     try:
-        if mine is not None:
-            spec = check_handshake(_exchange(topo, mine), args)
+        # Every bridge's records first, then the checks: a refusal on one bridge must not leave another's
+        # members waiting in an exchange this rank skipped.
+        records = [_exchange(view, mine) if mine is not None else None for view, mine, _ in bridges]
+        specs = [check_handshake(r, args) if r is not None else None for r, (_, _, args) in zip(records, bridges)]
     except Exception as err:  # a bug in the checks too: the other ranks must not wait for this one's verdict
         error = err
     # (whether it is a bug, its words) of each rank that failed
@@ -318,10 +333,10 @@ def agreed_handshake(topo, mine: Optional[HandshakeRecord], args: DistillationAr
     failed = sorted((rank not in topo.teacher_ranks, rank, v) for rank, v in enumerate(verdicts) if v)
     if failed:
         _, rank, (bug, words) = failed[0]
-        if mine is None and topo.plan.bridge_index(rank) == topo.my_bridge:
+        if bridges[0][1] is None and topo.plan.bridge_index(rank) == topo.my_bridge:
             raise teacher_failure(f"the handshake of this teacher replica failed (rank {rank}): {words}", bug)
         raise teacher_failure(f"the handshake failed in another bridge (rank {rank}): {words}", bug)
-    return spec
+    return specs
 
 
 def _exchange(topo, mine: HandshakeRecord) -> list[HandshakeRecord]:
@@ -337,7 +352,8 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
     """The same checks on every bridge member (the same records), so every rank raises the same sentence."""
     teacher = next(r for r in records if r.role == "teacher")
     if not teacher.loaded:
-        raise teacher_failure(f"Teacher rank {teacher.global_rank} failed to load: {teacher.message}", teacher.bug)
+        raise teacher_failure(f"{teacher_title(args, teacher.global_rank)} failed to load: {teacher.message}",
+                              teacher.bug)
     served = teacher.settings
     students = [r for r in records if r.role == "student"]
     for student in students:
@@ -347,13 +363,14 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
         if differ:
             detail = ", ".join(f"{key} is {served[name]} on the teacher but {asked[name]} on the student"
                                for name, key in differ)
-            raise ConfigError(f"Teacher rank {teacher.global_rank} and student rank {student.global_rank} disagree: "
+            raise ConfigError(f"{teacher_title(args, teacher.global_rank)} and student rank {student.global_rank} "
+                              f"disagree: "
                               f"{detail}; give every rank the same distillation settings (one config for the whole job).")
     for student in students:
         if served["cross_tokenizer"] and (student.tokenizer_fingerprint != teacher.tokenizer_fingerprint
                                           or student.vocab != teacher.vocab):
             raise ConfigError(
-                f"Teacher rank {teacher.global_rank} aligns from a student tokenizer (vocab {teacher.vocab}) that is "
+                f"{teacher_title(args, teacher.global_rank)} aligns from a student tokenizer (vocab {teacher.vocab}) that is "
                 f"not student rank {student.global_rank}'s (vocab {student.vocab}); give every rank the same "
                 f"data.tokenizer (one config for the whole job).")
         if served["cross_tokenizer"]:
@@ -364,7 +381,7 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
                 f"Student rank {student.global_rank}'s tokenizer (vocab {student.vocab}) does not match the teacher's "
                 f"(vocab {teacher.vocab}{same_size}) at {args.teacher_path}. Use the teacher's tokenizer (set "
                 f"data.tokenizer.name=hf data.tokenizer.path={args.teacher_path}), or keep yours and set "
-                f"distillation.cross_tokenizer=true."
+                f"{_cross_key(args)}=true."
             )
     max_bsz, max_seqlen = max(s.max_bsz for s in students), max(s.max_seqlen for s in students)
     # Checked at startup already when the teacher's config.json is on disk; a hub teacher is checked here.
@@ -376,6 +393,12 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
                       WIRE_DTYPES[served["wire_dtype"]], doc_boundaries=served["attn_mask"] == "doc_causal",
                       kd_weight=served["cross_tokenizer"], teacher_heldout_ce=teacher.heldout_ce,
                       teacher_heldout_bpb=teacher.heldout_bpb)
+
+
+def _cross_key(args: DistillationArgs) -> str:
+    """The cross_tokenizer key of this teacher: its element of distillation.teachers when there are several."""
+    index = getattr(args, "index", None)
+    return "distillation.cross_tokenizer" if index is None else f"distillation.teachers[{index}].cross_tokenizer"
 
 
 def check_k_fits_vocab(output: str, k: int, vocab: int, teacher: HandshakeRecord) -> None:

@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from lingua.distillation.bridge import tokenizer_fingerprint
-from lingua.distillation.cache_codec import canonical_sampled, decode_shard, encode_shard
+from lingua.distillation.cache_codec import OLD_ZSTD_LEVEL, ZSTD_LEVEL, canonical_sampled, decode_shard, encode_shard
 from lingua.distillation.distiller import tokenizer_vocab
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.distillation.teacher import safetensors_problem
@@ -75,6 +75,7 @@ class CacheManifest:
     teacher_heldout_ce: Optional[float] = None  # the teacher's own CE on the held-out split (a reference line)
     teacher_heldout_bpb: Optional[float] = None  # the same in bits per byte (None in caches written before it)
     version: int = CACHE_VERSION
+    zstd_level: int = ZSTD_LEVEL  # the v2 streams' compression (read as OLD_ZSTD_LEVEL where a manifest lacks it)
     # distillation.cross_tokenizer: the targets are in the student's ids and positions, with a kd_weight bit per
     # position; tokenizer_fingerprint and vocab_size are the student's. Written only then (CROSS_FIELDS), so a
     # same-tokenizer manifest keeps its fields and bytes.
@@ -105,7 +106,7 @@ class CacheManifest:
                                    f"missing); {PREPARE_HINT.format(dir=cache_dir)}.")
         try:
             values = json.loads(path.read_text())
-            manifest = cls(**values)
+            manifest = cls(**{"zstd_level": OLD_ZSTD_LEVEL, **values})
         except (json.JSONDecodeError, TypeError) as err:
             raise DataError(f"{path} is not a teacher cache manifest this code can read ({err}); "
                             f"{PREPARE_HINT.format(dir=cache_dir)} into a new directory.") from None
@@ -181,7 +182,7 @@ def shard_bytes(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOut
         for name, tensor in zip(names, outputs.tensors()):
             tensors[name] = (tensor.to(manifest.ids_dtype) if name == "ids" else tensor).contiguous()
     else:
-        tensors, codec = encode_shard(tokens, doc_ids, outputs, manifest.vocab_size)
+        tensors, codec = encode_shard(tokens, doc_ids, outputs, manifest.vocab_size, manifest.zstd_level)
         metadata = {**metadata, "codec": codec}
     return canonical_safetensors(save(tensors, metadata={key: json.dumps(value) for key, value in metadata.items()}))
 

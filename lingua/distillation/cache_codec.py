@@ -41,18 +41,22 @@ class CodecError(RuntimeError):
     """A bug: a shard's coding would not round-trip (raised at write time, never under `python -O` silence)."""
 
 
-ZSTD_LEVEL = 19  # the writer is dominated by the teacher's forward; decoding speed does not depend on the level
+# zstd's level for new caches (`zstd_level` of apps.main.teacher_cache). Measured on SmolLM2's top-64 outputs (2026-11-27):
+# level 1 encodes 5-10x faster than 19 (whose shards are 2.5% smaller for top-k, 3.7% for sampled), and on an H100
+# level 19 held the writer to 2% of its teacher's forward. Decoding speed does not depend on the level.
+ZSTD_LEVEL = 1
+OLD_ZSTD_LEVEL = 19  # caches written before the level was recorded
 ESCAPE = 255
 FLOAT_BITS = {2: np.uint16, 4: np.uint32}  # element size -> the integer type of its bit pattern
 
 
-def _compress(array: np.ndarray, planes: bool = True) -> tuple[torch.Tensor, dict]:
+def _compress(array: np.ndarray, planes: bool, level: int) -> tuple[torch.Tensor, dict]:
     """One stream: the array's bytes in zstd frames (with checksums), one per byte plane (all first bytes, then
     all second bytes, ...: each plane has its own statistics, so each gets its own frame)."""
     array = np.ascontiguousarray(array)
     planes = bool(planes and array.itemsize > 1)
     raw = array.view(np.uint8).reshape(-1, array.itemsize).T if planes else array.view(np.uint8).reshape(1, -1)
-    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
+    compressor = zstandard.ZstdCompressor(level=level, write_checksum=True)
     frames = [compressor.compress(np.ascontiguousarray(plane).tobytes()) for plane in raw]
     spec = {"dtype": array.dtype.str, "shape": list(array.shape), "planes": planes, "frames": [len(f) for f in frames]}
     return torch.frombuffer(bytearray(b"".join(frames)), dtype=torch.uint8), spec
@@ -98,7 +102,8 @@ def _slot_major(run_lengths: np.ndarray) -> np.ndarray:
     return np.argsort(slot, kind="stable")
 
 
-def _code_entries(ids: np.ndarray, keys: np.ndarray, run_lengths: np.ndarray, streams: dict, specs: dict) -> None:
+def _code_entries(ids: np.ndarray, keys: np.ndarray, run_lengths: np.ndarray, streams: dict, specs: dict,
+                  level: int) -> None:
     """A position's entries (a run of `run_lengths` in the flat arrays), keys ascending within it: the ids as ranks
     in the shard's frequency table, the keys as each run's first plus gaps, all slot-major."""
     order = _slot_major(run_lengths)
@@ -107,17 +112,17 @@ def _code_entries(ids: np.ndarray, keys: np.ndarray, run_lengths: np.ndarray, st
     if not (gaps >= 0).all():
         raise CodecError("the teacher's values are not sorted most likely first")
     width = FLOAT_BITS[2] if keys.max(initial=0) < 2**16 else FLOAT_BITS[4]
-    _put(streams, specs, "value_first", keys[order[:runs]].astype(width))
-    _put(streams, specs, "value_gaps", np.minimum(gaps, ESCAPE).astype(np.uint8))
-    _put(streams, specs, "value_escapes", gaps[gaps >= ESCAPE].astype(np.uint32))  # in the gaps' order
+    _put(streams, specs, level, "value_first", keys[order[:runs]].astype(width))
+    _put(streams, specs, level, "value_gaps", np.minimum(gaps, ESCAPE).astype(np.uint8))
+    _put(streams, specs, level, "value_escapes", gaps[gaps >= ESCAPE].astype(np.uint32))  # in the gaps' order
     distinct, counts = np.unique(ids, return_counts=True)
     table = distinct[np.argsort(-counts, kind="stable")]  # most frequent first; ties ascend by id, so deltas are small
     lowest = int(distinct.min(initial=0))  # below 0: the marked unmapped entries of a ULD cache (`uld.py`)
     rank = np.empty(int(distinct.max(initial=0)) - lowest + 1, dtype=np.int64)
     rank[table - lowest] = np.arange(len(table))
     steps = np.diff(table, prepend=0)
-    _put(streams, specs, "id_table", np.where(steps >= 0, 2 * steps, -2 * steps - 1).astype(np.uint32))  # zigzag
-    _put(streams, specs, "id_ranks", rank[ids[order] - lowest].astype(np.uint16 if len(table) <= 2**16 else np.uint32))
+    _put(streams, specs, level, "id_table", np.where(steps >= 0, 2 * steps, -2 * steps - 1).astype(np.uint32))  # zigzag
+    _put(streams, specs, level, "id_ranks", rank[ids[order] - lowest].astype(np.uint16 if len(table) <= 2**16 else np.uint32))
 
 
 def _decode_entries(streams: dict, specs: dict, run_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -141,8 +146,8 @@ def _decode_entries(streams: dict, specs: dict, run_lengths: np.ndarray) -> tupl
     return ids, cumulative - np.repeat(cumulative[starts] - deltas[starts], run_lengths)
 
 
-def _put(streams: dict, specs: dict, name: str, array: np.ndarray, planes: bool = True) -> None:
-    streams[name], specs[name] = _compress(array, planes)
+def _put(streams: dict, specs: dict, level: int, name: str, array: np.ndarray, planes: bool = True) -> None:
+    streams[name], specs[name] = _compress(array, planes, level)
 
 
 def _get(streams: dict, specs: dict, name: str) -> np.ndarray:
@@ -167,19 +172,20 @@ def canonical_sampled(outputs: TeacherOutputs) -> TeacherOutputs:
 
 
 def encode_shard(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs,
-                 vocab_size: int) -> tuple[dict, dict]:
-    """A shard's v2 streams ({name: uint8 tensor}) and their specs (the shard's `codec` metadata)."""
+                 vocab_size: int, level: int = ZSTD_LEVEL) -> tuple[dict, dict]:
+    """A shard's v2 streams ({name: uint8 tensor}) and their specs (the shard's `codec` metadata), compressed at
+    zstd `level`."""
     if outputs.values.isnan().any():
         raise TeacherError("The teacher's outputs are not finite (NaN log-probs) for windows of this cache shard; "
                            "check the teacher's weights (a NaN weight) and teacher_dtype, then run the cache command "
                            "again: finished shards are kept.")
     streams, specs = {}, {"format": outputs.format, "wire_dtype": str(outputs.values.dtype).removeprefix("torch.")}
-    _put(streams, specs, "tokens", tokens.numpy().astype(np.uint16 if vocab_size <= 2**16 else np.int32), planes=False)
-    _put(streams, specs, "doc_ids", doc_ids.numpy().astype(np.int16 if doc_ids.shape[1] <= 2**15 else np.int32))
+    _put(streams, specs, level, "tokens", tokens.numpy().astype(np.uint16 if vocab_size <= 2**16 else np.int32), planes=False)
+    _put(streams, specs, level, "doc_ids", doc_ids.numpy().astype(np.int16 if doc_ids.shape[1] <= 2**15 else np.int32))
     if outputs.format == "full":
         values = outputs.values.contiguous()
         bits = values.view(torch.int16 if values.element_size() == 2 else torch.int32).numpy()
-        _put(streams, specs, "values", bits)
+        _put(streams, specs, level, "values", bits)
     else:
         if outputs.format == "sampled":
             outputs = canonical_sampled(outputs)
@@ -194,13 +200,13 @@ def encode_shard(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOu
             run_lengths = keep.sum(1)
             counts = np.diff(np.append(np.flatnonzero(keep.ravel()), ids.size))
             narrow = np.uint8 if k < 256 else np.uint16
-            _put(streams, specs, "n_distinct", run_lengths.astype(narrow))
-            _put(streams, specs, "counts", counts[_slot_major(run_lengths)].astype(narrow))
+            _put(streams, specs, level, "n_distinct", run_lengths.astype(narrow))
+            _put(streams, specs, level, "counts", counts[_slot_major(run_lengths)].astype(narrow))
             ids, keys = ids[keep], keys[keep]
-        _code_entries(ids.ravel(), keys.ravel(), run_lengths, streams, specs)
-        _put(streams, specs, "extra", outputs.extra.numpy().astype(np.float32).view(np.uint32))
+        _code_entries(ids.ravel(), keys.ravel(), run_lengths, streams, specs, level)
+        _put(streams, specs, level, "extra", outputs.extra.numpy().astype(np.float32).view(np.uint32))
         if outputs.kd_weight is not None:
-            _put(streams, specs, "kd_weight", _pack_mask(outputs.kd_weight), planes=False)
+            _put(streams, specs, level, "kd_weight", _pack_mask(outputs.kd_weight), planes=False)
     decoded = decode_shard(streams, specs)  # the writer's check: what it stores decodes to the teacher's bits
     pairs = [(decoded["tokens"], tokens), (decoded["doc_ids"], doc_ids), *zip(decoded["teacher"].tensors(),
                                                                              outputs.tensors())]

@@ -25,12 +25,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lingua.distillation.args import AgreedPeerStopped, AgreedTeacherError, DistillationArgs
+from lingua.distillation.args import AgreedPeerStopped, AgreedTeacherError, DistillationArgs, teacher_title
 from lingua.distillation.bridge import (
     BAD_TOKENS_FIELD,
     HEADER_INTS,
     NAN_WORD,
     RECORD_BYTES,
+    BridgeSpec,
     HandshakeRecord,
     Op,
     RequestHeader,
@@ -136,17 +137,25 @@ class TeacherHandle:
         return client.payload(self.response, self.bsz, self.seqlen)
 
 
+def student_record(args: DistillationArgs, topo, vocab: dict[str, int], n_words: int, max_bsz: int, max_seqlen: int,
+                   attn_mask: str = "causal") -> HandshakeRecord:
+    """What a student announces on a bridge at the handshake."""
+    return HandshakeRecord("student", topo.global_rank, n_words, tokenizer_fingerprint(vocab),
+                           agreed_settings(args, attn_mask), max_bsz=max_bsz, max_seqlen=max_seqlen)
+
+
 class TeacherClient:
     """Student side of the bridge. Build it right after the student model (it runs the handshake)."""
 
     def __init__(self, args: DistillationArgs, topo, vocab: dict[str, int], n_words: int,
-                 max_bsz: int, max_seqlen: int, attn_mask: str = "causal"):
+                 max_bsz: int, max_seqlen: int, attn_mask: str = "causal", spec: Optional[BridgeSpec] = None):
+        """`spec`: what a handshake of several bridges agreed for this one (`agreed_handshakes`); None runs it."""
         assert topo.is_student and topo.bridge_group is not None
         self.args, self.topo = args, topo
         self.teacher_rank = topo.my_teacher
-        mine = HandshakeRecord("student", topo.global_rank, n_words, tokenizer_fingerprint(vocab),
-                               agreed_settings(args, attn_mask), max_bsz=max_bsz, max_seqlen=max_seqlen)
-        self.spec = agreed_handshake(topo, mine, args)
+        self.title = teacher_title(args, self.teacher_rank)  # "Teacher rank 2", or with several its index and path
+        self.spec = spec or agreed_handshake(topo, student_record(args, topo, vocab, n_words, max_bsz, max_seqlen,
+                                                                  attn_mask), args)
         self.teacher_heldout_ce = self.spec.teacher_heldout_ce
         self.teacher_heldout_bpb = self.spec.teacher_heldout_bpb
         self.n_words = n_words
@@ -165,7 +174,7 @@ class TeacherClient:
         self.bytes_up = self.bytes_down = 0  # the buffers of answered requests: handed to gather / got from scatter
         self.stopped = False
         logger.info(
-            f"teacher rank {self.teacher_rank} ready: output={self.spec.output} k={self.spec.k} "
+            f"{self.title[0].lower()}{self.title[1:]} ready: output={self.spec.output} k={self.spec.k} "
             f"vocab={self.spec.vocab_size} buffers [{self.spec.max_bsz} x {self.spec.max_seqlen}]"
             + (" with document ids" if self.spec.doc_boundaries else "")
         )
@@ -197,8 +206,8 @@ class TeacherClient:
                 "kd/teacher_peak_gib": status.peak_bytes / 2**30, "kd/bytes_up": self.bytes_up,
                 "kd/bytes_down": self.bytes_down}
 
-    def _request(self, header: RequestHeader, tokens: Optional[torch.Tensor],
-                 doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    def _request(self, header: RequestHeader, tokens: Optional[torch.Tensor], doc_ids: Optional[torch.Tensor],
+                 next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The request buffer, built on the host (pinned on CUDA) and sent to the device without blocking."""
         request = torch.zeros(self.spec.request_ints(), dtype=torch.int32, pin_memory=self.pin)
         request[:HEADER_INTS] = torch.tensor(header.to_ints(), dtype=torch.int32)
@@ -209,10 +218,14 @@ class TeacherClient:
             self.spec.token_grid(request)[: header.bsz, : header.seqlen] = tokens
             if self.spec.doc_boundaries:
                 self.spec.doc_grid(request)[: header.bsz, : header.seqlen] = doc_ids.cpu()
+            if self.spec.kd_weight:  # a label outside the vocabulary (-100: none) leaves the last position unaligned
+                nexts = torch.full((header.bsz,), -1) if next_tokens is None else next_tokens.cpu()
+                self.spec.next_tokens(request)[: header.bsz] = torch.where((nexts >= 0) & (nexts < self.n_words),
+                                                                           nexts, -1)
         return request.to(self.device, non_blocking=True)
 
     def _post(self, op: Op, step: int, micro_step: int, tokens: Optional[torch.Tensor],
-              doc_ids: Optional[torch.Tensor] = None) -> TeacherHandle:
+              doc_ids: Optional[torch.Tensor] = None, next_tokens: Optional[torch.Tensor] = None) -> TeacherHandle:
         bsz, seqlen = (0, 0) if tokens is None else tuple(tokens.shape)
         if bsz > self.spec.max_bsz or seqlen > self.spec.max_seqlen:
             raise ValueError(
@@ -224,7 +237,7 @@ class TeacherClient:
                              "batch has no doc_ids.")
         header = RequestHeader(op, step, micro_step, bsz, seqlen, self.topo.train_rank,
                                in_training=int(self.in_training and not self.pause_follows))
-        request = self._request(header, tokens, doc_ids)
+        request = self._request(header, tokens, doc_ids, next_tokens)
         response = torch.empty(self.spec.response_bytes(), dtype=torch.uint8, device=self.device)
         group = self.topo.bridge_group
         log_collective(f"gather+scatter request op={op.name} step={step}.{micro_step}", group, request, response)
@@ -235,11 +248,12 @@ class TeacherClient:
         self.in_flight.append(handle)
         return handle
 
-    def submit(self, input_ids: torch.Tensor, step: int, micro_step: int,
-               doc_ids: Optional[torch.Tensor] = None) -> TeacherHandle:
+    def submit(self, input_ids: torch.Tensor, step: int, micro_step: int, doc_ids: Optional[torch.Tensor] = None,
+               next_tokens: Optional[torch.Tensor] = None) -> TeacherHandle:
         """Send one micro-batch of tokens [bsz, seqlen] (host tensors are best: no device round trip; with
-        doc boundaries also its document ids); returns a handle whose wait() gives outputs."""
-        return self._post(Op.FORWARD, step, micro_step, input_ids, doc_ids)
+        doc boundaries also its document ids; cross-tokenizer, each row's label past the window [bsz]); returns a
+        handle whose wait() gives outputs."""
+        return self._post(Op.FORWARD, step, micro_step, input_ids, doc_ids, next_tokens)
 
     def payload(self, response: torch.Tensor, bsz: int, seqlen: int) -> TeacherOutputs:
         return TeacherOutputs.from_tensors(self.spec.output,
@@ -255,27 +269,37 @@ class TeacherClient:
         self.checked, self.statuses = self.statuses, []
         return {"teacher_error": words[0], "teacher_preempt": words[1], "teacher_nan": words[NAN_WORD]}
 
-    def raise_teacher_nan(self) -> None:
-        """After the students agreed that a teacher's outputs held NaN: which teacher and step, if this bridge's."""
+    def nan_error(self) -> Optional[Exception]:
+        """After the students agreed that a teacher's outputs held NaN: the sentence, if this bridge's teacher sent
+        them (one host read per checked status: the error path only)."""
         for record, step in self.checked:
-            if record[: STATUS_WORDS * 8].view(torch.int64)[NAN_WORD].item():  # the error path: one host read
-                raise AgreedTeacherError(
-                    f"Teacher rank {self.teacher_rank}'s outputs are not finite (NaN) at step {step}: its weights or "
+            if record[: STATUS_WORDS * 8].view(torch.int64)[NAN_WORD].item():
+                return AgreedTeacherError(
+                    f"{self.title}'s outputs are not finite (NaN) at step {step}: its weights or "
                     f"its forward in distillation.teacher_dtype={self.args.teacher_dtype} are broken, not the "
                     f"students; check the teacher at {self.args.teacher_path} (its own check of its outputs)")
-        raise AgreedPeerStopped("a teacher in another bridge sent outputs that are not finite; its students' logs "
-                                "name it")
+        return None
+
+    def raise_teacher_nan(self) -> None:
+        """After the students agreed that a teacher's outputs held NaN: which teacher and step, if this bridge's."""
+        raise self.nan_error() or AgreedPeerStopped("a teacher in another bridge sent outputs that are not finite; "
+                                                    "its students' logs name it")
+
+    def teacher_error(self) -> Optional[Exception]:
+        """After the students agreed that a response failed: the teacher's own sentence, if this bridge has it."""
+        for record, step in self.checked:
+            status = ResponseStatus.unpack(record)  # the message is decoded only here, on the error path
+            if not status.ok:
+                sentence = f"{self.title} failed at step {step}: {status.message}"
+                return AgreedPeerStopped(sentence) if status.bug else AgreedTeacherError(sentence)
+        return None
 
     def raise_teacher_error(self) -> None:
         """After the students agreed that a response failed: the teacher's own sentence, if this bridge has it.
         The error is agreed, so the loop drains and sends ERROR before it propagates (`stop_on_agreed_error`):
         the failed teacher answers every request until then, and leaves once each of its students sent ERROR."""
-        for record, step in self.checked:
-            status = ResponseStatus.unpack(record)  # the message is decoded only here, on the error path
-            if not status.ok:
-                sentence = f"Teacher rank {self.teacher_rank} failed at step {step}: {status.message}"
-                raise AgreedPeerStopped(sentence) if status.bug else AgreedTeacherError(sentence)
-        raise AgreedPeerStopped("a teacher in another bridge failed; its students' logs name the reason")
+        raise self.teacher_error() or AgreedPeerStopped("a teacher in another bridge failed; its students' logs "
+                                                        "name the reason")
 
     def mark_first_step_done(self) -> None:
         """This launch's first step is over: later requests let the teacher switch to the training timeout."""
@@ -292,17 +316,19 @@ class TeacherClient:
         for handle in list(self.in_flight):
             handle.complete()
 
-    def stop(self, step: int, error: bool = False) -> None:
-        """Tell the teacher to leave its loop (end of training, preemption, agreed error), after draining."""
+    def stop(self, step: int, error: bool = False, blame: int = 0) -> None:
+        """Tell the teacher to leave its loop (end of training, preemption, agreed error), after draining. `blame`:
+        with several teachers, 1 + the index of the teacher whose failure the students agreed on (0: none), sent
+        in the ERROR's micro_step so that every teacher's sentence names it."""
         if self.stopped:
             return
         self.drain()
-        handle = self._post(Op.ERROR if error else Op.STOP, step, 0, None)
+        handle = self._post(Op.ERROR if error else Op.STOP, step, blame if error else 0, None)
         handle.complete()
         self.stopped = True
         status = ResponseStatus.unpack(handle.response[:RECORD_BYTES])
         if not status.ok and not error:
-            raise teacher_failure(f"Teacher rank {self.teacher_rank} reported at STOP: {status.message}", status.bug)
+            raise teacher_failure(f"{self.title} reported at STOP: {status.message}", status.bug)
         logger.info(f"sent {'ERROR' if error else 'STOP'} to teacher rank {self.teacher_rank} at step {step}")
 
     def report_exit(self) -> int:

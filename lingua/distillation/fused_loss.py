@@ -119,11 +119,13 @@ def multiplies_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta,
-                chunk_size, kd_weight, vocab_block, compiled, uld, need_grad_hidden, need_grad_weight):
-    """(loss, stats [4], grad_hidden or None, grad_weight or None) of the flattened inputs, chunk by chunk;
-    vocab_block > 0: grad_W by `vocab_block_weight_grad` in blocks of that many ids, not by accumulation;
+                chunk_size, kd_weight, vocab_block, compiled, uld, need_grad_hidden, need_grad_weight, more=()):
+    """(loss, stats [4 + 3 * len(more)], grad_hidden or None, grad_weight or None) of the flattened inputs, chunk
+    by chunk; vocab_block > 0: grad_W by `vocab_block_weight_grad` in blocks of that many ids, not by accumulation;
     compiled: the chunk math through torch.compile (`compiled_chunk`), the last chunk padded to the others' rows;
-    uld: None or (uld_weight, uld_k) for marked cross-tokenizer top-k rows (`uld.py`)."""
+    uld: None or (uld_weight, uld_k) for marked cross-tokenizer top-k rows (`uld.py`); more: (flat teacher, flat
+    kd_weight) of further teachers whose KD terms add to the loss on the same logits and gradient GEMMs (neither
+    vocab_block, compiled nor uld)."""
     N, D = hidden.shape
     V = weight.shape[0]
     dtype = torch.promote_types(hidden.dtype, torch.float32)
@@ -136,7 +138,7 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
     if teacher is None:
         alpha = 0.0
     ce_scale, kd_scale = (1.0 - alpha) * inv_norm, alpha * temperature * inv_norm
-    stats = torch.zeros(4, dtype=dtype, device=hidden.device)
+    stats = torch.zeros(4 + 3 * len(more), dtype=dtype, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
     # The recipes rebuild dz block by block after the chunks; the full format has none (it accumulates).
     by_blocks = need_grad_weight and vocab_block > 0 and (teacher is None or teacher.format != "full")
@@ -156,22 +158,12 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
         h = pad(masked_hidden[rows])
         z = h @ weight.T if compiled else (h @ weight.T).to(dtype)
         values = ids = extra = None
+        z_more = z.clone() if more else None  # the chunk math overwrites z: further teachers read a copy
         if teacher is None:
             kd_rows, row_kd_scale = row_mask, torch.zeros_like(row_mask, dtype=dtype)
         else:
-            values, ids, extra = (None if t is None else pad(t[rows]) for t in teacher)
-            # KD rows: valid labels with a positive KD weight; a row outside them takes CE alone.
-            row_weight = torch.ones_like(row_mask, dtype=dtype) if kd_weight is None else pad(kd_weight[rows]).to(dtype)
-            kd_rows = row_mask & (row_weight > 0)
-            row_weight = torch.where(kd_rows, row_weight, 0.0)
-            row_kd_scale = kd_scale * row_weight
-            if uld is not None:  # the unmapped entries leave the top-k targets and become ULD's teacher side
-                values, ids, teacher_sorted = split_unmapped(values, ids, extra, uld[1], dtype)
-                chunk_uld = ChunkULD(torch.where(kd_rows.unsqueeze(-1), teacher_sorted, 0.0), uld[0],
-                                     V - ids.shape[-1])
-            if ids is not None:
-                # A row outside the KD rows may carry any id: 0..k-1 keep gathers in range and the ids distinct.
-                ids = torch.where(kd_rows.unsqueeze(-1), ids.long(), torch.arange(ids.shape[-1], device=ids.device))
+            values, ids, extra, row_weight, kd_rows, row_kd_scale, chunk_uld = _chunk_teacher(
+                teacher, kd_weight, rows, pad, row_mask, kd_scale, dtype, uld, V)
         chunk_teacher = None if teacher is None else (teacher.format, values, extra)
         chunk_args = (pad(safe_labels[rows]), row_mask, chunk_teacher, ids, kd_rows, ce_scale, row_kd_scale,
                       temperature, divergence, jsd_beta) + ((chunk_uld,) if uld is not None else ())
@@ -187,6 +179,10 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
             # The KD stats are sums weighted by the KD weight (where, not multiply: a weight-0 row may be nan).
             kd, mass, agree = (torch.where(kd_rows, t.to(dtype) * row_weight, 0.0) for t in (kd, mass, agree))
         per_row = torch.stack([ce, kd, mass, agree])
+        if more:
+            per_row = torch.cat([per_row, _more_teachers(z_more, more, rows, pad, safe_labels, row_mask, g,
+                                                         kd_scale, temperature, divergence, jsd_beta, dtype)])
+            z_more = None
         stats += torch.where(row_mask, per_row, 0.0).sum(-1)
         z = None  # g is z's buffer; only g lives on into the grad GEMMs
         if by_blocks:
@@ -203,7 +199,8 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
                 torch.addmm(grad_weight, g.T, h, out_dtype=dtype, out=grad_weight)
             else:
                 grad_weight.add_(g.T @ h)
-    loss = distillation_loss(stats[0], stats[1], alpha, temperature) * inv_norm
+    kd_sum = stats[1] + stats[4::3].sum() if more else stats[1]
+    loss = distillation_loss(stats[0], kd_sum, alpha, temperature) * inv_norm
     if by_blocks:
         g = None
         grad_weight = vocab_block_weight_grad(masked_hidden, weight, GradRecipe.cat(recipes), temperature,
@@ -211,6 +208,43 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
     elif grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     return loss, stats.float(), grad_hidden, grad_weight
+
+
+def _chunk_teacher(teacher, kd_weight, rows, pad, row_mask, kd_scale, dtype, uld=None, vocab_size=0):
+    """A teacher's tensors for the chunk's rows, its KD weight and KD rows (valid labels with a positive weight; a
+    row outside them takes CE alone), each row's KD scale and, with `uld`, the chunk's ULD side (else None)."""
+    values, ids, extra = (None if t is None else pad(t[rows]) for t in teacher)
+    row_weight = torch.ones_like(row_mask, dtype=dtype) if kd_weight is None else pad(kd_weight[rows]).to(dtype)
+    kd_rows = row_mask & (row_weight > 0)
+    row_weight = torch.where(kd_rows, row_weight, 0.0)
+    chunk_uld = None
+    if uld is not None:  # the unmapped entries leave the top-k targets and become ULD's teacher side
+        values, ids, teacher_sorted = split_unmapped(values, ids, extra, uld[1], dtype)
+        chunk_uld = ChunkULD(torch.where(kd_rows.unsqueeze(-1), teacher_sorted, 0.0), uld[0],
+                             vocab_size - ids.shape[-1])
+    if ids is not None:
+        # A row outside the KD rows may carry any id: 0..k-1 keep gathers in range and the ids distinct.
+        ids = torch.where(kd_rows.unsqueeze(-1), ids.long(), torch.arange(ids.shape[-1], device=ids.device))
+    return values, ids, extra, row_weight, kd_rows, kd_scale * row_weight, chunk_uld
+
+
+def _more_teachers(z, more, rows, pad, safe_labels, row_mask, g, kd_scale, temperature, divergence, jsd_beta, dtype):
+    """Further teachers' KD on the chunk's logits `z` (a copy, overwritten): each one's gradient is added into g
+    (no CE: its scale is 0), and its per-row (KD, mass, agreement), weighted by its KD weight, are returned."""
+    zero = torch.zeros((), dtype=dtype, device=z.device)
+    per_row = []
+    for i, (teacher, kd_weight) in enumerate(more):
+        z_i = z.clone() if i + 1 < len(more) else z
+        values, ids, extra, row_weight, kd_rows, row_kd_scale, _ = _chunk_teacher(teacher, kd_weight, rows, pad,
+                                                                                  row_mask, kd_scale, dtype)
+        _, kd, student_top1, g_i, _ = chunk_loss_and_grad(z_i, pad(safe_labels[rows]), row_mask,
+                                                          (teacher.format, values, extra), ids, kd_rows, zero,
+                                                          row_kd_scale, temperature, divergence, jsd_beta)
+        g.add_(g_i)
+        mass, teacher_top1 = teacher_support(values, ids, extra, teacher.format)
+        agree = (student_top1 == teacher_top1).to(dtype)
+        per_row += [torch.where(kd_rows, t.to(dtype) * row_weight, 0.0) for t in (kd, mass, agree)]
+    return torch.stack(per_row)
 
 
 def _pad_rows(t, extra_rows):
@@ -238,10 +272,10 @@ class _FusedLinearKDLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-                kd_weight, vocab_block, compiled, uld):
+                kd_weight, vocab_block, compiled, uld, more):
         loss, stats, ctx.grad_hidden, ctx.grad_weight = _fused_pass(
             hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-            kd_weight, vocab_block, compiled, uld, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+            kd_weight, vocab_block, compiled, uld, ctx.needs_input_grad[0], ctx.needs_input_grad[1], more)
         ctx.mark_non_differentiable(stats)
         ctx.used = False
         return loss, stats
@@ -255,7 +289,7 @@ class _FusedLinearKDLoss(torch.autograd.Function):
         # In place: the buffers are ours and needed once, so scaling adds no [V, D] tensor.
         grads = [None if t is None else t.mul_(grad_loss) for t in (ctx.grad_hidden, ctx.grad_weight)]
         ctx.grad_hidden = ctx.grad_weight = None
-        return grads[0], grads[1], None, None, None, None, None, None, None, None, None, None, None, None
+        return grads[0], grads[1], None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
@@ -325,6 +359,7 @@ def fused_linear_kd_loss(
     compiled: bool = False,
     uld_weight: float = 0.0,
     uld_k: int = 16,
+    more_teachers: tuple = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """((1 - alpha) * CE_sum + alpha * T^2 * KD_sum) / normalizer over labels != -100, fused with the head.
 
@@ -351,6 +386,11 @@ def fused_linear_kd_loss(
     the masked positions: (CE, KD, teacher mass covered by the support, student argmax == teacher
     top-1), the last three zero without a teacher and each weighted by kd_weight (divide them by the
     sum of kd_weight over valid labels for means). Nothing is read back to the host.
+
+    more_teachers: (TeacherOutputs, kd_weight) of further teachers (several teachers, `mixture.py`), each adding
+    alpha * T^2 * its weighted KD to the loss on the same logits: one set of head GEMMs for all, each teacher's
+    chunk math on a copy of the chunk's logits; stats then go on with (KD, mass, agreement) of each. Not with
+    weight_grad="vocab_blocks" or compiled=True (call once per teacher there).
     """
     _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
                 kd_weight, weight_grad, uld_weight, uld_k, compiled)
@@ -365,11 +405,18 @@ def fused_linear_kd_loss(
     vocab_block = 0 if budgets is None else max(1, min(V, auto_chunk_rows(N, format, hidden.device, hidden.dtype,
                                                                           budgets)))
     flat_kd_weight = None if kd_weight is None or teacher is None else kd_weight.reshape(N)
+    if more_teachers:
+        assert teacher is not None and weight_grad == "accumulate" and not compiled and not uld_weight, \
+            "see more_teachers"
+        for other, other_weight in more_teachers:
+            _check_args(hidden, weight, labels, other, normalizer, alpha, temperature, divergence, jsd_beta,
+                        chunk_size, other_weight, weight_grad, uld_weight, uld_k, compiled)
+    more = tuple((_FlatTeacher(other, N), None if w is None else w.reshape(N)) for other, w in more_teachers)
     args = (labels.reshape(N), flat_teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-            flat_kd_weight, vocab_block, compiled, (uld_weight, uld_k) if uld_weight > 0 else None)
+            flat_kd_weight, vocab_block, compiled, (uld_weight, uld_k) if uld_weight > 0 else None, more)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _FusedLinearKDLoss.apply(flat_hidden, weight, *args)
-    loss, stats, _, _ = _fused_pass(flat_hidden, weight, *args, False, False)
+    loss, stats, _, _ = _fused_pass(flat_hidden, weight, *args[:-1], False, False, more)
     return loss, stats
 
 

@@ -80,9 +80,11 @@ class TeacherServer:
 
     def __init__(self, args: DistillationArgs, topo, preemption: Optional[PreemptionFlag] = None,
                  inject_load_failure: bool = False, phases=None, attn_mask: str = "causal",
-                 inject_serve_failure_at: Optional[int] = None, heldout=None, student_tokenizer=None):
+                 inject_serve_failure_at: Optional[int] = None, heldout=None, student_tokenizer=None,
+                 teacher_names: tuple[str, ...] = ()):
+        """`teacher_names`: with several teachers, each one's name, so that an ERROR's sentence names the failed one."""
         assert topo.is_teacher
-        self.args, self.topo = args, topo
+        self.args, self.topo, self.teacher_names = args, topo, teacher_names
         self.leader = topo.is_replica_leader  # always, with teacher_tp=1
         self.inject_serve_failure_at = inject_serve_failure_at  # tests: fail while serving this step
         self.teacher: Optional[TeacherModel] = None
@@ -346,7 +348,10 @@ class TeacherServer:
         ops = {h.op for h in headers.values()}
         if Op.ERROR in ops:
             failed = [r for r, h in headers.items() if h.op == Op.ERROR]
-            return PeerStopped(f"student rank(s) {failed} stopped on an error at step {headers[failed[0]].step}")
+            blame = headers[failed[0]].micro_step  # several teachers: 1 + the failed teacher's index, 0 for none
+            cause = f": {self.teacher_names[blame - 1]} failed" if 0 < blame <= len(self.teacher_names) else ""
+            return PeerStopped(f"student rank(s) {failed} stopped on an error at step {headers[failed[0]].step}"
+                               f"{cause}")
         if len({(h.op, h.step, h.micro_step) for h in headers.values()}) > 1:
             detail = "; ".join(f"rank {r}: {h.describe()}" for r, h in sorted(headers.items()))
             return RuntimeError(f"students sent mismatched requests ({detail})")
@@ -377,7 +382,8 @@ class TeacherServer:
         doc_ids = torch.cat([self.spec.doc_grid(buf)[:headers[r].bsz, :seqlen] for r, buf in students]) \
             if self.spec.doc_boundaries else None
         if self.cross is not None:
-            return self._cross_forward_rows(students, headers, tokens, doc_ids)
+            next_tokens = torch.cat([self.spec.next_tokens(buf)[:headers[r].bsz] for r, buf in students])
+            return self._cross_forward_rows(students, headers, tokens, doc_ids, next_tokens)
         hidden = self.teacher.hidden_states(tokens, doc_ids)
         row = 0
         for rank, _ in students:
@@ -394,10 +400,12 @@ class TeacherServer:
                 dest[: source.shape[0], : source.shape[1]] = source
 
     def _cross_forward_rows(self, students, headers: dict[int, RequestHeader], tokens: torch.Tensor,
-                            doc_ids: Optional[torch.Tensor]) -> None:
-        """distillation.cross_tokenizer: the students' rows aligned to the teacher's tokens (on this rank's CPU),
-        one forward on those, and each student's top-k mapped back to its positions, with kd_weight."""
-        batch = self.cross.teacher_batch(tokens.cpu(), None if doc_ids is None else doc_ids.cpu())
+                            doc_ids: Optional[torch.Tensor], next_tokens: Optional[torch.Tensor] = None) -> None:
+        """distillation.cross_tokenizer: the students' rows (and the labels past them) aligned to the teacher's
+        tokens (on this rank's CPU), one forward on those, and each student's top-k mapped back to its positions,
+        with kd_weight."""
+        batch = self.cross.teacher_batch(tokens.cpu(), None if doc_ids is None else doc_ids.cpu(),
+                                         None if next_tokens is None else next_tokens.cpu())
         device = tokens.device
         hidden = self.teacher.hidden_states(batch.tokens.to(device),
                                             batch.doc_ids.to(device) if doc_ids is not None else None)

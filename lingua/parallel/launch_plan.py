@@ -9,7 +9,9 @@ Ranks are split into students (the first `W - n_teachers`) and teachers (the las
 the last `teacher_tp` ranks of each node with `teacher_placement=per_node`). Teachers form replicas of
 `teacher_tp` consecutive ranks on one node (the teacher sharded tensor-parallel over them; 1 by default:
 one rank, one teacher); each replica serves a contiguous block of students through its bridge, whose
-teacher end is the replica's first rank.
+teacher end is the replica's first rank. Several teachers (`distillation.teachers`, `teacher_counts`) take
+their ranks in order after the students (teacher 0's, then teacher 1's); each teacher's replicas divide all the
+students among them, so every student has one bridge to each teacher.
 """
 
 import os
@@ -198,8 +200,9 @@ def resolve_mesh_dims(dp_replicate: int, dp_shard: int, n_students: int) -> tupl
 
 
 def split_roles(world_size: int, n_teachers: int, placement: str, local_world_size: int,
-                teacher_tp: int = 1) -> tuple[list[int], list[int]]:
-    """(student global ranks, teacher global ranks), validated before any collective."""
+                teacher_tp: int = 1, one_teacher: bool = True) -> tuple[list[int], list[int]]:
+    """(student global ranks, teacher global ranks), validated before any collective (`one_teacher` False: the
+    students' split among several teachers' replicas is checked per teacher, by the LaunchPlan)."""
     assert n_teachers >= 0 and placement in TEACHER_PLACEMENTS and teacher_tp >= 1, (n_teachers, placement, teacher_tp)
     if n_teachers == 0:
         return list(range(world_size)), []
@@ -233,7 +236,7 @@ def split_roles(world_size: int, n_teachers: int, placement: str, local_world_si
     teacher_set = set(teachers)  # a set: at 16k ranks a list lookup per rank is quadratic
     students = [r for r in range(world_size) if r not in teacher_set]
     n_replicas = n_teachers // teacher_tp
-    if len(students) % n_replicas:
+    if one_teacher and len(students) % n_replicas:
         if teacher_tp == 1:
             raise LaunchError(
                 f"{len(students)} student ranks cannot be split evenly among {n_teachers} teachers; "
@@ -290,54 +293,104 @@ class LaunchPlan:
     dp_shard: int = -1
     fsdp_type: str = "full_shard"
     teacher_tp: int = 1  # ranks per teacher replica (distillation.teacher_tp)
+    teacher_counts: tuple[int, ...] = ()  # ranks of each of several teachers, in order; () = one teacher
+    teacher_paths: tuple[str, ...] = ()  # the checkpoint of each of several teachers, for sentences naming them
     student_ranks: list[int] = field(init=False)
     teacher_ranks: list[int] = field(init=False)
     mesh_dims: tuple[int, int] = field(init=False)  # (dp_replicate, dp_shard), -1s resolved
 
     def __post_init__(self):
         assert self.fsdp_type in FSDP_TYPES, self.fsdp_type  # DistributedArgs.validate() names the choices
+        if self.teacher_counts and self.teacher_placement != "last":
+            raise LaunchError("Several teachers (distillation.teachers) take the last ranks, one teacher after the "
+                              "other; set distributed.teacher_placement=last.")
         students, teachers = split_roles(self.world_size, self.n_teachers, self.teacher_placement,
-                                         self.local_world_size, self.teacher_tp)
+                                         self.local_world_size, self.teacher_tp, one_teacher=not self.teacher_counts)
         object.__setattr__(self, "student_ranks", students)
         object.__setattr__(self, "teacher_ranks", teachers)
         object.__setattr__(self, "mesh_dims", resolve_mesh_dims(self.dp_replicate, self.dp_shard, len(students)))
+        if self.teacher_counts:
+            self._check_several_teachers()
+
+    def _check_several_teachers(self) -> None:
+        """Several teachers: their ranks after the students, and each teacher's replicas divide the students."""
+        assert sum(self.teacher_counts) == self.n_teachers, (self.teacher_counts, self.n_teachers)
+        for i, ranks in enumerate(self.teacher_models):
+            n_replicas = len(ranks) // self.teacher_tp
+            if len(self.student_ranks) % n_replicas:
+                raise LaunchError(f"{len(self.student_ranks)} student ranks cannot be split evenly among teacher {i}'s "
+                                  f"{n_replicas} replica(s); set distillation.teachers[{i}].n_teacher_ranks so that "
+                                  f"its replicas divide the students.")
 
     @classmethod
     def for_launch(cls, args: DistributedArgs, n_teachers: int, world_size: int, local_world_size: int,
-                   teacher_tp: int = 1) -> "LaunchPlan":
-        """The plan of `args` for a launch of `world_size` ranks (`args` are validated first)."""
+                   teacher_tp: int = 1, teacher_counts: tuple[int, ...] = (),
+                   teacher_paths: tuple[str, ...] = ()) -> "LaunchPlan":
+        """The plan of `args` for a launch of `world_size` ranks (`args` are validated first); `teacher_counts`
+        the ranks of each of several teachers (their sum is `n_teachers`), `teacher_paths` their checkpoints."""
         args.validate()
+        several = len(teacher_counts) > 1
         return cls(world_size, local_world_size, n_teachers, args.teacher_placement, args.dp_replicate,
-                   args.dp_shard, args.fsdp_type, teacher_tp)
+                   args.dp_shard, args.fsdp_type, teacher_tp, tuple(teacher_counts) if several else (),
+                   tuple(teacher_paths) if several else ())
+
+    def rank_words(self, rank: int) -> str:
+        """How a sentence names a rank's role: "student", "teacher", or with several teachers "teacher 1 (<path>)"."""
+        if not self.teacher_counts or self.role(rank) != "teacher":
+            return self.role(rank)
+        index = next(i for i, ranks in enumerate(self.teacher_models) if rank in ranks)
+        return f"teacher {index}" + (f" ({self.teacher_paths[index]})" if index < len(self.teacher_paths) else "")
+
+    @cached_property
+    def teacher_models(self) -> list[list[int]]:
+        """The teacher ranks of each teacher (one list with one teacher), in rank order."""
+        if not self.teacher_counts:
+            return [self.teacher_ranks] if self.teacher_ranks else []
+        starts = [sum(self.teacher_counts[:i]) for i in range(len(self.teacher_counts))]
+        return [self.teacher_ranks[start:start + n] for start, n in zip(starts, self.teacher_counts)]
+
+    def teacher_of_bridge(self, bridge: int) -> int:
+        """Which teacher (index in `teacher_models`) the replica of bridge `bridge` belongs to."""
+        first = self.replicas()[bridge][0][0]
+        return next(i for i, ranks in enumerate(self.teacher_models) if first in ranks)
 
     @cached_property
     def _teacher_set(self) -> frozenset[int]:
         return frozenset(self.teacher_ranks)
 
     @cached_property
-    def _bridge_of_rank(self) -> dict[int, int]:
-        """Replica index of every rank of a bridge (its teacher ranks and its students), built once."""
-        return {rank: i for i, (ranks, students) in enumerate(self.replicas()) for rank in ranks + students}
+    def _bridge_of_rank(self) -> dict[int, list[int]]:
+        """Replica indices of every rank of a bridge, built once: a teacher rank's one, a student's one per teacher."""
+        out: dict[int, list[int]] = {}
+        for i, (ranks, students) in enumerate(self.replicas()):
+            for rank in ranks + students:
+                out.setdefault(rank, []).append(i)
+        return out
 
     def role(self, rank: int) -> str:
         return "teacher" if rank in self._teacher_set else "student"
 
     def replicas(self) -> list[tuple[list[int], list[int]]]:
-        """(the teacher_tp ranks of a teacher replica, the contiguous block of students it serves), in teacher order."""
-        if not self.teacher_ranks:
-            return []
-        groups = tensor_parallel_replicas(self.teacher_ranks, self.teacher_tp, self.local_world_size)
-        per_replica = len(self.student_ranks) // len(groups)
-        return [(ranks, self.student_ranks[i * per_replica:(i + 1) * per_replica]) for i, ranks in enumerate(groups)]
+        """(the teacher_tp ranks of a teacher replica, the contiguous block of students it serves), in teacher order
+        (with several teachers: teacher 0's replicas, then teacher 1's, each teacher's covering every student)."""
+        out = []
+        for model_ranks in self.teacher_models:
+            groups = tensor_parallel_replicas(model_ranks, self.teacher_tp, self.local_world_size)
+            per_replica = len(self.student_ranks) // len(groups)
+            out += [(ranks, self.student_ranks[i * per_replica:(i + 1) * per_replica]) for i, ranks in enumerate(groups)]
+        return out
 
     def bridges(self) -> list[tuple[int, list[int]]]:
         """(the replica's first rank, which talks to the students, and its students), one per replica."""
         return [(ranks[0], students) for ranks, students in self.replicas()]
 
-    def bridge_index(self, rank: int) -> int:
+    def bridge_index(self, rank: int, teacher: int = 0) -> int:
         """Index of the replica `rank` belongs to or is served by (every rank of a replica counts, not only the
-        one on the bridge), -1 without distillation."""
-        return self._bridge_of_rank.get(rank, -1)
+        one on the bridge), -1 without distillation; a student has one per teacher (`teacher` picks it)."""
+        bridges = self._bridge_of_rank.get(rank)
+        if not bridges:
+            return -1
+        return bridges[teacher] if len(bridges) > 1 else bridges[0]
 
     def mesh_grid(self) -> list[list[int]]:
         """Student global ranks as [dp_replicate][dp_shard]; no_shard replicates over every student."""
@@ -355,6 +408,8 @@ class LaunchPlan:
             lines.append("distillation off: every rank is a student")
             return lines
         lines.append(f"distillation: {len(self.teacher_ranks)} teacher rank(s), placement {self.teacher_placement}")
+        for i, ranks in enumerate(self.teacher_models if self.teacher_counts else []):
+            lines.append(f"  teacher {i}: global ranks {format_ranks(ranks)}")
         if self.teacher_tp == 1:
             for rank in self.teacher_ranks:
                 lines.append(f"  teacher: global rank {rank} (node {rank // self.local_world_size}, "

@@ -327,7 +327,7 @@ class RankStatus:
             peer, how = found
             seen = f" ({how})" if how.startswith("rank") else ""  # "ranks 0, 1 timed out waiting for it on ..."
             log = self.run_dir.rank_log(peer)
-            sentence = f"rank {peer} ({self.topo.plan.role(peer)}) stopped{seen}; its log is {log}"
+            sentence = f"rank {peer} ({self.topo.plan.rank_words(peer)}) stopped{seen}; its log is {log}"
         logger.error(f"{sentence} (here: {backend[:300]})")  # the backend's words, for this rank's log
         mine = self._last_collectives()
         # Where this rank lost it: its last collective on a group that holds the stopped rank (any group if unknown).
@@ -377,7 +377,7 @@ class RankStatus:
         ours = last_logged_collective(group) if group and not last else None  # no flight recorder on this torch
         op = f"{last['op']} #{last['seq']}" if last else (f"the last of ours there: {ours}" if ours else None)
         step = self.current_step
-        roles = {r: self.topo.plan.role(r) for r in range(self.topo.world_size)}
+        roles = {r: self.topo.plan.rank_words(r) for r in range(self.topo.world_size)}
         seconds = timeout_seconds(exc) or self._group_timeout_s(group)  # the pair-closure words give no figure
         sentence = timeout_sentence(step, group, op, seconds, missing, roles, self.run_dir)
         logger.error(f"{sentence} (here: {backend[:300]})")

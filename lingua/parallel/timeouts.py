@@ -135,7 +135,8 @@ def enter_training_timeout(topo, seconds: float) -> None:
     if not topo.distributed:
         return
     for group in topo.all_groups():
-        if group is dist.group.WORLD or group is topo.bridge_group or group is topo.teacher_group:
+        if (group is dist.group.WORLD or group is topo.teacher_group
+                or any(group is bridge for bridge in (topo.bridge_group, *getattr(topo, "bridge_groups", ())))):
             continue
         log_collective("barrier before the training timeout", group)
         dist.barrier(group=group)

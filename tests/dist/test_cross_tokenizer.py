@@ -20,7 +20,7 @@ def test_a_byte_student_learns_from_a_bpe_teacher(corpus, tiny_teacher, tmp_path
         "data.tokenizer.name": "bytes", "data.tokenizer.path": "null", "distillation.cross_tokenizer": "true",
         "model.attn_mask": "doc_causal", "heldout.every": 2}), timeout=120)
     assert_ok(result)
-    assert "cross-tokenizer: 256 of the teacher's 512 ids are student tokens" in result.stdout
+    assert "cross-tokenizer: 258 of the teacher's 512 ids are student tokens" in result.stdout
     assert "tokens of its own" in result.stdout
     rows = train_rows(dump)
     assert sorted(rows) == [1, 2, 3, 4]
@@ -46,7 +46,7 @@ def test_a_byte_student_trains_from_a_cache_of_a_bpe_teacher(corpus, tiny_teache
                            f"cache_dir={cache_dir}", "streams=2", "shard_sequences=4", "encode_workers=0"],
                        timeout=100, module="apps.main.teacher_cache")
     assert_ok(written)
-    assert "cross-tokenizer: 256 of the teacher's 512 ids are student tokens" in written.stdout
+    assert "cross-tokenizer: 258 of the teacher's 512 ids are student tokens" in written.stdout
     assert "teacher cache complete" in written.stdout
     dump = tmp_path / "run"
     result = torchrun(2, distill_overrides(corpus, tiny_teacher, dump, steps=4, **cross, **{

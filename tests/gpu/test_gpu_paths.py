@@ -208,3 +208,34 @@ def test_the_compiled_chunk_math_runs_as_triton_and_matches_eager_in_bf16():
             assert error < 2e-2, (temperature, config_teacher is None, error)
     assert counters["stats"]["unique_graphs"] == len(configs), dict(counters["stats"])
     torch._dynamo.reset()
+
+
+@needs_gpus(1)
+def test_several_teachers_on_shared_head_gemms_match_the_cpu_in_bf16():
+    """distillation.teachers: the fused loss with more_teachers on a bf16 head (the fp32 accumulation path) gives the
+    CPU's fp32 loss and gradients within bf16 rounding."""
+    from lingua.distillation.mixture import mixed_head_loss, mixing_weights, source_routing
+    from lingua.distillation.args import TeacherArgs
+
+    generator = torch.Generator().manual_seed(0)
+    B, S, D, V, k = 2, 64, 64, 1000, 8
+    hidden = torch.randn(B, S, D, generator=generator)
+    head = torch.randn(V, D, generator=generator) * 0.1
+    labels = torch.randint(0, V, (B, S), generator=generator)
+    outputs = [sparsify_teacher_logits(torch.randn(B, S, V, generator=generator), "topk", k, 1.0) for _ in range(2)]
+    weights = mixing_weights(source_routing([TeacherArgs(weight=2.0), TeacherArgs(sources=["b"])], ["a", "b"]),
+                             torch.tensor([0, 1]), [None, None], (B, S))
+    args = DistillationArgs(alpha=0.5)
+    results = []
+    for device, dtype in (("cpu", torch.float32), (CUDA, torch.bfloat16)):
+        h = hidden.to(device, dtype).clone().requires_grad_()
+        w = head.to(device, dtype).clone().requires_grad_()
+        loss, _, stats = mixed_head_loss(h, w, labels.to(device), [o.to(device) for o in outputs],
+                                         [x.to(device) for x in weights], B * S, 0.5, args)
+        loss.backward()
+        results.append((loss.float().cpu(), stats.cpu(), h.grad.float().cpu(), w.grad.float().cpu()))
+    (cpu_loss, cpu_stats, *cpu_grads), (gpu_loss, gpu_stats, *gpu_grads) = results
+    assert gpu_loss.item() == pytest.approx(cpu_loss.item(), rel=2e-2)
+    torch.testing.assert_close(gpu_stats, cpu_stats, rtol=5e-2, atol=1e-3)
+    for gpu_grad, cpu_grad in zip(gpu_grads, cpu_grads):
+        torch.testing.assert_close(gpu_grad, cpu_grad, rtol=5e-2, atol=5e-3)

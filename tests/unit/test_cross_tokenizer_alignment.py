@@ -1,11 +1,15 @@
 """Alignment by byte offsets, checked as properties over random texts: several documents packed into a window
 cut anywhere (mid-document, mid-character for the byte tokenizer), unicode, whitespace runs; students of each
-kind against a byte-level BPE teacher (SmolLM2's, one trained here) and a SentencePiece-style one.
+kind (bytes, Llama 3's tiktoken, a byte-level BPE, a SentencePiece-style BPE and a real sentencepiece model)
+against a byte-level BPE teacher (SmolLM2's, one trained here) and a SentencePiece-style one.
 
-The properties, per window: the teacher's tokens of each document spell that document's text (by the teacher's
-own decode); every aligned student position's target is a teacher position with the same text before it in the
-same document (sound); every student position whose next token starts at a character where a teacher token of
-the same document starts is aligned (complete); documents stay documents on both sides.
+The properties, per window (its tokens and the label past it, as the loader gives them): the teacher's tokens of
+each document spell that document's text (by the teacher's own decode); every aligned student position's target
+is a teacher position with the same text before it in the same document (sound); every student position whose
+next token starts at a character where a teacher token of the same document starts is aligned (complete), the
+window's last one included; a position whose next token is the student's eos (or bos) closing its document is
+aligned to the teacher position before the teacher's own separator, which the vocabulary map sends to that
+student token; documents stay documents on both sides.
 """
 
 import pytest
@@ -13,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lingua.distillation.cross_tokenizer.alignment import ALIGN_NONE, WindowAligner, student_doc_ids, utf8_pieces
+from lingua.distillation.cross_tokenizer.teacher_side import CrossTokenizerTeacher
 from lingua.distillation.cross_tokenizer.token_bytes import hf_token_bytes, student_token_bytes
 
 PROPERTIES = settings(max_examples=15, deadline=None, derandomize=True, database=None,
@@ -27,14 +32,15 @@ TEXT = st.one_of(
 DOCUMENTS = st.lists(TEXT, min_size=1, max_size=3)
 CUT = st.tuples(st.floats(0.0, 0.5), st.floats(0.5, 1.0))
 
-STUDENTS = ["bytes", "llama3", "trained_bpe", "trained_sp"]
+STUDENTS = ["bytes", "llama3", "trained_bpe", "trained_sp", "sentencepiece"]
 TEACHERS = ["smollm2", "trained_bpe", "trained_sp"]
 
 
 def window_of(student, documents, cut):
-    """The documents packed as the loader packs them (bos, text, eos each), then a slice of it."""
+    """The documents packed as the loader packs them (bos, text, eos each), then a slice of it: the window's
+    tokens and the label past them (its last token)."""
     tokens = [t for text in documents for t in student.encode(text, add_bos=True, add_eos=True)]
-    start, end = int(cut[0] * len(tokens)), max(int(cut[1] * len(tokens)), int(cut[0] * len(tokens)) + 1)
+    start, end = int(cut[0] * len(tokens)), max(int(cut[1] * len(tokens)), int(cut[0] * len(tokens)) + 2)
     return tokens[start:end]
 
 
@@ -53,15 +59,28 @@ def token_bytes_of(tokenizer, hf: bool) -> list:
     return _TABLES[id(tokenizer)]
 
 
-def check_window(student, teacher, tokens) -> int:
-    """Check the properties on one window; return how many positions were aligned."""
+_CROSS: dict[tuple[int, int], CrossTokenizerTeacher] = {}
+
+
+def cross_of(student, teacher) -> CrossTokenizerTeacher:
+    """The pair's aligner and vocabulary map, built once."""
+    if (id(student), id(teacher)) not in _CROSS:
+        _CROSS[id(student), id(teacher)] = CrossTokenizerTeacher(student, teacher.tokenizer)
+    return _CROSS[id(student), id(teacher)]
+
+
+def check_window(student, teacher, tokens, label_past: bool = True) -> int:
+    """Check the properties on one window: `tokens` and, with `label_past`, its last token is the label past the
+    window (else the window has none); return how many positions were aligned."""
     student_bytes = token_bytes_of(student, hf=False)
     teacher_bytes = token_bytes_of(teacher, hf=True)
     aligner = WindowAligner(student_bytes, student.bos_id, student.eos_id, teacher.tokenizer, teacher_bytes)
     docs = student_doc_ids(tokens, student.bos_id, student.eos_id)
-    window = aligner.align(tokens, docs)
+    n_positions = len(tokens) - 1 if label_past else len(tokens)
+    window = aligner.align(tokens[:n_positions], docs[:n_positions], tokens[-1] if label_past else None)
     separators = {teacher.bos_id, teacher.eos_id} - {None}
-    assert len(window.source) == len(tokens) and len(window.ids) == len(window.doc_ids)
+    student_of = cross_of(student, teacher).vocab_map.teacher_to_student
+    assert len(window.source) == n_positions and len(window.ids) == len(window.doc_ids)
     assert window.doc_ids == sorted(window.doc_ids) and set(window.doc_ids) <= set(docs)
 
     def spelled(table, ids):
@@ -81,12 +100,16 @@ def check_window(student, teacher, tokens) -> int:
             assert same_text(decoded, valid), (decoded, valid)
 
     prefix = {}  # doc -> bytes of its tokens so far
-    for i in range(len(tokens) - 1):
+    for i in range(min(n_positions, len(tokens) - 1)):  # without a label past it, the last position has no next
         doc = docs[i]
         prefix[doc] = prefix.get(doc, b"") + (student_bytes[tokens[i]] or b"")
         nxt, source = tokens[i + 1], window.source[i]
-        if student_bytes[nxt] is None or docs[i + 1] != doc:
-            assert source == ALIGN_NONE  # the next token is a special one, or another document's
+        if docs[i + 1] != doc or (student_bytes[nxt] is None and nxt not in (student.bos_id, student.eos_id)):
+            assert source == ALIGN_NONE  # the next token is another document's, or a special without a role
+            continue
+        if student_bytes[nxt] is None:  # the document ends: the teacher's separator follows the same text
+            check_document_end(window, tokens, i, prefix[doc], student_of, teacher, teacher_bytes, separators,
+                               representable[doc])
             continue
         before, run = prefix[doc], runs[doc]
         pieces = [(a, b) for a, b in utf8_pieces(run) if a <= len(before) < b]
@@ -111,6 +134,32 @@ def check_window(student, teacher, tokens) -> int:
             starts = teacher_char_starts(teacher, teacher_bytes, run[a:b].decode())
             assert len(run[a:len(before)].decode()) not in starts[1:], (run[a:b], before, tokens)
     return window.aligned
+
+
+def check_document_end(window, tokens, i, before: bytes, student_of, teacher, teacher_bytes, separators,
+                       representable: bool) -> None:
+    """Student position i predicts its document's end (eos, or GPT-2's bos = eos): aligned, when the document's
+    text so far ends in whole characters, to the teacher position right before its separator, whose id the
+    vocabulary map sends to the student's token; what the teacher read there is the same text."""
+    source = window.source[i]
+    pieces = utf8_pieces(before)
+    whole = not before or (pieces and pieces[-1][1] == len(before))
+    if not whole:  # a window cut inside the document's last character: no teacher token ends there
+        assert source == ALIGN_NONE, (before, tokens)
+        return
+    if source == ALIGN_NONE and not representable:
+        return  # the teacher's vocabulary cannot spell the text (SmolLM2 lacks some bytes): it may have no token
+    assert source != ALIGN_NONE, (before, tokens)
+    separator = window.ids[source + 1]
+    assert separator in separators and window.doc_ids[source] == window.doc_ids[source + 1]
+    assert int(student_of[separator]) == tokens[i + 1]
+    if representable and before:
+        teacher_before = [t for j, (t, d) in enumerate(zip(window.ids, window.doc_ids))
+                          if d == window.doc_ids[source] and j <= source and t not in separators]
+        text = before[pieces[0][0]:]
+        spelled = b"".join(teacher_bytes[t] or b"" for t in teacher_before)
+        assert spelled in (text, b" " + text) or same_text(
+            teacher.tokenizer.decode(teacher_before, skip_special_tokens=True), text.decode()), (teacher_before, text)
 
 
 def teacher_char_starts(teacher, teacher_bytes, text: str) -> list[int]:
@@ -141,8 +190,43 @@ def test_alignment_of_known_text(cross_tokenizers):
     assert pieces == ["<|im_start|>", "Hi", "Ġthere", "<|im_end|>", "<|im_start|>", "ok", "<|im_end|>"]
     assert window.doc_ids == [0, 0, 0, 0, 1, 1, 1]
     # Student positions: bos H i ' ' t h e r e eos bos o k eos. Position 0 (bos) predicts "H": the teacher's bos
-    # predicts "Hi"; position 2 ("i") predicts " t": "Hi" predicts " there"; "ok" after the second bos.
-    assert window.source == [0, -1, 1, -1, -1, -1, -1, -1, -1, -1, 4, -1, -1, -1]
+    # predicts "Hi"; position 2 ("i") predicts " t": "Hi" predicts " there"; position 8 ("e") predicts the eos:
+    # " there" predicts <|im_end|>; "ok" after the second bos, and its end. The last eos has no label past it.
+    assert window.source == [0, -1, 1, -1, -1, -1, -1, -1, 2, -1, 4, -1, 5, -1]
+    student_of = cross_of(student, teacher).vocab_map.teacher_to_student
+    assert int(student_of[teacher.eos_id]) == student.eos_id and int(student_of[teacher.bos_id]) == student.bos_id
+
+
+def test_the_label_past_the_window_aligns_its_last_position(cross_tokenizers):
+    """The window "[bos] Hi" cut before " there": with the label past it (" "), the teacher reads "Hi " and its
+    "Hi" predicts " there" where the student's "i" predicts " "; without it, the last position has no target. With
+    the document's eos as that label, "there" predicts the end. Given document ids, the label's is numbered on."""
+    student, teacher = cross_tokenizers["bytes"], cross_tokenizers["smollm2"]
+    aligner = cross_of(student, teacher).aligner
+    tokens = student.encode("Hi there", True, True)
+    assert aligner.align(tokens[:3]).source == [0, -1, -1]
+    window = aligner.align(tokens[:3], next_token=tokens[3])
+    assert window.source == [0, -1, 1] and teacher.tokenizer.convert_ids_to_tokens(window.ids)[:2] == [
+        "<|im_start|>", "Hi"]
+    assert aligner.align(tokens[:-1], next_token=tokens[-1]).source[-1] == 2  # " there" predicts <|im_end|>
+    assert aligner.align(tokens[:-1], next_token=-100).source[-1] == -1  # no label (held-out padding)
+    two = tokens + student.encode("ok", True, True)
+    window = aligner.align(two[:10], [7] * 10, next_token=two[10])  # the label is the next document's bos
+    assert window.doc_ids == [7, 7, 7, 7, 8] and window.source[-1] == -1  # eos predicts another document
+
+
+@pytest.mark.parametrize("student", STUDENTS)
+def test_a_document_end_is_distilled_for_every_student(cross_tokenizers, student):
+    """Every document's last text position is aligned to the teacher's position before its eos, and that eos
+    maps to the student's eos, for each kind of student against SmolLM2."""
+    student_tok, teacher = cross_tokenizers[student], cross_tokenizers["smollm2"]
+    cross = cross_of(student_tok, teacher)
+    for text in CORPUS_SAMPLES:
+        tokens = student_tok.encode(text, True, True)
+        window = cross.aligner.align(tokens)
+        source = window.source[-2]
+        assert source >= 0 and window.ids[source + 1] == teacher.eos_id
+        assert int(cross.vocab_map.teacher_to_student[teacher.eos_id]) == student_tok.eos_id
 
 
 def test_alignment_rate_over_random_texts(cross_tokenizers):
@@ -153,7 +237,7 @@ def test_alignment_rate_over_random_texts(cross_tokenizers):
         aligned = total = 0
         for text in CORPUS_SAMPLES:
             tokens = cross_tokenizers[student].encode(text, True, True)
-            aligned += check_window(cross_tokenizers[student], cross_tokenizers["smollm2"], tokens)
+            aligned += check_window(cross_tokenizers[student], cross_tokenizers["smollm2"], tokens, label_past=False)
             total += len(tokens)
         rates[student] = aligned / total
     assert 0.15 < rates["bytes"] < 0.5 and rates["llama3"] > 0.6, rates
@@ -165,3 +249,19 @@ CORPUS_SAMPLES = [
     "Les élèves apprennent à prédire le prochain mot.",
     "Numbers 12345 and 3.14159, emoji 🎉, and CJK 漢字.",
 ]
+
+
+@pytest.mark.parametrize("teacher", ["smollm2", "trained_sp"])
+def test_a_request_s_rows_align_as_each_alone(cross_tokenizers, teacher):
+    """A request's rows go to the teacher's encoder in one call (without character offsets where its tokens spell
+    the text, as SmolLM2's byte-level BPE does; with them for the SentencePiece-style one, which adds a space):
+    each row's window is the one it gets alone, with and without its document ids and the label past it."""
+    student, teacher_tok = cross_tokenizers["llama3"], cross_tokenizers[teacher]
+    aligner = cross_of(student, teacher_tok).aligner
+    assert aligner.spells_text == (teacher == "smollm2")
+    stream = [t for text in CORPUS_SAMPLES * 3 for t in student.encode(text, True, True)]
+    rows = [stream[start:start + 17] for start in range(0, len(stream) - 17, 7)]
+    docs = [student_doc_ids(row, student.bos_id, student.eos_id) for row in rows]
+    together = aligner.align_rows([row[:-1] for row in rows], [d[:-1] for d in docs], [row[-1] for row in rows])
+    assert together == [aligner.align(row[:-1], d[:-1], row[-1]) for row, d in zip(rows, docs)]
+    assert aligner.align_rows(rows) == [aligner.align(row) for row in rows]

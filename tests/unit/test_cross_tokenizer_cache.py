@@ -24,7 +24,7 @@ from lingua.distillation.cache import (
     shard_metadata,
     shard_path,
 )
-from lingua.distillation.cache_codec import CodecError, decode_shard, encode_shard
+from lingua.distillation.cache_codec import OLD_ZSTD_LEVEL, CodecError, decode_shard, encode_shard
 from lingua.distillation.cross_tokenizer.teacher_side import load_cross_tokenizer
 from lingua.distillation.distiller import CacheDistiller
 from lingua.distillation.teacher import TeacherModel
@@ -37,7 +37,7 @@ from tests.unit.test_cache_writer import one_rank
 # The manifest keys of a same-tokenizer cache, as every cache before the cross-tokenizer road wrote them.
 SAME_TOKENIZER_KEYS = ["teacher_path", "tokenizer_fingerprint", "vocab_size", "output", "k", "temperature",
                        "wire_dtype", "attn_mask", "data", "streams", "sequences_per_stream", "shard_sequences",
-                       "teacher_heldout_ce", "teacher_heldout_bpb", "version"]
+                       "teacher_heldout_ce", "teacher_heldout_bpb", "version", "zstd_level"]
 CROSS = {"data.tokenizer.name": "bytes", "data.tokenizer.path": "null", "distillation.cross_tokenizer": "true",
          "model.attn_mask": "doc_causal"}
 
@@ -63,12 +63,12 @@ def test_a_kd_weight_that_is_not_a_mask_is_refused_at_write_time():
 
 @pytest.mark.parametrize("format", ["topk", "sampled"])
 def test_a_same_tokenizer_shard_keeps_its_bytes(format):
-    """The fixture shards were written before the cross-tokenizer road (metadata keys sorted since): re-coded
-    today, the same bytes, and no kd_weight stream."""
+    """The fixture shards were written before the cross-tokenizer road (metadata keys sorted since), at the zstd
+    level of their time: re-coded today at that level, the same bytes, and no kd_weight stream."""
     path = FIXTURES / f"{format}64.safetensors"
     manifest = CacheManifest(teacher_path="smollm2", tokenizer_fingerprint=0, vocab_size=49152, output=format, k=64,
                              temperature=1.0, wire_dtype="bf16", attn_mask="doc_causal", data={"seq_len": 128},
-                             streams=1, sequences_per_stream=32, shard_sequences=32)
+                             streams=1, sequences_per_stream=32, shard_sequences=32, zstd_level=OLD_ZSTD_LEVEL)
     batch = read_shard(path, range(0, 32), manifest)
     assert batch["teacher"].kd_weight is None
     metadata = {key: value for key, value in shard_metadata(path).items() if key != "codec"}
@@ -83,6 +83,27 @@ def test_a_same_tokenizer_manifest_keeps_its_fields(tmp_path):
     manifest.write(tmp_path)
     assert list(json.loads((tmp_path / "cache.json").read_text())) == SAME_TOKENIZER_KEYS
     assert CacheManifest.read(tmp_path) == manifest
+
+
+def test_a_cache_keeps_its_zstd_level(tmp_path, corpus, tiny_teacher):
+    """A manifest written before the level was recorded reads as level 19 (what it was written at), and a writer
+    resuming a cache finishes it at the cache's level whatever zstd_level says now: one level per cache."""
+    from apps.main.teacher_cache import settle_manifest
+
+    manifest = settings_manifest(DistillationArgs(teacher_path="t"), parse_args(TeacherCacheArgs, []).data, "causal",
+                                 build_tokenizer(TokenizerArgs("bytes")), streams=2)
+    assert manifest.zstd_level == parse_args(TeacherCacheArgs, []).zstd_level == 1
+    manifest.write(tmp_path)
+    values = json.loads((tmp_path / "cache.json").read_text())
+    del values["zstd_level"]
+    (tmp_path / "cache.json").write_text(json.dumps(values))
+    assert CacheManifest.read(tmp_path).zstd_level == OLD_ZSTD_LEVEL == 19
+    settle_manifest(tmp_path, manifest)
+    assert manifest.zstd_level == 19
+    for level in (0, 23):
+        with pytest.raises(ValueError, match=f"zstd_level={level}; use a zstd level from 1"):
+            parse_args(TeacherCacheArgs, [*distill_overrides(corpus, tiny_teacher, tmp_path / "dump"),
+                                          f"cache_dir={tmp_path}", f"zstd_level={level}"]).validate()
 
 
 @pytest.fixture(scope="module")
@@ -110,13 +131,13 @@ def test_the_cache_holds_what_the_online_teacher_sends(cross_cache):
     assert manifest.vocab_map_fingerprint == cross.vocab_map.fingerprint()
     assert set(CacheManifest.__dataclass_fields__) == set(json.loads((cache_dir / "cache.json").read_text()))
     teacher = TeacherModel(args.distillation, torch.device("cpu"))
-    aligned_shares = []
+    aligned_shares, last_aligned = [], False
     for index in range(manifest.n_shards):
         batch = read_shard(shard_path(cache_dir, index), range(0, 4), manifest)
         cached = batch["teacher"]
         for start in (0, 3):  # the writer's forwards of forward_rows=3 windows
             rows = slice(start, start + 3)
-            aligned = cross.teacher_batch(batch["input_ids"][rows], batch["doc_ids"][rows])
+            aligned = cross.teacher_batch(batch["input_ids"][rows], batch["doc_ids"][rows], batch["labels"][rows, -1])
             hidden = teacher.hidden_states(aligned.tokens, aligned.doc_ids)
             topk = teacher.sparse_outputs(hidden, "topk", manifest.k, torch.float32, teacher.vocab_size, None)
             online, kd_weight = cross.student_outputs(topk, aligned, torch.bfloat16)
@@ -124,7 +145,9 @@ def test_the_cache_holds_what_the_online_teacher_sends(cross_cache):
             assert_bit_equal(replace(cached, **{name: getattr(cached, name)[rows] for name in
                                                 ("values", "ids", "extra", "kd_weight")}), online)
         aligned_shares.append(cached.kd_weight.mean().item())
+        last_aligned = last_aligned or bool(cached.kd_weight[:, -1].any())
     assert all(0.0 < share <= 1.0 for share in aligned_shares) and min(aligned_shares) < 1.0
+    assert last_aligned  # the writer read the label past each window: some windows' last position has a target
 
 
 def test_training_reads_the_kd_weight_and_logs_kd_aligned(cross_cache):

@@ -87,3 +87,24 @@ def test_kd_weight_travels_and_becomes_kd_aligned():
     assert stats.tolist() == [0.0, 0.0, 0.0, 0.4]  # 2 of 5 valid positions aligned (row 0's third is masked)
     plain = replace(outputs, kd_weight=None)
     assert KDDistiller._with_aligned(torch.zeros(3), plain, labels, 5).numel() == 3
+
+
+def test_a_cross_tokenizer_request_carries_the_labels_past_the_windows():
+    """The students send each row's last label after the tokens (a label outside the vocabulary, -100, as -1:
+    none); where the tokenizers are the same, the request is as before."""
+    from types import SimpleNamespace
+
+    from lingua.distillation.bridge import HEADER_INTS, Op, RequestHeader
+    from lingua.distillation.client import TeacherClient
+
+    spec = check_handshake(records(CROSS, CROSS), CROSS)
+    plain = BridgeSpec(2, 64, 258, "topk", 64, torch.bfloat16)
+    assert spec.request_ints() == plain.request_ints() + 2 == HEADER_INTS + 2 * 64 + 2
+    client = SimpleNamespace(spec=spec, n_words=258, pin=False, device=torch.device("cpu"))
+    tokens = torch.randint(0, 256, (2, 10))
+    request = TeacherClient._request(client, RequestHeader(Op.FORWARD, 3, 0, 2, 10, 0), tokens, None,
+                                     torch.tensor([257, -100]))
+    assert torch.equal(spec.token_grid(request)[:2, :10], tokens.int())
+    assert spec.next_tokens(request).tolist() == [257, -1]
+    alone = TeacherClient._request(client, RequestHeader(Op.FORWARD, 3, 0, 1, 10, 0), tokens[:1], None, None)
+    assert spec.next_tokens(alone)[:1].tolist() == [-1]  # no labels given: none (the teacher reads bsz rows)

@@ -71,12 +71,15 @@ def test_the_cut_at_max_positions_unaligns_only_what_lies_past_it(teacher):
 
 
 def test_the_map_is_the_pair_s(teacher):
-    """The teacher's byte-level tokens that are one byte map onto the byte tokenizer; its specials do not."""
+    """The teacher's byte-level tokens that are one byte map onto the byte tokenizer, its bos and eos onto the
+    student's by role; its other specials do not map."""
     _, tokenizer = teacher
     cross = CrossTokenizerTeacher(ByteTokenizer(), tokenizer)
     table = cross.vocab_map.teacher_to_student
-    assert cross.vocab_map.mapped == 256
-    assert all(table[i] == -1 for i in tokenizer.all_special_ids)
+    assert cross.vocab_map.mapped == 256 + 2
+    assert (int(table[tokenizer.bos_token_id]), int(table[tokenizer.eos_token_id])) == (256, 257)
+    assert all(table[i] == -1 for i in set(tokenizer.all_special_ids) - {tokenizer.bos_token_id,
+                                                                         tokenizer.eos_token_id})
     assert cross.pad_id == tokenizer.pad_token_id
 
 
@@ -88,8 +91,9 @@ def test_the_alignment_bench_prints_a_row_per_pair(corpus, capsys):
     main(["--corpus", str(corpus / "text"), "--seq-len", "64", "--windows", "4", "--rounds", "1", "--students",
           "bytes"])
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| bytes")]
-    assert len(rows) == 1 and rows[0][2] == "235 of 49152"
-    assert 0.0 < float(rows[0][3]) <= 1.0 and float(rows[0][5].rstrip(" |")) > 0
+    assert len(rows) == 1 and rows[0][2] == "237 of 49152"  # 235 bytes, and the bos and eos by role
+    assert 0.0 < float(rows[0][3]) <= 1.0 and float(rows[0][5]) > 0
+    assert rows[0][6:] == ["-", "- |"]  # no --teacher-path: the forward is not timed
 
 
 @pytest.mark.parametrize("max_positions", [None, 8])
@@ -125,3 +129,29 @@ def test_own_heldout_scores_the_students_windows_text_in_the_teachers_tokens(tea
             else:
                 assert n <= max_positions and text.startswith(whole)
     assert n_bytes == hand_bytes > 0
+
+
+def test_the_label_past_each_row_aligns_its_last_position(teacher):
+    """Given each row's label past the window, the teacher's grid and targets are the longer window's, cut to the
+    student's positions (its document ids numbered on): at every cut, and some cuts' last positions get targets
+    they had not without it (the label starts a teacher token, or is the document's eos)."""
+    from lingua.distillation.cross_tokenizer.alignment import student_doc_ids
+
+    _, tokenizer = teacher
+    student = ByteTokenizer()
+    cross = CrossTokenizerTeacher(student, tokenizer)
+    rows = student_rows(student, TEXTS, 48)
+    all_docs = torch.tensor([student_doc_ids(row, student.bos_id, student.eos_id) for row in rows.tolist()])
+    gained = 0
+    for seq_len in range(8, 47):
+        longer, docs = rows[:, :seq_len + 1], all_docs[:, :seq_len + 1]
+        whole = cross.teacher_batch(longer, docs)
+        with_label = cross.teacher_batch(longer[:, :-1], docs[:, :-1], longer[:, -1])
+        without = cross.teacher_batch(longer[:, :-1], docs[:, :-1])
+        assert torch.equal(with_label.tokens, whole.tokens) and torch.equal(with_label.doc_ids, whole.doc_ids)
+        assert torch.equal(with_label.source, whole.source[:, :-1])
+        assert (without.source[:, -1] == -1).all()
+        gained += int((with_label.source[:, -1] >= 0).sum())
+        assert torch.equal(cross.teacher_batch(longer[:, :-1], docs[:, :-1], torch.full((3,), -100)).source,
+                           without.source)  # no label (-100): as without
+    assert gained >= 10

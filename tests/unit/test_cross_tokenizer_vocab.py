@@ -112,3 +112,31 @@ def test_fingerprint_names_the_map(cross_tokenizers):
     assert a.fingerprint() == b.fingerprint() != c.fingerprint()
     assert torch.equal(a.teacher_to_student, b.teacher_to_student)
     assert 235 == a.mapped < c.mapped
+
+
+@pytest.mark.parametrize("student,teacher", [
+    ("bytes", "smollm2"),  # distinct bos and eos on both sides, named differently
+    ("sentencepiece", "trained_bpe"),  # a teacher whose bos is its eos
+    ("trained_bpe", "smollm2"),  # a student whose bos is its eos
+    ("llama3", "trained_sp"),
+])
+def test_eos_and_bos_map_by_role(cross_tokenizers, teacher, student):
+    """The pair's map (CrossTokenizerTeacher's) sends the teacher's eos to the student's eos and its bos to the
+    student's bos, whatever their strings (<|im_end|> to the byte tokenizer's 257, </s> to <|endoftext|>); a teacher
+    whose bos is its eos sends it to the student's eos. The teacher's other specials stay unmapped, and the map
+    differs from the bytes-only one exactly there."""
+    from lingua.distillation.cross_tokenizer.teacher_side import CrossTokenizerTeacher
+
+    student_tok, teacher_tok = cross_tokenizers[student], cross_tokenizers[teacher]
+    cross = CrossTokenizerTeacher(student_tok, teacher_tok.tokenizer)
+    table = cross.vocab_map.teacher_to_student
+    bytes_only = build_vocab_map(cross.aligner.student_bytes, cross.aligner.teacher_bytes,
+                                 byte_fallback_ids(student_tok)).teacher_to_student
+    teacher_bos, teacher_eos = teacher_tok.tokenizer.bos_token_id, teacher_tok.tokenizer.eos_token_id
+    assert int(table[teacher_eos]) == student_tok.eos_id
+    if teacher_bos != teacher_eos:
+        assert int(table[teacher_bos]) == student_tok.bos_id
+    others = hf_special_ids(teacher_tok.tokenizer) - {teacher_bos, teacher_eos}
+    assert all(int(table[t]) == -1 for t in others)
+    changed = (table != bytes_only).nonzero().flatten().tolist()
+    assert set(changed) == {teacher_bos, teacher_eos}

@@ -112,7 +112,7 @@ def test_a_killed_producer_is_one_sentence_not_a_hang(tmp_path):
         next(loader)
         os.kill(loader._producer.process.pid, signal.SIGKILL)
         with pytest.raises(RunFailed, match=r"^The data producer process \(pid \d+\) was killed by SIGKILL"):
-            for _ in range(10):  # what already crossed the pipe still arrives
+            for _ in range(10_000):  # what already crossed the pipe (up to its 64 KiB buffer) still arrives
                 next(loader)
 
 

@@ -2,6 +2,7 @@
 tiny sizes on the CPU, the GPU mode's step comparison included (the same code path as --device cuda)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -89,3 +90,42 @@ def test_the_bench_runs_at_tiny_sizes_with_the_step_comparison(corpus, tiny_teac
         assert steps[mode]["steps"] == 2 and 0 <= steps[mode]["data_share"] < 1 and steps[mode]["fwd_bwd_s"] > 0
     assert steps["fwd_bwd_kd_over_ce"] > 0
     assert "| tiny student: fwd+bwd KD / CE |" in capsys.readouterr().out
+
+
+def test_a_failed_step_run_keeps_the_other_rows(monkeypatch, tmp_path):
+    """One student's failed launch (out of memory on a small card, say) is its row's reason; the other student's
+    rows and the writer's are kept, and a failed cache writer leaves every step row with its reason."""
+    from argparse import Namespace
+
+    from apps.bench import feed_step
+    from apps.main.teacher_cache import TeacherCacheArgs
+    from lingua.errors import RunFailed
+
+    def fake_launch(module, overrides, what, timeout_s=300):
+        if what.startswith("small"):
+            raise RunFailed("the small ce run failed: error: out of memory")
+        if module == "apps.main.train":  # a run's metrics: three steady steps
+            dump = Path(next(item for item in overrides if item.startswith("dump_dir="))[len("dump_dir="):])
+            dump.mkdir(parents=True)
+            row = {"speed/step_time_s": 1.0, "speed/data_time_s": 0.01, "stragglers/fwd_bwd_max_s": 0.9,
+                   "speed/tokens_per_s": 10.0}
+            (dump / "metrics.jsonl").write_text("".join(json.dumps({"step": s, **row}) + "\n" for s in range(1, 9)))
+        return ""
+
+    monkeypatch.setattr(feed_step, "launch", fake_launch)
+    monkeypatch.setitem(feed_step.STUDENTS, "small", {"dim": 8})
+    options = Namespace(overrides=[], config="c.yaml", steps=3, device="cpu", students="small,tiny")
+    steps = feed_step.step_comparison(options, TeacherCacheArgs(), tmp_path)
+    assert steps["small"] == {"failed": "the small ce run failed: error: out of memory"}
+    assert steps["tiny"]["fwd_bwd_kd_over_ce"] == 1.0
+    table = feed_step.format_step_table({"writer": WRITER, "steps": steps}, ISSUE_TABLE)
+    assert "| small student | - | the small ce run failed: error: out of memory |" in table
+    assert "| tiny student: fwd+bwd KD / CE | - | 1.00x |" in table
+
+    def writer_fails(module, overrides, what, timeout_s=300):
+        raise RunFailed("the cache writer failed: error: disk full")
+
+    monkeypatch.setattr(feed_step, "launch", writer_fails)
+    assert feed_step.step_comparison(options, TeacherCacheArgs(), tmp_path / "again") == {
+        "small": {"failed": "the cache writer failed: error: disk full"},
+        "tiny": {"failed": "the cache writer failed: error: disk full"}}

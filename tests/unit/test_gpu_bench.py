@@ -2,6 +2,7 @@
 summary, the budget, a failed or timed-out part."""
 
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -58,3 +59,18 @@ def test_a_part_that_times_out_or_fails_is_named_and_the_exit_status_says_so(tmp
     started = []
     assert gpu_bench.main(["--out", str(tmp_path / "spent")], run=lambda *a, **k: started.append(a)) == 1
     assert started == [] and (tmp_path / "spent" / "bench.md").read_text().count("FAILED or timed out") == 3
+
+
+def test_a_smaller_budget_caps_every_part(tmp_path):
+    """--budget-s (a lent machine's few minutes) bounds each part's limit, the feeding bench's included."""
+    timeouts = []
+
+    def fake_run(command, cwd, timeout):
+        timeouts.append(timeout)
+        out = Path(command[command.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "table.md").write_text("| a | b |\n")
+        return subprocess.CompletedProcess(command, 0)
+
+    assert gpu_bench.main(["--out", str(tmp_path), "--budget-s", "120"], run=fake_run) == 0
+    assert len(timeouts) == 3 and all(t <= 120 for t in timeouts)

@@ -144,3 +144,19 @@ def test_compiled_variants_run_beside_their_eager_twins(tmp_path, keep_threads, 
                            (["--against", "liger", "--compiled", "ce,kd_t3"], "kd_t3")):
         with pytest.raises(ValueError, match=message):
             bench.parse_args(TINY + flags + ["--out", str(tmp_path)])
+
+
+def test_a_variant_that_raises_costs_its_row_only(tmp_path, keep_threads, capsys):
+    """A variant that fails (out of memory, a compile error) is its row's reason; the others are measured as usual."""
+    from apps.bench import loss_against
+
+    class Broken:
+        def __call__(self, *inputs):
+            raise RuntimeError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    args, _ = bench.parse_args(TINY + ["--against", "liger", "--rounds", "1", "--repeats", "2", "--out", str(tmp_path)])
+    results = loss_against.run_against(args, liger={"liger_ce": Broken(), "liger_jsd": loss_against.NOT_INSTALLED})
+    rows = results["variants"]
+    assert rows["liger_ce"]["status"] == "failed: RuntimeError: CUDA out of memory. Tried to allocate 9.00 GiB"
+    assert rows["ce"]["status"] == "ok" and rows["ce"]["ms_over_liger_ce"] is None and len(rows["ce"]["all_ms"]) == 2
+    assert "| liger_ce | failed: RuntimeError" in (tmp_path / "table.md").read_text()

@@ -52,17 +52,22 @@ class CrossTokenizerTeacher:
         self.teacher_fingerprint = tokenizer_fingerprint(teacher_tokenizer.get_vocab())  # a cache's manifest records it
         student_bytes = student_token_bytes(student)
         teacher_bytes = hf_token_bytes(teacher_tokenizer)
-        self.vocab_map: VocabMap = build_vocab_map(student_bytes, teacher_bytes, byte_fallback_ids(student))
         self.aligner = WindowAligner(student_bytes, student.bos_id, student.eos_id, teacher_tokenizer, teacher_bytes)
+        # The separators the aligner writes for the student's eos and bos are theirs in the targets (by role).
+        roles = [(self.aligner.closing, student.eos_id), (self.aligner.opening, student.bos_id)]
+        self.vocab_map: VocabMap = build_vocab_map(student_bytes, teacher_bytes, byte_fallback_ids(student), roles)
         self.max_positions = max_positions or None
         pad = teacher_tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else teacher_tokenizer.eos_token_id if \
             teacher_tokenizer.eos_token_id is not None else 0
 
-    def teacher_batch(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> TeacherBatch:
-        """Align each student row (CPU work, on the teacher's side) and lay the teacher rows out as one grid."""
-        rows = [self.aligner.align(input_ids[r].tolist(), None if doc_ids is None else doc_ids[r].tolist())
-                for r in range(input_ids.shape[0])]
+    def teacher_batch(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                      next_tokens: Optional[torch.Tensor] = None) -> TeacherBatch:
+        """Align each student row (CPU work, on the teacher's side) and lay the teacher rows out as one grid.
+        `next_tokens` [N]: each row's label past the window (the labels' last column; negative: none), so the
+        row's last position can be aligned too."""
+        rows = self.aligner.align_rows(input_ids.tolist(), None if doc_ids is None else doc_ids.tolist(),
+                                       None if next_tokens is None else next_tokens.tolist())
         length = max([len(w.ids) for w in rows] + [1])
         if self.max_positions is not None:
             length = min(length, self.max_positions)

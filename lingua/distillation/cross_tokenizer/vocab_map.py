@@ -3,10 +3,11 @@
     vocab_map = build_vocab_map(student_token_bytes(student), hf_token_bytes(teacher), byte_fallback_ids(student))
     vocab_map.teacher_to_student[t]   # the student id whose bytes equal teacher id t's, or -1 (unmapped)
 
-A teacher id maps when its bytes are exactly one student token's bytes; special tokens on either side, and
-teacher tokens that are several student tokens (or part of one), stay unmapped: their probability goes to
-the "rest" bucket of the student's targets (`targets.py`). Several teacher ids may map to one student id
-(their probabilities add up there).
+A teacher id maps when its bytes are exactly one student token's bytes; teacher tokens that are several student
+tokens (or part of one) stay unmapped: their probability goes to the "rest" bucket of the student's targets
+(`targets.py`). Several teacher ids may map to one student id (their probabilities add up there). Special tokens
+have no bytes: the teacher's eos and bos map to the student's by role (`roles`, eos first, so a teacher whose bos
+is its eos sends "the document ends" to the student's eos); its other specials stay unmapped.
 """
 
 import hashlib
@@ -46,9 +47,18 @@ def _student_ids_by_bytes(student_bytes: Sequence[Optional[bytes]], fallback_ids
 
 
 def build_vocab_map(student_bytes: Sequence[Optional[bytes]], teacher_bytes: Sequence[Optional[bytes]],
-                    student_fallback_ids: Collection[int] = ()) -> VocabMap:
+                    student_fallback_ids: Collection[int] = (),
+                    roles: Sequence[tuple[Optional[int], Optional[int]]] = ()) -> VocabMap:
     """The map from teacher ids to student ids by equal bytes (`token_bytes.py` gives both tables and the student's
-    byte-fallback ids; None = a special token, never mapped)."""
+    byte-fallback ids; None = a special token), then the specials paired by role: (teacher id, student id) pairs,
+    e.g. [(teacher eos, student eos), (teacher bos, student bos)]; a teacher id keeps its first pair, a None
+    side is skipped."""
     by_bytes = _student_ids_by_bytes(student_bytes, frozenset(student_fallback_ids))
     table = [by_bytes.get(data, -1) if data else -1 for data in teacher_bytes]
+    paired: set[int] = set()
+    for teacher_id, student_id in roles:
+        if teacher_id is not None and student_id is not None and 0 <= teacher_id < len(table) \
+                and 0 <= student_id < len(student_bytes) and teacher_id not in paired:
+            table[teacher_id] = student_id
+            paired.add(teacher_id)
     return VocabMap(torch.tensor(table, dtype=torch.int64), len(student_bytes))

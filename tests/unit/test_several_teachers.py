@@ -1,0 +1,267 @@
+"""Several teachers (distillation.teachers): the config's sentences, the one-teacher equivalence, the launch layout,
+the batches' source ids and the mixing math (weighted sums of each teacher's KD term, routing per source)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from apps.main.train import TrainArgs, n_teacher_ranks, teacher_counts
+from lingua.args import parse_args
+from lingua.data import DataArgs, DataLoader
+from lingua.data_stream import active_sources
+from lingua.distillation.args import DistillationArgs, OneTeacherArgs, TeacherArgs, teacher_title
+from lingua.distillation.fused_loss import fused_linear_kd_loss
+from lingua.distillation.mixture import mixed_head_loss, mixing_weights, source_routing, teacher_metrics
+from lingua.distillation.outputs import TeacherOutputs
+from lingua.errors import ConfigError, LaunchError
+from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan
+from lingua.tokenizer import ByteTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kd_args(tmp_path, *overrides: str) -> TrainArgs:
+    """The 2+1 CPU config with its data and teacher stubbed under tmp_path, plus `overrides`."""
+    for source in ("pydocs", "code"):
+        (tmp_path / "corpus" / source).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "corpus" / source / f"{source}.chunk.0.jsonl").write_text('{"text": "a"}\n')
+    for name in ("t0", "t1"):
+        (tmp_path / name).mkdir(exist_ok=True)
+    return parse_args(TrainArgs, [f"config={ROOT / 'configs/distill_exps/debug_cpu.yaml'}",
+                                  f"data.root_dir={tmp_path / 'corpus'}", "data.tokenizer.name=bytes",
+                                  "data.tokenizer.path=null", "distillation.teacher_path=null", *overrides])
+
+
+def teachers(tmp_path, *elements: str) -> str:
+    return "distillation.teachers=[" + ", ".join(e.format(t0=tmp_path / "t0", t1=tmp_path / "t1")
+                                                 for e in elements) + "]"
+
+
+def refusal(args: TrainArgs, world_size: int = 4) -> str:
+    with pytest.raises((ConfigError, LaunchError)) as err:
+        args.validate(world_size=world_size)
+    return str(err.value)
+
+
+def test_one_teacher_in_the_list_is_teacher_path(tmp_path):
+    listed = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}, n_teacher_ranks: 2, weight: 3.0}}"))
+    listed.validate(world_size=4)
+    plain = kd_args(tmp_path, f"distillation.teacher_path={tmp_path / 't0'}", "distillation.n_teacher_ranks=2")
+    plain.validate(world_size=4)
+    assert listed.distillation == plain.distillation and listed.distillation.teachers == []
+    assert teacher_counts(listed) == teacher_counts(plain) == (2,)
+    assert teacher_title(listed.distillation, 3) == "Teacher rank 3"
+
+
+def test_several_teachers_lay_out_after_the_students(tmp_path):
+    args = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}, n_teacher_ranks: 2}}", "{{path: {t1}, sources: [code]}}"),
+                   "data.sources={pydocs: 1.0, code: 1.0}")
+    args.validate(world_size=7)
+    assert teacher_counts(args) == (2, 1) and n_teacher_ranks(args) == 3
+    one = args.distillation.teacher_args(1)
+    assert isinstance(one, OneTeacherArgs) and (one.teacher_path, one.n_teacher_ranks) == (str(tmp_path / "t1"), 1)
+    assert teacher_title(one, 6) == f"Teacher 1 ({tmp_path / 't1'}) on rank 6"
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["distillation.teacher_path={t0}", "{{path: {t0}}}", "{{path: {t1}}}"],
+     "set teacher_path=null or remove distillation.teachers"),
+    (["{{path: {t0}, weight: 0.0}}", "{{path: {t1}}}"], "distillation.teachers[0].weight=0.0"),
+    (["{{path: {t0}}}", "{{path: {t1}, sources: [nowhere]}}"], "'nowhere' is not in data.sources"),
+    (["{{path: {t0}}}", "{{path: /no/such/dir}}"], "distillation.teachers[1].path='/no/such/dir'; that directory does not exist"),
+    (["{{path: {t0}}}", "{{path: {t1}, cross_tokenizer: true}}", "distillation.output=sampled"],
+     "teachers[1].cross_tokenizer=true maps the teacher's top-k ids"),
+    (["{{path: {t0}}}", "{{path: {t1}}}", "distillation.source=cache", "distillation.cache_dir=/tmp"],
+     "several teachers run online only for now"),
+    (["{{path: {t0}, n_teacher_ranks: 3}}", "{{path: {t1}}}"], "teacher 0's 3 replica(s)"),
+    (["{{path: {t0}}}", "{{path: {t1}}}", "distributed.teacher_placement=per_node"], "teacher_placement=last"),
+    (["{{path: {t0}}}", "{{path: {t1}, cross_tokenizer: true}}", "distillation.uld_weight=0.5"],
+     "ULD runs with one teacher for now"),
+])
+def test_each_bad_teacher_setting_is_one_sentence(tmp_path, overrides, words):
+    listed = [o for o in overrides if o.startswith("{")]
+    rest = [o.format(t0=tmp_path / "t0") for o in overrides if not o.startswith("{")]
+    args = kd_args(tmp_path, teachers(tmp_path, *listed), *rest)
+    sentence = refusal(args, world_size=5 if "n_teacher_ranks: 3" in overrides[0] else 4)
+    assert words in sentence and "\n" not in sentence, sentence
+
+
+def test_an_unknown_teacher_key_names_the_element(tmp_path):
+    with pytest.raises(ConfigError, match=r"Unknown config key 'distillation.teachers\[1\].wieght'"):
+        kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}}}", "{{path: {t1}, wieght: 2}}"))
+
+
+def test_the_launch_plan_gives_each_student_one_bridge_per_teacher():
+    plan = LaunchPlan.for_launch(DistributedArgs(), 3, 7, 7, teacher_counts=(2, 1))
+    assert plan.student_ranks == [0, 1, 2, 3] and plan.teacher_models == [[4, 5], [6]]
+    assert plan.replicas() == [([4], [0, 1]), ([5], [2, 3]), ([6], [0, 1, 2, 3])]
+    assert [plan.bridge_index(2, teacher) for teacher in (0, 1)] == [1, 2]
+    assert [plan.bridge_index(rank) for rank in (4, 5, 6)] == [0, 1, 2]
+    assert [plan.teacher_of_bridge(bridge) for bridge in range(3)] == [0, 0, 1]
+    assert "  teacher 1: global ranks 6" in plan.describe()
+    # One teacher through the list is the plan of today.
+    assert LaunchPlan.for_launch(DistributedArgs(), 1, 3, 3, teacher_counts=(1,)) == LaunchPlan(3, 3, 1)
+
+
+def test_batches_say_which_source_each_row_comes_from(tmp_path):
+    for source, letter in (("pydocs", "p"), ("code", "c")):
+        (tmp_path / source).mkdir()
+        lines = [json.dumps({"text": letter * 40}) for _ in range(20)]
+        (tmp_path / source / f"{source}.chunk.0.jsonl").write_text("\n".join(lines) + "\n")
+    args = DataArgs(root_dir=str(tmp_path), sources={"pydocs": 1.0, "off": 0.0, "code": 1.0}, batch_size=8,
+                    seq_len=16, load_async=False, add_bos=False, add_eos=False)
+    assert active_sources(args.sources) == ["pydocs", "code"]
+    batch = next(iter(DataLoader(args, ByteTokenizer(), 0, 1)))
+    ids = batch["source_ids"]
+    assert ids.shape == (8,) and set(ids.tolist()) == {0, 1}
+    for row, source in zip(batch["input_ids"], ids.tolist()):
+        assert set(row.tolist()) == {ord("pc"[source])}
+
+
+def topk_outputs(generator, B, S, V, k) -> TeacherOutputs:
+    logits = torch.randn(B, S, V, generator=generator, dtype=torch.float64) * 2
+    values, ids = logits.log_softmax(-1).topk(k)
+    rest = torch.log1p(-values.exp().sum(-1).clamp(max=1 - 1e-9))
+    return TeacherOutputs("topk", values.float(), ids.int(), rest.float())
+
+
+def test_routing_and_weights_per_source_and_alignment():
+    listed = [TeacherArgs(path="a", weight=3.0, sources=["pydocs", "code"]), TeacherArgs(path="b", weight=1.0, sources=["code"]),
+              TeacherArgs(path="c", sources=["web"])]
+    routing = source_routing(listed, ["pydocs", "code", "books"])
+    assert routing.tolist() == [[3.0, 0.0, 0.0], [3.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+    aligned = torch.tensor([[1.0, 0.0, 1.0]] * 3)  # teacher 0 is cross-tokenizer: no target at position 1
+    weights = mixing_weights(routing, torch.tensor([0, 1, 2]), [aligned, None, None], (3, 3))
+    assert torch.stack(weights).tolist() == [
+        [[1.0, 0.0, 1.0], [0.75, 0.0, 0.75], [0.0, 0.0, 0.0]],  # pydocs: teacher 0 alone (and CE at position 1)
+        [[0.0, 0.0, 0.0], [0.25, 1.0, 0.25], [0.0, 0.0, 0.0]],  # code: 3:1, teacher 1 alone where 0 has no target
+        [[0.0] * 3] * 3,  # teacher 2 teaches web, not a source here; books rows have no teacher: CE only
+    ]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_mixed_loss_is_the_weighted_sum_of_each_teachers_kd(fused):
+    generator = torch.Generator().manual_seed(0)
+    B, S, D, V, k, alpha, T = 3, 5, 8, 40, 6, 0.4, 2.0
+    hidden = torch.randn(B, S, D, generator=generator, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(V, D, generator=generator, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (B, S), generator=generator)
+    labels[0, :2] = -100
+    outputs = [topk_outputs(generator, B, S, V, k) for _ in range(2)]
+    routing = source_routing([TeacherArgs(weight=2.0), TeacherArgs(sources=["code"])], ["text", "code"]).double()
+    weights = mixing_weights(routing, torch.tensor([0, 1, 1]), [None, None], (B, S))
+    args = DistillationArgs(temperature=T, alpha=alpha, fused_loss=fused, divergence="rkl")
+    n_valid = int((labels != -100).sum())
+    loss, ce, stats = mixed_head_loss(hidden, head, labels, outputs, weights, n_valid, alpha, args)
+    grads = torch.autograd.grad(loss, (hidden, head))
+    # The expected: CE and each teacher's KD (weighted by its weights) from separate fused calls at alpha = 1/0.
+    ce_only = fused_linear_kd_loss(hidden, head, labels, None, n_valid, 0.0, T)[0]
+    kd_terms = [fused_linear_kd_loss(hidden, head, labels, out, n_valid, 1.0, T, "rkl", kd_weight=w)
+                for out, w in zip(outputs, weights)]
+    expected = (1 - alpha) * ce_only + alpha * sum(term for term, _ in kd_terms)
+    expected_grads = torch.autograd.grad(expected, (hidden, head))
+    # fused=False is the reference loss on logits, checked against the fused calls: equal to float64's rounding of
+    # two implementations; the statistics come back in fp32.
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-12 if fused else 1e-7)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-9 if fused else 1e-5, atol=1e-12 if fused else 1e-7)
+    assert ce.item() == pytest.approx(ce_only.item(), rel=1e-6)
+    for i, (_, sums) in enumerate(kd_terms):  # each teacher's share of loss/kd, mass and agreement
+        torch.testing.assert_close(stats[i, :3], sums[1:].double() / n_valid, rtol=1e-5, atol=1e-7)
+    valid = labels != -100
+    assert stats[:, 3].tolist() == pytest.approx([float((w * valid).sum()) / n_valid for w in weights])
+    # Row 0 (text) is teacher 0's alone; rows 1-2 (code) are 2:1; the weights of a taught position add to 1.
+    assert weights[1][0].abs().sum() == 0 and torch.allclose(weights[0][1:] + weights[1][1:], torch.ones(2, S, dtype=torch.float64))
+    metrics = teacher_metrics(stats, [False, True])
+    assert set(metrics) == {f"kd/{i}/{name}" for i in (0, 1) for name in ("loss", "teacher_mass", "top1_agreement",
+                                                                       "weight")} | {"kd/1/aligned"}
+
+
+def test_teachers_on_shared_gemms_equal_one_call_per_teacher():
+    """The fused loss with more_teachers (one set of head GEMMs, weight_grad=accumulate) and the per-teacher calls
+    it falls back to (vocab_blocks here) give the same loss, gradients and statistics."""
+    generator = torch.Generator().manual_seed(1)
+    B, S, D, V, k, alpha = 2, 7, 8, 50, 5, 0.3
+    hidden = torch.randn(B, S, D, generator=generator, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(V, D, generator=generator, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (B, S), generator=generator)
+    outputs = [topk_outputs(generator, B, S, V, k) for _ in range(3)]
+    weights = [torch.rand(B, S, generator=generator, dtype=torch.float64) for _ in range(3)]
+    results = []
+    for weight_grad in ("accumulate", "vocab_blocks"):
+        args = DistillationArgs(alpha=alpha, loss_weight_grad=weight_grad, loss_chunk_size=4)
+        loss, ce, stats = mixed_head_loss(hidden, head, labels, outputs, weights, B * S, alpha, args)
+        results.append((loss, ce, stats, torch.autograd.grad(loss, (hidden, head))))
+    (loss_a, ce_a, stats_a, grads_a), (loss_b, ce_b, stats_b, grads_b) = results
+    assert loss_a.item() == pytest.approx(loss_b.item(), rel=1e-12)
+    assert ce_a.item() == pytest.approx(ce_b.item(), rel=1e-6)
+    torch.testing.assert_close(stats_a, stats_b, rtol=1e-5, atol=1e-7)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_sentences_about_a_teacher_name_it_by_index_and_path(tmp_path):
+    """A teacher that failed to load (its handshake record), or a rank that stopped (the lost-peer sentence's
+    words for it): with several teachers the sentence says which teacher, with one it reads as before."""
+    from lingua.distillation.bridge import HandshakeRecord, agreed_settings, check_handshake
+    from lingua.errors import TeacherError
+
+    args = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}}}", "{{path: {t1}}}")).distillation
+    failed = HandshakeRecord("teacher", 3, 0, 0, agreed_settings(args), loaded=False, message="no such file")
+    student = HandshakeRecord("student", 0, 256, 0, agreed_settings(args), max_bsz=2, max_seqlen=8)
+    with pytest.raises(TeacherError, match=rf"^Teacher 1 \({tmp_path / 't1'}\) on rank 3 failed to load: no such "):
+        check_handshake([student, failed], args.teacher_args(1))
+    with pytest.raises(TeacherError, match=r"^Teacher rank 3 failed to load: no such file"):
+        check_handshake([student, failed], DistillationArgs(teacher_path="x"))
+    plan = LaunchPlan.for_launch(DistributedArgs(), 3, 5, 5, teacher_counts=(2, 1), teacher_paths=("a", "b"))
+    assert [plan.rank_words(rank) for rank in range(5)] == ["student", "student", "teacher 0 (a)", "teacher 0 (a)",
+                                                            "teacher 1 (b)"]
+    assert LaunchPlan(3, 3, 1).rank_words(2) == "teacher"
+
+
+def test_the_cache_writer_refuses_several_teachers_and_takes_a_one_teacher_list(tmp_path):
+    from apps.main.teacher_cache import TeacherCacheArgs
+
+    overrides = [f"config={ROOT / 'configs/distill_exps/debug_cpu.yaml'}", f"data.root_dir={tmp_path / 'corpus'}",
+                 "data.tokenizer.name=bytes", "data.tokenizer.path=null", "distillation.teacher_path=null",
+                 f"cache_dir={tmp_path / 'cache'}"]
+    kd_args(tmp_path)  # the stubs
+    several = parse_args(TeacherCacheArgs, overrides + [teachers(tmp_path, "{{path: {t0}}}", "{{path: {t1}}}")])
+    with pytest.raises(ConfigError, match=r"the cache writer runs one teacher: write each teacher's cache"):
+        several.validate(world_size=1)
+    one = parse_args(TeacherCacheArgs, overrides + [teachers(tmp_path, "{{path: {t1}}}")])
+    assert one.distillation.teacher_path == str(tmp_path / "t1") and one.distillation.teachers == []
+
+
+def test_a_refused_bridge_does_not_skip_the_next_ones_exchange(tmp_path, monkeypatch):
+    """A student exchanges its records on every bridge before it checks any: teacher 0 refused must not leave
+    teacher 1 waiting in an exchange the student skipped; then every rank shares the verdicts and raises."""
+    from types import SimpleNamespace
+
+    from lingua.distillation import bridge
+    from lingua.distillation.bridge import HandshakeRecord, agreed_settings
+    from lingua.errors import TeacherError
+
+    args = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}}}", "{{path: {t1}}}")).distillation
+    settings = agreed_settings(args)
+    student = HandshakeRecord("student", 0, 256, 7, settings, max_bsz=2, max_seqlen=8)
+    teacher_records = {0: HandshakeRecord("teacher", 2, 0, 0, settings, loaded=False, message="broken"),
+                       1: HandshakeRecord("teacher", 3, 256, 7, settings)}
+    exchanged = []
+
+    def exchange(view, mine):
+        exchanged.append(view.teacher_view)
+        return [mine, teacher_records[view.teacher_view]]
+
+    def all_gather_object(out, verdict, group):
+        out[:] = [verdict] + [None] * (len(out) - 1)
+
+    monkeypatch.setattr(bridge, "_exchange", exchange)
+    monkeypatch.setattr(bridge.dist, "all_gather_object", all_gather_object)
+    topo = SimpleNamespace(world_size=4, teacher_ranks=[2, 3])
+    views = [SimpleNamespace(teacher_view=i) for i in (0, 1)]
+    with pytest.raises(TeacherError, match=r"^Teacher 0 \(.*t0\) on rank 2 failed to load: broken"):
+        bridge.agreed_handshakes(topo, [(view, student, args.teacher_args(i)) for i, view in enumerate(views)])
+    assert exchanged == [0, 1]
