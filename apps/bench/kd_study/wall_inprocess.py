@@ -116,16 +116,17 @@ def heldout_ce(model, study: Study, batches: list[dict]) -> float:
     return loss_sum / max(tokens, 1)
 
 
-def train_run(study: Study, run: WallRun, batches: list[dict], splits: dict) -> dict:
-    """One (arm, E, seed): a fresh model from the seed, E x U tokens, then each split's held-out CE."""
-    arm, device = WALL_ARMS[run.arm], study.device
+def train_run(study: Study, run: WallRun, batches: list[dict], splits: dict, is_ce: bool) -> dict:
+    """One (arm, E, seed): a fresh model from the seed, E x U tokens, then each split's held-out CE (`is_ce`: the
+    CE-only loss, the batches' teacher outputs unread)."""
+    device = study.device
     run_args = study.args_of(run.overrides, shared=False)  # shared, the arm's, its steps and warmup (wall.py)
     torch.manual_seed(run.seed)
     with torch.device(device):
         model = LMTransformer(replace(run_args.model, seed=run.seed))
         model.init_weights()
     optimizer, scheduler = build_optimizer(model, run_args.optim, run.steps)
-    distiller = NoDistiller(run_args.distillation) if arm.is_ce else CacheDistiller(run_args.distillation, None)
+    distiller = NoDistiller(run_args.distillation) if is_ce else CacheDistiller(run_args.distillation, None)
     start = time.perf_counter()
     for step in range(1, run.steps + 1):
         batch = batches[(step - 1) % len(batches)]
@@ -241,7 +242,7 @@ def main(options, plan_wall_runs, windows_of) -> dict:
             started = time.time()
             arm = WALL_ARMS[run.arm]
             source = cache_names[0] if arm.is_ce else arm.cache
-            row = train_run(study, run, batches[source], splits)
+            row = train_run(study, run, batches[source], splits, arm.is_ce)
             finish_run(run, row, started)
             tokens_per_s = run.steps * args.data.batch_size * args.data.seq_len / row["wall_s"]
             logger.info(f"done {run.arm} E={run.epochs} seed {run.seed} in {row['wall_s']:.1f}s "
