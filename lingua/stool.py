@@ -183,16 +183,24 @@ def launch_plan(cfg: DictConfig, nodes: int, ntasks_per_node: int) -> tuple[Laun
     leaves its node; otherwise teachers are the last ranks."""
     n_teachers = teacher_rank_count(bool(cfg.get("enable_distillation", False)),
                                     int(OmegaConf.select(cfg, "distillation.n_teacher_ranks", default=1)))
+    # Several teachers (distillation.teachers), each its own ranks after the students, as the trainer lays them out.
+    teachers = OmegaConf.select(cfg, "distillation.teachers", default=None) or []
+    online = OmegaConf.select(cfg, "distillation.source", default="online") == "online"
+    counts = tuple(int(OmegaConf.select(t, "n_teacher_ranks", default=1)) for t in teachers) if n_teachers and online \
+        else ()
+    if counts:
+        n_teachers = sum(counts)
+    several = counts if len(counts) > 1 else ()
     teacher_tp = int(OmegaConf.select(cfg, "distillation.teacher_tp", default=1)) if n_teachers else 1
     require(teacher_tp >= 1, "distillation.teacher_tp", teacher_tp,
             "use 1 (one rank per teacher) or the number of ranks to shard each teacher over")
     distributed = OmegaConf.merge(OmegaConf.structured(DistributedArgs), cfg.get("distributed") or {})
     write = None
     if OmegaConf.select(cfg, "distributed.teacher_placement", default=None) is None \
-            and n_teachers and n_teachers == nodes * teacher_tp and nodes > 1:
+            and n_teachers and n_teachers == nodes * teacher_tp and nodes > 1 and not several:
         distributed.teacher_placement = write = "per_node"
     plan = LaunchPlan.for_launch(OmegaConf.to_object(distributed), n_teachers, nodes * ntasks_per_node, ntasks_per_node,
-                                 teacher_tp)
+                                 teacher_tp, teacher_counts=several)
     return plan, write
 
 

@@ -189,11 +189,19 @@ class DistillationArgs:
         if len(self.teachers) != 1 or self.teachers[0].sources or self.teacher_path:
             return
         only = self.teachers[0]
+        self._refuse_one_teacher_keys()
         require(not self.cross_tokenizer, "distillation.cross_tokenizer", self.cross_tokenizer,
                 "with distillation.teachers set cross_tokenizer per teacher (teachers[0].cross_tokenizer)")
         self.teacher_path, self.n_teacher_ranks = only.path, only.n_teacher_ranks
         self.cross_tokenizer, self.teacher_tokenizer, self.teachers = only.cross_tokenizer, only.tokenizer, []
         self.validate_cross_tokenizer()
+
+    def _refuse_one_teacher_keys(self) -> None:
+        """The one-teacher keys that `teachers` sets per teacher: set beside it, one of them would be ignored."""
+        require(self.n_teacher_ranks == 1, "distillation.n_teacher_ranks", self.n_teacher_ranks,
+                "with distillation.teachers set it per teacher (teachers[i].n_teacher_ranks), or remove it")
+        require(self.teacher_tokenizer is None, "distillation.teacher_tokenizer", self.teacher_tokenizer,
+                "with distillation.teachers set it per teacher (teachers[i].tokenizer), or remove it")
 
     def _validate_teachers(self) -> None:
         """Several teachers: each its path, ranks and weight; the keys of the one-teacher case left unset."""
@@ -203,6 +211,7 @@ class DistillationArgs:
                 "with distillation.teachers set cross_tokenizer per teacher (teachers[i].cross_tokenizer)")
         require(self.source == "online", "distillation.source", self.source,
                 "several teachers run online only for now; set source=online or train from one teacher's cache")
+        self._refuse_one_teacher_keys()
         for i, teacher in enumerate(self.teachers):
             key = f"distillation.teachers[{i}]"
             require(bool(teacher.path), f"{key}.path", teacher.path, "point it at a transformers checkpoint directory")

@@ -315,8 +315,11 @@ class SeveralTeachersDistiller(KDDistiller):
             client.wait_clock.new_step()
 
     def submit(self, batch: dict, step: int, micro_step: int):
+        # As one teacher's: another tokenizer's teacher aligns the window's last position through the label past it.
+        next_tokens = batch["labels"][:, -1] if "labels" in batch else None
         handles = [client.submit(batch["input_ids"], step, micro_step,
-                                 batch.get("doc_ids") if client.spec.doc_boundaries else None)
+                                 batch.get("doc_ids") if client.spec.doc_boundaries else None,
+                                 next_tokens if client.spec.kd_weight else None)
                    for client in self.clients]
         return batch["source_ids"], handles
 

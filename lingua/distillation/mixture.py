@@ -43,6 +43,10 @@ def check_teacher_sources(teachers: list[TeacherArgs], data_sources: dict) -> No
         for name in teacher.sources:
             require(name in data_sources, f"distillation.teachers[{i}].sources", teacher.sources,
                     f"{name!r} is not in data.sources ({', '.join(data_sources)}); list the sources this teacher teaches")
+        if teacher.sources:  # a teacher of sources that are never read would teach nothing, silently
+            require(any(data_sources[name] > 0 for name in teacher.sources), f"distillation.teachers[{i}].sources",
+                    teacher.sources, "every source it lists has weight 0 in data.sources, so it would teach nothing; "
+                    "list a source that is read, or remove this teacher")
 
 
 def source_routing(teachers: list[TeacherArgs], source_names: list[str]) -> torch.Tensor:

@@ -100,8 +100,10 @@ class TeacherServer:
             record.vocab, record.max_positions = self.teacher.vocab_size, self.teacher.max_positions
             record.tokenizer_fingerprint = tokenizer_fingerprint(self.teacher.tokenizer.get_vocab())
             if args.cross_tokenizer:  # announce the students' tokenizer it aligns from; its rows are cut, not refused
+                index = getattr(args, "index", None)  # one of several teachers: its own element's key
+                key = "distillation.teacher_tokenizer" if index is None else f"distillation.teachers[{index}].tokenizer"
                 self.cross = load_cross_tokenizer(student_tokenizer, args.teacher_tokenizer, self.teacher.tokenizer,
-                                                  self.teacher.max_positions)
+                                                  self.teacher.max_positions, key)
                 record.vocab, record.max_positions = self.cross.student.n_words, 0
                 record.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer_vocab(self.cross.student))
                 logger.info(f"cross-tokenizer: {self.cross.vocab_map.mapped} of the teacher's "

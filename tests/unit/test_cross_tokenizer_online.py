@@ -108,3 +108,10 @@ def test_a_cross_tokenizer_request_carries_the_labels_past_the_windows():
     assert spec.next_tokens(request).tolist() == [257, -1]
     alone = TeacherClient._request(client, RequestHeader(Op.FORWARD, 3, 0, 1, 10, 0), tokens[:1], None, None)
     assert spec.next_tokens(alone)[:1].tolist() == [-1]  # no labels given: none (the teacher reads bsz rows)
+
+
+def test_an_unreadable_tokenizer_of_one_of_several_teachers_names_its_element(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"^distillation\.teachers\[1\]\.tokenizer='.*empty' cannot be read as a "):
+        load_cross_tokenizer(TokenizerArgs("bytes"), str(tmp_path / "empty"), None, None,
+                             "distillation.teachers[1].tokenizer")

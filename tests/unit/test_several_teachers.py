@@ -70,6 +70,8 @@ def test_several_teachers_lay_out_after_the_students(tmp_path):
      "set teacher_path=null or remove distillation.teachers"),
     (["{{path: {t0}, weight: 0.0}}", "{{path: {t1}}}"], "distillation.teachers[0].weight=0.0"),
     (["{{path: {t0}}}", "{{path: {t1}, sources: [nowhere]}}"], "'nowhere' is not in data.sources"),
+    (["{{path: {t0}}}", "{{path: {t1}, sources: [code]}}", "data.sources={{pydocs: 1.0, code: 0.0}}"],
+     "every source it lists has weight 0 in data.sources, so it would teach nothing"),
     (["{{path: {t0}}}", "{{path: /no/such/dir}}"], "distillation.teachers[1].path='/no/such/dir'; that directory does not exist"),
     (["{{path: {t0}}}", "{{path: {t1}, cross_tokenizer: true}}", "distillation.output=sampled"],
      "teachers[1].cross_tokenizer=true maps the teacher's top-k ids"),
@@ -79,6 +81,10 @@ def test_several_teachers_lay_out_after_the_students(tmp_path):
     (["{{path: {t0}}}", "{{path: {t1}}}", "distributed.teacher_placement=per_node"], "teacher_placement=last"),
     (["{{path: {t0}}}", "{{path: {t1}, cross_tokenizer: true}}", "distillation.uld_weight=0.5"],
      "ULD runs with one teacher for now"),
+    (["{{path: {t0}}}", "{{path: {t1}}}", "distillation.n_teacher_ranks=2"],
+     "distillation.n_teacher_ranks=2; with distillation.teachers set it per teacher (teachers[i].n_teacher_ranks)"),
+    (["{{path: {t0}}}", "{{path: {t1}}}", "distillation.teacher_tokenizer={t0}"],
+     "with distillation.teachers set it per teacher (teachers[i].tokenizer)"),
 ])
 def test_each_bad_teacher_setting_is_one_sentence(tmp_path, overrides, words):
     listed = [o for o in overrides if o.startswith("{")]
@@ -265,3 +271,53 @@ def test_a_refused_bridge_does_not_skip_the_next_ones_exchange(tmp_path, monkeyp
     with pytest.raises(TeacherError, match=r"^Teacher 0 \(.*t0\) on rank 2 failed to load: broken"):
         bridge.agreed_handshakes(topo, [(view, student, args.teacher_args(i)) for i, view in enumerate(views)])
     assert exchanged == [0, 1]
+
+
+def test_a_one_teacher_list_refuses_the_keys_it_would_override(tmp_path):
+    """A one-element list folds into teacher_path with its own n_teacher_ranks: a top-level value beside it would be
+    silently replaced, so it is one sentence."""
+    with pytest.raises(ConfigError, match="distillation.n_teacher_ranks=2; with distillation.teachers set it per"):
+        kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}}}"), "distillation.n_teacher_ranks=2")
+
+
+def test_each_cross_tokenizer_teacher_gets_the_label_past_each_window():
+    """Every teacher is asked every micro-batch; a cross-tokenizer one also gets each row's label past the window
+    (its last position aligns through it, as with one teacher), a same-tokenizer one does not."""
+    from types import SimpleNamespace
+
+    from lingua.distillation.distiller import SeveralTeachersDistiller
+
+    class Client:
+        def __init__(self, kd_weight):
+            self.spec, self.device, self.calls = SimpleNamespace(doc_boundaries=True, kd_weight=kd_weight), "cpu", []
+
+        def submit(self, *args):
+            self.calls.append(args)
+            return len(self.calls)
+
+    clients = [Client(False), Client(True)]
+    args = DistillationArgs(teachers=[TeacherArgs(path="a"), TeacherArgs(path="b", cross_tokenizer=True)])
+    distiller = SeveralTeachersDistiller(args, clients, 0, torch.ones(1, 2))
+    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]),
+             "doc_ids": torch.zeros(2, 4, dtype=torch.long), "source_ids": torch.zeros(2, dtype=torch.int32)}
+    source_ids, handles = distiller.submit(batch, 3, 1)
+    assert handles == [1, 1] and source_ids is batch["source_ids"]
+    (same,), (cross,) = clients[0].calls, clients[1].calls
+    assert same[4] is None and cross[4].tolist() == [4, 8]
+    assert same[3] is batch["doc_ids"] and cross[1:3] == (3, 1)
+
+
+def test_stool_lays_out_several_teachers_as_the_trainer_does():
+    """stool's plan counts each listed teacher's ranks (not the one-teacher n_teacher_ranks), so its printout and
+    its refusals match the trainer's: two teachers of 2 ranks each with teacher_tp=2 is a valid plan."""
+    from omegaconf import OmegaConf
+
+    from lingua.stool import launch_plan
+
+    cfg = OmegaConf.create({"enable_distillation": True, "distillation": {
+        "teacher_tp": 2, "teachers": [{"path": "a", "n_teacher_ranks": 2}, {"path": "b", "n_teacher_ranks": 2}]}})
+    plan, placement = launch_plan(cfg, nodes=1, ntasks_per_node=8)
+    assert placement is None and plan.teacher_models == [[4, 5], [6, 7]] and plan.student_ranks == [0, 1, 2, 3]
+    two_nodes, placement = launch_plan(OmegaConf.create({"enable_distillation": True, "distillation": {
+        "teachers": [{"path": "a"}, {"path": "b"}]}}), nodes=2, ntasks_per_node=2)
+    assert placement is None and two_nodes.teacher_models == [[2], [3]]

@@ -121,7 +121,7 @@ class CrossTokenizerTeacher:
 
 
 def load_cross_tokenizer(student_args: TokenizerArgs, teacher_tokenizer_path: Optional[str], teacher_tokenizer,
-                         max_positions: Optional[int]) -> CrossTokenizerTeacher:
+                         max_positions: Optional[int], key: str = "distillation.teacher_tokenizer") -> CrossTokenizerTeacher:
     """What a teacher rank builds at load: the students' tokenizer (from the config every rank shares) and its own,
     read from `teacher_tokenizer_path` (distillation.teacher_tokenizer) or else the loaded teacher's."""
     if teacher_tokenizer_path is not None:
@@ -130,7 +130,7 @@ def load_cross_tokenizer(student_args: TokenizerArgs, teacher_tokenizer_path: Op
         try:
             teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_tokenizer_path)
         except Exception as err:  # a missing folder, no tokenizer.json, an unknown hub id, ...
-            raise ConfigError(f"distillation.teacher_tokenizer={teacher_tokenizer_path!r} cannot be read as a Hugging "
+            raise ConfigError(f"{key}={teacher_tokenizer_path!r} cannot be read as a Hugging "
                               f"Face tokenizer ({type(err).__name__}: {str(err).splitlines()[0][:200]}); point it at "
                               f"the folder with the teacher's tokenizer.json, or leave it unset to use the "
                               f"teacher's own.") from None
