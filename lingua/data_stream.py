@@ -137,21 +137,21 @@ class _DocumentsAhead(_Documents):
         self._position = reader.position()
 
     def next(self) -> tuple[list[int], dict]:
-        while len(self.tasks) < self.depth:
-            texts, marks = [], []
-            for _ in range(CHUNK_DOCS):
-                text, location = self.read()
-                texts.append(text)
-                marks.append((location, self.reader.position(), self.read_bad_lines))
-            self.tasks.append((self.pool.submit(_encode_in_worker, texts), marks))
-        if not self.ready:
-            pending, marks = self.tasks.popleft()
-            try:
+        try:  # a worker killed from outside (the OOM killer) breaks the pool: a submit or a result raises; never wait
+            while len(self.tasks) < self.depth:
+                texts, marks = [], []
+                for _ in range(CHUNK_DOCS):
+                    text, location = self.read()
+                    texts.append(text)
+                    marks.append((location, self.reader.position(), self.read_bad_lines))
+                self.tasks.append((self.pool.submit(_encode_in_worker, texts), marks))
+            if not self.ready:
+                pending, marks = self.tasks.popleft()
                 encoded = pending.result()
-            except BrokenProcessPool as err:  # a worker killed from outside (the OOM killer): fail, never wait
-                raise DataError(f"A tokenizing worker of the data producer died ({err}); the run stops here and "
-                                f"resumes from its last checkpoint (data.workers=0 tokenizes in the producer).") from None
-            self.ready.extend((tokens, *mark) for tokens, mark in zip(encoded, marks))
+                self.ready.extend((tokens, *mark) for tokens, mark in zip(encoded, marks))
+        except BrokenProcessPool as err:
+            raise DataError(f"A tokenizing worker of the data producer died ({err}); the run stops here and "
+                            f"resumes from its last checkpoint (data.workers=0 tokenizes in the producer).") from None
         tokens, location, self._position, self.bad_lines = self.ready.popleft()
         return tokens, location
 
