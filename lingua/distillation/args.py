@@ -166,6 +166,9 @@ class DistillationArgs:
             require(self.cross_tokenizer, "distillation.uld_weight", self.uld_weight,
                     "ULD matches the mass a teacher of another tokenizer cannot map; set "
                     "distillation.cross_tokenizer=true, or uld_weight=0")
+            require(self.output == "topk", "distillation.output", self.output,
+                    "ULD compares the teacher's unmapped top-k entries, which sampled outputs do not carry; set "
+                    "distillation.output=topk, or uld_weight=0")
             require(self.loss_compile is not True, "distillation.loss_compile", self.loss_compile,
                     "ULD runs in the eager chunk math; set distillation.loss_compile=auto, or uld_weight=0")
         if not enabled:
@@ -227,10 +230,11 @@ class DistillationArgs:
                 self.teacher_args(i).validate_cross_tokenizer(key)
 
     def validate_cross_tokenizer(self, key: str = "distillation") -> None:
-        """A cross-tokenizer teacher takes top-k outputs from an unsharded model."""
+        """A cross-tokenizer teacher sends a sparse format (top-k or sampled) from an unsharded model."""
         if self.cross_tokenizer:
-            require(self.output == "topk", "distillation.output", self.output,
-                    f"{key}.cross_tokenizer=true maps the teacher's top-k ids to the student's; set output=topk")
+            require(self.output != "full", "distillation.output", self.output,
+                    f"the full format is the teacher's log-probs over the student's vocabulary, which a teacher of "
+                    f"another tokenizer ({key}.cross_tokenizer=true) cannot give; set output=topk or output=sampled")
             require(self.teacher_tp == 1, "distillation.teacher_tp", self.teacher_tp,
                     f"{key}.cross_tokenizer=true runs on unsharded teachers for now; set teacher_tp=1")
 
