@@ -230,13 +230,15 @@ class DistillationArgs:
                 self.teacher_args(i).validate_cross_tokenizer(key)
 
     def validate_cross_tokenizer(self, key: str = "distillation") -> None:
-        """A cross-tokenizer teacher sends a sparse format (top-k or sampled) from an unsharded model."""
+        """A cross-tokenizer teacher sends a sparse format: top-k (any teacher_tp) or sampled (teacher_tp=1)."""
         if self.cross_tokenizer:
             require(self.output != "full", "distillation.output", self.output,
                     f"the full format is the teacher's log-probs over the student's vocabulary, which a teacher of "
                     f"another tokenizer ({key}.cross_tokenizer=true) cannot give; set output=topk or output=sampled")
-            require(self.teacher_tp == 1, "distillation.teacher_tp", self.teacher_tp,
-                    f"{key}.cross_tokenizer=true runs on unsharded teachers for now; set teacher_tp=1")
+            require(self.teacher_tp == 1 or self.output == "topk", "distillation.teacher_tp", self.teacher_tp,
+                    f"{key}.cross_tokenizer=true with output=sampled draws from the teacher's probabilities added up "
+                    f"per student id over its whole vocabulary, of which a tensor-parallel rank holds a slice; set "
+                    f"teacher_tp=1, or output=topk")
 
     def teacher_args(self, index: int) -> "OneTeacherArgs":
         """The settings teacher `index` of `teachers` runs with: these, its own path, ranks and tokenizer."""

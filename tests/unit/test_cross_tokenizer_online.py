@@ -60,11 +60,14 @@ def test_without_cross_tokenizer_the_refusal_names_the_key():
     (dict(output="sampled", uld_weight=0.5), "distillation.output=sampled: ULD compares the teacher's unmapped top-k "
                                              "entries, which sampled outputs do not carry; set distillation.output=topk"
                                              ", or uld_weight=0"),
-    (dict(teacher_tp=2, n_teacher_ranks=2), "distillation.teacher_tp=2: distillation.cross_tokenizer=true runs on "
-                                            "unsharded teachers for now; set teacher_tp=1"),
+    (dict(teacher_tp=2, n_teacher_ranks=2, output="sampled"),
+     "distillation.teacher_tp=2: distillation.cross_tokenizer=true with output=sampled draws from the teacher's "
+     "probabilities added up per student id over its whole vocabulary, of which a tensor-parallel rank holds a "
+     "slice; set teacher_tp=1, or output=topk"),
 ])
 def test_config_refusals(change, words):
     replace(CROSS, output="sampled").validate(enabled=False)  # the other sparse format is taken
+    replace(CROSS, teacher_tp=2, n_teacher_ranks=2).validate(enabled=False)  # top-k from a tensor-parallel teacher
     with pytest.raises(ConfigError) as caught:
         replace(CROSS, **change).validate(enabled=False)
     assert words.split(": ", 1)[1] in str(caught.value) and words.split(":")[0].split("=")[0] in str(caught.value)
@@ -139,6 +142,7 @@ def test_sampled_targets_cross_the_wire(tiny_teacher):
     text = list("The teacher reads this text in its own tokens.".encode())
     tokens = torch.tensor([text[:20], text[20:40], text[5:25]])
     server = SimpleNamespace(cross=cross, teacher=teacher, spec=spec, args=args, bridge_ranks=[0, 1], nan_flags={},
+                             leader=True, link=None,
                              generator=torch.Generator().manual_seed(3),
                              responses=[torch.zeros(spec.response_bytes(), dtype=torch.uint8) for _ in range(2)])
     headers = {0: SimpleNamespace(bsz=2, seqlen=20), 1: SimpleNamespace(bsz=1, seqlen=20)}

@@ -115,12 +115,14 @@ class CrossTokenizerTeacher:
             own.append(dict(input_ids=input_ids, labels=labels, doc_ids=doc_ids))
         return own, batches_target_bytes(own, byte_lengths(self.aligner.teacher_bytes))
 
-    def student_targets(self, teacher, hidden: torch.Tensor, batch: TeacherBatch, output: str, k: int,
-                        wire_dtype: torch.dtype, generator=None, unmapped_entries: bool = False) -> TeacherOutputs:
+    def student_targets(self, teacher, hidden: torch.Tensor, batch: Optional[TeacherBatch], output: str, k: int,
+                        wire_dtype: torch.dtype, generator=None,
+                        unmapped_entries: bool = False) -> Optional[TeacherOutputs]:
         """What an online teacher rank sends and a cache stores: the teacher's (a TeacherModel) outputs from its
         `hidden` states over the batch's [N, L] grid, in the student's ids and [N, S] positions, with kd_weight.
         topk: every teacher id's top-k in fp32 (so masses that map to one student id add up exactly), then mapped;
-        sampled: drawn from the probabilities added up per student id (`targets.sample_student_ids`)."""
+        sampled: drawn from the probabilities added up per student id (`targets.sample_student_ids`). A follower
+        of a tensor-parallel replica takes part in the head's collectives and gets None (its batch may be None)."""
         if output == "sampled":
             def sample(logits, rng):
                 return sample_student_ids(logits, k, teacher.args.temperature, self.vocab_map, torch.float32, rng)
@@ -128,6 +130,8 @@ class CrossTokenizerTeacher:
             outputs, kd_weight = student_sampled_targets(drawn, batch.source.to(drawn.values.device), wire_dtype)
         else:
             teacher_topk = teacher.sparse_outputs(hidden, "topk", k, torch.float32, teacher.vocab_size, generator)
+            if teacher_topk is None:  # a follower: the top-k went to the replica's first rank
+                return None
             outputs, kd_weight = self.student_outputs(teacher_topk, batch, wire_dtype, unmapped_entries)
         outputs.kd_weight = kd_weight
         return outputs
