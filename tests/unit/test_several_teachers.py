@@ -185,15 +185,26 @@ def test_the_mixed_loss_is_the_weighted_sum_of_each_teachers_kd(fused):
                                                                        "weight")} | {"kd/1/aligned"}
 
 
-def test_teachers_on_shared_gemms_equal_one_call_per_teacher():
+def cross_sampled_outputs(generator, B, S, V, k) -> TeacherOutputs:
+    """A cross-tokenizer teacher's sampled targets: draws through a random map, unmapped draws as id -1."""
+    from lingua.distillation.cross_tokenizer.targets import sample_student_ids
+    from tests.unit.test_cross_tokenizer_targets import random_map
+
+    return sample_student_ids(torch.randn(B, S, 2 * V, generator=generator) * 2, k, 1.0,
+                              random_map(2 * V, V, generator), torch.float32, generator)
+
+
+@pytest.mark.parametrize("make_outputs", [topk_outputs, cross_sampled_outputs])
+def test_teachers_on_shared_gemms_equal_one_call_per_teacher(make_outputs):
     """The fused loss with more_teachers (one set of head GEMMs, weight_grad=accumulate) and the per-teacher calls
-    it falls back to (vocab_blocks here) give the same loss, gradients and statistics."""
+    it falls back to (vocab_blocks here) give the same loss, gradients and statistics; also for cross-tokenizer
+    sampled targets, whose unmapped draws (id -1) add nothing."""
     generator = torch.Generator().manual_seed(1)
     B, S, D, V, k, alpha = 2, 7, 8, 50, 5, 0.3
     hidden = torch.randn(B, S, D, generator=generator, dtype=torch.float64, requires_grad=True)
     head = torch.randn(V, D, generator=generator, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, V, (B, S), generator=generator)
-    outputs = [topk_outputs(generator, B, S, V, k) for _ in range(3)]
+    outputs = [make_outputs(generator, B, S, V, k) for _ in range(3)]
     weights = [torch.rand(B, S, generator=generator, dtype=torch.float64) for _ in range(3)]
     results = []
     for weight_grad in ("accumulate", "vocab_blocks"):
