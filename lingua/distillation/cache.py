@@ -7,9 +7,10 @@ Layout of a cache directory (written by `apps/main/teacher_cache.py`):
                                     held-out CE (cross-tokenizer: also the teacher tokenizer's and the
                                     vocabulary map's fingerprints; the targets are in the students' ids)
     shards/shard_<i:05d>.safetensors  `shard_sequences` windows of one stream: the tokens [K, S+1], doc_ids [K, S],
-                                    source_ids [K] (each window's data source, by the manifest's
-                                    source_names; caches written before it have none) and the teacher's outputs, coded losslessly by `cache_codec` (format v2: about
-                                    half of v1's bytes; v1 stored the bridge's tensors as they are); its metadata
+                                    source_ids [K] (each window's data source, by the manifest's source_names;
+                                    caches written before it have none) and the teacher's outputs, coded
+                                    losslessly by `cache_codec` (format v2: about half of v1's bytes; v1 stored
+                                    the bridge's tensors as they are); its metadata
                                     names its stream and chunk, the loader state after it (resuming a cache) and
                                     the codec's stream specs
     index.json                      written last, when every shard is on disk: the cache is complete
@@ -33,12 +34,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from lingua.data_stream import active_sources
 from lingua.distillation.bridge import tokenizer_fingerprint
 from lingua.distillation.cache_codec import OLD_ZSTD_LEVEL, ZSTD_LEVEL, canonical_sampled, decode_shard, encode_shard
 from lingua.distillation.distiller import tokenizer_vocab
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.distillation.teacher import safetensors_problem
-from lingua.data_stream import active_sources
 from lingua.documents import shard_files
 from lingua.errors import DataError, LaunchError, MissingPathError
 
@@ -381,7 +382,8 @@ def checked_manifest(cache_dir: str, wanted: CacheManifest, whose: str = "") -> 
                                                      "tokenizer_fingerprint", "vocab_size", "data", "cross_tokenizer",
                                                      "unmapped_entries"))
     if differ:
-        raise DataError(f"The teacher cache in {cache_dir}{whose} was written with other settings: {'; '.join(differ)}. "
+        raise DataError(f"The teacher cache in {cache_dir}{whose} was written with other settings: "
+                        f"{'; '.join(differ)}. "
                         f"Train with the cache's settings, or write a new cache for these: "
                         f"{PREPARE_HINT.format(dir='<new dir>')}.")
     return manifest
