@@ -54,7 +54,7 @@ from lingua.args import parse_args, require
 from lingua.cli import release_sigterm, run_cli
 from lingua.data import DataLoader
 from lingua.data_stream import active_sources
-from lingua.distillation.distiller import build_distiller
+from lingua.distillation.build import build_distiller
 from lingua.distillation.feed import MicroBatchFeed
 from lingua.distributed import (
     Topology,

@@ -38,7 +38,7 @@ from lingua.cli import run_cli
 from lingua.data import DataArgs, training_loader
 from lingua.data_stream import active_sources
 from lingua.distillation.args import DistillationArgs, teacher_rank_counts
-from lingua.distillation.distiller import build_distiller
+from lingua.distillation.build import build_distiller
 from lingua.distillation.feed import MicroBatchFeed
 from lingua.distillation.fused_loss import fused_ce_head
 from lingua.distillation.server import TeacherServer

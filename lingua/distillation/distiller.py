@@ -1,6 +1,6 @@
 """The Distiller: the one object the student loop asks for the KD part of a step.
 
-    distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer,
+    distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer,  # (build.py)
                                 (args.data.batch_size, args.data.seq_len), args.model.attn_mask, cache, phases)
     distiller.begin_step(step, lr_factor)                      # alpha for this step, fresh stats
     pending = distiller.submit(batch, step, micro_step)        # ask for this micro-batch's teacher targets
@@ -26,19 +26,18 @@ batch. Statistics stay on the device; the loop reads them on log steps only.
 
 import contextlib
 import logging
-import os
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from lingua.distillation.args import DistillationArgs, alpha_at, resolve_prefetch
+from lingua.distillation.args import DistillationArgs, alpha_at
 from lingua.distillation.client import TeacherClient
 from lingua.distillation.divergences import distillation_loss
 from lingua.distillation.fused_loss import fused_linear_kd_loss
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.distillation.reference_loss import kd_loss_and_stats
-from lingua.parallel.collectives import AgreedError, agree_count
+from lingua.parallel.collectives import AgreedError
 from lingua.transformer import cross_entropy_sum
 
 logger = logging.getLogger(__name__)
@@ -299,42 +298,3 @@ def tokenizer_vocab(tokenizer) -> dict:
     if hf is not None and hasattr(hf, "get_vocab"):
         return hf.get_vocab()
     return {f"<{type(tokenizer).__name__}:{tokenizer.n_words}>": 0}
-
-
-def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tokenizer, max_batch: tuple[int, int],
-                    attn_mask: str = "causal", cache=None, phases=None, source_names: Optional[list[str]] = None
-                    ) -> Distiller:
-    """The Distiller for this student: none, the offline cache (`cache`: its CacheLoader) or the online bridge
-    (whose handshake runs here, announcing `max_batch` = the largest (batch, seq_len) this student sends); with
-    several teachers one bridge each, routed by the data sources `source_names` (a batch's source_ids index it)."""
-    if not enable_distillation:
-        return NoDistiller(args)
-    # Several teachers' distillers import this module's KDDistiller: imported here, not at the top.
-    from lingua.distillation.mixed_distillers import CachedTeachersDistiller, SeveralTeachersDistiller
-    from lingua.distillation.mixture import handshake_clients, source_routing
-
-    if cache is not None and args.teachers:
-        return CachedTeachersDistiller(args, source_routing(args.teachers, source_names or []), topo.device)
-    if cache is not None:
-        return CacheDistiller(args, cache.manifest.teacher_heldout_ce, cache.manifest.teacher_heldout_bpb)
-    vocab = tokenizer_vocab(tokenizer)
-    with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
-        if args.teachers:
-            clients = handshake_clients(args, topo, vocab, tokenizer.n_words, max_batch, attn_mask)
-            return SeveralTeachersDistiller(args, clients, agreed_prefetch(args, topo),
-                                            source_routing(args.teachers, source_names or []))
-        client = TeacherClient(args, topo, vocab, tokenizer.n_words, *max_batch, attn_mask)
-    return OnlineDistiller(args, client, agreed_prefetch(args, topo))
-
-
-def agreed_prefetch(args: DistillationArgs, topo) -> int:
-    """The teacher look-ahead every student uses: distillation.prefetch, "auto" resolved from this launch (one
-    gather over the students: a bridge's students must send the same requests, e.g. before a STOP)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    prefetch, why = resolve_prefetch(args.prefetch, topo.device.type, topo.local_world_size, torch.get_num_threads(),
-                                     cores)
-    prefetch = agree_count(prefetch, topo.train_group, topo.device, "teacher look-ahead (distillation.prefetch)",
-                           mode="min")
-    if topo.is_train_master:
-        logger.info(f"teacher look-ahead: prefetch={prefetch} ({why})")
-    return prefetch
