@@ -42,7 +42,6 @@ from lingua.distillation.bridge import (
     tokenizer_fingerprint,
 )
 from lingua.distillation.outputs import TeacherOutputs
-from lingua.errors import PeerStopped
 from lingua.parallel.collectives import log_collective
 
 logger = logging.getLogger(__name__)
