@@ -25,7 +25,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lingua.distillation.args import AgreedPeerStopped, AgreedTeacherError, DistillationArgs, teacher_title
+from lingua.distillation.args import (AgreedPeerStopped, AgreedTeacherError, DistillationArgs, dtype_setting,
+                                     teacher_title)
 from lingua.distillation.bridge import (
     BAD_TOKENS_FIELD,
     HEADER_INTS,
@@ -275,7 +276,7 @@ class TeacherClient:
             if record[: STATUS_WORDS * 8].view(torch.int64)[NAN_WORD].item():
                 return AgreedTeacherError(
                     f"{self.title}'s outputs are not finite (NaN) at step {step}: its weights or "
-                    f"its forward in distillation.teacher_dtype={self.args.teacher_dtype} are broken, not the "
+                    f"its forward in {dtype_setting(self.args)}={self.args.teacher_dtype} are broken, not the "
                     f"students; check the teacher at {self.args.teacher_path} (its own check of its outputs)")
         return None
 

@@ -5,6 +5,7 @@ every rank, by teacher, and nothing waits out a timeout."""
 
 import json
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import pytest
 
 from apps.debug.postmortem import analyse
 from lingua.data import DataArgs, DataLoader
-from lingua.rundir import RunDir, train_rows
+from lingua.rundir import RunDir, eval_rows, train_rows
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
 from tests.runs import (assert_ok, distill_overrides, rank_exit_codes, rank_outputs, rank_pid, signal_ranks, torchrun,
                         wait_for_step, write_corpus)
@@ -24,10 +25,11 @@ pytestmark = pytest.mark.slow  # every test here launches processes
 # Every launch here is ended by a signal or a failure, never by its step count; with a constant lr (after its
 # warmup) the step count changes nothing else, so the three launches train alike.
 UNBOUNDED = 1000
-COMPARED = 6  # the unbroken run's steps that the preempted and resumed one must reproduce
+COMPARED = 10  # the unbroken run's steps that the preempted and resumed one must reproduce
 LIMIT_S = 120  # each launch takes 20-30 s on 2 busy cores, startup included
 KD_KEYS = ("loss/ce", "loss/kd", "loss/total", "kd/teacher_mass", "kd/top1_agreement", "optim/grad_norm",
            "kd/0/loss", "kd/1/loss", "kd/0/weight", "kd/1/weight")
+EVAL_KEYS = ("eval/loss", "eval/bpb", *(f"eval/{i}/teacher_{name}" for i in (0, 1) for name in ("loss", "bpb")))
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +50,14 @@ def second_teacher(tmp_path_factory):
 
 
 def two_teacher_overrides(corpus, teacher_0, teacher_1, dump, **extra) -> list[str]:
-    teachers = (f"[{{path: {teacher_0}, sources: [text]}}, {{path: {teacher_1}, sources: [code], weight: 2.0}}]")
+    # Teacher 1 in bf16 (its own teacher_dtype) beside teacher 0 in the shared fp32.
+    teachers = (f"[{{path: {teacher_0}, sources: [text]}}, {{path: {teacher_1}, sources: [code], weight: 2.0, "
+                f"teacher_dtype: bf16}}]")
     # Timeouts far above the limit: a launch that ends in time waited none out.
     overrides = distill_overrides(corpus, teacher_0, dump, steps=UNBOUNDED, **{
         "data.sources": "{text: 1.0, code: 1.0}", "distillation.teachers": teachers, "optim.scheduler": "constant",
-        "distributed.init_timeout_s": 300, "distributed.train_timeout_s": 300, **extra})
+        "distributed.init_timeout_s": 300, "distributed.train_timeout_s": 300, "heldout.every": COMPARED,
+        "heldout.max_batches": 1, **extra})
     return [o for o in overrides if not o.startswith("distillation.teacher_path=")]
 
 
@@ -100,6 +105,9 @@ def test_each_source_learns_from_its_own_teacher_and_a_killed_teacher_is_named(t
     dump, stdout = run.dump, run.result.stdout
     print(f"launch: {run.seconds:.1f}s, {run.after_kill_s:.1f}s of it after the kill")
     assert f"teacher 1 ({second_teacher}) on rank 3 ready" in stdout
+    for rank, teacher, dtype in ((2, tiny_teacher, "float32"), (3, second_teacher, "bfloat16")):
+        assert re.search(rf"\[r{rank} teacher\] INFO  lingua\.distillation\.server: teacher {re.escape(str(teacher))} "
+                         rf"loaded in .* params in {dtype}\)", stdout), stdout[-4000:]
     rows = train_rows(dump)
     assert set(range(1, COMPARED + 2)) <= set(rows), sorted(rows)
     shares = text_share_per_step(two_sources, tiny_teacher, COMPARED)
@@ -116,6 +124,11 @@ def test_each_source_learns_from_its_own_teacher_and_a_killed_teacher_is_named(t
         assert row["kd/bytes_up"] == row["kd/0/bytes_up"] + row["kd/1/bytes_up"] > 0
     config = (dump / "config.yaml").read_text()
     assert str(second_teacher) in config and "sources:" in config
+    # Each teacher's own held-out CE and bits per byte, beside the students' first eval, under its index.
+    evaluation = eval_rows(dump)[COMPARED]
+    assert "eval/teacher_loss" not in evaluation, evaluation
+    references = [[evaluation[f"eval/{i}/teacher_{name}"] for name in ("loss", "bpb")] for i in (0, 1)]
+    assert all(0 < value < 20 for pair in references for value in pair) and references[0] != references[1], references
     # The kill: every other rank ends within seconds with the one sentence naming teacher 1 and its log.
     assert run.after_kill_s < 60, "a rank waited out a timeout after the kill"
     codes, outputs, run_dir = rank_exit_codes(stdout), rank_outputs(run.logs), RunDir(dump)
@@ -161,6 +174,9 @@ def test_a_preempted_run_resumes_exactly_until_a_failing_teacher_is_named(two_so
     assert sorted(resumed) == list(range(1, COMPARED + 1))
     for step in range(1, COMPARED + 1):
         assert [resumed[step][k] for k in KD_KEYS] == [unbroken[step][k] for k in KD_KEYS], step
+    # The resumed launch's eval, the teachers' reference included: the unbroken run's numbers.
+    evaluation, unbroken_evaluation = eval_rows(split)[COMPARED], eval_rows(unbroken_then_killed.dump)[COMPARED]
+    assert {key: evaluation[key] for key in EVAL_KEYS} == {key: unbroken_evaluation[key] for key in EVAL_KEYS}
     # Teacher 1 fails serving step COMPARED + 1: named on every rank, by index and path.
     assert rank_exit_codes(second.stdout) == {0: 1, 1: 1, 2: 1, 3: 1}, second.stdout[-4000:]
     run_dir, outputs = RunDir(split), rank_outputs(logs)
