@@ -192,6 +192,7 @@ class DistillationArgs:
         if len(self.teachers) != 1 or self.teachers[0].sources or self.teacher_path:
             return
         only = self.teachers[0]
+        _check_own_settings(only, "distillation.teachers[0]")
         self._refuse_one_teacher_keys()
         require(not self.cross_tokenizer, "distillation.cross_tokenizer", self.cross_tokenizer,
                 "with distillation.teachers set cross_tokenizer per teacher (teachers[0].cross_tokenizer)")
@@ -221,11 +222,7 @@ class DistillationArgs:
             key = f"distillation.teachers[{i}]"
             require(bool(teacher.path), f"{key}.path", teacher.path, "point it at a transformers checkpoint directory")
             _check_teacher_dir(teacher.path, f"{key}.path")
-            require(teacher.teacher_dtype in (None, *TEACHER_DTYPES), f"{key}.teacher_dtype", teacher.teacher_dtype,
-                    f"use one of {', '.join(TEACHER_DTYPES)}, or null for distillation.teacher_dtype")
-            require(teacher.teacher_tp is None or (type(teacher.teacher_tp) is int and teacher.teacher_tp >= 1),
-                    f"{key}.teacher_tp", teacher.teacher_tp, "use 1 (one rank per replica), the number of ranks to "
-                    "shard this teacher over, or null for distillation.teacher_tp")
+            _check_own_settings(teacher, key)
             tp, tp_key = self.teacher_args(i).teacher_tp, tp_setting(self, i)
             require(teacher.n_teacher_ranks >= 1 and teacher.n_teacher_ranks % tp == 0,
                     f"{key}.n_teacher_ranks", teacher.n_teacher_ranks, f"use a positive multiple of {tp_key}={tp}")
@@ -301,6 +298,15 @@ def teacher_replica_sizes(counts: tuple[int, ...], args: DistillationArgs) -> tu
     if len(counts) < 2:
         return ()
     return tuple(args.teacher_args(i).teacher_tp for i in range(len(args.teachers)))
+
+
+def _check_own_settings(teacher: TeacherArgs, key: str) -> None:
+    """A teacher's own teacher_dtype and teacher_tp, where set, are values the shared keys take."""
+    require(teacher.teacher_dtype in (None, *TEACHER_DTYPES), f"{key}.teacher_dtype", teacher.teacher_dtype,
+            f"use one of {', '.join(TEACHER_DTYPES)}, or null for distillation.teacher_dtype")
+    require(teacher.teacher_tp is None or (type(teacher.teacher_tp) is int and teacher.teacher_tp >= 1),
+            f"{key}.teacher_tp", teacher.teacher_tp, "use 1 (one rank per replica), the number of ranks to shard "
+            "this teacher over, or null for distillation.teacher_tp")
 
 
 def _check_teacher_dir(path: str, key: str) -> None:

@@ -140,6 +140,8 @@ def test_each_teacher_may_have_its_own_dtype_and_tensor_parallelism(tmp_path):
     # One teacher in the list is teacher_path with its keys, its own dtype and tensor parallelism included.
     one = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}, n_teacher_ranks: 2, teacher_tp: 2, teacher_dtype: bf16}}"))
     assert (one.distillation.teacher_tp, one.distillation.teacher_dtype, one.distillation.teachers) == (2, "bf16", [])
+    with pytest.raises(ConfigError, match=r"distillation.teachers\[0\].teacher_dtype='fp8'; use one of auto"):
+        kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}, teacher_dtype: fp8}}"))
     one_cfg = OmegaConf.create({"enable_distillation": True, "distillation": {
         "teachers": [{"path": "a", "n_teacher_ranks": 2, "teacher_tp": 2}]}})
     assert launch_plan(one_cfg, nodes=1, ntasks_per_node=4)[0].replicas() == [([2, 3], [0, 1])]
