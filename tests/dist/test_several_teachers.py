@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow  # every test here launches processes
 # Every launch here is ended by a signal or a failure, never by its step count; with a constant lr (after its
 # warmup) the step count changes nothing else, so the three launches train alike.
 UNBOUNDED = 1000
-COMPARED = 10  # the unbroken run's steps that the preempted and resumed one must reproduce
+COMPARED = 20  # the unbroken run's steps that the preempted and resumed one must reproduce (preempted at 4-7 here)
 LIMIT_S = 120  # each launch takes 20-30 s on 2 busy cores, startup included
 KD_KEYS = ("loss/ce", "loss/kd", "loss/total", "kd/teacher_mass", "kd/top1_agreement", "optim/grad_norm",
            "kd/0/loss", "kd/1/loss", "kd/0/weight", "kd/1/weight")
