@@ -58,10 +58,10 @@ class Distiller:
     def __init__(self, args: DistillationArgs):
         self.args = args
 
-    @property
-    def teacher_heldout(self) -> tuple[Optional[float], Optional[float]]:
-        """The teacher's own held-out (CE, bits per byte), each None when not known: the eval's reference line."""
-        return self.teacher_heldout_ce, self.teacher_heldout_bpb
+    def teacher_heldout_row(self) -> dict:
+        """The teacher's own held-out numbers for the first eval row, each where known: eval/teacher_loss and
+        eval/teacher_bpb (with several teachers eval/<i>/teacher_loss and eval/<i>/teacher_bpb, as kd/<i>/...)."""
+        return heldout_row(self.teacher_heldout_ce, self.teacher_heldout_bpb)
 
     def begin_step(self, step: int, lr_factor: float) -> None:
         """A new step: fresh statistics (and the KD weight for this step)."""
@@ -366,6 +366,12 @@ class SeveralTeachersDistiller(KDDistiller):
     def log_metrics(self, timer) -> dict:
         return mixed_log_metrics(self.clients)
 
+    def teacher_heldout_row(self) -> dict:
+        row = {}
+        for i, client in enumerate(self.clients):
+            row.update(heldout_row(client.teacher_heldout_ce, client.teacher_heldout_bpb, f"eval/{i}/"))
+        return row
+
     def stop(self, step: int, error: bool = False) -> None:
         """STOP (or ERROR naming the failed teacher) to every teacher, in teacher order: one that reports an error at
         STOP does not keep the others waiting for theirs."""
@@ -381,6 +387,13 @@ class SeveralTeachersDistiller(KDDistiller):
     def report_exit(self) -> None:
         for client in self.clients:
             client.report_exit()
+
+
+def heldout_row(ce: Optional[float], bpb: Optional[float], prefix: str = "eval/") -> dict:
+    """A teacher's held-out CE and bits per byte as eval keys (<prefix>teacher_loss, <prefix>teacher_bpb), where
+    known (a cross-tokenizer teacher's CE per token is in its own tokens: None)."""
+    return {f"{prefix}{name}": value for name, value in (("teacher_loss", ce), ("teacher_bpb", bpb))
+            if value is not None}
 
 
 def tokenizer_vocab(tokenizer) -> dict:
