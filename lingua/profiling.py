@@ -8,7 +8,8 @@
 
 Outputs: `dump_dir/<trace_folder>/profile_<rank>/trace_step<N>.json.gz` (open in Perfetto or
 chrome://tracing) and, on CUDA, `dump_dir/<trace_folder>/memory_snapshot/rank<rank>_step<N>.pickle`
-(drag into https://pytorch.org/memory_viz).
+(drag into https://pytorch.org/memory_viz). `python -m apps.debug.trace_summary TRACE` prints where the traced
+steps' time went: GPU busy share, top kernels, the host's outermost ops, its waits, the longest GPU idle gaps.
 """
 
 import contextlib
@@ -122,7 +123,8 @@ class StepProfiler:
         path = self.trace_dir / f"trace_step{self.args.profile_warmup + self.args.profile_steps}.json.gz"
         prof.export_chrome_trace(str(path))
         logger.info(f"profiler trace of steps [{self.args.profile_warmup}, "
-                    f"{self.args.profile_warmup + self.args.profile_steps}) written to {path}")
+                    f"{self.args.profile_warmup + self.args.profile_steps}) written to {path} (where the time went: "
+                    f"python -m apps.debug.trace_summary {path})")
 
     def _update_windows(self) -> None:
         args, step = self.args, self.steps_done

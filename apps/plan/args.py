@@ -78,6 +78,10 @@ class PlanArgs(TrainArgs):
         require(self.show in ("all", "verdict"), "show", self.show, "use all or verdict")
         require(self.out is None or bool(self.out), "out", self.out, "name the JSON file, or null to print only")
         require(self.steps >= 1, "steps", self.steps, "train for at least one step")
+        paths = [teacher.path for teacher in self.distillation.teachers]
+        require(len(paths) < 2, "distillation.teachers", paths, "the planner plans one teacher; plan each alone "
+                "(distillation.teachers=[] distillation.teacher_path=<its checkpoint>) and give it the ranks its "
+                "plan asks for (teachers[i].n_teacher_ranks, teachers[i].teacher_tp)")
         require(self.grad_acc_steps >= 1, "grad_acc_steps", self.grad_acc_steps, "use 1 (no accumulation) or more")
         for key in ("batch_size", "seq_len"):
             value = getattr(self.data, key)

@@ -45,8 +45,8 @@ class AgreedTeacherError(TeacherError, AgreedError):
 @dataclass
 class TeacherArgs:
     """One of several teachers (`distillation.teachers`): its checkpoint and its own ranks, or its cache; its share
-    of the KD term, its tokenizer and the data sources it teaches. The other distillation settings are shared by all
-    teachers."""
+    of the KD term, its tokenizer, the data sources it teaches, and optionally (online) its own dtype and tensor
+    parallelism. The other distillation settings are shared by all teachers."""
 
     path: Optional[str] = None  # local directory (or hub id) of a transformers causal LM
     # Instead of path: the folder of a cache written from this teacher by apps.main.teacher_cache (no teacher ranks)
@@ -56,6 +56,8 @@ class TeacherArgs:
     cross_tokenizer: bool = False  # its tokenizer is not the students' (see DistillationArgs.cross_tokenizer)
     tokenizer: Optional[str] = None  # its Hugging Face tokenizer directory with cross_tokenizer; None = path
     sources: list[str] = field(default_factory=list)  # the data.sources it teaches; [] = every source
+    teacher_dtype: Optional[str] = None  # its load dtype (as distillation.teacher_dtype); None = that shared value
+    teacher_tp: Optional[int] = None  # ranks per replica of it (as distillation.teacher_tp); None = that shared value
 
 
 @dataclass
@@ -193,12 +195,15 @@ class DistillationArgs:
         if len(self.teachers) != 1 or self.teachers[0].sources or self.teacher_path:
             return
         only = self.teachers[0]
+        _check_own_settings(only, "distillation.teachers[0]")
         self._refuse_one_teacher_keys()
         require(not self.cross_tokenizer, "distillation.cross_tokenizer", self.cross_tokenizer,
                 "with distillation.teachers set cross_tokenizer per teacher (teachers[0].cross_tokenizer)")
         require(not self.cache_dir, "distillation.cache_dir", self.cache_dir,
                 "with distillation.teachers set it per teacher (teachers[0].cache_dir), or remove it")
         self.teacher_path, self.n_teacher_ranks = only.path, only.n_teacher_ranks
+        self.teacher_dtype = self.teacher_dtype if only.teacher_dtype is None else only.teacher_dtype
+        self.teacher_tp = self.teacher_tp if only.teacher_tp is None else only.teacher_tp
         self.cross_tokenizer, self.teacher_tokenizer, self.teachers = only.cross_tokenizer, only.tokenizer, []
         if only.cache_dir:  # its cache: the one-teacher cache road
             self.source, self.cache_dir = "cache", only.cache_dir
@@ -225,19 +230,20 @@ class DistillationArgs:
             key = f"distillation.teachers[{i}]"
             require(not (teacher.path and teacher.cache_dir), f"{key}.cache_dir", teacher.cache_dir,
                     "a teacher runs online (path, on its own ranks) or from its cache (cache_dir); remove one of them")
+            _check_own_settings(teacher, key)
             if not teacher.cache_dir:  # a cache's settings are in its manifest, checked when the students open it
                 require(bool(teacher.path), f"{key}.path", teacher.path,
                         "point it at a transformers checkpoint directory, or name its cache (cache_dir)")
                 _check_teacher_dir(teacher.path, f"{key}.path")
-            require(teacher.n_teacher_ranks >= 1 and teacher.n_teacher_ranks % self.teacher_tp == 0,
-                    f"{key}.n_teacher_ranks", teacher.n_teacher_ranks,
-                    f"use a positive multiple of distillation.teacher_tp={self.teacher_tp}")
+            tp, tp_key = self.teacher_args(i).teacher_tp, tp_setting(self, i)
+            require(teacher.n_teacher_ranks >= 1 and teacher.n_teacher_ranks % tp == 0,
+                    f"{key}.n_teacher_ranks", teacher.n_teacher_ranks, f"use a positive multiple of {tp_key}={tp}")
             require(math.isfinite(teacher.weight) and teacher.weight > 0, f"{key}.weight", teacher.weight,
                     "use a positive share of the KD term (weights are normalised over a position's teachers)")
             require(isinstance(teacher.cross_tokenizer, bool), f"{key}.cross_tokenizer", teacher.cross_tokenizer,
                     "use true or false")
             if teacher.cross_tokenizer:
-                self.teacher_args(i).validate_cross_tokenizer(key)
+                self.teacher_args(i).validate_cross_tokenizer(key, tp_key)
 
     def _settle_teachers_source(self) -> None:
         """Teachers all from caches train on source=cache (no teacher ranks); all online on source=online. A mixture
@@ -255,13 +261,15 @@ class DistillationArgs:
                 "with distillation.teachers every teacher names its cache (teachers[i].cache_dir) to train from "
                 "caches; set source=online to run them on their own ranks")
 
-    def validate_cross_tokenizer(self, key: str = "distillation") -> None:
-        """A cross-tokenizer teacher takes top-k outputs from an unsharded model."""
+    def validate_cross_tokenizer(self, key: str = "distillation", tp_key: str = "distillation.teacher_tp") -> None:
+        """A cross-tokenizer teacher takes top-k outputs from an unsharded model (`tp_key`: the key that sets its
+        tensor parallelism)."""
         if self.cross_tokenizer:
             require(self.output == "topk", "distillation.output", self.output,
                     f"{key}.cross_tokenizer=true maps the teacher's top-k ids to the student's; set output=topk")
-            require(self.teacher_tp == 1, "distillation.teacher_tp", self.teacher_tp,
-                    f"{key}.cross_tokenizer=true runs on unsharded teachers for now; set teacher_tp=1")
+            require(self.teacher_tp == 1, tp_key, self.teacher_tp,
+                    f"{key}.cross_tokenizer=true runs on unsharded teachers for now; set "
+                    f"{tp_key.removeprefix('distillation.')}=1")
 
     def teacher_args(self, index: int) -> "OneTeacherArgs":
         """The settings teacher `index` of `teachers` runs with: these, its own path, ranks and tokenizer."""
@@ -270,7 +278,10 @@ class DistillationArgs:
         shared.update(teacher_path=teacher.path, n_teacher_ranks=teacher.n_teacher_ranks, teachers=[],
                       cross_tokenizer=teacher.cross_tokenizer, teacher_tokenizer=teacher.tokenizer,
                       cache_dir=teacher.cache_dir)
-        return OneTeacherArgs(**shared, index=index)
+        for key in ("teacher_dtype", "teacher_tp"):  # its own where set, else the shared value
+            if getattr(teacher, key) is not None:
+                shared[key] = getattr(teacher, key)
+        return OneTeacherArgs(**shared, index=index, own_dtype=teacher.teacher_dtype is not None)
 
 
 @dataclass
@@ -279,6 +290,19 @@ class OneTeacherArgs(DistillationArgs):
     server read; their sentences name it by index and path."""
 
     index: int = 0
+    own_dtype: bool = False  # its teacher_dtype is its own (teachers[index].teacher_dtype), not the shared one
+
+
+def tp_setting(args: DistillationArgs, index: int) -> str:
+    """The key that sets teacher `index`'s tensor parallelism: its own teacher_tp, or the shared one."""
+    own = args.teachers[index].teacher_tp is not None
+    return f"distillation.teachers[{index}].teacher_tp" if own else "distillation.teacher_tp"
+
+
+def dtype_setting(args: DistillationArgs) -> str:
+    """The key that sets a teacher's dtype: teacher `index`'s own teacher_dtype (several teachers), or the shared."""
+    own = isinstance(args, OneTeacherArgs) and args.own_dtype
+    return f"distillation.teachers[{args.index}].teacher_dtype" if own else "distillation.teacher_dtype"
 
 
 def teacher_title(args: DistillationArgs, rank: int) -> str:
@@ -295,6 +319,23 @@ def teacher_rank_counts(enabled_online: bool, args: DistillationArgs) -> tuple[i
     if args.teachers:
         return tuple(t.n_teacher_ranks for t in args.teachers)
     return (teacher_rank_count(True, args.n_teacher_ranks),)
+
+
+def teacher_replica_sizes(counts: tuple[int, ...], args: DistillationArgs) -> tuple[int, ...]:
+    """Ranks per replica of each of several teachers (each its own teacher_tp, or the shared one) of a launch whose
+    teachers have `counts` ranks (`teacher_rank_counts`); () for one teacher or none."""
+    if len(counts) < 2:
+        return ()
+    return tuple(args.teacher_args(i).teacher_tp for i in range(len(args.teachers)))
+
+
+def _check_own_settings(teacher: TeacherArgs, key: str) -> None:
+    """A teacher's own teacher_dtype and teacher_tp, where set, are values the shared keys take."""
+    require(teacher.teacher_dtype in (None, *TEACHER_DTYPES), f"{key}.teacher_dtype", teacher.teacher_dtype,
+            f"use one of {', '.join(TEACHER_DTYPES)}, or null for distillation.teacher_dtype")
+    require(teacher.teacher_tp is None or (type(teacher.teacher_tp) is int and teacher.teacher_tp >= 1),
+            f"{key}.teacher_tp", teacher.teacher_tp, "use 1 (one rank per replica), the number of ranks to shard "
+            "this teacher over, or null for distillation.teacher_tp")
 
 
 def _check_teacher_dir(path: str, key: str) -> None:

@@ -27,7 +27,8 @@ def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tok
     if not enable_distillation:
         return NoDistiller(args)
     if cache is not None and args.teachers:
-        return CachedTeachersDistiller(args, source_routing(args.teachers, source_names or []), topo.device)
+        heldout = [(c.manifest.teacher_heldout_ce, c.manifest.teacher_heldout_bpb) for c in cache.loaders]
+        return CachedTeachersDistiller(args, source_routing(args.teachers, source_names or []), topo.device, heldout)
     if cache is not None:
         return CacheDistiller(args, cache.manifest.teacher_heldout_ce, cache.manifest.teacher_heldout_bpb)
     vocab = tokenizer_vocab(tokenizer)

@@ -57,10 +57,10 @@ class Distiller:
     def __init__(self, args: DistillationArgs):
         self.args = args
 
-    @property
-    def teacher_heldout(self) -> tuple[Optional[float], Optional[float]]:
-        """The teacher's own held-out (CE, bits per byte), each None when not known: the eval's reference line."""
-        return self.teacher_heldout_ce, self.teacher_heldout_bpb
+    def teacher_heldout_row(self) -> dict:
+        """The teacher's own held-out numbers for the first eval row, each where known: eval/teacher_loss and
+        eval/teacher_bpb (with several teachers eval/<i>/teacher_loss and eval/<i>/teacher_bpb, as kd/<i>/...)."""
+        return heldout_row(self.teacher_heldout_ce, self.teacher_heldout_bpb)
 
     def begin_step(self, step: int, lr_factor: float) -> None:
         """A new step: fresh statistics (and the KD weight for this step)."""
@@ -290,6 +290,13 @@ class OnlineDistiller(KDDistiller):
 
     def report_exit(self) -> None:
         self.client.report_exit()
+
+
+def heldout_row(ce: Optional[float], bpb: Optional[float], prefix: str = "eval/") -> dict:
+    """A teacher's held-out CE and bits per byte as eval keys (<prefix>teacher_loss, <prefix>teacher_bpb), where
+    known (a cross-tokenizer teacher's CE per token is in its own tokens: None)."""
+    return {f"{prefix}{name}": value for name, value in (("teacher_loss", ce), ("teacher_bpb", bpb))
+            if value is not None}
 
 
 def tokenizer_vocab(tokenizer) -> dict:

@@ -9,7 +9,7 @@ import torch
 
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.client import TeacherClient
-from lingua.distillation.distiller import KDDistiller
+from lingua.distillation.distiller import KDDistiller, heldout_row
 from lingua.distillation.mixture import first_error, mixed_head_loss, mixed_log_metrics, mixing_weights, teacher_metrics
 from lingua.distillation.outputs import TeacherOutputs
 
@@ -45,7 +45,19 @@ class MixedTeachersDistiller(KDDistiller):
 
 
 class CachedTeachersDistiller(MixedTeachersDistiller):
-    """Several teachers' caches (`TeacherCaches`): each batch carries every teacher's targets, nothing to wait for."""
+    """Several teachers' caches (`TeacherCaches`): each batch carries every teacher's targets, nothing to wait for;
+    each teacher's held-out numbers are those its cache recorded (`heldout`: (CE, bits per byte) per teacher)."""
+
+    def __init__(self, args: DistillationArgs, routing: torch.Tensor, device: torch.device,
+                 heldout: list[tuple[Optional[float], Optional[float]]]):
+        super().__init__(args, routing, device)
+        self.heldout = heldout
+
+    def teacher_heldout_row(self) -> dict:
+        row = {}
+        for i, (ce, bpb) in enumerate(self.heldout):
+            row.update(heldout_row(ce, bpb, f"eval/{i}/"))
+        return row
 
     def submit(self, batch: dict, step: int, micro_step: int):
         return batch.get("source_ids"), batch["teachers"]
@@ -119,6 +131,12 @@ class SeveralTeachersDistiller(MixedTeachersDistiller):
 
     def log_metrics(self, timer) -> dict:
         return mixed_log_metrics(self.clients)
+
+    def teacher_heldout_row(self) -> dict:
+        row = {}
+        for i, client in enumerate(self.clients):
+            row.update(heldout_row(client.teacher_heldout_ce, client.teacher_heldout_bpb, f"eval/{i}/"))
+        return row
 
     def stop(self, step: int, error: bool = False) -> None:
         """STOP (or ERROR naming the failed teacher) to every teacher, in teacher order: one that reports an error at

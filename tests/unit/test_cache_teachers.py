@@ -117,7 +117,9 @@ def test_two_caches_train_as_the_online_mixture(tmp_path):
     assert batch["source_ids"].tolist() == [0, 1, 1] and len(batch["teachers"]) == 2
     assert not torch.equal(batch["teachers"][0].values, batch["teachers"][1].values)
     routing = source_routing(args.distillation.teachers, ["pydocs", "code"])
-    cached = CachedTeachersDistiller(args.distillation, routing, torch.device("cpu"))
+    cached = CachedTeachersDistiller(args.distillation, routing, torch.device("cpu"), [(2.5, 1.25), (None, None)])
+    # Each cache's recorded held-out reference under its teacher's index (none recorded: no key).
+    assert cached.teacher_heldout_row() == {"eval/0/teacher_loss": 2.5, "eval/0/teacher_bpb": 1.25}
     handles = [SimpleNamespace(wait=lambda t=t: t) for t in batch["teachers"]]
     clients = [SimpleNamespace(device="cpu", wait_clock=SimpleNamespace(new_step=lambda: None),
                                spec=SimpleNamespace(doc_boundaries=False, kd_weight=False),

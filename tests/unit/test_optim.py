@@ -151,3 +151,45 @@ def test_clip_grad_norm_plain_tensors():
     assert float(clip_grad_norm_([a], max_norm=0.0)) == pytest.approx(3.0)
     assert a.grad[0].item() == 3.0
     assert float(clip_grad_norm_([unused], max_norm=1.0)) == 0.0
+
+
+@pytest.mark.timeout(60)
+def test_every_implementation_steps_fsdp2_dtensor_parameters_as_the_loop_does(train_group):
+    """torch's foreach=None takes the per-parameter loop for DTensor parameters (slow on a GPU host); "fused" and
+    "foreach", which "auto" picks on a GPU, must give the loop's numbers on FSDP2's DTensors (here on the CPU)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    from apps.main.transformer import LMTransformer
+    from lingua.parallel.launch_plan import DistributedArgs
+    from lingua.parallel.parallelize import parallelize_model
+    from tests.unit.test_export import tiny_args
+
+    results = {}
+    for implementation in ("for_loop", "fused", "foreach"):
+        torch.manual_seed(0)
+        model = LMTransformer(tiny_args())
+        model.init_weights()
+        parallelize_model(model, DeviceMesh.from_group(train_group, "cpu"), DistributedArgs())
+        optimizer, scheduler = build_optimizer(model, OptimArgs(lr=1e-2, warmup=2, implementation=implementation), 6)
+        assert optimizer.defaults["fused"] is (implementation == "fused")
+        assert optimizer.defaults["foreach"] is (implementation == "foreach")
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+        for _ in range(4):
+            model(tokens).float().logsumexp(-1).sum().backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        results[implementation] = [p.full_tensor().detach().clone() for p in model.parameters()]
+    for implementation in ("fused", "foreach"):
+        for got, want in zip(results[implementation], results["for_loop"]):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(30)
+def test_auto_is_the_loop_on_the_cpu_and_an_unknown_implementation_is_a_sentence():
+    optimizer, _ = build_optimizer(Tiny(), OptimArgs(), 4)
+    assert optimizer.defaults["fused"] is False and optimizer.defaults["foreach"] is False  # CPU runs unchanged
+    with pytest.raises(ValueError, match="optim.implementation.*auto, fused, foreach, for_loop"):
+        build_optimizer(Tiny(), OptimArgs(implementation="apex"), 4)
