@@ -55,7 +55,7 @@ from lingua.cli import release_sigterm, run_cli
 from lingua.data import DataLoader
 from lingua.data_stream import active_sources
 from lingua.distillation.args import teacher_replica_sizes
-from lingua.distillation.distiller import build_distiller
+from lingua.distillation.build import build_distiller
 from lingua.distillation.feed import MicroBatchFeed
 from lingua.distributed import (
     Topology,

@@ -38,11 +38,11 @@ from lingua.cli import run_cli
 from lingua.data import DataArgs, training_loader
 from lingua.data_stream import active_sources
 from lingua.distillation.args import DistillationArgs, teacher_rank_counts, teacher_replica_sizes
-from lingua.distillation.cache import open_cache, settings_manifest
-from lingua.distillation.distiller import build_distiller
+from lingua.distillation.build import build_distiller
 from lingua.distillation.feed import MicroBatchFeed
 from lingua.distillation.fused_loss import fused_ce_head
 from lingua.distillation.server import TeacherServer
+from lingua.distillation.teacher_caches import open_training_caches
 from lingua.distillation.teachers import check_teachers_fit, serving_args
 from lingua.distributed import Topology, clean_up, log_rank_device_map, setup_torch_distributed
 from lingua.dump_owner import DumpDirOwner
@@ -130,7 +130,7 @@ class TrainArgs:
                 f"the model must fit data.seq_len={self.data.seq_len}; set model.max_seqlen >= {self.data.seq_len}")
         if self.heldout.every:
             eval_files(self.data)
-        if n_teacher_ranks(self):  # each teacher's positions and head counts, the sources it teaches
+        if n_teacher_ranks(self) or self.enable_distillation and self.distillation.teachers:  # cached ones: sources
             check_teachers_fit(self.distillation, self.data)
         if world_size is not None:  # roles, bridges, teacher replicas and the students' mesh for this many ranks
             LaunchPlan.for_launch(self.distributed, n_teacher_ranks(self), world_size, local_world_size or world_size,
@@ -156,8 +156,8 @@ def open_training_cache(args: TrainArgs, tokenizer, topo: Topology):
     """The offline teacher cache as this student's dataset (distillation.source=cache), or None."""
     if not (args.enable_distillation and args.distillation.source == "cache"):
         return None
-    wanted = settings_manifest(args.distillation, args.data, args.model.attn_mask, tokenizer)
-    return open_cache(args.distillation.cache_dir, wanted, args.data.batch_size, topo.train_rank, topo.train_world_size)
+    return open_training_caches(args.distillation, args.data, args.model.attn_mask, tokenizer, args.data.batch_size,
+                                topo.train_rank, topo.train_world_size)  # several teachers: one cache each
 
 
 # ---------------------------------------------------------------- teacher ranks

@@ -1,7 +1,8 @@
 """2 students + 2 teachers under torchrun on CPU/gloo, in three launches: an unbroken run with a different teacher
 per data source, whose teacher 1 is then SIGKILLed; a run preempted by a signal to teacher 1, and its resumed half,
 which trains step for step as the unbroken run did until teacher 1 fails while serving. Every failure is named on
-every rank, by teacher, and nothing waits out a timeout."""
+every rank, by teacher, and nothing waits out a timeout. A fourth launch (2 students, no teacher ranks) trains
+from each teacher's cache as the unbroken run did."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -196,6 +198,55 @@ def test_a_preempted_run_resumes_exactly_until_a_failing_teacher_is_named(two_so
         assert run_dir.rank_log(rank).read_text().rstrip().endswith("lingua.distributed: process groups aborted")
     report = analyse(split)
     assert report["first"]["rank"] == 3 and report["first"]["role"] == "teacher", report["first"]
+
+
+def write_cache_here(corpus, teacher, cache_dir, **extra) -> None:
+    """A teacher's cache of the unbroken run's first COMPARED steps, for its 2 students, written in this process by
+    the cache writer's own pieces (the serial writer): no launch, so the test pays for one torchrun only."""
+    import torch
+
+    from apps.main.teacher_cache import StreamReader, TeacherCacheArgs, planned_manifest, write_shards
+    from lingua.args import parse_args
+    from lingua.distillation.cache import INDEX, write_json_atomic
+    from lingua.distillation.teacher import TeacherModel
+
+    overrides = distill_overrides(corpus, teacher, cache_dir / "dump", steps=COMPARED,
+                                  **{"data.sources": "{text: 1.0, code: 1.0}", **extra})
+    args = parse_args(TeacherCacheArgs, [*overrides, f"cache_dir={cache_dir}", "streams=2", "shard_sequences=8",
+                                         "encode_workers=0"])
+    tokenizer, cpu = build_tokenizer(args.data.tokenizer), torch.device("cpu")
+    manifest = planned_manifest(args, tokenizer)
+    cache_dir.mkdir(parents=True)
+    manifest.write(cache_dir)
+    write_shards(args, StreamReader(args, tokenizer, cache_dir, manifest), TeacherModel(args.distillation, cpu),
+                 manifest, list(range(manifest.n_shards)), True, SimpleNamespace(device=cpu, global_rank=0))
+    write_json_atomic(cache_dir / INDEX, {"tokens": manifest.n_shards * manifest.shard_sequences * args.data.seq_len})
+
+
+@pytest.mark.timeout(300)
+def test_two_teachers_caches_train_as_the_online_teachers(two_sources, tiny_teacher, second_teacher,
+                                                          unbroken_then_killed, tmp_path):
+    """The unbroken run's routing from each teacher's cache (teacher 1's written in bf16, as it ran): the same
+    losses, KD statistics, gradient norms and evaluation, step for step, with no teacher ranks."""
+    write_cache_here(two_sources, tiny_teacher, tmp_path / "cache_0")
+    write_cache_here(two_sources, second_teacher, tmp_path / "cache_1", **{"distillation.teacher_dtype": "bf16"})
+    teachers = (f"[{{cache_dir: {tmp_path / 'cache_0'}, sources: [text]}}, "
+                f"{{cache_dir: {tmp_path / 'cache_1'}, sources: [code], weight: 2.0}}]")
+    dump = tmp_path / "run"
+    overrides = two_teacher_overrides(two_sources, tiny_teacher, second_teacher, dump,
+                                      **{"distillation.teachers": teachers})
+    result = torchrun(2, [f"steps={COMPARED}" if o == f"steps={UNBOUNDED}" else o for o in overrides], timeout=LIMIT_S)
+    assert_ok(result)
+    online, cached = train_rows(unbroken_then_killed.dump), train_rows(dump)
+    assert sorted(cached) == list(range(1, COMPARED + 1))
+    for step in cached:
+        assert {key: cached[step][key] for key in KD_KEYS} == {key: online[step][key] for key in KD_KEYS}, step
+        assert "kd/bytes_up" not in cached[step]  # no bridge
+    for i in (0, 1):  # each teacher taught some of the steps' rows
+        assert sum(row[f"kd/{i}/loss"] for row in cached.values()) > 0
+    assert cached[COMPARED]["loss/total"] < cached[1]["loss/total"]  # it learns
+    evaluation = (eval_rows(dump)[COMPARED], eval_rows(unbroken_then_killed.dump)[COMPARED])
+    assert [row["eval/loss"] for row in evaluation] == [evaluation[1]["eval/loss"]] * 2
 
 
 def console(outputs: dict, rank: int) -> list[str]:

@@ -75,8 +75,13 @@ def test_several_teachers_lay_out_after_the_students(tmp_path):
     (["{{path: {t0}}}", "{{path: /no/such/dir}}"], "distillation.teachers[1].path='/no/such/dir'; that directory does not exist"),
     (["{{path: {t0}}}", "{{path: {t1}, cross_tokenizer: true}}", "distillation.output=sampled"],
      "teachers[1].cross_tokenizer=true maps the teacher's top-k ids"),
-    (["{{path: {t0}}}", "{{path: {t1}}}", "distillation.source=cache", "distillation.cache_dir=/tmp"],
-     "several teachers run online only for now"),
+    (["{{path: {t0}}}", "{{path: {t1}}}", "distillation.source=cache"],
+     "distillation.source='cache'; with distillation.teachers every teacher names its cache"),
+    (["{{cache_dir: {t0}}}", "{{cache_dir: {t1}}}", "distillation.cache_dir=/tmp"],
+     "distillation.cache_dir='/tmp'; with distillation.teachers name each teacher's cache (teachers[i].cache_dir)"),
+    (["{{cache_dir: {t0}}}", "{{path: {t1}}}"], "a mixture of cached and online teachers is not supported yet"),
+    (["{{path: {t0}, cache_dir: {t1}}}", "{{cache_dir: {t1}}}"],
+     "a teacher runs online (path, on its own ranks) or from its cache (cache_dir); remove one of them"),
     (["{{path: {t0}, n_teacher_ranks: 3}}", "{{path: {t1}}}"], "teacher 0's 3 replica(s)"),
     (["{{path: {t0}}}", "{{path: {t1}}}", "distributed.teacher_placement=per_node"], "teacher_placement=last"),
     (["{{path: {t0}}}", "{{path: {t1}, cross_tokenizer: true}}", "distillation.uld_weight=0.5"],
@@ -350,7 +355,7 @@ def test_each_cross_tokenizer_teacher_gets_the_label_past_each_window():
     (its last position aligns through it, as with one teacher), a same-tokenizer one does not."""
     from types import SimpleNamespace
 
-    from lingua.distillation.distiller import SeveralTeachersDistiller
+    from lingua.distillation.mixed_distillers import SeveralTeachersDistiller
 
     class Client:
         def __init__(self, kd_weight):
@@ -394,7 +399,8 @@ def test_each_teachers_held_out_reference_is_logged_under_its_index():
     bits per byte only. One teacher keeps eval/teacher_loss and eval/teacher_bpb."""
     from types import SimpleNamespace
 
-    from lingua.distillation.distiller import Distiller, SeveralTeachersDistiller
+    from lingua.distillation.distiller import Distiller
+    from lingua.distillation.mixed_distillers import SeveralTeachersDistiller
 
     clients = [SimpleNamespace(device="cpu", teacher_heldout_ce=2.5, teacher_heldout_bpb=3.5),
                SimpleNamespace(device="cpu", teacher_heldout_ce=None, teacher_heldout_bpb=4.25)]
