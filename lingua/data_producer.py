@@ -207,6 +207,8 @@ def to_wire(obj):
     """Batches as the queue carries them cheaply: torch tensors as numpy arrays (bfloat16 as its int16 bits)."""
     if isinstance(obj, dict):
         return {key: to_wire(value) for key, value in obj.items()}
+    if isinstance(obj, list):  # several teachers' targets
+        return [to_wire(value) for value in obj]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return _WireDataclass(type(obj), {f.name: to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
     torch = sys.modules.get("torch")  # imported only where the stream makes tensors (the cache road)
@@ -223,6 +225,8 @@ def from_wire(obj):
 
     if isinstance(obj, dict):
         return {key: from_wire(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [from_wire(value) for value in obj]
     if isinstance(obj, _WireDataclass):
         return obj.cls(**{key: from_wire(value) for key, value in obj.fields.items()})
     if isinstance(obj, _WireTensor):

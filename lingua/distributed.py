@@ -9,8 +9,8 @@ is collective:
   - bridge_<i>      teacher replica i's first rank plus the contiguous block of students it serves
                     (student<->teacher traffic); with several teachers a student is in one per teacher.
   - teachers        the teacher ranks (teacher-side coordination).
-  - teacher_tp_<i>  the ranks of teacher replica i, with distillation.teacher_tp > 1 only: the teacher's
-                    tensor-parallel forward and its requests shared by the replica's first rank.
+  - teacher_tp_<i>  the ranks of teacher replica i, for a replica of more than one rank only (its teacher's
+                    teacher_tp > 1): the tensor-parallel forward and its requests shared by the replica's first rank.
 
 When a rank dies, the others only see a collective fail with a peer's address: `RankStatus`
 (lingua/parallel/rank_status.py) turns that into the rank that stopped first and its log, in one sentence.
@@ -228,12 +228,12 @@ def enable_debug_env(dump_dir: Optional[str], mode: str = "true") -> None:
 
 def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir: Optional[str] = None,
                             teacher_tp: int = 1, teacher_counts: tuple[int, ...] = (),
-                            teacher_paths: tuple[str, ...] = ()) -> Topology:
-    """Initialise torch.distributed and build the Topology (`teacher_counts`, `teacher_paths`: the ranks and
-    checkpoint of each of several teachers). Config errors raise before any collective."""
+                            teacher_paths: tuple[str, ...] = (), teacher_tps: tuple[int, ...] = ()) -> Topology:
+    """Initialise torch.distributed and build the Topology (`teacher_counts`, `teacher_paths`, `teacher_tps`: the
+    ranks, checkpoint and replica size of each of several teachers). Config errors raise before any collective."""
     launch = read_launch_env()
     plan = LaunchPlan.for_launch(args, n_teachers, launch.world_size, launch.local_world_size, teacher_tp,
-                                 teacher_counts, teacher_paths)
+                                 teacher_counts, teacher_paths, teacher_tps)
     device, backend = choose_device(args, launch.local_rank, launch.local_world_size)
     if backend == "nccl":
         torch.cuda.set_device(device)
@@ -280,8 +280,8 @@ def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir
         if rank == teacher or rank in block:  # in teacher order: a student's bridge to each teacher
             bridge_groups.append(group)
     bridge_group = bridge_groups[0] if bridge_groups else None
-    if plan.teacher_tp > 1:  # with teacher_tp=1 a replica is one rank: no group, the launch is as it always was
-        for i, (replica, _) in enumerate(plan.replicas()):
+    for i, (replica, _) in enumerate(plan.replicas()):
+        if len(replica) > 1:  # a replica of one rank (teacher_tp=1) needs no group: the launch is as it always was
             group = make_group(replica, f"teacher_tp_{i}")
             if rank in replica:
                 teacher_tp_group = group

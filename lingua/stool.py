@@ -185,22 +185,30 @@ def launch_plan(cfg: DictConfig, nodes: int, ntasks_per_node: int) -> tuple[Laun
                                     int(OmegaConf.select(cfg, "distillation.n_teacher_ranks", default=1)))
     # Several teachers (distillation.teachers), each its own ranks after the students, as the trainer lays them out.
     teachers = OmegaConf.select(cfg, "distillation.teachers", default=None) or []
-    online = OmegaConf.select(cfg, "distillation.source", default="online") == "online"
+    # Training from caches (source=cache, or every listed teacher names its cache_dir) runs no teacher ranks.
+    online = OmegaConf.select(cfg, "distillation.source", default="online") == "online" and not (
+        teachers and all(OmegaConf.select(t, "cache_dir", default=None) for t in teachers))
+    n_teachers = n_teachers if online else 0
     counts = tuple(int(OmegaConf.select(t, "n_teacher_ranks", default=1)) for t in teachers) if n_teachers and online \
         else ()
     if counts:
         n_teachers = sum(counts)
     several = counts if len(counts) > 1 else ()
     teacher_tp = int(OmegaConf.select(cfg, "distillation.teacher_tp", default=1)) if n_teachers else 1
+    if len(counts) == 1 and OmegaConf.select(teachers[0], "teacher_tp", default=None) is not None:
+        teacher_tp = int(teachers[0].teacher_tp)  # a one-teacher list is teacher_path with its own keys
     require(teacher_tp >= 1, "distillation.teacher_tp", teacher_tp,
             "use 1 (one rank per teacher) or the number of ranks to shard each teacher over")
+    # Each of several teachers in replicas of its own teacher_tp, or of the shared one.
+    tps = tuple(int(OmegaConf.select(t, "teacher_tp", default=None) or teacher_tp) for t in teachers) if several \
+        else ()
     distributed = OmegaConf.merge(OmegaConf.structured(DistributedArgs), cfg.get("distributed") or {})
     write = None
     if OmegaConf.select(cfg, "distributed.teacher_placement", default=None) is None \
             and n_teachers and n_teachers == nodes * teacher_tp and nodes > 1 and not several:
         distributed.teacher_placement = write = "per_node"
     plan = LaunchPlan.for_launch(OmegaConf.to_object(distributed), n_teachers, nodes * ntasks_per_node, ntasks_per_node,
-                                 teacher_tp, teacher_counts=several)
+                                 teacher_tp, teacher_counts=several, teacher_tps=tps)
     return plan, write
 
 

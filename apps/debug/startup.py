@@ -54,7 +54,8 @@ from lingua.args import parse_args, require
 from lingua.cli import release_sigterm, run_cli
 from lingua.data import DataLoader
 from lingua.data_stream import active_sources
-from lingua.distillation.distiller import build_distiller
+from lingua.distillation.args import teacher_replica_sizes
+from lingua.distillation.build import build_distiller
 from lingua.distillation.feed import MicroBatchFeed
 from lingua.distributed import (
     Topology,
@@ -197,7 +198,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     args.validate(launch.world_size, launch.local_world_size)  # the trainer's own pass
     release_sigterm()
     role = LaunchPlan.for_launch(args.distributed, n_teacher_ranks(args), launch.world_size,
-                                 launch.local_world_size, teacher_tp(args), teacher_counts(args)).role(launch.rank)
+                                 launch.local_world_size, teacher_tp(args), teacher_counts(args),
+                                 teacher_tps=teacher_replica_sizes(teacher_counts(args), args.distillation)
+                                 ).role(launch.rank)
     out_dir = Path(args.dump_dir) / "startup_diag"
     init_logger(launch.rank, role, str(out_dir / "logs" / f"rank_{launch.rank}.log"))
     phases = PhaseLog(str(out_dir), launch.rank, role)
@@ -210,7 +213,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         else:
             with phases.span("setup_torch_distributed"):
                 topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir,
-                                               teacher_tp(args), teacher_counts(args))
+                                               teacher_tp(args), teacher_counts(args),
+                                               teacher_tps=teacher_replica_sizes(teacher_counts(args),
+                                                                                 args.distillation))
             with phases.span("rank_map"):
                 log_rank_device_map(topo)
             first_collectives(topo, phases)

@@ -74,12 +74,12 @@ def batch_ce_sum(model, batch: dict, device) -> tuple[float, int]:
 class Evaluator:
     """Owns its cadence (`should_run`) and runs the eval over this rank's share of the held-out files."""
 
-    def __init__(self, args: EvalArgs, data_args, tokenizer, topo, teacher_loss: Optional[float] = None,
-                 teacher_bpb: Optional[float] = None):
+    def __init__(self, args: EvalArgs, data_args, tokenizer, topo, teacher_reference: Optional[dict] = None):
+        """`teacher_reference`: the teacher's (or each teacher's) own CE and bits per byte on these windows, as eval
+        keys (`Distiller.teacher_heldout_row`): logged once, with the first eval, as a reference."""
         self.args, self.data_args = args, data_args
         self.tokenizer, self.topo = tokenizer, topo
-        self.teacher_loss = teacher_loss  # the teacher's own CE on these windows: logged once, as a reference
-        self.teacher_bpb = teacher_bpb  # the same in bits per byte
+        self.teacher_reference = dict(teacher_reference or {})
         self.byte_lengths: Optional[torch.Tensor] = None  # bytes per token id, read on the first eval
 
     def should_run(self, step: int) -> bool:
@@ -107,13 +107,12 @@ class Evaluator:
         totals = dist_mean_dict(dict(loss_sum=loss_sum, tokens=tokens, bytes=n_bytes), topo.train_group, topo.device)
         eval_loss = totals["loss_sum"] / max(totals["tokens"], 1)
         eval_bpb = bits_per_byte(totals["loss_sum"], totals["bytes"])
+        teachers = [f"{value:.4f}" for key, value in self.teacher_reference.items() if key.endswith("teacher_loss")]
         logger.info(f"eval step {step}: loss {eval_loss:.4f}, {eval_bpb:.4f} bits per byte over {n_batches} batches "
-                    f"per rank" + (f" (the teacher's: {self.teacher_loss:.4f})" if self.teacher_loss is not None else ""))
+                    f"per rank" + (f" (the teacher's: {', '.join(teachers)})" if teachers else ""))
         row = {"step": step, "eval/loss": eval_loss, "eval/bpb": eval_bpb, "eval/ppl": math.exp(min(eval_loss, 50))}
-        if self.teacher_loss is not None:
-            row["eval/teacher_loss"], self.teacher_loss = self.teacher_loss, None
-        if self.teacher_bpb is not None:
-            row["eval/teacher_bpb"], self.teacher_bpb = self.teacher_bpb, None
+        row.update(self.teacher_reference)  # once: the teachers' numbers do not change
+        self.teacher_reference = {}
         return row
 
 

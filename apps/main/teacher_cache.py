@@ -152,6 +152,7 @@ def settle_manifest(cache_dir: Path, planned: CacheManifest) -> None:
     if existing.zstd_level != planned.zstd_level:  # the bytes differ, not what they decode to: one level per cache
         logger.warning(f"{cache_dir} was started at zstd_level={existing.zstd_level}: finishing it at that level.")
         planned.zstd_level = existing.zstd_level
+    planned.source_names = existing.source_names  # started before shards stored sources: the cache still has none
     differ = describe_differences(existing, planned, ("teacher_path", "tokenizer_fingerprint", "vocab_size", "output",
                                                       "k", "temperature", "wire_dtype", "attn_mask", "data", "streams",
                                                       "sequences_per_stream", "shard_sequences", *CROSS_FIELDS))
@@ -384,7 +385,8 @@ def write_shards(args: TeacherCacheArgs, streams: StreamReader, teacher: Teacher
                 continue
             tokens = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1)
             shards.submit(index, shard_path(streams.cache_dir, index), tokens, batch["doc_ids"], outputs, manifest,
-                          dict(shard=index, stream=stream, chunk=chunk, loader_state=loader_state))
+                          dict(shard=index, stream=stream, chunk=chunk, loader_state=loader_state),
+                          torch.as_tensor(batch["source_ids"]) if manifest.source_names is not None else None)
             if time.perf_counter() - last_report > PROGRESS_EVERY_S:
                 last_report = report_progress(topo.global_rank, shards.written, len(todo), tokens_per_shard, clock)
         shards.drain()

@@ -37,12 +37,12 @@ from lingua.checkpoint import CheckpointArgs, CheckpointManager
 from lingua.cli import run_cli
 from lingua.data import DataArgs, training_loader
 from lingua.data_stream import active_sources
-from lingua.distillation.args import DistillationArgs, teacher_rank_counts
-from lingua.distillation.cache import open_cache, settings_manifest
-from lingua.distillation.distiller import build_distiller
+from lingua.distillation.args import DistillationArgs, teacher_rank_counts, teacher_replica_sizes
+from lingua.distillation.build import build_distiller
 from lingua.distillation.feed import MicroBatchFeed
 from lingua.distillation.fused_loss import fused_ce_head
 from lingua.distillation.server import TeacherServer
+from lingua.distillation.teacher_caches import open_training_caches
 from lingua.distillation.teachers import check_teachers_fit, serving_args
 from lingua.distributed import Topology, clean_up, log_rank_device_map, setup_torch_distributed
 from lingua.dump_owner import DumpDirOwner
@@ -130,11 +130,12 @@ class TrainArgs:
                 f"the model must fit data.seq_len={self.data.seq_len}; set model.max_seqlen >= {self.data.seq_len}")
         if self.heldout.every:
             eval_files(self.data)
-        if n_teacher_ranks(self):  # each teacher's positions and head counts, the sources it teaches
-            check_teachers_fit(self.distillation, self.data, teacher_tp(self))
+        if n_teacher_ranks(self) or self.enable_distillation and self.distillation.teachers:  # cached ones: sources
+            check_teachers_fit(self.distillation, self.data)
         if world_size is not None:  # roles, bridges, teacher replicas and the students' mesh for this many ranks
             LaunchPlan.for_launch(self.distributed, n_teacher_ranks(self), world_size, local_world_size or world_size,
-                                  teacher_tp(self), teacher_counts(self))
+                                  teacher_tp(self), teacher_counts(self),
+                                  teacher_tps=teacher_replica_sizes(teacher_counts(self), self.distillation))
 
 
 def teacher_counts(args: TrainArgs) -> tuple[int, ...]:
@@ -155,8 +156,8 @@ def open_training_cache(args: TrainArgs, tokenizer, topo: Topology):
     """The offline teacher cache as this student's dataset (distillation.source=cache), or None."""
     if not (args.enable_distillation and args.distillation.source == "cache"):
         return None
-    wanted = settings_manifest(args.distillation, args.data, args.model.attn_mask, tokenizer)
-    return open_cache(args.distillation.cache_dir, wanted, args.data.batch_size, topo.train_rank, topo.train_world_size)
+    return open_training_caches(args.distillation, args.data, args.model.attn_mask, tokenizer, args.data.batch_size,
+                                topo.train_rank, topo.train_world_size)  # several teachers: one cache each
 
 
 # ---------------------------------------------------------------- teacher ranks
@@ -281,7 +282,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
 
     probe = ActivationProbe(model, args.dump_dir, topo.global_rank, topo.is_train_master, group,
                             every=args.probe_freq) if args.probe_freq else None
-    evaluator = Evaluator(args.heldout, args.data, tokenizer, topo, *distiller.teacher_heldout)
+    evaluator = Evaluator(args.heldout, args.data, tokenizer, topo, distiller.teacher_heldout_row())
     checkpoint_eval = CheckpointEvaluation(args, topo, checkpoint)  # Lingua's eval: section, after checkpoint.eval saves
     # The embedding lookup is no matmul; the output head is (and with tied weights it is the only copy counted).
     matmul_params = n_params - (0 if args.model.tie_embeddings else args.model.vocab_size * args.model.dim)
@@ -415,7 +416,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     failure: Optional[BaseException] = None  # an exceptional exit aborts the process groups (clean_up)
     try:
         topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir, teacher_tp(args),
-                                       teacher_counts(args), tuple(t.path for t in args.distillation.teachers))
+                                       teacher_counts(args), tuple(t.path for t in args.distillation.teachers),
+                                       teacher_replica_sizes(teacher_counts(args), args.distillation))
         init_logger(topo.global_rank, topo.role, str(RunDir(args.dump_dir).rank_log(topo.global_rank)))
         # From here a rank that fails leaves a note, and one that loses a peer names the rank that stopped.
         with (RankStatus(args.dump_dir, topo, debug=args.distributed.debug_mode) as status,

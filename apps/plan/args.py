@@ -101,6 +101,10 @@ class PlanArgs(TrainArgs):
                     "it is for several teachers (distillation.teachers); with one teacher use the key without the s")
         if not teachers:
             return
+        for i, teacher in enumerate(teachers):
+            require(not teacher.cache_dir, f"distillation.teachers[{i}].cache_dir", teacher.cache_dir,
+                    "apps.plan plans teachers that run on their own ranks, and a teacher read from its cache has none; "
+                    "plan with its path instead of its cache_dir")
         for key, per_teacher in (("teacher_config", "teacher_configs"),
                                  ("teacher_tokens_per_s", "teachers_tokens_per_s")):
             require(not getattr(self, key), key, getattr(self, key),

@@ -10,7 +10,8 @@ and its measured speed), at the ranks the config gives it: every teacher receive
 student, so a teacher's replicas each serve students / replicas students, and its load is its replica's time for
 one request over the student's compute. The step waits for the slowest teacher (the largest load). The plan does
 not move ranks between teachers; it prints, for each, the ranks it would need to keep up with these students.
-Several teachers run online only (no cache road) and have no verdict (the KD studies measured one teacher).
+It plans teachers on their own ranks (a teacher read from its cache, `teachers[i].cache_dir`, is refused in one
+sentence), with no cache road and no verdict (the KD studies measured one teacher).
 """
 
 import dataclasses
@@ -25,25 +26,23 @@ from lingua.parallel.launch_plan import LaunchPlan
 
 
 def teacher_planner(args: PlanArgs, index: int) -> Planner:
-    """The one-teacher planner of teacher `index`: its path, ranks, tokenizer, config.json, ratio and speed."""
-    teacher = args.distillation.teachers[index]
-    one = dataclasses.replace(args.distillation, teachers=[], teacher_path=teacher.path,
-                              n_teacher_ranks=teacher.n_teacher_ranks, cross_tokenizer=teacher.cross_tokenizer)
+    """The one-teacher planner of teacher `index`: the settings it runs with (its path, ranks, tokenizer, dtype and
+    teacher_tp), its config.json, ratio and speed."""
     pick = lambda values, default: values[index] if values else default  # noqa: E731 (one list per key)
     return Planner(dataclasses.replace(
-        args, distillation=one, teacher_config=pick(args.teacher_configs, None),
+        args, distillation=args.distillation.teacher_args(index), teacher_config=pick(args.teacher_configs, None),
         teacher_tokens_per_student_token=pick(args.teachers_tokens_per_student_token, 1.0),
         teacher_tokens_per_s=pick(args.teachers_tokens_per_s, 0.0)))
 
 
 def plan_teachers(args: PlanArgs, config_path: Optional[str] = None, overrides: tuple[str, ...] = ()) -> dict:
     """The JSON-able plan of several teachers at their configured ranks (module docstring)."""
-    teachers, kd = args.distillation.teachers, args.distillation
-    tp, world = kd.teacher_tp, args.world_size
+    teachers, kd, world = args.distillation.teachers, args.distillation, args.world_size
     planners = [teacher_planner(args, i) for i in range(len(teachers))]
+    tps = [planner.args.distillation.teacher_tp for planner in planners]
     students = world - sum(t.n_teacher_ranks for t in teachers)
     rows = []
-    for i, (teacher, planner) in enumerate(zip(teachers, planners)):
+    for i, (teacher, planner, tp) in enumerate(zip(teachers, planners, tps)):
         replicas = teacher.n_teacher_ranks // tp
         per_bridge = -(-max(students, 0) // replicas)  # the busiest replica's students
         speeds = planner.speeds
@@ -53,7 +52,8 @@ def plan_teachers(args: PlanArgs, config_path: Optional[str] = None, overrides: 
         others = sum(t.n_teacher_ranks for t in teachers) - teacher.n_teacher_ranks
         rows.append({
             "index": i, "path": teacher.path, "config": planner.shape.path, "parameters": planner.shape.parameters(),
-            "n_teacher_ranks": teacher.n_teacher_ranks, "replicas": replicas, "students_per_bridge": per_bridge,
+            "n_teacher_ranks": teacher.n_teacher_ranks, "teacher_tp": tp, "replicas": replicas,
+            "students_per_bridge": per_bridge,
             "teacher_tokens_per_student_token": planner.args.teacher_tokens_per_student_token,
             "teacher_tokens_per_s_per_gpu": round(speeds.teacher, 1), "speed_source": speeds.source,
             "forward_s_per_request": load * micro_batch_s, "load": round(load, 4),
@@ -67,17 +67,18 @@ def plan_teachers(args: PlanArgs, config_path: Optional[str] = None, overrides: 
               "student_tokens_per_s": round(max(students, 0) * planners[0].speeds.student / (1 + timing.wait))}
     try:
         distributed = dataclasses.replace(args.distributed, teacher_placement="last")
-        plan = LaunchPlan.for_launch(distributed, world - students, world, min(args.gpus_per_node, world), tp,
-                                     tuple(t.n_teacher_ranks for t in teachers), tuple(t.path for t in teachers))
+        plan = LaunchPlan.for_launch(distributed, world - students, world, min(args.gpus_per_node, world),
+                                     kd.teacher_tp, tuple(t.n_teacher_ranks for t in teachers),
+                                     tuple(t.path for t in teachers), tuple(tps))
         lines = plan.describe()
         online["launch_plan"] = lines[:6] + ([f"... {len(lines) - 6} more line(s)"] if len(lines) > 6 else [])
     except ValueError as err:  # the trainer would refuse this launch: its sentence
         online["keeps_up"], online["refusal"] = False, str(err)
     return {"version": PLAN_VERSION, "several_teachers": True,
             "inputs": {"config": config_path, "overrides": list(overrides), "world_size": world,
-                       "gpus_per_node": args.gpus_per_node, "gpu_mem_gib": args.gpu_mem_gib, "teacher_tp": tp,
+                       "gpus_per_node": args.gpus_per_node, "gpu_mem_gib": args.gpu_mem_gib,
                        "batch_size": args.data.batch_size, "seq_len": args.data.seq_len, "prefetch": kd.prefetch},
-            "teachers": rows, "online": online, "recommendation": recommendation(rows, online, tp)}
+            "teachers": rows, "online": online, "recommendation": recommendation(rows, online)}
 
 
 def ranks_to_keep_up(ranks: int, tp: int, most_per_replica: float) -> Optional[int]:
@@ -93,14 +94,14 @@ def teacher_name(row: dict) -> str:
     return f"teacher {row['index']} ({row['path']})"
 
 
-def recommendation(rows: list[dict], online: dict, tp: int) -> str:
+def recommendation(rows: list[dict], online: dict) -> str:
     """One sentence: the launch as configured, or what to change first (the trainer's refusal, memory, the slowest)."""
     if "refusal" in online:
         return f"change the teachers' ranks: the launch plan refuses them: {online['refusal']}"
     tight = [row for row in rows if not row["fits"]]
     if tight:
-        return (f"{teacher_name(tight[0])} does not fit a GPU at teacher_tp={tp}; raise distillation.teacher_tp or "
-                f"lower data.batch_size")
+        return (f"{teacher_name(tight[0])} does not fit a GPU at teacher_tp={tight[0]['teacher_tp']}; raise its "
+                f"teacher_tp (teachers[{tight[0]['index']}].teacher_tp) or lower data.batch_size")
     slowest = rows[online["slowest"]]
     if online["keeps_up"]:
         return f"distill online as configured; the slowest is {teacher_name(slowest)}"
@@ -118,13 +119,14 @@ def milliseconds(seconds: float) -> str:
 def format_teachers_plan(plan: dict) -> list[str]:
     """The printed plan of several teachers, one block per teacher, each named."""
     inputs, online = plan["inputs"], plan["online"]
-    lines = [f"several teachers: {len(plan['teachers'])} on {inputs['world_size'] - online['students']} ranks "
-             f"(teacher_tp={inputs['teacher_tp']}), {online['students']} students; every teacher receives every "
-             f"micro-batch, the students wait for the slowest"]
+    lines = [f"several teachers: {len(plan['teachers'])} on {inputs['world_size'] - online['students']} ranks, "
+             f"{online['students']} students; every teacher receives every micro-batch, the students wait for the "
+             f"slowest"]
     for row in plan["teachers"]:
         ratio = row["teacher_tokens_per_student_token"]
         lines += [f"  {teacher_name(row)}: {count(row['parameters'])} parameters, {row['n_teacher_ranks']} rank(s) in "
-                  f"{row['replicas']} replica(s), {row['students_per_bridge']} student(s) per bridge",
+                  f"{row['replicas']} replica(s) of teacher_tp={row['teacher_tp']}, {row['students_per_bridge']} "
+                  f"student(s) per bridge",
                   f"    {ratio:g} teacher token(s) per student token; {row['speed_source']}; forward "
                   f"{milliseconds(row['forward_s_per_request'])} per request, {row['load']:.2f} of a student's "
                   f"compute; {row['memory_gib']['total']:.3g} GiB per rank"
@@ -138,6 +140,6 @@ def format_teachers_plan(plan: dict) -> list[str]:
         lines.append(f"the launch plan refuses this layout: {online['refusal']}")
     else:
         lines += ["launch plan:"] + [f"  {line}" for line in online["launch_plan"]]
-    lines += ["no cache road and no verdict: several teachers run online only, and the KD studies measured one "
+    lines += ["no cache road and no verdict: these teachers run on their own ranks, and the KD studies measured one "
               "teacher", f"recommendation: {plan['recommendation']}"]
     return lines

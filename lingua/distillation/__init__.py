@@ -2,8 +2,10 @@
 
 Student side (the loop asks one `Distiller` for the KD part of each step):
 
-    distiller.py       Distiller: NoDistiller (CE only), OnlineDistiller (a teacher rank), CacheDistiller (a cache),
-                       SeveralTeachersDistiller (distillation.teachers: one bridge per teacher)
+    distiller.py       Distiller: NoDistiller (CE only), OnlineDistiller (a teacher rank), CacheDistiller (a cache)
+    mixed_distillers.py  several teachers (distillation.teachers): SeveralTeachersDistiller (one bridge per
+                       teacher), CachedTeachersDistiller (one cache per teacher)
+    build.py           build_distiller: which Distiller a student gets; the look-ahead the students agree on
     mixture.py         several teachers: routing by data source, each position's KD weights, the mixed loss
     teachers.py        the launch's teachers, one or several: their checks before any process group, which one a
                        teacher rank serves as
@@ -17,6 +19,7 @@ Student side (the loop asks one `Distiller` for the KD part of each step):
     uld.py             ULD (distillation.uld_weight): sorted-probability distance for a cross-tokenizer teacher's
                        unmapped mass; the wire's marked entries, the reference and the fused chunk's closed form
     cache.py           the offline teacher cache: manifest, safetensors shards, the loader training reads
+    teacher_caches.py  several teachers' caches read in step: their layouts and windows checked against each other
     cache_codec.py     cache format v2: a shard's tensors coded losslessly (sorted values as bit-pattern gaps,
                        ids by frequency rank, sampled draws as distinct ids with counts), then zstd
     cache_writer.py    the cache writer's pipeline: windows read ahead, shards encoded and written by worker

@@ -44,15 +44,20 @@ class AgreedTeacherError(TeacherError, AgreedError):
 
 @dataclass
 class TeacherArgs:
-    """One of several teachers (`distillation.teachers`): its checkpoint, its own ranks, its share of the KD term,
-    its tokenizer and the data sources it teaches. The other distillation settings are shared by all teachers."""
+    """One of several teachers (`distillation.teachers`): its checkpoint and its own ranks, or its cache; its share
+    of the KD term, its tokenizer, the data sources it teaches, and optionally (online) its own dtype and tensor
+    parallelism. The other distillation settings are shared by all teachers."""
 
     path: Optional[str] = None  # local directory (or hub id) of a transformers causal LM
+    # Instead of path: the folder of a cache written from this teacher by apps.main.teacher_cache (no teacher ranks)
+    cache_dir: Optional[str] = None
     n_teacher_ranks: int = 1  # its ranks, laid out after the students and the teachers before it
     weight: float = 1.0  # its share of each position's KD term (normalised over the teachers of the position)
     cross_tokenizer: bool = False  # its tokenizer is not the students' (see DistillationArgs.cross_tokenizer)
     tokenizer: Optional[str] = None  # its Hugging Face tokenizer directory with cross_tokenizer; None = path
     sources: list[str] = field(default_factory=list)  # the data.sources it teaches; [] = every source
+    teacher_dtype: Optional[str] = None  # its load dtype (as distillation.teacher_dtype); None = that shared value
+    teacher_tp: Optional[int] = None  # ranks per replica of it (as distillation.teacher_tp); None = that shared value
 
 
 @dataclass
@@ -107,9 +112,10 @@ class DistillationArgs:
     # alone.
     uld_weight: float = 0.0
     uld_k: int = 16  # with uld_weight > 0: how many sorted probabilities (teacher unmapped, student rest) ULD compares
-    # Several teachers, each on its own ranks (instead of teacher_path, n_teacher_ranks, cross_tokenizer and
-    # teacher_tokenizer): the students mix their KD terms by weight and per data source
-    # (lingua/distillation/mixture.py). One element without sources is the same run as teacher_path.
+    # Several teachers, each on its own ranks or each from its own cache (instead of teacher_path, n_teacher_ranks,
+    # cross_tokenizer, teacher_tokenizer and cache_dir): the students mix their KD terms by weight and per data
+    # source (lingua/distillation/mixture.py). One element without sources is the same run as teacher_path (or as
+    # source=cache with its cache_dir).
     teachers: list[TeacherArgs] = field(default_factory=list)
 
     def __post_init__(self):  # a one-teacher list is teacher_path as soon as it is read, for every app
@@ -192,11 +198,18 @@ class DistillationArgs:
         if len(self.teachers) != 1 or self.teachers[0].sources or self.teacher_path:
             return
         only = self.teachers[0]
+        _check_own_settings(only, "distillation.teachers[0]")
         self._refuse_one_teacher_keys()
         require(not self.cross_tokenizer, "distillation.cross_tokenizer", self.cross_tokenizer,
                 "with distillation.teachers set cross_tokenizer per teacher (teachers[0].cross_tokenizer)")
+        require(not self.cache_dir, "distillation.cache_dir", self.cache_dir,
+                "with distillation.teachers set it per teacher (teachers[0].cache_dir), or remove it")
         self.teacher_path, self.n_teacher_ranks = only.path, only.n_teacher_ranks
+        self.teacher_dtype = self.teacher_dtype if only.teacher_dtype is None else only.teacher_dtype
+        self.teacher_tp = self.teacher_tp if only.teacher_tp is None else only.teacher_tp
         self.cross_tokenizer, self.teacher_tokenizer, self.teachers = only.cross_tokenizer, only.tokenizer, []
+        if only.cache_dir:  # its cache: the one-teacher cache road
+            self.source, self.cache_dir = "cache", only.cache_dir
         self.validate_cross_tokenizer()
 
     def _refuse_one_teacher_keys(self) -> None:
@@ -212,41 +225,68 @@ class DistillationArgs:
                 "distillation.teachers names the teachers; set teacher_path=null or remove distillation.teachers")
         require(not self.cross_tokenizer, "distillation.cross_tokenizer", self.cross_tokenizer,
                 "with distillation.teachers set cross_tokenizer per teacher (teachers[i].cross_tokenizer)")
-        require(self.source == "online", "distillation.source", self.source,
-                "several teachers run online only for now; set source=online or train from one teacher's cache")
         self._refuse_one_teacher_keys()
+        require(not self.cache_dir, "distillation.cache_dir", self.cache_dir,
+                "with distillation.teachers name each teacher's cache (teachers[i].cache_dir), or remove it")
+        self._settle_teachers_source()
         for i, teacher in enumerate(self.teachers):
             key = f"distillation.teachers[{i}]"
-            require(bool(teacher.path), f"{key}.path", teacher.path, "point it at a transformers checkpoint directory")
-            _check_teacher_dir(teacher.path, f"{key}.path")
-            require(teacher.n_teacher_ranks >= 1 and teacher.n_teacher_ranks % self.teacher_tp == 0,
-                    f"{key}.n_teacher_ranks", teacher.n_teacher_ranks,
-                    f"use a positive multiple of distillation.teacher_tp={self.teacher_tp}")
+            require(not (teacher.path and teacher.cache_dir), f"{key}.cache_dir", teacher.cache_dir,
+                    "a teacher runs online (path, on its own ranks) or from its cache (cache_dir); remove one of them")
+            _check_own_settings(teacher, key)
+            if not teacher.cache_dir:  # a cache's settings are in its manifest, checked when the students open it
+                require(bool(teacher.path), f"{key}.path", teacher.path,
+                        "point it at a transformers checkpoint directory, or name its cache (cache_dir)")
+                _check_teacher_dir(teacher.path, f"{key}.path")
+            tp, tp_key = self.teacher_args(i).teacher_tp, tp_setting(self, i)
+            require(teacher.n_teacher_ranks >= 1 and teacher.n_teacher_ranks % tp == 0,
+                    f"{key}.n_teacher_ranks", teacher.n_teacher_ranks, f"use a positive multiple of {tp_key}={tp}")
             require(math.isfinite(teacher.weight) and teacher.weight > 0, f"{key}.weight", teacher.weight,
                     "use a positive share of the KD term (weights are normalised over a position's teachers)")
             require(isinstance(teacher.cross_tokenizer, bool), f"{key}.cross_tokenizer", teacher.cross_tokenizer,
                     "use true or false")
             if teacher.cross_tokenizer:
-                self.teacher_args(i).validate_cross_tokenizer(key)
+                self.teacher_args(i).validate_cross_tokenizer(key, tp_key)
 
-    def validate_cross_tokenizer(self, key: str = "distillation") -> None:
-        """A cross-tokenizer teacher sends a sparse format: top-k (any teacher_tp) or sampled (teacher_tp=1)."""
+    def _settle_teachers_source(self) -> None:
+        """Teachers all from caches train on source=cache (no teacher ranks); all online on source=online. A mixture
+        of the two is not built yet: one sentence."""
+        cached = [bool(t.cache_dir) for t in self.teachers]
+        if all(cached):
+            self.source = "cache"
+            return
+        online = cached.index(False)  # the first teacher without a cache
+        require(not any(cached), f"distillation.teachers[{online}].path", self.teachers[online].path,
+                "some teachers name a cache_dir and this one runs online, and a mixture of cached and online "
+                "teachers is not supported yet; write its cache with apps.main.teacher_cache and name it in "
+                "cache_dir, or run every teacher online (path, no cache_dir)")
+        require(self.source == "online", "distillation.source", self.source,
+                "with distillation.teachers every teacher names its cache (teachers[i].cache_dir) to train from "
+                "caches; set source=online to run them on their own ranks")
+
+    def validate_cross_tokenizer(self, key: str = "distillation", tp_key: str = "distillation.teacher_tp") -> None:
+        """A cross-tokenizer teacher sends a sparse format: top-k (at any tensor parallelism) or sampled (unsharded;
+        `tp_key`: the key that sets its tensor parallelism)."""
         if self.cross_tokenizer:
             require(self.output != "full", "distillation.output", self.output,
                     f"the full format is the teacher's log-probs over the student's vocabulary, which a teacher of "
                     f"another tokenizer ({key}.cross_tokenizer=true) cannot give; set output=topk or output=sampled")
-            require(self.teacher_tp == 1 or self.output == "topk", "distillation.teacher_tp", self.teacher_tp,
+            require(self.teacher_tp == 1 or self.output == "topk", tp_key, self.teacher_tp,
                     f"{key}.cross_tokenizer=true with output=sampled draws from the teacher's probabilities added up "
                     f"per student id over its whole vocabulary, of which a tensor-parallel rank holds a slice; set "
-                    f"teacher_tp=1, or output=topk")
+                    f"{tp_key.removeprefix('distillation.')}=1, or output=topk")
 
     def teacher_args(self, index: int) -> "OneTeacherArgs":
         """The settings teacher `index` of `teachers` runs with: these, its own path, ranks and tokenizer."""
         teacher = self.teachers[index]
         shared = {f.name: getattr(self, f.name) for f in fields(DistillationArgs)}
         shared.update(teacher_path=teacher.path, n_teacher_ranks=teacher.n_teacher_ranks, teachers=[],
-                      cross_tokenizer=teacher.cross_tokenizer, teacher_tokenizer=teacher.tokenizer)
-        return OneTeacherArgs(**shared, index=index)
+                      cross_tokenizer=teacher.cross_tokenizer, teacher_tokenizer=teacher.tokenizer,
+                      cache_dir=teacher.cache_dir)
+        for key in ("teacher_dtype", "teacher_tp"):  # its own where set, else the shared value
+            if getattr(teacher, key) is not None:
+                shared[key] = getattr(teacher, key)
+        return OneTeacherArgs(**shared, index=index, own_dtype=teacher.teacher_dtype is not None)
 
 
 @dataclass
@@ -255,6 +295,19 @@ class OneTeacherArgs(DistillationArgs):
     server read; their sentences name it by index and path."""
 
     index: int = 0
+    own_dtype: bool = False  # its teacher_dtype is its own (teachers[index].teacher_dtype), not the shared one
+
+
+def tp_setting(args: DistillationArgs, index: int) -> str:
+    """The key that sets teacher `index`'s tensor parallelism: its own teacher_tp, or the shared one."""
+    own = args.teachers[index].teacher_tp is not None
+    return f"distillation.teachers[{index}].teacher_tp" if own else "distillation.teacher_tp"
+
+
+def dtype_setting(args: DistillationArgs) -> str:
+    """The key that sets a teacher's dtype: teacher `index`'s own teacher_dtype (several teachers), or the shared."""
+    own = isinstance(args, OneTeacherArgs) and args.own_dtype
+    return f"distillation.teachers[{args.index}].teacher_dtype" if own else "distillation.teacher_dtype"
 
 
 def teacher_title(args: DistillationArgs, rank: int) -> str:
@@ -271,6 +324,23 @@ def teacher_rank_counts(enabled_online: bool, args: DistillationArgs) -> tuple[i
     if args.teachers:
         return tuple(t.n_teacher_ranks for t in args.teachers)
     return (teacher_rank_count(True, args.n_teacher_ranks),)
+
+
+def teacher_replica_sizes(counts: tuple[int, ...], args: DistillationArgs) -> tuple[int, ...]:
+    """Ranks per replica of each of several teachers (each its own teacher_tp, or the shared one) of a launch whose
+    teachers have `counts` ranks (`teacher_rank_counts`); () for one teacher or none."""
+    if len(counts) < 2:
+        return ()
+    return tuple(args.teacher_args(i).teacher_tp for i in range(len(args.teachers)))
+
+
+def _check_own_settings(teacher: TeacherArgs, key: str) -> None:
+    """A teacher's own teacher_dtype and teacher_tp, where set, are values the shared keys take."""
+    require(teacher.teacher_dtype in (None, *TEACHER_DTYPES), f"{key}.teacher_dtype", teacher.teacher_dtype,
+            f"use one of {', '.join(TEACHER_DTYPES)}, or null for distillation.teacher_dtype")
+    require(teacher.teacher_tp is None or (type(teacher.teacher_tp) is int and teacher.teacher_tp >= 1),
+            f"{key}.teacher_tp", teacher.teacher_tp, "use 1 (one rank per replica), the number of ranks to shard "
+            "this teacher over, or null for distillation.teacher_tp")
 
 
 def _check_teacher_dir(path: str, key: str) -> None:

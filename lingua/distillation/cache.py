@@ -6,9 +6,11 @@ Layout of a cache directory (written by `apps/main/teacher_cache.py`):
                                     wire dtype, attention mask, data settings, streams, shard size, the teacher's
                                     held-out CE (cross-tokenizer: also the teacher tokenizer's and the
                                     vocabulary map's fingerprints; the targets are in the students' ids)
-    shards/shard_<i:05d>.safetensors  `shard_sequences` windows of one stream: the tokens [K, S+1], doc_ids [K, S]
-                                    and the teacher's outputs, coded losslessly by `cache_codec` (format v2: about
-                                    half of v1's bytes; v1 stored the bridge's tensors as they are); its metadata
+    shards/shard_<i:05d>.safetensors  `shard_sequences` windows of one stream: the tokens [K, S+1], doc_ids [K, S],
+                                    source_ids [K] (each window's data source, by the manifest's source_names;
+                                    caches written before it have none) and the teacher's outputs, coded
+                                    losslessly by `cache_codec` (format v2: about half of v1's bytes; v1 stored
+                                    the bridge's tensors as they are); its metadata
                                     names its stream and chunk, the loader state after it (resuming a cache) and
                                     the codec's stream specs
     index.json                      written last, when every shard is on disk: the cache is complete
@@ -32,6 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from lingua.data_stream import active_sources
 from lingua.distillation.bridge import tokenizer_fingerprint
 from lingua.distillation.cache_codec import OLD_ZSTD_LEVEL, ZSTD_LEVEL, canonical_sampled, decode_shard, encode_shard
 from lingua.distillation.distiller import tokenizer_vocab
@@ -83,6 +86,9 @@ class CacheManifest:
     teacher_tokenizer_fingerprint: Optional[int] = None
     vocab_map_fingerprint: Optional[str] = None
     unmapped_entries: bool = False  # written with distillation.uld_weight > 0: the shards carry them, marked (uld.py)
+    # The data sources a shard's source_ids index, in order (active_sources); None: a cache written before the
+    # shards stored each window's source (it trains one teacher, or several mixed by weight, not per source).
+    source_names: Optional[list[str]] = None
 
     @property
     def n_shards(self) -> int:
@@ -132,7 +138,8 @@ def settings_manifest(kd_args, data_args, attn_mask: str, tokenizer, **layout) -
                          tokenizer_fingerprint=tokenizer_fingerprint(tokenizer_vocab(tokenizer)), output=kd_args.output,
                          k=kd_args.k, temperature=kd_args.temperature, wire_dtype=kd_args.wire_dtype,
                          attn_mask=attn_mask, data=data_identity(data_args), cross_tokenizer=kd_args.cross_tokenizer,
-                         unmapped_entries=kd_args.cross_tokenizer and kd_args.uld_weight > 0, **layout)
+                         unmapped_entries=kd_args.cross_tokenizer and kd_args.uld_weight > 0,
+                         source_names=active_sources(data_args.sources), **layout)
 
 
 def describe_differences(cache: CacheManifest, wanted: CacheManifest, keys: tuple[str, ...]) -> list[str]:
@@ -166,15 +173,15 @@ def shard_location(index: int, streams: int) -> tuple[int, int]:
 
 
 def write_shard(path: Path, tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs,
-                manifest: CacheManifest, metadata: dict) -> None:
+                manifest: CacheManifest, metadata: dict, source_ids: Optional[torch.Tensor] = None) -> None:
     """One shard, atomically: written to `.tmp`, synced, renamed (a crash leaves no half shard under the name)."""
-    write_file_atomic(path, shard_bytes(tokens, doc_ids, outputs, manifest, metadata))
+    write_file_atomic(path, shard_bytes(tokens, doc_ids, outputs, manifest, metadata, source_ids))
 
 
 def shard_bytes(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs, manifest: CacheManifest,
-                metadata: dict) -> bytes:
-    """A shard file's bytes. Version 2 codes it (`cache_codec`, with its round-trip check); version 1 (the
-    converter's tests) stores the bridge's tensors."""
+                metadata: dict, source_ids: Optional[torch.Tensor] = None) -> bytes:
+    """A shard file's bytes. Version 2 codes it (`cache_codec`, with its round-trip check; `source_ids`, each
+    window's data source, stored when given); version 1 (the converter's tests) stores the bridge's tensors."""
     if manifest.version == 1:
         names = ("values",) if outputs.format == "full" else ("values", "ids", "extra")
         tensors = {"tokens": tokens.to(torch.int32).contiguous(),
@@ -182,7 +189,7 @@ def shard_bytes(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOut
         for name, tensor in zip(names, outputs.tensors()):
             tensors[name] = (tensor.to(manifest.ids_dtype) if name == "ids" else tensor).contiguous()
     else:
-        tensors, codec = encode_shard(tokens, doc_ids, outputs, manifest.vocab_size, manifest.zstd_level)
+        tensors, codec = encode_shard(tokens, doc_ids, outputs, manifest.vocab_size, manifest.zstd_level, source_ids)
         metadata = {**metadata, "codec": codec}
     return canonical_safetensors(save(tensors, metadata={key: json.dumps(value) for key, value in metadata.items()}))
 
@@ -223,9 +230,11 @@ def shard_metadata(path: Path) -> Optional[dict]:
 
 
 def read_shard(path: Path, rows: range, manifest: CacheManifest) -> dict:
-    """Rows of a shard as a training batch: input_ids, labels, doc_ids and the teacher's outputs (sampled draws
-    in `cache_codec`'s canonical order, whatever the version, so a v1 cache and its conversion train alike)."""
+    """Rows of a shard as a training batch: input_ids, labels, doc_ids, source_ids (when the shard stores them)
+    and the teacher's outputs (sampled draws in `cache_codec`'s canonical order, whatever the version, so a v1
+    cache and its conversion train alike)."""
     span = slice(rows.start, rows.stop, rows.step)
+    sources = {}
     if manifest.version == 1:
         tokens, doc_ids, teacher = read_v1_shard(path, span, manifest)
         if manifest.output == "sampled":  # v2 stores this order
@@ -234,8 +243,10 @@ def read_shard(path: Path, rows: range, manifest: CacheManifest) -> dict:
         shard = _decoded_shard(str(path), *_file_identity(path))
         teacher = TeacherOutputs.from_tensors(manifest.output, [t[span] for t in shard["teacher"].tensors()])
         tokens, doc_ids = shard["tokens"][span].long(), shard["doc_ids"][span].int()
+        if "source_ids" in shard:
+            sources["source_ids"] = shard["source_ids"][span]
     return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "doc_ids": doc_ids,
-            "teacher": teacher}
+            **sources, "teacher": teacher}
 
 
 def read_v1_shard(path: Path, span: slice, manifest: CacheManifest) -> tuple:
@@ -337,8 +348,8 @@ class CacheLoader:
             return parts[0]
         teacher = TeacherOutputs.from_tensors(self.manifest.output, [
             torch.cat(ts) for ts in zip(*(p["teacher"].tensors() for p in parts))])
-        return {**{key: torch.cat([p[key] for p in parts]) for key in ("input_ids", "labels", "doc_ids")},
-                "teacher": teacher}
+        windows = [key for key in ("input_ids", "labels", "doc_ids", "source_ids") if all(key in p for p in parts)]
+        return {**{key: torch.cat([p[key] for p in parts]) for key in windows}, "teacher": teacher}
 
     def state_dict(self) -> dict:
         return dict(kind="teacher_cache", dp_rank=self.dp_rank, dp_degree=self.dp_degree, bad_lines=0,
@@ -360,13 +371,20 @@ class CacheLoader:
 
 def open_cache(cache_dir: str, wanted: CacheManifest, batch_size: int, dp_rank: int, dp_degree: int) -> CacheLoader:
     """The training side: refuse a cache written with other settings (one sentence naming both values)."""
+    return CacheLoader(cache_dir, checked_manifest(cache_dir, wanted), batch_size, dp_rank, dp_degree)
+
+
+def checked_manifest(cache_dir: str, wanted: CacheManifest, whose: str = "") -> CacheManifest:
+    """The manifest of the cache in `cache_dir`, refused in one sentence when it was written with settings other
+    than `wanted` (`whose`: which teacher's cache, in the sentence)."""
     manifest = CacheManifest.read(Path(cache_dir))
     differ = describe_differences(manifest, wanted, ("output", "k", "temperature", "wire_dtype", "attn_mask",
                                                      "tokenizer_fingerprint", "vocab_size", "data", "cross_tokenizer",
                                                      "unmapped_entries"))
     if differ:
-        raise DataError(f"The teacher cache in {cache_dir} was written with other settings: {'; '.join(differ)}. "
+        raise DataError(f"The teacher cache in {cache_dir}{whose} was written with other settings: "
+                        f"{'; '.join(differ)}. "
                         f"Train with the cache's settings, or write a new cache for these: "
                         f"{PREPARE_HINT.format(dir='<new dir>')}.")
-    return CacheLoader(cache_dir, manifest, batch_size, dp_rank, dp_degree)
+    return manifest
 

@@ -5,6 +5,8 @@ stores the same information in these streams, each in zstd frames with checksums
 a multi-byte stream: all first bytes, then all second bytes, each plane with its own statistics):
 
     tokens, doc_ids   the windows (uint16 tokens when the vocabulary fits)
+    source_ids        each window's data source (its index in the manifest's source_names), for several teachers'
+                      per-source routing; absent in shards written before it (they read as before)
     id_table          the shard's distinct teacher ids, most frequent first (ties ascending, zigzag deltas; a
                       cross-tokenizer cache written for ULD also holds the negative ids of unmapped entries)
     id_ranks          each entry's id as its rank in id_table: frequent ids get small numbers, which zstd's byte
@@ -29,6 +31,7 @@ would not round-trip is a bug caught when it is written, not when it is trained 
 """
 
 import math
+from typing import Optional
 
 import numpy as np
 import torch
@@ -172,9 +175,10 @@ def canonical_sampled(outputs: TeacherOutputs) -> TeacherOutputs:
 
 
 def encode_shard(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs,
-                 vocab_size: int, level: int = ZSTD_LEVEL) -> tuple[dict, dict]:
+                 vocab_size: int, level: int = ZSTD_LEVEL, source_ids: Optional[torch.Tensor] = None
+                 ) -> tuple[dict, dict]:
     """A shard's v2 streams ({name: uint8 tensor}) and their specs (the shard's `codec` metadata), compressed at
-    zstd `level`."""
+    zstd `level`; `source_ids` [K] (each window's data source) stored when given."""
     if outputs.values.isnan().any():
         raise TeacherError("The teacher's outputs are not finite (NaN log-probs) for windows of this cache shard; "
                            "check the teacher's weights (a NaN weight) and teacher_dtype, then run the cache command "
@@ -182,6 +186,9 @@ def encode_shard(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOu
     streams, specs = {}, {"format": outputs.format, "wire_dtype": str(outputs.values.dtype).removeprefix("torch.")}
     _put(streams, specs, level, "tokens", tokens.numpy().astype(np.uint16 if vocab_size <= 2**16 else np.int32), planes=False)
     _put(streams, specs, level, "doc_ids", doc_ids.numpy().astype(np.int16 if doc_ids.shape[1] <= 2**15 else np.int32))
+    if source_ids is not None:
+        narrow = np.uint8 if int(source_ids.max()) < 256 else np.uint16
+        _put(streams, specs, level, "source_ids", source_ids.numpy().astype(narrow), planes=False)
     if outputs.format == "full":
         values = outputs.values.contiguous()
         bits = values.view(torch.int16 if values.element_size() == 2 else torch.int32).numpy()
@@ -212,6 +219,8 @@ def encode_shard(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOu
         raise CodecError("a cache shard decoded to another number of tensors than it was given")
     pairs = [(decoded["tokens"], tokens), (decoded["doc_ids"], doc_ids), *zip(decoded["teacher"].tensors(),
                                                                              outputs.tensors())]
+    if source_ids is not None:
+        pairs.append((decoded["source_ids"], source_ids))
     for got, want in pairs:
         want = want.to(got.dtype).contiguous()
         if got.shape != want.shape or not torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)):
@@ -220,14 +229,25 @@ def encode_shard(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOu
 
 
 def decode_shard(streams: dict, specs: dict) -> dict:
-    """tokens [K, S+1] int32, doc_ids [K, S] and the TeacherOutputs, as the bridge sends them (ids int32)."""
+    """tokens [K, S+1] int32, doc_ids [K, S], source_ids [K] int32 (when stored) and the TeacherOutputs, as the
+    bridge sends them (ids int32)."""
+    windows = _decode_windows(streams, specs)
+    return {**windows, "teacher": _decode_teacher(streams, specs)}
+
+
+def _decode_windows(streams: dict, specs: dict) -> dict:
+    windows = {"tokens": torch.from_numpy(_get(streams, specs, "tokens").astype(np.int32)),
+               "doc_ids": torch.from_numpy(_get(streams, specs, "doc_ids").copy())}
+    if "source_ids" in specs:
+        windows["source_ids"] = torch.from_numpy(_get(streams, specs, "source_ids").astype(np.int32))
+    return windows
+
+
+def _decode_teacher(streams: dict, specs: dict) -> TeacherOutputs:
     wire = getattr(torch, specs["wire_dtype"])
-    tokens = torch.from_numpy(_get(streams, specs, "tokens").astype(np.int32))
-    doc_ids = torch.from_numpy(_get(streams, specs, "doc_ids").copy())
     if specs["format"] == "full":
         bits = _get(streams, specs, "values")
-        return {"tokens": tokens, "doc_ids": doc_ids,
-                "teacher": TeacherOutputs("full", torch.from_numpy(bits.copy()).view(wire))}
+        return TeacherOutputs("full", torch.from_numpy(bits.copy()).view(wire))
     positions, k = tuple(specs["positions"]), specs["k"]
     if specs["format"] == "sampled":
         run_lengths = _get(streams, specs, "n_distinct").astype(np.int64)
@@ -242,9 +262,8 @@ def decode_shard(streams: dict, specs: dict) -> dict:
     if "kd_weight" in specs:  # a cross-tokenizer shard: the aligned bits
         bits = np.unpackbits(_get(streams, specs, "kd_weight"), count=int(np.prod(positions)))
         kd_weight = torch.from_numpy(bits.astype(np.float32)).view(positions)
-    return {"tokens": tokens, "doc_ids": doc_ids, "teacher": TeacherOutputs(
-        specs["format"], values, torch.from_numpy(ids.astype(np.int32)).view(*positions, k), extra.view(positions),
-        kd_weight)}
+    return TeacherOutputs(specs["format"], values, torch.from_numpy(ids.astype(np.int32)).view(*positions, k),
+                          extra.view(positions), kd_weight)
 
 
 # A v2 shard's bytes per token on the KD study's data (SmolLM2-135M-Instruct's 49,152 ids, Python docs, 128-token

@@ -142,10 +142,11 @@ def _tensor(portable: tuple) -> torch.Tensor:
 
 
 def _write_portable(path: Path, tokens: tuple, doc_ids: tuple, output_format: str, outputs: list, manifest,
-                    metadata: dict) -> None:
+                    metadata: dict, source_ids: Optional[tuple] = None) -> None:
     """An encode worker's task: `write_shard` of the tensors `_portable` packed."""
     teacher = TeacherOutputs.from_tensors(output_format, [_tensor(t) for t in outputs])
-    write_shard(path, _tensor(tokens), _tensor(doc_ids), teacher, manifest, metadata)
+    write_shard(path, _tensor(tokens), _tensor(doc_ids), teacher, manifest, metadata,
+                None if source_ids is None else _tensor(source_ids))
 
 
 def start_encode_pool(workers: int) -> ProcessPoolExecutor:
@@ -170,10 +171,10 @@ class ShardWriters:
             self.pool = start_encode_pool(workers)
 
     def submit(self, index: int, path: Path, tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs,
-               manifest: CacheManifest, metadata: dict) -> None:
+               manifest: CacheManifest, metadata: dict, source_ids: Optional[torch.Tensor] = None) -> None:
         since = time.perf_counter()
         if self.pool is None:
-            self._run(index, path, lambda: write_shard(path, tokens, doc_ids, outputs, manifest, metadata))
+            self._run(index, path, lambda: write_shard(path, tokens, doc_ids, outputs, manifest, metadata, source_ids))
             self.written += 1
         else:
             while len(self.pending) > self.workers:
@@ -181,7 +182,7 @@ class ShardWriters:
             packed = [_portable(t) for t in outputs.tensors()]
             self.pending[index] = (path, self._run(index, path, lambda: self.pool.submit(
                 _write_portable, path, _portable(tokens), _portable(doc_ids), outputs.format, packed, manifest,
-                metadata)))
+                metadata, None if source_ids is None else _portable(source_ids))))
         self.clock.add("encode", since)
 
     def _finish_one(self) -> None:

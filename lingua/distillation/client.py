@@ -25,7 +25,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lingua.distillation.args import AgreedPeerStopped, AgreedTeacherError, DistillationArgs, teacher_title
+from lingua.distillation.args import (AgreedPeerStopped, AgreedTeacherError, DistillationArgs, dtype_setting,
+                                     teacher_title)
 from lingua.distillation.bridge import (
     BAD_TOKENS_FIELD,
     HEADER_INTS,
@@ -42,7 +43,6 @@ from lingua.distillation.bridge import (
     tokenizer_fingerprint,
 )
 from lingua.distillation.outputs import TeacherOutputs
-from lingua.errors import PeerStopped
 from lingua.parallel.collectives import log_collective
 
 logger = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ class TeacherClient:
             if record[: STATUS_WORDS * 8].view(torch.int64)[NAN_WORD].item():
                 return AgreedTeacherError(
                     f"{self.title}'s outputs are not finite (NaN) at step {step}: its weights or "
-                    f"its forward in distillation.teacher_dtype={self.args.teacher_dtype} are broken, not the "
+                    f"its forward in {dtype_setting(self.args)}={self.args.teacher_dtype} are broken, not the "
                     f"students; check the teacher at {self.args.teacher_path} (its own check of its outputs)")
         return None
 

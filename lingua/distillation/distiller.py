@@ -1,6 +1,6 @@
 """The Distiller: the one object the student loop asks for the KD part of a step.
 
-    distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer,
+    distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer,  # (build.py)
                                 (args.data.batch_size, args.data.seq_len), args.model.attn_mask, cache, phases)
     distiller.begin_step(step, lr_factor)                      # alpha for this step, fresh stats
     pending = distiller.submit(batch, step, micro_step)        # ask for this micro-batch's teacher targets
@@ -14,8 +14,10 @@
 
 Kinds: `NoDistiller` (enable_distillation=false: every rank trains on CE), `OnlineDistiller` (a
 teacher rank behind a bridge, `lingua/distillation/client.py`), `SeveralTeachersDistiller` (one bridge per teacher
-of `distillation.teachers`, their KD terms mixed by `lingua/distillation/mixture.py`) and `CacheDistiller` (the
-offline teacher cache, `lingua/distillation/cache.py`, whose batches carry the targets). The loop never asks which one it has;
+of `distillation.teachers`, their KD terms mixed by `lingua/distillation/mixture.py`), `CacheDistiller` (the
+offline teacher cache, `lingua/distillation/cache.py`, whose batches carry the targets) and
+`CachedTeachersDistiller` (several teachers' caches, mixed the same way; both kinds of several teachers live in
+`lingua/distillation/mixed_distillers.py`). The loop never asks which one it has;
 `Distiller` lists all it may ask (what a log line or the summary says is the reporter's business,
 apps/main/report.py, from the metrics). The loss of a micro-batch is ((1 - alpha) * CE_sum + alpha * T^2 *
 KD_sum) / n_valid, n_valid being the step's count of trained-on tokens, so micro-batches add up to one large
@@ -24,21 +26,18 @@ batch. Statistics stay on the device; the loop reads them on log steps only.
 
 import contextlib
 import logging
-import os
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from lingua.distillation.args import DistillationArgs, alpha_at, resolve_prefetch
+from lingua.distillation.args import DistillationArgs, alpha_at
 from lingua.distillation.client import TeacherClient
 from lingua.distillation.divergences import distillation_loss
 from lingua.distillation.fused_loss import fused_linear_kd_loss
-from lingua.distillation.mixture import (first_error, handshake_clients, mixed_head_loss, mixed_log_metrics,
-                                         mixing_weights, source_routing, teacher_metrics)
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.distillation.reference_loss import kd_loss_and_stats
-from lingua.parallel.collectives import AgreedError, agree_count
+from lingua.parallel.collectives import AgreedError
 from lingua.transformer import cross_entropy_sum
 
 logger = logging.getLogger(__name__)
@@ -58,10 +57,10 @@ class Distiller:
     def __init__(self, args: DistillationArgs):
         self.args = args
 
-    @property
-    def teacher_heldout(self) -> tuple[Optional[float], Optional[float]]:
-        """The teacher's own held-out (CE, bits per byte), each None when not known: the eval's reference line."""
-        return self.teacher_heldout_ce, self.teacher_heldout_bpb
+    def teacher_heldout_row(self) -> dict:
+        """The teacher's own held-out numbers for the first eval row, each where known: eval/teacher_loss and
+        eval/teacher_bpb (with several teachers eval/<i>/teacher_loss and eval/<i>/teacher_bpb, as kd/<i>/...)."""
+        return heldout_row(self.teacher_heldout_ce, self.teacher_heldout_bpb)
 
     def begin_step(self, step: int, lr_factor: float) -> None:
         """A new step: fresh statistics (and the KD weight for this step)."""
@@ -293,94 +292,11 @@ class OnlineDistiller(KDDistiller):
         self.client.report_exit()
 
 
-class SeveralTeachersDistiller(KDDistiller):
-    """Several teachers (`distillation.teachers`), each behind its own bridge: every micro-batch goes to each, and
-    the KD term of a position is mixed over the teachers that teach its source (`lingua/distillation/mixture.py`)."""
-
-    def __init__(self, args: DistillationArgs, clients: list[TeacherClient], prefetch: int, routing: torch.Tensor):
-        super().__init__(args)
-        self.clients, self.prefetch = clients, prefetch
-        self.routing = routing.to(clients[0].device)  # [sources, teachers]
-        self.cross = [teacher.cross_tokenizer for teacher in args.teachers]
-        self.blame = 0  # 1 + the index of the teacher whose failure the students agreed on
-
-    @property
-    def first_round_trip(self) -> Optional[tuple[float, float]]:
-        return self.clients[0].first_round_trip
-
-    def begin_step(self, step: int, lr_factor: float) -> None:
-        super().begin_step(step, lr_factor)
-        self.teacher_stats = None
-        for client in self.clients:
-            client.wait_clock.new_step()
-
-    def submit(self, batch: dict, step: int, micro_step: int):
-        # As one teacher's: another tokenizer's teacher aligns the window's last position through the label past it.
-        next_tokens = batch["labels"][:, -1] if "labels" in batch else None
-        handles = [client.submit(batch["input_ids"], step, micro_step,
-                                 batch.get("doc_ids") if client.spec.doc_boundaries else None,
-                                 next_tokens if client.spec.kd_weight else None)
-                   for client in self.clients]
-        return batch["source_ids"], handles
-
-    def head_loss(self, labels: torch.Tensor, pending, n_valid: int, timer) -> Callable:
-        source_ids, handles = pending
-
-        def mixed_loss(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            with timer.part("teacher_wait"):
-                outputs = [handle.wait().to(hidden.device) for handle in handles]
-            weights = mixing_weights(self.routing, source_ids.to(hidden.device), [o.kd_weight for o in outputs],
-                                     tuple(labels.shape))
-            loss, ce, stats = mixed_head_loss(hidden, weight, labels, outputs, weights, n_valid, self.alpha, self.args)
-            self._add_ce(ce)
-            self._add_kd_stats(stats[:, :3].sum(0))
-            self.teacher_stats = stats if self.teacher_stats is None else self.teacher_stats + stats
-            return loss
-        return mixed_loss
-
-    def step_metrics(self) -> dict:
-        return {**super().step_metrics(), **teacher_metrics(self.teacher_stats, self.cross)}
-
-    def control_flags(self) -> dict:
-        flags = [client.response_flags() for client in self.clients]
-        return {key: torch.stack([f[key] for f in flags]).amax() for key in flags[0]}
-
-    def after_agreement(self, flags: dict) -> None:
-        for kind, key in (("error", "teacher_error"), ("nan", "teacher_nan")):
-            if flags.get(key):
-                self.blame, error = first_error(self.clients, kind)
-                raise error
-
-    def mark_first_step_done(self) -> None:
-        for client in self.clients:
-            client.mark_first_step_done()
-
-    def announce_pause(self, pause_follows: bool) -> None:
-        for client in self.clients:
-            client.announce_pause(pause_follows)
-
-    def drain(self) -> None:
-        for client in self.clients:
-            client.drain()
-
-    def log_metrics(self, timer) -> dict:
-        return mixed_log_metrics(self.clients)
-
-    def stop(self, step: int, error: bool = False) -> None:
-        """STOP (or ERROR naming the failed teacher) to every teacher, in teacher order: one that reports an error at
-        STOP does not keep the others waiting for theirs."""
-        failure = None
-        for client in self.clients:
-            try:
-                client.stop(step, error=error, blame=self.blame)
-            except Exception as err:
-                failure = failure or err
-        if failure is not None:
-            raise failure
-
-    def report_exit(self) -> None:
-        for client in self.clients:
-            client.report_exit()
+def heldout_row(ce: Optional[float], bpb: Optional[float], prefix: str = "eval/") -> dict:
+    """A teacher's held-out CE and bits per byte as eval keys (<prefix>teacher_loss, <prefix>teacher_bpb), where
+    known (a cross-tokenizer teacher's CE per token is in its own tokens: None)."""
+    return {f"{prefix}{name}": value for name, value in (("teacher_loss", ce), ("teacher_bpb", bpb))
+            if value is not None}
 
 
 def tokenizer_vocab(tokenizer) -> dict:
@@ -389,36 +305,3 @@ def tokenizer_vocab(tokenizer) -> dict:
     if hf is not None and hasattr(hf, "get_vocab"):
         return hf.get_vocab()
     return {f"<{type(tokenizer).__name__}:{tokenizer.n_words}>": 0}
-
-
-def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tokenizer, max_batch: tuple[int, int],
-                    attn_mask: str = "causal", cache=None, phases=None, source_names: Optional[list[str]] = None
-                    ) -> Distiller:
-    """The Distiller for this student: none, the offline cache (`cache`: its CacheLoader) or the online bridge
-    (whose handshake runs here, announcing `max_batch` = the largest (batch, seq_len) this student sends); with
-    several teachers one bridge each, routed by the data sources `source_names` (a batch's source_ids index it)."""
-    if not enable_distillation:
-        return NoDistiller(args)
-    if cache is not None:
-        return CacheDistiller(args, cache.manifest.teacher_heldout_ce, cache.manifest.teacher_heldout_bpb)
-    vocab = tokenizer_vocab(tokenizer)
-    with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
-        if args.teachers:
-            clients = handshake_clients(args, topo, vocab, tokenizer.n_words, max_batch, attn_mask)
-            return SeveralTeachersDistiller(args, clients, agreed_prefetch(args, topo),
-                                            source_routing(args.teachers, source_names or []))
-        client = TeacherClient(args, topo, vocab, tokenizer.n_words, *max_batch, attn_mask)
-    return OnlineDistiller(args, client, agreed_prefetch(args, topo))
-
-
-def agreed_prefetch(args: DistillationArgs, topo) -> int:
-    """The teacher look-ahead every student uses: distillation.prefetch, "auto" resolved from this launch (one
-    gather over the students: a bridge's students must send the same requests, e.g. before a STOP)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    prefetch, why = resolve_prefetch(args.prefetch, topo.device.type, topo.local_world_size, torch.get_num_threads(),
-                                     cores)
-    prefetch = agree_count(prefetch, topo.train_group, topo.device, "teacher look-ahead (distillation.prefetch)",
-                           mode="min")
-    if topo.is_train_master:
-        logger.info(f"teacher look-ahead: prefetch={prefetch} ({why})")
-    return prefetch

@@ -19,6 +19,7 @@ runs once per teacher instead: the first carries CE, the others alpha = 1 with k
 is exactly alpha * T^2 * weight * KD and no CE (each costs one more pass of the fused head, GEMMs included).
 """
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -95,19 +96,22 @@ def mixed_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         ce, per_teacher = sums[0], list(sums[1:].view(-1, 3))
     else:
         for i, (teacher, w) in enumerate(zip(outputs, weights)):
-            if i and alpha == 0.0:  # no KD term at all this step: nothing to add but the first call's CE
-                per_teacher.append(torch.zeros(3, dtype=torch.float64, device=hidden.device))
-                continue
-            # The first call carries CE; the others add alpha * T^2 * weight * KD (alpha = 1, the weight scaled).
-            part, sums = fused_linear_kd_loss(hidden, weight, labels, teacher, normalizer, alpha if i == 0 else 1.0,
-                                              args.temperature, args.divergence, args.jsd_beta, args.loss_chunk_size,
-                                              kd_weight=w if i == 0 else w * alpha, weight_grad=args.loss_weight_grad,
-                                              compiled=args.compiles_loss(True, hidden.device))
+            # The first call carries CE; the others add alpha * T^2 * weight * KD (alpha = 1, the weight scaled). At
+            # alpha = 0 they add nothing: a pass without gradients still measures their KD, as the first call does.
+            measure_only = i > 0 and alpha == 0.0
+            with torch.no_grad() if measure_only else contextlib.nullcontext():
+                part, sums = fused_linear_kd_loss(hidden, weight, labels, teacher, normalizer,
+                                                  alpha if i == 0 else 1.0, args.temperature, args.divergence,
+                                                  args.jsd_beta, args.loss_chunk_size,
+                                                  kd_weight=w if i == 0 or measure_only else w * alpha,
+                                                  weight_grad=args.loss_weight_grad,
+                                                  compiled=args.compiles_loss(True, hidden.device))
             sums = sums.double() / normalizer
             if i == 0:
                 ce = sums[0]
-            per_teacher.append(sums[1:] if i == 0 else sums[1:] / alpha)
-            loss = part if loss is None else loss + part
+            per_teacher.append(sums[1:] if i == 0 or measure_only else sums[1:] / alpha)
+            if not measure_only:
+                loss = part if loss is None else loss + part
     extra = [torch.stack([(w * valid).sum().double() / normalizer,
                           ((1.0 if t.kd_weight is None else t.kd_weight) * valid).sum().double() / normalizer])
              for t, w in zip(outputs, weights)]

@@ -111,7 +111,8 @@ class TeacherServer:
                             f"(map {self.cross.vocab_map.fingerprint()})")
             shard = self.teacher.shard
             logger.info(f"teacher {args.teacher_path} loaded in {time.perf_counter() - start:.1f}s "
-                        f"(vocab {record.vocab}, {self.teacher.n_params / 1e6:.1f}M params)"
+                        f"(vocab {record.vocab}, {self.teacher.n_params / 1e6:.1f}M params in "
+                        f"{str(self.teacher.model.dtype).removeprefix('torch.')})"
                         + (f", tensor-parallel over ranks {topo.replica_ranks}: vocabulary rows "
                            f"{shard.start}-{shard.end - 1} and {self.teacher.n_local_params / 1e6:.1f}M params here"
                            if shard is not None else ""))

@@ -1,11 +1,11 @@
 """The launch's teachers, one or several (`distillation.teachers`): the checks of each before any process group,
 and which teacher a teacher rank serves as.
 
-    check_teachers_fit(args.distillation, args.data, teacher_tp)   # positions, head counts, sources of each teacher
+    check_teachers_fit(args.distillation, args.data)               # positions, head counts, sources of each teacher
     kd, names = serving_args(args.distillation, topo)              # a teacher rank's own settings, every name
 """
 
-from lingua.distillation.args import DistillationArgs, check_seq_len_fits_teacher
+from lingua.distillation.args import DistillationArgs, check_seq_len_fits_teacher, tp_setting
 from lingua.distillation.mixture import check_teacher_sources
 from lingua.distillation.teacher import read_max_positions
 from lingua.distillation.tensor_parallel import heads_problem, read_teacher_config
@@ -17,25 +17,26 @@ def each_teacher(kd: DistillationArgs) -> list[DistillationArgs]:
     return [kd.teacher_args(i) for i in range(len(kd.teachers))] if kd.teachers else [kd]
 
 
-def check_teachers_fit(kd: DistillationArgs, data, tp: int) -> None:
-    """Every teacher's positions fit data.seq_len and its heads divide by teacher_tp (from its config.json when on
-    disk; a hub teacher is checked at the handshake); every source a teacher lists is a data source."""
-    for teacher in each_teacher(kd):
+def check_teachers_fit(kd: DistillationArgs, data) -> None:
+    """Every teacher's positions fit data.seq_len and its heads divide by its teacher_tp (from its config.json when
+    on disk; a hub teacher is checked at the handshake); every source a teacher lists is a data source."""
+    for i, teacher in enumerate(each_teacher(kd)):
         if not teacher.teacher_path:
             continue
         # From its config.json when on disk (a missing teacher is its own error); cross-tokenizer rows are cut.
         max_positions = 0 if teacher.cross_tokenizer else read_max_positions(teacher.teacher_path)
         check_seq_len_fits_teacher(data.seq_len, max_positions or 0,
                                    f"max_position_embeddings in {teacher.teacher_path}/config.json")
-        check_heads_divide(teacher.teacher_path, tp)
+        check_heads_divide(teacher.teacher_path, teacher.teacher_tp,
+                           tp_setting(kd, i) if kd.teachers else "distillation.teacher_tp")
     check_teacher_sources(kd.teachers, data.sources)
 
 
-def check_heads_divide(teacher_path: str, tp: int) -> None:
-    """A tensor-parallel teacher's attention and KV head counts divide by teacher_tp (from its config.json when
-    it is on disk; a hub teacher is checked when it loads)."""
+def check_heads_divide(teacher_path: str, tp: int, key: str = "distillation.teacher_tp") -> None:
+    """A tensor-parallel teacher's attention and KV head counts divide by its teacher_tp (set by `key`; from its
+    config.json when it is on disk; a hub teacher is checked when it loads)."""
     config = read_teacher_config(teacher_path)
-    if config is not None and (problem := heads_problem(config, tp, f"{teacher_path}/config.json")) is not None:
+    if config is not None and (problem := heads_problem(config, tp, f"{teacher_path}/config.json", key)) is not None:
         raise ConfigError(problem)
 
 

@@ -112,15 +112,16 @@ def read_teacher_config(path) -> Optional[dict]:
     return config if isinstance(config, dict) else None
 
 
-def heads_problem(config: dict, teacher_tp: int, where: str) -> Optional[str]:
-    """The sentence for a teacher whose attention or KV head count does not divide by `teacher_tp`, else None."""
+def heads_problem(config: dict, teacher_tp: int, where: str, key: str = "distillation.teacher_tp") -> Optional[str]:
+    """The sentence for a teacher whose attention or KV head count does not divide by `teacher_tp` (set by `key`),
+    else None."""
     counts = head_counts(config)
     if teacher_tp == 1 or counts is None:
         return None
     heads, kv_heads = counts
     if heads % teacher_tp == 0 and kv_heads % teacher_tp == 0:
         return None
-    return (f"distillation.teacher_tp={teacher_tp}; the teacher has {heads} attention heads and {kv_heads} KV heads "
+    return (f"{key}={teacher_tp}; the teacher has {heads} attention heads and {kv_heads} KV heads "
             f"({where}), and tensor parallelism gives each rank whole heads: use a teacher_tp that divides both.")
 
 

@@ -10,8 +10,9 @@ the last `teacher_tp` ranks of each node with `teacher_placement=per_node`). Tea
 `teacher_tp` consecutive ranks on one node (the teacher sharded tensor-parallel over them; 1 by default:
 one rank, one teacher); each replica serves a contiguous block of students through its bridge, whose
 teacher end is the replica's first rank. Several teachers (`distillation.teachers`, `teacher_counts`) take
-their ranks in order after the students (teacher 0's, then teacher 1's); each teacher's replicas divide all the
-students among them, so every student has one bridge to each teacher.
+their ranks in order after the students (teacher 0's, then teacher 1's), each in replicas of its own size
+(`teacher_tps`); each teacher's replicas divide all the students among them, so every student has one bridge to
+each teacher.
 """
 
 import os
@@ -295,6 +296,7 @@ class LaunchPlan:
     teacher_tp: int = 1  # ranks per teacher replica (distillation.teacher_tp)
     teacher_counts: tuple[int, ...] = ()  # ranks of each of several teachers, in order; () = one teacher
     teacher_paths: tuple[str, ...] = ()  # the checkpoint of each of several teachers, for sentences naming them
+    teacher_tps: tuple[int, ...] = ()  # ranks per replica of each of several teachers; () = teacher_tp for each
     student_ranks: list[int] = field(init=False)
     teacher_ranks: list[int] = field(init=False)
     mesh_dims: tuple[int, int] = field(init=False)  # (dp_replicate, dp_shard), -1s resolved
@@ -304,8 +306,10 @@ class LaunchPlan:
         if self.teacher_counts and self.teacher_placement != "last":
             raise LaunchError("Several teachers (distillation.teachers) take the last ranks, one teacher after the "
                               "other; set distributed.teacher_placement=last.")
+        # Several teachers' replica sizes are checked per teacher (_check_several_teachers), one size for all here.
         students, teachers = split_roles(self.world_size, self.n_teachers, self.teacher_placement,
-                                         self.local_world_size, self.teacher_tp, one_teacher=not self.teacher_counts)
+                                         self.local_world_size, 1 if self.teacher_tps else self.teacher_tp,
+                                         one_teacher=not self.teacher_counts)
         object.__setattr__(self, "student_ranks", students)
         object.__setattr__(self, "teacher_ranks", teachers)
         object.__setattr__(self, "mesh_dims", resolve_mesh_dims(self.dp_replicate, self.dp_shard, len(students)))
@@ -315,8 +319,14 @@ class LaunchPlan:
     def _check_several_teachers(self) -> None:
         """Several teachers: their ranks after the students, and each teacher's replicas divide the students."""
         assert sum(self.teacher_counts) == self.n_teachers, (self.teacher_counts, self.n_teachers)
+        assert not self.teacher_tps or len(self.teacher_tps) == len(self.teacher_counts), self.teacher_tps
         for i, ranks in enumerate(self.teacher_models):
-            n_replicas = len(ranks) // self.teacher_tp
+            tp = self.teacher_tp_of(i)
+            if len(ranks) % tp:
+                raise LaunchError(f"Teacher {i}'s {len(ranks)} rank(s) cannot be split into replicas of its teacher_tp="
+                                  f"{tp} ranks; set distillation.teachers[{i}].n_teacher_ranks to a multiple of {tp}.")
+            tensor_parallel_replicas(ranks, tp, self.local_world_size)  # a replica that spans nodes is refused here
+            n_replicas = len(ranks) // tp
             if len(self.student_ranks) % n_replicas:
                 raise LaunchError(f"{len(self.student_ranks)} student ranks cannot be split evenly among teacher {i}'s "
                                   f"{n_replicas} replica(s); set distillation.teachers[{i}].n_teacher_ranks so that "
@@ -325,14 +335,19 @@ class LaunchPlan:
     @classmethod
     def for_launch(cls, args: DistributedArgs, n_teachers: int, world_size: int, local_world_size: int,
                    teacher_tp: int = 1, teacher_counts: tuple[int, ...] = (),
-                   teacher_paths: tuple[str, ...] = ()) -> "LaunchPlan":
+                   teacher_paths: tuple[str, ...] = (), teacher_tps: tuple[int, ...] = ()) -> "LaunchPlan":
         """The plan of `args` for a launch of `world_size` ranks (`args` are validated first); `teacher_counts`
-        the ranks of each of several teachers (their sum is `n_teachers`), `teacher_paths` their checkpoints."""
+        the ranks of each of several teachers (their sum is `n_teachers`), `teacher_paths` their checkpoints,
+        `teacher_tps` their replica sizes (() = teacher_tp for each)."""
         args.validate()
         several = len(teacher_counts) > 1
         return cls(world_size, local_world_size, n_teachers, args.teacher_placement, args.dp_replicate,
                    args.dp_shard, args.fsdp_type, teacher_tp, tuple(teacher_counts) if several else (),
-                   tuple(teacher_paths) if several else ())
+                   tuple(teacher_paths) if several else (), tuple(teacher_tps) if several else ())
+
+    def teacher_tp_of(self, teacher: int) -> int:
+        """Ranks per replica of teacher `teacher` (its own teacher_tp with several teachers, else teacher_tp)."""
+        return self.teacher_tps[teacher] if self.teacher_tps else self.teacher_tp
 
     def rank_words(self, rank: int) -> str:
         """How a sentence names a rank's role: "student", "teacher", or with several teachers "teacher 1 (<path>)"."""
@@ -374,8 +389,8 @@ class LaunchPlan:
         """(the teacher_tp ranks of a teacher replica, the contiguous block of students it serves), in teacher order
         (with several teachers: teacher 0's replicas, then teacher 1's, each teacher's covering every student)."""
         out = []
-        for model_ranks in self.teacher_models:
-            groups = tensor_parallel_replicas(model_ranks, self.teacher_tp, self.local_world_size)
+        for i, model_ranks in enumerate(self.teacher_models):
+            groups = tensor_parallel_replicas(model_ranks, self.teacher_tp_of(i), self.local_world_size)
             per_replica = len(self.student_ranks) // len(groups)
             out += [(ranks, self.student_ranks[i * per_replica:(i + 1) * per_replica]) for i, ranks in enumerate(groups)]
         return out
@@ -410,14 +425,16 @@ class LaunchPlan:
         lines.append(f"distillation: {len(self.teacher_ranks)} teacher rank(s), placement {self.teacher_placement}")
         for i, ranks in enumerate(self.teacher_models if self.teacher_counts else []):
             lines.append(f"  teacher {i}: global ranks {format_ranks(ranks)}")
-        if self.teacher_tp == 1:
-            for rank in self.teacher_ranks:
-                lines.append(f"  teacher: global rank {rank} (node {rank // self.local_world_size}, "
-                             f"local rank {rank % self.local_world_size})")
-        for i, (ranks, students) in enumerate(self.replicas() if self.teacher_tp > 1 else []):
+        replicas = self.replicas()
+        for rank in [ranks[0] for ranks, _ in replicas if len(ranks) == 1]:  # one rank, one whole teacher
+            lines.append(f"  teacher: global rank {rank} (node {rank // self.local_world_size}, "
+                         f"local rank {rank % self.local_world_size})")
+        for i, (ranks, students) in enumerate(replicas):
+            if len(ranks) == 1:
+                continue
             local = [rank % self.local_world_size for rank in ranks]
             lines.append(f"  teacher replica {i}: global ranks {format_ranks(ranks)} (node "
                          f"{ranks[0] // self.local_world_size}, local ranks {format_ranks(local)}), tensor-parallel "
-                         f"over {self.teacher_tp}, serving students {format_ranks(students)}")
+                         f"over {len(ranks)}, serving students {format_ranks(students)}")
         lines.append(f"  students: global ranks {format_ranks(self.student_ranks)}")
         return lines

@@ -85,7 +85,8 @@ def test_in_loop_eval_logs_bpb_of_the_scored_targets(corpus):
     torch.manual_seed(0)
     model = build(tiny_args(max_seqlen=32))
     topo = SimpleNamespace(train_rank=0, train_world_size=1, train_group=None, device=torch.device("cpu"))
-    evaluator = Evaluator(EvalArgs(every=1, max_batches=6), data, tokenizer, topo, teacher_loss=2.5, teacher_bpb=3.5)
+    evaluator = Evaluator(EvalArgs(every=1, max_batches=6), data, tokenizer, topo,
+                          {"eval/teacher_loss": 2.5, "eval/teacher_bpb": 3.5})
     row = evaluator.run(model, step=1)
 
     ce_sum = tokens = n_bytes = 0
@@ -114,5 +115,5 @@ def test_a_cache_manifest_written_before_bpb_reads_without_the_teacher_bpb(tmp_p
     (tmp_path / MANIFEST).write_text(json.dumps(older))
     read = CacheManifest.read(tmp_path)
     assert (read.teacher_heldout_ce, read.teacher_heldout_bpb) == (3.0, None)  # eval/teacher_bpb is left out
-    assert CacheDistiller(DistillationArgs(), read.teacher_heldout_ce, read.teacher_heldout_bpb).teacher_heldout == \
-        (3.0, None)
+    assert CacheDistiller(DistillationArgs(), read.teacher_heldout_ce,
+                          read.teacher_heldout_bpb).teacher_heldout_row() == {"eval/teacher_loss": 3.0}

@@ -39,7 +39,8 @@ from tests.unit.test_cross_tokenizer_targets import random_map
 # The manifest keys of a same-tokenizer cache, as every cache before the cross-tokenizer road wrote them.
 SAME_TOKENIZER_KEYS = ["teacher_path", "tokenizer_fingerprint", "vocab_size", "output", "k", "temperature",
                        "wire_dtype", "attn_mask", "data", "streams", "sequences_per_stream", "shard_sequences",
-                       "teacher_heldout_ce", "teacher_heldout_bpb", "version", "zstd_level"]
+                       "teacher_heldout_ce", "teacher_heldout_bpb", "version", "zstd_level",
+                       "source_names"]  # the last: the sources a shard's source_ids index (several teachers)
 CROSS = {"data.tokenizer.name": "bytes", "data.tokenizer.path": "null", "distillation.cross_tokenizer": "true",
          "model.attn_mask": "doc_causal"}
 

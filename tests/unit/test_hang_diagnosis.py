@@ -105,6 +105,23 @@ def test_a_stopped_teacher_is_named_on_the_bridge_and_a_waiting_student_is_not(s
                         "(teacher: its process is stopped); its log is /runs/r/logs/rank_2.log")
 
 
+def test_a_stopped_teacher_among_several_is_named_by_index_and_path(stopped_process):
+    """Teacher 1 of 2 (rank 3) stopped: the student that timed out on its bridge names it by index and path; teacher
+    0 (rank 2), running, is not named. The launched SIGSTOP scenario is the one-teacher test in test_peer_death.py."""
+    from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan
+
+    plan = LaunchPlan.for_launch(DistributedArgs(), 2, 4, 4, teacher_counts=(1, 1), teacher_paths=("/t/a", "/t/b"))
+    groups = {"world": [0, 1, 2, 3], "train": [0, 1], "bridge_0": [0, 1, 2], "bridge_1": [0, 1, 3]}
+    mine = {**MINE, "bridge_1": dict(seq=15, op="gloo:gather", started=50.5)}
+    records = {1: record(1), 2: record(2), 3: record(3, pid=stopped_process)}
+    group, missing = diagnose_timeout(0, groups, mine, records, HOST, time.time())
+    assert (group, missing) == ("bridge_1", [(3, "its process is stopped")])
+    roles = {rank: plan.rank_words(rank) for rank in range(4)}
+    sentence = timeout_sentence(6, group, "gloo:gather #15", 8.0, missing, roles, RunDir("/runs/r"))
+    assert sentence == ("step 6: a collective on bridge_1 (gloo:gather #15) timed out after 8s waiting for rank 3 "
+                        "(teacher 1 (/t/b): its process is stopped); its log is /runs/r/logs/rank_3.log")
+
+
 def test_a_peer_behind_on_a_group_is_named_with_where_it_is_busy():
     busy = record(1, collectives={"train": dict(seq=60, op="gloo:all_gather", started=40.0)},
                   stuck=dict(where="apps/main/train.py:310 (train)"))

@@ -299,6 +299,17 @@ def test_a_config_without_a_teacher_names_the_fix(monkeypatch, capsys):
     assert code == 2 and err.startswith("error: The teacher's config /no/teacher/config.json does not exist")
 
 
+def test_several_teachers_take_one_teacher_config_each(monkeypatch, capsys):
+    """A config of several teachers is planned per teacher (tests/unit/test_plan_teachers.py): one teacher_config
+    for all of them is one sentence, not a plan that counts one."""
+    config = ROOT / "configs/distill_exps/two_teachers_cpu.yaml"
+    code, printed, err = run([f"config={config}", "world_size=8", "out=null", "teacher_config=" + SMOLLM2],
+                             monkeypatch, capsys)
+    assert code == 2 and printed == "" and err.count("\n") == 1, err
+    assert err.startswith(f"error: teacher_config='{SMOLLM2}'; with distillation.teachers give one value per teacher "
+                          f"in teacher_configs"), err
+
+
 def test_a_teacher_config_without_the_sizes_is_refused(tmp_path, monkeypatch, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2}))
     code, _, err = run(EXAMPLES["smollm2"][:2] + [f"teacher_config={tmp_path / 'config.json'}", "out=null"],

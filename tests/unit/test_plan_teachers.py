@@ -116,6 +116,22 @@ def test_the_per_teacher_keys_are_refused_in_one_sentence(teacher_dirs, extra, w
     assert words in str(caught.value) and "\n" not in str(caught.value)
 
 
+def test_a_teacher_from_its_cache_and_a_teacher_of_its_own_tp(teacher_dirs):
+    """A teacher read from its cache has no ranks to plan: one sentence. A teacher's own teacher_tp sizes its
+    replicas (and its memory per rank) while the other keeps the shared one."""
+    with pytest.raises(ConfigError, match=r"^distillation\.teachers\[1\]\.cache_dir='/c'; apps\.plan plans teachers "):
+        args_of(argv_of(teacher_dirs, (1, 1), (False, False), 8)[:-1]
+                + [f"distillation.teachers=[{{path: {teacher_dirs[0]}}}, {{cache_dir: /c}}]"])
+    argv = argv_of(teacher_dirs, (1, 2), (False, False), 8)[:-1] + [
+        f"distillation.teachers=[{{path: {teacher_dirs[0]}}}, {{path: {teacher_dirs[1]}, n_teacher_ranks: 2, "
+        f"teacher_tp: 2}}]"]
+    plan = plan_teachers(args_of(argv))
+    small, big = plan["teachers"]
+    assert (small["teacher_tp"], small["replicas"]) == (1, 1) and (big["teacher_tp"], big["replicas"]) == (2, 1)
+    assert big["memory_gib"] == teacher_planner(args_of(argv), 1).memory(2, 5).gib()
+    assert "launch_plan" in plan["online"], plan["online"]
+
+
 def test_the_per_teacher_keys_need_several_teachers():
     with pytest.raises(ConfigError, match=r"^teachers_tokens_per_s=\[1000\.0\]; it is for several teachers"):
         args_of([f"config={ROOT}/configs/distill_exps/debug.yaml", "world_size=8", "out=null",

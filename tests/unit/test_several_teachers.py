@@ -75,8 +75,13 @@ def test_several_teachers_lay_out_after_the_students(tmp_path):
     (["{{path: {t0}}}", "{{path: /no/such/dir}}"], "distillation.teachers[1].path='/no/such/dir'; that directory does not exist"),
     (["{{path: {t0}}}", "{{path: {t1}, cross_tokenizer: true}}", "distillation.output=full"],
      "another tokenizer (distillation.teachers[1].cross_tokenizer=true) cannot give"),
-    (["{{path: {t0}}}", "{{path: {t1}}}", "distillation.source=cache", "distillation.cache_dir=/tmp"],
-     "several teachers run online only for now"),
+    (["{{path: {t0}}}", "{{path: {t1}}}", "distillation.source=cache"],
+     "distillation.source='cache'; with distillation.teachers every teacher names its cache"),
+    (["{{cache_dir: {t0}}}", "{{cache_dir: {t1}}}", "distillation.cache_dir=/tmp"],
+     "distillation.cache_dir='/tmp'; with distillation.teachers name each teacher's cache (teachers[i].cache_dir)"),
+    (["{{cache_dir: {t0}}}", "{{path: {t1}}}"], "a mixture of cached and online teachers is not supported yet"),
+    (["{{path: {t0}, cache_dir: {t1}}}", "{{cache_dir: {t1}}}"],
+     "a teacher runs online (path, on its own ranks) or from its cache (cache_dir); remove one of them"),
     (["{{path: {t0}, n_teacher_ranks: 3}}", "{{path: {t1}}}"], "teacher 0's 3 replica(s)"),
     (["{{path: {t0}}}", "{{path: {t1}}}", "distributed.teacher_placement=per_node"], "teacher_placement=last"),
     (["{{path: {t0}}}", "{{path: {t1}, cross_tokenizer: true}}", "distillation.uld_weight=0.5"],
@@ -85,13 +90,77 @@ def test_several_teachers_lay_out_after_the_students(tmp_path):
      "distillation.n_teacher_ranks=2; with distillation.teachers set it per teacher (teachers[i].n_teacher_ranks)"),
     (["{{path: {t0}}}", "{{path: {t1}}}", "distillation.teacher_tokenizer={t0}"],
      "with distillation.teachers set it per teacher (teachers[i].tokenizer)"),
+    (["{{path: {t0}, teacher_dtype: bf17}}", "{{path: {t1}}}"],
+     "distillation.teachers[0].teacher_dtype='bf17'; use one of auto, bf16, fp32, fp16, or null"),
+    (["{{path: {t0}}}", "{{path: {t1}, teacher_tp: 0}}"], "distillation.teachers[1].teacher_tp=0; use 1"),
+    (["{{path: {t0}, n_teacher_ranks: 3, teacher_tp: 2}}", "{{path: {t1}}}"],
+     "distillation.teachers[0].n_teacher_ranks=3; use a positive multiple of distillation.teachers[0].teacher_tp=2"),
+    (["{{path: {t0}, n_teacher_ranks: 2}}", "{{path: {t1}}}", "distillation.teacher_tp=2"],
+     "distillation.teachers[1].n_teacher_ranks=1; use a positive multiple of distillation.teacher_tp=2"),
+    (["{{path: {t0}}}", "{{path: {t1}, n_teacher_ranks: 2, teacher_tp: 2, cross_tokenizer: true}}",
+      "distillation.output=sampled"],
+     "distillation.teachers[1].teacher_tp=2; distillation.teachers[1].cross_tokenizer=true with output=sampled draws "
+     "from the teacher's probabilities added up per student id over its whole vocabulary, of which a tensor-parallel "
+     "rank holds a slice; set teachers[1].teacher_tp=1, or output=topk"),
 ])
 def test_each_bad_teacher_setting_is_one_sentence(tmp_path, overrides, words):
     listed = [o for o in overrides if o.startswith("{")]
     rest = [o.format(t0=tmp_path / "t0") for o in overrides if not o.startswith("{")]
     args = kd_args(tmp_path, teachers(tmp_path, *listed), *rest)
-    sentence = refusal(args, world_size=5 if "n_teacher_ranks: 3" in overrides[0] else 4)
+    sentence = refusal(args, world_size=5 if "n_teacher_ranks: 3}" in overrides[0] else 4)
     assert words in sentence and "\n" not in sentence, sentence
+
+
+def test_each_teacher_may_have_its_own_dtype_and_tensor_parallelism(tmp_path):
+    """teachers[i].teacher_dtype and teachers[i].teacher_tp replace the shared values for that teacher alone: a
+    bf16 teacher sharded over 2 ranks beside an fp32 one on 1. The trainer's plan, stool's and the startup's count
+    the ranks alike; sentences about a teacher's dtype name the key that set it."""
+    from omegaconf import OmegaConf
+
+    from apps.main.train import teacher_tp
+    from lingua.distillation.args import dtype_setting, teacher_replica_sizes
+    from lingua.stool import launch_plan
+
+    listed = teachers(tmp_path, "{{path: {t0}, n_teacher_ranks: 2, teacher_tp: 2, teacher_dtype: bf16}}", "{{path: {t1}}}")
+    args = kd_args(tmp_path, listed, "distillation.teacher_dtype=fp32")
+    args.validate(world_size=5)
+    kd = args.distillation
+    first, second = kd.teacher_args(0), kd.teacher_args(1)
+    assert (first.teacher_dtype, first.teacher_tp, second.teacher_dtype, second.teacher_tp) == ("bf16", 2, "fp32", 1)
+    assert (dtype_setting(first), dtype_setting(second)) == ("distillation.teachers[0].teacher_dtype",
+                                                             "distillation.teacher_dtype")
+    tps = teacher_replica_sizes(teacher_counts(args), kd)
+    assert tps == (2, 1) and teacher_tp(args) == 1
+    plan = LaunchPlan.for_launch(args.distributed, n_teacher_ranks(args), 5, 5, teacher_tp(args),
+                                 teacher_counts(args), teacher_tps=tps)
+    assert plan.replicas() == [([2, 3], [0, 1]), ([4], [0, 1])]
+    assert "  teacher replica 0: global ranks 2-3 (node 0, local ranks 2-3), tensor-parallel over 2, serving " \
+           "students 0-1" in plan.describe() and "  teacher: global rank 4 (node 0, local rank 4)" in plan.describe()
+    cfg = OmegaConf.create({"enable_distillation": True, "distillation": {
+        "teachers": [{"path": "a", "n_teacher_ranks": 2, "teacher_tp": 2}, {"path": "b"}]}})
+    assert launch_plan(cfg, nodes=1, ntasks_per_node=5)[0].replicas() == plan.replicas()
+    # The shared teacher_tp=2 with a teacher of its own teacher_tp=1: 2 + 2 + 1 ranks.
+    shared = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}, n_teacher_ranks: 2}}",
+                                        "{{path: {t1}, teacher_tp: 1}}"), "distillation.teacher_tp=2")
+    shared.validate(world_size=5)
+    assert teacher_replica_sizes(teacher_counts(shared), shared.distillation) == (2, 1)
+    # One teacher in the list is teacher_path with its keys, its own dtype and tensor parallelism included.
+    one = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}, n_teacher_ranks: 2, teacher_tp: 2, teacher_dtype: bf16}}"))
+    assert (one.distillation.teacher_tp, one.distillation.teacher_dtype, one.distillation.teachers) == (2, "bf16", [])
+    with pytest.raises(ConfigError, match=r"distillation.teachers\[0\].teacher_dtype='fp8'; use one of auto"):
+        kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}, teacher_dtype: fp8}}"))
+    one_cfg = OmegaConf.create({"enable_distillation": True, "distillation": {
+        "teachers": [{"path": "a", "n_teacher_ranks": 2, "teacher_tp": 2}]}})
+    assert launch_plan(one_cfg, nodes=1, ntasks_per_node=4)[0].replicas() == [([2, 3], [0, 1])]
+
+
+def test_a_teachers_own_teacher_tp_must_divide_its_heads(tmp_path):
+    """Head counts are checked against each teacher's own teacher_tp, and the sentence names that key."""
+    args = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}}}", "{{path: {t1}, n_teacher_ranks: 4, teacher_tp: 4}}"))
+    (tmp_path / "t1" / "config.json").write_text(json.dumps({"num_attention_heads": 6, "num_key_value_heads": 2,
+                                                             "max_position_embeddings": 4096}))
+    assert refusal(args, world_size=7).startswith("distillation.teachers[1].teacher_tp=4; the teacher has 6 "
+                                                  "attention heads and 2 KV heads")
 
 
 def test_an_unknown_teacher_key_names_the_element(tmp_path):
@@ -195,12 +264,14 @@ def cross_sampled_outputs(generator, B, S, V, k) -> TeacherOutputs:
 
 
 @pytest.mark.parametrize("make_outputs", [topk_outputs, cross_sampled_outputs])
-def test_teachers_on_shared_gemms_equal_one_call_per_teacher(make_outputs):
+@pytest.mark.parametrize("alpha", [0.3, 0.0])
+def test_teachers_on_shared_gemms_equal_one_call_per_teacher(alpha, make_outputs):
     """The fused loss with more_teachers (one set of head GEMMs, weight_grad=accumulate) and the per-teacher calls
-    it falls back to (vocab_blocks here) give the same loss, gradients and statistics; also for cross-tokenizer
-    sampled targets, whose unmapped draws (id -1) add nothing."""
+    it falls back to (vocab_blocks here) give the same loss, gradients and statistics; at alpha = 0 too, where the
+    loss is CE alone and every teacher's KD is still measured (teachers 1+ once read 0 there); and for
+    cross-tokenizer sampled targets, whose unmapped draws (id -1) add nothing."""
     generator = torch.Generator().manual_seed(1)
-    B, S, D, V, k, alpha = 2, 7, 8, 50, 5, 0.3
+    B, S, D, V, k = 2, 7, 8, 50, 5
     hidden = torch.randn(B, S, D, generator=generator, dtype=torch.float64, requires_grad=True)
     head = torch.randn(V, D, generator=generator, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, V, (B, S), generator=generator)
@@ -215,6 +286,7 @@ def test_teachers_on_shared_gemms_equal_one_call_per_teacher(make_outputs):
     assert loss_a.item() == pytest.approx(loss_b.item(), rel=1e-12)
     assert ce_a.item() == pytest.approx(ce_b.item(), rel=1e-6)
     torch.testing.assert_close(stats_a, stats_b, rtol=1e-5, atol=1e-7)
+    assert (stats_b[:, 0] > 0).all()  # every teacher's KD, whatever alpha
     for a, b in zip(grads_a, grads_b):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
@@ -296,7 +368,7 @@ def test_each_cross_tokenizer_teacher_gets_the_label_past_each_window():
     (its last position aligns through it, as with one teacher), a same-tokenizer one does not."""
     from types import SimpleNamespace
 
-    from lingua.distillation.distiller import SeveralTeachersDistiller
+    from lingua.distillation.mixed_distillers import SeveralTeachersDistiller
 
     class Client:
         def __init__(self, kd_weight):
@@ -332,3 +404,24 @@ def test_stool_lays_out_several_teachers_as_the_trainer_does():
     two_nodes, placement = launch_plan(OmegaConf.create({"enable_distillation": True, "distillation": {
         "teachers": [{"path": "a"}, {"path": "b"}]}}), nodes=2, ntasks_per_node=2)
     assert placement is None and two_nodes.teacher_models == [[2], [3]]
+
+
+def test_each_teachers_held_out_reference_is_logged_under_its_index():
+    """The teachers' own held-out CE and bits per byte (each bridge's handshake carries its teacher's) go into the
+    first eval row as eval/<i>/teacher_loss and eval/<i>/teacher_bpb, as kd/<i>/...; a cross-tokenizer teacher has
+    bits per byte only. One teacher keeps eval/teacher_loss and eval/teacher_bpb."""
+    from types import SimpleNamespace
+
+    from lingua.distillation.distiller import Distiller
+    from lingua.distillation.mixed_distillers import SeveralTeachersDistiller
+
+    clients = [SimpleNamespace(device="cpu", teacher_heldout_ce=2.5, teacher_heldout_bpb=3.5),
+               SimpleNamespace(device="cpu", teacher_heldout_ce=None, teacher_heldout_bpb=4.25)]
+    args = DistillationArgs(teachers=[TeacherArgs(path="a"), TeacherArgs(path="b", cross_tokenizer=True)])
+    several = SeveralTeachersDistiller(args, clients, 0, torch.ones(1, 2))
+    assert several.teacher_heldout_row() == {"eval/0/teacher_loss": 2.5, "eval/0/teacher_bpb": 3.5,
+                                             "eval/1/teacher_bpb": 4.25}
+    one = Distiller(DistillationArgs(teacher_path="a"))
+    one.teacher_heldout_ce, one.teacher_heldout_bpb = 2.5, 3.5
+    assert one.teacher_heldout_row() == {"eval/teacher_loss": 2.5, "eval/teacher_bpb": 3.5}
+    assert Distiller(DistillationArgs()).teacher_heldout_row() == {}  # CE only, or no eval asked of the teacher
