@@ -209,15 +209,12 @@ def align_windows(cross: CrossTokenizerTeacher, batch: dict, manifest: CacheMani
 
 def cross_outputs(teacher: TeacherModel, cross: CrossTokenizerTeacher, aligned, manifest: CacheManifest,
                   generator) -> TeacherOutputs:
-    """The teacher's forward on its own tokens, its top-k (fp32, every teacher id) mapped to the student's
-    positions and ids with kd_weight: what `TeacherServer._cross_forward_rows` sends a student."""
+    """The teacher's forward on its own tokens, its top-k or draws mapped to the student's positions and ids with
+    kd_weight (`CrossTokenizerTeacher.student_targets`): what `TeacherServer._cross_forward_rows` sends a student."""
     doc_ids = aligned.doc_ids.to(teacher.device) if manifest.attn_mask == "doc_causal" else None
     hidden = teacher.hidden_states(aligned.tokens.to(teacher.device), doc_ids)
-    teacher_topk = teacher.sparse_outputs(hidden, "topk", manifest.k, torch.float32, teacher.vocab_size, generator)
-    outputs, kd_weight = cross.student_outputs(teacher_topk, aligned, WIRE_DTYPES[manifest.wire_dtype],
-                                               manifest.unmapped_entries)
-    outputs.kd_weight = kd_weight
-    return outputs
+    return cross.student_targets(teacher, hidden, aligned, manifest.output, manifest.k,
+                                 WIRE_DTYPES[manifest.wire_dtype], generator, manifest.unmapped_entries)
 
 
 def teacher_outputs(teacher: TeacherModel, batch: dict, manifest: CacheManifest, forward_rows: int,

@@ -46,6 +46,7 @@ The package, in the order a plan is made:
                  behind a data wall by the effective-data law), the multiplier a named study measured
     evidence.py  what that study measured, the plan's settings outside it ("not measured here"), the pilot
     printing.py  format_plan (the printed lines), write_plan (only over a plan of its own)
+    teachers.py  several teachers (distillation.teachers): each at its configured ranks, the slowest named
     cli.py       main: parse, validate, plan, print, write (`python -m apps.plan` runs it via __main__.py)
     pilot.py     `python -m apps.plan.pilot`: the two pilot runs' held-out CE -> kd_study's token multiplier,
                  a results.json for kd_measurement=

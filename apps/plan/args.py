@@ -1,7 +1,7 @@
 """The planner's inputs (`PlanArgs`: a training config plus the cluster) and the constants its models use."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from apps.main.train import TrainArgs
@@ -34,6 +34,10 @@ class PlanArgs(TrainArgs):
     # distillation.cross_tokenizer: the teacher's tokens per student token on your data (its forward's work per
     # student token scales by it), as `python -m apps.bench.cross_tokenizer` prints it for the pair
     teacher_tokens_per_student_token: float = 1.0
+    # distillation.teachers (several teachers, apps/plan/teachers.py): per teacher, in order; [] = the defaults
+    teacher_configs: list[str] = field(default_factory=list)  # config.json files; [] = <teachers[i].path>/config.json
+    teachers_tokens_per_student_token: list[float] = field(default_factory=list)  # [] = 1 each
+    teachers_tokens_per_s: list[float] = field(default_factory=list)  # measured per teacher GPU; [] = cost model
     gpu_tflops: float = 989.0  # dense bf16 peak of one GPU (H100 SXM), for the cost model
     mfu: float = 0.4  # the share of that peak the teacher and the students reach, for the cost model
     planned_runs: int = 1  # training runs that could share one teacher cache
@@ -62,6 +66,7 @@ class PlanArgs(TrainArgs):
             value = getattr(self, key)
             require(math.isfinite(value) and value >= 0, key, value,
                     "use measured tokens/s per GPU, or 0 for the cost model (gpu_tflops x mfu)")
+        self.validate_teachers()
         ratio = self.teacher_tokens_per_student_token
         require(math.isfinite(ratio) and ratio > 0, "teacher_tokens_per_student_token", ratio,
                 "use the measured ratio (python -m apps.bench.cross_tokenizer prints it), e.g. 1.1")
@@ -78,10 +83,6 @@ class PlanArgs(TrainArgs):
         require(self.show in ("all", "verdict"), "show", self.show, "use all or verdict")
         require(self.out is None or bool(self.out), "out", self.out, "name the JSON file, or null to print only")
         require(self.steps >= 1, "steps", self.steps, "train for at least one step")
-        paths = [teacher.path for teacher in self.distillation.teachers]
-        require(len(paths) < 2, "distillation.teachers", paths, "the planner plans one teacher; plan each alone "
-                "(distillation.teachers=[] distillation.teacher_path=<its checkpoint>) and give it the ranks its "
-                "plan asks for (teachers[i].n_teacher_ranks, teachers[i].teacher_tp)")
         require(self.grad_acc_steps >= 1, "grad_acc_steps", self.grad_acc_steps, "use 1 (no accumulation) or more")
         for key in ("batch_size", "seq_len"):
             value = getattr(self.data, key)
@@ -89,3 +90,32 @@ class PlanArgs(TrainArgs):
         self.model.validate()
         self.distributed.validate()
         self.distillation.validate(enabled=False)  # its values; the planner picks the teacher ranks itself
+
+    def validate_teachers(self) -> None:
+        """The per-teacher lists: one value per element of distillation.teachers, and only with them."""
+        teachers = self.distillation.teachers
+        for key in ("teacher_configs", "teachers_tokens_per_student_token", "teachers_tokens_per_s"):
+            values = getattr(self, key)
+            require(not values or len(values) == len(teachers), key, values,
+                    f"give one value per teacher of distillation.teachers ({len(teachers)})" if teachers else
+                    "it is for several teachers (distillation.teachers); with one teacher use the key without the s")
+        if not teachers:
+            return
+        for i, teacher in enumerate(teachers):
+            require(not teacher.cache_dir, f"distillation.teachers[{i}].cache_dir", teacher.cache_dir,
+                    "apps.plan plans teachers that run on their own ranks, and a teacher read from its cache has none; "
+                    "plan with its path instead of its cache_dir")
+        for key, per_teacher in (("teacher_config", "teacher_configs"),
+                                 ("teacher_tokens_per_s", "teachers_tokens_per_s")):
+            require(not getattr(self, key), key, getattr(self, key),
+                    f"with distillation.teachers give one value per teacher in {per_teacher}")
+        require(self.teacher_tokens_per_student_token == 1, "teacher_tokens_per_student_token",
+                self.teacher_tokens_per_student_token,
+                "with distillation.teachers give one ratio per teacher in teachers_tokens_per_student_token")
+        for i, (ratio, teacher) in enumerate(zip(self.teachers_tokens_per_student_token, teachers)):
+            require(math.isfinite(ratio) and ratio > 0 and (ratio == 1 or teacher.cross_tokenizer),
+                    f"teachers_tokens_per_student_token[{i}]", ratio, "use the measured ratio of a cross-tokenizer "
+                    "teacher (python -m apps.bench.cross_tokenizer prints it), or 1 for one on the students' tokenizer")
+        for i, speed in enumerate(self.teachers_tokens_per_s):
+            require(math.isfinite(speed) and speed >= 0, f"teachers_tokens_per_s[{i}]", speed,
+                    "use measured tokens/s per teacher GPU, or 0 for the cost model")

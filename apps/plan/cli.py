@@ -9,6 +9,7 @@ from apps.main.train import TrainArgs
 from apps.plan.args import PlanArgs
 from apps.plan.planner import Planner
 from apps.plan.printing import format_plan, verdict_lines, write_plan
+from apps.plan.teachers import format_teachers_plan, plan_teachers
 from lingua.args import parse_args
 
 
@@ -24,9 +25,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(PlanArgs, argv)
     args.validate_plan()
     config_path = next((item.split("=", 1)[1] for item in argv if item.startswith("config=")), None)
-    plan = Planner(args, config_path, training_overrides(argv)).plan()
-    print("\n".join(format_plan(plan) if args.show == "all" else verdict_lines(plan["verdict"]) if "verdict" in plan
-                    else [f"no verdict: {plan['recommendation']}"]))
+    if args.distillation.teachers:  # several teachers: each at its configured ranks, online only
+        plan = plan_teachers(args, config_path, training_overrides(argv))
+        lines = format_teachers_plan(plan) if args.show == "all" else \
+            ["no verdict: the KD studies measured one teacher; show=all prints the several teachers' plan"]
+    else:
+        plan = Planner(args, config_path, training_overrides(argv)).plan()
+        lines = format_plan(plan) if args.show == "all" else verdict_lines(plan["verdict"]) if "verdict" in plan \
+            else [f"no verdict: {plan['recommendation']}"]
+    print("\n".join(lines))
     if args.out:
         write_plan(plan, Path(args.out))
         print(f"wrote {args.out}")

@@ -172,6 +172,9 @@ class DistillationArgs:
             require(self.cross_tokenizer, "distillation.uld_weight", self.uld_weight,
                     "ULD matches the mass a teacher of another tokenizer cannot map; set "
                     "distillation.cross_tokenizer=true, or uld_weight=0")
+            require(self.output == "topk", "distillation.output", self.output,
+                    "ULD compares the teacher's unmapped top-k entries, which sampled outputs do not carry; set "
+                    "distillation.output=topk, or uld_weight=0")
             require(self.loss_compile is not True, "distillation.loss_compile", self.loss_compile,
                     "ULD runs in the eager chunk math; set distillation.loss_compile=auto, or uld_weight=0")
         if not enabled:
@@ -262,14 +265,16 @@ class DistillationArgs:
                 "caches; set source=online to run them on their own ranks")
 
     def validate_cross_tokenizer(self, key: str = "distillation", tp_key: str = "distillation.teacher_tp") -> None:
-        """A cross-tokenizer teacher takes top-k outputs from an unsharded model (`tp_key`: the key that sets its
-        tensor parallelism)."""
+        """A cross-tokenizer teacher sends a sparse format: top-k (at any tensor parallelism) or sampled (unsharded;
+        `tp_key`: the key that sets its tensor parallelism)."""
         if self.cross_tokenizer:
-            require(self.output == "topk", "distillation.output", self.output,
-                    f"{key}.cross_tokenizer=true maps the teacher's top-k ids to the student's; set output=topk")
-            require(self.teacher_tp == 1, tp_key, self.teacher_tp,
-                    f"{key}.cross_tokenizer=true runs on unsharded teachers for now; set "
-                    f"{tp_key.removeprefix('distillation.')}=1")
+            require(self.output != "full", "distillation.output", self.output,
+                    f"the full format is the teacher's log-probs over the student's vocabulary, which a teacher of "
+                    f"another tokenizer ({key}.cross_tokenizer=true) cannot give; set output=topk or output=sampled")
+            require(self.teacher_tp == 1 or self.output == "topk", tp_key, self.teacher_tp,
+                    f"{key}.cross_tokenizer=true with output=sampled draws from the teacher's probabilities added up "
+                    f"per student id over its whole vocabulary, of which a tensor-parallel rank holds a slice; set "
+                    f"{tp_key.removeprefix('distillation.')}=1, or output=topk")
 
     def teacher_args(self, index: int) -> "OneTeacherArgs":
         """The settings teacher `index` of `teachers` runs with: these, its own path, ranks and tokenizer."""

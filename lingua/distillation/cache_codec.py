@@ -171,7 +171,7 @@ def canonical_sampled(outputs: TeacherOutputs) -> TeacherOutputs:
     values = outputs.values.gather(-1, by_id.indices)
     by_value = values.float().sort(dim=-1, descending=True, stable=True)
     return TeacherOutputs("sampled", values.gather(-1, by_value.indices), by_id.values.gather(-1, by_value.indices),
-                          outputs.extra)
+                          outputs.extra, outputs.kd_weight)
 
 
 def encode_shard(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs,
@@ -215,6 +215,8 @@ def encode_shard(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOu
         if outputs.kd_weight is not None:
             _put(streams, specs, level, "kd_weight", _pack_mask(outputs.kd_weight), planes=False)
     decoded = decode_shard(streams, specs)  # the writer's check: what it stores decodes to the teacher's bits
+    if len(decoded["teacher"].tensors()) != len(outputs.tensors()):
+        raise CodecError("a cache shard decoded to another number of tensors than it was given")
     pairs = [(decoded["tokens"], tokens), (decoded["doc_ids"], doc_ids), *zip(decoded["teacher"].tensors(),
                                                                              outputs.tensors())]
     if source_ids is not None:

@@ -60,9 +60,17 @@ def teacher_full_log_probs(values: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return (log_t - log_t.logsumexp(-1, keepdim=True)).clamp_min_(LOG_TINY)
 
 
-def sampled_forward_kl(neg_entropy: torch.Tensor, student_log_probs_of_samples: torch.Tensor) -> torch.Tensor:
-    """The Monte-Carlo forward KL from k samples x_j ~ p_T: sum p log p - (1/k) sum_j log q(x_j) (unbiased)."""
-    return neg_entropy.to(student_log_probs_of_samples.dtype) - student_log_probs_of_samples.mean(-1)
+def sampled_forward_kl(neg_entropy: torch.Tensor, student_log_probs_of_samples: torch.Tensor,
+                       mapped: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The Monte-Carlo forward KL from k samples x_j ~ p_T: sum p log p - (1/k) sum_j log q(x_j) (unbiased).
+
+    `mapped` [..., k] (cross-tokenizer): the draws that have a student id; the others add nothing, so with
+    neg_entropy = sum_s p(s) log(p(s) / M) over the student ids (M their mass) the estimate is unbiased for
+    M * KL(p / M || q), the forward KL of the teacher's mapped part renormalised."""
+    log_q = student_log_probs_of_samples
+    if mapped is None:
+        return neg_entropy.to(log_q.dtype) - log_q.mean(-1)
+    return neg_entropy.to(log_q.dtype) - torch.where(mapped, log_q, 0.0).sum(-1) / log_q.shape[-1]
 
 
 def teacher_support(values: torch.Tensor, ids: Optional[torch.Tensor], extra: Optional[torch.Tensor],

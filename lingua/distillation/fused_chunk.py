@@ -11,7 +11,8 @@ label). KD at T = 1 adds none of its own, for the top-k format (fkl, rkl, jsd) a
              rest lies far below the ids. Off the ids CE's softmax is g * exp(m_r - lse) and KD's rest
              gradient g / Z_r * B_rest: one coefficient per row, CE's multiply pass. The ids get their
              combined CE + KD gradient by a k-wide scatter, the label its -1 by a 1-wide scatter_add.
-    sampled  dKD/dz = s - counts / k: CE's softmax with a larger coefficient plus a k-wide scatter_add.
+    sampled  dKD/dz = s - counts / k: CE's softmax with a larger coefficient plus a k-wide scatter_add. A
+             cross-tokenizer draw of an unmapped id (id -1) adds nothing: dKD/dz = (mapped / k) s - counts / k.
     T != 1   KD needs exp((z - m_r) / T) besides CE's exp(z - m_r): three more passes (divide, exp, sum) and
              the multiply becomes multiply + addcmul. The full format builds its log-softmax over the
              vocabulary as before (about eight more passes).
@@ -51,13 +52,17 @@ def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd
     """(CE per row, KD per row or None, student argmax per row, g = dLoss/dz, recipe) for one chunk; overwrites z.
 
     z [rows, V] in the work dtype; labels [rows, 1] in range; row_mask [rows] (label != -100); teacher: None or
-    (format, values, extra) of the chunk; ids [rows, k] in range and distinct per row (None without ids);
+    (format, values, extra) of the chunk; ids [rows, k] in range and distinct per row (None without ids; sampled:
+    repeats, and -1 for a cross-tokenizer draw without a student id);
     kd_rows [rows]: rows whose KD counts; ce_scale a 0-dim tensor, kd_scale [rows] (0 off kd_rows). The recipe
     rebuilds g from z (`GradRecipe`; None for the full format): `vocab_block_weight_grad` needs it. uld: None or a
     `uld.ChunkULD` (top-k only): its topk over the rest replaces the max pass, its term joins KD (`uld.py`).
     """
     V = z.shape[-1]
     format = None if teacher is None else teacher[0]
+    mapped = None
+    if format == "sampled":  # a cross-tokenizer draw of an unmapped teacher id (-1) has no student term
+        mapped, ids = ids >= 0, ids.clamp_min(0)
     z_label = z.gather(-1, labels)
     z_ids = None if ids is None else z.gather(-1, ids)
     # The top-k ids leave the row (-inf) so that the one max / exp / sum pass sees the rest bucket alone.
@@ -106,10 +111,12 @@ def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd
             a_lse = a_max + torch.log(torch.exp(a_shift - a_max) * soft_sum + ids_sum)
     kd_scale = kd_scale.unsqueeze(-1)
     if format == "sampled":
-        kd = sampled_forward_kl(teacher[2], (a_ids - a_lse))
-        # s_T = soft / soft_sum everywhere; the samples' -counts / k by scatter_add (an id drawn twice counts twice).
-        rest_coef = torch.where(kd_rows.unsqueeze(-1), kd_scale / soft_sum, 0.0)
-        id_grad = torch.where(kd_rows.unsqueeze(-1), -kd_scale / ids.shape[-1], 0.0).expand(-1, ids.shape[-1])
+        kd = sampled_forward_kl(teacher[2], (a_ids - a_lse), mapped)
+        # s_T times the mapped share of the draws everywhere (1 on one tokenizer); the samples' -counts / k by
+        # scatter_add (an id drawn twice counts twice).
+        share = mapped.sum(-1, keepdim=True).to(soft_sum.dtype) / ids.shape[-1]
+        rest_coef = torch.where(kd_rows.unsqueeze(-1), kd_scale * share / soft_sum, 0.0)
+        id_grad = torch.where(kd_rows.unsqueeze(-1) & mapped, -kd_scale / ids.shape[-1], 0.0)
         coef, soft_coef = _combine(g, ce_coef, soft, rest_coef)
         g.scatter_add_(-1, ids, id_grad).scatter_add_(-1, labels, label_grad)
         return ce, kd, student_top1, g, GradRecipe(shift, coef, soft_coef, labels, label_grad, ids, id_grad, False)

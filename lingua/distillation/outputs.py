@@ -12,6 +12,11 @@ every value is at the distillation temperature T, computed in fp32 on the teache
               extra   [B,S]   float32     sum_v p_T(v) log p_T(v) (the teacher's negative entropy)
     full      values  [B,S,V] wire dtype  log p_T of every id                V * w
 
+A cross-tokenizer teacher (`cross_tokenizer/targets.py`) sends topk or sampled in the student's ids plus kd_weight
+[B,S] float32 (1 aligned, 0 CE only); its sampled draws are from the teacher's probabilities added up per student id,
+a draw of an unmapped teacher id is id -1 with value -inf, and extra is then the mapped part's
+sum_s p(s) log(p(s) / M), M = the mapped mass (`divergences.sampled_forward_kl`).
+
 (w = bytes of the wire dtype, 2 for bf16). The teacher computes them with `sparsify_teacher_logits`
 (or, vocab-parallel, from its shards); the losses read them (`divergences.py` explains each format's
 KD). `full` is for small vocabularies and checking.
@@ -39,7 +44,7 @@ class TeacherOutputs:
     values: torch.Tensor
     ids: Optional[torch.Tensor] = None
     extra: Optional[torch.Tensor] = None
-    # [B, S] float32 in [0, 1], cross-tokenizer top-k only: each position's KD weight (0 = no aligned target)
+    # [B, S] float32 in [0, 1], cross-tokenizer only: each position's KD weight (0 = no aligned target)
     kd_weight: Optional[torch.Tensor] = None
 
     def tensors(self) -> list[torch.Tensor]:
@@ -68,7 +73,7 @@ class TeacherOutputs:
     def from_tensors(cls, format: str, tensors: list[torch.Tensor]) -> "TeacherOutputs":
         """Inverse of `tensors()`."""
         check_format(format)
-        expected = (1,) if format == "full" else (3, 4) if format == "topk" else (3,)
+        expected = (1,) if format == "full" else (3, 4)
         assert len(tensors) in expected, f"{format} outputs have {expected} wire tensors, got {len(tensors)}"
         if format == "full":
             return cls(format, tensors[0])

@@ -13,7 +13,9 @@ trains with. Both compute through `divergences.py`. The student-side loss is
              sharper proposal q ~ p_T^beta is deliberately not offered: unbiased weights p/q need
              both beta and the normaliser sum p_T^beta on the student, and the self-normalised
              weights that avoid that are biased at finite k. Reverse KL and JSD have no unbiased
-             estimator from samples of p_T, so they are rejected for this format.
+             estimator from samples of p_T, so they are rejected for this format. Cross-tokenizer
+             draws of unmapped teacher ids (id -1) add nothing: the estimate is then of M KL(p / M || s_T),
+             the mapped part renormalised (M its mass; `divergences.sampled_forward_kl`).
     full     exact divergence over the vocabulary.
     uld      (cross-tokenizer top-k, uld_weight > 0) the divergence plus uld_weight times the ULD distance between
              the teacher's sorted unmapped probabilities and the student's sorted rest (`uld.uld_reference`).
@@ -54,9 +56,9 @@ def _chunk_divergence(logits, values, ids, extra, format, temperature, kind, jsd
     if format == "full":
         return divergence(teacher_full_log_probs(values, dtype), z - lse, kind, jsd_beta)
     ids = ids.long()
+    if format == "sampled":  # a cross-tokenizer draw of an unmapped teacher id (-1) has no student term
+        return sampled_forward_kl(extra, z.gather(-1, ids.clamp_min(0)) - lse, ids >= 0)
     log_s = z.gather(-1, ids) - lse
-    if format == "sampled":
-        return sampled_forward_kl(extra, log_s)
     with_rest = ids.shape[-1] < z.shape[-1]
     if with_rest:
         # Student rest bucket as a log-sum-exp over the other ids: exact even when the rest is tiny.

@@ -8,7 +8,9 @@ to students. Everything between them goes over the replica's group (`topo.teache
                 collective forward (the held-out reference) next to one that has no model.
     handshake   followers only share the world's verdicts (`agreed_handshake` with no record of their own);
                 then `share_spec` broadcasts what the bridge agreed (buffer shapes, the students' vocab).
-    per request one broadcast of a round (`ReplicaLink`): FORWARD with every student's request buffer, or
+    per request one broadcast of a round (`ReplicaLink`): FORWARD with every student's request buffer (a
+                cross-tokenizer leader then aligns them and broadcasts the teacher's tokens: their shape, then
+                the tokens and document ids; the followers never align), or
                 LEAVE with the status the students get (STOP: return; an error: every follower raises it as
                 the students do: a user error's sentence, or a stop naming the rank that failed, exit 1).
                 After a FORWARD, every rank runs the sharded forward and its part of the outputs, then one
@@ -66,15 +68,16 @@ def replica_load_record(topo, mine: HandshakeRecord) -> HandshakeRecord:
 def share_spec(topo, spec: Optional[BridgeSpec], args: DistillationArgs) -> BridgeSpec:
     """The leader's bridge spec on every rank of the replica (followers build it from the agreed shapes and
     their own distillation settings, which the handshake checked are the students')."""
-    fields = [spec.max_bsz, spec.max_seqlen, spec.vocab_size, int(spec.doc_boundaries)] if spec is not None else [0] * 4
+    fields = [spec.max_bsz, spec.max_seqlen, spec.vocab_size, int(spec.doc_boundaries), int(spec.kd_weight)] \
+        if spec is not None else [0] * 5
     shapes = torch.tensor(fields, dtype=torch.int64, device=topo.device)
     log_collective("broadcast bridge spec", topo.teacher_tp_group, shapes)
     dist.broadcast(shapes, src=topo.replica_ranks[0], group=topo.teacher_tp_group)
     if spec is not None:
         return spec
-    max_bsz, max_seqlen, vocab_size, doc_boundaries = shapes.tolist()
+    max_bsz, max_seqlen, vocab_size, doc_boundaries, kd_weight = shapes.tolist()
     return BridgeSpec(max_bsz, max_seqlen, vocab_size, args.output, args.k, WIRE_DTYPES[args.wire_dtype],
-                      doc_boundaries=bool(doc_boundaries))
+                      doc_boundaries=bool(doc_boundaries), kd_weight=bool(kd_weight))
 
 
 class ReplicaLink:
@@ -114,6 +117,23 @@ class ReplicaLink:
         log_collective("reduce(max) replica flags", self.group, self.flags)
         dist.reduce(self.flags, dst=self.leader, op=dist.ReduceOp.MAX, group=self.group)
         return self.flags if dist.get_rank() == self.leader else None
+
+    def share_teacher_tokens(self, tokens: Optional[torch.Tensor], doc_ids: Optional[torch.Tensor]
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-tokenizer, on every rank of the replica: the teacher's [N, L] tokens and document ids the leader
+        aligned (given there; None on a follower, which receives them): their shape, then both in one tensor."""
+        shape = torch.zeros(2, dtype=torch.int64, device=self.flags.device)
+        if tokens is not None:
+            shape.copy_(torch.tensor(tokens.shape))
+        log_collective("broadcast teacher grid shape", self.group, shape)
+        dist.broadcast(shape, src=self.leader, group=self.group)
+        if tokens is not None:
+            grid = torch.stack([tokens.long(), doc_ids.long()]).to(self.flags.device)
+        else:
+            grid = torch.empty((2, *shape.tolist()), dtype=torch.int64, device=self.flags.device)
+        log_collective("broadcast teacher tokens", self.group, grid)
+        dist.broadcast(grid, src=self.leader, group=self.group)
+        return grid[0], grid[1].int()
 
     @staticmethod
     def write_flags(response: torch.Tensor, flags: torch.Tensor) -> None:

@@ -405,25 +405,29 @@ class TeacherServer:
     def _cross_forward_rows(self, students, headers: dict[int, RequestHeader], tokens: torch.Tensor,
                             doc_ids: Optional[torch.Tensor], next_tokens: Optional[torch.Tensor] = None) -> None:
         """distillation.cross_tokenizer: the students' rows (and the labels past them) aligned to the teacher's
-        tokens (on this rank's CPU), one forward on those, and each student's top-k mapped back to its positions,
-        with kd_weight."""
-        batch = self.cross.teacher_batch(tokens.cpu(), None if doc_ids is None else doc_ids.cpu(),
-                                         None if next_tokens is None else next_tokens.cpu())
+        tokens (on this rank's CPU), one forward on those, and each student's top-k or draws mapped back to its
+        positions, with kd_weight."""
+        batch = teacher_tokens = teacher_docs = None
+        if self.leader:  # a tensor-parallel replica's followers get the teacher's tokens, not the text to align
+            batch = self.cross.teacher_batch(tokens.cpu(), None if doc_ids is None else doc_ids.cpu(),
+                                             None if next_tokens is None else next_tokens.cpu())
+            teacher_tokens, teacher_docs = batch.tokens, batch.doc_ids
+        if self.link is not None:
+            teacher_tokens, teacher_docs = self.link.share_teacher_tokens(teacher_tokens, teacher_docs)
         device = tokens.device
-        hidden = self.teacher.hidden_states(batch.tokens.to(device),
-                                            batch.doc_ids.to(device) if doc_ids is not None else None)
-        # Every teacher id (fp32, so the masses that map to one student id add up exactly), then the student's.
-        teacher_topk = self.teacher.sparse_outputs(hidden, "topk", self.spec.k, torch.float32,
-                                                   self.teacher.vocab_size, self.generator)
-        outputs, kd_weight = self.cross.student_outputs(teacher_topk, batch, self.spec.wire_dtype,
-                                                        self.args.uld_weight > 0)
-        outputs.kd_weight = kd_weight.to(device)
+        hidden = self.teacher.hidden_states(teacher_tokens.to(device),
+                                            teacher_docs.to(device) if doc_ids is not None else None)
+        outputs = self.cross.student_targets(self.teacher, hidden, batch, self.spec.output, self.spec.k,
+                                             self.spec.wire_dtype, self.generator, self.args.uld_weight > 0)
+        if outputs is None:  # a follower: its part of the outputs went to the replica's first rank
+            return
+        outputs.kd_weight = outputs.kd_weight.to(device)
         row = 0
         for rank, _ in students:
             header = headers[rank]
             rows = [t[row: row + header.bsz, :header.seqlen] for t in outputs.tensors()]
             row += header.bsz
             index = self.bridge_ranks.index(rank)
-            self.nan_flags[index] = TeacherOutputs.from_tensors("topk", rows).nan_flag()
+            self.nan_flags[index] = TeacherOutputs.from_tensors(self.spec.output, rows).nan_flag()
             for source, dest in zip(rows, self.spec.payload_views(self.responses[index])):
                 dest[: source.shape[0], : source.shape[1]] = source

@@ -371,16 +371,19 @@ class TeacherModel:
         return torch.tanh(logits / softcap) * softcap if softcap else logits
 
     def sparse_outputs(self, hidden: torch.Tensor, output: str, k: int, wire_dtype: torch.dtype, vocab_size: int,
-                       generator: Optional[torch.Generator] = None) -> Optional[TeacherOutputs]:
+                       generator: Optional[torch.Generator] = None, sample=None) -> Optional[TeacherOutputs]:
         """lm_head + sparsification a few rows at a time, so [rows, S, V] logits never exist at once; ids
         beyond `vocab_size` (the students' vocab; teacher rows past it are padding) are cut. Tensor-parallel:
-        each rank computes its vocabulary slice's logits only, the outputs come back on the group's first rank."""
+        each rank computes its vocabulary slice's logits only, the outputs come back on the group's first rank.
+        `sample` (cross-tokenizer sampled, unsharded): a function (logits, generator) -> outputs in its place."""
         rows = self.logits_chunk_rows(hidden.shape[1])
         parts = []
         with self.no_grad():
             for start in range(0, hidden.shape[0], rows):
                 logits = self.logits(hidden[start: start + rows])
-                if self.shard is None:
+                if sample is not None:
+                    parts.append(sample(logits[..., :vocab_size], generator))
+                elif self.shard is None:
                     parts.append(sparsify_teacher_logits(logits[..., :vocab_size], output, k, self.args.temperature,
                                                          wire_dtype, generator))
                 else:

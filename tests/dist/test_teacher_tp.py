@@ -49,6 +49,11 @@ def test_tp2_outputs_equal_one_rank_and_no_collective_runs_on_the_world(tiny_tea
         sampler, topk = results[f"sampler_uneven_{vocab}"], results[f"topk_uneven_{vocab}"]
         assert sampler["ids_equal"] and sampler["values"] < 1e-5 and sampler["extra"] < 1e-5, sampler
         assert topk["ids_equal"] and topk["values"] < 1e-5 and topk["extra"] < 1e-5, topk
+    # Cross-tokenizer: the replica (its first rank aligns, the follower gets the teacher's tokens) gives one
+    # whole teacher's targets for a byte-tokenizer student's windows.
+    cross = results["cross_tokenizer"]
+    assert cross["ids_equal"] and cross["values"] < 1e-5 and cross["extra"] < 1e-5, cross
+    assert cross["same_finite"] and cross["kd_weight_equal"] and 0 < cross["aligned"] <= 1, cross
     ce, reference = results["cross_entropy"]
     assert ce == pytest.approx(reference, rel=1e-5)
     # Load, forwards, outputs and cross-entropy: every collective on the replica's group, none on the world.

@@ -24,7 +24,8 @@ from lingua.distillation.cache import (
     shard_metadata,
     shard_path,
 )
-from lingua.distillation.cache_codec import OLD_ZSTD_LEVEL, CodecError, decode_shard, encode_shard
+from lingua.distillation.cache_codec import OLD_ZSTD_LEVEL, CodecError, canonical_sampled, decode_shard, encode_shard
+from lingua.distillation.cross_tokenizer.targets import sample_student_ids, student_sampled_targets
 from lingua.distillation.cross_tokenizer.teacher_side import load_cross_tokenizer
 from lingua.distillation.distiller import CacheDistiller
 from lingua.distillation.teacher import TeacherModel
@@ -33,6 +34,7 @@ from lingua.tokenizer import TokenizerArgs, build_tokenizer
 from tests.runs import distill_overrides
 from tests.unit.test_cache_codec import FIXTURES, assert_bit_equal, outputs_of, windows
 from tests.unit.test_cache_writer import one_rank
+from tests.unit.test_cross_tokenizer_targets import random_map
 
 # The manifest keys of a same-tokenizer cache, as every cache before the cross-tokenizer road wrote them.
 SAME_TOKENIZER_KEYS = ["teacher_path", "tokenizer_fingerprint", "vocab_size", "output", "k", "temperature",
@@ -53,6 +55,25 @@ def test_the_kd_weight_bit_round_trips(rows, seq, seed, share):
     streams, specs = encode_shard(tokens, doc_ids, outputs, vocab_size=300)
     assert "kd_weight" in specs and streams["kd_weight"].numel() <= 100 + rows * seq // 8
     assert_bit_equal(decode_shard(streams, specs)["teacher"], outputs)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mapped_sampled_targets_round_trip(seed):
+    """Cross-tokenizer sampled targets (student ids, -1 for unmapped draws with -inf values, unaligned rows all -1)
+    decode to their canonical order, bit for bit, with the kd_weight bits."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab_map = random_map(400, 300, generator)
+    drawn = sample_student_ids(torch.randn(1, 40, 400, generator=generator) * 3, 8, 1.0, vocab_map,
+                               torch.float32, generator)
+    source = torch.where(torch.rand(3, 16, generator=generator) < 0.3, -1, torch.randint(0, 40, (3, 16)))
+    outputs, kd_weight = student_sampled_targets(drawn, source, torch.bfloat16)
+    outputs.kd_weight = kd_weight
+    assert (outputs.ids[kd_weight.bool()] == -1).any() and (kd_weight == 0).any()
+    streams, specs = encode_shard(*windows(), outputs, vocab_size=300)
+    decoded = decode_shard(streams, specs)["teacher"]
+    want = canonical_sampled(outputs)
+    want.kd_weight = kd_weight
+    assert_bit_equal(decoded, want)
 
 
 def test_a_kd_weight_that_is_not_a_mask_is_refused_at_write_time():
@@ -149,6 +170,47 @@ def test_the_cache_holds_what_the_online_teacher_sends(cross_cache):
         last_aligned = last_aligned or bool(cached.kd_weight[:, -1].any())
     assert all(0.0 < share <= 1.0 for share in aligned_shares) and min(aligned_shares) < 1.0
     assert last_aligned  # the writer read the label past each window: some windows' last position has a target
+
+
+def test_a_sampled_cache_holds_the_online_draws_and_trains(corpus, tiny_teacher, tmp_path):
+    """output=sampled: each shard holds, in the codec's canonical order, what an online teacher rank draws for the
+    same windows with the writer's generator (student ids, -1 for unmapped draws), and a student trains on it."""
+    cache_dir = tmp_path / "cache"
+    overrides = [*distill_overrides(corpus, tiny_teacher, tmp_path / "dump", steps=3, grad_acc_steps=2, **CROSS),
+                 f"cache_dir={cache_dir}", "streams=1", "shard_sequences=4", "forward_rows=2", "encode_workers=0",
+                 "distillation.output=sampled", "distillation.k=8"]
+    args = parse_args(TeacherCacheArgs, overrides)
+    write_cache(args, one_rank())
+    manifest = CacheManifest.read(cache_dir)
+    assert manifest.cross_tokenizer and manifest.output == "sampled"
+    teacher = TeacherModel(args.distillation, torch.device("cpu"))
+    cross = load_cross_tokenizer(args.data.tokenizer, None, teacher.tokenizer, None)
+    for index in range(manifest.n_shards):
+        batch = read_shard(shard_path(cache_dir, index), range(0, 4), manifest)
+        generator = torch.Generator().manual_seed(args.distillation.seed * 1_000_003 + index)  # the writer's
+        parts = []
+        for rows in (slice(0, 2), slice(2, 4)):  # the writer's forwards of forward_rows=2 windows
+            aligned = cross.teacher_batch(batch["input_ids"][rows], batch["doc_ids"][rows], batch["labels"][rows, -1])
+            hidden = teacher.hidden_states(aligned.tokens, aligned.doc_ids)
+            parts.append(cross.student_targets(teacher, hidden, aligned, "sampled", 8, torch.bfloat16, generator))
+        online = canonical_sampled(replace(parts[0], **{name: torch.cat([getattr(p, name) for p in parts]) for name
+                                                        in ("values", "ids", "extra")}))
+        online.kd_weight = torch.cat([p.kd_weight for p in parts])
+        assert_bit_equal(batch["teacher"], online)
+        aligned_ids = batch["teacher"].ids[batch["teacher"].kd_weight.bool()]
+        assert ((aligned_ids >= -1) & (aligned_ids < 258)).all() and (aligned_ids >= 0).any()
+    train = replace(args.distillation, source="cache", cache_dir=str(cache_dir))
+    wanted = settings_manifest(train, args.data, args.model.attn_mask, build_tokenizer(args.data.tokenizer))
+    loader = open_cache(str(cache_dir), wanted, batch_size=2, dp_rank=0, dp_degree=1)
+    batch = next(loader)
+    distiller = CacheDistiller(train, loader.manifest.teacher_heldout_ce)
+    distiller.begin_step(0, 1.0)
+    hidden = torch.randn(*batch["input_ids"].shape, 16, requires_grad=True)
+    loss = distiller.head_loss(batch["labels"], distiller.submit(batch, 0, 0), batch["labels"].numel(), None)(
+        hidden, torch.randn(258, 16))
+    loss.backward()
+    assert torch.isfinite(loss) and hidden.grad.isfinite().all() and hidden.grad.abs().sum() > 0
+    assert distiller.step_metrics()["kd/aligned"].item() == pytest.approx(batch["teacher"].kd_weight.mean().item())
 
 
 def test_training_reads_the_kd_weight_and_logs_kd_aligned(cross_cache):

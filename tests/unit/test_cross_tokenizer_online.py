@@ -54,12 +54,20 @@ def test_without_cross_tokenizer_the_refusal_names_the_key():
 
 
 @pytest.mark.parametrize("change,words", [
-    (dict(output="sampled"), "distillation.output=sampled: distillation.cross_tokenizer=true maps the teacher's "
-                             "top-k ids to the student's; set output=topk"),
-    (dict(teacher_tp=2, n_teacher_ranks=2), "distillation.teacher_tp=2: distillation.cross_tokenizer=true runs on "
-                                            "unsharded teachers for now; set teacher_tp=1"),
+    (dict(output="full"), "distillation.output=full: the full format is the teacher's log-probs over the student's "
+                          "vocabulary, which a teacher of another tokenizer (distillation.cross_tokenizer=true) "
+                          "cannot give; set output=topk or output=sampled"),
+    (dict(output="sampled", uld_weight=0.5), "distillation.output=sampled: ULD compares the teacher's unmapped top-k "
+                                             "entries, which sampled outputs do not carry; set distillation.output=topk"
+                                             ", or uld_weight=0"),
+    (dict(teacher_tp=2, n_teacher_ranks=2, output="sampled"),
+     "distillation.teacher_tp=2: distillation.cross_tokenizer=true with output=sampled draws from the teacher's "
+     "probabilities added up per student id over its whole vocabulary, of which a tensor-parallel rank holds a "
+     "slice; set teacher_tp=1, or output=topk"),
 ])
 def test_config_refusals(change, words):
+    replace(CROSS, output="sampled").validate(enabled=False)  # the other sparse format is taken
+    replace(CROSS, teacher_tp=2, n_teacher_ranks=2).validate(enabled=False)  # top-k from a tensor-parallel teacher
     with pytest.raises(ConfigError) as caught:
         replace(CROSS, **change).validate(enabled=False)
     assert words.split(": ", 1)[1] in str(caught.value) and words.split(":")[0].split("=")[0] in str(caught.value)
@@ -115,3 +123,38 @@ def test_an_unreadable_tokenizer_of_one_of_several_teachers_names_its_element(tm
     with pytest.raises(ConfigError, match=r"^distillation\.teachers\[1\]\.tokenizer='.*empty' cannot be read as a "):
         load_cross_tokenizer(TokenizerArgs("bytes"), str(tmp_path / "empty"), None, None,
                              "distillation.teachers[1].tokenizer")
+
+
+def test_sampled_targets_cross_the_wire(tiny_teacher):
+    """output=sampled, online: what the teacher rank's `_cross_forward_rows` writes into two students' responses is
+    read back by each student (`TeacherClient.payload`) as the draws `student_targets` gives for its rows, with the
+    kd_weight, unmapped draws (id -1) included."""
+    from types import SimpleNamespace
+
+    from lingua.distillation.client import TeacherClient
+    from lingua.distillation.server import TeacherServer
+    from lingua.distillation.teacher import TeacherModel
+
+    args = replace(CROSS, output="sampled", k=8, teacher_path=str(tiny_teacher))
+    spec = check_handshake(records(args, args), args)
+    teacher = TeacherModel(args, torch.device("cpu"))
+    cross = load_cross_tokenizer(TokenizerArgs("bytes"), None, teacher.tokenizer, None)
+    text = list("The teacher reads this text in its own tokens.".encode())
+    tokens = torch.tensor([text[:20], text[20:40], text[5:25]])
+    server = SimpleNamespace(cross=cross, teacher=teacher, spec=spec, args=args, bridge_ranks=[0, 1], nan_flags={},
+                             leader=True, link=None,
+                             generator=torch.Generator().manual_seed(3),
+                             responses=[torch.zeros(spec.response_bytes(), dtype=torch.uint8) for _ in range(2)])
+    headers = {0: SimpleNamespace(bsz=2, seqlen=20), 1: SimpleNamespace(bsz=1, seqlen=20)}
+    TeacherServer._cross_forward_rows(server, [(0, None), (1, None)], headers, tokens, None, torch.tensor([32] * 3))
+    batch = cross.teacher_batch(tokens, None, torch.tensor([32] * 3))
+    hidden = teacher.hidden_states(batch.tokens, None)
+    want = cross.student_targets(teacher, hidden, batch, "sampled", 8, spec.wire_dtype,
+                                 torch.Generator().manual_seed(3))
+    assert (want.ids[want.kd_weight.bool()] == -1).any() and (want.ids[want.kd_weight.bool()] >= 0).any()
+    client = SimpleNamespace(spec=spec)
+    for rank, rows in ((0, slice(0, 2)), (1, slice(2, 3))):
+        got = TeacherClient.payload(client, server.responses[rank], headers[rank].bsz, 20)
+        assert got.format == "sampled" and len(got.tensors()) == 4 and server.nan_flags[rank].item() == 0
+        for a, b in zip(got.tensors(), want.tensors()):
+            assert torch.equal(a, b[rows])

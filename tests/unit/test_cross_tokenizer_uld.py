@@ -77,7 +77,7 @@ def test_an_online_teacher_replies_with_the_marked_entries(corpus, tiny_teacher)
     for uld_weight in (0.5, 0.0):
         spec = BridgeSpec(2, tokens.shape[1], 258, "topk", 8, torch.bfloat16, kd_weight=True)
         server = SimpleNamespace(cross=cross, teacher=teacher, spec=spec, args=replace(args, uld_weight=uld_weight),
-                                 generator=None, bridge_ranks=[0, 2], nan_flags={},
+                                 leader=True, link=None, generator=None, bridge_ranks=[0, 2], nan_flags={},
                                  responses=[torch.zeros(spec.response_bytes(), dtype=torch.uint8)])
         headers = {0: SimpleNamespace(bsz=2, seqlen=tokens.shape[1])}
         TeacherServer._cross_forward_rows(server, [(0, None)], headers, tokens, None)

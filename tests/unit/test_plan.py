@@ -299,14 +299,15 @@ def test_a_config_without_a_teacher_names_the_fix(monkeypatch, capsys):
     assert code == 2 and err.startswith("error: The teacher's config /no/teacher/config.json does not exist")
 
 
-def test_several_teachers_are_planned_one_at_a_time(monkeypatch, capsys):
-    """The planner lays out one teacher: a config of several is one sentence, not a plan that counts one."""
+def test_several_teachers_take_one_teacher_config_each(monkeypatch, capsys):
+    """A config of several teachers is planned per teacher (tests/unit/test_plan_teachers.py): one teacher_config
+    for all of them is one sentence, not a plan that counts one."""
     config = ROOT / "configs/distill_exps/two_teachers_cpu.yaml"
     code, printed, err = run([f"config={config}", "world_size=8", "out=null", "teacher_config=" + SMOLLM2],
                              monkeypatch, capsys)
     assert code == 2 and printed == "" and err.count("\n") == 1, err
-    assert err.startswith("error: distillation.teachers=['data/teachers/tiny-llama', 'data/teachers/tiny-llama-2']; "
-                          "the planner plans one teacher; plan each alone"), err
+    assert err.startswith(f"error: teacher_config='{SMOLLM2}'; with distillation.teachers give one value per teacher "
+                          f"in teacher_configs"), err
 
 
 def test_a_teacher_config_without_the_sizes_is_refused(tmp_path, monkeypatch, capsys):

@@ -73,8 +73,8 @@ def test_several_teachers_lay_out_after_the_students(tmp_path):
     (["{{path: {t0}}}", "{{path: {t1}, sources: [code]}}", "data.sources={{pydocs: 1.0, code: 0.0}}"],
      "every source it lists has weight 0 in data.sources, so it would teach nothing"),
     (["{{path: {t0}}}", "{{path: /no/such/dir}}"], "distillation.teachers[1].path='/no/such/dir'; that directory does not exist"),
-    (["{{path: {t0}}}", "{{path: {t1}, cross_tokenizer: true}}", "distillation.output=sampled"],
-     "teachers[1].cross_tokenizer=true maps the teacher's top-k ids"),
+    (["{{path: {t0}}}", "{{path: {t1}, cross_tokenizer: true}}", "distillation.output=full"],
+     "another tokenizer (distillation.teachers[1].cross_tokenizer=true) cannot give"),
     (["{{path: {t0}}}", "{{path: {t1}}}", "distillation.source=cache"],
      "distillation.source='cache'; with distillation.teachers every teacher names its cache"),
     (["{{cache_dir: {t0}}}", "{{cache_dir: {t1}}}", "distillation.cache_dir=/tmp"],
@@ -97,9 +97,11 @@ def test_several_teachers_lay_out_after_the_students(tmp_path):
      "distillation.teachers[0].n_teacher_ranks=3; use a positive multiple of distillation.teachers[0].teacher_tp=2"),
     (["{{path: {t0}, n_teacher_ranks: 2}}", "{{path: {t1}}}", "distillation.teacher_tp=2"],
      "distillation.teachers[1].n_teacher_ranks=1; use a positive multiple of distillation.teacher_tp=2"),
-    (["{{path: {t0}}}", "{{path: {t1}, n_teacher_ranks: 2, teacher_tp: 2, cross_tokenizer: true}}"],
-     "distillation.teachers[1].teacher_tp=2; distillation.teachers[1].cross_tokenizer=true runs on unsharded "
-     "teachers for now; set teachers[1].teacher_tp=1"),
+    (["{{path: {t0}}}", "{{path: {t1}, n_teacher_ranks: 2, teacher_tp: 2, cross_tokenizer: true}}",
+      "distillation.output=sampled"],
+     "distillation.teachers[1].teacher_tp=2; distillation.teachers[1].cross_tokenizer=true with output=sampled draws "
+     "from the teacher's probabilities added up per student id over its whole vocabulary, of which a tensor-parallel "
+     "rank holds a slice; set teachers[1].teacher_tp=1, or output=topk"),
 ])
 def test_each_bad_teacher_setting_is_one_sentence(tmp_path, overrides, words):
     listed = [o for o in overrides if o.startswith("{")]
@@ -252,17 +254,28 @@ def test_the_mixed_loss_is_the_weighted_sum_of_each_teachers_kd(fused):
                                                                        "weight")} | {"kd/1/aligned"}
 
 
+def cross_sampled_outputs(generator, B, S, V, k) -> TeacherOutputs:
+    """A cross-tokenizer teacher's sampled targets: draws through a random map, unmapped draws as id -1."""
+    from lingua.distillation.cross_tokenizer.targets import sample_student_ids
+    from tests.unit.test_cross_tokenizer_targets import random_map
+
+    return sample_student_ids(torch.randn(B, S, 2 * V, generator=generator) * 2, k, 1.0,
+                              random_map(2 * V, V, generator), torch.float32, generator)
+
+
+@pytest.mark.parametrize("make_outputs", [topk_outputs, cross_sampled_outputs])
 @pytest.mark.parametrize("alpha", [0.3, 0.0])
-def test_teachers_on_shared_gemms_equal_one_call_per_teacher(alpha):
+def test_teachers_on_shared_gemms_equal_one_call_per_teacher(alpha, make_outputs):
     """The fused loss with more_teachers (one set of head GEMMs, weight_grad=accumulate) and the per-teacher calls
     it falls back to (vocab_blocks here) give the same loss, gradients and statistics; at alpha = 0 too, where the
-    loss is CE alone and every teacher's KD is still measured (teachers 1+ once read 0 there)."""
+    loss is CE alone and every teacher's KD is still measured (teachers 1+ once read 0 there); and for
+    cross-tokenizer sampled targets, whose unmapped draws (id -1) add nothing."""
     generator = torch.Generator().manual_seed(1)
     B, S, D, V, k = 2, 7, 8, 50, 5
     hidden = torch.randn(B, S, D, generator=generator, dtype=torch.float64, requires_grad=True)
     head = torch.randn(V, D, generator=generator, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, V, (B, S), generator=generator)
-    outputs = [topk_outputs(generator, B, S, V, k) for _ in range(3)]
+    outputs = [make_outputs(generator, B, S, V, k) for _ in range(3)]
     weights = [torch.rand(B, S, generator=generator, dtype=torch.float64) for _ in range(3)]
     results = []
     for weight_grad in ("accumulate", "vocab_blocks"):

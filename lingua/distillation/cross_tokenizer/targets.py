@@ -1,4 +1,4 @@
-"""The teacher's top-k at aligned positions, turned into student targets in the same top-k format.
+"""The teacher's top-k (or sampled draws) at aligned positions, turned into student targets in the same format.
 
     outputs, kd_weight = student_topk_targets(teacher_topk, source, vocab_map)
 
@@ -13,11 +13,18 @@ unaligned positions, whose rows are a harmless placeholder (CE only: the loss we
 With `unmapped_entries` (distillation.uld_weight > 0) the unmapped teacher entries also travel, in the free slots
 (there are always enough: k minus the distinct mapped ids), marked by a negative id (`lingua/distillation/uld.py`),
 and each row is sorted most likely first again; their mass stays in the rest bucket too.
+
+Sampled (`sample_student_ids`, on the teacher's logits): the teacher's probabilities are added up per student id,
+the unmapped ones in a bucket of their own, and the k draws come from that (the same law as drawing teacher ids
+and mapping them). A draw in the unmapped bucket is id -1 with log-prob -inf: the losses give it no student term,
+and extra is the mapped part's sum_s p(s) log(p(s) / M), so the estimate stays unbiased for M * KL(p / M || q)
+(`divergences.sampled_forward_kl`). `student_sampled_targets` then moves the rows to the student's positions.
 """
 
 import torch
 
 from lingua.distillation.cross_tokenizer.vocab_map import VocabMap
+from lingua.distillation.divergences import LOG_TINY
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.errors import ConfigError
 
@@ -81,9 +88,7 @@ def student_topk_targets(teacher: TeacherOutputs, source: torch.Tensor, vocab_ma
     """Student-side top-k targets [B, S, k] and kd_weight [B, S] (float32, 1 aligned, 0 not) from the teacher's
     top-k over its positions (any leading shape, flattened) and `source` [B, S] (indices into them, or -1);
     `unmapped_entries`: with the marked unmapped entries ULD reads (module docstring)."""
-    if teacher.format != "topk":
-        raise ConfigError(f"Cross-tokenizer distillation maps top-k teacher outputs, not {teacher.format!r}; set "
-                          f"distillation.output=topk.")
+    assert teacher.format == "topk", teacher.format  # sampled: student_sampled_targets
     k = teacher.ids.shape[-1]
     values, ids, tail = teacher.values.reshape(-1, k), teacher.ids.reshape(-1, k), teacher.extra.reshape(-1)
     if values.shape[0] == 0:  # a teacher with no positions (an empty window): every position is unaligned
@@ -101,3 +106,50 @@ def student_topk_targets(teacher: TeacherOutputs, source: torch.Tensor, vocab_ma
     outputs = TeacherOutputs("topk", out_values.reshape(shape).to(wire_dtype), out_ids.reshape(shape),
                              rest.reshape(source.shape).float())
     return outputs, aligned.float()
+
+
+@torch.no_grad()
+def sample_student_ids(logits: torch.Tensor, k: int, temperature: float, vocab_map: VocabMap,
+                       wire_dtype: torch.dtype = torch.bfloat16, generator=None) -> TeacherOutputs:
+    """Teacher logits [..., V_teacher] -> sampled outputs in student ids [..., k] (module docstring): k draws with
+    replacement from the teacher's probabilities at `temperature` added up per student id (-1: unmapped), their
+    log-probs (-inf for -1) and the mapped part's sum_s p(s) log(p(s) / M)."""
+    V = vocab_map.student_vocab_size
+    table = vocab_map.teacher_to_student.to(logits.device)
+    probs = torch.softmax(logits.float().reshape(-1, logits.shape[-1]) / temperature, dim=-1)
+    # Column V is the unmapped bucket; teacher ids past the map (padding rows of the head) are unmapped too.
+    columns = torch.full((probs.shape[-1],), V, dtype=torch.int64, device=probs.device)
+    width = min(table.numel(), probs.shape[-1])
+    columns[:width] = torch.where(table[:width] >= 0, table[:width], V)
+    student = torch.zeros(probs.shape[0], V + 1, device=probs.device).index_add_(1, columns, probs)
+    draws = torch.multinomial(student, k, replacement=True, generator=generator)
+    log_student = student.clamp_min(0).log().clamp_min(LOG_TINY)
+    unmapped = draws == V
+    values = torch.where(unmapped, float("-inf"), log_student.gather(-1, draws))
+    mass = student[:, :V].sum(-1)
+    neg_entropy = torch.special.xlogy(student[:, :V], student[:, :V]).sum(-1) - torch.special.xlogy(mass, mass)
+    shape = (*logits.shape[:-1], k)
+    return TeacherOutputs("sampled", values.view(shape).to(wire_dtype),
+                          torch.where(unmapped, -1, draws).view(shape).to(torch.int32),
+                          neg_entropy.view(logits.shape[:-1]))
+
+
+def student_sampled_targets(teacher: TeacherOutputs, source: torch.Tensor,
+                            wire_dtype: torch.dtype = torch.bfloat16) -> tuple[TeacherOutputs, torch.Tensor]:
+    """Student-side sampled targets [B, S, k] and kd_weight [B, S] from `sample_student_ids`'s rows over the
+    teacher's positions (any leading shape, flattened) and `source` [B, S] (indices into them, or -1). An unaligned
+    position gets k unmapped draws and extra 0: a KD of exactly 0 (and weight 0)."""
+    k = teacher.ids.shape[-1]
+    values, ids, extra = teacher.values.reshape(-1, k), teacher.ids.reshape(-1, k), teacher.extra.reshape(-1)
+    aligned = source >= 0
+    rows = source.clamp_min(0).reshape(-1)
+    if values.shape[0] == 0:  # a teacher with no positions (an empty window): every position is unaligned
+        rows = torch.zeros_like(rows)
+        values, ids, extra = values.new_full((1, k), float("-inf")), ids.new_full((1, k), -1), extra.new_zeros(1)
+    flat_aligned = aligned.reshape(-1, 1)
+    out_values = torch.where(flat_aligned, values[rows].float(), float("-inf"))
+    out_ids = torch.where(flat_aligned, ids[rows], -1)
+    out_extra = torch.where(aligned.reshape(-1), extra[rows].float(), 0.0)
+    shape = (*source.shape, k)
+    return TeacherOutputs("sampled", out_values.reshape(shape).to(wire_dtype), out_ids.reshape(shape).to(torch.int32),
+                          out_extra.reshape(source.shape)), aligned.float()

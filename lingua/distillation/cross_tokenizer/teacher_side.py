@@ -3,7 +3,7 @@
     cross = CrossTokenizerTeacher(student_tokenizer, teacher_hf_tokenizer, max_positions=teacher.max_positions)
     batch = cross.teacher_batch(input_ids, doc_ids)            # student [N, S] -> the teacher's [N, L] grid
     hidden = teacher.hidden_states(batch.tokens, batch.doc_ids)  # its own forward on its own tokens
-    outputs, kd_weight = cross.student_outputs(teacher_topk, batch)  # back in the student's [N, S] positions
+    outputs = cross.student_targets(teacher, hidden, batch, "topk", k, wire_dtype)  # in the student's [N, S]
 
 The teacher's length L is the longest teacher row of the batch, capped at the teacher's max positions: a longer
 row is cut there (its positions whose target lies past the cut become unaligned), a shorter one is padded on the
@@ -21,7 +21,11 @@ from lingua.bits_per_byte import batches_target_bytes, byte_lengths
 from lingua.data import IGNORE_INDEX
 from lingua.distillation.bridge import tokenizer_fingerprint
 from lingua.distillation.cross_tokenizer.alignment import WindowAligner
-from lingua.distillation.cross_tokenizer.targets import student_topk_targets
+from lingua.distillation.cross_tokenizer.targets import (
+    sample_student_ids,
+    student_sampled_targets,
+    student_topk_targets,
+)
 from lingua.distillation.cross_tokenizer.token_bytes import byte_fallback_ids, hf_token_bytes, student_token_bytes
 from lingua.distillation.cross_tokenizer.vocab_map import VocabMap, build_vocab_map
 from lingua.distillation.outputs import TeacherOutputs
@@ -110,6 +114,27 @@ class CrossTokenizerTeacher:
                 doc_ids[r, n:] = (docs[n - 1] + 1) if n else 0  # padding: a document of its own
             own.append(dict(input_ids=input_ids, labels=labels, doc_ids=doc_ids))
         return own, batches_target_bytes(own, byte_lengths(self.aligner.teacher_bytes))
+
+    def student_targets(self, teacher, hidden: torch.Tensor, batch: Optional[TeacherBatch], output: str, k: int,
+                        wire_dtype: torch.dtype, generator=None,
+                        unmapped_entries: bool = False) -> Optional[TeacherOutputs]:
+        """What an online teacher rank sends and a cache stores: the teacher's (a TeacherModel) outputs from its
+        `hidden` states over the batch's [N, L] grid, in the student's ids and [N, S] positions, with kd_weight.
+        topk: every teacher id's top-k in fp32 (so masses that map to one student id add up exactly), then mapped;
+        sampled: drawn from the probabilities added up per student id (`targets.sample_student_ids`). A follower
+        of a tensor-parallel replica takes part in the head's collectives and gets None (its batch may be None)."""
+        if output == "sampled":
+            def sample(logits, rng):
+                return sample_student_ids(logits, k, teacher.args.temperature, self.vocab_map, torch.float32, rng)
+            drawn = teacher.sparse_outputs(hidden, "sampled", k, torch.float32, teacher.vocab_size, generator, sample)
+            outputs, kd_weight = student_sampled_targets(drawn, batch.source.to(drawn.values.device), wire_dtype)
+        else:
+            teacher_topk = teacher.sparse_outputs(hidden, "topk", k, torch.float32, teacher.vocab_size, generator)
+            if teacher_topk is None:  # a follower: the top-k went to the replica's first rank
+                return None
+            outputs, kd_weight = self.student_outputs(teacher_topk, batch, wire_dtype, unmapped_entries)
+        outputs.kd_weight = kd_weight
+        return outputs
 
     def student_outputs(self, teacher_outputs: TeacherOutputs, batch: TeacherBatch,
                         wire_dtype: torch.dtype = torch.bfloat16,

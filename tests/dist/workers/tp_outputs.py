@@ -1,5 +1,5 @@
 """A teacher sharded over 2 ranks (tensor-parallel, vocabulary-parallel head) gives the outputs of the same
-teacher on one rank, and none of its collectives runs on the default group.
+teacher on one rank (a cross-tokenizer replica's targets too), and none of its collectives runs on the default group.
 Run: torchrun --nproc-per-node 3 -m tests.dist.workers.tp_outputs <teacher_dir> <out.json>
 
 Rank 0 only stands by (a collective on the world would wait for it: a hang, caught by the launch limit);
@@ -11,16 +11,23 @@ DTensor's functional collectives and the c10d ones alike). Rank 1 writes the dif
 import json
 import sys
 from datetime import timedelta
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lingua.distillation.args import DistillationArgs
+from lingua.distillation.bridge import BridgeSpec
+from lingua.distillation.client import TeacherClient
+from lingua.distillation.cross_tokenizer.teacher_side import load_cross_tokenizer
 from lingua.distillation.outputs import sparsify_teacher_logits
+from lingua.distillation.replica import ReplicaLink
+from lingua.distillation.server import TeacherServer
 from lingua.distillation.teacher import TeacherModel
 from lingua.distillation.tensor_parallel import VocabShard
 from lingua.distillation.vocab_parallel import sample_ids, vocab_parallel_cross_entropy, vocab_parallel_outputs
+from lingua.tokenizer import TokenizerArgs
 from tests.dist.workers import run_worker, say
 
 K = 8
@@ -65,6 +72,51 @@ def compare(a, b) -> dict:
         out["ids_agree"] = float((a.ids == b.ids).float().mean())
         out["extra"] = float((a.extra - b.extra).abs().max())
     return out
+
+
+class NoAlignment:
+    """A follower's aligner: it must never align (the replica's first rank sends it the teacher's tokens)."""
+
+    def __init__(self, cross):
+        self.cross = cross
+
+    def teacher_batch(self, *args):
+        raise AssertionError("a follower of the replica aligned the students' text itself")
+
+    def student_targets(self, *args, **kwargs):
+        return self.cross.student_targets(*args, **kwargs)
+
+
+def cross_tokenizer_case(rank: int, group, sharded: TeacherModel, whole: TeacherModel, teacher_dir: str,
+                         recorder) -> dict:
+    """A byte-tokenizer student's request through the replica's `_cross_forward_rows` (the leader aligns and
+    broadcasts the teacher's tokens; the follower only joins the forward) against one whole teacher's targets."""
+    args = DistillationArgs(teacher_path=teacher_dir, cross_tokenizer=True, k=K, teacher_tp=2, n_teacher_ranks=2,
+                            teacher_dtype="fp32", logits_chunk_rows=2)
+    spec = BridgeSpec(2, 20, 258, "topk", K, torch.float32, doc_boundaries=True, kd_weight=True)
+    cross = load_cross_tokenizer(TokenizerArgs("bytes"), None, whole.tokenizer, None)
+    text = list("A teacher of another tokenizer reads this.".encode())
+    tokens, doc_ids = torch.tensor([text[:20], text[20:40]]), torch.zeros(2, 20, dtype=torch.int32)
+    next_tokens = torch.tensor([text[20], text[40]])
+    topo = SimpleNamespace(teacher_tp_group=group, replica_ranks=[1, 2], device=torch.device("cpu"))
+    server = SimpleNamespace(cross=cross if rank == 1 else NoAlignment(cross), teacher=sharded, spec=spec,
+                             args=args, leader=rank == 1, link=ReplicaLink(topo, spec, 1), bridge_ranks=[0, 1],
+                             nan_flags={}, generator=torch.Generator().manual_seed(0),
+                             responses=[torch.zeros(spec.response_bytes(), dtype=torch.uint8) for _ in range(2)])
+    with recorder:
+        TeacherServer._cross_forward_rows(server, [(0, None)], {0: SimpleNamespace(bsz=2, seqlen=20)}, tokens,
+                                          doc_ids, next_tokens)
+    if rank != 1:
+        return {}
+    got = TeacherClient.payload(SimpleNamespace(spec=spec), server.responses[0], 2, 20)
+    batch = cross.teacher_batch(tokens, doc_ids, next_tokens)
+    want = cross.student_targets(whole, whole.hidden_states(batch.tokens, batch.doc_ids), batch, "topk", K,
+                                 torch.float32)
+    finite = want.values.isfinite()  # a row's slots past its mapped ids hold -inf on both sides
+    return {"cross_tokenizer": {**compare(got, want), "aligned": float(want.kd_weight.mean()),
+                                "values": float((got.values - want.values)[finite].abs().max()),
+                                "same_finite": bool(torch.equal(got.values.isfinite(), finite)),
+                                "kd_weight_equal": bool(torch.equal(got.kd_weight, want.kd_weight))}}
 
 
 def main() -> None:
@@ -139,6 +191,7 @@ def main() -> None:
                 "extra": float((got.extra.reshape(-1).double() - neg_entropy).abs().max())}
             results[f"topk_uneven_{vocab}"] = compare(
                 topk, sparsify_teacher_logits(logits[..., :vocab], "topk", 64, 1.3, torch.float32))
+    results.update(cross_tokenizer_case(rank, group, sharded, whole, teacher_dir, recorder))
     # The teacher's held-out reference: cross-entropy over the students' vocabulary.
     labels = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(5))
     labels[:3] = -100
