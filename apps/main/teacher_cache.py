@@ -152,10 +152,13 @@ def settle_manifest(cache_dir: Path, planned: CacheManifest) -> None:
     if existing.zstd_level != planned.zstd_level:  # the bytes differ, not what they decode to: one level per cache
         logger.warning(f"{cache_dir} was started at zstd_level={existing.zstd_level}: finishing it at that level.")
         planned.zstd_level = existing.zstd_level
-    planned.source_names = existing.source_names  # started before shards stored sources: the cache still has none
+    if existing.source_names is None:  # started before shards stored sources: the cache still has none
+        planned.source_names = None
+    # source_names in order: a shard's source ids index it (and `data` compares the sources as a dict, unordered)
     differ = describe_differences(existing, planned, ("teacher_path", "tokenizer_fingerprint", "vocab_size", "output",
                                                       "k", "temperature", "wire_dtype", "attn_mask", "data", "streams",
-                                                      "sequences_per_stream", "shard_sequences", *CROSS_FIELDS))
+                                                      "sequences_per_stream", "shard_sequences", "source_names",
+                                                      *CROSS_FIELDS))
     if differ:
         raise DataError(f"{cache_dir} already holds a teacher cache written with other settings: {'; '.join(differ)}. "
                         f"Use another cache_dir, or the settings it was started with to finish it.")

@@ -105,6 +105,7 @@ class PlanArgs(TrainArgs):
             require(not teacher.cache_dir, f"distillation.teachers[{i}].cache_dir", teacher.cache_dir,
                     "apps.plan plans teachers that run on their own ranks, and a teacher read from its cache has none; "
                     "plan with its path instead of its cache_dir")
+            self.distillation.validate_teacher_ranks(i)  # validate(enabled=False) leaves the teachers' layout out
         for key, per_teacher in (("teacher_config", "teacher_configs"),
                                  ("teacher_tokens_per_s", "teachers_tokens_per_s")):
             require(not getattr(self, key), key, getattr(self, key),

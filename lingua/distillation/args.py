@@ -233,20 +233,30 @@ class DistillationArgs:
             key = f"distillation.teachers[{i}]"
             require(not (teacher.path and teacher.cache_dir), f"{key}.cache_dir", teacher.cache_dir,
                     "a teacher runs online (path, on its own ranks) or from its cache (cache_dir); remove one of them")
-            _check_own_settings(teacher, key)
-            if not teacher.cache_dir:  # a cache's settings are in its manifest, checked when the students open it
+            if teacher.cache_dir:  # a cache's settings are in its manifest, checked when the students open it
+                for own in ("teacher_dtype", "teacher_tp"):
+                    require(getattr(teacher, own) is None, f"{key}.{own}", getattr(teacher, own),
+                            "a teacher read from its cache runs on no ranks: its outputs were computed in the dtype "
+                            "and layout its cache was written with; remove the key")
+            else:
                 require(bool(teacher.path), f"{key}.path", teacher.path,
                         "point it at a transformers checkpoint directory, or name its cache (cache_dir)")
                 _check_teacher_dir(teacher.path, f"{key}.path")
-            tp, tp_key = self.teacher_args(i).teacher_tp, tp_setting(self, i)
-            require(teacher.n_teacher_ranks >= 1 and teacher.n_teacher_ranks % tp == 0,
-                    f"{key}.n_teacher_ranks", teacher.n_teacher_ranks, f"use a positive multiple of {tp_key}={tp}")
+                self.validate_teacher_ranks(i)
             require(math.isfinite(teacher.weight) and teacher.weight > 0, f"{key}.weight", teacher.weight,
                     "use a positive share of the KD term (weights are normalised over a position's teachers)")
             require(isinstance(teacher.cross_tokenizer, bool), f"{key}.cross_tokenizer", teacher.cross_tokenizer,
                     "use true or false")
             if teacher.cross_tokenizer:
-                self.teacher_args(i).validate_cross_tokenizer(key, tp_key)
+                self.teacher_args(i).validate_cross_tokenizer(key, tp_setting(self, i))
+
+    def validate_teacher_ranks(self, index: int) -> None:
+        """Online teacher `index`'s own dtype and tp, and its ranks: whole replicas of its teacher_tp."""
+        teacher, key = self.teachers[index], f"distillation.teachers[{index}]"
+        _check_own_settings(teacher, key)
+        tp, tp_key = self.teacher_args(index).teacher_tp, tp_setting(self, index)
+        require(teacher.n_teacher_ranks >= 1 and teacher.n_teacher_ranks % tp == 0,
+                f"{key}.n_teacher_ranks", teacher.n_teacher_ranks, f"use a positive multiple of {tp_key}={tp}")
 
     def _settle_teachers_source(self) -> None:
         """Teachers all from caches train on source=cache (no teacher ranks); all online on source=online. A mixture

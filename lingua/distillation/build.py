@@ -28,7 +28,10 @@ def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tok
         return NoDistiller(args)
     if cache is not None and args.teachers:
         heldout = [(c.manifest.teacher_heldout_ce, c.manifest.teacher_heldout_bpb) for c in cache.loaders]
-        return CachedTeachersDistiller(args, source_routing(args.teachers, source_names or []), topo.device, heldout)
+        # the caches' own source order: their shards' source ids index it (the students may list data.sources in
+        # another order; the caches were checked to hold the same sources and the same windows)
+        names = cache.manifest.source_names or source_names or []
+        return CachedTeachersDistiller(args, source_routing(args.teachers, names), topo.device, heldout)
     if cache is not None:
         return CacheDistiller(args, cache.manifest.teacher_heldout_ce, cache.manifest.teacher_heldout_bpb)
     vocab = tokenizer_vocab(tokenizer)

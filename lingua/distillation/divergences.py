@@ -70,7 +70,8 @@ def sampled_forward_kl(neg_entropy: torch.Tensor, student_log_probs_of_samples: 
     log_q = student_log_probs_of_samples
     if mapped is None:
         return neg_entropy.to(log_q.dtype) - log_q.mean(-1)
-    return neg_entropy.to(log_q.dtype) - torch.where(mapped, log_q, 0.0).sum(-1) / log_q.shape[-1]
+    # mean, as above: on one tokenizer (every draw mapped) the same arithmetic, to the last bit on every device
+    return neg_entropy.to(log_q.dtype) - torch.where(mapped, log_q, 0.0).mean(-1)
 
 
 def teacher_support(values: torch.Tensor, ids: Optional[torch.Tensor], extra: Optional[torch.Tensor],

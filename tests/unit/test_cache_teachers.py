@@ -218,3 +218,38 @@ def test_cached_teachers_settings_and_the_launch(tmp_path):
         "teachers": [{"cache_dir": "a", "sources": ["x"]}, {"cache_dir": "b"}]}})
     plan, _ = launch_plan(cfg, nodes=1, ntasks_per_node=2)
     assert plan.student_ranks == [0, 1] and plan.teacher_models == []
+
+
+def test_cached_routing_follows_the_caches_source_order_and_a_resume_in_another_order_is_refused(tmp_path):
+    """A shard's source ids index its cache's source_names: with data.sources listed in another order, the code
+    teacher still teaches the code windows; a cache write resumed with the sources reordered is one sentence."""
+    from apps.main.teacher_cache import settle_manifest
+    from lingua.distillation.build import build_distiller
+
+    args = cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}}}", f"{{cache_dir: {tmp_path / 'b'}, sources: [code]}}")
+    for teacher, seed in ((0, 1), (1, 2)):
+        write_cache(tmp_path / "ab"[teacher], args, teacher, seed)
+    caches = open_caches(args)
+    assert caches.manifest.source_names == ["pydocs", "code"]
+    topo = SimpleNamespace(device=torch.device("cpu"))
+    distiller = build_distiller(True, args.distillation, topo, None, (3, SEQ), cache=caches,
+                                source_names=["code", "pydocs"])  # the students' own order, reversed
+    code = caches.manifest.source_names.index("code")
+    assert distiller.routing[code].tolist() == [1.0, 1.0] and distiller.routing[1 - code].tolist() == [1.0, 0.0]
+    caches.close()
+    planned = CacheManifest.read(tmp_path / "a")
+    planned.source_names = ["code", "pydocs"]
+    with pytest.raises(DataError, match="source_names is \\['pydocs', 'code'\\] in the cache but \\['code', 'pydocs'\\]"):
+        settle_manifest(tmp_path / "a", planned)
+    planned = CacheManifest.read(tmp_path / "a")
+    old = CacheManifest(**{**planned.__dict__, "source_names": None})
+    old.write(tmp_path / "a")  # started by a writer before source ids: finished without them
+    settle_manifest(tmp_path / "a", planned)
+    assert planned.source_names is None
+
+
+@pytest.mark.parametrize("own", ["teacher_tp: 2", "teacher_dtype: bf16"])
+def test_a_cached_teachers_own_dtype_or_tp_is_one_sentence(tmp_path, own):
+    """A teacher read from its cache runs on no ranks: a dtype or tp of its own would mean nothing."""
+    with pytest.raises(ConfigError, match=rf"^distillation\.teachers\[1\]\.{own.split(':')[0]}=.*runs on no ranks"):
+        cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}}}", f"{{cache_dir: {tmp_path / 'b'}, {own}}}")

@@ -149,3 +149,19 @@ def test_the_docs_show_the_several_teachers_plan(monkeypatch, capsys):
     command, printed = block.split("\n", 1)
     main(shlex.split(command)[3:])
     assert capsys.readouterr().out == printed
+
+
+@pytest.mark.parametrize("own,words", [
+    ("teacher_tp: 2", "distillation.teachers[1].n_teacher_ranks=1; use a positive multiple of "
+                      "distillation.teachers[1].teacher_tp=2"),
+    ("teacher_tp: 0", "distillation.teachers[1].teacher_tp=0; use 1 (one rank per replica)"),
+    ("teacher_dtype: fp8", "distillation.teachers[1].teacher_dtype='fp8'; use one of"),
+])
+def test_a_teachers_own_layout_is_checked_before_it_is_planned(teacher_dirs, own, words):
+    """The planner validates the distillation keys without their launch (validate(enabled=False)); a teacher's own
+    teacher_tp that does not divide its ranks is its sentence there too, not a division by zero."""
+    argv = argv_of(teacher_dirs, (1, 1), (False, False), 8)[:-1] + [
+        f"distillation.teachers=[{{path: {teacher_dirs[0]}}}, {{path: {teacher_dirs[1]}, {own}}}]"]
+    with pytest.raises(ConfigError) as caught:
+        args_of(argv)
+    assert str(caught.value).startswith(words), str(caught.value)
