@@ -40,7 +40,7 @@ from lingua.parallel import flight_recorder
 from lingua.parallel.collectives import comm_logger, log_collective
 # DistributedArgs is the `distributed:` config section; it lives with LaunchPlan, torch-free, for stool.
 from lingua.parallel.launch_plan import DistributedArgs, LaunchEnv, LaunchPlan, expected_cuda_index, read_launch_env
-from lingua.parallel.recovery import Restarts, attempt_store, unsafe_restart_sentence
+from lingua.parallel.recovery import Restarts, attempt_store, keep_previous_status, unsafe_restart_sentence
 from lingua.parallel.timeouts import forget_detail_check_groups, keep_detail_check_groups
 from lingua.rundir import RunDir
 
@@ -67,6 +67,7 @@ class Topology:
     group_names: dict = field(default_factory=dict)  # id(group) -> descriptive name, for logs
     setup_spans: dict = field(default_factory=dict)  # startup phase -> (start, end) wall-clock, from setup
     restarts: Restarts = field(default_factory=Restarts)  # the launcher's in-job restarts (torchrun), read once
+    recovered: Optional[dict] = None  # the previous generation's crash, as every rank agreed at startup (recovery.py)
 
     @property
     def role(self) -> str:
@@ -260,8 +261,8 @@ def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir
     # Python handler's wakeup fd (lingua/parallel/watch.py): the handler itself does nothing.
     signal.signal(signal.SIGUSR1, lambda signum, frame: None)
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
-    if dump_dir:  # before the rendezvous: once it is through, every status file is this launch's
-        RunDir(dump_dir).status(launch.rank).unlink(missing_ok=True)
+    if dump_dir:  # before the rendezvous: once it is through, every status file is this launch's (the last one's aside)
+        keep_previous_status(dump_dir, launch.rank)
 
     restarts = read_restarts(launch)
     if launch.rank == 0 and (unsafe := unsafe_restart_sentence(restarts)):

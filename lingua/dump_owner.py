@@ -44,7 +44,14 @@ def launch_key(launch, env=None) -> str:
     if launch.launcher == "single":
         return f"single:{socket.gethostname()}:{os.getpid()}"
     job = f"{env.get('SLURM_JOB_ID', '-')}.{env.get('SLURM_RESTART_COUNT', '0')}"
-    return f"{launch.launcher}:{launch.master_addr}:{launch.master_port}:job={job}:{env.get('TORCHELASTIC_RUN_ID', '-')}"
+    # torchrun's c10d rendezvous without the shared store gives each restarted generation a new port: not part of it.
+    port = "-" if env.get("TORCHELASTIC_USE_AGENT_STORE") == "False" else launch.master_port
+    return f"{launch.launcher}:{launch.master_addr}:{port}:job={job}:{env.get('TORCHELASTIC_RUN_ID', '-')}"
+
+
+def launcher_agent(env) -> Optional[list]:
+    """[host, pid] of the torchrun agent that started this process (its parent), which outlives its restarts."""
+    return [socket.gethostname(), os.getppid()] if "TORCHELASTIC_RUN_ID" in env else None
 
 
 def describe_holder(record: dict, now: Optional[float] = None) -> str:
@@ -119,7 +126,7 @@ class DumpDirOwner:
         deadline = time.monotonic() + self.startup_s
         while True:
             record = self.read()
-            ours = bool(record) and record.get("launch") == self.key
+            ours = bool(record) and record.get("launch") == self.key and self.same_agent(record)
             gone = holder_gone(record, self.host, time.time(), self.env) if record and not ours else None
             if record and not ours and gone is None and (self.rank == 0 or self.sees_what_rank_0_sees(record)):
                 # This rank's own verdict (the others' is rank 0's, by the same rules), said also when the launcher
@@ -140,11 +147,17 @@ class DumpDirOwner:
                                   f"{self.startup_s:.0f}s (no {self.path} of this launch appeared); its log says why")
             time.sleep(POLL_S)
 
+    def same_agent(self, record: dict) -> bool:
+        """Rank 0 under torchrun: a record of another process is this launch's only if our agent wrote it (two
+        launches may share a run id); the record's pid decides that elsewhere."""
+        agent = launcher_agent(self.env)
+        return self.rank != 0 or agent is None or record.get("pid") == os.getpid() or record.get("agent") in (None, agent)
+
     def _new_record(self) -> dict:
         now = time.time()
         return dict(launch=self.key, host=self.host, pid=os.getpid(), started=process_start(os.getpid()),
                     job=self.env.get("SLURM_JOB_ID"), restart=int(self.env.get("SLURM_RESTART_COUNT", "0") or 0),
-                    since=now, heartbeat=now, stale_after_s=self.startup_s + STALE_S)
+                    since=now, heartbeat=now, stale_after_s=self.startup_s + STALE_S, agent=launcher_agent(self.env))
 
     def _write(self, place, record: Optional[dict] = None) -> bool:
         """Write the record to a temporary file of this process, then `place(tmp)` puts it at the owner's path."""

@@ -56,6 +56,7 @@ from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, read_launch
 from lingua.parallel.parallelize import parallelize_model
 from lingua.parallel.preemption import PreemptionFlag, requeue_if_slurm
 from lingua.parallel.rank_status import RankStatus
+from lingua.parallel.recovery import agree_on_recovery
 from lingua.parallel.timeouts import HangWatch, enter_training_timeout
 from lingua.parallel.watch import RankWatch
 from lingua.probe import ActivationProbe
@@ -422,6 +423,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         # From here a rank that fails leaves a note, and one that loses a peer names the rank that stopped.
         with (RankStatus(args.dump_dir, topo, debug=args.distributed.debug_mode) as status,
               RankWatch(topo, args.dump_dir, status, traces=args.distributed.traces, owner=owner)):
+            topo.recovered = agree_on_recovery(topo, args.dump_dir)  # or stop: the same step crashed again and again
             phases = PhaseLog(args.dump_dir, topo.global_rank, topo.role)
             for phase, (phase_start, phase_end) in topo.setup_spans.items():  # process_group_init, mesh
                 phases.record(phase, phase_start, phase_end)
