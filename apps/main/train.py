@@ -334,7 +334,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             # The one agreed control point of the step: stop, save and fail are decided together.
             flags = agree_flags(dict(preempt=preemption.requested or faults.preempt(state.step),
                                      nonfinite=faults.nonfinite(state.step, metrics["loss/total"]),
-                                     **distiller.control_flags()), group, device)
+                                     save_due=checkpoint.minutes_due(), **distiller.control_flags()), group, device)
             timer.common_point()
             distiller.after_agreement(flags)
             startup.after_agreement(state.step, timer)
@@ -347,7 +347,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             if stop_now:
                 distiller.drain()  # look-ahead requests answered before the save and the STOP
             step_time = time.perf_counter() - step_start  # a save is not part of the step's time and tokens/s
-            save_s = save(checkpoint.should_save(state.step, stop_now, last_step=state.step == args.steps))
+            save_s = save(checkpoint.should_save(state.step, stop_now, state.step == args.steps, flags["save_due"]))
             reporter.step_done(state, metrics, timer, step_time, save_s, grad_norm, scheduler.get_last_lr()[0],
                                stop_now)
             if stop_now:
@@ -355,7 +355,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
                 break
         distiller.stop(state.step)
         if ended == "preempted":
-            requeue_if_slurm(topo.is_train_master)
+            requeue_if_slurm(topo.is_train_master, args.dump_dir)
     if topo.is_train_master:
         reporter.summary(state, ended)
 
