@@ -201,6 +201,7 @@ class StepReporter:
             lines.append(f"time waiting on the teacher: {last['speed/teacher_wait_total_s']:.1f}s on this rank "
                          f"(teacher busy {100 * last['kd/teacher_busy']:.0f}%)")
         lines.append(f"outputs: {Path(self.args.dump_dir)} (metrics.jsonl, checkpoints/, config.yaml, logs/)")
+        self.recovery.first_step_done(state.step + 1)  # a generation that resumed at the last step trained none
         if recovered := self.recovery.summary_line():
             lines.insert(-1, recovered)
         if last.get("data/bad_lines"):  # summed over the students
