@@ -6,7 +6,8 @@
 
 Only global rank 0 writes the record; it is created whole by `os.link` of a finished temporary file (atomic and
 exclusive on NFS and Lustre, where `flock` may be a no-op), so a reader sees all of it or nothing. Only rank 0
-decides, without a collective: a record of its own launch (same SLURM job and restart, same rendezvous address)
+decides, without a collective: a record of its own launch (same SLURM job and restart, same rendezvous address;
+under torchrun, rank 0's restarted generation takes over a record its own agent's earlier one wrote at once)
 lets every rank in; a live record of another launch is refused in one sentence naming the holder (host, pid, job,
 since when), before any process group exists. Another rank says that sentence itself only where it sees what
 rank 0 sees (the whole launch and the holder on one host: a pid check gives both the same answer, a heartbeat's
