@@ -42,7 +42,7 @@ from lingua.parallel.collectives import comm_logger, log_collective
 from lingua.parallel.launch_plan import DistributedArgs, LaunchEnv, LaunchPlan, expected_cuda_index, read_launch_env
 from lingua.parallel.recovery import Restarts, attempt_store, keep_previous_status, unsafe_restart_sentence
 from lingua.parallel.timeouts import forget_detail_check_groups, keep_detail_check_groups
-from lingua.rundir import RunDir
+from lingua.run.dump_dir import RunDir
 
 logger = logging.getLogger(__name__)
 

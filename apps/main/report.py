@@ -13,7 +13,7 @@ from lingua.args import to_dict
 from lingua.metrics import MemoryMonitor, MetricLogger, ProgressLine, estimate_mfu
 from lingua.parallel.collectives import dist_gather_floats, dist_mean_dict
 from lingua.parallel.recovery import RecoveryLog
-from lingua.rundir import RunDir, read_metrics
+from lingua.run.dump_dir import RunDir, read_metrics
 
 logger = logging.getLogger("train")
 
