@@ -30,7 +30,7 @@ import torch.distributed as dist
 from lingua.errors import CrashLoop
 from lingua.parallel.collectives import log_collective
 from lingua.parallel.rank_status import first_stopped
-from lingua.rundir import RunDir, read_jsonl
+from lingua.run.dump_dir import RunDir, read_jsonl
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from lingua.rundir import RunDir, read_jsonl, read_metrics
+from lingua.run.dump_dir import RunDir, read_jsonl, read_metrics
 from tests.runs import assert_ok, at_once, distill_overrides, running, torchrun, torchrun_nodes
 
 LOSSES = ("loss/total", "loss/ce", "loss/kd", "kd/top1_agreement")

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from lingua.rundir import RunDir, read_jsonl
+from lingua.run.dump_dir import RunDir, read_jsonl
 from tests.slurm.conftest import describe_dump, wait_for, wait_for_job_end
 from tests.slurm.test_stool_slurm import (distill_argv, kd_inputs, run_stool, train_rows,  # noqa: F401 (fixtures)
                                          trainer_ready)

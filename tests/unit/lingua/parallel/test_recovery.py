@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from lingua.checkpoint import CheckpointArgs, CheckpointManager, SaveEvery
-from lingua.dump_owner import OWNER, DumpDirOwner, launch_key
+from lingua.run.owner import OWNER, DumpDirOwner, launch_key
 from lingua.errors import ConfigError
 from lingua.parallel.launch_plan import LaunchEnv
 from lingua.parallel.recovery import (
@@ -27,7 +27,7 @@ from lingua.parallel.recovery import (
     read_crash,
     unsafe_restart_sentence,
 )
-from lingua.rundir import RunDir, read_jsonl
+from lingua.run.dump_dir import RunDir, read_jsonl
 from tests.runs import free_port
 
 HOST = socket.gethostname()
