@@ -9,7 +9,8 @@ Three things make that work and show it:
     `attempt_store` puts this attempt's keys under a prefix of its restart count, which every rank of one torchrun
     agent shares. Several agents count their restarts apart (one restarted by a membership change counts none),
     so a launch of several nodes uses the c10d rendezvous with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 instead (a
-    fresh store per round, hosted by rank 0; lingua.stool launches so), and says at startup when it does not.
+    fresh store per round, hosted by rank 0), and says at startup when it does not. (lingua.stool's jobs rerun
+    their whole launch step instead: a fresh rendezvous each time, lingua/slurm.py.)
   - The previous generation's crash is read from its status files (`CrashRecord`), before this generation's
     ranks replace them (`read_crash`); every rank learns it from rank 0 (`agree_on_recovery`), and the train
     master adds it to `<dump_dir>/recovery.jsonl` with the steps redone and the seconds to the next step (`RecoveryLog`).
@@ -35,7 +36,7 @@ from lingua.run.dump_dir import RunDir, read_jsonl
 logger = logging.getLogger(__name__)
 
 CRASH_LOOP = 3  # crashes in a row at one step that stop the run
-SAFE_MULTI_NODE = "--rdzv-backend c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+SAFE_MULTI_NODE = "--rdzv-backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,8 @@ def unsafe_restart_sentence(restarts: Restarts) -> Optional[str]:
     if restarts.max > 0 and restarts.agent_store and restarts.agents > 1:
         return (f"this launch restarts ranks (--max-restarts {restarts.max}) on {restarts.agents} torchrun agents that "
                 f"share the launcher's store, where a restarted generation can wait for peers that count their "
-                f"restarts differently (PyTorch #135712); launch several nodes with {SAFE_MULTI_NODE}, as "
-                f"`python -m lingua.stool` does.")
+                f"restarts differently (PyTorch #135712); launch several nodes with {SAFE_MULTI_NODE} (a fresh "
+                f"store per restart, as in the README), or through `python -m lingua.stool`.")
     return None
 
 
