@@ -144,7 +144,8 @@ def validate_eval_sections(args) -> None:
     problem = hf_form_problem(args.data.tokenizer) if args.eval.harness.tasks else None
     if problem:
         raise ConfigError(f"eval.harness.tasks are scored through the checkpoint's Hugging Face export, but {problem}; "
-                          f"train with a bpe or unigram sentencepiece model, or set eval.harness.tasks=[].")
+                          f"train with a tokenizer that converts (bytes, tiktoken, hf, a sentencepiece BPE model) "
+                          f"or set eval.harness.tasks=[].")
     gpus = args.async_eval_gpus
     require(gpus is None or gpus >= 0, "async_eval_gpus", gpus, "use null (evaluate in-process), 0 (a CPU job) or "
             "the GPUs of the evaluation job")

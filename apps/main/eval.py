@@ -7,7 +7,8 @@ the evaluation of any finished checkpoint (`CheckpointEvalArgs`, `evaluate_check
 A checkpoint is scored twice: held-out perplexity (mean CE per token over the corpus's `*.val.jsonl`
 documents, with the run's own tokenizer, windows and BOS/EOS framing: the number the in-loop eval logs),
 and lm-eval-harness tasks through its Hugging Face backend on the checkpoint exported with
-apps.main.export_hf (any tokenizer: the export carries its Hugging Face form). Our tasks live in apps/main/eval_tasks (offline); any other name is lm-eval's own.
+apps.main.export_hf (any tokenizer: the export carries its Hugging Face form). Our tasks live in
+apps/main/eval_tasks (offline); any other name is lm-eval's own.
 Results go to `eval.json` in the checkpoint's step directory (or in `dump_dir`); with `metric_log_dir`, one line
 each is appended to its `metrics.eval.jsonl` (tasks) and `metrics.validation.jsonl` (held-out), as Meta Lingua
 does. The trainer runs this same function on each `checkpoint.eval` save (apps/main/checkpoint_eval.py).
