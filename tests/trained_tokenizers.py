@@ -78,7 +78,7 @@ def sentencepiece_model(out: Path, vocab_size: int = 400, model_type: str = "bpe
 
     out.mkdir(parents=True, exist_ok=True)
     corpus = out / "corpus.txt"
-    corpus.write_text("\n".join(_corpus(4) + [extra_text]) + "\n", encoding="utf-8")
+    corpus.write_text("\n".join(_corpus(4) + ([extra_text] if extra_text else [])) + "\n", encoding="utf-8")
     sentencepiece.SentencePieceTrainer.train(
         input=str(corpus), model_prefix=str(out / "sp"), vocab_size=vocab_size, model_type=model_type,
         byte_fallback=byte_fallback, character_coverage=1.0 if byte_fallback else 0.99,
