@@ -12,12 +12,11 @@
     distiller.stop(step, error=False)                          # drains requests in flight, then STOP
     with distiller.stop_on_agreed_error(current_step): ...     # around the loop: an agreed error drains, sends ERROR
 
-Kinds: `NoDistiller` (enable_distillation=false: every rank trains on CE), `OnlineDistiller` (a
-teacher rank behind a bridge, `lingua/distillation/online/client.py`), `SeveralTeachersDistiller` (one bridge per teacher
-of `distillation.teachers`, their KD terms mixed by `lingua/distillation/mixture.py`), `CacheDistiller` (the
-offline teacher cache, `lingua/distillation/cache/store.py`, whose batches carry the targets) and
-`CachedTeachersDistiller` (several teachers' caches, mixed the same way; both kinds of several teachers live in
-`lingua/distillation/mixed_distillers.py`). The loop never asks which one it has;
+Kinds: `NoDistiller` (enable_distillation=false: every rank trains on CE) and `KDDistiller`, the KD loss of the
+run's teachers, one or several (a lone teacher is a list of one: its loss and metrics are the one-teacher ones; several
+are mixed per position by `loss/mixture.py` and add kd/<i>/*), on two roads: `OnlineDistiller` (one bridge per online
+teacher, `online/distiller.py`; a cached teacher beside them has its targets in the batch) and `CacheDistiller`
+(every teacher from its cache, `cache/distiller.py`). The loop never asks which one it has;
 `Distiller` lists all it may ask (what a log line or the summary says is the reporter's business,
 apps/main/report.py, from the metrics). The loss of a micro-batch is ((1 - alpha) * CE_sum + alpha * T^2 *
 KD_sum) / n_valid, n_valid being the step's count of trained-on tokens, so micro-batches add up to one large
@@ -25,6 +24,8 @@ batch. Statistics stay on the device; the loop reads them on log steps only.
 """
 
 import contextlib
+import hashlib
+import json
 import logging
 from typing import Callable, Optional
 
@@ -224,6 +225,12 @@ def heldout_row(ce: Optional[float], bpb: Optional[float], prefix: str = "eval/"
     known (a cross-tokenizer teacher's CE per token is in its own tokens: None)."""
     return {f"{prefix}{name}": value for name, value in (("teacher_loss", ce), ("teacher_bpb", bpb))
             if value is not None}
+
+
+def tokenizer_fingerprint(vocab: dict[str, int]) -> int:
+    """A 63-bit hash of a token -> id map: equal iff students and teacher tokenize identically."""
+    digest = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def tokenizer_vocab(tokenizer) -> dict:

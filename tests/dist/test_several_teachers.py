@@ -205,7 +205,8 @@ def write_cache_here(corpus, teacher, cache_dir, **extra) -> None:
     the cache writer's own pieces (the serial writer): no launch, so the test pays for one torchrun only."""
     import torch
 
-    from apps.main.teacher_cache import StreamReader, TeacherCacheArgs, planned_manifest, write_shards
+    from apps.main.teacher_cache import TeacherCacheArgs
+    from lingua.distillation.cache.write_job import StreamReader, planned_manifest, write_shards
     from lingua.args import parse_args
     from lingua.distillation.cache.store import INDEX, write_json_atomic
     from lingua.distillation.teacher.model import TeacherModel

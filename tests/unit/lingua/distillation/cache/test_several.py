@@ -236,7 +236,7 @@ def test_cached_teachers_settings_and_the_launch(tmp_path):
 def test_cached_routing_follows_the_caches_source_order_and_a_resume_in_another_order_is_refused(tmp_path):
     """A shard's source ids index its cache's source_names: with data.sources listed in another order, the code
     teacher still teaches the code windows; a cache write resumed with the sources reordered is one sentence."""
-    from apps.main.teacher_cache import settle_manifest
+    from lingua.distillation.cache.write_job import settle_manifest
     from lingua.distillation.build import build_distiller
 
     args = cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}}}", f"{{cache_dir: {tmp_path / 'b'}, sources: [code]}}")

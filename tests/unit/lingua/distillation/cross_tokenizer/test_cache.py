@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from apps.main.teacher_cache import TeacherCacheArgs, write_cache
+from apps.main.teacher_cache import TeacherCacheArgs
+from lingua.distillation.cache.write_job import write_cache
 from lingua.args import parse_args
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.cache.store import (
@@ -110,7 +111,7 @@ def test_a_same_tokenizer_manifest_keeps_its_fields(tmp_path):
 def test_a_cache_keeps_its_zstd_level(tmp_path, corpus, tiny_teacher):
     """A manifest written before the level was recorded reads as level 19 (what it was written at), and a writer
     resuming a cache finishes it at the cache's level whatever zstd_level says now: one level per cache."""
-    from apps.main.teacher_cache import settle_manifest
+    from lingua.distillation.cache.write_job import settle_manifest
 
     manifest = settings_manifest(DistillationArgs(teacher_path="t"), parse_args(TeacherCacheArgs, []).data, "causal",
                                  build_tokenizer(TokenizerArgs("bytes")), streams=2)
@@ -254,7 +255,7 @@ def test_a_cache_for_another_student_tokenizer_or_without_cross_tokenizer_is_one
 
 def test_a_writer_rerun_with_another_teacher_tokenizer_is_one_sentence(cross_cache):
     """Finishing a cross-tokenizer cache with another teacher tokenizer (another vocabulary map) is refused."""
-    from apps.main.teacher_cache import settle_manifest
+    from lingua.distillation.cache.write_job import settle_manifest
 
     cache_dir, _ = cross_cache
     planned = replace(CacheManifest.read(cache_dir), teacher_tokenizer_fingerprint=1, vocab_map_fingerprint="0" * 16)

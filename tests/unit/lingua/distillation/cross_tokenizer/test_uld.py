@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from apps.main.teacher_cache import TeacherCacheArgs, write_cache
+from apps.main.teacher_cache import TeacherCacheArgs
+from lingua.distillation.cache.write_job import write_cache
 from lingua.args import parse_args
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.online.bridge import BridgeSpec, check_handshake
