@@ -114,7 +114,7 @@ class DistillationArgs:
     uld_k: int = 16  # with uld_weight > 0: how many sorted probabilities (teacher unmapped, student rest) ULD compares
     # Several teachers, each on its own ranks or each from its own cache (instead of teacher_path, n_teacher_ranks,
     # cross_tokenizer, teacher_tokenizer and cache_dir): the students mix their KD terms by weight and per data
-    # source (lingua/distillation/mixture.py). One element without sources is the same run as teacher_path (or as
+    # source (lingua/distillation/loss/mixture.py). One element without sources is the same run as teacher_path (or as
     # source=cache with its cache_dir).
     teachers: list[TeacherArgs] = field(default_factory=list)
 
