@@ -188,7 +188,8 @@ def launch_plan(cfg: DictConfig, nodes: int, ntasks_per_node: int) -> tuple[Laun
     # A teacher read from its cache has no ranks; training from caches alone (source=cache, or every listed teacher
     # names its cache_dir) runs none.
     teachers = [t for t in listed if not OmegaConf.select(t, "cache_dir", default=None)]
-    online = OmegaConf.select(cfg, "distillation.source", default="online") == "online" and not (listed and not teachers)
+    source = OmegaConf.select(cfg, "distillation.source", default="online")
+    online = source == "online" and not (listed and not teachers)
     n_teachers = n_teachers if online else 0
     counts = tuple(int(OmegaConf.select(t, "n_teacher_ranks", default=1)) for t in teachers) if n_teachers and online \
         else ()

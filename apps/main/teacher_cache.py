@@ -60,9 +60,11 @@ class TeacherCacheArgs(TrainArgs):
         """The trainer's pass for the config with an online teacher (whatever distillation.source says: this
         job is the teacher), then the cache's own keys. Every rank is a teacher here, so the launch is planned
         without teacher ranks, then cut into replicas of distillation.teacher_tp ranks."""
-        require(not self.distillation.teachers, "distillation.teachers", [t.path for t in self.distillation.teachers],
+        # none, or a validated config's list of one (teacher_path's keys)
+        lone = self.distillation.teachers in ([], [self.distillation.lone_teacher()])
+        require(lone, "distillation.teachers", [t.path for t in self.distillation.teachers],
                 "the cache writer runs one teacher: write each teacher's cache with its distillation.teacher_path")
-        teacher = replace(self.distillation, source="online", n_teacher_ranks=self.distillation.teacher_tp)
+        teacher = replace(self.distillation, source="online", n_teacher_ranks=self.distillation.teacher_tp, teachers=[])
         TrainArgs.validate(replace(self, enable_distillation=True, distillation=teacher))
         require(bool(self.cache_dir), "cache_dir", self.cache_dir, "pass cache_dir=<folder for the teacher cache>")
         for key in ("streams", "shard_sequences", "forward_rows"):

@@ -13,8 +13,11 @@ from lingua.errors import ConfigError
 
 
 def each_teacher(kd: DistillationArgs) -> list[DistillationArgs]:
-    """The settings of each teacher: the one of teacher_path, or each of distillation.teachers."""
-    return [kd.teacher_args(i) for i in range(len(kd.teachers))] if kd.several_teachers else [kd]
+    """The settings of each teacher: the one of teacher_path (none to check when it is read from its cache), or
+    each of distillation.teachers."""
+    if not kd.several_teachers:
+        return [kd] if kd.source == "online" else []
+    return [kd.teacher_args(i) for i in range(len(kd.teachers))]
 
 
 def check_teachers_fit(kd: DistillationArgs, data) -> None:

@@ -444,3 +444,28 @@ def test_each_teachers_held_out_reference_is_logged_under_its_index():
     one.teacher_heldout_ce, one.teacher_heldout_bpb = 2.5, 3.5
     assert one.teacher_heldout_row() == {"eval/teacher_loss": 2.5, "eval/teacher_bpb": 3.5}
     assert Distiller(DistillationArgs()).teacher_heldout_row() == {}  # CE only, or no eval asked of the teacher
+
+
+def test_a_validated_config_read_again_keeps_its_lone_teacher(tmp_path):
+    """The dumped config of a validated run holds teacher_path and its list of one: the trainer reads it as the same
+    run, and the cache writer takes it as its one teacher; a lone cached teacher checks no checkpoint."""
+    from apps.main.teacher_cache import TeacherCacheArgs
+
+    args = kd_args(tmp_path, f"distillation.teacher_path={tmp_path / 't0'}")
+    args.validate(world_size=3)
+    dumped = parse_args(TrainArgs, [f"config={ROOT / 'configs/distill_exps/debug_cpu.yaml'}",
+                                    f"data.root_dir={tmp_path / 'corpus'}", "data.tokenizer.name=bytes",
+                                    "data.tokenizer.path=null", f"distillation.teacher_path={tmp_path / 't0'}",
+                                    f"distillation.teachers=[{{path: {tmp_path / 't0'}}}]"])
+    dumped.validate(world_size=3)
+    assert dumped.distillation == args.distillation and teacher_counts(dumped) == (1,)
+    writer = parse_args(TeacherCacheArgs, [f"config={ROOT / 'configs/distill_exps/debug_cpu.yaml'}",
+                                           f"data.root_dir={tmp_path / 'corpus'}", "data.tokenizer.name=bytes",
+                                           "data.tokenizer.path=null", f"distillation.teacher_path={tmp_path / 't0'}",
+                                           f"distillation.teachers=[{{path: {tmp_path / 't0'}}}]",
+                                           f"cache_dir={tmp_path / 'cache'}"])
+    writer.validate(world_size=1)
+    cached = kd_args(tmp_path, "distillation.teacher_path=/no/such/teacher", "distillation.source=cache",
+                     f"distillation.cache_dir={tmp_path / 'cache'}")
+    cached.validate(world_size=2)  # the teacher's checkpoint is not read: its cache holds its outputs
+    assert cached.distillation.teachers == [TeacherArgs(cache_dir=str(tmp_path / "cache"))]
