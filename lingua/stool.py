@@ -193,10 +193,12 @@ def launch_plan(cfg: DictConfig, nodes: int, ntasks_per_node: int) -> tuple[Laun
     n_teachers = teacher_rank_count(bool(cfg.get("enable_distillation", False)),
                                     int(OmegaConf.select(cfg, "distillation.n_teacher_ranks", default=1)))
     # Several teachers (distillation.teachers), each its own ranks after the students, as the trainer lays them out.
-    teachers = OmegaConf.select(cfg, "distillation.teachers", default=None) or []
-    # Training from caches (source=cache, or every listed teacher names its cache_dir) runs no teacher ranks.
-    online = OmegaConf.select(cfg, "distillation.source", default="online") == "online" and not (
-        teachers and all(OmegaConf.select(t, "cache_dir", default=None) for t in teachers))
+    listed = OmegaConf.select(cfg, "distillation.teachers", default=None) or []
+    # A teacher read from its cache has no ranks; training from caches alone (source=cache, or every listed teacher
+    # names its cache_dir) runs none.
+    teachers = [t for t in listed if not OmegaConf.select(t, "cache_dir", default=None)]
+    source = OmegaConf.select(cfg, "distillation.source", default="online")
+    online = source == "online" and not (listed and not teachers)
     n_teachers = n_teachers if online else 0
     counts = tuple(int(OmegaConf.select(t, "n_teacher_ranks", default=1)) for t in teachers) if n_teachers and online \
         else ()

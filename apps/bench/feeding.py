@@ -34,7 +34,8 @@ from typing import Callable, Optional
 import torch
 
 from apps.bench.feeding_step import format_step_table, random_teacher, step_comparison
-from apps.main.teacher_cache import StreamReader, TeacherCacheArgs, planned_manifest, teacher_outputs, write_shards
+from apps.main.teacher_cache import TeacherCacheArgs
+from lingua.distillation.cache.write_job import StreamReader, planned_manifest, teacher_outputs, write_shards
 from lingua.args import parse_args
 from lingua.cli.entry import run_cli
 from lingua.data import DataLoader

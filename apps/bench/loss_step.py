@@ -137,7 +137,7 @@ def step_function(variant: str, args: BenchArgs, hidden, weight, labels, teacher
         if variant == "fused_kd":
             loss, _ = fused_linear_kd_loss(hidden, weight, labels, teacher, n_valid, args.alpha, args.temperature,
                                            args.divergence, chunk_size=args.chunk_size, weight_grad=args.weight_grad)
-        elif variant == "fused_kd_2_teachers":  # as lingua/distillation/mixture.py calls it for each weight_grad
+        elif variant == "fused_kd_2_teachers":  # as lingua/distillation/loss/mixture.py calls it for each weight_grad
             half = torch.full(labels.shape, 0.5, device=labels.device)
             shared = args.weight_grad == "accumulate"
             loss, _ = fused_linear_kd_loss(hidden, weight, labels, teacher, n_valid, args.alpha, args.temperature,

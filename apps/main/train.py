@@ -154,8 +154,8 @@ def teacher_tp(args: TrainArgs) -> int:
 
 
 def open_training_cache(args: TrainArgs, tokenizer, topo: Topology):
-    """The offline teacher cache as this student's dataset (distillation.source=cache), or None."""
-    if not (args.enable_distillation and args.distillation.source == "cache"):
+    """The teachers' caches as this student's dataset (any teacher with a cache_dir), or None."""
+    if not args.enable_distillation:
         return None
     return open_training_caches(args.distillation, args.data, args.model.attn_mask, tokenizer, args.data.batch_size,
                                 topo.train_rank, topo.train_world_size)  # several teachers: one cache each
@@ -417,7 +417,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     failure: Optional[BaseException] = None  # an exceptional exit aborts the process groups (clean_up)
     try:
         topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir, teacher_tp(args),
-                                       teacher_counts(args), tuple(t.path for t in args.distillation.teachers),
+                                       teacher_counts(args), args.distillation.launch_teacher_paths(),
                                        teacher_replica_sizes(teacher_counts(args), args.distillation))
         init_logger(topo.global_rank, topo.role, str(RunDir(args.dump_dir).rank_log(topo.global_rank)))
         # From here a rank that fails leaves a note, and one that loses a peer names the rank that stopped.

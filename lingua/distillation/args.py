@@ -114,7 +114,7 @@ class DistillationArgs:
     uld_k: int = 16  # with uld_weight > 0: how many sorted probabilities (teacher unmapped, student rest) ULD compares
     # Several teachers, each on its own ranks or each from its own cache (instead of teacher_path, n_teacher_ranks,
     # cross_tokenizer, teacher_tokenizer and cache_dir): the students mix their KD terms by weight and per data
-    # source (lingua/distillation/mixture.py). One element without sources is the same run as teacher_path (or as
+    # source (lingua/distillation/loss/mixture.py). One element without sources is the same run as teacher_path (or as
     # source=cache with its cache_dir).
     teachers: list[TeacherArgs] = field(default_factory=list)
 
@@ -165,13 +165,13 @@ class DistillationArgs:
                 "distillation.uld_weight", self.uld_weight, "use a finite weight >= 0 (0 = no ULD term)")
         require(type(self.uld_k) is int and self.uld_k >= 1, "distillation.uld_k", self.uld_k,
                 "use a positive number of sorted probabilities to compare")
+        if self.teachers == [self.lone_teacher()]:  # a validated config read again: its list of one is teacher_path
+            self.teachers = []
         self._fold_single_teacher()
         if self.uld_weight > 0:
-            require(not self.teachers, "distillation.uld_weight", self.uld_weight,
-                    "ULD runs with one teacher for now; set uld_weight=0 with distillation.teachers")
-            require(self.cross_tokenizer, "distillation.uld_weight", self.uld_weight,
-                    "ULD matches the mass a teacher of another tokenizer cannot map; set "
-                    "distillation.cross_tokenizer=true, or uld_weight=0")
+            require(self.cross_tokenizer or any(t.cross_tokenizer for t in self.teachers), "distillation.uld_weight",
+                    self.uld_weight, "ULD matches the mass a teacher of another tokenizer cannot map; set "
+                    "distillation.cross_tokenizer=true (with several teachers, on one of them), or uld_weight=0")
             require(self.output == "topk", "distillation.output", self.output,
                     "ULD compares the teacher's unmapped top-k entries, which sampled outputs do not carry; set "
                     "distillation.output=topk, or uld_weight=0")
@@ -181,6 +181,11 @@ class DistillationArgs:
             return
         if self.teachers:
             return self._validate_teachers()
+        self._validate_lone_teacher()
+        self.teachers = [self.lone_teacher()]  # one teacher is a list of one: every road reads `teachers`
+
+    def _validate_lone_teacher(self) -> None:
+        """One teacher (teacher_path and its keys): its cache, or its ranks and checkpoint."""
         if self.source == "cache":  # the cache holds the teacher's outputs: no teacher ranks, no teacher_path
             require(bool(self.cache_dir), "distillation.cache_dir", self.cache_dir,
                     "distillation.source=cache needs the folder of a cache written by apps.main.teacher_cache")
@@ -192,6 +197,27 @@ class DistillationArgs:
                 "distillation is on: point it at a transformers checkpoint directory, or set "
                 "enable_distillation=false")
         _check_teacher_dir(self.teacher_path, "distillation.teacher_path")
+
+    def lone_teacher(self) -> TeacherArgs:
+        """The one teacher of teacher_path and its keys, as an element of `teachers` (its cache with source=cache)."""
+        cached = self.source == "cache"
+        return TeacherArgs(path=None if cached else self.teacher_path, cache_dir=self.cache_dir if cached else None,
+                           n_teacher_ranks=self.n_teacher_ranks, cross_tokenizer=self.cross_tokenizer,
+                           tokenizer=self.teacher_tokenizer)
+
+    @property
+    def several_teachers(self) -> bool:
+        """Whether the teachers are named one by one (kd/<i>/..., teachers[i] in sentences): more than one, or one
+        that teaches some sources only. A lone teacher reads as teacher_path's, whichever key named it."""
+        return len(self.teachers) > 1 or any(teacher.sources for teacher in self.teachers)
+
+    def online_teachers(self) -> list[int]:
+        """The indices of the teachers that run on ranks of their own (no cache_dir), in rank order."""
+        return [i for i, teacher in enumerate(self.teachers) if not teacher.cache_dir]
+
+    def launch_teacher_paths(self) -> tuple[str, ...]:
+        """The path of each teacher with ranks of its own, in rank order, when they are named one by one (else ())."""
+        return tuple(self.teachers[i].path for i in self.online_teachers()) if self.several_teachers else ()
 
     def _fold_single_teacher(self) -> None:
         """`teachers` with one element and no sources is `teacher_path` and its keys: the same run, the same code."""
@@ -259,17 +285,11 @@ class DistillationArgs:
                 f"{key}.n_teacher_ranks", teacher.n_teacher_ranks, f"use a positive multiple of {tp_key}={tp}")
 
     def _settle_teachers_source(self) -> None:
-        """Teachers all from caches train on source=cache (no teacher ranks); all online on source=online. A mixture
-        of the two is not built yet: one sentence."""
-        cached = [bool(t.cache_dir) for t in self.teachers]
-        if all(cached):
+        """Teachers all from caches train on source=cache (no teacher ranks); with any online, source=online (the
+        online ones on their ranks, the cached ones' targets with the batches)."""
+        if all(t.cache_dir for t in self.teachers):
             self.source = "cache"
             return
-        online = cached.index(False)  # the first teacher without a cache
-        require(not any(cached), f"distillation.teachers[{online}].path", self.teachers[online].path,
-                "some teachers name a cache_dir and this one runs online, and a mixture of cached and online "
-                "teachers is not supported yet; write its cache with apps.main.teacher_cache and name it in "
-                "cache_dir, or run every teacher online (path, no cache_dir)")
         require(self.source == "online", "distillation.source", self.source,
                 "with distillation.teachers every teacher names its cache (teachers[i].cache_dir) to train from "
                 "caches; set source=online to run them on their own ranks")
@@ -290,6 +310,8 @@ class DistillationArgs:
         """The settings teacher `index` of `teachers` runs with: these, its own path, ranks and tokenizer."""
         teacher = self.teachers[index]
         shared = {f.name: getattr(self, f.name) for f in fields(DistillationArgs)}
+        if not self.several_teachers:  # teacher_path's own keys (a validated lone teacher mirrors them)
+            return OneTeacherArgs(**{**shared, "teachers": []}, index=None)
         shared.update(teacher_path=teacher.path, n_teacher_ranks=teacher.n_teacher_ranks, teachers=[],
                       cross_tokenizer=teacher.cross_tokenizer, teacher_tokenizer=teacher.tokenizer,
                       cache_dir=teacher.cache_dir)
@@ -304,7 +326,7 @@ class OneTeacherArgs(DistillationArgs):
     """The settings of teacher `index` of several (`DistillationArgs.teacher_args`): what its bridge, client and
     server read; their sentences name it by index and path."""
 
-    index: int = 0
+    index: Optional[int] = 0  # None: the lone teacher, named as teacher_path's
     own_dtype: bool = False  # its teacher_dtype is its own (teachers[index].teacher_dtype), not the shared one
 
 
@@ -316,13 +338,13 @@ def tp_setting(args: DistillationArgs, index: int) -> str:
 
 def dtype_setting(args: DistillationArgs) -> str:
     """The key that sets a teacher's dtype: teacher `index`'s own teacher_dtype (several teachers), or the shared."""
-    own = isinstance(args, OneTeacherArgs) and args.own_dtype
+    own = isinstance(args, OneTeacherArgs) and args.own_dtype and args.index is not None
     return f"distillation.teachers[{args.index}].teacher_dtype" if own else "distillation.teacher_dtype"
 
 
 def teacher_title(args: DistillationArgs, rank: int) -> str:
     """How a sentence names a teacher rank: "Teacher rank 2", or with several "Teacher 1 (<path>) on rank 4"."""
-    if isinstance(args, OneTeacherArgs):
+    if isinstance(args, OneTeacherArgs) and args.index is not None:
         return f"Teacher {args.index} ({args.teacher_path}) on rank {rank}"
     return f"Teacher rank {rank}"
 
@@ -331,8 +353,8 @@ def teacher_rank_counts(enabled_online: bool, args: DistillationArgs) -> tuple[i
     """Ranks of each teacher of a launch, in rank order after the students: () for none, (n,) for one."""
     if not enabled_online:
         return ()
-    if args.teachers:
-        return tuple(t.n_teacher_ranks for t in args.teachers)
+    if args.several_teachers:
+        return tuple(args.teachers[i].n_teacher_ranks for i in args.online_teachers())
     return (teacher_rank_count(True, args.n_teacher_ranks),)
 
 
@@ -341,7 +363,7 @@ def teacher_replica_sizes(counts: tuple[int, ...], args: DistillationArgs) -> tu
     teachers have `counts` ranks (`teacher_rank_counts`); () for one teacher or none."""
     if len(counts) < 2:
         return ()
-    return tuple(args.teacher_args(i).teacher_tp for i in range(len(args.teachers)))
+    return tuple(args.teacher_args(i).teacher_tp for i in args.online_teachers())
 
 
 def _check_own_settings(teacher: TeacherArgs, key: str) -> None:

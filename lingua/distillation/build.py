@@ -1,5 +1,5 @@
-"""Which Distiller a student gets (`build_distiller`): none, one teacher's bridge or cache, several teachers'
-bridges or caches; and the teacher look-ahead every student agrees on (`agreed_prefetch`)."""
+"""Which Distiller a student gets (`build_distiller`): none, the teachers' caches, or their bridges (and any cached
+teacher beside them); and the teacher look-ahead every student agrees on (`agreed_prefetch`)."""
 
 import contextlib
 import logging
@@ -9,10 +9,10 @@ from typing import Optional
 import torch
 
 from lingua.distillation.args import DistillationArgs, resolve_prefetch
-from lingua.distillation.online.client import TeacherClient
-from lingua.distillation.distiller import CacheDistiller, Distiller, NoDistiller, OnlineDistiller, tokenizer_vocab
-from lingua.distillation.mixed_distillers import CachedTeachersDistiller, SeveralTeachersDistiller
-from lingua.distillation.mixture import handshake_clients, source_routing
+from lingua.distillation.cache.distiller import CacheDistiller
+from lingua.distillation.distiller import Distiller, NoDistiller, tokenizer_vocab
+from lingua.distillation.loss.mixture import source_routing
+from lingua.distillation.online.distiller import OnlineDistiller, handshake_clients
 from lingua.parallel.collectives import agree_count
 
 logger = logging.getLogger(__name__)
@@ -21,27 +21,25 @@ logger = logging.getLogger(__name__)
 def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tokenizer, max_batch: tuple[int, int],
                     attn_mask: str = "causal", cache=None, phases=None, source_names: Optional[list[str]] = None
                     ) -> Distiller:
-    """The Distiller for this student: none, the offline cache (`cache`: its CacheLoader) or the online bridge
-    (whose handshake runs here, announcing `max_batch` = the largest (batch, seq_len) this student sends); with
-    several teachers one bridge each, routed by the data sources `source_names` (a batch's source_ids index it)."""
+    """The Distiller for this student: none, the teachers' caches (`cache`: their `TeacherCaches`) or the online
+    bridges (whose handshakes run here, announcing `max_batch` = the largest (batch, seq_len) this student sends),
+    with any cached teacher's targets from the batches beside them; several teachers are routed by the data sources
+    (a batch's source_ids index them: the caches' own order when there is a cache, else `source_names`)."""
     if not enable_distillation:
         return NoDistiller(args)
-    if cache is not None and args.teachers:
-        heldout = [(c.manifest.teacher_heldout_ce, c.manifest.teacher_heldout_bpb) for c in cache.loaders]
+    heldout = [(None, None)] * len(args.teachers)
+    if cache is not None:
         # the caches' own source order: their shards' source ids index it (the students may list data.sources in
         # another order; the caches were checked to hold the same sources and the same windows)
-        names = cache.manifest.source_names or source_names or []
-        return CachedTeachersDistiller(args, source_routing(args.teachers, names), topo.device, heldout)
-    if cache is not None:
-        return CacheDistiller(args, cache.manifest.teacher_heldout_ce, cache.manifest.teacher_heldout_bpb)
-    vocab = tokenizer_vocab(tokenizer)
+        source_names = cache.manifest.source_names or source_names
+        for i, loader in zip([i for i, t in enumerate(args.teachers) if t.cache_dir], cache.loaders):
+            heldout[i] = (loader.manifest.teacher_heldout_ce, loader.manifest.teacher_heldout_bpb)
+    routing = source_routing(args.teachers, source_names or [])
+    if not args.online_teachers():
+        return CacheDistiller(args, routing, topo.device, heldout)
     with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
-        if args.teachers:
-            clients = handshake_clients(args, topo, vocab, tokenizer.n_words, max_batch, attn_mask)
-            return SeveralTeachersDistiller(args, clients, agreed_prefetch(args, topo),
-                                            source_routing(args.teachers, source_names or []))
-        client = TeacherClient(args, topo, vocab, tokenizer.n_words, *max_batch, attn_mask)
-    return OnlineDistiller(args, client, agreed_prefetch(args, topo))
+        clients = handshake_clients(args, topo, tokenizer_vocab(tokenizer), tokenizer.n_words, max_batch, attn_mask)
+    return OnlineDistiller(args, clients, agreed_prefetch(args, topo), routing, heldout)
 
 
 def agreed_prefetch(args: DistillationArgs, topo) -> int:

@@ -12,12 +12,11 @@
     distiller.stop(step, error=False)                          # drains requests in flight, then STOP
     with distiller.stop_on_agreed_error(current_step): ...     # around the loop: an agreed error drains, sends ERROR
 
-Kinds: `NoDistiller` (enable_distillation=false: every rank trains on CE), `OnlineDistiller` (a
-teacher rank behind a bridge, `lingua/distillation/online/client.py`), `SeveralTeachersDistiller` (one bridge per teacher
-of `distillation.teachers`, their KD terms mixed by `lingua/distillation/mixture.py`), `CacheDistiller` (the
-offline teacher cache, `lingua/distillation/cache/store.py`, whose batches carry the targets) and
-`CachedTeachersDistiller` (several teachers' caches, mixed the same way; both kinds of several teachers live in
-`lingua/distillation/mixed_distillers.py`). The loop never asks which one it has;
+Kinds: `NoDistiller` (enable_distillation=false: every rank trains on CE) and `KDDistiller`, the KD loss of the
+run's teachers, one or several (a lone teacher is a list of one: its loss and metrics are the one-teacher ones; several
+are mixed per position by `loss/mixture.py` and add kd/<i>/*), on two roads: `OnlineDistiller` (one bridge per online
+teacher, `online/distiller.py`; a cached teacher beside them has its targets in the batch) and `CacheDistiller`
+(every teacher from its cache, `cache/distiller.py`). The loop never asks which one it has;
 `Distiller` lists all it may ask (what a log line or the summary says is the reporter's business,
 apps/main/report.py, from the metrics). The loss of a micro-batch is ((1 - alpha) * CE_sum + alpha * T^2 *
 KD_sum) / n_valid, n_valid being the step's count of trained-on tokens, so micro-batches add up to one large
@@ -25,6 +24,8 @@ batch. Statistics stay on the device; the loop reads them on log steps only.
 """
 
 import contextlib
+import hashlib
+import json
 import logging
 from typing import Callable, Optional
 
@@ -32,18 +33,14 @@ import torch
 import torch.nn.functional as F
 
 from lingua.distillation.args import DistillationArgs, alpha_at
-from lingua.distillation.online.client import TeacherClient
 from lingua.distillation.loss.divergences import distillation_loss
 from lingua.distillation.loss.fused import fused_linear_kd_loss
+from lingua.distillation.loss.mixture import mixing_weights, teacher_metrics, teachers_head_loss
 from lingua.distillation.outputs import TeacherOutputs
-from lingua.distillation.loss.reference import kd_loss_and_stats
 from lingua.parallel.collectives import AgreedError
 from lingua.transformer import cross_entropy_sum
 
 logger = logging.getLogger(__name__)
-
-REFERENCE_CHUNK_SIZE = 1024  # positions per chunk of kd_loss when distillation.loss_chunk_size=0 (auto)
-
 
 class Distiller:
     """What the student loop asks of the KD part of a step; the defaults are those of a run without teacher
@@ -147,149 +144,80 @@ class NoDistiller(Distiller):
 
 
 class KDDistiller(Distiller):
-    """The KD loss mixing shared by every teacher source; a subclass says where a micro-batch's targets come from."""
+    """The KD loss of one or several teachers (`distillation.teachers`, a lone teacher a list of one): each
+    position's KD term mixed over the teachers that teach its source (`loss/mixture.py`). A subclass says where a
+    micro-batch's targets come from (`targets`); a lone teacher's metrics keep their names (loss/kd, kd/...), several
+    add kd/<i>/* per teacher. `heldout`: each teacher's own held-out (CE, bits per byte), where known."""
 
-    def __init__(self, args: DistillationArgs):
+    def __init__(self, args: DistillationArgs, routing: Optional[torch.Tensor] = None, device: str = "cpu",
+                 heldout: Optional[list[tuple[Optional[float], Optional[float]]]] = None):
+        """`routing`: [sources, teachers] (`source_routing`; several teachers only); `heldout`: per teacher."""
         super().__init__(args)
         self.alpha = args.alpha
+        self.several = args.several_teachers
+        self.routing = None if routing is None else routing.to(device)
+        teachers = args.teachers or [args.lone_teacher()]  # validated args hold the list; a caller's may not yet
+        heldout = heldout or [(None, None)] * len(teachers)
+        self.cross = [teacher.cross_tokenizer for teacher in teachers]
+        self.uld = [cross and args.uld_weight > 0 for cross in self.cross]  # ULD reads a cross teacher's marks
+        self.heldout = heldout
+        if not self.several:
+            self.teacher_heldout_ce, self.teacher_heldout_bpb = heldout[0]
+
+    def teacher_heldout_row(self) -> dict:
+        if not self.several:
+            return super().teacher_heldout_row()
+        row = {}
+        for i, (ce, bpb) in enumerate(self.heldout):
+            row.update(heldout_row(ce, bpb, f"eval/{i}/"))
+        return row
 
     def begin_step(self, step: int, lr_factor: float) -> None:
         super().begin_step(step, lr_factor)
         self.alpha = alpha_at(step, self.args.alpha, self.args.alpha_schedule, lr_factor)
         self.kd_stats = None  # (kd, teacher_mass, top1_agreement), each weighted by its micro-batch's share
+        self.teacher_stats = None  # [teachers, 5]: `teachers_head_loss`'s per-teacher statistics, summed
 
-    def targets(self, pending, device: torch.device, timer) -> TeacherOutputs:
-        """The teacher outputs of a micro-batch, on `device`."""
+    def targets(self, pending, device: torch.device, timer) -> tuple[Optional[torch.Tensor], list[TeacherOutputs]]:
+        """(the rows' source ids or None, every teacher's outputs on `device`) of a micro-batch."""
         raise NotImplementedError
+
     def head_loss(self, labels: torch.Tensor, pending, n_valid: int, timer) -> Callable:
         """(1 - alpha) * CE + alpha * T^2 * KD; the targets are asked for only when the head is reached, so an
         online teacher's forward overlaps the student's trunk even without look-ahead."""
-        args = self.args
 
         def distillation_head_loss(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            if args.fused_loss:
-                return self._fused_head_loss(hidden, weight, labels, pending, n_valid, timer)
-            logits = F.linear(hidden, weight)
-            mask = labels != -100
-            weight_of_batch = mask.sum() / max(n_valid, 1)  # this micro-batch's share of the step's tokens
-            ce = cross_entropy_sum(logits, labels) / max(n_valid, 1)
-            teacher_outputs = self.targets(pending, logits.device, timer)
-            kd, stats = kd_loss_and_stats(logits, teacher_outputs, mask, args.temperature, args.divergence,
-                                          args.jsd_beta, args.loss_chunk_size or REFERENCE_CHUNK_SIZE,
-                                          kd_weight=teacher_outputs.kd_weight, uld_weight=args.uld_weight,
-                                          uld_k=args.uld_k)
+            source_ids, outputs = self.targets(pending, hidden.device, timer)
+            loss, ce, stats = teachers_head_loss(hidden, weight, labels, outputs,
+                                                 self._weights(source_ids, outputs, labels, hidden.device), n_valid,
+                                                 self.alpha, self.args, self.uld)
             self._add_ce(ce)
-            self._add_kd_stats(self._with_aligned(stats.double() * weight_of_batch, teacher_outputs, labels,
-                                                  n_valid))
-            return distillation_loss(ce, kd * weight_of_batch, self.alpha, args.temperature)
+            kd_stats = stats[:, :3].sum(0)
+            self.kd_stats = kd_stats if self.kd_stats is None else self.kd_stats + kd_stats
+            self.teacher_stats = stats if self.teacher_stats is None else self.teacher_stats + stats
+            return loss
         return distillation_head_loss
 
-    def _fused_head_loss(self, hidden, weight, labels, pending, n_valid: int, timer) -> torch.Tensor:
-        """The same loss and statistics without [tokens, vocab] logits: `fused_linear_kd_loss` walks the head in
-        chunks and computes both gradients in its forward."""
-        args, normalizer = self.args, max(n_valid, 1)
-        teacher_outputs = self.targets(pending, hidden.device, timer)
-        loss, sums = fused_linear_kd_loss(hidden, weight, labels, teacher_outputs, normalizer, self.alpha,
-                                          args.temperature, args.divergence, args.jsd_beta, args.loss_chunk_size,
-                                          kd_weight=teacher_outputs.kd_weight, weight_grad=args.loss_weight_grad,
-                                          compiled=args.compiles_loss(True, hidden.device), uld_weight=args.uld_weight,
-                                          uld_k=args.uld_k)
-        sums = sums.double() / normalizer  # (CE, KD, teacher mass, top-1 agreement) summed over positions
-        self._add_ce(sums[0])
-        self._add_kd_stats(self._with_aligned(sums[1:], teacher_outputs, labels, n_valid))
-        return loss
-
-    @staticmethod
-    def _with_aligned(stats: torch.Tensor, teacher_outputs: TeacherOutputs, labels: torch.Tensor,
-                      n_valid: int) -> torch.Tensor:
-        """Cross-tokenizer targets add a fourth statistic: the share of the step's positions with a target."""
-        if teacher_outputs.kd_weight is None:
-            return stats
-        aligned = (teacher_outputs.kd_weight * (labels != -100)).sum().double() / max(n_valid, 1)
-        return torch.cat([stats, aligned.reshape(1).to(stats.device)])
-
-    def _add_kd_stats(self, stats: torch.Tensor) -> None:
-        self.kd_stats = stats if self.kd_stats is None else self.kd_stats + stats
+    def _weights(self, source_ids: Optional[torch.Tensor], outputs: list[TeacherOutputs], labels: torch.Tensor,
+                 device: torch.device) -> list[Optional[torch.Tensor]]:
+        """Each teacher's KD weight per position: a lone teacher's own kd_weight (None: every position); several
+        teachers' mixed by source and alignment (`source_ids` None: every row of source 0, which only a routing
+        without sources allows: each source's row is the same)."""
+        if not self.several:
+            return [outputs[0].kd_weight]
+        if source_ids is None:
+            source_ids = torch.zeros(labels.shape[0], dtype=torch.int32)
+        return mixing_weights(self.routing, source_ids.to(device), [o.kd_weight for o in outputs],
+                              tuple(labels.shape))
 
     def step_metrics(self) -> dict:
-        kd, mass, agreement, *aligned = self.kd_stats.unbind()
-        return {"loss/ce": self.ce_sum, "loss/kd": kd, "kd/teacher_mass": mass, "kd/top1_agreement": agreement,
-                "kd/alpha": self.alpha, "loss/total": distillation_loss(self.ce_sum, kd, self.alpha,
-                                                                        self.args.temperature),
-                **({"kd/aligned": aligned[0]} if aligned else {})}
-
-
-class CacheDistiller(KDDistiller):
-    """Targets from the offline teacher cache: they come with each batch (`batch["teacher"]`), nothing to wait for."""
-
-    def __init__(self, args: DistillationArgs, teacher_heldout_ce: Optional[float],
-                 teacher_heldout_bpb: Optional[float] = None):
-        super().__init__(args)
-        self.teacher_heldout_ce, self.teacher_heldout_bpb = teacher_heldout_ce, teacher_heldout_bpb
-
-    def submit(self, batch: dict, step: int, micro_step: int):
-        return batch["teacher"]
-
-    def targets(self, pending, device: torch.device, timer) -> TeacherOutputs:
-        return pending.to(device, non_blocking=True)
-
-
-class OnlineDistiller(KDDistiller):
-    """A teacher rank serves this student's bridge; its sparse outputs feed the KD loss."""
-
-    def __init__(self, args: DistillationArgs, client: TeacherClient, prefetch: int):
-        super().__init__(args)
-        self.client = client
-        self.prefetch = prefetch
-        self.teacher_heldout_ce, self.teacher_heldout_bpb = client.teacher_heldout_ce, client.teacher_heldout_bpb
-
-    @property
-    def first_round_trip(self) -> Optional[tuple[float, float]]:
-        return self.client.first_round_trip
-
-    def begin_step(self, step: int, lr_factor: float) -> None:
-        super().begin_step(step, lr_factor)
-        self.client.wait_clock.new_step()
-
-    def submit(self, batch: dict, step: int, micro_step: int):
-        doc_ids = batch.get("doc_ids") if self.client.spec.doc_boundaries else None
-        # Another tokenizer's teacher aligns the window's last position through the label just past it.
-        next_tokens = batch["labels"][:, -1] if self.client.spec.kd_weight and "labels" in batch else None
-        return self.client.submit(batch["input_ids"], step, micro_step, doc_ids, next_tokens)
-
-    def targets(self, pending, device: torch.device, timer) -> TeacherOutputs:
-        with timer.part("teacher_wait"):
-            return pending.wait().to(device)
-
-    def control_flags(self) -> dict:
-        return self.client.response_flags()
-
-    def after_agreement(self, flags: dict) -> None:
-        if flags.get("teacher_error"):
-            self.client.raise_teacher_error()
-        if flags.get("teacher_nan"):
-            self.client.raise_teacher_nan()
-
-    def mark_first_step_done(self) -> None:
-        self.client.mark_first_step_done()
-
-    def announce_pause(self, pause_follows: bool) -> None:
-        self.client.announce_pause(pause_follows)
-
-    def drain(self) -> None:
-        self.client.drain()
-
-    def log_metrics(self, timer) -> dict:
-        # This step's wait; this rank's total wait, the teacher's busy/idle seconds, its peak memory and this
-        # rank's bridge bytes, cumulative since launch (a benchmark differences two rows).
-        return {"speed/teacher_wait_s": self.client.wait_clock.read_step(),
-                "speed/teacher_wait_total_s": self.client.wait_clock.total_s, **self.client.metrics()}
-
-    def stop(self, step: int, error: bool = False) -> None:
-        self.client.stop(step, error=error)
-
-    def report_exit(self) -> None:
-        self.client.report_exit()
+        kd, mass, agreement = self.kd_stats.unbind()
+        metrics = {"loss/ce": self.ce_sum, "loss/kd": kd, "kd/teacher_mass": mass, "kd/top1_agreement": agreement,
+                   "kd/alpha": self.alpha, "loss/total": distillation_loss(self.ce_sum, kd, self.alpha,
+                                                                           self.args.temperature)}
+        if self.several:
+            return {**metrics, **teacher_metrics(self.teacher_stats, self.cross)}
+        return {**metrics, **({"kd/aligned": self.teacher_stats[0, 4]} if self.cross[0] else {})}
 
 
 def heldout_row(ce: Optional[float], bpb: Optional[float], prefix: str = "eval/") -> dict:
@@ -297,6 +225,12 @@ def heldout_row(ce: Optional[float], bpb: Optional[float], prefix: str = "eval/"
     known (a cross-tokenizer teacher's CE per token is in its own tokens: None)."""
     return {f"{prefix}{name}": value for name, value in (("teacher_loss", ce), ("teacher_bpb", bpb))
             if value is not None}
+
+
+def tokenizer_fingerprint(vocab: dict[str, int]) -> int:
+    """A 63-bit hash of a token -> id map: equal iff students and teacher tokenize identically."""
+    digest = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def tokenizer_vocab(tokenizer) -> dict:

@@ -36,11 +36,14 @@ def test_a_byte_student_learns_from_a_bpe_teacher(corpus, tiny_teacher, tmp_path
 
 
 @pytest.mark.timeout(240)
-def test_a_byte_student_trains_from_a_cache_of_a_bpe_teacher(corpus, tiny_teacher, tmp_path):
-    """The cache road: 2 writer ranks align and store the student-side targets; 2 students train from them,
-    every logged step with a share of aligned positions in (0, 1] and finite losses."""
+def test_a_byte_student_trains_from_a_cache_of_a_bpe_teacher_beside_it_online_with_uld(corpus, tiny_teacher,
+                                                                                      tmp_path):
+    """The cache road: 2 writer ranks align and store the student-side targets (with the unmapped entries ULD
+    reads); then 2 students train from two cross-tokenizer teachers with ULD, teacher 0 from that cache and teacher 1
+    (the same checkpoint) online on 1 teacher rank: every logged step has each teacher's share of aligned positions
+    in (0, 1], finite losses, and the two teachers' KD terms equal (the same targets by either road)."""
     cross = {"data.tokenizer.name": "bytes", "data.tokenizer.path": "null", "distillation.cross_tokenizer": "true",
-             "model.attn_mask": "doc_causal"}
+             "model.attn_mask": "doc_causal", "distillation.uld_weight": 0.5}
     cache_dir = tmp_path / "cache"
     written = torchrun(2, [*distill_overrides(corpus, tiny_teacher, tmp_path / "writer", steps=4, **cross),
                            f"cache_dir={cache_dir}", "streams=2", "shard_sequences=4", "encode_workers=0"],
@@ -49,11 +52,16 @@ def test_a_byte_student_trains_from_a_cache_of_a_bpe_teacher(corpus, tiny_teache
     assert "cross-tokenizer: 258 of the teacher's 512 ids are student tokens" in written.stdout
     assert "teacher cache complete" in written.stdout
     dump = tmp_path / "run"
-    result = torchrun(2, distill_overrides(corpus, tiny_teacher, dump, steps=4, **cross, **{
-        "distillation.source": "cache", "distillation.cache_dir": str(cache_dir)}), timeout=100)
+    teachers = (f"[{{cache_dir: {cache_dir}, cross_tokenizer: true}}, "
+                f"{{path: {tiny_teacher}, cross_tokenizer: true}}]")
+    overrides = distill_overrides(corpus, tiny_teacher, dump, steps=4, **cross, **{"distillation.teachers": teachers})
+    drop = ("distillation.teacher_path=", "distillation.cross_tokenizer=")  # set per teacher
+    result = torchrun(3, [o for o in overrides if not o.startswith(drop)], timeout=100)
     assert_ok(result)
     rows = train_rows(dump)
     assert sorted(rows) == [1, 2, 3, 4]
     for row in rows.values():
-        assert 0.0 < row["kd/aligned"] <= 1.0, row
+        for i in (0, 1):
+            assert 0.0 < row[f"kd/{i}/aligned"] <= 1.0, row
         assert all(math.isfinite(row[key]) and row[key] >= 0 for key in ("loss/ce", "loss/kd", "loss/total")), row
+        assert row["kd/0/loss"] == pytest.approx(row["kd/1/loss"], rel=1e-5), row  # ULD included, both roads

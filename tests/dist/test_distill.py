@@ -364,7 +364,7 @@ def test_a_teacher_failing_mid_run_is_its_own_sentence_on_every_rank(corpus, tin
     # The teacher's log keeps the traceback of its failure, then answered the rest of step 3, each request
     # posted ahead and the ERROR: every request the students had posted.
     teacher_log = "\n".join(rank_logs[2])
-    assert re.search(r'File ".*/lingua/distillation/server\.py", line \d+, in _handle', teacher_log), teacher_log[-3000:]
+    assert re.search(r'File ".*/lingua/distillation/online/server\.py", line \d+, in _handle', teacher_log), teacher_log[-3000:]
     assert 'raise RuntimeError("injected teacher failure' in teacher_log, teacher_log[-3000:]
     answered = (grad_acc - 1) + prefetch + 1
     assert f"answered {answered} more request(s) with the error, until the students left (ERROR)" in teacher_log

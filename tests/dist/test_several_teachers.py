@@ -2,7 +2,8 @@
 per data source, whose teacher 1 is then SIGKILLed; a run preempted by a signal to teacher 1, and its resumed half,
 which trains step for step as the unbroken run did until teacher 1 fails while serving. Every failure is named on
 every rank, by teacher, and nothing waits out a timeout. A fourth launch (2 students, no teacher ranks) trains
-from each teacher's cache as the unbroken run did."""
+from each teacher's cache as the unbroken run did, and a fifth (2 students + 1 teacher rank) from teacher 0's cache
+beside teacher 1 online, the same again."""
 
 import json
 import os
@@ -205,7 +206,8 @@ def write_cache_here(corpus, teacher, cache_dir, **extra) -> None:
     the cache writer's own pieces (the serial writer): no launch, so the test pays for one torchrun only."""
     import torch
 
-    from apps.main.teacher_cache import StreamReader, TeacherCacheArgs, planned_manifest, write_shards
+    from apps.main.teacher_cache import TeacherCacheArgs
+    from lingua.distillation.cache.write_job import StreamReader, planned_manifest, write_shards
     from lingua.args import parse_args
     from lingua.distillation.cache.store import INDEX, write_json_atomic
     from lingua.distillation.teacher.model import TeacherModel
@@ -247,6 +249,20 @@ def test_two_teachers_caches_train_as_the_online_teachers(two_sources, tiny_teac
     assert cached[COMPARED]["loss/total"] < cached[1]["loss/total"]  # it learns
     evaluation = (eval_rows(dump)[COMPARED], eval_rows(unbroken_then_killed.dump)[COMPARED])
     assert [row["eval/loss"] for row in evaluation] == [evaluation[1]["eval/loss"]] * 2
+    # One cached teacher beside one online teacher (2 students + teacher 1's rank; the students read teacher 0's
+    # cache and wait for teacher 1 only): the same run again, step for step (one more launch, about 25 s).
+    mixed_dump = tmp_path / "mixed"
+    teachers = (f"[{{cache_dir: {tmp_path / 'cache_0'}, sources: [text]}}, "
+                f"{{path: {second_teacher}, sources: [code], weight: 2.0, teacher_dtype: bf16}}]")
+    overrides = two_teacher_overrides(two_sources, tiny_teacher, second_teacher, mixed_dump,
+                                      **{"distillation.teachers": teachers})
+    result = torchrun(3, [f"steps={COMPARED}" if o == f"steps={UNBOUNDED}" else o for o in overrides], timeout=LIMIT_S)
+    assert_ok(result)
+    mixed = train_rows(mixed_dump)
+    assert sorted(mixed) == list(range(1, COMPARED + 1))
+    for step in mixed:
+        assert {key: mixed[step][key] for key in KD_KEYS} == {key: online[step][key] for key in KD_KEYS}, step
+        assert "kd/1/bytes_up" in mixed[step] and "kd/0/bytes_up" not in mixed[step]  # teacher 1's bridge only
 
 
 def console(outputs: dict, rank: int) -> list[str]:

@@ -214,7 +214,8 @@ def test_the_compiled_chunk_math_runs_as_triton_and_matches_eager_in_bf16():
 def test_several_teachers_on_shared_head_gemms_match_the_cpu_in_bf16():
     """distillation.teachers: the fused loss with more_teachers on a bf16 head (the fp32 accumulation path) gives the
     CPU's fp32 loss and gradients within bf16 rounding."""
-    from lingua.distillation.mixture import mixed_head_loss, mixing_weights, source_routing
+    from lingua.distillation.loss.mixture import mixing_weights, source_routing
+    from lingua.distillation.loss.mixture import teachers_head_loss as mixed_head_loss
     from lingua.distillation.args import TeacherArgs
 
     generator = torch.Generator().manual_seed(0)

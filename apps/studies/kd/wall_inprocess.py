@@ -36,7 +36,8 @@ from apps.studies.kd.wall_report import report
 from apps.main.eval import batch_ce_sum
 from apps.main.transformer import LMTransformer, batch_documents, get_num_flop_per_token
 from lingua.distillation.cache.store import open_cache, settings_manifest
-from lingua.distillation.distiller import CacheDistiller, NoDistiller
+from lingua.distillation.cache.distiller import CacheDistiller
+from lingua.distillation.distiller import NoDistiller
 from lingua.errors import ConfigError, DataError, NonFiniteError
 from lingua.evaluation.heldout import iterate_eval_batches
 from lingua.optim import build_optimizer, clip_grad_norm_
@@ -126,12 +127,12 @@ def train_run(study: Study, run: WallRun, batches: list[dict], splits: dict, is_
         model = LMTransformer(replace(run_args.model, seed=run.seed))
         model.init_weights()
     optimizer, scheduler = build_optimizer(model, run_args.optim, run.steps)
-    distiller = NoDistiller(run_args.distillation) if is_ce else CacheDistiller(run_args.distillation, None)
+    distiller = NoDistiller(run_args.distillation) if is_ce else CacheDistiller(run_args.distillation)
     start = time.perf_counter()
     for step in range(1, run.steps + 1):
         batch = batches[(step - 1) % len(batches)]
         distiller.begin_step(step, scheduler.get_last_lr()[0] / run_args.optim.lr)
-        head_loss = distiller.head_loss(batch["labels"], batch["teacher"], batch["n_valid"], None)
+        head_loss = distiller.head_loss(batch["labels"], (None, [batch["teacher"]]), batch["n_valid"], None)
         with study.autocast():
             loss = model(batch["input_ids"], **batch_documents(model, batch, device), head_loss=head_loss)
         loss.backward()

@@ -1,8 +1,8 @@
-"""Several teachers from their caches (`distillation.teachers`, each with a `cache_dir`): one stream of windows,
-every teacher's targets for each.
+"""The teachers' caches as the training dataset (`distillation.teachers` with a `cache_dir`, a lone teacher's
+cache included): one stream of windows, every cached teacher's targets for each.
 
     loader = open_training_caches(kd, data, attn_mask, tokenizer, batch_size, dp_rank, dp_degree)
-    batch = next(loader)  # input_ids, labels, doc_ids, source_ids, teachers: [TeacherOutputs, one per teacher]
+    batch = next(loader)  # input_ids, labels, doc_ids, source_ids, teachers: [TeacherOutputs, one per cache]
 
 Each cache is written once from its teacher by apps.main.teacher_cache (a cross-tokenizer teacher's cache already
 holds the students' ids and positions). The caches must describe the same windows: each is checked against the
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lingua.distillation.cache.store import PREPARE_HINT, CacheLoader, CacheManifest, checked_manifest, open_cache, \
+from lingua.distillation.cache.store import PREPARE_HINT, CacheLoader, CacheManifest, checked_manifest, \
     settings_manifest
 from lingua.errors import DataError
 
@@ -27,14 +27,16 @@ WINDOW_KEYS = ("input_ids", "labels", "doc_ids", "source_ids")
 
 
 def open_training_caches(kd, data, attn_mask: str, tokenizer, batch_size: int, dp_rank: int, dp_degree: int):
-    """The cache(s) a student trains from: one teacher's `CacheLoader`, or several teachers' `TeacherCaches`;
-    a cache written with other settings, another layout or without the sources routing needs is one sentence."""
-    if not kd.teachers:
-        return open_cache(kd.cache_dir, settings_manifest(kd, data, attn_mask, tokenizer), batch_size, dp_rank,
-                          dp_degree)
-    dirs = [teacher.cache_dir for teacher in kd.teachers]
-    manifests = [checked_manifest(d, settings_manifest(kd.teacher_args(i), data, attn_mask, tokenizer),
-                                  f" (distillation.teachers[{i}])") for i, d in enumerate(dirs)]
+    """The caches a student trains from (`TeacherCaches`: one per teacher with a cache_dir, a lone one included), or
+    None when every teacher runs online; a cache written with other settings, another layout or without the
+    sources routing needs is one sentence."""
+    cached = [i for i, teacher in enumerate(kd.teachers) if teacher.cache_dir]
+    if not cached:
+        return None
+    dirs = [kd.teachers[i].cache_dir for i in cached]
+    whose = [f" (distillation.teachers[{i}])" if kd.several_teachers else "" for i in cached]
+    manifests = [checked_manifest(d, settings_manifest(kd.teacher_args(i), data, attn_mask, tokenizer), w)
+                 for i, d, w in zip(cached, dirs, whose)]
     check_same_windows(dirs, manifests)
     routes = any(teacher.sources for teacher in kd.teachers)
     if routes:

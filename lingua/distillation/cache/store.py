@@ -35,9 +35,8 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from lingua.loading.stream import active_sources
-from lingua.distillation.online.bridge import tokenizer_fingerprint
 from lingua.distillation.cache.codec import OLD_ZSTD_LEVEL, ZSTD_LEVEL, canonical_sampled, decode_shard, encode_shard
-from lingua.distillation.distiller import tokenizer_vocab
+from lingua.distillation.distiller import tokenizer_fingerprint, tokenizer_vocab
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.distillation.teacher.model import safetensors_problem
 from lingua.loading.documents import shard_files

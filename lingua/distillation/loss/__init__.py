@@ -6,6 +6,8 @@ Entered by the distillers (`head_loss`) and the teacher (its held-out CE); impor
     compiled_chunk.py  that chunk math under torch.compile (distillation.loss_compile): Triton on CUDA, C++ on CPU
     reference.py       kd_loss on logits: the float64 check of the fused loss (distillation.fused_loss=false)
     divergences.py     the math both share: fkl/rkl/jsd and their gradients, teacher buckets, CE/KD mix
+    mixture.py         teachers_head_loss: 1..N teachers' KD terms in one loss (a lone teacher's is today's), the
+                       routing by data source, each position's weights, kd/<i>/* statistics
     uld.py             ULD (distillation.uld_weight): sorted-probability distance for a cross-tokenizer teacher's
                        unmapped mass; the wire's marked entries, the reference and the fused chunk's closed form
 """

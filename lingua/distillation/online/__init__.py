@@ -1,6 +1,7 @@
 """The online road: students and teacher ranks of one launch talking over a bridge group each step.
-Entered by the online distillers (student side) and `apps.main.train.distillation_process` (teacher side).
+Entered by the builder (student side) and `apps.main.train.distillation_process` (teacher side).
 
+    distiller.py       OnlineDistiller: one bridge per online teacher (and any cached teacher's targets from the batch)
     bridge.py          the wire records (RequestHeader, HandshakeRecord, ResponseStatus) and the handshake
     client.py          TeacherClient: the student end of a bridge (handshake, submit -> handle.wait(), STOP)
     server.py          TeacherServer: load, handshake, then receive -> handle -> reply until STOP

@@ -25,8 +25,6 @@ Records are fixed-size so the collectives always move the same shapes: a handsha
 response status is RECORD_INTS int64 fields followed by MESSAGE_BYTES of UTF-8 text (an error).
 """
 
-import hashlib
-import json
 import logging
 import struct
 from dataclasses import dataclass, field, fields
@@ -37,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from lingua.distillation.args import WIRE_DTYPES, DistillationArgs, check_seq_len_fits_teacher, teacher_title
+from lingua.distillation.distiller import tokenizer_fingerprint
 from lingua.distillation.outputs import FORMATS, TeacherOutputs
 from lingua.errors import ConfigError, PeerStopped, TeacherError, UserError, describe
 from lingua.parallel.collectives import log_collective
@@ -295,12 +294,6 @@ def synchronize(device: torch.device) -> None:
     """Block the CPU until `device`'s current stream has run (a no-op on CPU, where nothing is queued)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
-
-
-def tokenizer_fingerprint(vocab: dict[str, int]) -> int:
-    """A 63-bit hash of a token -> id map: equal iff students and teacher tokenize identically."""
-    digest = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def agreed_handshake(topo, mine: Optional[HandshakeRecord], args: DistillationArgs) -> Optional[BridgeSpec]:

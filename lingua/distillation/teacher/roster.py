@@ -6,15 +6,18 @@ and which teacher a teacher rank serves as.
 """
 
 from lingua.distillation.args import DistillationArgs, check_seq_len_fits_teacher, tp_setting
-from lingua.distillation.mixture import check_teacher_sources
+from lingua.distillation.loss.mixture import check_teacher_sources
 from lingua.distillation.teacher.model import read_max_positions
 from lingua.distillation.teacher.tensor_parallel import heads_problem, read_teacher_config
 from lingua.errors import ConfigError
 
 
 def each_teacher(kd: DistillationArgs) -> list[DistillationArgs]:
-    """The settings of each teacher: the one of teacher_path, or each of distillation.teachers."""
-    return [kd.teacher_args(i) for i in range(len(kd.teachers))] if kd.teachers else [kd]
+    """The settings of each teacher: the one of teacher_path (none to check when it is read from its cache), or
+    each of distillation.teachers."""
+    if not kd.several_teachers:
+        return [kd] if kd.source == "online" else []
+    return [kd.teacher_args(i) for i in range(len(kd.teachers))]
 
 
 def check_teachers_fit(kd: DistillationArgs, data) -> None:
@@ -28,7 +31,7 @@ def check_teachers_fit(kd: DistillationArgs, data) -> None:
         check_seq_len_fits_teacher(data.seq_len, max_positions or 0,
                                    f"max_position_embeddings in {teacher.teacher_path}/config.json")
         check_heads_divide(teacher.teacher_path, teacher.teacher_tp,
-                           tp_setting(kd, i) if kd.teachers else "distillation.teacher_tp")
+                           tp_setting(kd, i) if kd.several_teachers else "distillation.teacher_tp")
     check_teacher_sources(kd.teachers, data.sources)
 
 
@@ -42,7 +45,8 @@ def check_heads_divide(teacher_path: str, tp: int, key: str = "distillation.teac
 
 def serving_args(kd: DistillationArgs, topo) -> tuple[DistillationArgs, tuple[str, ...]]:
     """(the settings this teacher rank serves with, the name of every teacher when there are several)."""
-    if not kd.teachers:
+    if not kd.several_teachers:
         return kd, ()
-    names = tuple(f"teacher {i} ({teacher.path})" for i, teacher in enumerate(kd.teachers))
-    return kd.teacher_args(topo.plan.teacher_of_bridge(topo.my_bridge)), names
+    online = kd.online_teachers()  # the launch's teachers: those with ranks of their own
+    names = tuple(f"teacher {i} ({kd.teachers[i].path})" for i in online)
+    return kd.teacher_args(online[topo.plan.teacher_of_bridge(topo.my_bridge)]), names

@@ -13,7 +13,8 @@ from lingua.data import DataArgs, DataLoader
 from lingua.loading.stream import active_sources
 from lingua.distillation.args import DistillationArgs, OneTeacherArgs, TeacherArgs, teacher_title
 from lingua.distillation.loss.fused import fused_linear_kd_loss
-from lingua.distillation.mixture import mixed_head_loss, mixing_weights, source_routing, teacher_metrics
+from lingua.distillation.loss.mixture import mixing_weights, source_routing, teacher_metrics
+from lingua.distillation.loss.mixture import teachers_head_loss as mixed_head_loss
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.errors import ConfigError, LaunchError
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan
@@ -50,7 +51,11 @@ def test_one_teacher_in_the_list_is_teacher_path(tmp_path):
     listed.validate(world_size=4)
     plain = kd_args(tmp_path, f"distillation.teacher_path={tmp_path / 't0'}", "distillation.n_teacher_ranks=2")
     plain.validate(world_size=4)
-    assert listed.distillation == plain.distillation and listed.distillation.teachers == []
+    # One teacher is a list of one, whichever keys named it; validated again (a dumped config), it stays that.
+    assert listed.distillation == plain.distillation
+    assert plain.distillation.teachers == [TeacherArgs(path=str(tmp_path / "t0"), n_teacher_ranks=2)]
+    plain.validate(world_size=4)
+    assert listed.distillation == plain.distillation and not plain.distillation.several_teachers
     assert teacher_counts(listed) == teacher_counts(plain) == (2,)
     assert teacher_title(listed.distillation, 3) == "Teacher rank 3"
 
@@ -63,6 +68,20 @@ def test_several_teachers_lay_out_after_the_students(tmp_path):
     one = args.distillation.teacher_args(1)
     assert isinstance(one, OneTeacherArgs) and (one.teacher_path, one.n_teacher_ranks) == (str(tmp_path / "t1"), 1)
     assert teacher_title(one, 6) == f"Teacher 1 ({tmp_path / 't1'}) on rank 6"
+
+
+def test_uld_with_several_teachers_and_a_cached_teacher_beside_an_online_one(tmp_path):
+    """Refused while there were two copies of each road, both validate now: ULD for the cross-tokenizer teachers of
+    several, and a cached teacher beside an online one (only the online one has ranks; the students read the cache)."""
+    uld = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}}}", "{{path: {t1}, cross_tokenizer: true}}"),
+                  "distillation.uld_weight=0.5")
+    uld.validate(world_size=4)
+    assert teacher_counts(uld) == (1, 1)
+    mixed = kd_args(tmp_path, teachers(tmp_path, "{{cache_dir: {t0}}}", "{{path: {t1}}}"))
+    mixed.validate(world_size=3)
+    kd = mixed.distillation
+    assert kd.source == "online" and kd.online_teachers() == [1] and teacher_counts(mixed) == (1,)
+    assert kd.launch_teacher_paths() == (str(tmp_path / "t1"),)
 
 
 @pytest.mark.parametrize("overrides,words", [
@@ -79,13 +98,12 @@ def test_several_teachers_lay_out_after_the_students(tmp_path):
      "distillation.source='cache'; with distillation.teachers every teacher names its cache"),
     (["{{cache_dir: {t0}}}", "{{cache_dir: {t1}}}", "distillation.cache_dir=/tmp"],
      "distillation.cache_dir='/tmp'; with distillation.teachers name each teacher's cache (teachers[i].cache_dir)"),
-    (["{{cache_dir: {t0}}}", "{{path: {t1}}}"], "a mixture of cached and online teachers is not supported yet"),
     (["{{path: {t0}, cache_dir: {t1}}}", "{{cache_dir: {t1}}}"],
      "a teacher runs online (path, on its own ranks) or from its cache (cache_dir); remove one of them"),
     (["{{path: {t0}, n_teacher_ranks: 3}}", "{{path: {t1}}}"], "teacher 0's 3 replica(s)"),
     (["{{path: {t0}}}", "{{path: {t1}}}", "distributed.teacher_placement=per_node"], "teacher_placement=last"),
-    (["{{path: {t0}}}", "{{path: {t1}, cross_tokenizer: true}}", "distillation.uld_weight=0.5"],
-     "ULD runs with one teacher for now"),
+    (["{{path: {t0}}}", "{{path: {t1}}}", "distillation.uld_weight=0.5"],
+     "set distillation.cross_tokenizer=true (with several teachers, on one of them), or uld_weight=0"),
     (["{{path: {t0}}}", "{{path: {t1}}}", "distillation.n_teacher_ranks=2"],
      "distillation.n_teacher_ranks=2; with distillation.teachers set it per teacher (teachers[i].n_teacher_ranks)"),
     (["{{path: {t0}}}", "{{path: {t1}}}", "distillation.teacher_tokenizer={t0}"],
@@ -368,11 +386,12 @@ def test_each_cross_tokenizer_teacher_gets_the_label_past_each_window():
     (its last position aligns through it, as with one teacher), a same-tokenizer one does not."""
     from types import SimpleNamespace
 
-    from lingua.distillation.mixed_distillers import SeveralTeachersDistiller
+    from lingua.distillation.online.distiller import OnlineDistiller
 
     class Client:
         def __init__(self, kd_weight):
             self.spec, self.device, self.calls = SimpleNamespace(doc_boundaries=True, kd_weight=kd_weight), "cpu", []
+            self.teacher_heldout_ce = self.teacher_heldout_bpb = None
 
         def submit(self, *args):
             self.calls.append(args)
@@ -380,11 +399,11 @@ def test_each_cross_tokenizer_teacher_gets_the_label_past_each_window():
 
     clients = [Client(False), Client(True)]
     args = DistillationArgs(teachers=[TeacherArgs(path="a"), TeacherArgs(path="b", cross_tokenizer=True)])
-    distiller = SeveralTeachersDistiller(args, clients, 0, torch.ones(1, 2))
+    distiller = OnlineDistiller(args, clients, 0, torch.ones(1, 2), [(None, None)] * 2)
     batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]),
              "doc_ids": torch.zeros(2, 4, dtype=torch.long), "source_ids": torch.zeros(2, dtype=torch.int32)}
-    source_ids, handles = distiller.submit(batch, 3, 1)
-    assert handles == [1, 1] and source_ids is batch["source_ids"]
+    source_ids, handles, cached = distiller.submit(batch, 3, 1)
+    assert handles == [1, 1] and source_ids is batch["source_ids"] and cached == []
     (same,), (cross,) = clients[0].calls, clients[1].calls
     assert same[4] is None and cross[4].tolist() == [4, 8]
     assert same[3] is batch["doc_ids"] and cross[1:3] == (3, 1)
@@ -413,15 +432,40 @@ def test_each_teachers_held_out_reference_is_logged_under_its_index():
     from types import SimpleNamespace
 
     from lingua.distillation.distiller import Distiller
-    from lingua.distillation.mixed_distillers import SeveralTeachersDistiller
+    from lingua.distillation.online.distiller import OnlineDistiller
 
     clients = [SimpleNamespace(device="cpu", teacher_heldout_ce=2.5, teacher_heldout_bpb=3.5),
                SimpleNamespace(device="cpu", teacher_heldout_ce=None, teacher_heldout_bpb=4.25)]
     args = DistillationArgs(teachers=[TeacherArgs(path="a"), TeacherArgs(path="b", cross_tokenizer=True)])
-    several = SeveralTeachersDistiller(args, clients, 0, torch.ones(1, 2))
+    several = OnlineDistiller(args, clients, 0, torch.ones(1, 2), [(None, None)] * 2)
     assert several.teacher_heldout_row() == {"eval/0/teacher_loss": 2.5, "eval/0/teacher_bpb": 3.5,
                                              "eval/1/teacher_bpb": 4.25}
     one = Distiller(DistillationArgs(teacher_path="a"))
     one.teacher_heldout_ce, one.teacher_heldout_bpb = 2.5, 3.5
     assert one.teacher_heldout_row() == {"eval/teacher_loss": 2.5, "eval/teacher_bpb": 3.5}
     assert Distiller(DistillationArgs()).teacher_heldout_row() == {}  # CE only, or no eval asked of the teacher
+
+
+def test_a_validated_config_read_again_keeps_its_lone_teacher(tmp_path):
+    """The dumped config of a validated run holds teacher_path and its list of one: the trainer reads it as the same
+    run, and the cache writer takes it as its one teacher; a lone cached teacher checks no checkpoint."""
+    from apps.main.teacher_cache import TeacherCacheArgs
+
+    args = kd_args(tmp_path, f"distillation.teacher_path={tmp_path / 't0'}")
+    args.validate(world_size=3)
+    dumped = parse_args(TrainArgs, [f"config={ROOT / 'configs/distill_exps/debug_cpu.yaml'}",
+                                    f"data.root_dir={tmp_path / 'corpus'}", "data.tokenizer.name=bytes",
+                                    "data.tokenizer.path=null", f"distillation.teacher_path={tmp_path / 't0'}",
+                                    f"distillation.teachers=[{{path: {tmp_path / 't0'}}}]"])
+    dumped.validate(world_size=3)
+    assert dumped.distillation == args.distillation and teacher_counts(dumped) == (1,)
+    writer = parse_args(TeacherCacheArgs, [f"config={ROOT / 'configs/distill_exps/debug_cpu.yaml'}",
+                                           f"data.root_dir={tmp_path / 'corpus'}", "data.tokenizer.name=bytes",
+                                           "data.tokenizer.path=null", f"distillation.teacher_path={tmp_path / 't0'}",
+                                           f"distillation.teachers=[{{path: {tmp_path / 't0'}}}]",
+                                           f"cache_dir={tmp_path / 'cache'}"])
+    writer.validate(world_size=1)
+    cached = kd_args(tmp_path, "distillation.teacher_path=/no/such/teacher", "distillation.source=cache",
+                     f"distillation.cache_dir={tmp_path / 'cache'}")
+    cached.validate(world_size=2)  # the teacher's checkpoint is not read: its cache holds its outputs
+    assert cached.distillation.teachers == [TeacherArgs(cache_dir=str(tmp_path / "cache"))]

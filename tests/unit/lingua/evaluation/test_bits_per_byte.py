@@ -13,7 +13,7 @@ from lingua.evaluation.bits_per_byte import bits_per_byte, target_bytes, token_b
 from lingua.data import DataArgs
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.cache.store import MANIFEST, CacheManifest
-from lingua.distillation.distiller import CacheDistiller
+from lingua.distillation.cache.distiller import CacheDistiller
 from lingua.evaluation.heldout import iterate_eval_batches
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
 from tests.unit.apps.main.test_export_hf import build, tiny_args
@@ -115,5 +115,5 @@ def test_a_cache_manifest_written_before_bpb_reads_without_the_teacher_bpb(tmp_p
     (tmp_path / MANIFEST).write_text(json.dumps(older))
     read = CacheManifest.read(tmp_path)
     assert (read.teacher_heldout_ce, read.teacher_heldout_bpb) == (3.0, None)  # eval/teacher_bpb is left out
-    assert CacheDistiller(DistillationArgs(), read.teacher_heldout_ce,
-                          read.teacher_heldout_bpb).teacher_heldout_row() == {"eval/teacher_loss": 3.0}
+    assert CacheDistiller(DistillationArgs(), heldout=[(read.teacher_heldout_ce, read.teacher_heldout_bpb)]
+                          ).teacher_heldout_row() == {"eval/teacher_loss": 3.0}

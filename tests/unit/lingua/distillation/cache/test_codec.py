@@ -199,7 +199,7 @@ def test_a_v1_shard_in_a_v2_cache_is_one_sentence(tmp_path):
 
 
 def test_an_unfinished_v1_cache_is_finished_in_its_own_version(tmp_path):
-    from apps.main.teacher_cache import settle_manifest
+    from lingua.distillation.cache.write_job import settle_manifest
     manifest = write_v1_cache(tmp_path / "v1", "topk")
     planned = CacheManifest(**{**manifest.__dict__, "version": 2})
     settle_manifest(tmp_path / "v1", planned)

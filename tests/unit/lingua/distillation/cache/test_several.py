@@ -16,8 +16,9 @@ from lingua.loading.producer import from_wire, to_wire
 from lingua.distillation.cache.store import (INDEX, CacheLoader, CacheManifest, read_shard, settings_manifest, shard_path,
                                        write_json_atomic, write_shard)
 from lingua.distillation.cache.codec import decode_shard, encode_shard
-from lingua.distillation.mixed_distillers import CachedTeachersDistiller, SeveralTeachersDistiller
-from lingua.distillation.mixture import source_routing
+from lingua.distillation.cache.distiller import CacheDistiller
+from lingua.distillation.loss.mixture import source_routing
+from lingua.distillation.online.distiller import OnlineDistiller
 from lingua.distillation.outputs import sparsify_teacher_logits
 from lingua.distillation.cache.several import TeacherCaches, open_training_caches
 from lingua.errors import ConfigError, DataError
@@ -105,7 +106,9 @@ def test_each_windows_source_id_round_trips_and_old_shards_read_without_it(tmp_p
 
 def test_two_caches_train_as_the_online_mixture(tmp_path):
     """The students' batches from two caches (teacher 0 teaches pydocs, teacher 1 every source at weight 2) give
-    the loss, gradients and metrics that SeveralTeachersDistiller gives for the same targets from its bridges."""
+    the loss, gradients and metrics that the online distiller gives for the same targets from its bridges, and that
+    one cached teacher beside one online teacher gives (the online one's targets from its bridge, the cached one's
+    from the batch)."""
     args = cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}, sources: [pydocs]}}",
                            f"{{cache_dir: {tmp_path / 'b'}, weight: 2.0}}")
     assert args.distillation.source == "cache" and n_teacher_ranks(args) == 0  # no teacher ranks
@@ -117,30 +120,38 @@ def test_two_caches_train_as_the_online_mixture(tmp_path):
     assert batch["source_ids"].tolist() == [0, 1, 1] and len(batch["teachers"]) == 2
     assert not torch.equal(batch["teachers"][0].values, batch["teachers"][1].values)
     routing = source_routing(args.distillation.teachers, ["pydocs", "code"])
-    cached = CachedTeachersDistiller(args.distillation, routing, torch.device("cpu"), [(2.5, 1.25), (None, None)])
+    cached = CacheDistiller(args.distillation, routing, torch.device("cpu"), [(2.5, 1.25), (None, None)])
     # Each cache's recorded held-out reference under its teacher's index (none recorded: no key).
     assert cached.teacher_heldout_row() == {"eval/0/teacher_loss": 2.5, "eval/0/teacher_bpb": 1.25}
     handles = [SimpleNamespace(wait=lambda t=t: t) for t in batch["teachers"]]
     clients = [SimpleNamespace(device="cpu", wait_clock=SimpleNamespace(new_step=lambda: None),
+                               teacher_heldout_ce=None, teacher_heldout_bpb=None,
                                spec=SimpleNamespace(doc_boundaries=False, kd_weight=False),
                                submit=lambda *a, h=h: h) for h in handles]
-    online = SeveralTeachersDistiller(args.distillation, clients, 0, routing)
+    teachers = args.distillation.teachers
+    online_args = replace(args.distillation, teachers=[replace(t, cache_dir=None, path="t") for t in teachers])
+    online = OnlineDistiller(online_args, clients, 0, routing, [(None, None)] * 2)
+    mixed_args = replace(args.distillation, teachers=[teachers[0], replace(teachers[1], cache_dir=None, path="t")])
+    mixed = OnlineDistiller(mixed_args, clients[1:], 0, routing, [(2.5, 1.25), (None, None)])
+    assert mixed.teacher_heldout_row() == {"eval/0/teacher_loss": 2.5, "eval/0/teacher_bpb": 1.25}
     timer = SimpleNamespace(part=lambda name: contextlib.nullcontext())
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, SEQ, 8, generator=generator, dtype=torch.float64)
     head = torch.randn(build_tokenizer(args.data.tokenizer).n_words, 8, generator=generator, dtype=torch.float64)
     results = []
-    for distiller in (cached, online):
+    for distiller in (cached, online, mixed):
         distiller.begin_step(1, 1.0)
         x, w = hidden.clone().requires_grad_(), head.clone().requires_grad_()
         n_valid = batch["labels"].numel()
-        loss = distiller.head_loss(batch["labels"], distiller.submit(batch, 1, 0), n_valid, timer)(x, w)
+        mine = {**batch, "teachers": batch["teachers"][:1]} if distiller is mixed else batch  # cached ones only
+        loss = distiller.head_loss(batch["labels"], distiller.submit(mine, 1, 0), n_valid, timer)(x, w)
         results.append((loss, torch.autograd.grad(loss, (x, w)), distiller.step_metrics()))
-    (loss_c, grads_c, metrics_c), (loss_o, grads_o, metrics_o) = results
-    assert loss_c.item() == loss_o.item()
-    assert all(torch.equal(a, b) for a, b in zip(grads_c, grads_o))
-    assert metrics_c.keys() == metrics_o.keys() and {"kd/0/loss", "kd/1/loss", "kd/0/weight"} <= metrics_c.keys()
-    assert all(float(metrics_c[key]) == float(metrics_o[key]) for key in metrics_c)
+    (loss_c, grads_c, metrics_c) = results[0]
+    for loss_o, grads_o, metrics_o in results[1:]:
+        assert loss_c.item() == loss_o.item()
+        assert all(torch.equal(a, b) for a, b in zip(grads_c, grads_o))
+        assert metrics_c.keys() == metrics_o.keys() and {"kd/0/loss", "kd/1/loss", "kd/0/weight"} <= metrics_c.keys()
+        assert all(float(metrics_c[key]) == float(metrics_o[key]) for key in metrics_c)
     # Row 0 (pydocs): 1:2 over both teachers; rows 1-2 (code): teacher 1 alone.
     assert float(metrics_c["kd/0/weight"]) == pytest.approx(1 / 3 * 1 / 3)
     assert float(metrics_c["loss/kd"]) == pytest.approx(float(metrics_c["kd/0/loss"] + metrics_c["kd/1/loss"]))
@@ -210,20 +221,22 @@ def test_cached_teachers_settings_and_the_launch(tmp_path):
     one = train_args(tmp_path, f"distillation.teachers=[{{cache_dir: {tmp_path / 'a'}}}]")
     assert (one.distillation.source, one.distillation.cache_dir, one.distillation.teachers) == \
         ("cache", str(tmp_path / "a"), [])  # one cached teacher is the one-teacher cache road
-    with pytest.raises(ConfigError, match=rf"^distillation.teachers\[1\].path='{tmp_path}'; some teachers name a "
-                                          r"cache_dir and this one runs online, and a mixture of cached and online "
-                                          r"teachers is not supported yet"):
-        train_args(tmp_path, f"distillation.teachers=[{{cache_dir: {tmp_path}}}, {{path: {tmp_path}}}]").validate()
+    mixed = train_args(tmp_path, f"distillation.teachers=[{{cache_dir: {tmp_path}}}, {{path: {tmp_path}}}]")
+    mixed.validate()  # a cached teacher beside an online one: only the online one has ranks
+    assert mixed.distillation.source == "online" and n_teacher_ranks(mixed) == 1
     cfg = OmegaConf.create({"enable_distillation": True, "distillation": {
         "teachers": [{"cache_dir": "a", "sources": ["x"]}, {"cache_dir": "b"}]}})
     plan, _ = launch_plan(cfg, nodes=1, ntasks_per_node=2)
     assert plan.student_ranks == [0, 1] and plan.teacher_models == []
+    cfg.distillation.teachers[1] = {"path": "b"}
+    plan, _ = launch_plan(cfg, nodes=1, ntasks_per_node=3)
+    assert plan.student_ranks == [0, 1] and plan.teacher_models == [[2]]
 
 
 def test_cached_routing_follows_the_caches_source_order_and_a_resume_in_another_order_is_refused(tmp_path):
     """A shard's source ids index its cache's source_names: with data.sources listed in another order, the code
     teacher still teaches the code windows; a cache write resumed with the sources reordered is one sentence."""
-    from apps.main.teacher_cache import settle_manifest
+    from lingua.distillation.cache.write_job import settle_manifest
     from lingua.distillation.build import build_distiller
 
     args = cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}}}", f"{{cache_dir: {tmp_path / 'b'}, sources: [code]}}")

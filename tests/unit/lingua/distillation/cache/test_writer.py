@@ -15,7 +15,8 @@ import psutil
 import pytest
 import torch
 
-from apps.main.teacher_cache import TeacherCacheArgs, write_cache
+from apps.main.teacher_cache import TeacherCacheArgs
+from lingua.distillation.cache.write_job import write_cache
 from lingua.args import parse_args
 from lingua.distillation.cache.store import CacheManifest, shard_path
 from lingua.distillation.cache.writer import (ShardWriteError, ShardWriters, StageClock, WindowReadAhead, _portable,

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from apps.main.teacher_cache import TeacherCacheArgs, write_cache
+from apps.main.teacher_cache import TeacherCacheArgs
+from lingua.distillation.cache.write_job import write_cache
 from lingua.args import parse_args
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.cache.store import (
@@ -27,7 +28,7 @@ from lingua.distillation.cache.store import (
 from lingua.distillation.cache.codec import OLD_ZSTD_LEVEL, CodecError, canonical_sampled, decode_shard, encode_shard
 from lingua.distillation.cross_tokenizer.targets import sample_student_ids, student_sampled_targets
 from lingua.distillation.cross_tokenizer.teacher_side import load_cross_tokenizer
-from lingua.distillation.distiller import CacheDistiller
+from lingua.distillation.cache.distiller import CacheDistiller
 from lingua.distillation.teacher.model import TeacherModel
 from lingua.errors import DataError
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
@@ -110,7 +111,7 @@ def test_a_same_tokenizer_manifest_keeps_its_fields(tmp_path):
 def test_a_cache_keeps_its_zstd_level(tmp_path, corpus, tiny_teacher):
     """A manifest written before the level was recorded reads as level 19 (what it was written at), and a writer
     resuming a cache finishes it at the cache's level whatever zstd_level says now: one level per cache."""
-    from apps.main.teacher_cache import settle_manifest
+    from lingua.distillation.cache.write_job import settle_manifest
 
     manifest = settings_manifest(DistillationArgs(teacher_path="t"), parse_args(TeacherCacheArgs, []).data, "causal",
                                  build_tokenizer(TokenizerArgs("bytes")), streams=2)
@@ -203,10 +204,10 @@ def test_a_sampled_cache_holds_the_online_draws_and_trains(corpus, tiny_teacher,
     wanted = settings_manifest(train, args.data, args.model.attn_mask, build_tokenizer(args.data.tokenizer))
     loader = open_cache(str(cache_dir), wanted, batch_size=2, dp_rank=0, dp_degree=1)
     batch = next(loader)
-    distiller = CacheDistiller(train, loader.manifest.teacher_heldout_ce)
+    distiller = CacheDistiller(train)
     distiller.begin_step(0, 1.0)
     hidden = torch.randn(*batch["input_ids"].shape, 16, requires_grad=True)
-    loss = distiller.head_loss(batch["labels"], distiller.submit(batch, 0, 0), batch["labels"].numel(), None)(
+    loss = distiller.head_loss(batch["labels"], distiller.submit({**batch, "teachers": [batch["teacher"]]}, 0, 0), batch["labels"].numel(), None)(
         hidden, torch.randn(258, 16))
     loss.backward()
     assert torch.isfinite(loss) and hidden.grad.isfinite().all() and hidden.grad.abs().sum() > 0
@@ -220,12 +221,12 @@ def test_training_reads_the_kd_weight_and_logs_kd_aligned(cross_cache):
     loader = open_cache(str(cache_dir), wanted, batch_size=2, dp_rank=0, dp_degree=2)
     batch = next(loader)
     assert batch["teacher"].kd_weight.shape == batch["input_ids"].shape
-    distiller = CacheDistiller(train, loader.manifest.teacher_heldout_ce)
+    distiller = CacheDistiller(train)
     distiller.begin_step(0, 1.0)
     generator = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(*batch["input_ids"].shape, 16, generator=generator), torch.randn(258, 16)
-    loss = distiller.head_loss(batch["labels"], distiller.submit(batch, 0, 0), batch["labels"].numel(), None)(
-        hidden, weight)
+    loss = distiller.head_loss(batch["labels"], distiller.submit({**batch, "teachers": [batch["teacher"]]}, 0, 0),
+                               batch["labels"].numel(), None)(hidden, weight)
     metrics = distiller.step_metrics()
     assert torch.isfinite(loss) and metrics["kd/aligned"].item() == pytest.approx(
         batch["teacher"].kd_weight.mean().item())
@@ -254,7 +255,7 @@ def test_a_cache_for_another_student_tokenizer_or_without_cross_tokenizer_is_one
 
 def test_a_writer_rerun_with_another_teacher_tokenizer_is_one_sentence(cross_cache):
     """Finishing a cross-tokenizer cache with another teacher tokenizer (another vocabulary map) is refused."""
-    from apps.main.teacher_cache import settle_manifest
+    from lingua.distillation.cache.write_job import settle_manifest
 
     cache_dir, _ = cross_cache
     planned = replace(CacheManifest.read(cache_dir), teacher_tokenizer_fingerprint=1, vocab_map_fingerprint="0" * 16)

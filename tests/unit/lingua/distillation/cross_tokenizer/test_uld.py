@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from apps.main.teacher_cache import TeacherCacheArgs, write_cache
+from apps.main.teacher_cache import TeacherCacheArgs
+from lingua.distillation.cache.write_job import write_cache
 from lingua.args import parse_args
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.online.bridge import BridgeSpec, check_handshake
@@ -16,7 +17,7 @@ from lingua.distillation.cache.store import CacheManifest, open_cache, read_shar
 from lingua.distillation.cache.codec import decode_shard, encode_shard
 from lingua.distillation.cross_tokenizer.targets import map_topk_rows
 from lingua.distillation.cross_tokenizer.teacher_side import load_cross_tokenizer
-from lingua.distillation.distiller import CacheDistiller
+from lingua.distillation.cache.distiller import CacheDistiller
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.distillation.online.server import TeacherServer
 from lingua.distillation.teacher.model import TeacherModel
@@ -115,14 +116,14 @@ def test_the_cache_carries_the_marked_entries_and_trains_with_uld(uld_cache):
     hidden, weight = torch.randn(*batch["input_ids"].shape, 16, generator=generator), torch.randn(258, 16)
     kd = {}
     for uld_weight, fused_loss in ((0.5, True), (0.5, False), (0.0, True)):
-        distiller = CacheDistiller(replace(train, uld_weight=uld_weight, fused_loss=fused_loss), None)
+        distiller = CacheDistiller(replace(train, uld_weight=uld_weight, fused_loss=fused_loss))
         distiller.begin_step(0, 1.0)
         teacher = batch["teacher"]
         if uld_weight == 0:  # today's targets: the same windows without the marked entries
             ids = teacher.ids
             teacher = replace(teacher, values=torch.where(ids < 0, float("-inf"), teacher.values.float()).to(
                 teacher.values.dtype), ids=torch.where(ids < 0, ~ids, ids))
-        loss = distiller.head_loss(batch["labels"], distiller.submit({**batch, "teacher": teacher}, 0, 0),
+        loss = distiller.head_loss(batch["labels"], distiller.submit({**batch, "teachers": [teacher]}, 0, 0),
                                    batch["labels"].numel(), None)(hidden, weight)
         kd[uld_weight, fused_loss] = distiller.step_metrics()["loss/kd"].item()
         assert torch.isfinite(loss)

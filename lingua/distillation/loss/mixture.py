@@ -1,22 +1,21 @@
-"""Several teachers (`distillation.teachers`): each position's KD term mixed over the teachers that teach it.
+"""The KD loss of a student's teachers, one or several: each position's KD term mixed over the teachers that teach it.
 
     routing = source_routing(args.teachers, active_sources(data.sources))   # [sources, teachers] weights
-    clients = handshake_clients(args, topo, vocab, n_words, max_batch)      # one bridge per teacher, one verdict
     weights = mixing_weights(routing, batch["source_ids"], [o.kd_weight for o in outputs], labels.shape)
-    loss, ce, per_teacher = mixed_head_loss(hidden, head_weight, labels, outputs, weights, n_valid, alpha, args)
+    loss, ce, per_teacher = teachers_head_loss(hidden, head_weight, labels, outputs, weights, n_valid, alpha, args,
+                                               uld)
 
 A position of source s takes KD from the teachers that list s in their `sources` (or list none), with weights
 w_i / sum of theirs; a cross-tokenizer teacher with no target at the position (kd_weight 0) leaves the others the
 whole term. A position no teacher teaches takes CE alone, as an unaligned cross-tokenizer position does. So the
-loss is (1 - alpha) * CE + alpha * T^2 * sum_i weight_i * KD_i: the weighted sum of each teacher's KD term.
+loss is (1 - alpha) * CE + alpha * T^2 * sum_i weight_i * KD_i: the weighted sum of each teacher's KD term. A lone
+teacher's weights are its own kd_weight (None: every position), which is that sum with one term.
 
-Every teacher receives every micro-batch's request, whatever the routing: each bridge's per-step protocol is
-the one-teacher protocol, and no rank decides alone to skip a collective (the routing only weighs the answers).
-The fused loss takes the teachers together (`fused_linear_kd_loss(..., more_teachers=...)`): one logits GEMM and
+The fused loss takes several teachers together (`fused_linear_kd_loss(..., more_teachers=...)`): one logits GEMM and
 one pair of gradient GEMMs per chunk for all of them, each further teacher's chunk math (CE's passes over
-[rows, V], its KD folded in) on a copy of the chunk's logits. With loss_weight_grad=vocab_blocks or loss_compile it
-runs once per teacher instead: the first carries CE, the others alpha = 1 with kd_weight = alpha * weight, which
-is exactly alpha * T^2 * weight * KD and no CE (each costs one more pass of the fused head, GEMMs included).
+[rows, V], its KD folded in) on a copy of the chunk's logits. With loss_weight_grad=vocab_blocks, loss_compile or
+ULD it runs once per teacher instead: the first carries CE, the others alpha = 1 with kd_weight = alpha * weight,
+which is exactly alpha * T^2 * weight * KD and no CE (each costs one more pass of the fused head, GEMMs included).
 """
 
 import contextlib
@@ -26,19 +25,16 @@ import torch
 import torch.nn.functional as F
 
 from lingua.args import require
-from lingua.distillation.args import AgreedPeerStopped, DistillationArgs, TeacherArgs
-from lingua.distillation.online.bridge import agreed_handshakes
-from lingua.distillation.online.client import TeacherClient, student_record
 from lingua.distillation.loss.divergences import distillation_loss
 from lingua.distillation.loss.fused import fused_linear_kd_loss
-from lingua.distillation.outputs import TeacherOutputs
 from lingua.distillation.loss.reference import kd_loss_and_stats
 from lingua.transformer import cross_entropy_sum
 
+REFERENCE_CHUNK_SIZE = 1024  # positions per chunk of kd_loss when distillation.loss_chunk_size=0 (auto)
 TEACHER_STATS = ("loss", "teacher_mass", "top1_agreement", "weight", "aligned")  # kd/<i>/<stat>, per teacher
 
 
-def check_teacher_sources(teachers: list[TeacherArgs], data_sources: dict) -> None:
+def check_teacher_sources(teachers: list, data_sources: dict) -> None:
     """Every source a teacher lists is one of data.sources."""
     for i, teacher in enumerate(teachers):
         for name in teacher.sources:
@@ -50,7 +46,7 @@ def check_teacher_sources(teachers: list[TeacherArgs], data_sources: dict) -> No
                     "list a source that is read, or remove this teacher")
 
 
-def source_routing(teachers: list[TeacherArgs], source_names: list[str]) -> torch.Tensor:
+def source_routing(teachers: list, source_names: list[str]) -> torch.Tensor:
     """[sources, teachers]: teacher i's weight for each source it teaches (every source when it lists none), 0
     elsewhere. Not normalised: a position's weights are normalised over the teachers with a target there."""
     table = torch.zeros(len(source_names), len(teachers), dtype=torch.float32)
@@ -71,31 +67,38 @@ def mixing_weights(routing: torch.Tensor, source_ids: torch.Tensor, aligned: lis
     return [torch.where(total > 0, r / torch.where(total > 0, total, 1.0), 0.0) for r in raw]
 
 
-def mixed_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, outputs: list[TeacherOutputs],
-                    weights: list[torch.Tensor], n_valid: int, alpha: float, args: DistillationArgs):
+def teachers_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, outputs: list,
+                       weights: list[Optional[torch.Tensor]], n_valid: int, alpha: float, args,
+                       uld: Optional[list[bool]] = None):
     """(loss, CE / n_valid, per-teacher stats [teachers, 5] / n_valid: KD, teacher mass, top-1 agreement, each
-    weighted by the teacher's weight, then the weight itself and the alignment) of one micro-batch."""
+    weighted by the teacher's weight, then the weight itself and the alignment) of one micro-batch. `weights`: each
+    teacher's KD weight per position (None: every position); `uld`: which teachers take ULD (args.uld_weight > 0:
+    the cross-tokenizer ones, whose top-k marks its unmapped entries)."""
     normalizer, valid = max(n_valid, 1), labels != -100
+    uld = uld or [False] * len(outputs)
+    uld_of = [args.uld_weight if u else 0.0 for u in uld]
     per_teacher, loss = [], None
     if not args.fused_loss:  # the reference: logits, then CE and each teacher's chunked kd_loss
         logits = F.linear(hidden, weight)
         share = valid.sum() / normalizer  # this micro-batch's share of the step's tokens
         ce = cross_entropy_sum(logits, labels) / normalizer
-        kd = 0.0
-        for teacher, w in zip(outputs, weights):
+        kd = None
+        for teacher, w, uld_weight in zip(outputs, weights, uld_of):
             kd_i, stats = kd_loss_and_stats(logits, teacher, valid, args.temperature, args.divergence, args.jsd_beta,
-                                            args.loss_chunk_size or 1024, kd_weight=w)
-            kd = kd + kd_i
+                                            args.loss_chunk_size or REFERENCE_CHUNK_SIZE, kd_weight=w,
+                                            uld_weight=uld_weight, uld_k=args.uld_k)
+            kd = kd_i if kd is None else kd + kd_i
             per_teacher.append(stats.double()[:3] * share)
         loss = distillation_loss(ce, kd * share, alpha, args.temperature)
-    elif args.loss_weight_grad == "accumulate" and not args.compiles_loss(True, hidden.device):  # shared head GEMMs
+    elif (len(outputs) > 1 and args.loss_weight_grad == "accumulate" and not any(uld_of)
+          and not args.compiles_loss(True, hidden.device)):  # shared head GEMMs
         loss, sums = fused_linear_kd_loss(hidden, weight, labels, outputs[0], normalizer, alpha, args.temperature,
                                           args.divergence, args.jsd_beta, args.loss_chunk_size, kd_weight=weights[0],
                                           more_teachers=tuple(zip(outputs[1:], weights[1:])))
         sums = sums.double() / normalizer
         ce, per_teacher = sums[0], list(sums[1:].view(-1, 3))
     else:
-        for i, (teacher, w) in enumerate(zip(outputs, weights)):
+        for i, (teacher, w, uld_weight) in enumerate(zip(outputs, weights, uld_of)):
             # The first call carries CE; the others add alpha * T^2 * weight * KD (alpha = 1, the weight scaled). At
             # alpha = 0 they add nothing: a pass without gradients still measures their KD, as the first call does.
             measure_only = i > 0 and alpha == 0.0
@@ -105,14 +108,15 @@ def mixed_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
                                                   args.jsd_beta, args.loss_chunk_size,
                                                   kd_weight=w if i == 0 or measure_only else w * alpha,
                                                   weight_grad=args.loss_weight_grad,
-                                                  compiled=args.compiles_loss(True, hidden.device))
+                                                  compiled=args.compiles_loss(True, hidden.device),
+                                                  uld_weight=uld_weight, uld_k=args.uld_k)
             sums = sums.double() / normalizer
             if i == 0:
                 ce = sums[0]
             per_teacher.append(sums[1:] if i == 0 or measure_only else sums[1:] / alpha)
             if not measure_only:
                 loss = part if loss is None else loss + part
-    extra = [torch.stack([(w * valid).sum().double() / normalizer,
+    extra = [torch.stack([((valid if w is None else w * valid).sum().double() / normalizer),
                           ((1.0 if t.kd_weight is None else t.kd_weight) * valid).sum().double() / normalizer])
              for t, w in zip(outputs, weights)]
     stats = torch.cat([torch.stack(per_teacher).to(hidden.device), torch.stack(extra).to(hidden.device)], dim=1)
@@ -126,39 +130,4 @@ def teacher_metrics(stats: torch.Tensor, cross: list[bool]) -> dict:
         for name, value in zip(TEACHER_STATS, row.unbind()):
             if name != "aligned" or cross[i]:
                 out[f"kd/{i}/{name}"] = value
-    return out
-
-
-def handshake_clients(args: DistillationArgs, topo, vocab: dict, n_words: int, max_batch: tuple[int, int],
-                      attn_mask: str = "causal") -> list[TeacherClient]:
-    """One TeacherClient per teacher: every bridge's handshake, then one world-wide verdict (as with one)."""
-    views = [topo.for_teacher(i) for i in range(len(args.teachers))]
-    each = [args.teacher_args(i) for i in range(len(args.teachers))]
-    records = [student_record(a, view, vocab, n_words, *max_batch, attn_mask) for a, view in zip(each, views)]
-    specs = agreed_handshakes(topo, list(zip(views, records, each)))
-    return [TeacherClient(a, view, vocab, n_words, *max_batch, attn_mask, spec=spec)
-            for a, view, spec in zip(each, views, specs)]
-
-
-def first_error(clients: list[TeacherClient], kind: str) -> tuple[int, Exception]:
-    """(1 + index, sentence) of the first teacher whose responses carried the agreed error ("error" or "nan"),
-    or (0, a stop saying another bridge's teacher failed) when none of this student's did."""
-    for i, client in enumerate(clients):
-        error = client.teacher_error() if kind == "error" else client.nan_error()
-        if error is not None:
-            return i + 1, error
-    what = "failed" if kind == "error" else "sent outputs that are not finite"
-    return 0, AgreedPeerStopped(f"a teacher in another bridge {what}; its students' logs name it")
-
-
-def mixed_log_metrics(clients: list[TeacherClient]) -> dict:
-    """Each teacher's bridge metrics as kd/<i>/..., the students' wait summed, busy as the busiest teacher's."""
-    out = {"speed/teacher_wait_s": sum(c.wait_clock.read_step() for c in clients),
-           "speed/teacher_wait_total_s": sum(c.wait_clock.total_s for c in clients)}
-    for i, client in enumerate(clients):
-        for key, value in client.metrics().items():
-            out[key.replace("kd/", f"kd/{i}/", 1)] = value
-    out["kd/teacher_busy"] = max(out[f"kd/{i}/teacher_busy"] for i in range(len(clients)))
-    for key in ("kd/bytes_up", "kd/bytes_down"):
-        out[key] = sum(out[key.replace("kd/", f"kd/{i}/", 1)] for i in range(len(clients)))
     return out
