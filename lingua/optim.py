@@ -45,9 +45,10 @@ class OptimArgs:
     cosine_theta: float = 1.0  # cosine: progress is raised to this power before the cosine
     decay_fraction: float = 0.1  # wsd: fraction of all steps spent in the final decay
     # AdamW's kernels: "fused" (one kernel per dtype and device), "foreach" (multi-tensor ops) or "for_loop" (ops
-    # per parameter). "auto": fused where the parameters are on a GPU, for_loop on the CPU. torch's own default
-    # (foreach=None) takes the per-parameter loop for FSDP2's DTensor parameters: on an H100 that loop took 159
-    # ms of a 139M student's 420 ms step on the host, with the GPU idle (docs/gpu/README.md, 2026-11-27).
+    # per parameter). "auto": fused where the parameters are on a GPU, for_loop on the CPU. Explicit, because
+    # torch picks the multi-tensor path only when both foreach and fused are None (DTensor is among its
+    # foreach-supported types): the old fused=False with foreach=None meant the per-parameter loop, which took
+    # 159 ms of a 139M student's step on an H100's host, the GPU idle (docs/gpu/README.md, 2026-11-27).
     implementation: str = "auto"
 
     def validate(self) -> None:

@@ -12,6 +12,7 @@ from lingua.distillation.client import TeacherClient
 from lingua.distillation.distiller import KDDistiller, heldout_row
 from lingua.distillation.mixture import first_error, mixed_head_loss, mixed_log_metrics, mixing_weights, teacher_metrics
 from lingua.distillation.outputs import TeacherOutputs
+from lingua.parallel.host_copies import to_device
 
 
 class MixedTeachersDistiller(KDDistiller):
@@ -31,8 +32,9 @@ class MixedTeachersDistiller(KDDistiller):
         """A micro-batch's loss from every teacher's targets (`source_ids` None: every row of source 0, which
         only a routing without sources allows: each source's row is the same)."""
         if source_ids is None:
-            source_ids = torch.zeros(labels.shape[0], dtype=torch.int32)
-        weights = mixing_weights(self.routing, source_ids.to(hidden.device), [o.kd_weight for o in outputs],
+            source_ids = torch.zeros(labels.shape[0], dtype=torch.int32, device=hidden.device)
+        # The batch's source ids are pinned on CUDA: a blocking copy here would wait for the whole trunk forward.
+        weights = mixing_weights(self.routing, to_device(source_ids, hidden.device), [o.kd_weight for o in outputs],
                                  tuple(labels.shape))
         loss, ce, stats = mixed_head_loss(hidden, weight, labels, outputs, weights, n_valid, self.alpha, self.args)
         self._add_ce(ce)
