@@ -2,6 +2,8 @@
 
 import math
 
+from functools import partial
+
 import pytest
 import torch
 from torch import nn
@@ -161,8 +163,8 @@ def test_every_implementation_steps_fsdp2_dtensor_parameters_as_the_loop_does(tr
     from torch.distributed.tensor import DTensor
 
     from apps.main.transformer import LMTransformer
-    from lingua.parallel.launch_plan import DistributedArgs
-    from lingua.parallel.parallelize import parallelize_model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     from tests.unit.test_export import tiny_args
 
     results = {}
@@ -170,7 +172,12 @@ def test_every_implementation_steps_fsdp2_dtensor_parameters_as_the_loop_does(tr
         torch.manual_seed(0)
         model = LMTransformer(tiny_args())
         model.init_weights()
-        parallelize_model(model, DeviceMesh.from_group(train_group, "cpu"), DistributedArgs())
+        # FSDP2 as parallelize.py shards several students in bf16 (the default model_dtype; one student gets one unit).
+        shard = partial(fully_shard, mesh=DeviceMesh.from_group(train_group, "cpu"),
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        for i, block in enumerate(model.layers):
+            shard(block, reshard_after_forward=i < len(model.layers) - 1)
+        shard(model, reshard_after_forward=False)
         optimizer, scheduler = build_optimizer(model, OptimArgs(lr=1e-2, warmup=2, implementation=implementation), 6)
         assert optimizer.defaults["fused"] is (implementation == "fused")
         assert optimizer.defaults["foreach"] is (implementation == "foreach")
@@ -188,8 +195,8 @@ def test_every_implementation_steps_fsdp2_dtensor_parameters_as_the_loop_does(tr
 
 
 @pytest.mark.timeout(30)
-def test_auto_is_the_loop_on_the_cpu_and_an_unknown_implementation_is_a_sentence():
+def test_auto_is_fused_on_the_cpu_too_and_an_unknown_implementation_is_a_sentence():
     optimizer, _ = build_optimizer(Tiny(), OptimArgs(), 4)
-    assert optimizer.defaults["fused"] is False and optimizer.defaults["foreach"] is False  # CPU runs unchanged
+    assert optimizer.defaults["fused"] is True and optimizer.defaults["foreach"] is False  # the loop's numbers to fp32
     with pytest.raises(ValueError, match="optim.implementation.*auto, fused, foreach, for_loop"):
         build_optimizer(Tiny(), OptimArgs(implementation="apex"), 4)
