@@ -44,7 +44,7 @@ FACTORY_KWARG = "device"
 @dataclass(frozen=True)
 class Sync:
     kind: str
-    where: str  # file:line function of the innermost frame in lingua/ or apps/
+    where: str  # path:line function of the innermost frame in lingua/ or apps/
     detail: str = ""
 
     def __str__(self) -> str:
@@ -52,11 +52,13 @@ class Sync:
 
 
 def call_site() -> tuple[str, str, str]:
-    """(file name, function, 'file:line function') of the innermost frame of our code (lingua/, apps/)."""
+    """(path from lingua/ or apps/, function, 'path:line function') of the innermost frame of our code."""
     for frame in reversed(traceback.extract_stack()):
-        if ("/lingua/" in frame.filename or "/apps/" in frame.filename or frame.filename.startswith("/tmp/")) and "host_sync" not in frame.filename:
-            name = Path(frame.filename).name
-            return name, frame.name, f"{name}:{frame.lineno} {frame.name}"
+        parts = Path(frame.filename).parts
+        ours = [i for i, part in enumerate(parts) if part in ("lingua", "apps")]
+        if ours and "host_sync" not in frame.filename:
+            path = "/".join(parts[ours[-1]:])
+            return path, frame.name, f"{path}:{frame.lineno} {frame.name}"
     return "?", "?", "?"
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from apps.bench.runs import ROOT, torchrun_command
+from apps.bench.launcher import ROOT, torchrun_command
 
 LAYERS, DIM, TOKENS, STEPS, FIRST_MEASURED = 30, 32, 16, 40, 11
 MODEL = dict(dim=DIM, n_layers=LAYERS, n_heads=4, n_kv_heads=2, max_seqlen=TOKENS)
@@ -56,7 +56,7 @@ def timed_row(n: int, start, middle, end) -> dict:
 def minimal_loop(fsdp: bool, out: Path, steps: int = STEPS) -> None:
     """`steps` steps of the minimal loop in this process (a torchrun rank when `fsdp`); rank 0 writes its rows."""
     from apps.main.transformer import LMTransformer, LMTransformerArgs
-    from lingua.distillation.fused_loss import fused_ce_head
+    from lingua.distillation.loss.fused import fused_ce_head
 
     torch.set_num_threads(1)
     rank = 0

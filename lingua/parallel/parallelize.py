@@ -17,7 +17,7 @@ def parallelize_model(model: torch.nn.Module, mesh, args: DistributedArgs, no_re
     A world of one student has nothing to shard, and FSDP's per-block hooks doubled the host's work of a small
     student's step (docs/benchmarks.md, 2026-12-06): in fp32 it is left plain; in bf16 it is one FSDP unit (the
     root), for FSDP's mixed precision (bf16 compute, fp32 weights and gradient reduction) and nothing else.
-    Checkpoints stay DCP's: a plain model's saves load into a sharded one and back (tests/unit/test_checkpoint.py)."""
+    Checkpoints stay DCP's: a plain model's saves load into a sharded one and back (tests/unit/lingua/test_checkpoint.py)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     args.validate()

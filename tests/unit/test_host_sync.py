@@ -16,10 +16,10 @@ import torch
 from apps.main.train import optimizer_step, train_step, TrainArgs
 from apps.main.transformer import LMTransformer, LMTransformerArgs
 from lingua.distillation.args import DistillationArgs, TeacherArgs
-from lingua.distillation.bridge import BridgeSpec, Op, RECORD_BYTES, RequestHeader, ResponseStatus
-from lingua.distillation.client import TeacherClient
+from lingua.distillation.online.bridge import BridgeSpec, Op, RECORD_BYTES, RequestHeader, ResponseStatus
+from lingua.distillation.online.client import TeacherClient
 from lingua.distillation.distiller import CacheDistiller, NoDistiller, OnlineDistiller
-from lingua.distillation.feed import MicroBatchFeed
+from lingua.distillation.micro_batches import MicroBatchFeed
 from lingua.distillation.mixed_distillers import CachedTeachersDistiller, SeveralTeachersDistiller
 from lingua.distillation.mixture import source_routing
 from lingua.distillation.outputs import TeacherOutputs
@@ -33,16 +33,16 @@ STEPS, GRAD_ACC = 3, 2
 ALLOWED = {
     # The teacher reads each request's header on the host: the shapes of the forward come from it (on NCCL this
     # read is where the wait for the request really ends), before anything is queued.
-    ("server.py", "_headers", "d2h"),
+    ("lingua/distillation/online/server.py", "_headers", "d2h"),
     # A cross-tokenizer leader aligns the students' tokens on its CPU: they come to the host once per request,
     # before the teacher's forward is queued.
-    ("server.py", "_cross_forward_rows", "d2h"),
+    ("lingua/distillation/online/server.py", "_cross_forward_rows", "d2h"),
     # transformers' create_causal_mask looks for packed sequences in the position ids it made itself, with a host
     # read (masking_utils.find_packed_sequence_indices: `.all()`), at the start of each decoder call: only the
     # embedding is queued by then (a tensor-parallel teacher's DTensor shows it as an item read). Upstream's;
     # docs/gpu/README.md lists it for a GPU profile to size.
-    ("teacher.py", "_decoder", "data_dependent"),
-    ("teacher.py", "_decoder", "item"),
+    ("lingua/distillation/teacher/model.py", "_decoder", "data_dependent"),
+    ("lingua/distillation/teacher/model.py", "_decoder", "item"),
 }
 
 
@@ -130,8 +130,8 @@ def fake_bridge(monkeypatch, guard: HostSyncGuard, specs: list[BridgeSpec], gene
     def scatter(output, inputs, src, group, async_op):
         output.copy_(responses[output.numel()])  # on the device: what NCCL writes
         return FakeWork()
-    monkeypatch.setattr("lingua.distillation.client.dist.scatter", scatter)
-    monkeypatch.setattr("lingua.distillation.client.dist.gather", lambda *args, **kwargs: FakeWork())
+    monkeypatch.setattr("lingua.distillation.online.client.dist.scatter", scatter)
+    monkeypatch.setattr("lingua.distillation.online.client.dist.gather", lambda *args, **kwargs: FakeWork())
 
 
 def client(args: DistillationArgs, spec: BridgeSpec, teacher_rank: int) -> TeacherClient:
@@ -192,9 +192,9 @@ def teacher_server(guard, tiny_teacher, output: str, cross: bool, link=None):
     """A leader TeacherServer on the emulated device (built without its constructor's handshake and process
     groups), serving two students."""
     from lingua.distillation.cross_tokenizer.teacher_side import load_cross_tokenizer
-    from lingua.distillation.serving_clock import ServingClock
-    from lingua.distillation.server import TeacherServer
-    from lingua.distillation.teacher import TeacherModel
+    from lingua.distillation.online.serving_clock import ServingClock
+    from lingua.distillation.online.server import TeacherServer
+    from lingua.distillation.teacher.model import TeacherModel
     from lingua.metrics import MemoryMonitor
     from lingua.parallel.preemption import PreemptionFlag
     from lingua.tokenizer import TokenizerArgs
@@ -232,7 +232,7 @@ def requests(guard, spec_: BridgeSpec, step: int, generator) -> list[torch.Tenso
 
 def serve_requests(guard, server, spec_: BridgeSpec, monkeypatch) -> list:
     """Three requests through the leader's `_handle` and `_reply`; the last two are watched."""
-    monkeypatch.setattr("lingua.distillation.server.dist.scatter", lambda *args, **kwargs: None)
+    monkeypatch.setattr("lingua.distillation.online.server.dist.scatter", lambda *args, **kwargs: None)
     generator = torch.Generator().manual_seed(4)
     switch = SimpleNamespace(observe=lambda *args, **kwargs: None)
     for step in (1, 2, 3):
@@ -257,7 +257,7 @@ def test_a_tensor_parallel_leaders_request_path_makes_no_host_sync(cross, guard,
                                                                   monkeypatch):
     """The replica's traffic (the round, the teacher's tokens, the flags) on a 1-rank replica group: the leader's
     writes into its device buffers and what it sends."""
-    from lingua.distillation.replica import ReplicaLink
+    from lingua.distillation.online.replica import ReplicaLink
 
     topo = SimpleNamespace(teacher_tp_group=train_group, replica_ranks=[0], device=DEVICE)
     spec_ = BridgeSpec(B, S, 258 if cross else 512, "topk", K, torch.bfloat16, kd_weight=cross)

@@ -17,8 +17,8 @@ import sys
 import torch
 
 from apps.main import train
-from lingua.distillation.server import TeacherServer
-from lingua.distillation.teacher import TeacherModel
+from lingua.distillation.online.server import TeacherServer
+from lingua.distillation.teacher.model import TeacherModel
 
 FIRST_CHECKED_STEP = 3
 FIRST_CHECKED_REQUEST = 4
