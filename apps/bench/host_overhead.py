@@ -58,7 +58,6 @@ def minimal_loop(fsdp: bool, out: Path, steps: int = STEPS) -> None:
     from apps.main.transformer import LMTransformer, LMTransformerArgs
     from lingua.distillation.loss.fused import fused_ce_head
 
-    torch.set_num_threads(1)
     rank = 0
     if fsdp:
         import torch.distributed as dist
@@ -162,32 +161,38 @@ def run(command: list[str], log: Path, timeout_s: float) -> None:
         raise SystemExit(f"{' '.join(command[:8])} ... failed (exit {result.returncode}); its log: {log}")
 
 
-def bench(out: Path, steps: int = STEPS, ranks: tuple = (1, 2), timeout_s: float = 600) -> dict:
-    """Every loop of the table, one after the other; returns (and writes) results.json's content."""
+def bench(out: Path, steps: int = STEPS, ranks: tuple = (1, 2), repeats: int = 1, ours_set: tuple = (),
+          timeout_s: float = 600) -> dict:
+    """Every loop of the table, `repeats` rounds of them in turn (a busy machine slows whichever runs then: each
+    figure is the median of its rounds' medians); returns (and writes) results.json's content."""
     out.mkdir(parents=True, exist_ok=True)
     corpus = write_corpus(out / "corpus")
     first = min(FIRST_MEASURED, max(1, steps // 2))
-    results = {"setup": dict(layers=LAYERS, dim=DIM, tokens_per_step=TOKENS, steps=steps, medians_of_steps=[first, steps],
-                             threads_per_rank=1, torch=torch.__version__), "loops": {}}
     me = [sys.executable, "-m", "apps.bench.host_overhead"]
-    run([*me, "--minimal", str(out / "minimal_1.json"), "--steps", str(steps)], out / "minimal_1.log", timeout_s)
-    results["loops"]["minimal, 1 process"] = median_ms(json.loads((out / "minimal_1.json").read_text()), first)
+    loops = {"minimal, 1 process": lambda rows: [*me, "--minimal", str(rows), "--steps", str(steps)]}
     for n in ranks:
-        name = f"minimal_fsdp_{n}"
-        run(torchrun_command(n, "apps.bench.host_overhead", ["--minimal-fsdp", str(out / f"{name}.json"),
-                                                              "--steps", str(steps)]), out / f"{name}.log", timeout_s)
-        results["loops"][f"minimal + FSDP2, {n} rank(s)"] = median_ms(json.loads((out / f"{name}.json").read_text()),
-                                                                      first)
+        loops[f"minimal + FSDP2, {n} rank(s)"] = lambda rows, n=n: torchrun_command(
+            n, "apps.bench.host_overhead", ["--minimal-fsdp", str(rows), "--steps", str(steps)])
         # One step more than measured: a step's row is closed by the next step's start.
-        overrides = our_overrides(corpus, out / f"ours_{n}", steps + 1)
-        run(torchrun_command(n, "apps.bench.host_overhead", ["--ours", str(out / f"ours_{n}.json"), *overrides]),
-            out / f"ours_{n}.log", timeout_s)
-        results["loops"][f"ours, {n} rank(s)"] = median_ms(json.loads((out / f"ours_{n}.json").read_text()), first)
-    loops = results["loops"]
+        loops[f"ours, {n} rank(s)"] = lambda rows, n=n: torchrun_command(n, "apps.bench.host_overhead", [
+            "--ours", str(rows), *our_overrides(corpus, rows.with_suffix(""), steps + 1, ours_set)])
+    rounds: dict[str, list[dict]] = {name: [] for name in loops}
+    for round_ in range(repeats):
+        for i, (name, command) in enumerate(loops.items()):
+            rows = out / f"r{round_}_{i}.json"
+            run(command(rows), rows.with_suffix(".log"), timeout_s)
+            rounds[name].append(median_ms(json.loads(rows.read_text()), first))
+    results = {"setup": dict(layers=LAYERS, dim=DIM, tokens_per_step=TOKENS, steps=steps, medians_of_steps=[first, steps],
+                             threads_per_rank=1, repeats=repeats, ours_overrides=list(ours_set),
+                             torch=torch.__version__),
+               "loops": {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+                         for name, runs in rounds.items()},
+               "rounds": rounds}
+    medians = results["loops"]
     for n, baseline, key in ((1, "minimal, 1 process", "ours_1_over_minimal"),
                              (2, "minimal + FSDP2, 2 rank(s)", "ours_2_over_minimal_fsdp_2")):
         if n in ranks:  # the host's work (CPU) and the wall time, each ours over the baseline
-            results[key] = {part: round(loops[f"ours, {n} rank(s)"][part] / loops[baseline][part], 3)
+            results[key] = {part: round(medians[f"ours, {n} rank(s)"][part] / medians[baseline][part], 3)
                             for part in ("step_cpu", "step")}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     return results
@@ -208,6 +213,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "dumps" / "bench" / "host_overhead")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--ranks", default="1,2", help="the world sizes of the launched loops")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every loop, in turn")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for our trainer's runs (e.g. optim.implementation=for_loop)")
     parser.add_argument("--minimal", type=Path, help=argparse.SUPPRESS)  # a worker: the minimal loop, one process
     parser.add_argument("--minimal-fsdp", type=Path, help=argparse.SUPPRESS)  # a worker: a torchrun rank of it
     parser.add_argument("--ours", type=Path, help=argparse.SUPPRESS)  # a worker: a timed rank of apps.main.train
@@ -215,8 +223,10 @@ def main(argv=None) -> None:
     if options.ours:
         return ours_worker(options.ours, overrides)
     if options.minimal or options.minimal_fsdp:
+        torch.set_num_threads(1)  # (OMP_NUM_THREADS=1 too: `run`)
         return minimal_loop(bool(options.minimal_fsdp), options.minimal or options.minimal_fsdp, options.steps)
-    results = bench(options.out, options.steps, tuple(int(n) for n in options.ranks.split(",")))
+    results = bench(options.out, options.steps, tuple(int(n) for n in options.ranks.split(",")), options.repeats,
+                    tuple(options.set))
     print(table(results))
     print(f"results: {options.out / 'results.json'}")
 
