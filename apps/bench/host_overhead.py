@@ -4,7 +4,8 @@
 
 With 30 layers of dim 32 and 16 tokens a step the compute vanishes and what is left is the host's work: Python,
 dispatch, hooks, the optimizer's loop. Each loop trains 40 steps on one thread per rank; the table gives the medians
-of steps 11-40 (step, fwd+bwd, optimizer, in ms) of:
+of steps 11-40 (step, fwd+bwd, optimizer, in ms: the main thread's CPU time, the host's work, and the wall time)
+of each loop's least disturbed round (`--repeats`; all rounds are in results.json), for:
   ours       `apps.main.train` under torchrun on 1 and 2 gloo ranks (CE only, the CPU defaults; the data producer
              off so that its process does not share the cores; `speed/step_time_s` and the StepTimer's parts)
   minimal    a loop over the same LMTransformer: forward with our fused CE head, backward, torch's clip_grad_norm_,
@@ -163,8 +164,8 @@ def run(command: list[str], log: Path, timeout_s: float) -> None:
 
 def bench(out: Path, steps: int = STEPS, ranks: tuple = (1, 2), repeats: int = 1, ours_set: tuple = (),
           timeout_s: float = 600) -> dict:
-    """Every loop of the table, `repeats` rounds of them in turn (a busy machine slows whichever runs then: each
-    figure is the median of its rounds' medians); returns (and writes) results.json's content."""
+    """Every loop of the table, `repeats` rounds of them in turn (a busy machine slows whichever runs then);
+    returns (and writes) results.json's content (`summarize`)."""
     out.mkdir(parents=True, exist_ok=True)
     corpus = write_corpus(out / "corpus")
     first = min(FIRST_MEASURED, max(1, steps // 2))
@@ -182,19 +183,26 @@ def bench(out: Path, steps: int = STEPS, ranks: tuple = (1, 2), repeats: int = 1
             rows = out / f"r{round_}_{i}.json"
             run(command(rows), rows.with_suffix(".log"), timeout_s)
             rounds[name].append(median_ms(json.loads(rows.read_text()), first))
-    results = {"setup": dict(layers=LAYERS, dim=DIM, tokens_per_step=TOKENS, steps=steps, medians_of_steps=[first, steps],
-                             threads_per_rank=1, repeats=repeats, ours_overrides=list(ours_set),
-                             torch=torch.__version__),
-               "loops": {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-                         for name, runs in rounds.items()},
-               "rounds": rounds}
-    medians = results["loops"]
-    for n, baseline, key in ((1, "minimal, 1 process", "ours_1_over_minimal"),
-                             (2, "minimal + FSDP2, 2 rank(s)", "ours_2_over_minimal_fsdp_2")):
-        if n in ranks:  # the host's work (CPU) and the wall time, each ours over the baseline
-            results[key] = {part: round(medians[f"ours, {n} rank(s)"][part] / medians[baseline][part], 3)
-                            for part in ("step_cpu", "step")}
+    setup = dict(layers=LAYERS, dim=DIM, tokens_per_step=TOKENS, steps=steps, medians_of_steps=[first, steps],
+                 threads_per_rank=1, repeats=repeats, ours_overrides=list(ours_set), torch=torch.__version__,
+                 load_average=os.getloadavg())
+    results = summarize(setup, rounds)
     (out / "results.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+def summarize(setup: dict, rounds: dict[str, list[dict]]) -> dict:
+    """Each loop's best round (least step CPU: the round other processes disturbed least; on a shared machine even
+    CPU time grows with their load) and the median of its rounds, and the two ratios from the best rounds."""
+    results = {"setup": setup, "loops": {name: min(runs, key=lambda r: r["step_cpu"]) for name, runs in rounds.items()},
+               "loops_median_of_rounds": {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+                                          for name, runs in rounds.items()},
+               "rounds": rounds}
+    best = results["loops"]
+    for ours, baseline, key in (("ours, 1 rank(s)", "minimal, 1 process", "ours_1_over_minimal"),
+                                ("ours, 2 rank(s)", "minimal + FSDP2, 2 rank(s)", "ours_2_over_minimal_fsdp_2")):
+        if ours in best:  # the host's work (CPU) and the wall time, each ours over the baseline
+            results[key] = {part: round(best[ours][part] / best[baseline][part], 3) for part in ("step_cpu", "step")}
     return results
 
 

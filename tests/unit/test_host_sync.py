@@ -3,7 +3,7 @@ and the teacher's per-request path (forward and reply), run on a device emulated
 for every road: CE only, online, a cache, several teachers (online and cached), cross-tokenizer (online and cached,
 top-k and sampled), a tensor-parallel teacher. A blocking host -> device copy, a non_blocking one from pageable
 memory, `.item()`, `.tolist()`, `.cpu()` or an op whose output shape depends on device values fails the test with
-its call site. The first step (or request) warms up; the next ones are watched.
+its call site. The first step (or request) warms up; the next is watched. About 40 s on 2 cores.
 
 The syncs the code means to make, each with its reason, are the only ones allowed (ALLOWED)."""
 
@@ -28,7 +28,7 @@ from lingua.timing import StepTimer
 from tests.host_sync import DEVICE, HostSyncGuard, device_copy
 
 V, B, S, K = 64, 2, 16, 8  # the student's vocabulary, micro-batch rows, positions, top-k
-STEPS, GRAD_ACC = 3, 2
+STEPS, GRAD_ACC = 2, 2  # the first step warms up, the second is watched
 
 ALLOWED = {
     # The teacher reads each request's header on the host: the shapes of the forward come from it (on NCCL this
@@ -179,7 +179,7 @@ def test_the_students_step_makes_no_host_sync(road, guard, monkeypatch):
     assert not syncs, guard.report()
 
 
-@pytest.mark.parametrize("implementation", ["for_loop", "foreach", "fused"])
+@pytest.mark.parametrize("implementation", ["for_loop", "foreach"])  # fused: every road above
 def test_each_optimizer_implementation_steps_without_a_host_sync(implementation, guard):
     syncs = run_student(guard, NoDistiller(DistillationArgs()), host_batches(torch.Generator().manual_seed(2)),
                         implementation=implementation)
@@ -231,11 +231,11 @@ def requests(guard, spec_: BridgeSpec, step: int, generator) -> list[torch.Tenso
 
 
 def serve_requests(guard, server, spec_: BridgeSpec, monkeypatch) -> list:
-    """Three requests through the leader's `_handle` and `_reply`; the last two are watched."""
+    """Two requests through the leader's `_handle` and `_reply`; the second is watched."""
     monkeypatch.setattr("lingua.distillation.online.server.dist.scatter", lambda *args, **kwargs: None)
     generator = torch.Generator().manual_seed(4)
     switch = SimpleNamespace(observe=lambda *args, **kwargs: None)
-    for step in (1, 2, 3):
+    for step in (1, 2):
         server.gathered = [*requests(guard, spec_, step, generator), device_copy(guard, torch.zeros(
             spec_.request_ints(), dtype=torch.int32))]
         with guard.watching() if step > 1 else contextlib.nullcontext():
