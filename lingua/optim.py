@@ -47,7 +47,7 @@ class OptimArgs:
     decay_fraction: float = 0.1  # wsd: fraction of all steps spent in the final decay
     # AdamW's kernels: "fused" (one kernel per dtype and device), "foreach" (multi-tensor ops) or "for_loop" (ops
     # per parameter). "auto": fused (torch has it for CUDA and the CPU; foreach elsewhere). On the CPU it gives the
-    # loop's metrics to fp32 rounding (docs/benchmarks.md, 2026-12-06) for a fifth of its host time. Explicit, because
+    # loop's metrics to fp32 rounding for under half its host time (docs/benchmarks.md, 2026-12-06). Explicit, because
     # torch picks the multi-tensor path only when both foreach and fused are None (DTensor is among its
     # foreach-supported types): the old fused=False with foreach=None meant the per-parameter loop, which took
     # 159 ms of a 139M student's step on an H100's host, the GPU idle (docs/gpu/README.md, 2026-11-27).
