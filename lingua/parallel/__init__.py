@@ -16,6 +16,8 @@ FSDP, preemption, and what a rank says when a peer dies or stops answering.
     host_copies.py   host -> device copies that never block the host: pins, to_device, pin_tree (a batch's
                      tensors, TeacherOutputs and lists pinned); the hot paths' only way to the GPU
     preemption.py    PreemptionFlag (signals only set a flag; the loop agrees on it), SLURM requeue
+    recovery.py      in-job restarts: the rendezvous store per attempt (PyTorch #135712), the previous
+                     generation's crash read and agreed at startup, recovery.jsonl, the crash loop's sentence
     rank_status.py   RankStatus: each rank's status file; a lost peer or a collective timeout becomes one
                      sentence naming the group, the rank(s) and the step (the rules apps/debug/postmortem.py
                      applies after the fact)
