@@ -52,7 +52,6 @@ from lingua.logger import init_logger
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs, build_optimizer, clip_grad_norm_
 from lingua.parallel.collectives import AgreedError, agree_count, agree_flags
-from lingua.parallel.host_copies import pins
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, read_launch_env
 from lingua.parallel.parallelize import parallelize_model
 from lingua.parallel.preemption import PreemptionFlag, requeue_if_slurm
@@ -295,7 +294,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
     timer, ended = StepTimer(device), "completed"
     last_step = args.steps if args.exit_after_steps is None else min(args.steps, state.step + args.exit_after_steps)
     feed = MicroBatchFeed(loader, distiller, args.grad_acc_steps, distiller.prefetch, last_step,
-                          pin_memory=pins(device))
+                          pin_memory=device.type == "cuda")
 
     def save(kinds: list[str]) -> float:
         """The step's checkpoints (if any); returns their seconds, logged apart from the step's (checkpoint/save_s)."""

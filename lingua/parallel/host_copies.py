@@ -2,8 +2,8 @@
 
 On CUDA a copy from pageable memory, or one without `non_blocking`, makes the host wait for the stream: every
 kernel queued before it (a whole forward) runs first. From pinned (page-locked) memory with `non_blocking=True`
-the copy is queued like a kernel. `pins(device)` is the one place that says when host buffers are pinned
-(tests/host_sync.py's emulated device says yes too).
+the copy is queued like a kernel. `pins(device)` says when host buffers are pinned (the trainer's feed asks
+`device.type == "cuda"`, the same answer; tests/host_sync.py's emulated device says yes here too).
 """
 
 from dataclasses import fields, is_dataclass, replace
