@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -79,6 +80,8 @@ class HostSyncGuard(TorchDispatchMode):
 
     @staticmethod
     def _ptr(t: torch.Tensor) -> int:
+        if isinstance(t, FakeTensor):  # DTensor's sharding propagation computes on these: no storage of ours
+            return 0
         try:  # a DTensor (tensor-parallel teacher) by its local shard: the mode sees its ops, not theirs
             return getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
         except Exception:  # meta, sparse, a subclass without storage
