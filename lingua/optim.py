@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 SCHEDULERS = ("constant", "linear", "cosine", "inv_sqrt", "wsd")
 IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
+FUSED_DEVICE_TYPES = ("cuda", "cpu")  # where torch has fused AdamW kernels (auto picks them)
 
 
 @dataclass
@@ -45,9 +46,11 @@ class OptimArgs:
     cosine_theta: float = 1.0  # cosine: progress is raised to this power before the cosine
     decay_fraction: float = 0.1  # wsd: fraction of all steps spent in the final decay
     # AdamW's kernels: "fused" (one kernel per dtype and device), "foreach" (multi-tensor ops) or "for_loop" (ops
-    # per parameter). "auto": fused where the parameters are on a GPU, for_loop on the CPU. torch's own default
-    # (foreach=None) takes the per-parameter loop for FSDP2's DTensor parameters: on an H100 that loop took 159
-    # ms of a 139M student's 420 ms step on the host, with the GPU idle (docs/gpu/README.md, 2026-11-27).
+    # per parameter). "auto": fused (torch has it for CUDA and the CPU; foreach elsewhere). On the CPU it gives the
+    # loop's metrics to fp32 rounding for under half its host time (docs/benchmarks.md, 2026-12-06). Explicit, because
+    # torch picks the multi-tensor path only when both foreach and fused are None (DTensor is among its
+    # foreach-supported types): the old fused=False with foreach=None meant the per-parameter loop, which took
+    # 159 ms of a 139M student's step on an H100's host, the GPU idle (docs/gpu/README.md, 2026-11-27).
     implementation: str = "auto"
 
     def validate(self) -> None:
@@ -120,8 +123,8 @@ def build_optimizer(model: nn.Module, args: OptimArgs, n_steps: int) -> tuple[to
     assert n_steps >= 1, n_steps  # TrainArgs.validate() checks steps
     implementation = args.implementation
     if implementation == "auto":
-        on_gpu = any(p.device.type == "cuda" for p in model.parameters())
-        implementation = "fused" if on_gpu else "for_loop"
+        fused_here = all(p.device.type in FUSED_DEVICE_TYPES for p in model.parameters())
+        implementation = "fused" if fused_here else "foreach"
     optimizer = torch.optim.AdamW(
         param_groups(model, args.weight_decay), lr=args.lr, betas=(args.beta1, args.beta2), eps=args.epsilon,
         foreach=implementation == "foreach", fused=implementation == "fused",

@@ -15,4 +15,5 @@
     feeding_step.py      `feeding --device cuda`'s whole step: CE-only against KD from a teacher cache
     alignment_cost.py    cross-tokenizer alignment on real tokenizers: aligned share and the teacher's cost
     tp_load.py           loading a tensor-parallel teacher: own shards from safetensors against load-and-slice
+    host_overhead.py     the host's work per step of a tiny student: our trainer against minimal loops (FSDP2 or not)
 """

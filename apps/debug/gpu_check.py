@@ -1,12 +1,14 @@
 """The GPU self-check: the first command to run on a GPU machine.
 
     bash setup/gpu_check.sh [--quick] [--out DIR] [extra pytest arguments]   # or: python -m apps.debug.gpu_check ...
+    bash setup/gpu_check.sh --list     # every check, the GPUs it needs and what it checks; runs nothing
 
 Runs every test marked `cuda` under tests/ (tests/gpu: CUDA-event step timing, flex attention for document masks,
 the fused loss's fp32 accumulation, the teacher loaded onto its GPU, no host sync per micro-batch under
 `torch.cuda.set_sync_debug_mode`, the NCCL KD run against the gloo one, a teacher failure ending every rank, a
 flight-recorder dump on a hang; and those beside the CPU tests, e.g. the teacher-wait clock's CUDA events) and
-prints one row per check: passed, FAILED or skipped with the reason (a check that needs 2 GPUs skips on one).
+prints one row per check: passed, FAILED or skipped with the reason, and the GPUs it needs (a check that needs 2
+GPUs skips on one; `tests/gpu/gpus.py`'s `needs_gpus(n)` says how many, 1 for a bare `cuda` mark).
 Exit status 0 when every check that ran passed and at least one ran, else 1.
 
 Everything lands in one folder, named on the first line (`--out DIR`, default dumps/gpu_check/<UTC time>):
@@ -35,8 +37,9 @@ class CheckTable:
     def pytest_collection_finish(self, session):
         for item in session.items:  # what runs, after `-m cuda` deselected the rest
             doc = " ".join((getattr(item.obj, "__doc__", None) or "").split())
+            gpus = item.get_closest_marker("gpus")
             self.rows[item.nodeid] = dict(name=item.name, doc=doc if len(doc) <= 120 else doc[:117] + "...",
-                                          outcome="not run", seconds=0.0, reason="")
+                                          outcome="not run", seconds=0.0, reason="", gpus=gpus.args[0] if gpus else 1)
 
     def pytest_runtest_logreport(self, report):
         row = self.rows.get(report.nodeid)
@@ -63,14 +66,25 @@ def machine_line() -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """One line per check: outcome, seconds, test name, what it checks (or why it did not run)."""
-    lines = [f"{'result':<8} {'s':>6}  check"]
+    """One line per check: outcome, seconds, GPUs it needs, test name, what it checks (or why it did not run)."""
+    lines = [f"{'result':<8} {'s':>6} {'gpus':>4}  check"]
     for row in rows:
         what = row["doc"] or row["name"]
-        lines.append(f"{row['outcome']:<8} {row['seconds']:>6.1f}  {row['name']}: {what}")
+        lines.append(f"{row['outcome']:<8} {row['seconds']:>6.1f} {row['gpus']:>4}  {row['name']}: {what}")
         if row["reason"]:
             lines.append(f"{'':<16}{row['reason']}")
     return "\n".join(lines)
+
+
+def list_checks(quick: bool, rest: list[str]) -> int:
+    """`--list`: each check with the GPUs it needs and what it checks (collected, not run)."""
+    table = CheckTable()
+    pytest.main([str(CHECKS), "-m", "cuda and not slow" if quick else "cuda", "-qq", "--collect-only",
+                 "-p", "no:cacheprovider", "--rootdir", str(ROOT), *rest], plugins=[table])
+    rows = sorted(table.rows.values(), key=lambda row: row["gpus"])
+    print(f"{'gpus':>4}  check\n" + "\n".join(f"{r['gpus']:>4}  {r['name']}: {r['doc'] or r['name']}" for r in rows))
+    print(f"{len(rows)} checks; at most {max((r['gpus'] for r in rows), default=0)} GPUs")
+    return 0 if rows else 1
 
 
 def split_args(argv: list[str]) -> tuple[bool, Path, list[str]]:
@@ -88,6 +102,9 @@ def split_args(argv: list[str]) -> tuple[bool, Path, list[str]]:
 
 
 def main(argv: list[str]) -> int:
+    if "--list" in argv:
+        quick, _, rest = split_args([arg for arg in argv if arg != "--list"])
+        return list_checks(quick, rest)
     quick, out, rest = split_args(argv)
     out.mkdir(parents=True, exist_ok=True)
     print(f"GPU self-check{' (--quick)' if quick else ''}: table and logs in {out}", flush=True)

@@ -38,6 +38,7 @@ from lingua.distillation.loss.fused import fused_linear_kd_loss
 from lingua.distillation.loss.mixture import mixing_weights, teacher_metrics, teachers_head_loss
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.parallel.collectives import AgreedError
+from lingua.parallel.host_copies import to_device
 from lingua.transformer import cross_entropy_sum
 
 logger = logging.getLogger(__name__)
@@ -206,8 +207,9 @@ class KDDistiller(Distiller):
         if not self.several:
             return [outputs[0].kd_weight]
         if source_ids is None:
-            source_ids = torch.zeros(labels.shape[0], dtype=torch.int32)
-        return mixing_weights(self.routing, source_ids.to(device), [o.kd_weight for o in outputs],
+            source_ids = torch.zeros(labels.shape[0], dtype=torch.int32, device=device)
+        # The batch's source ids are pinned on CUDA: a blocking copy here would wait for the whole trunk forward.
+        return mixing_weights(self.routing, to_device(source_ids, device), [o.kd_weight for o in outputs],
                               tuple(labels.shape))
 
     def step_metrics(self) -> dict:

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import torch
+from lingua.parallel.host_copies import pin_tree
 
 
 @dataclass(eq=False)  # identity: a batch holds tensors
@@ -55,9 +55,8 @@ class MicroBatchFeed:
         if self.last_step is not None and step > self.last_step:
             return False
         batch = next(self.loader)
-        if self.pin_memory:
-            batch = {key: value.pin_memory() if isinstance(value, torch.Tensor) else value
-                     for key, value in batch.items()}
+        if self.pin_memory:  # every tensor in it, the teachers' targets of a cache too (TeacherOutputs, lists)
+            batch = pin_tree(batch)
         self.queue.append(MicroBatch(step, micro_step, batch, self.loader.state_dict()))
         return True
 

@@ -12,7 +12,9 @@ FSDP, preemption, and what a rank says when a peer dies or stops answering.
                      rank log, SIGUSR1), which runs while the main thread waits in a collective
     flight_recorder.py  torch's flight recorder read in-process and dumped to <dump_dir>/comm_traces/rank_<r>
                      for PyTorch's analyzer (gloo too); each group's last collective
-    parallelize.py   FSDP2, torch.compile and activation checkpointing of the student
+    parallelize.py   FSDP2, torch.compile and activation checkpointing of the student (one student: no sharding)
+    host_copies.py   host -> device copies that never block the host: pins, to_device, pin_tree (a batch's
+                     tensors, TeacherOutputs and lists pinned); the hot paths' only way to the GPU
     preemption.py    PreemptionFlag (signals only set a flag; the loop agrees on it), SLURM requeue
     recovery.py      in-job restarts: the rendezvous store per attempt (PyTorch #135712), the previous
                      generation's crash read and agreed at startup, recovery.jsonl, the crash loop's sentence

@@ -12,7 +12,12 @@ logger = logging.getLogger(__name__)
 
 def parallelize_model(model: torch.nn.Module, mesh, args: DistributedArgs, no_recompute_ops=None):
     """Activation checkpointing, torch.compile and FSDP2 (per block, then the root) over `mesh`
-    (the students' mesh from the Topology; None in a single process: no sharding)."""
+    (the students' mesh from the Topology; None in a single process: no sharding).
+
+    A world of one student has nothing to shard, and FSDP's per-block hooks doubled the host's work of a small
+    student's step (docs/benchmarks.md, 2026-12-06): in fp32 it is left plain; in bf16 it is one FSDP unit (the
+    root), for FSDP's mixed precision (bf16 compute, fp32 weights and gradient reduction) and nothing else.
+    Checkpoints stay DCP's: a plain model's saves load into a sharded one and back (tests/unit/lingua/test_checkpoint.py)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     args.validate()
@@ -21,11 +26,15 @@ def parallelize_model(model: torch.nn.Module, mesh, args: DistributedArgs, no_re
     if args.compile:
         for i, block in enumerate(model.layers):
             model.layers[i] = torch.compile(block)
-    if mesh is None:
+    one_student = mesh is not None and mesh.size() == 1
+    if mesh is None or (one_student and args.model_dtype == "fp32"):
         return model
     param_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.model_dtype]
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     shard = partial(fully_shard, mesh=mesh, mp_policy=policy)
+    if one_student:
+        shard(model, reshard_after_forward=False)
+        return model
     n_layers = len(model.layers)
     for i, block in enumerate(model.layers):
         # The last block's params are needed right away by the root's backward: don't reshard them.

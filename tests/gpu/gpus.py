@@ -11,10 +11,11 @@ def gpu_count() -> int:
 
 
 def needs_gpus(n: int):
-    """Mark a test `cuda`; skip it with the reason where fewer than `n` GPUs are visible."""
+    """Mark a test `cuda` and `gpus(n)` (the self-check's table and `--list` show n); skip it with the reason where
+    fewer than `n` GPUs are visible."""
     have = gpu_count()
     skip = pytest.mark.skipif(have < n, reason=f"needs {n} CUDA GPU{'s' if n > 1 else ''}, {have} visible")
 
     def mark(test):
-        return pytest.mark.cuda(skip(test))
+        return pytest.mark.cuda(pytest.mark.gpus(n)(skip(test)))
     return mark

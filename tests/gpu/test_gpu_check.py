@@ -1,5 +1,5 @@
-"""The GPU self-check's own run where there is no GPU: every check listed as skipped with its reason, exit 1, the
-table written to the folder it names; `--quick` lists the in-process checks only."""
+"""The GPU self-check's own run where there is no GPU: every check listed as skipped with its reason and the GPUs it
+needs, exit 1, the table written to the folder it names; `--quick` lists the in-process checks only."""
 
 import os
 import subprocess
@@ -44,6 +44,8 @@ def test_without_a_gpu_every_check_is_listed_skipped_and_the_check_fails(tmp_pat
     rows = table_rows(out)
     assert len(rows) >= 9 and all(line.startswith("skipped") for line in rows), out
     assert "test_no_host_sync_per_micro_batch_with_a_teacher" in out and "needs 2 CUDA GPUs, 0 visible" in out
+    for gpus, check in ((1, "training_from_a_cache"), (2, "with_a_cross_tokenizer_teacher"), (3, "with_several_teachers")):
+        assert f"{gpus:>4}  test_no_host_sync_{check}" in out, out  # each check says the GPUs it needs
     assert "test_three_students_and_a_teacher_in_bf16_compiled_with_look_ahead" in out
     assert "nothing was checked" in out
     written = (tmp_path / "full" / "table.txt").read_text()

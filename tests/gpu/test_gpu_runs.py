@@ -1,6 +1,9 @@
-"""Training launches on GPUs (NCCL): no host sync per micro-batch, the NCCL run equal to the gloo run, a teacher
-failure that ends every rank within seconds, a flight-recorder dump on a hang. Marked `cuda` (skipped without the
-GPUs each needs, written to pass with them: `bash setup/gpu_check.sh`) and `slow` (they launch torchrun)."""
+"""Training launches on GPUs (NCCL): no host sync on any road's hot path (CE, online, a cache, a cross-tokenizer
+teacher, several teachers; the student's micro-batches and optimizer step, the teacher's work after its forward),
+the NCCL run equal to the gloo run, a teacher failure that ends every rank within seconds, a flight-recorder dump on
+a hang. They run what users run: the data producer process (data.load_async, the default) feeds every launch here.
+Marked `cuda` (skipped without the GPUs each needs, written to pass with them: `bash setup/gpu_check.sh`, whose
+`--list` shows each check with its GPUs) and `slow` (they launch torchrun)."""
 
 import time
 
@@ -11,16 +14,19 @@ from tests.gpu.gpus import needs_gpus
 from tests.runs import assert_ok, base_overrides, distill_overrides, torchrun, wait_for_step
 
 # bf16, longer windows, and heads of 16 dimensions: flex_attention's GPU kernels take no smaller ones.
+# The data producer runs as it does for users (tests/runs.py turns it off for the CPU launches' time).
 GPU_RUN = {"distributed.model_dtype": "bf16", "data.seq_len": 128, "model.max_seqlen": 128, "model.dim": 64,
-           "model.n_heads": 4, "model.n_kv_heads": 2}
+           "model.n_heads": 4, "model.n_kv_heads": 2, "data.load_async": "true"}
+CROSS = {"data.tokenizer.name": "bytes", "data.tokenizer.path": "null", "distillation.cross_tokenizer": "true"}
 FLEX_CHOSEN = "document-causal attention on cuda: flex (model.attn_impl=auto)"
 
 
-def assert_sync_free_run(nproc: int, overrides: list[str], dump) -> None:
-    """Six steps under the sync-debug worker ("error" on any host sync after warm-up), with flex attention."""
+def assert_sync_free_run(nproc: int, overrides: list[str], dump, flex: bool = True) -> None:
+    """Six steps under the sync-debug worker ("error" on any host sync after warm-up: the students' micro-batches
+    and optimizer step, the teacher's work after its forward), with flex attention where `flex`."""
     result = torchrun(nproc, overrides, timeout=240, module="tests.gpu.workers.sync_debug")
     assert_ok(result)
-    assert FLEX_CHOSEN in result.stdout, result.stdout[-4000:]
+    assert not flex or FLEX_CHOSEN in result.stdout, result.stdout[-4000:]
     assert sorted(train_rows(dump)) == [6]
 
 
@@ -43,6 +49,47 @@ def test_no_host_sync_per_micro_batch_with_a_teacher(corpus, tiny_teacher, tmp_p
                                   **{**GPU_RUN, "model.attn_mask": "doc_causal", "logging.freq": 100,
                                      "distillation.teacher_dtype": "bf16"})
     assert_sync_free_run(2, overrides, tmp_path / "run")
+
+
+@pytest.mark.slow
+@needs_gpus(1)
+@pytest.mark.timeout(400)
+def test_no_host_sync_training_from_a_cache(corpus, tiny_teacher, tmp_path):
+    """One GPU: the teacher cache written (apps.main.teacher_cache), then a student trains from it under sync-debug:
+    the batches' targets (pinned with the batch) reach the GPU without blocking."""
+    cache_dir = tmp_path / "cache"
+    kd = {**GPU_RUN, "logging.freq": 100, "distillation.teacher_dtype": "bf16"}
+    written = torchrun(1, [*distill_overrides(corpus, tiny_teacher, tmp_path / "writer", steps=6, grad_acc_steps=2,
+                                              **kd), f"cache_dir={cache_dir}", "streams=1", "shard_sequences=4"],
+                       timeout=150, module="apps.main.teacher_cache")
+    assert_ok(written)
+    overrides = distill_overrides(corpus, tiny_teacher, tmp_path / "run", steps=6, grad_acc_steps=2, **{
+        **kd, "distillation.source": "cache", "distillation.cache_dir": str(cache_dir)})
+    assert_sync_free_run(1, overrides, tmp_path / "run", flex=False)
+
+
+@pytest.mark.slow
+@needs_gpus(2)
+@pytest.mark.timeout(300)
+def test_no_host_sync_with_a_cross_tokenizer_teacher(corpus, tiny_teacher, tmp_path):
+    """Two GPUs, a byte student and a BPE teacher: the teacher aligns on its CPU (before its forward), maps its
+    top-k to the student's ids on the GPU (the vocabulary map copied once) and replies without a host sync."""
+    overrides = distill_overrides(corpus, tiny_teacher, tmp_path / "run", steps=6, grad_acc_steps=2, **{
+        **GPU_RUN, **CROSS, "model.attn_mask": "doc_causal", "logging.freq": 100, "distillation.teacher_dtype": "bf16"})
+    assert_sync_free_run(2, overrides, tmp_path / "run")
+
+
+@pytest.mark.slow
+@needs_gpus(3)
+@pytest.mark.timeout(300)
+def test_no_host_sync_with_several_teachers(corpus, tiny_teacher, tmp_path):
+    """Three GPUs, one student and two teachers (the second cross-tokenizer): each micro-batch's source ids and both
+    teachers' targets reach the mixed loss without a host sync."""
+    teachers = f"[{{path: {tiny_teacher}}}, {{path: {tiny_teacher}, cross_tokenizer: true, weight: 2.0}}]"
+    overrides = distill_overrides(corpus, tiny_teacher, tmp_path / "run", steps=6, grad_acc_steps=2, **{
+        **GPU_RUN, "logging.freq": 100, "distillation.teacher_dtype": "bf16", "distillation.teachers": teachers})
+    overrides = [o for o in overrides if not o.startswith("distillation.teacher_path=")]
+    assert_sync_free_run(3, overrides, tmp_path / "run", flex=False)
 
 
 @pytest.mark.slow

@@ -47,7 +47,7 @@ def map_topk_rows(values: torch.Tensor, ids: torch.Tensor, tail: torch.Tensor, v
     if k > vocab_map.student_vocab_size:
         raise ConfigError(f"distillation.k={k} exceeds the student's vocabulary ({vocab_map.student_vocab_size}); "
                           f"lower distillation.k.")
-    table = vocab_map.teacher_to_student.to(ids.device)
+    table = vocab_map.table(ids.device)
     student = table[ids.long().clamp(0, table.numel() - 1)]
     student = torch.where((ids >= 0) & (ids < table.numel()), student, -1)
     probs = values.float().exp()
@@ -115,7 +115,7 @@ def sample_student_ids(logits: torch.Tensor, k: int, temperature: float, vocab_m
     replacement from the teacher's probabilities at `temperature` added up per student id (-1: unmapped), their
     log-probs (-inf for -1) and the mapped part's sum_s p(s) log(p(s) / M)."""
     V = vocab_map.student_vocab_size
-    table = vocab_map.teacher_to_student.to(logits.device)
+    table = vocab_map.table(logits.device)
     probs = torch.softmax(logits.float().reshape(-1, logits.shape[-1]) / temperature, dim=-1)
     # Column V is the unmapped bucket; teacher ids past the map (padding rows of the head) are unmapped too.
     columns = torch.full((probs.shape[-1],), V, dtype=torch.int64, device=probs.device)

@@ -30,6 +30,7 @@ from lingua.distillation.cross_tokenizer.token_bytes import byte_fallback_ids, h
 from lingua.distillation.cross_tokenizer.vocab_map import VocabMap, build_vocab_map
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.errors import ConfigError
+from lingua.parallel.host_copies import to_device
 from lingua.tokenizer import Tokenizer, TokenizerArgs, build_tokenizer
 
 
@@ -127,7 +128,8 @@ class CrossTokenizerTeacher:
             def sample(logits, rng):
                 return sample_student_ids(logits, k, teacher.args.temperature, self.vocab_map, torch.float32, rng)
             drawn = teacher.sparse_outputs(hidden, "sampled", k, torch.float32, teacher.vocab_size, generator, sample)
-            outputs, kd_weight = student_sampled_targets(drawn, batch.source.to(drawn.values.device), wire_dtype)
+            source = to_device(batch.source, drawn.values.device)  # aligned on the host: pinned, not blocking
+            outputs, kd_weight = student_sampled_targets(drawn, source, wire_dtype)
         else:
             teacher_topk = teacher.sparse_outputs(hidden, "topk", k, torch.float32, teacher.vocab_size, generator)
             if teacher_topk is None:  # a follower: the top-k went to the replica's first rank
@@ -141,8 +143,8 @@ class CrossTokenizerTeacher:
                         unmapped_entries: bool = False) -> tuple[TeacherOutputs, torch.Tensor]:
         """The teacher's top-k over its [N, L] positions as student targets [N, S, k] and kd_weight [N, S]; with
         `unmapped_entries` (distillation.uld_weight > 0) also its unmapped entries, marked (`uld.py`)."""
-        return student_topk_targets(teacher_outputs, batch.source.to(teacher_outputs.values.device), self.vocab_map,
-                                    wire_dtype, unmapped_entries)
+        source = to_device(batch.source, teacher_outputs.values.device)  # aligned on the host: pinned, not blocking
+        return student_topk_targets(teacher_outputs, source, self.vocab_map, wire_dtype, unmapped_entries)
 
 
 def load_cross_tokenizer(student_args: TokenizerArgs, teacher_tokenizer_path: Optional[str], teacher_tokenizer,

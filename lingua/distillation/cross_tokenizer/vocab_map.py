@@ -11,10 +11,12 @@ is its eos sends "the document ends" to the student's eos); its other specials s
 """
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Collection, Optional, Sequence
 
 import torch
+
+from lingua.parallel.host_copies import to_device
 
 
 @dataclass
@@ -23,6 +25,17 @@ class VocabMap:
 
     teacher_to_student: torch.Tensor
     student_vocab_size: int
+    # The map on each device it was asked for, copied once: a copy per request would wait for the queued forward.
+    _on_device: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def table(self, device: torch.device) -> torch.Tensor:
+        """teacher_to_student on `device` (host: the map itself; elsewhere one copy, kept)."""
+        device = torch.device(device)
+        if device == self.teacher_to_student.device:
+            return self.teacher_to_student
+        if device not in self._on_device:
+            self._on_device[device] = to_device(self.teacher_to_student, device)
+        return self._on_device[device]
 
     @property
     def mapped(self) -> int:

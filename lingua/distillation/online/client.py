@@ -44,6 +44,7 @@ from lingua.distillation.online.bridge import (
 )
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.parallel.collectives import log_collective
+from lingua.parallel.host_copies import pins
 
 logger = logging.getLogger(__name__)
 STATUS_WORDS = NAN_WORD + 1  # the response status fields read per step (int64 each): failed, teacher_preempt, ..., NaN
@@ -160,7 +161,7 @@ class TeacherClient:
         self.teacher_heldout_bpb = self.spec.teacher_heldout_bpb
         self.n_words = n_words
         self.device = topo.device
-        self.pin = self.device.type == "cuda"  # pinned host buffers: the copy to the GPU does not block
+        self.pin = pins(self.device)  # pinned host buffers: the copy to the GPU does not block
         self.wait_clock = WaitClock(self.device)
         self.first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done)
         self.in_flight: list[TeacherHandle] = []

@@ -35,6 +35,7 @@ from lingua.distillation.args import WIRE_DTYPES, DistillationArgs
 from lingua.distillation.online.bridge import RECORD_BYTES, BridgeSpec, HandshakeRecord, ResponseStatus, teacher_failure
 from lingua.errors import PeerStopped
 from lingua.parallel.collectives import log_collective
+from lingua.parallel.host_copies import pins, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -99,21 +100,24 @@ class ReplicaLink:
 
     def share_forward(self, requests: list[torch.Tensor]) -> None:
         """Send the followers this round's request buffers (the students', in bridge order)."""
-        self.round[0] = Round.FORWARD
+        self.round[0].fill_(int(Round.FORWARD))  # on the device: a Python number written into it is a blocking copy
         torch.cat(requests, out=self.round[CONTROL_INTS + STATUS_INTS:])
         self._broadcast("forward")
 
     def share_leave(self, status: ResponseStatus, peer_stopped: bool = False) -> None:
         """Tell the followers to leave, with the status the students get (`peer_stopped`: its error is the
         students' own stop, not the teacher's)."""
-        self.round[0], self.round[1] = Round.LEAVE, int(peer_stopped)
-        self.round[CONTROL_INTS:CONTROL_INTS + STATUS_INTS] = status.pack().view(torch.int32).to(self.round.device)
+        self.round[0].fill_(int(Round.LEAVE))
+        self.round[1].fill_(int(peer_stopped))
+        record = status.pack(pin=pins(self.round.device)).view(torch.int32)
+        self.round[CONTROL_INTS:CONTROL_INTS + STATUS_INTS].copy_(record, non_blocking=True)
         self._broadcast("leave")
 
     def replica_flags(self, preempt: bool, peak_bytes: int) -> Optional[torch.Tensor]:
         """After a forward, on every rank: the max over the replica of (preemption flag, peak bytes), int64 on
         the leader's device (None elsewhere)."""
-        self.flags[0], self.flags[1] = int(preempt), int(peak_bytes)
+        self.flags[0].fill_(int(preempt))  # device-side writes: no host sync after the queued forward
+        self.flags[1].fill_(int(peak_bytes))
         log_collective("reduce(max) replica flags", self.group, self.flags)
         dist.reduce(self.flags, dst=self.leader, op=dist.ReduceOp.MAX, group=self.group)
         return self.flags if dist.get_rank() == self.leader else None
@@ -124,11 +128,12 @@ class ReplicaLink:
         aligned (given there; None on a follower, which receives them): their shape, then both in one tensor."""
         shape = torch.zeros(2, dtype=torch.int64, device=self.flags.device)
         if tokens is not None:
-            shape.copy_(torch.tensor(tokens.shape))
+            shape[0].fill_(tokens.shape[0])
+            shape[1].fill_(tokens.shape[1])
         log_collective("broadcast teacher grid shape", self.group, shape)
         dist.broadcast(shape, src=self.leader, group=self.group)
         if tokens is not None:
-            grid = torch.stack([tokens.long(), doc_ids.long()]).to(self.flags.device)
+            grid = to_device(torch.stack([tokens.long(), doc_ids.long()]), self.flags.device)  # aligned on the host
         else:
             grid = torch.empty((2, *shape.tolist()), dtype=torch.int64, device=self.flags.device)
         log_collective("broadcast teacher tokens", self.group, grid)

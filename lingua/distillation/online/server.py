@@ -55,6 +55,7 @@ from lingua.errors import PeerStopped, TeacherError, UserError, describe, is_sti
 from lingua.logger import rank_log_file
 from lingua.metrics import MemoryMonitor
 from lingua.parallel.collectives import log_collective
+from lingua.parallel.host_copies import pins, to_device
 from lingua.parallel.preemption import PreemptionFlag
 from lingua.parallel.rank_status import is_peer_loss
 
@@ -334,7 +335,7 @@ class TeacherServer:
             self.link.share_leave(status, peer_stopped=isinstance(failure, PeerStopped))
 
     def _reply(self, status: ResponseStatus) -> None:
-        record = status.pack(pin=self.topo.device.type == "cuda").to(self.topo.device, non_blocking=True)
+        record = status.pack(pin=pins(self.topo.device)).to(self.topo.device, non_blocking=True)
         for i, buf in enumerate(self.responses):
             buf[:RECORD_BYTES] = record
             if i in self.nan_flags:  # the teacher's check of its own outputs, read by the students with the status
@@ -415,13 +416,13 @@ class TeacherServer:
         if self.link is not None:
             teacher_tokens, teacher_docs = self.link.share_teacher_tokens(teacher_tokens, teacher_docs)
         device = tokens.device
-        hidden = self.teacher.hidden_states(teacher_tokens.to(device),
-                                            teacher_docs.to(device) if doc_ids is not None else None)
+        # Aligned on the host (the leader's): pinned, sent without blocking; a follower's are on the device already.
+        hidden = self.teacher.hidden_states(to_device(teacher_tokens, device),
+                                            to_device(teacher_docs, device) if doc_ids is not None else None)
         outputs = self.cross.student_targets(self.teacher, hidden, batch, self.spec.output, self.spec.k,
                                              self.spec.wire_dtype, self.generator, self.args.uld_weight > 0)
         if outputs is None:  # a follower: its part of the outputs went to the replica's first rank
             return
-        outputs.kd_weight = outputs.kd_weight.to(device)
         row = 0
         for rank, _ in students:
             header = headers[rank]

@@ -112,6 +112,31 @@ def test_round_trip_restores_weights_optimizer_and_train_state(tmp_path, train_g
 
 
 @pytest.mark.timeout(60)
+def test_a_plain_one_student_checkpoint_loads_into_fsdp_and_back(tmp_path, train_group):
+    """A world of one student trains without FSDP (parallelize.py); its checkpoints stay DCP's: they load into an
+    FSDP2-sharded model (a relaunch on more students) and a sharded one's load into a plain one, and training
+    goes on bit-exactly either way."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded(seed: int):
+        model, optimizer, scheduler = make(seed)
+        fully_shard(model, mesh=DeviceMesh.from_group(train_group, "cpu"))
+        optimizer, scheduler = build_optimizer(model, OptimArgs(lr=1e-2, warmup=2), 100)  # over the DTensors
+        return model, optimizer, scheduler
+
+    for build_from, build_into in ((make, sharded), (sharded, make)):
+        root = tmp_path / f"{build_from.__name__}_into_{build_into.__name__}"
+        model, optimizer, scheduler = build_from(0)
+        train(model, optimizer, scheduler, 3)
+        save(manager(root, train_group), model, optimizer, scheduler, 3)
+        expected_next = train(model, optimizer, scheduler, 3, seed=2)
+        fresh_model, fresh_opt, fresh_sched = build_into(123)
+        fresh_sched.load_state_dict(manager(root, train_group).load(fresh_model, fresh_opt)["scheduler"])
+        assert train(fresh_model, fresh_opt, fresh_sched, 3, seed=2) == expected_next
+
+
+@pytest.mark.timeout(60)
 def test_load_with_nothing_saved_returns_none(tmp_path, train_group):
     model, optimizer, _ = make()
     assert manager(tmp_path / "missing", train_group).load(model, optimizer) is None

@@ -2,6 +2,8 @@
 
 import math
 
+from functools import partial
+
 import pytest
 import torch
 from torch import nn
@@ -155,14 +157,14 @@ def test_clip_grad_norm_plain_tensors():
 
 @pytest.mark.timeout(60)
 def test_every_implementation_steps_fsdp2_dtensor_parameters_as_the_loop_does(train_group):
-    """torch's foreach=None takes the per-parameter loop for DTensor parameters (slow on a GPU host); "fused" and
-    "foreach", which "auto" picks on a GPU, must give the loop's numbers on FSDP2's DTensors (here on the CPU)."""
+    """The per-parameter loop is slow on a GPU host (what an explicit fused=False with foreach=None meant); "fused",
+    which "auto" picks, and "foreach" must give the loop's numbers on FSDP2's DTensors (here on the CPU)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
     from apps.main.transformer import LMTransformer
-    from lingua.parallel.launch_plan import DistributedArgs
-    from lingua.parallel.parallelize import parallelize_model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     from tests.unit.apps.main.test_export_hf import tiny_args
 
     results = {}
@@ -170,7 +172,12 @@ def test_every_implementation_steps_fsdp2_dtensor_parameters_as_the_loop_does(tr
         torch.manual_seed(0)
         model = LMTransformer(tiny_args())
         model.init_weights()
-        parallelize_model(model, DeviceMesh.from_group(train_group, "cpu"), DistributedArgs())
+        # FSDP2 as parallelize.py shards several students in bf16 (the default model_dtype; one student gets one unit).
+        shard = partial(fully_shard, mesh=DeviceMesh.from_group(train_group, "cpu"),
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        for i, block in enumerate(model.layers):
+            shard(block, reshard_after_forward=i < len(model.layers) - 1)
+        shard(model, reshard_after_forward=False)
         optimizer, scheduler = build_optimizer(model, OptimArgs(lr=1e-2, warmup=2, implementation=implementation), 6)
         assert optimizer.defaults["fused"] is (implementation == "fused")
         assert optimizer.defaults["foreach"] is (implementation == "foreach")
@@ -188,8 +195,8 @@ def test_every_implementation_steps_fsdp2_dtensor_parameters_as_the_loop_does(tr
 
 
 @pytest.mark.timeout(30)
-def test_auto_is_the_loop_on_the_cpu_and_an_unknown_implementation_is_a_sentence():
+def test_auto_is_fused_on_the_cpu_too_and_an_unknown_implementation_is_a_sentence():
     optimizer, _ = build_optimizer(Tiny(), OptimArgs(), 4)
-    assert optimizer.defaults["fused"] is False and optimizer.defaults["foreach"] is False  # CPU runs unchanged
+    assert optimizer.defaults["fused"] is True and optimizer.defaults["foreach"] is False  # the loop's numbers to fp32
     with pytest.raises(ValueError, match="optim.implementation.*auto, fused, foreach, for_loop"):
         build_optimizer(Tiny(), OptimArgs(implementation="apex"), 4)
