@@ -357,9 +357,43 @@ def _check_teacher_dir(path: str, key: str) -> None:
     """A path written as one (absolute, ./, ../, ~) cannot be a hub id: refuse it now, not at the handshake."""
     looks_local = path.startswith(("/", ".", "~"))
     require(not looks_local or Path(path).expanduser().exists(), key, path,
-            "that directory does not exist; point it at a transformers checkpoint directory "
-            "(`python -m setup.prepare_teacher --out DIR` makes SmolLM2-135M-Instruct, `python -m "
-            "setup.make_tiny_teacher --out DIR` a tiny random one)")
+            f"that directory does not exist{close_names(path)}; {teacher_dir_fix(path)}")
+
+
+DEMO_TEACHERS = Path("data") / "teachers"  # where setup.prepare_teacher and setup.make_tiny_teacher write
+
+
+def close_names(path: str) -> str:
+    """", did you mean X or Y (in its folder)?" for the entries of a missing `path`'s folder whose names are close
+    to its own (difflib), ", nor does its folder F" where that is missing too, else ""."""
+    import difflib
+
+    local = Path(path).expanduser()
+    folder = local.parent
+    if not folder.is_dir():
+        return f", nor does its folder {folder}" if str(folder) not in ("", ".") else ""
+    try:
+        names = [entry.name for entry in folder.iterdir()]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(local.name, names, n=3, cutoff=0.6)
+    close += [name for name in names if name.lower() == local.name.lower() and name not in close]  # case only
+    if not close:
+        return ""
+    return f", did you mean {' or '.join(str(folder / name) for name in close[:3])}?"
+
+
+def teacher_dir_fix(path: str) -> str:
+    """What to do about a teacher directory that is missing or unusable: point at a checkpoint directory, and only
+    for a path under data/teachers/ (where the demo's teachers live) the commands that make one there; anywhere else
+    they would write a toy model where the user's own teacher was meant to be."""
+    fix = "point it at a transformers checkpoint directory"
+    parts = Path(path).expanduser().parts
+    under_demo = any(parts[i:i + 2] == DEMO_TEACHERS.parts for i in range(len(parts) - 1)) and len(parts) > 2
+    if under_demo:
+        fix += (f", or make one: `python -m setup.prepare_teacher --out {path}` (SmolLM2-135M-Instruct, the demo "
+                f"teacher) or `python -m setup.make_tiny_teacher --out {path}` (the tiny test teacher)")
+    return fix
 
 
 def check_seq_len_fits_teacher(seq_len: int, max_positions: int, where: str) -> None:

@@ -80,7 +80,7 @@ def test_missing_hub_style_teacher_fails_at_the_handshake_on_every_rank(corpus, 
 
 @pytest.mark.timeout(90)
 def test_truncated_teacher_weights_fail_fast_on_every_rank_naming_the_fix(corpus, tiny_teacher, tmp_path):
-    damaged = tmp_path / "damaged-teacher"
+    damaged = tmp_path / "data" / "teachers" / "damaged-teacher"  # under data/teachers/: the demo's commands apply
     shutil.copytree(tiny_teacher, damaged)
     weights = (damaged / "model.safetensors").read_bytes()
     (damaged / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # an interrupted copy
