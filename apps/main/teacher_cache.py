@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from apps.main.train import TrainArgs
-from lingua.args import parse_args, require
+from lingua.args import parse_args, require, require_filled
 from lingua.bits_per_byte import batches_target_bytes, bits_per_byte, token_byte_lengths
 from lingua.cli import release_sigterm, run_cli
 from lingua.data import DataLoader
@@ -99,6 +99,7 @@ class TeacherCacheArgs(TrainArgs):
         teacher = replace(self.distillation, source="online", n_teacher_ranks=self.distillation.teacher_tp)
         TrainArgs.validate(replace(self, enable_distillation=True, distillation=teacher))
         require(bool(self.cache_dir), "cache_dir", self.cache_dir, "pass cache_dir=<folder for the teacher cache>")
+        require_filled("cache_dir", self.cache_dir, "the folder to write the teacher cache to")
         for key in ("streams", "shard_sequences", "forward_rows"):
             require(getattr(self, key) >= 1, key, getattr(self, key), "use a positive integer")
         require(type(self.zstd_level) is int and 1 <= self.zstd_level <= 22, "zstd_level", self.zstd_level,

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from apps.main.train import TrainArgs
-from lingua.args import require
+from lingua.args import fill_training_defaults, require
 
 # The plan JSON's layout: 2 = cache.writer (was writer_overrides), the verdict's keys, the pilot's read command.
 PLAN_VERSION = 2
@@ -32,8 +32,9 @@ class PlanArgs(TrainArgs):
     teacher_tokens_per_s: float = 0.0  # measured, per teacher GPU (a replica's tokens/s / teacher_tp); 0 = cost model
     student_tokens_per_s: float = 0.0  # measured, per student GPU; 0 = cost model
     # distillation.cross_tokenizer: the teacher's tokens per student token on your data (its forward's work per
-    # student token scales by it), as `python -m apps.bench.cross_tokenizer` prints it for the pair
-    teacher_tokens_per_student_token: float = 1.0
+    # student token scales by it), as `python -m apps.bench.cross_tokenizer` prints it for the pair; 0 = measured by
+    # the planner where both tokenizers are on this machine (else it asks for it); 1 without cross_tokenizer
+    teacher_tokens_per_student_token: float = 0.0
     # distillation.teachers (several teachers, apps/plan/teachers.py): per teacher, in order; [] = the defaults
     teacher_configs: list[str] = field(default_factory=list)  # config.json files; [] = <teachers[i].path>/config.json
     teachers_tokens_per_student_token: list[float] = field(default_factory=list)  # [] = 1 each
@@ -68,9 +69,10 @@ class PlanArgs(TrainArgs):
                     "use measured tokens/s per GPU, or 0 for the cost model (gpu_tflops x mfu)")
         self.validate_teachers()
         ratio = self.teacher_tokens_per_student_token
-        require(math.isfinite(ratio) and ratio > 0, "teacher_tokens_per_student_token", ratio,
-                "use the measured ratio (python -m apps.bench.cross_tokenizer prints it), e.g. 1.1")
-        require(ratio == 1 or self.distillation.cross_tokenizer, "teacher_tokens_per_student_token", ratio,
+        require(math.isfinite(ratio) and ratio >= 0, "teacher_tokens_per_student_token", ratio,
+                "use the measured ratio (python -m apps.bench.cross_tokenizer prints it), e.g. 1.1, or 0 to let the "
+                "planner measure it")
+        require(ratio in (0, 1) or self.distillation.cross_tokenizer, "teacher_tokens_per_student_token", ratio,
                 "a student on the teacher's tokenizer has one teacher token per student token; leave it at 1, or "
                 "set distillation.cross_tokenizer=true")
         require(self.planned_runs >= 1, "planned_runs", self.planned_runs, "use 1 or more runs")
@@ -87,7 +89,10 @@ class PlanArgs(TrainArgs):
         for key in ("batch_size", "seq_len"):
             value = getattr(self.data, key)
             require(value >= 1, f"data.{key}", value, "use a positive number")
+        fill_training_defaults(self)  # as the trainer reads the config: model.max_seqlen=-1 -> data.seq_len
         self.model.validate()
+        require(self.model.max_seqlen >= self.data.seq_len, "model.max_seqlen", self.model.max_seqlen,
+                f"the model must fit data.seq_len={self.data.seq_len}; set model.max_seqlen >= {self.data.seq_len}")
         self.distributed.validate()
         self.distillation.validate(enabled=False)  # its values; the planner picks the teacher ranks itself
 
@@ -110,7 +115,7 @@ class PlanArgs(TrainArgs):
                                  ("teacher_tokens_per_s", "teachers_tokens_per_s")):
             require(not getattr(self, key), key, getattr(self, key),
                     f"with distillation.teachers give one value per teacher in {per_teacher}")
-        require(self.teacher_tokens_per_student_token == 1, "teacher_tokens_per_student_token",
+        require(self.teacher_tokens_per_student_token in (0, 1), "teacher_tokens_per_student_token",
                 self.teacher_tokens_per_student_token,
                 "with distillation.teachers give one ratio per teacher in teachers_tokens_per_student_token")
         for i, (ratio, teacher) in enumerate(zip(self.teachers_tokens_per_student_token, teachers)):

@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 import torch
 
-from lingua.args import require
+from lingua.args import require, require_filled
 from lingua.distillation.divergences import DIVERGENCES
 from lingua.distillation.fused_loss import WEIGHT_GRADS
 from lingua.distillation.outputs import FORMATS
@@ -355,6 +355,7 @@ def _check_own_settings(teacher: TeacherArgs, key: str) -> None:
 
 def _check_teacher_dir(path: str, key: str) -> None:
     """A path written as one (absolute, ./, ../, ~) cannot be a hub id: refuse it now, not at the handshake."""
+    require_filled(key, path, "the teacher's transformers checkpoint directory (the one holding its config.json)")
     looks_local = path.startswith(("/", ".", "~"))
     require(not looks_local or Path(path).expanduser().exists(), key, path,
             f"that directory does not exist{close_names(path)}; {teacher_dir_fix(path)}")
