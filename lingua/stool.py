@@ -47,18 +47,18 @@ GRACE_AWARE_SCRIPTS = ("apps.main.train",)
 @dataclass
 class StoolArgs:
     script: str = "apps.main.train"  # module run with `python -m` on every rank
-    config: str = ""  # the training yaml
-    launcher: str = "sbatch"  # "sbatch" | "submitit"
-    nodes: int = 1
+    config: str = ""  # the training config (.yaml) the job runs; required
+    launcher: str = "sbatch"  # how the job is submitted: "sbatch" (a script stool writes) | "submitit"
+    nodes: int = 1  # nodes of the job (each runs ntasks_per_node ranks)
     ngpus: int = 8  # GPUs per node; 0 = CPU partition
     ntasks_per_node: Optional[int] = None  # ranks per node; default ngpus (required when ngpus=0)
     ncpu: int = 8  # CPUs per task (rank)
     mem: str = ""  # per node, e.g. "200G"; "" = the partition's default
     partition: str = ""  # "" = the cluster's default partition
-    qos: str = ""
-    account: str = ""
-    constraint: str = ""
-    exclude: str = ""
+    qos: str = ""  # SLURM quality of service (--qos); "" = the account's default
+    account: str = ""  # SLURM account to charge (--account); "" = your default
+    constraint: str = ""  # SLURM node features required (--constraint, e.g. "h100"); "" = any
+    exclude: str = ""  # nodes not to run on (--exclude, e.g. "node[01-02]"); "" = none
     time: int = -1  # minutes; -1 = the partition's limit (from sinfo)
     job_name: str = ""  # "" = the config's name, else the dump dir's name
     sbatch_extra: list[str] = field(default_factory=list)  # extra sbatch options, e.g. "--mail-type=END"
@@ -67,6 +67,8 @@ class StoolArgs:
     dump_dir: str = ""  # "" = the training config's dump_dir
     env_activate: str = ""  # shell line run first; "" = activate this interpreter's venv/conda env; "none"
     python: str = ""  # "" = this interpreter
+    # Folders copied into the job's code snapshot (<dump_dir>/code), which the ranks run from and resolve relative
+    # paths against
     code_dirs: list[str] = field(default_factory=lambda: ["apps", "lingua", "setup", "configs"])
     dry_run: bool = False  # write everything, print the script, submit nothing
     force: bool = False  # reuse an existing dump dir without asking

@@ -78,7 +78,7 @@ PROGRESS_EVERY_S = 10.0
 
 @dataclass
 class TeacherCacheArgs(TrainArgs):
-    cache_dir: str = ""
+    cache_dir: str = ""  # the folder to write the cache to (created; a rerun resumes it); required
     streams: int = 1  # data-parallel students the cache is laid out for (train from it with as many)
     sequences_per_stream: int = 0  # windows per stream; 0 = what the config trains on: steps x grad_acc x batch
     shard_sequences: int = 64  # windows per shard file (the unit of resuming)

@@ -63,18 +63,19 @@ class TeacherArgs:
 @dataclass
 class DistillationArgs:
     teacher_path: Optional[str] = None  # local directory (or hub id when online) of a transformers causal LM
-    n_teacher_ranks: int = 1
+    n_teacher_ranks: int = 1  # ranks that run the teacher (the last ones by default); the rest are students
     # Ranks per teacher replica: the teacher sharded tensor-parallel over them (on one node); n_teacher_ranks is a
     # multiple of it, and its attention and KV head counts divide by it.
     teacher_tp: int = 1
     output: str = "topk"  # "topk" | "sampled" | "full"
     k: int = 64  # top-k ids, or samples per position for "sampled"
-    temperature: float = 1.0
+    temperature: float = 1.0  # softmax temperature T of teacher and student in the KD term (1 = as they are)
     alpha: float = 0.5  # loss = (1 - alpha) * CE + alpha * T^2 * KD
     alpha_schedule: str = "constant"  # "constant" | "lr" (alpha follows the lr schedule's factor)
     divergence: str = "fkl"  # "fkl" | "rkl" | "jsd"
-    jsd_beta: float = 0.5
+    jsd_beta: float = 0.5  # divergence=jsd: the mixture's weight on the teacher (0.5 = symmetric)
     teacher_dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU) | "bf16" | "fp32" | "fp16"
+    # The teacher's attention in transformers (sdpa, eager, flash_attention_2, ...); null = the model's default.
     attn_implementation: Optional[str] = "sdpa"
     wire_dtype: str = "bf16"  # dtype of the values sent to students: "bf16" | "fp16" | "fp32"
     # The student's CE + KD computed fused with its output head (lingua/distillation/fused_loss.py: no [tokens, vocab]
@@ -96,7 +97,7 @@ class DistillationArgs:
     # Where the teacher's outputs come from: "online" (teacher ranks, the bridge) or "cache" (an offline cache
     # written by apps.main.teacher_cache into cache_dir; every rank is a student, the cache is the dataset).
     source: str = "online"
-    cache_dir: Optional[str] = None
+    cache_dir: Optional[str] = None  # with source=cache: the folder apps.main.teacher_cache wrote
     # Teacher requests submitted ahead of the micro-batch being computed (0 = each right before its own
     # forward), across step boundaries: with 1 the teacher's forward hides behind the student's whole step.
     # "auto": 1 where it can (each rank its own GPU, or the node's cores enough for its ranks), else 0.
