@@ -41,7 +41,8 @@ def is_placeholder(value: Any) -> bool:
 def require_filled(key: str, value: Any, what: str) -> None:
     """One sentence for a placeholder pasted as it was printed (apps.plan prints `<...>` where it cannot know a
     path): replace it with `what`."""
-    require(not is_placeholder(value), key, value, f"that is a placeholder of a printed command; replace it with {what}")
+    require(not is_placeholder(value), key, value,
+            f"that is a placeholder of a printed command; replace it with {what}")
 
 
 def one_line(text: str) -> str:

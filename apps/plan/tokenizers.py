@@ -85,7 +85,7 @@ def teacher_tokenizer_dir(args, teacher_config: Optional[Path]) -> Optional[Path
     """The teacher's Hugging Face tokenizer folder where it is on this machine, else None."""
     named = args.distillation.teacher_tokenizer or teacher_dir(args, teacher_config)
     folder = Path(named).expanduser() if named else None
-    found = folder is not None and ((folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file())
+    found = folder is not None and any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
     return folder if found else None
 
 

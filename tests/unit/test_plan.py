@@ -21,6 +21,7 @@ from apps.plan.sizes import read_teacher_shape
 from apps.plan.timing import Speeds, Timing, max_students_per_replica
 from lingua.args import parse_args
 from lingua.cli import run_cli
+from lingua.errors import ConfigError
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -192,6 +193,21 @@ def test_the_cache_writer_splits_the_planned_windows_evenly_and_says_when_it_rou
     assert walled["teacher_pass_gpu_hours"] < plan_of(EXAMPLES["smollm2"])["cache"]["teacher_pass_gpu_hours"] / 16
     assert (walled["writer"]["sequences_per_stream"], walled["writer"]["tokens"], walled["writer"]["train_steps"]) == \
         (245, 8 * 245 * 1024, 500)
+
+
+def test_the_planner_reads_a_config_with_the_trainers_defaults():
+    """One function fills what a config leaves to the trainer, for the trainer and the planner alike: Lingua's
+    configs leave model.max_seqlen at -1 (data.seq_len), and the planner no longer refuses them."""
+    import apps.main.train
+    import apps.plan.args
+    from lingua.args import fill_training_defaults
+
+    assert apps.main.train.fill_training_defaults is apps.plan.args.fill_training_defaults is fill_training_defaults
+    args = parse_args(PlanArgs, EXAMPLES["8b"] + ["out=null", "model.max_seqlen=-1", "data.seq_len=2048"])
+    args.validate_plan()
+    assert args.model.max_seqlen == 2048
+    with pytest.raises(ConfigError, match=r"^model.max_seqlen=1024; the model must fit data.seq_len=2048"):
+        parse_args(PlanArgs, EXAMPLES["8b"] + ["out=null", "model.max_seqlen=1024", "data.seq_len=2048"]).validate_plan()
 
 
 def test_measured_speeds_replace_the_cost_model():
