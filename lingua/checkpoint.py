@@ -328,6 +328,8 @@ class CheckpointManager:
         damaged = first_error(damage(ckpt) if self.is_master else None, self.group, "checkpoint intact")
         if damaged is not None:
             raise unreadable(ckpt, damaged[1], newest_intact(complete_checkpoints(self.root), ckpt))
+        if path is None and self.args.init_ckpt_path and self.is_master:  # it resumes from its own checkpoint first
+            logger.warning(f"checkpoint.init_ckpt_path={self.args.init_ckpt_path} is not read: resuming from {ckpt}")
         saved_world = read_marker(ckpt).get("train_world_size")
         if saved_world != self.train_world_size:
             raise LaunchError(other_world_size(ckpt, saved_world, self.train_world_size, self.root,

@@ -208,7 +208,7 @@ def test_failing_save_keeps_the_previous_checkpoint(tmp_path, train_group, monke
 
 
 @pytest.mark.timeout(60)
-def test_other_train_world_size_is_a_readable_error(tmp_path, train_group):
+def test_other_train_world_size_is_a_readable_error(tmp_path, train_group, caplog):
     model, optimizer, scheduler = make()
     other = CheckpointManager(CheckpointArgs(), str(tmp_path / "checkpoints"), train_group, 0, 2)
     save(manager(tmp_path / "checkpoints", train_group), model, optimizer, scheduler, 1)
@@ -223,6 +223,12 @@ def test_other_train_world_size_is_a_readable_error(tmp_path, train_group):
     new_run = manager(tmp_path.parent / f"{tmp_path.name}_2ranks" / "checkpoints", train_group, init_ckpt_path=init)
     assert new_run.load(fresh_model, fresh_opt) is None and new_run.load_init(fresh_model, fresh_opt) is None
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh_model.state_dict().items())
+    # Beside its own checkpoint a run resumes, and says that init_ckpt_path is not read.
+    with caplog.at_level(logging.WARNING):
+        assert new_run.load(fresh_model, fresh_opt) is None  # nothing of its own yet: load_init's turn
+        save(new_run, fresh_model, fresh_opt, scheduler, 1)
+        assert new_run.load(fresh_model, fresh_opt)["step"] == 1
+    assert f"checkpoint.init_ckpt_path={init} is not read: resuming from " in caplog.text
     # A full resume of another run (continue_training_from_init) is told to take the weights only instead.
     cont = CheckpointManager(CheckpointArgs(init_ckpt_path=init, continue_training_from_init=True),
                              str(tmp_path / "elsewhere"), train_group, 0, 2)
