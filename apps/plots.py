@@ -18,7 +18,7 @@ matplotlib.use("Agg")  # files only: no display on cluster nodes
 import matplotlib.pyplot as plt  # noqa: E402
 
 from lingua.errors import DataError, MissingPathError, UserError  # noqa: E402
-from lingua.rundir import read_jsonl  # noqa: E402
+from lingua.run.dump_dir import read_jsonl  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lingua.config_words import format_value, type_words
+from lingua.cli.words import format_value, type_words
 from lingua.errors import ConfigError, MissingPathError
-from lingua.help import exit_with_help
+from lingua.cli.help import exit_with_help
 
 T = TypeVar("T")
 

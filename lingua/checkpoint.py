@@ -11,7 +11,7 @@ written its part, so a crash mid-save leaves only a `.tmp` directory that `lates
 the next save removes. Every barrier and DCP call runs on the training group passed in: the teacher
 ranks of a distillation job never take part (a checkpoint on the default group hangs the job). A save that
 fails (full disk, permission) and a checkpoint that cannot be read are one agreed sentence on every training
-rank (lingua/checkpoint_health.py); a torn newest checkpoint is named, never skipped silently.
+rank (lingua/run/checkpoint_health.py); a torn newest checkpoint is named, never skipped silently.
 
 Export: `python -m lingua.checkpoint consolidate <ckpt_dir> <out_file>`.
 
@@ -36,9 +36,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lingua.args import require
-from lingua.cli import run_cli
-from lingua.checkpoint_health import (MARKER, after_failed_rename, damage, failure_words, newest_intact,
-                                      other_world_size, save_failed, unreadable, warn_if_short_of_space)
+from lingua.cli.entry import run_cli
+from lingua.run.checkpoint_health import (MARKER, after_failed_rename, damage, failure_words, newest_intact,
+                                          other_world_size, save_failed, unreadable, warn_if_short_of_space)
 from lingua.errors import DataError, LaunchError, MissingPathError
 from lingua.parallel.collectives import first_error, log_collective
 

@@ -1,11 +1,11 @@
 """Training data: jsonl chunks per source, weighted mixing, on-the-fly tokenization, packing, a producer process.
 
-The stream itself (readers, packing, mixing, its state) is `lingua/data_stream.py`, torch-free; with
-`data.load_async` (the default) it runs in a producer process per rank (`lingua/data_producer.py`), so the
+The stream itself (readers, packing, mixing, its state) is `lingua/loading/stream.py`, torch-free; with
+`data.load_async` (the default) it runs in a producer process per rank (`lingua/loading/producer.py`), so the
 training loop's Python never slows it down; `data.load_async=false` builds each batch in the training process.
 The files, their sharding over data-parallel ranks and the line -> document rule (malformed lines are
-skipped and counted in `DataLoader.bad_lines`, per file in the log) are in `lingua/documents.py`;
-held-out batches for in-loop evaluation in `lingua/eval_data.py`.
+skipped and counted in `DataLoader.bad_lines`, per file in the log) are in `lingua/loading/documents.py`;
+held-out batches for in-loop evaluation in `lingua/evaluation/heldout.py`.
 
 Stream: every row of a batch is a window of `seq_len + 1` consecutive tokens from one source, picked
 with probability proportional to its weight (so weights are shares of training tokens). Documents are
@@ -35,9 +35,9 @@ from typing import Optional
 import torch
 
 from lingua.args import require
-from lingua.data_producer import BatchProducer, ProducedLoader, from_wire
-from lingua.data_stream import STATE_VERSION, StreamSettings, TrainStream, initial_state
-from lingua.documents import list_chunk_files, shard_files
+from lingua.loading.producer import BatchProducer, ProducedLoader, from_wire
+from lingua.loading.stream import STATE_VERSION, StreamSettings, TrainStream, initial_state
+from lingua.loading.documents import list_chunk_files, shard_files
 from lingua.errors import DataError, LaunchError
 from lingua.tokenizer import Tokenizer, TokenizerArgs
 

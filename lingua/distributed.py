@@ -41,7 +41,7 @@ from lingua.parallel.collectives import comm_logger, log_collective
 # DistributedArgs is the `distributed:` config section; it lives with LaunchPlan, torch-free, for stool.
 from lingua.parallel.launch_plan import DistributedArgs, LaunchEnv, LaunchPlan, expected_cuda_index, read_launch_env
 from lingua.parallel.timeouts import forget_detail_check_groups, keep_detail_check_groups
-from lingua.rundir import RunDir
+from lingua.run.dump_dir import RunDir
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The errors a user can fix, apart from bugs: how an entry point tells them from each other.
 
-`run_cli` (lingua/cli.py) reports a `UserError` as one sentence on stderr and exit code 2. Anything else is a
+`run_cli` (lingua/cli/entry.py) reports a `UserError` as one sentence on stderr and exit code 2. Anything else is a
 bug, ours or a library's, and keeps its traceback: on stderr, in the rank's log and in torchrun's failure
 summary, exit code 1. `PeerStopped` is neither: this rank only lost a peer that failed first, and its sentence
 names that rank and its log (exit 1).

@@ -31,9 +31,9 @@ from typing import Callable, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from lingua.args import dataclass_from_dict, require, to_dict
-from lingua.cli import run_cli
+from lingua.cli.entry import run_cli
 from lingua.errors import ConfigError, MissingPathError
-from lingua.help import exit_with_help
+from lingua.cli.help import exit_with_help
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, teacher_rank_count
 from lingua.slurm import UNLIMITED, build_sbatch_script, submit_sbatch, submit_submitit
 

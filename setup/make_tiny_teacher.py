@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from lingua.cli import run_cli
+from lingua.cli.entry import run_cli
 from lingua.errors import ConfigError
 from setup.atomic_dir import atomic_output_dir
 

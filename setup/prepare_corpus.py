@@ -25,7 +25,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from lingua.cli import run_cli
+from lingua.cli.entry import run_cli
 from lingua.errors import ConfigError, DataError
 from setup.atomic_dir import atomic_output_dir
 from setup.repo_docs_corpus import prepare_repo_docs

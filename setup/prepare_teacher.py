@@ -26,8 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-from lingua.cli import run_cli
-from lingua.distillation.teacher import check_teacher_dir
+from lingua.cli.entry import run_cli
+from lingua.distillation.teacher.model import check_teacher_dir
 from lingua.errors import DataError, MissingPathError
 from setup.atomic_dir import atomic_output_dir
 

@@ -23,7 +23,7 @@ import random
 from pathlib import Path
 from typing import Optional
 
-from lingua.cli import run_cli
+from lingua.cli.entry import run_cli
 from lingua.errors import DataError
 from setup.atomic_dir import atomic_output_dir
 

@@ -20,9 +20,9 @@ fi
 #   launches leave part of two cores idle, and these fill it (one serial slow tier took 18-23 min in CI).
 # Each run is its own process group (set -m): background jobs would otherwise ignore SIGINT, and Ctrl-C or
 # a SIGTERM to this script is forwarded to each as SIGINT, so pytest stops its launches and reports.
-WAITING_SLOW=(tests/slurm tests/dist/test_hang_matrix.py tests/dist/test_startup_diag.py tests/unit/test_cache_writer.py
-              tests/unit/test_data_producer.py tests/unit/test_debug_switch.py tests/unit/test_hang_diagnosis.py
-              tests/gpu/test_gpu_check.py tests/unit/test_feed_bench.py tests/dist/test_peer_death.py
+WAITING_SLOW=(tests/slurm tests/dist/test_hang_matrix.py tests/dist/test_startup_diag.py tests/unit/lingua/distillation/cache/test_writer.py
+              tests/unit/lingua/loading/test_producer.py tests/unit/lingua/parallel/test_debug_switch.py tests/unit/apps/debug/test_postmortem.py
+              tests/gpu/test_gpu_check.py tests/unit/apps/bench/test_feeding.py tests/dist/test_peer_death.py
               tests/dist/test_lost.py)  # not the real teacher's tests: the demo's session converts it once for both
 ignore_waiting=(); for path in "${WAITING_SLOW[@]}"; do ignore_waiting+=(--ignore "$path"); done
 set -m

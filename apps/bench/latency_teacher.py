@@ -11,8 +11,8 @@ import os
 import time
 
 from apps.main import train
-from lingua.cli import run_cli
-from lingua.distillation.server import TeacherServer
+from lingua.cli.entry import run_cli
+from lingua.distillation.online.server import TeacherServer
 
 LATENCY_ENV = "LINGUA_BENCH_TEACHER_LATENCY_MS"
 

@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import torch
 
 from apps.bench.loss_inputs import MIB, BenchArgs, make_inputs, make_teacher, proc_status_kib, ratio, reset_peak_rss
-from lingua.distillation.fused_loss import fused_linear_kd_loss
+from lingua.distillation.loss.fused import fused_linear_kd_loss
 from lingua.errors import ConfigError
 from lingua.transformer import cross_entropy_sum
 

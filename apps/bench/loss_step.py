@@ -59,11 +59,11 @@ from apps.bench.loss_inputs import (
     ratio,
     reset_peak_rss,
 )
-from lingua.cli import run_cli
-from lingua.distillation.divergences import DIVERGENCES, distillation_loss
-from lingua.distillation.fused_loss import WEIGHT_GRADS, auto_chunk_rows, fused_linear_kd_loss
+from lingua.cli.entry import run_cli
+from lingua.distillation.loss.divergences import DIVERGENCES, distillation_loss
+from lingua.distillation.loss.fused import WEIGHT_GRADS, auto_chunk_rows, fused_linear_kd_loss
 from lingua.distillation.outputs import FORMATS
-from lingua.distillation.reference_loss import kd_loss
+from lingua.distillation.loss.reference import kd_loss
 from lingua.errors import ConfigError, RunFailed
 from lingua.transformer import cross_entropy_sum
 

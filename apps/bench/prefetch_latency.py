@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 
 from apps.bench.latency_teacher import LATENCY_ENV
-from apps.bench.runs import launch, torchrun_command
+from apps.bench.launcher import launch, torchrun_command
 from lingua.errors import ConfigError, RunFailed
 
 # The student computes ~150 ms per micro-batch (its forward ~50 ms) on 1 thread with these: forward < L < C

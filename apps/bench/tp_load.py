@@ -21,8 +21,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from apps.bench.runs import ROOT, proc_status_bytes, torchrun_command
-from lingua.cli import run_cli
+from apps.bench.launcher import ROOT, proc_status_bytes, torchrun_command
+from lingua.cli.entry import run_cli
 from lingua.errors import RunFailed
 
 MODES = ("streamed", "host")
@@ -60,8 +60,8 @@ def worker(teacher: str, mode: str, dtype: str, out_dir: Path) -> None:
     import transformers  # noqa: F401
 
     from lingua.distillation.args import DistillationArgs
-    from lingua.distillation.teacher import TeacherModel, load_teacher
-    from lingua.distillation.tensor_parallel import shard_teacher
+    from lingua.distillation.teacher.model import TeacherModel, load_teacher
+    from lingua.distillation.teacher.tensor_parallel import shard_teacher
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -4,7 +4,7 @@
 
 The targets: a teacher's top-k (`apps.bench.loss_inputs`, fp32) mapped to student ids by a random vocabulary map
 that leaves --unmapped of the teacher's ids without a student id, with the unmapped entries marked
-(`lingua/distillation/uld.py`). "on" is `fused_linear_kd_loss(..., uld_weight=0.5)` on them; "off" the same rows
+(`lingua/distillation/loss/uld.py`). "on" is `fused_linear_kd_loss(..., uld_weight=0.5)` on them; "off" the same rows
 without the marks (today's cross-tokenizer targets, uld_weight=0). Each round times one forward + backward of
 each, the order alternating from round to round, so a busy machine slows both alike. Prints one line: each
 variant's median wall and CPU milliseconds and the ratios on / off.
@@ -19,7 +19,7 @@ import torch
 from apps.bench.loss_inputs import BenchArgs, make_inputs
 from lingua.distillation.cross_tokenizer.targets import map_topk_rows
 from lingua.distillation.cross_tokenizer.vocab_map import VocabMap
-from lingua.distillation.fused_loss import fused_linear_kd_loss
+from lingua.distillation.loss.fused import fused_linear_kd_loss
 from lingua.distillation.outputs import TeacherOutputs
 
 

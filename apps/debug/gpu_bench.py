@@ -7,7 +7,7 @@
    process, at most SHAPE_TIMEOUT_S), our CE and KD variants beside Liger-Kernel's fused linear CE and JSD; CE and
    top-k KD at T = 1 also with the chunk math compiled (`distillation.loss_compile=true`: inductor's Triton),
    to set that default.
-2. `python -m apps.bench.feed --device cuda`: the loader (training thread idle and busy), the cache writer's
+2. `python -m apps.bench.feeding --device cuda`: the loader (training thread idle and busy), the cache writer's
    stages against its teacher's forward, the reader's decode, and whole training steps of a 139M-like and an
    810M-like student, CE-only against KD from a top-64 cache (data wait share, fwd+bwd ratio).
 Everything lands in one folder, named on the first line (default dumps/gpu_bench/<UTC time>): each part's
@@ -45,7 +45,7 @@ def loss_bench_argv(vocab: int, dim: int, out: Path, tokens: int = TOKENS, devic
 def feed_bench_argv(out: Path, device: str = "cuda") -> list[str]:
     """The feeding bench's command line: loader, writer stages, reader, and the 139M / 810M whole-step comparison
     (needs `python -m setup.prepare_corpus` and `python -m setup.prepare_teacher`, which gpu_check.sh runs)."""
-    return [sys.executable, "-m", "apps.bench.feed", "--device", device, "--out", str(out)]
+    return [sys.executable, "-m", "apps.bench.feeding", "--device", device, "--out", str(out)]
 
 
 def main(argv: Optional[list[str]] = None, run: Callable = subprocess.run) -> int:

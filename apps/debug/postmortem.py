@@ -21,7 +21,7 @@ from collections import deque
 from pathlib import Path
 from typing import Optional
 
-from lingua.cli import run_cli
+from lingua.cli.entry import run_cli
 from lingua.errors import ConfigError, MissingPathError
 from lingua.parallel.flight_recorder import TRACE_PREFIX, last_collectives_in_trace, read_trace, trace_dir
 from lingua.parallel.rank_status import (
@@ -31,7 +31,7 @@ from lingua.parallel.rank_status import (
     named_by_timeouts,
     process_state,
 )
-from lingua.rundir import RunDir
+from lingua.run.dump_dir import RunDir
 
 TAIL_LINES = 3
 

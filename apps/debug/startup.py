@@ -24,7 +24,7 @@ import time
 IMPORT_START = time.time()
 
 if __name__ == "__main__":  # before the slow imports, as in apps.main.train
-    from lingua.cli import hold_sigterm
+    from lingua.cli.entry import hold_sigterm
 
     hold_sigterm()
 
@@ -51,12 +51,12 @@ from apps.main.train import (
     train_step,
 )
 from lingua.args import parse_args, require
-from lingua.cli import release_sigterm, run_cli
+from lingua.cli.entry import release_sigterm, run_cli
 from lingua.data import DataLoader
-from lingua.data_stream import active_sources
+from lingua.loading.stream import active_sources
 from lingua.distillation.args import teacher_replica_sizes
 from lingua.distillation.build import build_distiller
-from lingua.distillation.feed import MicroBatchFeed
+from lingua.distillation.micro_batches import MicroBatchFeed
 from lingua.distributed import (
     Topology,
     choose_device,

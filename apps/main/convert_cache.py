@@ -3,10 +3,10 @@
     python -m apps.main.convert_cache OLD_DIR NEW_DIR     # writes NEW_DIR; OLD_DIR is left as it is
     python -m apps.main.convert_cache --sizes DIR         # bytes per token on disk, per stream for v2 shards
 
-One process, shard by shard: each is decoded from v1, coded by `lingua.distillation.cache_codec` (which checks
+One process, shard by shard: each is decoded from v1, coded by `lingua.distillation.cache.codec` (which checks
 that it decodes to the same tensors), and written atomically with the same metadata; the manifest says
 version 2, and index.json is written last. Interrupted, it resumes: finished shards of NEW_DIR are kept.
-Training from NEW_DIR gives the same metrics as from OLD_DIR (tests/unit/test_cache_codec.py).
+Training from NEW_DIR gives the same metrics as from OLD_DIR (tests/unit/lingua/distillation/cache/test_codec.py).
 """
 
 import argparse
@@ -19,8 +19,8 @@ from typing import Optional
 
 from safetensors import safe_open
 
-from lingua.cli import run_cli
-from lingua.distillation.cache import (
+from lingua.cli.entry import run_cli
+from lingua.distillation.cache.store import (
     INDEX,
     CacheManifest,
     read_v1_shard,

@@ -28,11 +28,11 @@ import torch
 
 from apps.main.transformer import batch_documents
 from lingua.args import require
-from lingua.bits_per_byte import batches_target_bytes, bits_per_byte, target_bytes, token_byte_lengths
-from lingua.cli import run_cli
-from lingua.distillation.fused_loss import fused_ce_head
+from lingua.evaluation.bits_per_byte import batches_target_bytes, bits_per_byte, target_bytes, token_byte_lengths
+from lingua.cli.entry import run_cli
+from lingua.distillation.loss.fused import fused_ce_head
 from lingua.errors import ConfigError, MissingPathError
-from lingua.eval_data import iterate_eval_batches
+from lingua.evaluation.heldout import iterate_eval_batches
 from lingua.parallel.collectives import agree_count, dist_mean_dict
 
 logger = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ def held_out_data_args(params: dict, data_dir: Optional[str], eval_sources: Opti
     """The run's DataArgs, reading held-out files from `data_dir` when given; errors name what to pass."""
     from lingua.args import dataclass_from_dict
     from lingua.data import DataArgs
-    from lingua.documents import list_val_files
+    from lingua.loading.documents import list_val_files
 
     data_args = dataclass_from_dict(DataArgs, params.get("data", {}))
     if data_dir is not None:

@@ -25,7 +25,7 @@ import torch
 
 from apps.main.transformer import LMTransformerArgs
 from lingua.args import dataclass_from_dict, parse_args
-from lingua.cli import run_cli
+from lingua.cli.entry import run_cli
 from lingua.errors import ConfigError, DataError, MissingPathError
 from lingua.transformer import ffn_hidden_dim
 

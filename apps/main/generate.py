@@ -26,7 +26,7 @@ from apps.main.export_hf import (
 )
 from apps.main.transformer import LMTransformer
 from lingua.args import dataclass_from_dict, parse_args
-from lingua.cli import run_cli
+from lingua.cli.entry import run_cli
 from lingua.data import DataArgs
 from lingua.errors import ConfigError, DataError, MissingPathError
 from lingua.tokenizer import Tokenizer, TokenizerArgs, build_tokenizer

@@ -12,7 +12,7 @@ import torch
 from lingua.args import to_dict
 from lingua.metrics import MemoryMonitor, MetricLogger, ProgressLine, estimate_mfu
 from lingua.parallel.collectives import dist_gather_floats, dist_mean_dict
-from lingua.rundir import RunDir, read_metrics
+from lingua.run.dump_dir import RunDir, read_metrics
 
 logger = logging.getLogger("train")
 

@@ -11,7 +11,7 @@ distillation.teacher_tp=T the N ranks form N / T replicas of T consecutive ranks
 holding the teacher sharded tensor-parallel: replica j writes shards j, j + N/T, ..., its first rank
 writing the files, every rank of it running the forward. A rank reads its next windows ahead on a thread
 and hands finished shards to `encode_workers` processes that encode and write them while its teacher runs the
-next forward (lingua/distillation/cache_writer.py; 0 = the serial writer, the same bytes). Shards are
+next forward (lingua/distillation/cache/writer.py; 0 = the serial writer, the same bytes). Shards are
 written atomically, so a rerun skips the finished ones and resumes the others from the loader state
 saved in the last finished shard of their stream. With distillation.cross_tokenizer=true the teacher keeps its
 own tokenizer: each window is aligned on the read-ahead thread as an online teacher rank aligns it
@@ -20,11 +20,11 @@ kd_weight bit per position), so the cache trains any run of that student tokeniz
 CE (the students' reference line; not with another tokenizer) is computed last, its batches split over the
 replicas. `cache.json` records the settings: training refuses a cache whose settings differ from its own.
 `index.json`, written last, marks the cache complete. Then a sweep over alpha, temperature or student size
-pays the teacher once (see lingua/distillation/cache.py).
+pays the teacher once (see lingua/distillation/cache/store.py).
 """
 
-if __name__ == "__main__":  # first, before the slow imports: see lingua.cli.hold_sigterm
-    from lingua.cli import hold_sigterm
+if __name__ == "__main__":  # first, before the slow imports: see lingua.cli.entry.hold_sigterm
+    from lingua.cli.entry import hold_sigterm
 
     hold_sigterm()
 
@@ -40,12 +40,12 @@ import torch.distributed as dist
 
 from apps.main.train import TrainArgs
 from lingua.args import parse_args, require, require_filled
-from lingua.bits_per_byte import batches_target_bytes, bits_per_byte, token_byte_lengths
-from lingua.cli import release_sigterm, run_cli
+from lingua.evaluation.bits_per_byte import batches_target_bytes, bits_per_byte, token_byte_lengths
+from lingua.cli.entry import release_sigterm, run_cli
 from lingua.data import DataLoader
 from lingua.distillation.args import WIRE_DTYPES
-from lingua.distillation.bridge import tokenizer_fingerprint
-from lingua.distillation.cache import (
+from lingua.distillation.online.bridge import tokenizer_fingerprint
+from lingua.distillation.cache.store import (
     CONVERT_HINT,
     CROSS_FIELDS,
     INDEX,
@@ -57,15 +57,15 @@ from lingua.distillation.cache import (
     shard_path,
     write_json_atomic,
 )
-from lingua.distillation.cache_codec import ZSTD_LEVEL
-from lingua.distillation.cache_writer import READ_AHEAD, ShardWriters, StageClock, WindowReadAhead, auto_encode_workers
+from lingua.distillation.cache.codec import ZSTD_LEVEL
+from lingua.distillation.cache.writer import READ_AHEAD, ShardWriters, StageClock, WindowReadAhead, auto_encode_workers
 from lingua.distillation.cross_tokenizer.teacher_side import CrossTokenizerTeacher, load_cross_tokenizer
 from lingua.distillation.distiller import tokenizer_vocab
 from lingua.distillation.outputs import TeacherOutputs
-from lingua.distillation.teacher import TeacherModel
+from lingua.distillation.teacher.model import TeacherModel
 from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.errors import ConfigError, DataError
-from lingua.eval_data import iterate_eval_batches
+from lingua.evaluation.heldout import iterate_eval_batches
 from lingua.logger import init_logger
 from lingua.metrics import format_duration
 from lingua.parallel.collectives import agree_flags, log_collective
@@ -83,7 +83,7 @@ class TeacherCacheArgs(TrainArgs):
     sequences_per_stream: int = 0  # windows per stream; 0 = what the config trains on: steps x grad_acc x batch
     shard_sequences: int = 64  # windows per shard file (the unit of resuming)
     forward_rows: int = 8  # windows per teacher forward
-    # Processes encoding and writing shards while the teacher runs (lingua/distillation/cache_writer.py); -1: one
+    # Processes encoding and writing shards while the teacher runs (lingua/distillation/cache/writer.py); -1: one
     # per core the writer's main thread leaves free; 0: the serial writer (read, forward, encode, write in turn)
     encode_workers: int = -1
     # zstd's level for the shards: 1 (fast: a GPU teacher outruns level 19 many times over) to 19 (2.5-4% smaller
@@ -362,7 +362,7 @@ def write_shards(args: TeacherCacheArgs, streams: StreamReader, teacher: Teacher
                  todo: list[int], writer: bool, topo, cross: Optional[CrossTokenizerTeacher] = None) -> None:
     """Shards `todo`: windows read ahead (and aligned there, cross-tokenizer), the teacher's forward here, encoding
     and writing in worker processes (`encode_workers`; 0: each in turn on this thread). Same bytes either way
-    (lingua/distillation/cache_writer.py)."""
+    (lingua/distillation/cache/writer.py)."""
     pipelined = args.encode_workers != 0
     workers = (auto_encode_workers() if args.encode_workers < 0 else args.encode_workers) if pipelined and writer else 0
     clock = StageClock()

@@ -11,7 +11,7 @@ The loop asks one Distiller (`lingua/distillation/distiller.py`) for the KD part
 """
 
 if __name__ == "__main__":  # first, before the slow imports: see hold_sigterm
-    from lingua.cli import hold_sigterm
+    from lingua.cli.entry import hold_sigterm
 
     hold_sigterm()
 
@@ -34,20 +34,20 @@ from apps.main.transformer import (LMTransformer, LMTransformerArgs, batch_docum
                                    get_num_flop_per_token)
 from lingua.args import dump_config, fill_training_defaults, parse_args, require, to_dict
 from lingua.checkpoint import CheckpointArgs, CheckpointManager
-from lingua.cli import run_cli
+from lingua.cli.entry import run_cli
 from lingua.data import DataArgs, training_loader
-from lingua.data_stream import active_sources
+from lingua.loading.stream import active_sources
 from lingua.distillation.args import DistillationArgs, teacher_rank_counts, teacher_replica_sizes
 from lingua.distillation.build import build_distiller
-from lingua.distillation.feed import MicroBatchFeed
-from lingua.distillation.fused_loss import fused_ce_head
-from lingua.distillation.server import TeacherServer
-from lingua.distillation.teacher_caches import open_training_caches
-from lingua.distillation.teachers import check_teachers_fit, serving_args
+from lingua.distillation.micro_batches import MicroBatchFeed
+from lingua.distillation.loss.fused import fused_ce_head
+from lingua.distillation.online.server import TeacherServer
+from lingua.distillation.cache.several import open_training_caches
+from lingua.distillation.teacher.roster import check_teachers_fit, serving_args
 from lingua.distributed import Topology, clean_up, log_rank_device_map, setup_torch_distributed
-from lingua.dump_owner import DumpDirOwner
+from lingua.run.owner import DumpDirOwner
 from lingua.errors import ConfigError, NonFiniteError
-from lingua.eval_data import eval_files
+from lingua.evaluation.heldout import eval_files
 from lingua.logger import init_logger
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs, build_optimizer, clip_grad_norm_
@@ -60,7 +60,7 @@ from lingua.parallel.timeouts import HangWatch, enter_training_timeout
 from lingua.parallel.watch import RankWatch
 from lingua.probe import ActivationProbe
 from lingua.profiling import ProfilerArgs, maybe_run_profiler
-from lingua.rundir import RunDir
+from lingua.run.dump_dir import RunDir
 from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
 from lingua.tokenizer import build_tokenizer
 

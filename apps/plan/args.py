@@ -10,7 +10,7 @@ from lingua.args import fill_training_defaults, require
 # The plan JSON's layout: 2 = cache.writer (was writer_overrides), the verdict's keys, the pilot's read command.
 PLAN_VERSION = 2
 MAX_WAIT_SHARE = 0.05  # of a student's step spent waiting on its teacher
-AUTO_LOGITS_WORK_TENSORS, AUTO_LOGITS_FREE_SHARE = 4, 0.25  # lingua/distillation/teacher.py's auto logits chunk rule
+AUTO_LOGITS_WORK_TENSORS, AUTO_LOGITS_FREE_SHARE = 4, 0.25  # lingua/distillation/teacher/model.py's auto logits chunk rule
 USABLE_MEMORY = 0.9  # of a GPU's memory: the allocator's fragmentation and what the driver keeps
 RUNTIME_RESERVE_GIB = 2.0  # per teacher rank: CUDA context, NCCL buffers, cuBLAS workspaces
 # Per logit of a chunk at the peak of sparsify_teacher_logits: the fp32 logits, their tempered copy or an exp
@@ -33,7 +33,7 @@ class PlanArgs(TrainArgs):
     teacher_tokens_per_s: float = 0.0  # measured, per teacher GPU (a replica's tokens/s / teacher_tp); 0 = cost model
     student_tokens_per_s: float = 0.0  # measured, per student GPU; 0 = cost model
     # distillation.cross_tokenizer: the teacher's tokens per student token on your data (its forward's work per
-    # student token scales by it), as `python -m apps.bench.cross_tokenizer` prints it for the pair; 0 = measured by
+    # student token scales by it), as `python -m apps.bench.alignment_cost` prints it for the pair; 0 = measured by
     # the planner where both tokenizers are on this machine (else it asks for it); 1 without cross_tokenizer
     teacher_tokens_per_student_token: float = 0.0
     # several teachers (distillation.teachers, apps/plan/teachers.py): each one's config.json, in order;
@@ -74,7 +74,7 @@ class PlanArgs(TrainArgs):
         self.validate_teachers()
         ratio = self.teacher_tokens_per_student_token
         require(math.isfinite(ratio) and ratio >= 0, "teacher_tokens_per_student_token", ratio,
-                "use the measured ratio (python -m apps.bench.cross_tokenizer prints it), e.g. 1.1, or 0 to let the "
+                "use the measured ratio (python -m apps.bench.alignment_cost prints it), e.g. 1.1, or 0 to let the "
                 "planner measure it")
         require(ratio in (0, 1) or self.distillation.cross_tokenizer, "teacher_tokens_per_student_token", ratio,
                 "a student on the teacher's tokenizer has one teacher token per student token; leave it at 1, or "
@@ -125,7 +125,7 @@ class PlanArgs(TrainArgs):
         for i, (ratio, teacher) in enumerate(zip(self.teachers_tokens_per_student_token, teachers)):
             require(math.isfinite(ratio) and ratio > 0 and (ratio == 1 or teacher.cross_tokenizer),
                     f"teachers_tokens_per_student_token[{i}]", ratio, "use the measured ratio of a cross-tokenizer "
-                    "teacher (python -m apps.bench.cross_tokenizer prints it), or 1 for one on the students' tokenizer")
+                    "teacher (python -m apps.bench.alignment_cost prints it), or 1 for one on the students' tokenizer")
         for i, speed in enumerate(self.teachers_tokens_per_s):
             require(math.isfinite(speed) and speed >= 0, f"teachers_tokens_per_s[{i}]", speed,
                     "use measured tokens/s per teacher GPU, or 0 for the cost model")

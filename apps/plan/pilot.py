@@ -7,7 +7,7 @@ A plan outside what was measured prints two pilot runs (evidence.pilot_commands)
 the KD run's tokens, evaluating held-out CE often (`heldout.every`), and KD with the planned layout. This reads
 both runs' held-out CE (the in-loop rows `eval/loss` of metrics.jsonl, else the checkpoint evals' rows of
 metrics.validation.jsonl, the same source for both) and the tokens they trained (the training rows' `tokens`, every
-student's), and computes the token multiplier as apps.bench.kd_study does (`interpolate_multiplier`): the CE
+student's), and computes the token multiplier as apps.studies.kd does (`interpolate_multiplier`): the CE
 tokens at which the CE curve reaches the KD run's final held-out CE, linear in log(tokens) between the two evals
 that bracket it, over the KD run's tokens; a bound where CE never reaches it ("at_least" its last eval's
 multiple) or KD is worse than CE's first eval ("at_most" that one's). The results.json has the one-pass study's
@@ -27,15 +27,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-from apps.bench.kd_study.results import interpolate_multiplier, spread, token_multiplier
+from apps.studies.kd.results import interpolate_multiplier, spread, token_multiplier
 from apps.main.eval import METRICS_VALIDATION
 from apps.main.train import TrainArgs
 from apps.main.transformer import num_parameters
 from apps.plan.sizes import read_teacher_shape, student_flops_per_token
 from lingua.args import parse_args, to_dict
-from lingua.cli import run_cli
+from lingua.cli.entry import run_cli
 from lingua.errors import ConfigError, DataError, MissingPathError
-from lingua.rundir import RunDir, eval_rows, read_jsonl, train_rows
+from lingua.run.dump_dir import RunDir, eval_rows, read_jsonl, train_rows
 
 # Keys the two pilots may set differently: the planner's pilot commands set them (the teacher, the layout, the
 # length, how often to evaluate, where to write); every other key must be the same for the curves to compare.

@@ -17,7 +17,7 @@ from apps.plan.timing import (Layout, Speeds, Timing, candidate_layouts, max_stu
                               tensor_parallel_sizes)
 from lingua.args import to_dict
 from lingua.distillation.args import WIRE_DTYPES, check_seq_len_fits_teacher
-from lingua.distillation.cache_codec import planned_bytes_per_token
+from lingua.distillation.cache.codec import planned_bytes_per_token
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.parallel.launch_plan import LaunchPlan
 

@@ -217,7 +217,7 @@ def verdict_lines(verdict: dict) -> list[str]:
             lines.append(f"    then rerun this plan with kd_measurement={pilot[-1].rsplit('out=', 1)[-1]}")
     if measured["kind"] == "one_pass" and verdict["unique_tokens"] > 0 and verdict["epochs"] > 1:
         lines.append("  warning: the multiplier was measured on fresh data; behind a data wall this assumes the "
-                     "teacher is worth the same share of effective data, which is what apps.bench.kd_study --wall "
+                     "teacher is worth the same share of effective data, which is what apps.studies.kd --wall "
                      "measures: run it (or a pilot of it) and pass kd_measurement=<its results.json>")
     return lines
 

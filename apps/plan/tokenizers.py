@@ -53,7 +53,7 @@ def command_keys(args, teacher_config: Optional[Path]) -> dict:
 def sample_texts(args) -> tuple[list[str], str]:
     """Up to SAMPLE_CHARS of text and where from: the config's training data where its files are here, else this
     repository's documentation (English prose and code)."""
-    from lingua.documents import list_chunk_files
+    from lingua.loading.documents import list_chunk_files
 
     texts, size = [], 0
     for source in args.data.sources:
@@ -106,7 +106,7 @@ def resolve_ratio(args, teacher_config: Optional[Path]) -> tuple[float, str]:
             "the teacher's (distillation.teacher_path or distillation.teacher_tokenizer, a folder with tokenizer.json)"
         raise ConfigError(f"distillation.cross_tokenizer=true: the plan needs the teacher's tokens per student token "
                           f"on your data and {missing} tokenizer is not here to measure it; pass "
-                          f"teacher_tokens_per_student_token=<ratio> (python -m apps.bench.cross_tokenizer prints it), "
+                          f"teacher_tokens_per_student_token=<ratio> (python -m apps.bench.alignment_cost prints it), "
                           f"or both tokenizers.")
     from transformers import AutoTokenizer
 

@@ -15,7 +15,7 @@ that many tokens:
 What the teacher is worth comes from a measurement named with its provenance, never from published constants,
 and it is finite: a measured multiplier, or the bound the study's CE budgets allowed (where KD beat every CE budget
 and CE had stopped improving, the largest multiplier the study measured for that arm, and no more). The
-measurement: the user's own pilot of `apps.bench.kd_study` at their sizes (`kd_measurement=<its results.json>`),
+measurement: the user's own pilot of `apps.studies.kd` at their sizes (`kd_measurement=<its results.json>`),
 else this repository's studies: docs/kd_study/results.json (one pass over fresh data) for a plan with
 unique_tokens=0, docs/kd_study/wall/results.json (U unique tokens read for 1 to 16 epochs) for any plan with
 unique_tokens, read at its nearest epochs, so the reading does not jump at one epoch. A one-pass study's
@@ -96,13 +96,13 @@ def read_measurement(path: Optional[str], output: str, epochs: float, unique: fl
     file, name, owner, why = measurement_path(path, unique)
     if not file.is_file():
         raise MissingPathError(f"kd_measurement={path or name} does not exist; pass the results.json of a "
-                               f"`python -m apps.bench.kd_study` run (or leave it out for this repository's).")
+                               f"`python -m apps.studies.kd` run (or leave it out for this repository's).")
     try:
         results = json.loads(file.read_text())
         compute = results["compute"]
         sizes = {"student": compute["student"]["params"], "teacher": compute["teacher"]["params"]}
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        raise DataError(f"kd_measurement={path} is not a results.json written by apps.bench.kd_study; pass one "
+        raise DataError(f"kd_measurement={path} is not a results.json written by apps.studies.kd; pass one "
                         f"(its `compute` and `arms` are what the verdict reads).") from None
     if results.get("mode") == "data_wall":
         budgets = {float(e): budget["arms"] for e, budget in results["epochs"].items()}

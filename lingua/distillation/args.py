@@ -3,11 +3,11 @@
 A distillation job splits its ranks into students and teachers (`lingua/parallel/launch_plan.py`). The pieces:
 
     lingua/distillation/distiller.py       the one object the student loop asks for the KD part of a step
-    lingua/distillation/client.py  student end of a bridge: handshake, submit/wait, STOP
-    lingua/distillation/server.py  teacher rank: load, handshake, then receive -> handle -> reply until STOP
-    lingua/distillation/bridge.py          the wire records (RequestHeader, HandshakeRecord, ResponseStatus), the handshake
-    lingua/distillation/teacher.py         finding, checking and loading a transformers teacher
-    lingua/distillation/reference_loss.py         the sparse teacher outputs and the KD losses
+    lingua/distillation/online/client.py  student end of a bridge: handshake, submit/wait, STOP
+    lingua/distillation/online/server.py  teacher rank: load, handshake, then receive -> handle -> reply until STOP
+    lingua/distillation/online/bridge.py          the wire records (RequestHeader, HandshakeRecord, ResponseStatus), the handshake
+    lingua/distillation/teacher/model.py         finding, checking and loading a transformers teacher
+    lingua/distillation/loss/reference.py         the sparse teacher outputs and the KD losses
 """
 
 import math
@@ -18,8 +18,8 @@ from typing import Optional, Union
 import torch
 
 from lingua.args import require, require_filled
-from lingua.distillation.divergences import DIVERGENCES
-from lingua.distillation.fused_loss import WEIGHT_GRADS
+from lingua.distillation.loss.divergences import DIVERGENCES
+from lingua.distillation.loss.fused import WEIGHT_GRADS
 from lingua.distillation.outputs import FORMATS
 from lingua.errors import PeerStopped, TeacherError
 from lingua.parallel.collectives import AgreedError
@@ -78,14 +78,14 @@ class DistillationArgs:
     # The teacher's attention in transformers (sdpa, eager, flash_attention_2, ...); null = the model's default.
     attn_implementation: Optional[str] = "sdpa"
     wire_dtype: str = "bf16"  # dtype of the values sent to students: "bf16" | "fp16" | "fp32"
-    # The student's CE + KD computed fused with its output head (lingua/distillation/fused_loss.py: no [tokens, vocab]
+    # The student's CE + KD computed fused with its output head (lingua/distillation/loss/fused.py: no [tokens, vocab]
     # logits, KD at T = 1 in CE's own passes); false = logits, then CE and the chunked kd_loss on them.
     fused_loss: bool = True
     loss_chunk_size: int = 0  # positions per chunk of the student's loss; 0 = auto (fused: a memory budget; else 1024)
     # The fused loss's head gradient: "accumulate" (an fp32 [V, D] sum over the chunks) or "vocab_blocks" (written
     # one vocabulary block at a time after the chunks, logits recomputed: less memory, one more head GEMM).
     loss_weight_grad: str = "accumulate"
-    # The fused loss's chunk math through torch.compile (lingua/distillation/compiled_chunk.py: inductor fuses its
+    # The fused loss's chunk math through torch.compile (lingua/distillation/loss/compiled_chunk.py: inductor fuses its
     # passes over [tokens, vocab]; Triton on CUDA, C++ on CPU); one compile per process. "auto": the CE-only loss on
     # a GPU (measured on an H100: 0.48-0.72x eager's time at no more memory), eager with a teacher (faster compiled,
     # but 1.2-1.4x the peak) and on the CPU (slower compiled); true / false: always / never.
@@ -109,7 +109,7 @@ class DistillationArgs:
     cross_tokenizer: bool = False
     teacher_tokenizer: Optional[str] = None  # the teacher's Hugging Face tokenizer directory; None = teacher_path
     # Cross-tokenizer only: > 0 adds Universal Logit Distillation for the teacher's unmapped mass (its top-k ids that
-    # are no student token), weighted by this against the KD (lingua/distillation/uld.py); 0 = off, the rest bucket
+    # are no student token), weighted by this against the KD (lingua/distillation/loss/uld.py); 0 = off, the rest bucket
     # alone.
     uld_weight: float = 0.0
     uld_k: int = 16  # with uld_weight > 0: how many sorted probabilities (teacher unmapped, student rest) ULD compares

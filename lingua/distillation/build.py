@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from lingua.distillation.args import DistillationArgs, resolve_prefetch
-from lingua.distillation.client import TeacherClient
+from lingua.distillation.online.client import TeacherClient
 from lingua.distillation.distiller import CacheDistiller, Distiller, NoDistiller, OnlineDistiller, tokenizer_vocab
 from lingua.distillation.mixed_distillers import CachedTeachersDistiller, SeveralTeachersDistiller
 from lingua.distillation.mixture import handshake_clients, source_routing

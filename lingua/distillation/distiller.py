@@ -13,9 +13,9 @@
     with distiller.stop_on_agreed_error(current_step): ...     # around the loop: an agreed error drains, sends ERROR
 
 Kinds: `NoDistiller` (enable_distillation=false: every rank trains on CE), `OnlineDistiller` (a
-teacher rank behind a bridge, `lingua/distillation/client.py`), `SeveralTeachersDistiller` (one bridge per teacher
+teacher rank behind a bridge, `lingua/distillation/online/client.py`), `SeveralTeachersDistiller` (one bridge per teacher
 of `distillation.teachers`, their KD terms mixed by `lingua/distillation/mixture.py`), `CacheDistiller` (the
-offline teacher cache, `lingua/distillation/cache.py`, whose batches carry the targets) and
+offline teacher cache, `lingua/distillation/cache/store.py`, whose batches carry the targets) and
 `CachedTeachersDistiller` (several teachers' caches, mixed the same way; both kinds of several teachers live in
 `lingua/distillation/mixed_distillers.py`). The loop never asks which one it has;
 `Distiller` lists all it may ask (what a log line or the summary says is the reporter's business,
@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from lingua.distillation.args import DistillationArgs, alpha_at
-from lingua.distillation.client import TeacherClient
-from lingua.distillation.divergences import distillation_loss
-from lingua.distillation.fused_loss import fused_linear_kd_loss
+from lingua.distillation.online.client import TeacherClient
+from lingua.distillation.loss.divergences import distillation_loss
+from lingua.distillation.loss.fused import fused_linear_kd_loss
 from lingua.distillation.outputs import TeacherOutputs
-from lingua.distillation.reference_loss import kd_loss_and_stats
+from lingua.distillation.loss.reference import kd_loss_and_stats
 from lingua.parallel.collectives import AgreedError
 from lingua.transformer import cross_entropy_sum
 

@@ -1,6 +1,6 @@
 """The distillers of several teachers (`distillation.teachers`): their KD terms mixed per position by weight and
 per data source (`lingua/distillation/mixture.py`), the targets from each teacher's bridge (online, on its own
-ranks) or from each teacher's cache (`lingua/distillation/teacher_caches.py`). Same routing, weights and kd/<i>/*
+ranks) or from each teacher's cache (`lingua/distillation/cache/several.py`). Same routing, weights and kd/<i>/*
 metrics on both roads."""
 
 from typing import Callable, Optional
@@ -8,7 +8,7 @@ from typing import Callable, Optional
 import torch
 
 from lingua.distillation.args import DistillationArgs
-from lingua.distillation.client import TeacherClient
+from lingua.distillation.online.client import TeacherClient
 from lingua.distillation.distiller import KDDistiller, heldout_row
 from lingua.distillation.mixture import first_error, mixed_head_loss, mixed_log_metrics, mixing_weights, teacher_metrics
 from lingua.distillation.outputs import TeacherOutputs

@@ -27,12 +27,12 @@ import torch.nn.functional as F
 
 from lingua.args import require
 from lingua.distillation.args import AgreedPeerStopped, DistillationArgs, TeacherArgs
-from lingua.distillation.bridge import agreed_handshakes
-from lingua.distillation.client import TeacherClient, student_record
-from lingua.distillation.divergences import distillation_loss
-from lingua.distillation.fused_loss import fused_linear_kd_loss
+from lingua.distillation.online.bridge import agreed_handshakes
+from lingua.distillation.online.client import TeacherClient, student_record
+from lingua.distillation.loss.divergences import distillation_loss
+from lingua.distillation.loss.fused import fused_linear_kd_loss
 from lingua.distillation.outputs import TeacherOutputs
-from lingua.distillation.reference_loss import kd_loss_and_stats
+from lingua.distillation.loss.reference import kd_loss_and_stats
 from lingua.transformer import cross_entropy_sum
 
 TEACHER_STATS = ("loss", "teacher_mass", "top1_agreement", "weight", "aligned")  # kd/<i>/<stat>, per teacher

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from lingua.distillation.divergences import LOG_TINY
+from lingua.distillation.loss.divergences import LOG_TINY
 from lingua.errors import ConfigError
 
 FORMATS = ("topk", "sampled", "full")

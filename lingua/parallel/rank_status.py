@@ -20,7 +20,7 @@ from typing import Optional
 from lingua.args import one_line
 from lingua.errors import CollectiveTimeout, PeerStopped
 from lingua.logger import FILE_ONLY
-from lingua.rundir import RunDir
+from lingua.run.dump_dir import RunDir
 
 logger = logging.getLogger(__name__)
 

@@ -88,7 +88,7 @@ class RankWatch:
 
     def __init__(self, topo, dump_dir, status, traces: bool = False, owner=None):
         self.topo, self.dump_dir, self.status, self.traces = topo, dump_dir, status, traces
-        self.owner = owner  # the dump dir's owner record (lingua/dump_owner.py): its heartbeat is ours too
+        self.owner = owner  # the dump dir's owner record (lingua/run/owner.py): its heartbeat is ours too
         self.rank_log = Path(status.run_dir.rank_log(topo.global_rank))
         self.deadline: Optional[float] = None  # monotonic time the hang watch fires at
         self.armed_at, self.timeout_s, self.step = 0.0, 0.0, None

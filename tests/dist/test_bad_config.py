@@ -6,7 +6,7 @@ config check only after torchrun has SIGTERMed it, as torchrun does to every ran
 exits. Each rank prints exactly one `error: ` sentence naming the key, exits 2, prints no traceback (nor
 writes one for torchrun's summary), and no process group is ever created.
 
-Every row's sentence is checked in-process, on both launches' configs, by tests/unit/test_validate.py; what a
+Every row's sentence is checked in-process, on both launches' configs, by tests/unit/lingua/parallel/test_launch_plan.py; what a
 launch adds (torchrun, one process per rank, the SIGTERM) is the same for every row, so a few rows prove it.
 The launches are cheap because validation runs before torch.distributed (and before the DTensor stack is
 imported): about two CPU seconds per rank, plus torchrun's own start. They run two at a time; the module

@@ -39,7 +39,7 @@ def test_fsdp2_resume_reproduces_losses_and_clip_matches_unsharded(tmp_path):
     # A real crash in the middle of a 2-rank save of step 6: step 3 must stay the latest, loadable one.
     crashed = torchrun(2, ["crash", str(ckpt_root), str(out_dir)], timeout=120, module=WORKER)
     assert crashed.returncode != 0 and "disk full (injected" in crashed.stdout, crashed.stdout[-6000:]
-    # Both ranks agree on the failure (lingua/checkpoint_health.py): rank 0 removes the partial 0000000006.tmp.
+    # Both ranks agree on the failure (lingua/run/checkpoint_health.py): rank 0 removes the partial 0000000006.tmp.
     assert sorted(p.name for p in ckpt_root.iterdir()) == ["0000000003"]
 
     resumed = torchrun(2, ["resume", str(ckpt_root), str(out_dir)], timeout=120, module=WORKER)

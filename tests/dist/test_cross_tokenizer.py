@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lingua.rundir import read_metrics, train_rows
+from lingua.run.dump_dir import read_metrics, train_rows
 from tests.runs import assert_ok, distill_overrides, torchrun
 
 pytestmark = pytest.mark.slow  # launches torchrun

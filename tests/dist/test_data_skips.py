@@ -3,7 +3,7 @@ summary reports them. Hard timeout: a hang fails the test."""
 
 import pytest
 
-from lingua.rundir import RunDir, last_train_row
+from lingua.run.dump_dir import RunDir, last_train_row
 from tests.runs import assert_ok, base_overrides, torchrun, write_corpus
 
 pytestmark = pytest.mark.slow  # every test here launches processes

@@ -11,7 +11,7 @@ import pytest
 
 from apps.bench import distill as bench
 from lingua.distillation.args import resolve_prefetch
-from lingua.rundir import RunDir, read_metrics, train_rows
+from lingua.run.dump_dir import RunDir, read_metrics, train_rows
 from tests.runs import assert_ok, distill_overrides, rank_exit_codes, rank_outputs, signal_ranks, torchrun
 
 pytestmark = pytest.mark.slow  # every test here launches processes

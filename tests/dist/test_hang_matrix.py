@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lingua.rundir import read_metrics, train_rows
+from lingua.run.dump_dir import read_metrics, train_rows
 from tests.runs import (assert_no_orphan_producers, assert_ok, distill_overrides, ranks_that_cleaned_up, signal_ranks,
                         torchrun)
 

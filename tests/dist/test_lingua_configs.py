@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from lingua.rundir import train_rows
+from lingua.run.dump_dir import train_rows
 from tests.lingua_configs import cpu_sized, lingua_paths, write_lingua_config
 from tests.runs import assert_ok, torchrun
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from lingua.dump_owner import OWNER
-from lingua.rundir import read_metrics, train_rows
+from lingua.run.owner import OWNER
+from lingua.run.dump_dir import read_metrics, train_rows
 from tests.runs import distill_overrides, rank_exit_codes, rank_pid, torchrun, wait_for_step
 
 pytestmark = pytest.mark.slow  # every test here launches processes
@@ -103,7 +103,7 @@ def test_full_disk_then_torn_checkpoint(corpus, tiny_teacher, tmp_path):
     assert rank_exit_codes(torn.stdout).get(0) == 2 and rank_exit_codes(torn.stdout).get(1) == 2, torn.stdout[-6000:]
     assert_no_traceback(torn.stdout)
     assert not (dump / OWNER).exists()  # a launch that failed as a sentence releases the dump dir too
-    # Moving it aside, as the sentence says, resumes from the intact one: tests/unit/test_checkpoint.py (a relaunch
+    # Moving it aside, as the sentence says, resumes from the intact one: tests/unit/lingua/test_checkpoint.py (a relaunch
     # here would only repeat the resume tests of test_train.py).
 
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from lingua.rundir import RunDir
+from lingua.run.dump_dir import RunDir
 from tests.runs import (ROOT, assert_no_orphan_producers, distill_overrides, rank_exit_codes, rank_outputs, rank_pid,
                         torchrun, wait_for_step)
 
@@ -75,7 +75,7 @@ def test_a_student_raising_mid_step_is_named_by_the_others(corpus, tiny_teacher,
     # cancels it (NCCL's destroy would wait for it).
     failed = "\n".join(survivor_lines(outputs, 1))
     assert "RuntimeError: injected failure on train rank 1 at step 3" in failed
-    assert "lingua.distillation.client: teacher requests left unwaited at exit: 1" in failed, failed[-4000:]
+    assert "lingua.distillation.online.client: teacher requests left unwaited at exit: 1" in failed, failed[-4000:]
     assert "lingua.distributed: process groups aborted" in failed, failed[-4000:]
     assert json.loads(RunDir(dump).status(1).read_text())["state"] == "failed"
     assert_survivors_name(outputs, codes, dump, dead=1, survivors=[0, 2], tail=result.stdout[-4000:])

@@ -10,7 +10,7 @@ from apps.plan.args import PlanArgs
 from apps.plan.planner import Planner
 from apps.plan.printing import format_plan
 from lingua.args import parse_args
-from lingua.distillation.cache import CacheManifest
+from lingua.distillation.cache.store import CacheManifest
 from tests.runs import assert_ok, distill_overrides, torchrun
 
 pytestmark = pytest.mark.slow  # it launches the cache writer

@@ -17,7 +17,7 @@ import pytest
 
 from apps.debug.postmortem import analyse
 from lingua.data import DataArgs, DataLoader
-from lingua.rundir import RunDir, eval_rows, train_rows
+from lingua.run.dump_dir import RunDir, eval_rows, train_rows
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
 from tests.runs import (assert_ok, distill_overrides, rank_exit_codes, rank_outputs, rank_pid, signal_ranks, torchrun,
                         wait_for_step, write_corpus)
@@ -207,8 +207,8 @@ def write_cache_here(corpus, teacher, cache_dir, **extra) -> None:
 
     from apps.main.teacher_cache import StreamReader, TeacherCacheArgs, planned_manifest, write_shards
     from lingua.args import parse_args
-    from lingua.distillation.cache import INDEX, write_json_atomic
-    from lingua.distillation.teacher import TeacherModel
+    from lingua.distillation.cache.store import INDEX, write_json_atomic
+    from lingua.distillation.teacher.model import TeacherModel
 
     overrides = distill_overrides(corpus, teacher, cache_dir / "dump", steps=COMPARED,
                                   **{"data.sources": "{text: 1.0, code: 1.0}", **extra})

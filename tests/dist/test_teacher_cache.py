@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 
 from lingua.distillation.args import WIRE_DTYPES, DistillationArgs
-from lingua.rundir import train_rows
-from lingua.distillation.teacher import TeacherModel
-from lingua.distillation.cache import CacheManifest, read_shard, shard_metadata, shard_path
+from lingua.run.dump_dir import train_rows
+from lingua.distillation.teacher.model import TeacherModel
+from lingua.distillation.cache.store import CacheManifest, read_shard, shard_metadata, shard_path
 from tests.runs import assert_ok, at_once, distill_overrides, torchrun
 
 pytestmark = pytest.mark.slow  # every test here launches processes

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from lingua.rundir import RunDir, train_rows
+from lingua.run.dump_dir import RunDir, train_rows
 from setup.make_tiny_teacher import make_tiny_teacher
 from tests.runs import (
     assert_ok,
@@ -96,7 +96,7 @@ def test_a_tp2_replica_trains_like_one_teacher_rank_survives_sigusr2_on_a_follow
     assert delivered == [3] and "run preempted" in first.stdout, first.stdout[-4000:]
     stopped_at = max(train_rows(split))
     assert 2 <= stopped_at < 6
-    assert "[r3 teacher] INFO  lingua.distillation.server: leaving with the replica's first rank" in first.stdout
+    assert "[r3 teacher] INFO  lingua.distillation.online.server: leaving with the replica's first rank" in first.stdout
     second = torchrun(4, distill_overrides(corpus, tiny_teacher, split, steps=6, **extra, **TP), timeout=200)
     assert_ok(second)
     assert f"resumed from step {stopped_at}" in second.stdout
@@ -131,11 +131,11 @@ def test_four_students_and_two_tp2_replicas_one_per_torchrun_node(corpus, tiny_t
     out = "\n".join(result.stdout for result in results)
     for teacher, students in ((2, (0, 1)), (6, (4, 5))):
         for rank, rows in ((teacher, "0-255"), (teacher + 1, "256-511")):
-            assert f"[r{rank} teacher] INFO  lingua.distillation.server: teacher " in out
+            assert f"[r{rank} teacher] INFO  lingua.distillation.online.server: teacher " in out
             assert (f"tensor-parallel over ranks [{teacher}, {teacher + 1}]: vocabulary rows {rows} and 0.1M params "
                     f"here") in out  # of 0.2M: each rank holds half the teacher
         for student in students:
-            assert f"[r{student} student] INFO  lingua.distillation.client: teacher rank {teacher} ready" in out
+            assert f"[r{student} student] INFO  lingua.distillation.online.client: teacher rank {teacher} ready" in out
     assert out.count("STOP received after 2 requests") == 2, out[-4000:]
     assert out.count("leaving with the replica's first rank after 2 requests") == 2, out[-4000:]
     assert sorted(train_rows(dump)) == [1, 2]

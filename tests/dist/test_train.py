@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lingua.rundir import read_metrics, train_rows
+from lingua.run.dump_dir import read_metrics, train_rows
 from tests.runs import (assert_no_orphan_producers, assert_ok, base_overrides, signal_ranks, torchrun, wait_for_step,
                         worker_pids)
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from lingua.rundir import train_rows
+from lingua.run.dump_dir import train_rows
 from tests.gpu.gpus import needs_gpus
 from tests.gpu.test_gpu_runs import GPU_RUN
 from tests.runs import assert_ok, base_overrides, distill_overrides, torchrun, wait_for_step

@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from lingua.distillation import fused_loss as fused_module
+from lingua.distillation.loss import fused as fused_module
 from lingua.distillation.args import DistillationArgs
-from lingua.distillation.fused_loss import accumulates_in_fp32, fused_linear_kd_loss
+from lingua.distillation.loss.fused import accumulates_in_fp32, fused_linear_kd_loss
 from lingua.distillation.outputs import sparsify_teacher_logits
 from lingua.timing import StepTimer
 from lingua.transformer import attention, doc_causal_block_mask, doc_causal_bool_mask, resolve_attn_impl
@@ -132,7 +132,7 @@ def test_vocab_blocks_round_a_bf16_head_gradient_once_and_peak_lower():
 @needs_gpus(1)
 def test_the_teacher_loads_straight_onto_its_gpu_and_sizes_its_logits_chunks(tiny_teacher):
     """transformers loads the teacher onto its GPU (device_map), in bf16; logits chunks come from its free memory."""
-    from lingua.distillation.teacher import TeacherModel
+    from lingua.distillation.teacher.model import TeacherModel
 
     teacher = TeacherModel(DistillationArgs(teacher_path=str(tiny_teacher)), CUDA)
     assert {p.device for p in teacher.model.parameters()} == {CUDA}
@@ -153,7 +153,7 @@ def test_a_tensor_parallel_teacher_streams_its_shards_onto_its_gpu(tiny_teacher)
 
     import torch.distributed as dist
 
-    from lingua.distillation.teacher import TeacherModel
+    from lingua.distillation.teacher.model import TeacherModel
 
     owns_world = not dist.is_initialized()
     if owns_world:
@@ -247,7 +247,7 @@ def test_adamw_is_fused_on_the_gpu_and_steps_as_the_loop_does():
     FSDP2's DTensors: 159 ms a step of a 139M student on an H100), with the loop's numbers."""
     from apps.main.transformer import LMTransformer
     from lingua.optim import OptimArgs, build_optimizer
-    from tests.unit.test_export import tiny_args
+    from tests.unit.apps.main.test_export_hf import tiny_args
 
     weights = {}
     for implementation in ("auto", "for_loop"):

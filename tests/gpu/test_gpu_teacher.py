@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lingua.distillation.args import DistillationArgs
-from lingua.distillation.fused_loss import multiplies_into_fp32
+from lingua.distillation.loss.fused import multiplies_into_fp32
 from tests.gpu.gpus import needs_gpus
 from tests.runs import ROOT
 
@@ -24,7 +24,7 @@ def packed_doc_ids(rows: int, seq_len: int, rate: float = 0.02, seed: int = 0) -
 
 
 def teacher(tiny_teacher, **kwargs):
-    from lingua.distillation.teacher import TeacherModel
+    from lingua.distillation.teacher.model import TeacherModel
 
     return TeacherModel(DistillationArgs(teacher_path=str(tiny_teacher), teacher_dtype="bf16", **kwargs), CUDA)
 

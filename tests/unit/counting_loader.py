@@ -1,5 +1,5 @@
 """A resumable loader as the teacher cache's is one, in a module light enough (no torch) for a producer to import
-in a fraction of a second (tests/unit/test_data_producer.py)."""
+in a fraction of a second (tests/unit/lingua/loading/test_producer.py)."""
 
 import os
 

@@ -101,14 +101,33 @@ def test_lingua_modules_stay_where_a_lingua_user_looks(module, names):
     assert [n for n in names if not hasattr(loaded, n)] == []
 
 
-@pytest.mark.parametrize("package", ["lingua.distillation", "lingua.parallel", "apps.plan",
-                                     "apps.bench.kd_study"])
+MAPPED = sorted(module_name(p.parent) for p in (ROOT / "lingua").rglob("__init__.py")) + [
+    "apps.plan", "apps.bench", "apps.studies", "apps.studies.kd", "apps.studies.xtok"]
+
+
+@pytest.mark.parametrize("package", MAPPED)
 def test_each_package_docstring_is_a_map_of_all_its_modules(package):
     folder = ROOT / Path(*package.split("."))
     doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
     assert doc, f"{package}/__init__.py needs a docstring that maps the package"
-    missing = [p.name for p in folder.glob("*.py") if p.name != "__init__.py" and p.name not in doc]
+    entries = [p.name for p in folder.glob("*.py") if p.name != "__init__.py"]
+    entries += [p.name + "/" for p in folder.iterdir() if (p / "__init__.py").exists()]
+    missing = [name for name in entries if name not in doc]
     assert missing == [], f"{package}'s map does not mention {missing}"
     # The map imports nothing: importing one module of the package never drags in the others.
     tree = ast.parse((folder / "__init__.py").read_text())
     assert not [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def test_lingua_top_level_stays_small():
+    """Lingua's own modules where its users look; the helpers that grew around them live in rooms."""
+    top = sorted(p.name for p in (ROOT / "lingua").iterdir()
+                 if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").exists())
+    assert len(top) <= 22, top
+
+
+def test_no_two_modules_of_one_name_confuse_a_reader():
+    """A benchmark or study named like a lingua module sends a reader to the wrong file."""
+    lingua_names = {p.stem for p in (ROOT / "lingua").rglob("*.py") if p.stem != "__init__"}
+    bench_names = {p.stem for p in (ROOT / "apps" / "bench").glob("*.py") if p.stem != "__init__"}
+    assert sorted(bench_names & lingua_names) == []

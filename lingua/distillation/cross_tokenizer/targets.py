@@ -11,7 +11,7 @@ with probability 0, so the ids of a row stay distinct, as the losses need. kd_we
 unaligned positions, whose rows are a harmless placeholder (CE only: the loss weighs their KD by 0).
 
 With `unmapped_entries` (distillation.uld_weight > 0) the unmapped teacher entries also travel, in the free slots
-(there are always enough: k minus the distinct mapped ids), marked by a negative id (`lingua/distillation/uld.py`),
+(there are always enough: k minus the distinct mapped ids), marked by a negative id (`lingua/distillation/loss/uld.py`),
 and each row is sorted most likely first again; their mass stays in the rest bucket too.
 
 Sampled (`sample_student_ids`, on the teacher's logits): the teacher's probabilities are added up per student id,
@@ -24,7 +24,7 @@ and extra is the mapped part's sum_s p(s) log(p(s) / M), so the estimate stays u
 import torch
 
 from lingua.distillation.cross_tokenizer.vocab_map import VocabMap
-from lingua.distillation.divergences import LOG_TINY
+from lingua.distillation.loss.divergences import LOG_TINY
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.errors import ConfigError
 

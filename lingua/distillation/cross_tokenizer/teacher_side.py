@@ -17,9 +17,9 @@ from typing import Optional
 
 import torch
 
-from lingua.bits_per_byte import batches_target_bytes, byte_lengths
+from lingua.evaluation.bits_per_byte import batches_target_bytes, byte_lengths
 from lingua.data import IGNORE_INDEX
-from lingua.distillation.bridge import tokenizer_fingerprint
+from lingua.distillation.online.bridge import tokenizer_fingerprint
 from lingua.distillation.cross_tokenizer.alignment import WindowAligner
 from lingua.distillation.cross_tokenizer.targets import (
     sample_student_ids,

@@ -1,7 +1,7 @@
 """Programs that torchrun starts in the multi-process tests (`python -m tests.dist.workers.<name>`)."""
 import sys
 
-from lingua.cli import end_without_cycle_collections
+from lingua.cli.entry import end_without_cycle_collections
 
 
 def say(line: str) -> None:

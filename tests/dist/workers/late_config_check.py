@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from lingua import cli
+from lingua.cli import entry as cli
 from tests.dist.workers import say
 
 WAIT_S = 60  # no signal by then: the rank goes on and says so, and the test fails on that line

@@ -14,10 +14,10 @@ import time
 import torch
 
 from lingua.distillation.args import DistillationArgs
-from lingua.distillation.bridge import RECORD_BYTES, ResponseStatus
-from lingua.distillation.client import TeacherClient
-from lingua.distillation.server import TeacherServer
-from lingua.distillation.teacher import load_teacher
+from lingua.distillation.online.bridge import RECORD_BYTES, ResponseStatus
+from lingua.distillation.online.client import TeacherClient
+from lingua.distillation.online.server import TeacherServer
+from lingua.distillation.teacher.model import load_teacher
 from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.logger import init_logger
 from lingua.parallel.launch_plan import DistributedArgs

@@ -20,9 +20,9 @@ import torch
 from lingua.distillation.args import DistillationArgs
 from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.parallel.launch_plan import DistributedArgs
-from lingua.distillation.teacher import load_teacher
-from lingua.distillation.client import TeacherClient
-from lingua.distillation.server import TeacherServer
+from lingua.distillation.teacher.model import load_teacher
+from lingua.distillation.online.client import TeacherClient
+from lingua.distillation.online.server import TeacherServer
 from lingua.logger import init_logger
 from tests.dist.workers import run_worker, say
 

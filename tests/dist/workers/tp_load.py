@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from lingua.distillation.args import DistillationArgs
-from lingua.distillation.teacher import TeacherModel, load_teacher
-from lingua.distillation.tensor_parallel import shard_teacher
+from lingua.distillation.teacher.model import TeacherModel, load_teacher
+from lingua.distillation.teacher.tensor_parallel import shard_teacher
 from tests.dist.workers import run_worker, say
 
 

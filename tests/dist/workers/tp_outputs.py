@@ -18,15 +18,15 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lingua.distillation.args import DistillationArgs
-from lingua.distillation.bridge import BridgeSpec
-from lingua.distillation.client import TeacherClient
+from lingua.distillation.online.bridge import BridgeSpec
+from lingua.distillation.online.client import TeacherClient
 from lingua.distillation.cross_tokenizer.teacher_side import load_cross_tokenizer
 from lingua.distillation.outputs import sparsify_teacher_logits
-from lingua.distillation.replica import ReplicaLink
-from lingua.distillation.server import TeacherServer
-from lingua.distillation.teacher import TeacherModel
-from lingua.distillation.tensor_parallel import VocabShard
-from lingua.distillation.vocab_parallel import sample_ids, vocab_parallel_cross_entropy, vocab_parallel_outputs
+from lingua.distillation.online.replica import ReplicaLink
+from lingua.distillation.online.server import TeacherServer
+from lingua.distillation.teacher.model import TeacherModel
+from lingua.distillation.teacher.tensor_parallel import VocabShard
+from lingua.distillation.teacher.vocab_parallel import sample_ids, vocab_parallel_cross_entropy, vocab_parallel_outputs
 from lingua.tokenizer import TokenizerArgs
 from tests.dist.workers import run_worker, say
 

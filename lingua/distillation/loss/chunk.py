@@ -1,0 +1,223 @@
+"""One chunk of the fused CE + KD loss: from the chunk's logits z [rows, V] to its loss rows and dLoss/dz, with KD
+folded into CE's own passes over [rows, V] (`fused_loss.py` walks the chunks and runs the head's GEMMs).
+
+CE alone takes five passes over the chunk: max, subtract, exp, sum, multiply (then a 1-wide scatter_add at the
+label). KD at T = 1 adds none of its own, for the top-k format (fkl, rkl, jsd) and the sampled one:
+
+    topk     gather z at the k ids, scatter -inf there (k-wide); CE's max pass then gives the REST's max m_r,
+             the global max is max(m_r, max z_ids) (k-wide). g = exp(z - m_r) is CE's exp pass (0 on the ids),
+             Z_r = sum g is CE's sum pass, and the softmax normaliser is exp(m_r - max) Z_r + sum_ids
+             exp(z_i - max) (no cancellation), so log q_rest = m_r + log Z_r - lse is exact even when the
+             rest lies far below the ids. Off the ids CE's softmax is g * exp(m_r - lse) and KD's rest
+             gradient g / Z_r * B_rest: one coefficient per row, CE's multiply pass. The ids get their
+             combined CE + KD gradient by a k-wide scatter, the label its -1 by a 1-wide scatter_add.
+    sampled  dKD/dz = s - counts / k: CE's softmax with a larger coefficient plus a k-wide scatter_add. A
+             cross-tokenizer draw of an unmapped id (id -1) adds nothing: dKD/dz = (mapped / k) s - counts / k.
+    T != 1   KD needs exp((z - m_r) / T) besides CE's exp(z - m_r): three more passes (divide, exp, sum) and
+             the multiply becomes multiply + addcmul. The full format builds its log-softmax over the
+             vocabulary as before (about eight more passes).
+
+The math of each divergence (G = dD/d log q per bucket) is `divergences.divergence`; the bucket gradient
+dKD/da_b = G_b - q_b sum(G) is spread over the rest as exp(a_v - lse_rest(a)) (see `fused_loss`'s doc).
+Masked rows come in with z = 0 and finite in-range ids; every per-row coefficient goes through `where`.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from lingua.distillation.loss.divergences import (
+    divergence,
+    sampled_forward_kl,
+    teacher_full_log_probs,
+    teacher_topk_log_probs,
+)
+
+
+def _student_top1(z_ids, ids, rest_max, rest_argmax, z_max, vocab_size):
+    """The row's argmax (the smallest id among ties, as z.max(-1) gives it) from the ids' and the rest's maxima."""
+    id_top1 = torch.where(z_ids == z_max, ids, vocab_size).amin(-1)
+    rest_top1 = torch.where(rest_max.squeeze(-1) == z_max.squeeze(-1), rest_argmax, vocab_size)
+    return torch.minimum(id_top1, rest_top1)
+
+
+def _kd_rest_at_temperature(shifted_z, temperature):
+    """exp((z - shift) / T) in a new buffer (0 where z = -inf) and its row sums: KD's rest at T != 1."""
+    soft = shifted_z.div(temperature).exp_()
+    return soft, soft.sum(-1, keepdim=True)
+
+
+def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd_scale, temperature, kind, jsd_beta,
+                        uld=None):
+    """(CE per row, KD per row or None, student argmax per row, g = dLoss/dz, recipe) for one chunk; overwrites z.
+
+    z [rows, V] in the work dtype; labels [rows, 1] in range; row_mask [rows] (label != -100); teacher: None or
+    (format, values, extra) of the chunk; ids [rows, k] in range and distinct per row (None without ids; sampled:
+    repeats, and -1 for a cross-tokenizer draw without a student id);
+    kd_rows [rows]: rows whose KD counts; ce_scale a 0-dim tensor, kd_scale [rows] (0 off kd_rows). The recipe
+    rebuilds g from z (`GradRecipe`; None for the full format): `vocab_block_weight_grad` needs it. uld: None or a
+    `uld.ChunkULD` (top-k only): its topk over the rest replaces the max pass, its term joins KD (`uld.py`).
+    """
+    V = z.shape[-1]
+    format = None if teacher is None else teacher[0]
+    mapped = None
+    if format == "sampled":  # a cross-tokenizer draw of an unmapped teacher id (-1) has no student term
+        mapped, ids = ids >= 0, ids.clamp_min(0)
+    z_label = z.gather(-1, labels)
+    z_ids = None if ids is None else z.gather(-1, ids)
+    # The top-k ids leave the row (-inf) so that the one max / exp / sum pass sees the rest bucket alone.
+    excluded = format == "topk" and ids.shape[-1] < V
+    if excluded:
+        z.scatter_(-1, ids, float("-inf"))
+    with_uld = uld is not None and excluded
+    shift, argmax = uld.rest_top(z) if with_uld else z.max(-1, keepdim=True)
+    if excluded:
+        z_max = torch.maximum(shift, z_ids.amax(-1, keepdim=True))
+        student_top1 = _student_top1(z_ids, ids, shift, argmax.squeeze(-1), z_max, V)
+    else:
+        z_max, student_top1 = shift, argmax.squeeze(-1)
+    full_a = None
+    if format == "full":  # z becomes a = z / T for the full format's own log-softmax; g gets its own buffer
+        g = z.sub(shift)
+        full_a = z.div_(temperature) if temperature != 1.0 else z
+    else:
+        g = z.sub_(shift)
+    soft = soft_sum = None
+    if format in ("topk", "sampled") and temperature != 1.0:
+        soft, soft_sum = _kd_rest_at_temperature(g, temperature)
+    g = g.exp_()  # exp(z - shift), 0 on excluded ids
+    rest_sum = g.sum(-1, keepdim=True)
+    if excluded:
+        ids_exp = (z_ids - z_max).exp()
+        lse = z_max + torch.log(torch.exp(shift - z_max) * rest_sum + ids_exp.sum(-1, keepdim=True))
+        ce_coef = torch.exp(shift - lse) * ce_scale  # softmax(z)_v = g_v * exp(shift - lse)
+    else:
+        lse = shift + rest_sum.log()
+        ce_coef = ce_scale / rest_sum
+    ce = (lse - z_label).squeeze(-1)
+    ce_coef = torch.where(row_mask.unsqueeze(-1), ce_coef, 0.0)
+    label_grad = torch.where(row_mask, -ce_scale, 0.0).unsqueeze(-1)
+    if format is None:
+        g.mul_(ce_coef).scatter_add_(-1, labels, label_grad)
+        return ce, None, student_top1, g, GradRecipe(shift, ce_coef, None, labels, label_grad, None, None, False)
+    if soft is None:  # T = 1: KD's softmax at a = z is CE's
+        soft, soft_sum, a_shift, a_lse, a_ids = g, rest_sum, shift, lse, z_ids
+    else:
+        a_shift, a_ids = shift / temperature, None if z_ids is None else z_ids / temperature
+        a_lse = a_shift + soft_sum.log()
+        if excluded:
+            a_max = z_max / temperature
+            ids_sum = (a_ids - a_max).exp().sum(-1, keepdim=True)
+            a_lse = a_max + torch.log(torch.exp(a_shift - a_max) * soft_sum + ids_sum)
+    kd_scale = kd_scale.unsqueeze(-1)
+    if format == "sampled":
+        kd = sampled_forward_kl(teacher[2], (a_ids - a_lse), mapped)
+        # s_T times the mapped share of the draws everywhere (1 on one tokenizer); the samples' -counts / k by
+        # scatter_add (an id drawn twice counts twice).
+        share = mapped.sum(-1, keepdim=True).to(soft_sum.dtype) / ids.shape[-1]
+        rest_coef = torch.where(kd_rows.unsqueeze(-1), kd_scale * share / soft_sum, 0.0)
+        id_grad = torch.where(kd_rows.unsqueeze(-1) & mapped, -kd_scale / ids.shape[-1], 0.0)
+        coef, soft_coef = _combine(g, ce_coef, soft, rest_coef)
+        g.scatter_add_(-1, ids, id_grad).scatter_add_(-1, labels, label_grad)
+        return ce, kd, student_top1, g, GradRecipe(shift, coef, soft_coef, labels, label_grad, ids, id_grad, False)
+    if format == "full":
+        g.mul_(ce_coef).scatter_add_(-1, labels, label_grad)
+        return ce, _full_kd(full_a, g, teacher[1], kd_rows, kind, jsd_beta, kd_scale), student_top1, g, None
+    log_q = a_ids - a_lse
+    if excluded:
+        log_q = torch.cat([log_q, a_shift + soft_sum.log() - a_lse], dim=-1)
+    log_p = teacher_topk_log_probs(teacher[1], teacher[2], z.dtype, with_rest=excluded)
+    kd, G, q = divergence(log_p, log_q, kind, jsd_beta, with_grad=True)
+    bucket_grad = torch.where(kd_rows.unsqueeze(-1), (G - q * G.sum(-1, keepdim=True)) * kd_scale, 0.0)
+    k = ids.shape[-1]
+    # On the ids: CE's softmax plus KD's bucket gradient, written over whatever g holds there.
+    id_grad = torch.where(row_mask.unsqueeze(-1), (z_ids - lse).exp() * ce_scale, 0.0) + bucket_grad[:, :k]
+    rest_coef = bucket_grad[:, k:] / soft_sum if excluded else None
+    added_ids, added_grad = labels, label_grad  # added after the ids' values are written
+    if with_uld:
+        uld_kd, uld_id_grad, uld_rest_coef, uld_top_grad = uld.value_and_grads(
+            temperature, a_lse, q[:, :k], a_shift, kd_rows, kd_scale)
+        kd, id_grad, rest_coef = kd + uld_kd, id_grad + uld_id_grad, rest_coef + uld_rest_coef
+        added_ids, added_grad = torch.cat([labels, uld.top_ids], -1), torch.cat([label_grad, uld_top_grad], -1)
+    elif uld is not None:  # no rest (k = V): the student's side is all zeros, a constant
+        kd = kd + uld.weight * uld.teacher_sorted.sum(-1)
+    coef, soft_coef = _combine(g, ce_coef, soft, rest_coef)
+    g.scatter_(-1, ids, id_grad).scatter_add_(-1, added_ids, added_grad)
+    return ce, kd, student_top1, g, GradRecipe(shift, coef, soft_coef, added_ids, added_grad, ids, id_grad, True)
+
+
+def _combine(g, ce_coef, soft, rest_coef):
+    """g <- ce_coef * g + rest_coef * soft: one multiply pass when soft is g (T = 1), multiply + addcmul if not.
+    Returns the (coefficient of g, coefficient of soft or None) it applied."""
+    if rest_coef is None:
+        g.mul_(ce_coef)
+        return ce_coef, None
+    if soft is g:
+        coef = ce_coef + rest_coef
+        g.mul_(coef)
+        return coef, None
+    g.mul_(ce_coef).addcmul_(soft, rest_coef)
+    return ce_coef, rest_coef
+
+
+class GradRecipe(NamedTuple):
+    """dLoss/dz of a chunk's rows without z: coef * exp(z - shift) [+ soft_coef * exp((z - shift) / T)], then the
+    ids' values written (ids_set) or added at ids, then label_grad added at labels (with ULD, also at the rest's
+    top-K ids). All [rows, 1], [rows, k] or [rows, 1 + K]."""
+    shift: torch.Tensor
+    coef: torch.Tensor
+    soft_coef: Optional[torch.Tensor]
+    labels: torch.Tensor
+    label_grad: torch.Tensor
+    ids: Optional[torch.Tensor]
+    id_grad: Optional[torch.Tensor]
+    ids_set: bool
+
+    @staticmethod
+    def cat(recipes: list) -> "GradRecipe":
+        fields = [[getattr(r, name) for r in recipes] for name in GradRecipe._fields[:-1]]
+        return GradRecipe(*(None if parts[0] is None else torch.cat(parts) for parts in fields), recipes[0].ids_set)
+
+
+def vocab_block_weight_grad(hidden, weight, recipe: GradRecipe, temperature: float, block: int, work_dtype):
+    """grad_W = dz^T hidden, one vocabulary block of `block` ids at a time: the block's logits are recomputed for
+    all rows, dz rebuilt from the recipe, and one GEMM over all rows writes the block (its fp32 accumulator
+    rounds once, to the weight's dtype): no fp32 [V, D] accumulator, one extra logits GEMM. hidden has its
+    masked rows zeroed already."""
+    V, N = weight.shape[0], hidden.shape[0]
+    grad_weight = torch.empty_like(weight)
+    buffer = torch.empty(N, block + 1, dtype=work_dtype, device=hidden.device)  # a spare column for others' ids
+    for start in range(0, V, block):
+        width = min(block, V - start)
+        dz = buffer[:, :width + 1]
+        logits = dz[:, :width]
+        if weight.dtype == work_dtype:
+            torch.mm(hidden, weight[start:start + width].T, out=logits)
+        else:
+            logits.copy_(hidden @ weight[start:start + width].T)
+        logits.sub_(recipe.shift)
+        soft = logits.div(temperature).exp_() if recipe.soft_coef is not None else None
+        logits.exp_().mul_(recipe.coef)
+        if soft is not None:
+            logits.addcmul_(soft, recipe.soft_coef)
+        if recipe.ids is not None:
+            local = _local_ids(recipe.ids, start, width)
+            (dz.scatter_ if recipe.ids_set else dz.scatter_add_)(-1, local, recipe.id_grad)
+        dz.scatter_add_(-1, _local_ids(recipe.labels, start, width), recipe.label_grad)
+        torch.mm(logits.to(weight.dtype).T, hidden, out=grad_weight[start:start + width])
+    return grad_weight
+
+
+def _local_ids(ids, start, width):
+    """ids relative to the block [start, start + width); ids outside it go to the spare column `width`."""
+    local = ids - start
+    return torch.where((local >= 0) & (local < width), local, width)
+
+
+def _full_kd(a, g, values, mask, kind, jsd_beta, kd_scale):
+    """Exact divergence over the vocabulary; adds kd_scale * dKD/da into g. Overwrites a."""
+    log_q = a.sub_(a.logsumexp(-1, keepdim=True))
+    kd, G, q = divergence(teacher_full_log_probs(values, a.dtype), log_q, kind, jsd_beta, with_grad=True)
+    G.sub_(q.mul_(G.sum(-1, keepdim=True)))
+    g.add_(torch.where(mask.unsqueeze(-1), G.mul_(kd_scale), 0.0))
+    return kd

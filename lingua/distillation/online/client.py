@@ -1,0 +1,341 @@
+"""The student end of a bridge: handshake, then one asynchronous request per micro-batch, then STOP.
+
+    client = TeacherClient(args, topo, vocab, n_words, max_bsz, max_seqlen)   # runs the handshake
+    handle = client.submit(input_ids, step, micro_step)                       # gather + scatter posted
+    outputs = handle.wait()                                                   # TeacherOutputs
+    flags = client.response_flags()                                           # at the step's agreed point
+    client.stop(step)                                                         # drains, then STOP
+
+Both collectives of a request are posted asynchronously, so the teacher's forward runs while the
+student computes. No host sync per micro-batch on CUDA: the request is built on the host (tokens
+come from the loader there) in pinned memory and copied without blocking; the responses' status
+words stay on the device and are read once per step, at the agreed control point
+(`response_flags`); the wait clock uses CUDA events, read on log steps. A response whose status
+says error carries stale but valid outputs (the teacher's buffers only ever hold its own
+outputs), so the step can finish before every student raises the teacher's sentence together.
+A failed teacher answers every request that way until each of its students sent ERROR (or STOP),
+and a student sends it only after completing all it posted: no request is left in flight on any
+path but a student's own unagreed failure (`report_exit` counts them; that exit aborts its groups).
+"""
+
+import logging
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from lingua.distillation.args import (AgreedPeerStopped, AgreedTeacherError, DistillationArgs, dtype_setting,
+                                     teacher_title)
+from lingua.distillation.online.bridge import (
+    BAD_TOKENS_FIELD,
+    HEADER_INTS,
+    NAN_WORD,
+    RECORD_BYTES,
+    BridgeSpec,
+    HandshakeRecord,
+    Op,
+    RequestHeader,
+    ResponseStatus,
+    agreed_handshake,
+    agreed_settings,
+    teacher_failure,
+    tokenizer_fingerprint,
+)
+from lingua.distillation.outputs import TeacherOutputs
+from lingua.parallel.collectives import log_collective
+
+logger = logging.getLogger(__name__)
+STATUS_WORDS = NAN_WORD + 1  # the response status fields read per step (int64 each): failed, teacher_preempt, ..., NaN
+
+
+class WaitClock:
+    """Student time blocked on the teacher. CPU (gloo): the host blocks in wait(), so the host clock.
+    CUDA (NCCL): wait() only makes the stream wait; the event pair around it is kept until read (log steps),
+    and pairs of steps that were never read still count in the total when a later read folds them in."""
+
+    def __init__(self, device: torch.device, make_event: Optional[Callable[[], object]] = None):
+        self.cuda = device.type == "cuda"
+        # A timing event recorded on the current stream; tests pass a fake one to run this branch without a GPU.
+        self.make_event = make_event or (lambda: torch.cuda.Event(enable_timing=True))
+        self.step_s = self.total_s = 0.0  # resolved seconds: this step's, and since launch
+        self.step_pairs: list[tuple] = []  # CUDA (start, end) events of this step not read yet
+        self.earlier_pairs: list[tuple] = []  # CUDA events of earlier steps not read yet: the total's only
+
+    def new_step(self) -> None:
+        self.step_s = 0.0
+        self.earlier_pairs += self.step_pairs  # unread, not dropped: the next read adds them to the total
+        self.step_pairs = []
+
+    def start(self):
+        if self.cuda:
+            event = self.make_event()
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, start) -> None:
+        if self.cuda:
+            end = self.make_event()
+            end.record()
+            self.step_pairs.append((start, end))
+            return
+        elapsed = time.perf_counter() - start
+        self.step_s += elapsed
+        self.total_s += elapsed
+
+    def read_step(self) -> float:
+        """This step's wait in seconds, every unread pair folded in (on CUDA: one sync, on the newest event,
+        which the stream records after all the others; log steps only)."""
+        pending = self.earlier_pairs + self.step_pairs
+        if not pending:
+            return self.step_s
+        pending[-1][1].synchronize()
+        earlier = sum(a.elapsed_time(b) for a, b in self.earlier_pairs) / 1e3
+        this_step = sum(a.elapsed_time(b) for a, b in self.step_pairs) / 1e3
+        self.step_s += this_step
+        self.total_s += earlier + this_step
+        self.earlier_pairs, self.step_pairs = [], []
+        return self.step_s
+
+
+class TeacherHandle:
+    """One in-flight request. `wait()` returns this student's TeacherOutputs (on its device)."""
+
+    def __init__(self, client: "TeacherClient", works, response: torch.Tensor, bsz: int, seqlen: int, step: int):
+        self.client, self.works, self.response = client, works, response
+        self.bsz, self.seqlen, self.step = bsz, seqlen, step
+        self.request_bytes = 0
+        self.submitted_at = time.time()
+        self.done = False
+
+    def complete(self) -> None:
+        """Wait for both collectives (idempotent); on CUDA the stream waits, the host does not."""
+        if self.done:
+            return
+        for work in self.works:
+            work.wait()
+        self.done = True
+        self.client.in_flight.remove(self)
+        # Completed: from now on its status is safe to read (the teacher's clocks for the metrics). A posted
+        # buffer is not: its scatter may still be writing (CUDA: uninitialised bytes until the stream waits).
+        self.client.last_status = self.response[:RECORD_BYTES]
+        # Counted when answered, so a look-ahead request belongs to the step that consumes it. What goes over
+        # the bridge is the whole framed buffer (header/status, padding), not only the payload.
+        self.client.bytes_up += self.request_bytes
+        self.client.bytes_down += self.response.numel() * self.response.element_size()
+
+    def wait(self) -> TeacherOutputs:
+        client = self.client
+        start = client.wait_clock.start()  # after our own queued work: that is compute, not teacher time
+        self.complete()
+        client.wait_clock.stop(start)
+        if client.first_round_trip is None:  # a startup span: one sync on the first response is fine
+            client.wait_clock.read_step()
+            client.first_round_trip = (self.submitted_at, time.time())
+        client.statuses.append((self.response[:RECORD_BYTES], self.step))
+        return client.payload(self.response, self.bsz, self.seqlen)
+
+
+def student_record(args: DistillationArgs, topo, vocab: dict[str, int], n_words: int, max_bsz: int, max_seqlen: int,
+                   attn_mask: str = "causal") -> HandshakeRecord:
+    """What a student announces on a bridge at the handshake."""
+    return HandshakeRecord("student", topo.global_rank, n_words, tokenizer_fingerprint(vocab),
+                           agreed_settings(args, attn_mask), max_bsz=max_bsz, max_seqlen=max_seqlen)
+
+
+class TeacherClient:
+    """Student side of the bridge. Build it right after the student model (it runs the handshake)."""
+
+    def __init__(self, args: DistillationArgs, topo, vocab: dict[str, int], n_words: int,
+                 max_bsz: int, max_seqlen: int, attn_mask: str = "causal", spec: Optional[BridgeSpec] = None):
+        """`spec`: what a handshake of several bridges agreed for this one (`agreed_handshakes`); None runs it."""
+        assert topo.is_student and topo.bridge_group is not None
+        self.args, self.topo = args, topo
+        self.teacher_rank = topo.my_teacher
+        self.title = teacher_title(args, self.teacher_rank)  # "Teacher rank 2", or with several its index and path
+        self.spec = spec or agreed_handshake(topo, student_record(args, topo, vocab, n_words, max_bsz, max_seqlen,
+                                                                  attn_mask), args)
+        self.teacher_heldout_ce = self.spec.teacher_heldout_ce
+        self.teacher_heldout_bpb = self.spec.teacher_heldout_bpb
+        self.n_words = n_words
+        self.device = topo.device
+        self.pin = self.device.type == "cuda"  # pinned host buffers: the copy to the GPU does not block
+        self.wait_clock = WaitClock(self.device)
+        self.first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done)
+        self.in_flight: list[TeacherHandle] = []
+        self.statuses: list[tuple[torch.Tensor, int]] = []  # (status record on the device, step), read per step
+        self.checked: list[tuple[torch.Tensor, int]] = []  # the statuses of the last agreed step
+        self.last_status: Optional[torch.Tensor] = None  # the last completed response's status, read on log steps
+        self.unwaited_at_exit: Optional[int] = None  # posted requests never completed, counted by report_exit
+        self.in_training = False  # set after this launch's first step: requests then tell the teacher
+        self.pause_follows = False  # set for a step the students follow with a long pause: its requests say
+        # in_training=0 again, so the teacher waits across the pause under the generous timeout
+        self.bytes_up = self.bytes_down = 0  # the buffers of answered requests: handed to gather / got from scatter
+        self.stopped = False
+        logger.info(
+            f"{self.title[0].lower()}{self.title[1:]} ready: output={self.spec.output} k={self.spec.k} "
+            f"vocab={self.spec.vocab_size} buffers [{self.spec.max_bsz} x {self.spec.max_seqlen}]"
+            + (" with document ids" if self.spec.doc_boundaries else "")
+        )
+
+    @property
+    def total_wait_s(self) -> float:
+        self.wait_clock.read_step()
+        return self.wait_clock.total_s
+
+    def teacher_status(self) -> ResponseStatus:
+        """The teacher's status in the last completed response (its cumulative busy/idle seconds, peak memory):
+        one host read. Requests posted ahead are not looked at: their buffers may still be in flight."""
+        if self.last_status is None:
+            return ResponseStatus()
+        return ResponseStatus.unpack(self.last_status)
+
+    @property
+    def teacher_busy(self) -> float:
+        """Fraction of the teacher's time since the handshake spent computing (vs waiting for requests)."""
+        status = self.teacher_status()
+        return status.busy_s / max(status.busy_s + status.idle_s, 1e-9)
+
+    def metrics(self) -> dict[str, float]:
+        """Bridge metrics for a log row; all cumulative since launch, so a window is a difference of two rows."""
+        status = self.teacher_status()
+        return {"kd/teacher_busy": status.busy_s / max(status.busy_s + status.idle_s, 1e-9),
+                "kd/teacher_busy_s": status.busy_s, "kd/teacher_idle_s": status.idle_s,
+                "kd/teacher_forward_s": status.forward_s,
+                "kd/teacher_peak_gib": status.peak_bytes / 2**30, "kd/bytes_up": self.bytes_up,
+                "kd/bytes_down": self.bytes_down}
+
+    def _request(self, header: RequestHeader, tokens: Optional[torch.Tensor], doc_ids: Optional[torch.Tensor],
+                 next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The request buffer, built on the host (pinned on CUDA) and sent to the device without blocking."""
+        request = torch.zeros(self.spec.request_ints(), dtype=torch.int32, pin_memory=self.pin)
+        request[:HEADER_INTS] = torch.tensor(header.to_ints(), dtype=torch.int32)
+        if tokens is not None:
+            tokens = tokens.cpu()  # a no-op for loader batches, which stay on the host until here
+            # Out-of-range ids are flagged for the teacher, which refuses the request: every student raises together.
+            request[BAD_TOKENS_FIELD] = ((tokens < 0) | (tokens >= self.n_words)).any()
+            self.spec.token_grid(request)[: header.bsz, : header.seqlen] = tokens
+            if self.spec.doc_boundaries:
+                self.spec.doc_grid(request)[: header.bsz, : header.seqlen] = doc_ids.cpu()
+            if self.spec.kd_weight:  # a label outside the vocabulary (-100: none) leaves the last position unaligned
+                nexts = torch.full((header.bsz,), -1) if next_tokens is None else next_tokens.cpu()
+                self.spec.next_tokens(request)[: header.bsz] = torch.where((nexts >= 0) & (nexts < self.n_words),
+                                                                           nexts, -1)
+        return request.to(self.device, non_blocking=True)
+
+    def _post(self, op: Op, step: int, micro_step: int, tokens: Optional[torch.Tensor],
+              doc_ids: Optional[torch.Tensor] = None, next_tokens: Optional[torch.Tensor] = None) -> TeacherHandle:
+        bsz, seqlen = (0, 0) if tokens is None else tuple(tokens.shape)
+        if bsz > self.spec.max_bsz or seqlen > self.spec.max_seqlen:
+            raise ValueError(
+                f"Batch of shape [{bsz}, {seqlen}] is larger than the [{self.spec.max_bsz}, {self.spec.max_seqlen}] "
+                f"announced to the teacher at the handshake."
+            )
+        if self.spec.doc_boundaries and tokens is not None and doc_ids is None:
+            raise ValueError("This bridge agreed on document boundaries (model.attn_mask=doc_causal) but the "
+                             "batch has no doc_ids.")
+        header = RequestHeader(op, step, micro_step, bsz, seqlen, self.topo.train_rank,
+                               in_training=int(self.in_training and not self.pause_follows))
+        request = self._request(header, tokens, doc_ids, next_tokens)
+        response = torch.empty(self.spec.response_bytes(), dtype=torch.uint8, device=self.device)
+        group = self.topo.bridge_group
+        log_collective(f"gather+scatter request op={op.name} step={step}.{micro_step}", group, request, response)
+        up = dist.gather(request, None, dst=self.teacher_rank, group=group, async_op=True)
+        down = dist.scatter(response, None, src=self.teacher_rank, group=group, async_op=True)
+        handle = TeacherHandle(self, [up, down], response, bsz, seqlen, step)
+        handle.request_bytes = request.numel() * request.element_size()
+        self.in_flight.append(handle)
+        return handle
+
+    def submit(self, input_ids: torch.Tensor, step: int, micro_step: int, doc_ids: Optional[torch.Tensor] = None,
+               next_tokens: Optional[torch.Tensor] = None) -> TeacherHandle:
+        """Send one micro-batch of tokens [bsz, seqlen] (host tensors are best: no device round trip; with
+        doc boundaries also its document ids; cross-tokenizer, each row's label past the window [bsz]); returns a
+        handle whose wait() gives outputs."""
+        return self._post(Op.FORWARD, step, micro_step, input_ids, doc_ids, next_tokens)
+
+    def payload(self, response: torch.Tensor, bsz: int, seqlen: int) -> TeacherOutputs:
+        return TeacherOutputs.from_tensors(self.spec.output,
+                                           [view[:bsz, :seqlen] for view in self.spec.payload_views(response)])
+
+    def response_flags(self) -> dict[str, torch.Tensor]:
+        """Whether any response since the last call reported an error or the teacher's preemption signal,
+        as device tensors for the step's agreed flags (no host read here)."""
+        if not self.statuses:
+            zero = torch.zeros((), dtype=torch.int64, device=self.device)
+            return {"teacher_error": zero, "teacher_preempt": zero, "teacher_nan": zero}
+        words = torch.stack([record[: STATUS_WORDS * 8].view(torch.int64) for record, _ in self.statuses]).amax(dim=0)
+        self.checked, self.statuses = self.statuses, []
+        return {"teacher_error": words[0], "teacher_preempt": words[1], "teacher_nan": words[NAN_WORD]}
+
+    def nan_error(self) -> Optional[Exception]:
+        """After the students agreed that a teacher's outputs held NaN: the sentence, if this bridge's teacher sent
+        them (one host read per checked status: the error path only)."""
+        for record, step in self.checked:
+            if record[: STATUS_WORDS * 8].view(torch.int64)[NAN_WORD].item():
+                return AgreedTeacherError(
+                    f"{self.title}'s outputs are not finite (NaN) at step {step}: its weights or "
+                    f"its forward in {dtype_setting(self.args)}={self.args.teacher_dtype} are broken, not the "
+                    f"students; check the teacher at {self.args.teacher_path} (its own check of its outputs)")
+        return None
+
+    def raise_teacher_nan(self) -> None:
+        """After the students agreed that a teacher's outputs held NaN: which teacher and step, if this bridge's."""
+        raise self.nan_error() or AgreedPeerStopped("a teacher in another bridge sent outputs that are not finite; "
+                                                    "its students' logs name it")
+
+    def teacher_error(self) -> Optional[Exception]:
+        """After the students agreed that a response failed: the teacher's own sentence, if this bridge has it."""
+        for record, step in self.checked:
+            status = ResponseStatus.unpack(record)  # the message is decoded only here, on the error path
+            if not status.ok:
+                sentence = f"{self.title} failed at step {step}: {status.message}"
+                return AgreedPeerStopped(sentence) if status.bug else AgreedTeacherError(sentence)
+        return None
+
+    def raise_teacher_error(self) -> None:
+        """After the students agreed that a response failed: the teacher's own sentence, if this bridge has it.
+        The error is agreed, so the loop drains and sends ERROR before it propagates (`stop_on_agreed_error`):
+        the failed teacher answers every request until then, and leaves once each of its students sent ERROR."""
+        raise self.teacher_error() or AgreedPeerStopped("a teacher in another bridge failed; its students' logs "
+                                                        "name the reason")
+
+    def mark_first_step_done(self) -> None:
+        """This launch's first step is over: later requests let the teacher switch to the training timeout."""
+        self.in_training = True
+
+    def announce_pause(self, pause_follows: bool) -> None:
+        """Whether the step about to run is followed by a long pause (an in-process checkpoint evaluation): every
+        request posted until the next call says so, and the teacher waits for the one after under the generous
+        timeout. Every student of a bridge calls it alike (the same rule on the same step)."""
+        self.pause_follows = pause_follows
+
+    def drain(self) -> None:
+        """Wait for every request still in flight (before STOP, a preemption save, an agreed error)."""
+        for handle in list(self.in_flight):
+            handle.complete()
+
+    def stop(self, step: int, error: bool = False, blame: int = 0) -> None:
+        """Tell the teacher to leave its loop (end of training, preemption, agreed error), after draining. `blame`:
+        with several teachers, 1 + the index of the teacher whose failure the students agreed on (0: none), sent
+        in the ERROR's micro_step so that every teacher's sentence names it."""
+        if self.stopped:
+            return
+        self.drain()
+        handle = self._post(Op.ERROR if error else Op.STOP, step, blame if error else 0, None)
+        handle.complete()
+        self.stopped = True
+        status = ResponseStatus.unpack(handle.response[:RECORD_BYTES])
+        if not status.ok and not error:
+            raise teacher_failure(f"{self.title} reported at STOP: {status.message}", status.bug)
+        logger.info(f"sent {'ERROR' if error else 'STOP'} to teacher rank {self.teacher_rank} at step {step}")
+
+    def report_exit(self) -> int:
+        """Count (and log) the posted requests never completed as this student leaves: 0 on every path but a
+        student failing on its own (not agreed), which must not wait for a teacher its peers may never reach;
+        its process groups are then aborted, which cancels them (NCCL's destroy would wait for them)."""
+        self.unwaited_at_exit = len(self.in_flight)
+        log = logger.warning if self.unwaited_at_exit else logger.info
+        log(f"teacher requests left unwaited at exit: {self.unwaited_at_exit}")
+        return self.unwaited_at_exit

@@ -1,0 +1,160 @@
+"""A tensor-parallel teacher replica (distillation.teacher_tp > 1): how its ranks stay one teacher.
+
+The replica's first rank (the leader) is the teacher end of the bridge; the others (followers) never talk
+to students. Everything between them goes over the replica's group (`topo.teacher_tp_group`):
+
+    load        `replica_load_record`: one all-gather of every rank's load record, so the leader's handshake
+                record says "not loaded" with the reason of any rank that failed, and no rank enters a
+                collective forward (the held-out reference) next to one that has no model.
+    handshake   followers only share the world's verdicts (`agreed_handshake` with no record of their own);
+                then `share_spec` broadcasts what the bridge agreed (buffer shapes, the students' vocab).
+    per request one broadcast of a round (`ReplicaLink`): FORWARD with every student's request buffer (a
+                cross-tokenizer leader then aligns them and broadcasts the teacher's tokens: their shape, then
+                the tokens and document ids; the followers never align), or
+                LEAVE with the status the students get (STOP: return; an error: every follower raises it as
+                the students do: a user error's sentence, or a stop naming the rank that failed, exit 1).
+                After a FORWARD, every rank runs the sharded forward and its part of the outputs, then one
+                reduce (max) brings each rank's preemption flag and peak memory to the leader, which
+                writes them into the status words on the device (no host read of its own).
+
+A follower that raises inside the forward, dies, or is killed leaves the others blocked in a collective of
+that forward: its process exits and, on gloo, their collective fails with a lost peer and every rank ends with
+the sentence naming the rank that stopped first (`lingua/parallel/rank_status.py`). On NCCL nothing fails in
+Python: the others block until NCCL's watchdog ends them at the collective timeout, and the sentence is in the
+status files `python -m apps.debug.postmortem <dump_dir>` reads (docs/gpu_failures.md).
+"""
+
+import logging
+from enum import IntEnum
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from lingua.distillation.args import WIRE_DTYPES, DistillationArgs
+from lingua.distillation.online.bridge import RECORD_BYTES, BridgeSpec, HandshakeRecord, ResponseStatus, teacher_failure
+from lingua.errors import PeerStopped
+from lingua.parallel.collectives import log_collective
+
+logger = logging.getLogger(__name__)
+
+CONTROL_INTS = 4  # round op, LEAVE's "the students stopped" bit, then room to grow; int32
+STATUS_INTS = RECORD_BYTES // 4  # the LEAVE round's status record, as int32
+PREEMPT_WORD, PEAK_WORD = 1, 4  # int64 fields of a ResponseStatus record (see ResponseStatus.pack)
+
+
+class Round(IntEnum):
+    FORWARD = 1  # the students' requests follow: run the forward
+    LEAVE = 2  # the status follows: leave the loop (raise its message when it is an error)
+
+
+def replica_load_record(topo, mine: HandshakeRecord) -> HandshakeRecord:
+    """Every rank's load record all-gathered on the replica's group; returns this rank's record, which says
+    "not loaded" (with that rank's reason) when any rank of the replica failed."""
+    group = topo.teacher_tp_group
+    packed = mine.pack().to(topo.device)
+    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+    log_collective("all_gather replica load records", group, packed)
+    dist.all_gather(gathered, packed, group=group)
+    records = [HandshakeRecord.unpack(r) for r in gathered]
+    failed = [r for r in records if not r.loaded]
+    if failed and mine.loaded:
+        first = failed[0]
+        mine.loaded, mine.bug = False, first.bug
+        mine.message = f"tensor-parallel rank {first.global_rank} of its replica: {first.message}"
+    return mine
+
+
+def share_spec(topo, spec: Optional[BridgeSpec], args: DistillationArgs) -> BridgeSpec:
+    """The leader's bridge spec on every rank of the replica (followers build it from the agreed shapes and
+    their own distillation settings, which the handshake checked are the students')."""
+    fields = [spec.max_bsz, spec.max_seqlen, spec.vocab_size, int(spec.doc_boundaries), int(spec.kd_weight)] \
+        if spec is not None else [0] * 5
+    shapes = torch.tensor(fields, dtype=torch.int64, device=topo.device)
+    log_collective("broadcast bridge spec", topo.teacher_tp_group, shapes)
+    dist.broadcast(shapes, src=topo.replica_ranks[0], group=topo.teacher_tp_group)
+    if spec is not None:
+        return spec
+    max_bsz, max_seqlen, vocab_size, doc_boundaries, kd_weight = shapes.tolist()
+    return BridgeSpec(max_bsz, max_seqlen, vocab_size, args.output, args.k, WIRE_DTYPES[args.wire_dtype],
+                      doc_boundaries=bool(doc_boundaries), kd_weight=bool(kd_weight))
+
+
+class ReplicaLink:
+    """The per-request traffic of a replica over its group; the same buffer shapes on every rank."""
+
+    def __init__(self, topo, spec: BridgeSpec, n_students: int):
+        self.group, self.leader = topo.teacher_tp_group, topo.replica_ranks[0]
+        self.request_ints = spec.request_ints()
+        self.round = torch.zeros(CONTROL_INTS + STATUS_INTS + n_students * self.request_ints, dtype=torch.int32,
+                                 device=topo.device)
+        self.flags = torch.zeros(2, dtype=torch.int64, device=topo.device)  # preemption flag, peak bytes
+        self.broken = False  # a forward failed on the leader: the others wait in one of its collectives
+
+    def _broadcast(self, what: str) -> None:
+        log_collective(f"broadcast round ({what})", self.group, self.round)
+        dist.broadcast(self.round, src=self.leader, group=self.group)
+
+    # ---- the leader
+
+    def share_forward(self, requests: list[torch.Tensor]) -> None:
+        """Send the followers this round's request buffers (the students', in bridge order)."""
+        self.round[0] = Round.FORWARD
+        torch.cat(requests, out=self.round[CONTROL_INTS + STATUS_INTS:])
+        self._broadcast("forward")
+
+    def share_leave(self, status: ResponseStatus, peer_stopped: bool = False) -> None:
+        """Tell the followers to leave, with the status the students get (`peer_stopped`: its error is the
+        students' own stop, not the teacher's)."""
+        self.round[0], self.round[1] = Round.LEAVE, int(peer_stopped)
+        self.round[CONTROL_INTS:CONTROL_INTS + STATUS_INTS] = status.pack().view(torch.int32).to(self.round.device)
+        self._broadcast("leave")
+
+    def replica_flags(self, preempt: bool, peak_bytes: int) -> Optional[torch.Tensor]:
+        """After a forward, on every rank: the max over the replica of (preemption flag, peak bytes), int64 on
+        the leader's device (None elsewhere)."""
+        self.flags[0], self.flags[1] = int(preempt), int(peak_bytes)
+        log_collective("reduce(max) replica flags", self.group, self.flags)
+        dist.reduce(self.flags, dst=self.leader, op=dist.ReduceOp.MAX, group=self.group)
+        return self.flags if dist.get_rank() == self.leader else None
+
+    def share_teacher_tokens(self, tokens: Optional[torch.Tensor], doc_ids: Optional[torch.Tensor]
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-tokenizer, on every rank of the replica: the teacher's [N, L] tokens and document ids the leader
+        aligned (given there; None on a follower, which receives them): their shape, then both in one tensor."""
+        shape = torch.zeros(2, dtype=torch.int64, device=self.flags.device)
+        if tokens is not None:
+            shape.copy_(torch.tensor(tokens.shape))
+        log_collective("broadcast teacher grid shape", self.group, shape)
+        dist.broadcast(shape, src=self.leader, group=self.group)
+        if tokens is not None:
+            grid = torch.stack([tokens.long(), doc_ids.long()]).to(self.flags.device)
+        else:
+            grid = torch.empty((2, *shape.tolist()), dtype=torch.int64, device=self.flags.device)
+        log_collective("broadcast teacher tokens", self.group, grid)
+        dist.broadcast(grid, src=self.leader, group=self.group)
+        return grid[0], grid[1].int()
+
+    @staticmethod
+    def write_flags(response: torch.Tensor, flags: torch.Tensor) -> None:
+        """Overwrite a response's preemption and peak-memory words with the replica's (a device copy)."""
+        words = response[:RECORD_BYTES].view(torch.int64)
+        words[PREEMPT_WORD] = flags[0]
+        words[PEAK_WORD] = flags[1]
+
+    # ---- a follower
+
+    def next_round(self) -> tuple[Round, object]:
+        """Wait for the leader's next round: (FORWARD, the request buffers) or (LEAVE, None after a STOP, else
+        the error to raise)."""
+        self._broadcast("receive")
+        op = Round(int(self.round[0]))
+        if op == Round.FORWARD:
+            return op, list(self.round[CONTROL_INTS + STATUS_INTS:].split(self.request_ints))
+        status = ResponseStatus.unpack(self.round[CONTROL_INTS:CONTROL_INTS + STATUS_INTS].view(torch.uint8))
+        if status.ok:
+            return op, None
+        if int(self.round[1]):  # the students stopped on an error of theirs
+            return op, PeerStopped(status.message)
+        return op, teacher_failure(f"Teacher rank {self.leader} (this replica's first rank) failed: {status.message}",
+                                   status.bug)

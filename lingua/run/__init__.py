@@ -1,0 +1,6 @@
+"""A run's dump directory: where each output lives, who owns it, and what its checkpoints' files say.
+
+    dump_dir.py            RunDir: each output's path; tolerant readers of the jsonl files (metrics, rank status)
+    owner.py               one live run per dump dir: `<dump_dir>/owner.json`, taken before any process group
+    checkpoint_health.py   a checkpoint's files read when a save or load goes wrong: one sentence, not a traceback
+"""

@@ -1,0 +1,255 @@
+"""Several teachers from their caches: each window's source id through writer, shard and reader (and old shards
+without it), the checks that the caches describe the same windows, and the mixing of two caches' targets, which
+must be the online mixture's (the same loss, gradients and kd/<i>/* metrics)."""
+
+import contextlib
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from apps.main.train import TrainArgs, n_teacher_ranks
+from lingua.args import parse_args
+from lingua.loading.producer import from_wire, to_wire
+from lingua.distillation.cache.store import (INDEX, CacheLoader, CacheManifest, read_shard, settings_manifest, shard_path,
+                                       write_json_atomic, write_shard)
+from lingua.distillation.cache.codec import decode_shard, encode_shard
+from lingua.distillation.mixed_distillers import CachedTeachersDistiller, SeveralTeachersDistiller
+from lingua.distillation.mixture import source_routing
+from lingua.distillation.outputs import sparsify_teacher_logits
+from lingua.distillation.cache.several import TeacherCaches, open_training_caches
+from lingua.errors import ConfigError, DataError
+from lingua.tokenizer import build_tokenizer
+
+ROOT = Path(__file__).resolve().parents[5]
+ROWS, SHARDS, SEQ = 4, 2, 12  # windows per shard, shards per cache, data.seq_len
+
+
+def train_args(tmp_path, *overrides: str) -> TrainArgs:
+    """The 2+1 CPU config on two stubbed sources and the byte tokenizer, plus `overrides`."""
+    for source in ("pydocs", "code"):
+        (tmp_path / "corpus" / source).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "corpus" / source / f"{source}.chunk.0.jsonl").write_text('{"text": "a"}\n')
+    return parse_args(TrainArgs, [f"config={ROOT / 'configs/distill_exps/debug_cpu.yaml'}",
+                                  f"data.root_dir={tmp_path / 'corpus'}", "data.tokenizer.name=bytes",
+                                  "data.tokenizer.path=null", "distillation.teacher_path=null", f"data.seq_len={SEQ}",
+                                  "model.max_seqlen=16", "data.sources={pydocs: 1.0, code: 1.0}", *overrides])
+
+
+def cached_teachers(tmp_path, *elements: str) -> TrainArgs:
+    args = train_args(tmp_path, "distillation.teachers=[" + ", ".join(elements) + "]")
+    args.validate(world_size=2)
+    return args
+
+
+def window_rows(index: int, vocab: int) -> tuple:
+    """Shard `index`'s windows, the same in every teacher's cache: tokens, doc_ids, source ids (0 pydocs, 1 code)."""
+    generator = torch.Generator().manual_seed(index)
+    tokens = torch.randint(0, vocab, (ROWS, SEQ + 1), generator=generator, dtype=torch.int32)
+    doc_ids = torch.cumsum(torch.rand(ROWS, SEQ, generator=generator) < 0.2, dim=1).to(torch.int16)
+    return tokens, doc_ids, torch.tensor([0, 1, 1, 0][:ROWS], dtype=torch.int32)
+
+
+def write_cache(cache_dir: Path, args: TrainArgs, teacher: int, seed: int, sources: bool = True, **layout) -> None:
+    """A finished cache of teacher `teacher` of `args` (random targets from `seed`), written by the writer's own
+    functions; `sources=False` writes it as caches were written before source ids (manifest and shards)."""
+    tokenizer = build_tokenizer(args.data.tokenizer)
+    kd = args.distillation.teacher_args(teacher)
+    layout = {"streams": 1, "sequences_per_stream": ROWS * SHARDS, "shard_sequences": ROWS, **layout}
+    manifest = settings_manifest(kd, args.data, args.model.attn_mask, tokenizer, **layout)
+    if not sources:
+        manifest.source_names = None
+    cache_dir.mkdir(parents=True)
+    manifest.write(cache_dir)
+    generator = torch.Generator().manual_seed(seed)
+    for index in range(manifest.n_shards):
+        tokens, doc_ids, source_ids = window_rows(index % SHARDS, tokenizer.n_words)
+        logits = torch.randn(ROWS, SEQ, tokenizer.n_words, generator=generator) * 3
+        outputs = sparsify_teacher_logits(logits, "topk", kd.k, 1.0, torch.bfloat16)
+        write_shard(shard_path(cache_dir, index), tokens, doc_ids, outputs, manifest,
+                    {"shard": index, "stream": 0, "chunk": index, "loader_state": {}}, source_ids if sources else None)
+    write_json_atomic(cache_dir / INDEX, {"tokens": manifest.n_shards * ROWS * SEQ})
+
+
+def open_caches(args: TrainArgs, batch_size: int = 3):
+    tokenizer = build_tokenizer(args.data.tokenizer)
+    return open_training_caches(args.distillation, args.data, args.model.attn_mask, tokenizer, batch_size, 0, 1)
+
+
+def test_each_windows_source_id_round_trips_and_old_shards_read_without_it(tmp_path):
+    from tests.unit.lingua.distillation.cache.test_codec import outputs_of, windows
+
+    tokens, doc_ids = windows()
+    outputs, source_ids = outputs_of("topk"), torch.tensor([2, 0, 1], dtype=torch.int32)
+    with_ids, without = encode_shard(tokens, doc_ids, outputs, 300, source_ids=source_ids), \
+        encode_shard(tokens, doc_ids, outputs, 300)
+    assert torch.equal(decode_shard(*with_ids)["source_ids"], source_ids)
+    assert "source_ids" not in decode_shard(*without)
+    # The new field is the only difference: every other stream is the same bytes.
+    assert set(with_ids[0]) - set(without[0]) == {"source_ids"}
+    assert all(torch.equal(without[0][name], with_ids[0][name]) for name in without[0])
+    # writer -> shard -> reader -> loader, and a cache written without them reads as before.
+    args = cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}}}", f"{{cache_dir: {tmp_path / 'b'}}}")
+    write_cache(tmp_path / "a", args, 0, seed=0)
+    write_cache(tmp_path / "b", args, 1, seed=1, sources=False)
+    new, old = (CacheManifest.read(tmp_path / name) for name in ("a", "b"))
+    assert new.source_names == ["pydocs", "code"] and old.source_names is None
+    assert read_shard(shard_path(tmp_path / "a", 1), range(1, 3), new)["source_ids"].tolist() == [1, 1]
+    assert "source_ids" not in read_shard(shard_path(tmp_path / "b", 1), range(1, 3), old)
+    loader = CacheLoader(str(tmp_path / "a"), new, batch_size=3, dp_rank=0, dp_degree=1)
+    assert [next(loader)["source_ids"].tolist() for _ in range(3)] == [[0, 1, 1], [0, 0, 1], [1, 0, 0]]
+    assert "source_ids" not in next(CacheLoader(str(tmp_path / "b"), old, batch_size=3, dp_rank=0, dp_degree=1))
+
+
+def test_two_caches_train_as_the_online_mixture(tmp_path):
+    """The students' batches from two caches (teacher 0 teaches pydocs, teacher 1 every source at weight 2) give
+    the loss, gradients and metrics that SeveralTeachersDistiller gives for the same targets from its bridges."""
+    args = cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}, sources: [pydocs]}}",
+                           f"{{cache_dir: {tmp_path / 'b'}, weight: 2.0}}")
+    assert args.distillation.source == "cache" and n_teacher_ranks(args) == 0  # no teacher ranks
+    write_cache(tmp_path / "a", args, 0, seed=0)
+    write_cache(tmp_path / "b", args, 1, seed=1)
+    caches = open_caches(args)
+    assert isinstance(caches, TeacherCaches)
+    batch = from_wire(to_wire(next(caches)))  # as the data producer process hands it over
+    assert batch["source_ids"].tolist() == [0, 1, 1] and len(batch["teachers"]) == 2
+    assert not torch.equal(batch["teachers"][0].values, batch["teachers"][1].values)
+    routing = source_routing(args.distillation.teachers, ["pydocs", "code"])
+    cached = CachedTeachersDistiller(args.distillation, routing, torch.device("cpu"), [(2.5, 1.25), (None, None)])
+    # Each cache's recorded held-out reference under its teacher's index (none recorded: no key).
+    assert cached.teacher_heldout_row() == {"eval/0/teacher_loss": 2.5, "eval/0/teacher_bpb": 1.25}
+    handles = [SimpleNamespace(wait=lambda t=t: t) for t in batch["teachers"]]
+    clients = [SimpleNamespace(device="cpu", wait_clock=SimpleNamespace(new_step=lambda: None),
+                               spec=SimpleNamespace(doc_boundaries=False, kd_weight=False),
+                               submit=lambda *a, h=h: h) for h in handles]
+    online = SeveralTeachersDistiller(args.distillation, clients, 0, routing)
+    timer = SimpleNamespace(part=lambda name: contextlib.nullcontext())
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, SEQ, 8, generator=generator, dtype=torch.float64)
+    head = torch.randn(build_tokenizer(args.data.tokenizer).n_words, 8, generator=generator, dtype=torch.float64)
+    results = []
+    for distiller in (cached, online):
+        distiller.begin_step(1, 1.0)
+        x, w = hidden.clone().requires_grad_(), head.clone().requires_grad_()
+        n_valid = batch["labels"].numel()
+        loss = distiller.head_loss(batch["labels"], distiller.submit(batch, 1, 0), n_valid, timer)(x, w)
+        results.append((loss, torch.autograd.grad(loss, (x, w)), distiller.step_metrics()))
+    (loss_c, grads_c, metrics_c), (loss_o, grads_o, metrics_o) = results
+    assert loss_c.item() == loss_o.item()
+    assert all(torch.equal(a, b) for a, b in zip(grads_c, grads_o))
+    assert metrics_c.keys() == metrics_o.keys() and {"kd/0/loss", "kd/1/loss", "kd/0/weight"} <= metrics_c.keys()
+    assert all(float(metrics_c[key]) == float(metrics_o[key]) for key in metrics_c)
+    # Row 0 (pydocs): 1:2 over both teachers; rows 1-2 (code): teacher 1 alone.
+    assert float(metrics_c["kd/0/weight"]) == pytest.approx(1 / 3 * 1 / 3)
+    assert float(metrics_c["loss/kd"]) == pytest.approx(float(metrics_c["kd/0/loss"] + metrics_c["kd/1/loss"]))
+    # Resuming: the caches are read in step, from one position.
+    state = caches.state_dict()
+    after = next(caches)
+    caches.load_state_dict(state)
+    assert torch.equal(next(caches)["input_ids"], after["input_ids"])
+
+
+def test_caches_of_other_windows_are_one_sentence(tmp_path):
+    args = cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}}}", f"{{cache_dir: {tmp_path / 'b'}}}")
+    write_cache(tmp_path / "a", args, 0, seed=0)
+    write_cache(tmp_path / "b", args, 1, seed=1, shard_sequences=2, sequences_per_stream=ROWS * SHARDS)
+    with pytest.raises(DataError) as err:
+        open_caches(args)
+    assert str(err.value).startswith(f"The teacher caches {tmp_path / 'a'} and {tmp_path / 'b'} do not describe the "
+                                     f"same windows: shard_sequences is 2 in {tmp_path / 'b'} but 4 in "
+                                     f"{tmp_path / 'a'}.") and "\n" not in str(err.value)
+    # Same layout, other windows (as from other data files): found when the shard is read.
+    write_cache(tmp_path / "c", args, 1, seed=1)
+    victim = shard_path(tmp_path / "c", 0)
+    manifest = CacheManifest.read(tmp_path / "c")
+    shard = read_shard(victim, range(0, ROWS), manifest)
+    tokens = torch.cat([shard["input_ids"], shard["labels"][:, -1:]], dim=1).flip(0)  # the rows in another order
+    write_shard(victim, tokens, shard["doc_ids"], shard["teacher"], manifest, {"loader_state": {}},
+                shard["source_ids"])
+    caches = open_caches(replace(args, distillation=replace(args.distillation, teachers=[
+        args.distillation.teachers[0], replace(args.distillation.teachers[1], cache_dir=str(tmp_path / "c"))])))
+    with pytest.raises(DataError, match=rf"^The teacher cache shards {tmp_path / 'a'}/shards/shard_00000.safetensors "
+                                        rf"and {tmp_path / 'c'}/shards/shard_00000.safetensors hold different windows"):
+        next(caches)
+
+
+def test_a_cache_for_other_settings_or_without_sources_is_one_sentence(tmp_path):
+    args = cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}, sources: [code]}}",
+                           f"{{cache_dir: {tmp_path / 'b'}}}")
+    write_cache(tmp_path / "a", args, 0, seed=0)
+    write_cache(tmp_path / "b", args, 1, seed=1, sources=False)
+    with pytest.raises(DataError, match=rf"^The teacher cache in {tmp_path / 'b'} was written before caches stored "
+                                        r"each window's data source, which distillation.teachers\[i\].sources routes "
+                                        r"by; rewrite it"):
+        open_caches(args)
+    # Mixed by weight alone (no sources), the same old cache trains.
+    by_weight = cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}}}", f"{{cache_dir: {tmp_path / 'b'}}}")
+    assert "source_ids" in next(open_caches(by_weight))
+    # Other KD settings, or targets written for another student tokenizer: the cache, the teacher and the value.
+    tokenizer = build_tokenizer(by_weight.data.tokenizer)
+    with pytest.raises(DataError, match=rf"^The teacher cache in {tmp_path / 'a'} \(distillation.teachers\[0\]\) was "
+                                        r"written with other settings: k is 16 in the cache but 8 here"):
+        open_training_caches(replace(by_weight.distillation, k=8), by_weight.data, "causal", tokenizer, 3, 0, 1)
+    manifest = CacheManifest.read(tmp_path / "b")
+    manifest.tokenizer_fingerprint += 1
+    manifest.write(tmp_path / "b")
+    with pytest.raises(DataError, match=rf"^The teacher cache in {tmp_path / 'b'} \(distillation.teachers\[1\]\) was "
+                                        rf"written with other settings: tokenizer_fingerprint is "
+                                        rf"{manifest.tokenizer_fingerprint} in the cache but \d+ here \(the students' "
+                                        r"tokenizer, data.tokenizer: the targets are in its ids\)"):
+        open_caches(by_weight)
+
+
+def test_cached_teachers_settings_and_the_launch(tmp_path):
+    from omegaconf import OmegaConf
+
+    from lingua.stool import launch_plan
+
+    one = train_args(tmp_path, f"distillation.teachers=[{{cache_dir: {tmp_path / 'a'}}}]")
+    assert (one.distillation.source, one.distillation.cache_dir, one.distillation.teachers) == \
+        ("cache", str(tmp_path / "a"), [])  # one cached teacher is the one-teacher cache road
+    with pytest.raises(ConfigError, match=rf"^distillation.teachers\[1\].path='{tmp_path}'; some teachers name a "
+                                          r"cache_dir and this one runs online, and a mixture of cached and online "
+                                          r"teachers is not supported yet"):
+        train_args(tmp_path, f"distillation.teachers=[{{cache_dir: {tmp_path}}}, {{path: {tmp_path}}}]").validate()
+    cfg = OmegaConf.create({"enable_distillation": True, "distillation": {
+        "teachers": [{"cache_dir": "a", "sources": ["x"]}, {"cache_dir": "b"}]}})
+    plan, _ = launch_plan(cfg, nodes=1, ntasks_per_node=2)
+    assert plan.student_ranks == [0, 1] and plan.teacher_models == []
+
+
+def test_cached_routing_follows_the_caches_source_order_and_a_resume_in_another_order_is_refused(tmp_path):
+    """A shard's source ids index its cache's source_names: with data.sources listed in another order, the code
+    teacher still teaches the code windows; a cache write resumed with the sources reordered is one sentence."""
+    from apps.main.teacher_cache import settle_manifest
+    from lingua.distillation.build import build_distiller
+
+    args = cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}}}", f"{{cache_dir: {tmp_path / 'b'}, sources: [code]}}")
+    for teacher, seed in ((0, 1), (1, 2)):
+        write_cache(tmp_path / "ab"[teacher], args, teacher, seed)
+    caches = open_caches(args)
+    assert caches.manifest.source_names == ["pydocs", "code"]
+    topo = SimpleNamespace(device=torch.device("cpu"))
+    distiller = build_distiller(True, args.distillation, topo, None, (3, SEQ), cache=caches,
+                                source_names=["code", "pydocs"])  # the students' own order, reversed
+    code = caches.manifest.source_names.index("code")
+    assert distiller.routing[code].tolist() == [1.0, 1.0] and distiller.routing[1 - code].tolist() == [1.0, 0.0]
+    caches.close()
+    planned = CacheManifest.read(tmp_path / "a")
+    planned.source_names = ["code", "pydocs"]
+    with pytest.raises(DataError, match="source_names is \\['pydocs', 'code'\\] in the cache but \\['code', 'pydocs'\\]"):
+        settle_manifest(tmp_path / "a", planned)
+    planned = CacheManifest.read(tmp_path / "a")
+    old = CacheManifest(**{**planned.__dict__, "source_names": None})
+    old.write(tmp_path / "a")  # started by a writer before source ids: finished without them
+    settle_manifest(tmp_path / "a", planned)
+    assert planned.source_names is None
+
+
+@pytest.mark.parametrize("own", ["teacher_tp: 2", "teacher_dtype: bf16"])
+def test_a_cached_teachers_own_dtype_or_tp_is_one_sentence(tmp_path, own):
+    """A teacher read from its cache runs on no ranks: a dtype or tp of its own would mean nothing."""
+    with pytest.raises(ConfigError, match=rf"^distillation\.teachers\[1\]\.{own.split(':')[0]}=.*runs on no ranks"):
+        cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}}}", f"{{cache_dir: {tmp_path / 'b'}, {own}}}")
