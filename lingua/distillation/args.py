@@ -385,11 +385,11 @@ def close_names(path: str) -> str:
     return f", did you mean {' or '.join(str(folder / name) for name in close[:3])}?"
 
 
-def teacher_dir_fix(path: str) -> str:
+def teacher_dir_fix(path: str, key: str = "it") -> str:
     """What to do about a teacher directory that is missing or unusable: point at a checkpoint directory, and only
     for a path under data/teachers/ (where the demo's teachers live) the commands that make one there; anywhere else
-    they would write a toy model where the user's own teacher was meant to be."""
-    fix = "point it at a transformers checkpoint directory"
+    they would write a toy model where the user's own teacher was meant to be. `key`: the setting to point."""
+    fix = f"point {key} at a transformers checkpoint directory"
     parts = Path(path).expanduser().parts
     under_demo = any(parts[i:i + 2] == DEMO_TEACHERS.parts for i in range(len(parts) - 1)) and len(parts) > 2
     if under_demo:

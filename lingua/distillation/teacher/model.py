@@ -64,7 +64,7 @@ def check_teacher_dir(path) -> None:
     """Raise MissingPathError (missing files) or DataError (a truncated or corrupt weights file), naming the
     command to run, unless `path` holds a loadable HF teacher checkpoint."""
     path = Path(path)
-    fix = teacher_dir_fix(str(path))
+    fix = teacher_dir_fix(str(path), "distillation.teacher_path")
     if not path.is_dir():
         raise MissingPathError(f"Teacher directory {path} does not exist{close_names(str(path))}; {fix}.")
     missing = []
@@ -131,7 +131,7 @@ def load_teacher(args: DistillationArgs, device: torch.device, place: bool = Tru
 
     path = args.teacher_path
     local = Path(path).expanduser()
-    hint = teacher_dir_fix(path)
+    hint = teacher_dir_fix(path, "distillation.teacher_path")
     # "org/name" that is not on disk may be a hub id; anything else must be a local directory.
     hub_like = not path.startswith((".", "/", "~")) and path.count("/") == 1 and not local.exists()
     if not hub_like and not local.is_dir():
@@ -182,7 +182,7 @@ def load_sharded_teacher(args: DistillationArgs, device: torch.device, group):
             try:
                 shard = shard_teacher(model, group, device, checkpoint)
             except (SafetensorError, OSError) as err:  # a truncated or unreadable file of a sharded checkpoint
-                hint = teacher_dir_fix(args.teacher_path)
+                hint = teacher_dir_fix(args.teacher_path, "distillation.teacher_path")
                 raise DataError(f"teacher directory '{args.teacher_path}' could not be loaded "
                                 f"({_short_reason(err)}); {hint}.") from err
             logger.info(f"teacher shard {shard.tp_rank + 1}/{shard.tp_size} read from the checkpoint in "

@@ -179,7 +179,7 @@ def test_a_mistyped_teacher_path_names_close_matches_and_no_toy_teacher(tmp_path
         text = str(caught.value)
         assert f"did you mean {models / 'Llama-3.1-8B'}?" in text, text
         assert "Qwen" not in text and "prepare_teacher" not in text and "make_tiny_teacher" not in text, text
-        assert "point it at a transformers checkpoint directory" in text
+        assert "at a transformers checkpoint directory" in text
     with pytest.raises(UserError, match=f"nor does its folder {tmp_path / 'nowhere'};"):
         check_teacher_dir(tmp_path / "nowhere" / "teacher")
 
