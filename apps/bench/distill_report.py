@@ -94,7 +94,7 @@ def format_markdown(result: dict) -> str:
         f"down, {fmt_bytes(formula['up'])} up, framed (plus header, status record, padding) = "
         f"{fmt_bytes(formula['framed_down'])} down, {fmt_bytes(formula['framed_up'])} up.",
         f"Teacher CPU-seconds per step / one student's: {fmt_ratio(ratios.get('teacher_cpu_over_student_cpu'))} "
-        f"(the cost model of docs/distillation.md: s * N_T / (3 * N_S) in FLOPs for s students per teacher).",
+        f"(the cost model of docs/distillation_internals.md: s * N_T / (3 * N_S) in FLOPs for s students per teacher).",
         *(["", "Tensor-parallel teacher, each degree against the first:", *[f"- {line}" for line in tensor_parallel]]
           if tensor_parallel else []),
         "",

@@ -16,14 +16,16 @@ predict the same text after the same text). Offsets are bytes of UTF-8 rather th
 every character boundary and also place tokens that are parts of a character (byte tokenizers, byte fallback).
 
 Document boundaries: a student bos becomes the teacher's bos (its eos when it has none), a student eos the
-teacher's eos, so documents stay apart on both sides (each document's text is tokenized alone, never merged
-with its neighbour's); the first token of a document is aligned through that separator, and teacher documents
-take the student's document ids. A position whose next token is the student's eos (or bos) in the same document
-is aligned to the teacher position before its separator: the vocabulary map sends the teacher's eos to the
-student's (by role, `vocab_map.py`), so "the document ends here" is distilled. Bytes that are not UTF-8 (a window
-cut inside a character) cut the run: the text on each side is tokenized alone, and no position across a cut is
-aligned. The window's last position predicts the label just past the window: given it (`next_token`, the label
-stream's last token) the aligner reads it too, and that position is aligned when a teacher token starts there.
+teacher's eos, so documents stay apart on both sides (each document's text is tokenized alone, never merged with
+its neighbour's); the first token of a document is aligned through that separator when it is the document's own
+(never through another document's eos: GPT-2's "<|endoftext|> <|endoftext|> text" at a window's start numbers as
+an empty document, then text), and teacher documents take the student's document ids. A position whose next token
+is the student's eos (or bos) in the same document is aligned to the teacher position before its separator: the
+vocabulary map sends the teacher's eos to the student's (by role, `vocab_map.py`), so "the document ends here" is
+distilled. Bytes that are not UTF-8 (a window cut inside a character) cut the run: the text on each side is
+tokenized alone, and no position across a cut is aligned. The window's last position predicts the label just past
+the window: given it (`next_token`, the label stream's last token) the aligner reads it too, and that position is
+aligned when a teacher token starts there.
 
 It runs on the teacher rank's CPU before each forward, so it works per run, not per token: the students' bytes are
 gathered from one byte table with numpy, every text piece of a request's rows goes to the teacher's Rust encoder in
@@ -212,8 +214,9 @@ class WindowAligner:
         i = 0
         while i < len(tokens):
             run = runs_at.get(i)
-            if run is not None:
-                self._place_run(run, tokens, window, source, int(docs[i]), separator_of.get(i - 1), run_end, encodings)
+            if run is not None:  # its first token is aligned only through a separator of its own document
+                opening = separator_of.get(i - 1) if i > 0 and docs[i] == docs[i - 1] else None
+                self._place_run(run, tokens, window, source, int(docs[i]), opening, run_end, encodings)
                 i = run.end
                 continue
             separator = self._separator(int(tokens[i]), opens=i == 0 or docs[i] != docs[i - 1])

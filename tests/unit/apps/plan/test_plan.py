@@ -1,4 +1,4 @@
-"""The placement planner (apps/plan/): sizes, memory, layouts, the cache road, errors, the verdict, docs/big_teachers.md's
+"""The placement planner (apps/plan/): sizes, memory, layouts, the cache road, errors, the verdict, docs/planner_examples.md's
 examples."""
 
 import dataclasses
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[4]
 TEACHERS = ROOT / "configs" / "teachers"
 DEBUG, LLAMA_1B = "configs/distill_exps/debug.yaml", "configs/llama_1B.yaml"
 SMOLLM2, LLAMA_8B, LLAMA_70B = (f"configs/teachers/{name}.json" for name in ("smollm2_135m", "llama3_8b", "llama3_70b"))
-# docs/big_teachers.md's worked examples, as the planner is run there.
+# docs/planner_examples.md's worked examples, as the planner is run there.
 EXAMPLES = {
     "smollm2": [f"config={DEBUG}", "world_size=8", f"teacher_config={SMOLLM2}"],
     "8b": [f"config={LLAMA_1B}", "world_size=64", f"teacher_config={LLAMA_8B}"],
@@ -111,7 +111,7 @@ def test_wait_share_from_the_teachers_load():
         assert at_most.wait_share == pytest.approx(MAX_WAIT_SHARE)
 
 
-# ---------------------------------------------------------------- docs/big_teachers.md's worked examples
+# ---------------------------------------------------------------- docs/planner_examples.md's worked examples
 
 def test_smollm2_teaching_the_debug_student_on_8_gpus():
     plan = plan_of(EXAMPLES["smollm2"])
@@ -341,12 +341,12 @@ def test_a_file_that_is_not_a_plan_is_never_overwritten(tmp_path, monkeypatch, c
     assert notes.read_text() == '{"mine": true}\n'
 
 
-# ---------------------------------------------------------------- docs/big_teachers.md shows what the planner prints
+# ---------------------------------------------------------------- docs/planner_examples.md shows what the planner prints
 
 def docs_planner_blocks() -> list[tuple[list[str], str]]:
-    """(argv, printed lines) of every `$ python -m apps.plan ...` in a code block of docs/big_teachers.md (the
+    """(argv, printed lines) of every `$ python -m apps.plan ...` in a code block of docs/planner_examples.md (the
     README's Big teachers section, moved) that starts with one."""
-    text = (ROOT / "docs" / "big_teachers.md").read_text()
+    text = (ROOT / "docs" / "planner_examples.md").read_text()
     blocks = re.findall(r"```\n(\$ python -m apps\.plan .*?)```", text, re.S)
     commands = [part for block in blocks for part in re.split(r"(?m)^(?=\$ python -m apps\.plan )", block) if part]
     return [(part.split("\n", 1)[0].split()[4:], part.split("\n", 1)[1]) for part in commands]

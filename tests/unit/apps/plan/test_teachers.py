@@ -139,12 +139,12 @@ def test_the_per_teacher_keys_need_several_teachers():
 
 
 def test_the_docs_show_the_several_teachers_plan(monkeypatch, capsys):
-    """docs/big_teachers.md's several-teachers example prints what the planner prints."""
+    """docs/planner_examples.md's several-teachers example prints what the planner prints."""
     import re
     import shlex
 
     monkeypatch.chdir(ROOT)
-    text = (ROOT / "docs" / "big_teachers.md").read_text()
+    text = (ROOT / "docs" / "planner_examples.md").read_text()
     (block,) = re.findall(r"```text\n\$ (python -m apps\.plan .*?)```", text, re.S)
     command, printed = block.split("\n", 1)
     main(shlex.split(command)[3:])

@@ -215,6 +215,36 @@ def test_the_label_past_the_window_aligns_its_last_position(cross_tokenizers):
     assert window.doc_ids == [7, 7, 7, 7, 8] and window.source[-1] == -1  # eos predicts another document
 
 
+def test_an_empty_document_lends_no_target_across_documents(cross_tokenizers):
+    """GPT-2 style tokenizers (bos = eos) on both sides, documents "" and "0": the window cut after the first
+    <|endoftext|> reads "E E 0 E", which numbers as an empty document then "0" (hypothesis found it). The empty
+    document is the teacher's own [E E], and the E closing it predicts "0" of the next document: no target; the
+    empty document's end is distilled (its opening E predicts its closing one). Numbered as the loader knows it
+    (the first E closed a document cut before the window), the second E opens "0" and aligns it."""
+    student, teacher = cross_tokenizers["trained_bpe"], cross_tokenizers["trained_bpe"]
+    aligner = cross_of(student, teacher).aligner
+    end = student.eos_id
+    zero = student.encode("0", add_bos=False, add_eos=False)
+    tokens = [end, end] + zero + [end]
+    assert student.bos_id == end and len(zero) == 1 and student_doc_ids(tokens, end, end) == [0, 0, 1, 1]
+    window = aligner.align(tokens[:-1], [0, 0, 1], next_token=end)
+    assert window.ids == [teacher.eos_id, teacher.eos_id] + zero + [teacher.eos_id]  # the same tokenizer
+    assert window.doc_ids == [0, 0, 1, 1] and window.source == [0, ALIGN_NONE, 2]  # "0" predicts its end
+    by_loader = aligner.align(tokens[:-1], [0, 1, 1], next_token=end)
+    assert by_loader.doc_ids == [0, 1, 1, 1] and by_loader.source == [ALIGN_NONE, 1, 2]
+
+
+@pytest.mark.parametrize("teacher", ["trained_bpe", "trained_sp"])
+@pytest.mark.parametrize("student", ["trained_bpe", "bytes"])
+def test_empty_documents_hold_the_properties_at_every_cut(cross_tokenizers, student, teacher):
+    """Empty documents among others, every window start, GPT-2 style (bos = eos) or not on either side."""
+    student_tok, teacher_tok = cross_tokenizers[student], cross_tokenizers[teacher]
+    for documents in (["", "0"], ["ab", "", "", "c d"]):
+        stream = [t for text in documents for t in student_tok.encode(text, add_bos=True, add_eos=True)]
+        for start in range(len(stream) - 1):
+            check_window(student_tok, teacher_tok, stream[start:])
+
+
 @pytest.mark.parametrize("student", STUDENTS)
 def test_a_document_end_is_distilled_for_every_student(cross_tokenizers, student):
     """Every document's last text position is aligned to the teacher's position before its eos, and that eos

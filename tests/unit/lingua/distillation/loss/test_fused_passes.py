@@ -90,7 +90,7 @@ def _full_width_ops(format, divergence, temperature, rows=8, v=50):
 @pytest.mark.timeout(30)
 def test_kd_at_temperature_one_adds_no_pass_over_the_chunk_to_ce():
     """CE's passes (3 GEMMs, max, subtract, exp, sum, multiply) are all that top-k (fkl/rkl/jsd) and sampled KD take
-    at T = 1; T = 2 and the full format take more (printed on failure, and listed in docs/distillation.md)."""
+    at T = 1; T = 2 and the full format take more (printed on failure, and listed in docs/distillation_internals.md)."""
     ce = _full_width_ops(None, "fkl", 1.0)
     assert sorted(ce) == sorted(["mm", "mm", "addmm_", "max", "sub_", "exp_", "sum", "mul_"]), ce
     counts = {(format, divergence, t): _full_width_ops(format, divergence, t)
