@@ -56,9 +56,12 @@ _STALE_SUFFIXES = (".tmp", ".old")
 class SaveEvery:
     every: int = 1000  # 0 disables this kind of checkpoint
     keep: int = 0  # how many of the newest checkpoints of this kind to keep; 0 (or Lingua's -1) keeps all
+    every_minutes: float = 0.0  # dump only: also once this long after this launch's last save (agreed); 0: steps only
 
     def validate(self, where: str) -> None:
         require(self.every >= 0, f"{where}.every", self.every, "use a number of steps, or 0 to disable")
+        require(self.every_minutes >= 0 and (where == "checkpoint.dump" or not self.every_minutes),
+                f"{where}.every_minutes", self.every_minutes, "use minutes >= 0 (0 disables), in checkpoint.dump only")
         require(self.keep >= -1, f"{where}.keep", self.keep, "use 0 or -1 (keep all) or how many to keep")
 
 
@@ -134,31 +137,30 @@ def _remove_dir(path: Path) -> None:
 
 
 class CheckpointManager:
-    """Saves and loads checkpoints under `root` for the ranks of `group` (the training group).
-
-    `train_rank` / `train_world_size` are this rank's index and the number of ranks in `group`.
-    Filesystem bookkeeping (renames, retention, stale cleanup) is done by train rank 0 only.
-    """
+    """Saves and loads checkpoints under `root` for the ranks of `group` (the training group): `train_rank` of
+    `train_world_size`. Filesystem bookkeeping (renames, retention, stale cleanup) is done by train rank 0 only."""
 
     def __init__(self, args: CheckpointArgs, root: str, group: dist.ProcessGroup, train_rank: int,
                  train_world_size: int):
         assert group is not None, "CheckpointManager needs the training group, never the default group"
         assert 0 <= train_rank < train_world_size, (train_rank, train_world_size)
-        self.args = args
-        self.root = Path(root)
-        self.group = group
-        self.train_rank = train_rank
-        self.train_world_size = train_world_size
+        self.args, self.root, self.group = args, Path(root), group
+        self.train_rank, self.train_world_size = train_rank, train_world_size
         self._last_saved_step: Optional[int] = None  # the step whose weights this manager wrote last
         self.step_on_disk: Optional[int] = None  # the step of the checkpoint saved or loaded last
+        self.last_save_time = time.monotonic()  # this launch's start, then its last save (dump.every_minutes)
 
-    def should_save(self, step: int, stop_now: bool = False, last_step: bool = False) -> list[str]:
-        """The kinds of checkpoint due after `step`: "dump" every dump.every steps, when stopping early
-        (`stop_now`: preemption, exit_after_steps) and after the last step unless that step is on disk
-        already; "eval" every checkpoint.eval.every steps."""
+    def minutes_due(self) -> bool:
+        """dump.every_minutes passed since the last save on this rank's clock: a flag to agree on (`agree_flags`)."""
+        return 0 < 60 * self.args.dump.every_minutes <= time.monotonic() - self.last_save_time
+
+    def should_save(self, step: int, stop_now: bool = False, last_step: bool = False, timed: bool = False) -> list[str]:
+        """The kinds of checkpoint due after `step`: "dump" every dump.every steps, when the students agreed that
+        dump.every_minutes passed (`timed`), when stopping early (`stop_now`: preemption, exit_after_steps) and
+        after the last step unless that step is on disk already; "eval" every checkpoint.eval.every steps."""
         kinds = []
         dump_every = self.args.dump.every
-        if (dump_every and step % dump_every == 0) or stop_now or (last_step and step != self.step_on_disk):
+        if (dump_every and step % dump_every == 0) or timed or stop_now or (last_step and step != self.step_on_disk):
             kinds.append("dump")
         if self.eval_due(step):
             kinds.append("eval")
@@ -232,6 +234,7 @@ class CheckpointManager:
                 error = (failure_words(err), self.train_rank, *after_failed_rename(tmp, final, self.latest))
         self._agree_written("rename", error, step, tmp)  # the checkpoint is in place for everyone before anyone moves on
         self._last_saved_step = self.step_on_disk = step
+        self.last_save_time = time.monotonic()
         return final
 
     def _put_in_place(self, tmp: Path, final: Path, step: int, kind: str) -> None:

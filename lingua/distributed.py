@@ -40,6 +40,7 @@ from lingua.parallel import flight_recorder
 from lingua.parallel.collectives import comm_logger, log_collective
 # DistributedArgs is the `distributed:` config section; it lives with LaunchPlan, torch-free, for stool.
 from lingua.parallel.launch_plan import DistributedArgs, LaunchEnv, LaunchPlan, expected_cuda_index, read_launch_env
+from lingua.parallel.recovery import Restarts, attempt_store, keep_previous_status, unsafe_restart_sentence
 from lingua.parallel.timeouts import forget_detail_check_groups, keep_detail_check_groups
 from lingua.run.dump_dir import RunDir
 
@@ -65,6 +66,8 @@ class Topology:
     mesh: Optional[DeviceMesh] = None
     group_names: dict = field(default_factory=dict)  # id(group) -> descriptive name, for logs
     setup_spans: dict = field(default_factory=dict)  # startup phase -> (start, end) wall-clock, from setup
+    restarts: Restarts = field(default_factory=Restarts)  # the launcher's in-job restarts (torchrun), read once
+    recovered: Optional[dict] = None  # the previous generation's crash, as every rank agreed at startup (recovery.py)
 
     @property
     def role(self) -> str:
@@ -164,6 +167,16 @@ class Topology:
         return {self.group_name(group): dist.get_process_group_ranks(group) for group in self.all_groups()}
 
 
+def read_restarts(launch: LaunchEnv) -> Restarts:
+    """The launcher's restart facts, read from its environment here only (torchrun sets them; 0 elsewhere)."""
+    env = os.environ
+    if launch.launcher != "torchrun" or "TORCHELASTIC_RESTART_COUNT" not in env:
+        return Restarts()
+    return Restarts(count=int(env["TORCHELASTIC_RESTART_COUNT"]), max=int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)),
+                    agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                    agents=int(env.get("GROUP_WORLD_SIZE", 1)))
+
+
 def init_method_for(launch: LaunchEnv) -> str:
     """The rendezvous address: the launcher's MASTER_ADDR/PORT, or a private port for one process."""
     if launch.launcher == "single":
@@ -248,13 +261,18 @@ def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir
     # Python handler's wakeup fd (lingua/parallel/watch.py): the handler itself does nothing.
     signal.signal(signal.SIGUSR1, lambda signum, frame: None)
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
-    if dump_dir:  # before the rendezvous: once it is through, every status file is this launch's
-        RunDir(dump_dir).status(launch.rank).unlink(missing_ok=True)
+    if dump_dir:  # before the rendezvous: once it is through, every status file is this launch's (the last one's aside)
+        keep_previous_status(dump_dir, launch.rank)
 
+    restarts = read_restarts(launch)
+    if launch.rank == 0 and (unsafe := unsafe_restart_sentence(restarts)):
+        logger.warning(unsafe)
     timeout = timedelta(seconds=args.init_timeout_s)
     init_start = time.time()
-    init_kwargs = dict(backend=backend, init_method=init_method_for(launch), rank=launch.rank,
-                       world_size=launch.world_size, timeout=timeout)
+    # Under torchrun's shared store, a store of this attempt's own keys (PyTorch #135712); else the usual address.
+    store = attempt_store(launch, restarts, timeout)
+    rendezvous = dict(store=store) if store is not None else dict(init_method=init_method_for(launch))
+    init_kwargs = dict(backend=backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout, **rendezvous)
     if backend == "nccl":
         init_kwargs["device_id"] = device  # eager NCCL init: no lazy "devices unknown" barrier later
     dist.init_process_group(**init_kwargs)
@@ -291,8 +309,7 @@ def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir
     return Topology(plan=plan, global_rank=rank, local_rank=launch.local_rank, hostname=socket.gethostname(),
                     device=device, backend=backend, train_group=train_group, teacher_group=teacher_group,
                     bridge_group=bridge_group, bridge_groups=tuple(bridge_groups), teacher_tp_group=teacher_tp_group,
-                    mesh=mesh, group_names=group_names,
-                    setup_spans=spans)
+                    mesh=mesh, group_names=group_names, setup_spans=spans, restarts=restarts)
 
 
 def _build_mesh(plan: LaunchPlan, device_type: str, rank: int, make_group, train_group) -> Optional[DeviceMesh]:

@@ -65,6 +65,10 @@ class RunFailed(UserError, RuntimeError):
     """A run this command launched failed or ran out of time; the sentence names its log."""
 
 
+class CrashLoop(UserError, RuntimeError):
+    """The run crashed at the same step several launches in a row: restarting again would only loop."""
+
+
 class PeerStopped(Exception):
     """Another rank stopped first (it failed, or this one lost it in a collective): the message names that
     rank and its log (this rank's traceback would only show where it was waiting)."""

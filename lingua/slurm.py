@@ -2,6 +2,10 @@
 
 Both launch the same ranks the same way: one srun task per rank (or one torchrun per node), the
 rendezvous exported from the first node, USR2 `signal_grace_s` before the time limit, requeue on.
+A job recovers by itself: a failed launch step runs again (`max_restarts`, in the job: a fresh rendezvous each
+time, resuming from the newest checkpoint), and a job SLURM requeued after a failure (a node failed) starts at most
+`max_failure_requeues` more times; the trainer's own requeues after a preemption save leave a marker
+(`lingua/parallel/preemption.py`) and are not counted.
 Every `args` here is the job's `StoolArgs` (lingua/stool.py); stool imports this module, never the reverse.
 """
 
@@ -74,6 +78,37 @@ def launch_command(args, dump_dir: Path) -> str:
         f"--cpus-per-task={args.ncpu * args.ntasks_per_node}", "bash", "-c", shlex.quote(torchrun)])
 
 
+def recovery_lines(args, dump_dir: Path) -> list[str]:
+    """The cap on failure requeues, before the launch: a requeue without the trainer's marker was SLURM's own."""
+    logs, cap = shlex.quote(str(dump_dir / "logs")), args.max_failure_requeues
+    return [
+        'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && '
+        f'[ ! -e {logs}/requeued_by_preemption.$SLURM_JOB_ID.$((SLURM_RESTART_COUNT - 1)) ]; then',
+        f'  echo "$SLURM_RESTART_COUNT" >> {logs}/failure_requeues.$SLURM_JOB_ID',
+        "fi",
+        f'if [ "$(cat {logs}/failure_requeues.$SLURM_JOB_ID 2>/dev/null | wc -l)" -gt {cap} ]; then',
+        f'  echo "stool: job $SLURM_JOB_ID was requeued after a failure more than {cap} times (max_failure_requeues='
+        f'{cap}); it stops here: see {logs}" >&2',
+        "  exit 1",
+        "fi",
+    ]
+
+
+def restart_loop(args, launch: str) -> list[str]:
+    """The launch step, run again while it fails (a rank died), at most max_restarts times; exit 2 (one sentence:
+    a config error, a crash loop) ends the job at once."""
+    return [
+        "attempt=0",
+        "while true; do",
+        launch,  # its own line: `srun ...`
+        "rc=$?",
+        'if [ "$rc" -eq 0 ] || [ "$rc" -eq 2 ] || [ "$attempt" -ge ' f'{args.max_restarts} ]; then exit "$rc"; fi',
+        "attempt=$((attempt + 1))",
+        f'echo "stool: the launch step failed (exit $rc); in-job restart $attempt of {args.max_restarts} at $(date -Is)"',
+        "done",
+    ]
+
+
 def build_sbatch_script(args, dump_dir: Path, plan: LaunchPlan, time_limit: Optional[str],
                         job_name: str) -> str:
     """The full submit.slurm text (args already passed through `resolve_args`)."""
@@ -94,7 +129,8 @@ def build_sbatch_script(args, dump_dir: Path, plan: LaunchPlan, time_limit: Opti
         'echo "stool: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on '
         '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd " "), master $MASTER_ADDR:$MASTER_PORT, '
         '$(date -Is)"',
-        launch_command(args, dump_dir),
+        *recovery_lines(args, dump_dir),
+        *restart_loop(args, launch_command(args, dump_dir)),
     ]
     return "\n".join(header + body) + "\n"
 
@@ -121,8 +157,9 @@ class SubmititTrainJob:
     and exits; the requeued job starts the trainer again, which resumes from the checkpoint.
     """
 
-    def __init__(self, script: str, python: str, dump_dir: str, steps: Optional[int]):
+    def __init__(self, script: str, python: str, dump_dir: str, steps: Optional[int], max_restarts: int = 0):
         self.script, self.python, self.dump_dir, self.steps = script, python, dump_dir, steps
+        self.max_restarts = max_restarts  # in-job restarts, as the sbatch script's loop (exit 2 is never rerun)
 
     def command(self) -> list[str]:
         return [self.python, "-u", "-m", self.script, f"config={Path(self.dump_dir) / 'config.yaml'}"]
@@ -131,6 +168,10 @@ class SubmititTrainJob:
         preempted = []
         submitit_handler = signal.signal(signal.SIGUSR2, lambda signum, frame: preempted.append(signum))
         returncode = subprocess.run(self.command(), cwd=Path(self.dump_dir) / "code").returncode
+        for _ in range(self.max_restarts):  # every task's trainer failed with the rank that died: all run again
+            if returncode in (0, 2) or preempted:
+                break
+            returncode = subprocess.run(self.command(), cwd=Path(self.dump_dir) / "code").returncode
         signal.signal(signal.SIGUSR2, submitit_handler)
         if returncode != 0:
             raise RunFailed(f"{' '.join(self.command())} exited with code {returncode}; "
@@ -190,5 +231,6 @@ def submit_submitit(args, dump_dir: Path, cfg: DictConfig, plan: LaunchPlan,
     """Submit `SubmititTrainJob` through submitit; returns the job id."""
     executor = submitit_executor(args, dump_dir, plan, time_limit, job_name)
     steps = cfg.get("steps")
-    job = executor.submit(SubmititTrainJob(args.script, args.python, str(dump_dir), int(steps) if steps else None))
+    job = executor.submit(SubmititTrainJob(args.script, args.python, str(dump_dir), int(steps) if steps else None,
+                                           args.max_restarts))
     return str(job.job_id)

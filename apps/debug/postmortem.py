@@ -7,6 +7,7 @@ Reads what every rank left in the dump directory, from any host, after the fact 
   logs/rank_<r>.status.json   state, step and heartbeat, the hang watch's note, the sentence it ended with
   logs/rank_<r>.log           the last lines
   comm_traces/rank_<r>        the flight recorder (distributed.debug=trace, or NCCL's watchdog)
+  recovery.jsonl              each crash a restart recovered from: its step and the rank that stopped first
 
 On gloo a lost peer fails the survivors within seconds and each names it itself; on NCCL a survivor blocks in its
 collective until the watchdog ends the process (no Python runs, no sentence): then the status files still hold
@@ -31,7 +32,7 @@ from lingua.parallel.rank_status import (
     named_by_timeouts,
     process_state,
 )
-from lingua.run.dump_dir import RunDir
+from lingua.run.dump_dir import RunDir, read_jsonl
 
 TAIL_LINES = 3
 
@@ -145,7 +146,7 @@ def analyse(dump_dir) -> dict:
     groups = behind_on_groups({r: c for r, c in seqs.items() if c})
     first = first_to_fail(records, rows, groups, host, now)
     first_row = next((row for row in rows if first and row["rank"] == first[0]), None)
-    return dict(dump_dir=str(run.root), ranks=rows, groups=groups,
+    return dict(dump_dir=str(run.root), ranks=rows, groups=groups, crashes=read_jsonl(run.recovery),
                 first=None if first is None else dict(rank=first[0], role=first_row["role"] if first_row else "?",
                                                       why=first[1]))
 
@@ -160,6 +161,11 @@ def format_report(report: dict) -> str:
     first = report["first"]
     lines.append(f"first to fail: rank {first['rank']} ({first['role']}): {first['why']}" if first else
                  "first to fail: nothing in the status files says (every rank finished, or none wrote one)")
+    for i, crash in enumerate(report.get("crashes") or [], 1):  # the earlier generations of in-job restarts
+        after = (f"resumed from step {crash['resumed_from']}, {crash['steps_redone']} redone, {crash['recovery_s']:.0f}s "
+                 f"to the next step" if crash.get("recovery_s") is not None else crash.get("stop") or "not resumed")
+        lines.append(f"crash {i} (recovered by a restart): step {crash['step']}, first rank {crash['first_rank']} "
+                     f"({crash['role']}): {crash['how']}; {after}")
     lines.append("")
     lines.append(f"{'rank':>4}  {'role':<8} {'state':<14} {'step':>6}  {'stuck in':<34} process")
     for row in rows:

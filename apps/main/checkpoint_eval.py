@@ -23,10 +23,11 @@ from typing import Any, Optional
 
 from apps.main.eval import CheckpointEvalArgs, EvalArgs, evaluate_checkpoint, local_task_names, task_name
 from lingua.args import dump_config, require
-from lingua.errors import MissingPathError, PeerStopped, UserError, describe
+from lingua.errors import ConfigError, MissingPathError, PeerStopped, UserError, describe
 from lingua.logger import rank_log_file
 from lingua.parallel.collectives import AgreedError, first_error
 from lingua.parallel.timeouts import generous_timeout
+from lingua.tokenizer import hf_form_problem
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +137,15 @@ def fold_deprecated_eval(eval_args: EvalAtCheckpointArgs, heldout: EvalArgs) -> 
 
 
 def validate_eval_sections(args) -> None:
-    """The `heldout:` and `eval:` sections and `async_eval_gpus` of a TrainArgs."""
+    """The `heldout:` and `eval:` sections and `async_eval_gpus` of a TrainArgs (after `data`'s own checks): tasks
+    that cannot run with this tokenizer are refused here, not at the first checkpoint evaluation."""
     args.heldout.validate()
     args.eval.validate()
+    problem = hf_form_problem(args.data.tokenizer) if args.eval.harness.tasks else None
+    if problem:
+        raise ConfigError(f"eval.harness.tasks are scored through the checkpoint's Hugging Face export, but {problem}; "
+                          f"train with a tokenizer that converts (bytes, tiktoken, hf, a sentencepiece BPE model) "
+                          f"or set eval.harness.tasks=[].")
     gpus = args.async_eval_gpus
     require(gpus is None or gpus >= 0, "async_eval_gpus", gpus, "use null (evaluate in-process), 0 (a CPU job) or "
             "the GPUs of the evaluation job")

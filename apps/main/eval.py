@@ -7,7 +7,8 @@ the evaluation of any finished checkpoint (`CheckpointEvalArgs`, `evaluate_check
 A checkpoint is scored twice: held-out perplexity (mean CE per token over the corpus's `*.val.jsonl`
 documents, with the run's own tokenizer, windows and BOS/EOS framing: the number the in-loop eval logs),
 and lm-eval-harness tasks through its Hugging Face backend on the checkpoint exported with
-apps.main.export_hf. Our tasks live in apps/main/eval_tasks (offline); any other name is lm-eval's own.
+apps.main.export_hf (any tokenizer: the export carries its Hugging Face form). Our tasks live in
+apps/main/eval_tasks (offline); any other name is lm-eval's own.
 Results go to `eval.json` in the checkpoint's step directory (or in `dump_dir`); with `metric_log_dir`, one line
 each is appended to its `metrics.eval.jsonl` (tasks) and `metrics.validation.jsonl` (held-out), as Meta Lingua
 does. The trainer runs this same function on each `checkpoint.eval` save (apps/main/checkpoint_eval.py).
@@ -335,7 +336,7 @@ def evaluate_checkpoint(args: CheckpointEvalArgs) -> dict:
     )
     from apps.main.generate import load_checkpoint_model, pick_device, trained_with_bos
     from lingua.args import dataclass_from_dict
-    from lingua.tokenizer import TokenizerArgs, build_tokenizer
+    from lingua.tokenizer import TokenizerArgs, build_tokenizer, hf_form_problem
 
     args.validate()
     start = time.perf_counter()
@@ -344,9 +345,10 @@ def evaluate_checkpoint(args: CheckpointEvalArgs) -> dict:
     tasks = parse_tasks(args.tasks)
     names = [task_name(task) for task in tasks]
     tokenizer_args = dataclass_from_dict(TokenizerArgs, params.get("data", {}).get("tokenizer", {}))
-    if names and tokenizer_args.name != "hf":
-        raise ConfigError(f"lm-eval tasks need a Hugging Face tokenizer but this run used "
-                          f"data.tokenizer.name={tokenizer_args.name}; pass tasks= for held-out perplexity only.")
+    problem = hf_form_problem(tokenizer_args) if names else None
+    if problem:
+        raise ConfigError(f"lm-eval tasks read the checkpoint's Hugging Face export, but {problem}; pass tasks= for "
+                          f"held-out perplexity only.")
     # Everything a user can get wrong is checked before the slow parts (export, model, lm-eval).
     data_args = held_out_data_args(params, args.data_dir, args.eval_sources) if args.perplexity else None
     if names and set(names) <= set(local_task_names()):

@@ -6,11 +6,12 @@
 taken). The result loads with `AutoModelForCausalLM.from_pretrained(out)`. Our RoPE already uses HF's
 `rotate_half` layout, so q/k weights are copied without permutation.
 
-Tokenizer: when the run used `data.tokenizer.name=hf`, that tokenizer is saved next to the weights.
-Other tokenizers (bytes, tiktoken, sentencepiece) have no HF form here: only config and weights are
-written, and text must be encoded with `lingua.tokenizer` (bos/eos ids are still set in config.json).
-The training config is copied to `training_params.json`, so tools reading the export (generation,
-evaluation) frame text the way training did (`data.add_bos`).
+Tokenizer: when the run used `data.tokenizer.name=hf`, that tokenizer is saved next to the weights. A bytes,
+tiktoken or sentencepiece run gets its tokenizer's Hugging Face form (`Tokenizer.hf_backend`, transformers'
+converters), checked to encode a probe text to the ids `lingua.tokenizer` gives, with the run's bos/eos: then
+`AutoTokenizer.from_pretrained(out)(text)` is `encode(text, add_bos=data.add_bos, add_eos=False)`, and text that
+spells a special token ("<|end_of_text|>") stays text, as in training. The training config is copied to
+`training_params.json`, so tools reading the export (generation, evaluation) frame text the way training did.
 """
 
 import json
@@ -27,6 +28,7 @@ from apps.main.transformer import LMTransformerArgs
 from lingua.args import dataclass_from_dict, parse_args
 from lingua.cli.entry import run_cli
 from lingua.errors import ConfigError, DataError, MissingPathError
+from lingua.tokenizer import Tokenizer
 from lingua.transformer import ffn_hidden_dim
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,10 @@ STEP_DIR = re.compile(r"^\d{10}$")
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TRAINING_PARAMS = "training_params.json"  # the checkpoint's params.json, inside an exported directory
+# Encoded by both forms of a converted tokenizer before it is saved: code, spaces, accents, CJK, emoji, a special.
+PROBE_TEXTS = ("def distill(student, teacher):\n\treturn  teacher.logits - student.logits\n\n",
+               "  Knowledge distillation, 12345 67890 3.14159; naïve café déjà vu.",
+               "Ünïcödé 🎉🚀 漢字かな e\u0301 <|end_of_text|> </s> <s>   ")
 
 
 @dataclass
@@ -64,6 +70,13 @@ def resolve_checkpoint_dir(path: str) -> Path:
 def load_params(ckpt_dir: Path) -> dict:
     """The training config saved with the checkpoint (params.json)."""
     return json.loads((Path(ckpt_dir) / "params.json").read_text())
+
+
+def trained_with_bos(params: dict) -> bool:
+    """The run's data.add_bos (the trainer's default when its config does not say)."""
+    from lingua.data import DataArgs
+
+    return bool(params.get("data", {}).get("add_bos", DataArgs.add_bos))
 
 
 def model_args_from_params(params: dict) -> LMTransformerArgs:
@@ -161,11 +174,35 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], args: LMTransformerArg
     return hf
 
 
+def hf_tokenizer_of(tokenizer: Tokenizer, add_bos: bool):
+    """The Hugging Face tokenizer that encodes as `tokenizer` does: its backend, bos/eos named, bos added by
+    `add_special_tokens` exactly when training added it, special-token text left as text (`split_special_tokens`);
+    a probe text that encodes differently is one sentence (a DataError) instead of wrong task scores."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = tokenizer.hf_backend()
+    specials = {f"{role}_token": backend.id_to_token(token_id)
+                for role, token_id in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id)) if token_id is not None}
+    add_bos = add_bos and "bos_token" in specials
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, **specials, add_bos_token=add_bos,
+                                 add_eos_token=False, split_special_tokens=True,
+                                 clean_up_tokenization_spaces=False)
+    for text in PROBE_TEXTS:
+        ours, theirs = tokenizer.encode(text, add_bos=add_bos, add_eos=False), hf(text)["input_ids"]
+        if ours != theirs:
+            first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            raise DataError(f"the Hugging Face form of this {type(tokenizer).__name__} encodes {text[:40]!r} "
+                            f"differently from lingua.tokenizer (from token {first}: {ours[first:first + 4]} vs "
+                            f"{theirs[first:first + 4]}); score this run by held-out perplexity (tasks=) and report "
+                            f"the tokenizer file.")
+    return hf
+
+
 def export_to_hf(model_state_dict: dict[str, torch.Tensor], model_args: LMTransformerArgs, out_dir: str,
                  tokenizer_path: Optional[str] = None, dtype: str = "fp32", bos_id: Optional[int] = None,
-                 eos_id: Optional[int] = None, training_params: Optional[dict] = None) -> Path:
-    """Write config.json + model.safetensors (+ the HF tokenizer at `tokenizer_path`, + `training_params`
-    as training_params.json) to `out_dir`.
+                 eos_id: Optional[int] = None, training_params: Optional[dict] = None, hf_tokenizer=None) -> Path:
+    """Write config.json + model.safetensors (+ the HF tokenizer at `tokenizer_path`, or the transformers tokenizer
+    `hf_tokenizer`, + `training_params` as training_params.json) to `out_dir`.
 
     bos/eos ids default to the HF tokenizer's when `tokenizer_path` is given.
     """
@@ -173,7 +210,7 @@ def export_to_hf(model_state_dict: dict[str, torch.Tensor], model_args: LMTransf
 
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}.")
-    tokenizer = None
+    tokenizer = hf_tokenizer
     if tokenizer_path is not None:
         if not Path(tokenizer_path).is_dir():
             raise MissingPathError(f"tokenizer directory '{tokenizer_path}' does not exist; fix data.tokenizer.path "
@@ -198,7 +235,7 @@ def export_to_hf(model_state_dict: dict[str, torch.Tensor], model_args: LMTransf
 
 
 def export_checkpoint(args: ExportArgs) -> Path:
-    """Read the DCP checkpoint at args.ckpt and write the Hugging Face directory args.out."""
+    """Read the DCP checkpoint at args.ckpt and write the Hugging Face directory args.out (with a tokenizer)."""
     from lingua.tokenizer import TokenizerArgs, build_tokenizer
 
     if not args.ckpt or not args.out:
@@ -212,10 +249,9 @@ def export_checkpoint(args: ExportArgs) -> Path:
         return export_to_hf(state_dict, model_args, args.out, tokenizer_path=tokenizer_args.path, dtype=args.dtype,
                             training_params=params)
     tokenizer = build_tokenizer(tokenizer_args)
-    logger.info(f"tokenizer '{tokenizer_args.name}' has no Hugging Face form: exporting weights and config only; "
-                f"encode text with lingua.tokenizer")
+    hf_tokenizer = hf_tokenizer_of(tokenizer, trained_with_bos(params))
     return export_to_hf(state_dict, model_args, args.out, dtype=args.dtype, bos_id=tokenizer.bos_id,
-                        eos_id=tokenizer.eos_id, training_params=params)
+                        eos_id=tokenizer.eos_id, training_params=params, hf_tokenizer=hf_tokenizer)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -23,11 +23,11 @@ from apps.main.export_hf import (
     load_params,
     model_args_from_params,
     resolve_checkpoint_dir,
+    trained_with_bos,
 )
 from apps.main.transformer import LMTransformer
 from lingua.args import dataclass_from_dict, parse_args
 from lingua.cli.entry import run_cli
-from lingua.data import DataArgs
 from lingua.errors import ConfigError, DataError, MissingPathError
 from lingua.tokenizer import Tokenizer, TokenizerArgs, build_tokenizer
 
@@ -92,11 +92,6 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def trained_with_bos(params: dict) -> bool:
-    """The run's data.add_bos (the trainer's default when its config does not say)."""
-    return bool(params.get("data", {}).get("add_bos", DataArgs.add_bos))
-
-
 def load_student(ckpt: str, device: torch.device) -> LoadedStudent:
     """The model's logits function, tokenizer, context length and BOS rule, from a DCP checkpoint or an
     exported HF directory (a directory without our training_params.json: BOS whenever the tokenizer has one)."""
@@ -106,8 +101,8 @@ def load_student(ckpt: str, device: torch.device) -> LoadedStudent:
 
         model = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
         if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            raise MissingPathError(f"'{path}' holds no Hugging Face tokenizer (the run used a non-HF tokenizer); "
-                                   f"generate from the training checkpoint directory instead.")
+            raise MissingPathError(f"'{path}' holds no Hugging Face tokenizer (exported before exports "
+                                   f"carried one); export the checkpoint again, or generate from its directory.")
         tokenizer = build_tokenizer(TokenizerArgs(name="hf", path=str(path)))
         params_file = path / TRAINING_PARAMS
         add_bos = trained_with_bos(json.loads(params_file.read_text())) if params_file.is_file() else True

@@ -12,6 +12,7 @@ import torch
 from lingua.args import to_dict
 from lingua.metrics import MemoryMonitor, MetricLogger, ProgressLine, estimate_mfu
 from lingua.parallel.collectives import dist_gather_floats, dist_mean_dict
+from lingua.parallel.recovery import RecoveryLog
 from lingua.run.dump_dir import RunDir, read_metrics
 
 logger = logging.getLogger("train")
@@ -92,6 +93,7 @@ class StepReporter:
         self.warned_teacher_bound = False  # once per launch: the progress line keeps showing the share
         self.last_logged: dict = {}  # the last log row's loss and teacher share, for the live line in between
         self.unlogged_save_s = 0.0  # checkpoint seconds since the last log row (a save on a step that does not log)
+        self.recovery = RecoveryLog(args.dump_dir, topo.recovered, active=master)  # restarts, steps redone, seconds
         if master:  # data.batch_size is per student rank: what one step trains on, said once at startup
             logger.info(global_batch_words(args, topo.train_world_size))
 
@@ -108,6 +110,7 @@ class StepReporter:
         """After the step's checkpoint (`save_s` seconds, not in `step_time`): the grace warning, then a log row
         (collective on log steps) or the live line."""
         self.unlogged_save_s += save_s
+        self.recovery.first_step_done(state.step)
         if "checkpoint" in timer.entered and self.topo.is_train_master:
             self.check_preemption_grace(state.step, step_time + save_s, save_s)
         if self.should_log(state.step, stop_now):
@@ -144,6 +147,7 @@ class StepReporter:
                "speed/data_time_s": seconds.get("data", 0.0), "time": time.time(),
                **self.memory.get_peak_stats(), **self.distiller.log_metrics(timer),
                **straggler_metrics(per_rank, topo.student_ranks)}
+        row.update(self.recovery.fields)  # only in a run that recovered from a crash
         if self.unlogged_save_s:  # this rank's saves since the last row, timed apart from the steps
             row["checkpoint/save_s"], self.unlogged_save_s = self.unlogged_save_s, 0.0
         mfu = estimate_mfu(self.flops_per_token, tokens_per_s / topo.train_world_size, device)
@@ -209,6 +213,9 @@ class StepReporter:
             lines.append(f"time waiting on the teacher: {last['speed/teacher_wait_total_s']:.1f}s on this rank "
                          f"(teacher busy {100 * last['kd/teacher_busy']:.0f}%)")
         lines.append(f"outputs: {Path(self.args.dump_dir)} (metrics.jsonl, checkpoints/, config.yaml, logs/)")
+        self.recovery.first_step_done(state.step + 1)  # a generation that resumed at the last step trained none
+        if recovered := self.recovery.summary_line():
+            lines.insert(-1, recovered)
         if last.get("data/bad_lines"):  # summed over the students
             lines.insert(-1, f"skipped {last['data/bad_lines']:,} malformed data lines (warnings in logs/rank_<r>.log)")
         logger.info("summary\n  " + "\n  ".join(lines))

@@ -56,6 +56,7 @@ from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, read_launch
 from lingua.parallel.parallelize import parallelize_model
 from lingua.parallel.preemption import PreemptionFlag, requeue_if_slurm
 from lingua.parallel.rank_status import RankStatus
+from lingua.parallel.recovery import agree_on_recovery
 from lingua.parallel.timeouts import HangWatch, enter_training_timeout
 from lingua.parallel.watch import RankWatch
 from lingua.probe import ActivationProbe
@@ -332,7 +333,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             # The one agreed control point of the step: stop, save and fail are decided together.
             flags = agree_flags(dict(preempt=preemption.requested or faults.preempt(state.step),
                                      nonfinite=faults.nonfinite(state.step, metrics["loss/total"]),
-                                     **distiller.control_flags()), group, device)
+                                     save_due=checkpoint.minutes_due(), **distiller.control_flags()), group, device)
             timer.common_point()
             distiller.after_agreement(flags)
             startup.after_agreement(state.step, timer)
@@ -345,7 +346,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             if stop_now:
                 distiller.drain()  # look-ahead requests answered before the save and the STOP
             step_time = time.perf_counter() - step_start  # a save is not part of the step's time and tokens/s
-            save_s = save(checkpoint.should_save(state.step, stop_now, last_step=state.step == args.steps))
+            save_s = save(checkpoint.should_save(state.step, stop_now, state.step == args.steps, flags["save_due"]))
             reporter.step_done(state, metrics, timer, step_time, save_s, grad_norm, scheduler.get_last_lr()[0],
                                stop_now)
             if stop_now:
@@ -353,7 +354,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
                 break
         distiller.stop(state.step)
         if ended == "preempted":
-            requeue_if_slurm(topo.is_train_master)
+            requeue_if_slurm(topo.is_train_master, args.dump_dir)
     if topo.is_train_master:
         reporter.summary(state, ended)
 
@@ -421,6 +422,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         # From here a rank that fails leaves a note, and one that loses a peer names the rank that stopped.
         with (RankStatus(args.dump_dir, topo, debug=args.distributed.debug_mode) as status,
               RankWatch(topo, args.dump_dir, status, traces=args.distributed.traces, owner=owner)):
+            topo.recovered = agree_on_recovery(topo, args.dump_dir)  # or stop: the same step crashed again and again
             phases = PhaseLog(args.dump_dir, topo.global_rank, topo.role)
             for phase, (phase_start, phase_end) in topo.setup_spans.items():  # process_group_init, mesh
                 phases.record(phase, phase_start, phase_end)

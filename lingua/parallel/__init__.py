@@ -14,6 +14,8 @@ FSDP, preemption, and what a rank says when a peer dies or stops answering.
                      for PyTorch's analyzer (gloo too); each group's last collective
     parallelize.py   FSDP2, torch.compile and activation checkpointing of the student
     preemption.py    PreemptionFlag (signals only set a flag; the loop agrees on it), SLURM requeue
+    recovery.py      in-job restarts: the rendezvous store per attempt (PyTorch #135712), the previous
+                     generation's crash read and agreed at startup, recovery.jsonl, the crash loop's sentence
     rank_status.py   RankStatus: each rank's status file; a lost peer or a collective timeout becomes one
                      sentence naming the group, the rank(s) and the step (the rules apps/debug/postmortem.py
                      applies after the fact)

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Optional
 
 logger = logging.getLogger(__name__)
@@ -37,11 +38,16 @@ class PreemptionFlag:
             signal.signal(sig, signal.SIG_IGN)
 
 
-def requeue_if_slurm(is_train_master: bool) -> None:
-    """After a preemption save, one rank asks SLURM to requeue the job (submitit requeues by itself)."""
+def requeue_if_slurm(is_train_master: bool, dump_dir: Optional[str] = None) -> None:
+    """After a preemption save, one rank asks SLURM to requeue the job (submitit requeues by itself), first leaving
+    the marker that tells stool's job script this requeue was no failure (lingua/slurm.py, max_failure_requeues)."""
     job_id = os.environ.get("SLURM_JOB_ID")
     if not is_train_master or job_id is None or os.environ.get("SUBMITIT_EXECUTOR"):
         return
+    if dump_dir is not None:
+        marker = Path(dump_dir) / "logs" / f"requeued_by_preemption.{job_id}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
     result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
     if result.returncode == 0:
         logger.info(f"requeued SLURM job {job_id}")

@@ -50,6 +50,15 @@ class RunDir:
         """How the rank is doing: running, failed, lost_peer or done (`lingua.distributed.RankStatus`)."""
         return self.logs / f"rank_{rank}.status.json"
 
+    def previous_status(self, rank: int) -> Path:
+        """The status the rank's previous process left (a restart reads how it ended: lingua/parallel/recovery.py)."""
+        return self.logs / f"rank_{rank}.status.previous.json"
+
+    @property
+    def recovery(self) -> Path:
+        """One row per crash this run recovered from (lingua/parallel/recovery.py)."""
+        return self.root / "recovery.jsonl"
+
     def startup(self, rank: int) -> Path:
         return self.root / f"startup.{rank}.jsonl"
 

@@ -6,7 +6,8 @@
 
 Only global rank 0 writes the record; it is created whole by `os.link` of a finished temporary file (atomic and
 exclusive on NFS and Lustre, where `flock` may be a no-op), so a reader sees all of it or nothing. Only rank 0
-decides, without a collective: a record of its own launch (same SLURM job and restart, same rendezvous address)
+decides, without a collective: a record of its own launch (same SLURM job and restart, same rendezvous address;
+under torchrun, rank 0's restarted generation takes over a record its own agent's earlier one wrote at once)
 lets every rank in; a live record of another launch is refused in one sentence naming the holder (host, pid, job,
 since when), before any process group exists. Another rank says that sentence itself only where it sees what
 rank 0 sees (the whole launch and the holder on one host: a pid check gives both the same answer, a heartbeat's
@@ -44,7 +45,14 @@ def launch_key(launch, env=None) -> str:
     if launch.launcher == "single":
         return f"single:{socket.gethostname()}:{os.getpid()}"
     job = f"{env.get('SLURM_JOB_ID', '-')}.{env.get('SLURM_RESTART_COUNT', '0')}"
-    return f"{launch.launcher}:{launch.master_addr}:{launch.master_port}:job={job}:{env.get('TORCHELASTIC_RUN_ID', '-')}"
+    # torchrun's c10d rendezvous without the shared store gives each restarted generation a new port: not part of it.
+    port = "-" if env.get("TORCHELASTIC_USE_AGENT_STORE") == "False" else launch.master_port
+    return f"{launch.launcher}:{launch.master_addr}:{port}:job={job}:{env.get('TORCHELASTIC_RUN_ID', '-')}"
+
+
+def launcher_agent(env) -> Optional[list]:
+    """[host, pid] of the torchrun agent that started this process (its parent), which outlives its restarts."""
+    return [socket.gethostname(), os.getppid()] if "TORCHELASTIC_RUN_ID" in env else None
 
 
 def describe_holder(record: dict, now: Optional[float] = None) -> str:
@@ -119,7 +127,7 @@ class DumpDirOwner:
         deadline = time.monotonic() + self.startup_s
         while True:
             record = self.read()
-            ours = bool(record) and record.get("launch") == self.key
+            ours = bool(record) and record.get("launch") == self.key and self.same_agent(record)
             gone = holder_gone(record, self.host, time.time(), self.env) if record and not ours else None
             if record and not ours and gone is None and (self.rank == 0 or self.sees_what_rank_0_sees(record)):
                 # This rank's own verdict (the others' is rank 0's, by the same rules), said also when the launcher
@@ -140,11 +148,17 @@ class DumpDirOwner:
                                   f"{self.startup_s:.0f}s (no {self.path} of this launch appeared); its log says why")
             time.sleep(POLL_S)
 
+    def same_agent(self, record: dict) -> bool:
+        """Rank 0 under torchrun: a record of another process is this launch's only if our agent wrote it (two
+        launches may share a run id); the record's pid decides that elsewhere."""
+        agent = launcher_agent(self.env)
+        return self.rank != 0 or agent is None or record.get("pid") == os.getpid() or record.get("agent") in (None, agent)
+
     def _new_record(self) -> dict:
         now = time.time()
         return dict(launch=self.key, host=self.host, pid=os.getpid(), started=process_start(os.getpid()),
                     job=self.env.get("SLURM_JOB_ID"), restart=int(self.env.get("SLURM_RESTART_COUNT", "0") or 0),
-                    since=now, heartbeat=now, stale_after_s=self.startup_s + STALE_S)
+                    since=now, heartbeat=now, stale_after_s=self.startup_s + STALE_S, agent=launcher_agent(self.env))
 
     def _write(self, place, record: Optional[dict] = None) -> bool:
         """Write the record to a temporary file of this process, then `place(tmp)` puts it at the owner's path."""

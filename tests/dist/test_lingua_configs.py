@@ -1,6 +1,8 @@
 """Meta Lingua's debug.yaml, CPU-sized by overrides only, under torchrun: it trains with distillation off and on,
 and each `checkpoint.eval` save runs Lingua's checkpoint evaluation in-process (the shipped lm-eval task, an
-offline hub task that must only warn, and the validation loss), its metrics in the run's dump dir as Lingua's."""
+offline hub task that must only warn, and the validation loss), its metrics in the run's dump dir as Lingua's. The
+student without distillation has a tiktoken tokenizer, as Lingua's own models: its tasks are scored and its export
+reads as lingua does."""
 
 import json
 import math
@@ -8,8 +10,10 @@ import math
 import pytest
 
 from lingua.run.dump_dir import train_rows
+from lingua.tokenizer import TokenizerArgs, build_tokenizer
 from tests.lingua_configs import cpu_sized, lingua_paths, write_lingua_config
 from tests.runs import assert_ok, torchrun
+from tests.student_exports import check_scored_and_exported
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -22,10 +26,12 @@ def read_lines(path) -> list[dict]:
 
 
 @pytest.mark.timeout(420)
-def test_lingua_debug_config_trains_and_evaluates_each_eval_checkpoint_in_process(corpus, tiny_teacher, tmp_path):
+def test_lingua_debug_config_trains_and_evaluates_each_eval_checkpoint_in_process(corpus, student_tokenizers,
+                                                                                  tmp_path):
     config = write_lingua_config("debug", tmp_path)
-    paths = lingua_paths("debug", tmp_path, corpus, tokenizer_dir=tiny_teacher)  # lm-eval needs an HF tokenizer
-    result = torchrun(2, [f"config={config}", *paths, *cpu_sized(steps=4), *CHECKPOINT_EVAL], timeout=360,
+    paths = lingua_paths("debug", tmp_path, corpus)
+    tiktoken = ["data.tokenizer.name=tiktoken", f"data.tokenizer.path={student_tokenizers['tiktoken']}"]
+    result = torchrun(2, [f"config={config}", *paths, *tiktoken, *cpu_sized(steps=4), *CHECKPOINT_EVAL], timeout=360,
                       env={"HF_DATASETS_OFFLINE": "1"})
     assert_ok(result)
     dump = tmp_path / "dump"
@@ -40,9 +46,10 @@ def test_lingua_debug_config_trains_and_evaluates_each_eval_checkpoint_in_proces
         assert "hellaswag" not in row and row["created_at"]
     validation = read_lines(dump / "metrics.validation.jsonl")
     assert [row["global_step"] for row in validation] == [2, 4]
-    for row in validation:  # 4 held-out batches of 2 x 32 tokens; an untrained 512-token model: CE near ln(512)
+    vocab = build_tokenizer(TokenizerArgs("tiktoken", str(student_tokenizers["tiktoken"]))).n_words
+    for row in validation:  # 4 held-out batches of 2 x 32 tokens; an untrained model: CE near ln(vocab)
         assert row["heldout"]["batches"] == 4 and row["heldout"]["tokens"] == 4 * 2 * 32
-        assert abs(row["heldout"]["ce"] - math.log(512)) < 1.0
+        assert abs(row["heldout"]["ce"] - math.log(vocab)) < 1.0
         assert math.isfinite(row["heldout"]["bpb"]) and row["heldout"]["bytes"] > 0
     report = json.loads((dump / "evals" / f"{4:010d}" / "eval.json").read_text())
     assert report["step"] == 4 and report["heldout"] == validation[1]["heldout"]
@@ -51,6 +58,7 @@ def test_lingua_debug_config_trains_and_evaluates_each_eval_checkpoint_in_proces
     assert settings["max_length"] == 8192 and settings["dtype"] == "float32"
     # The hub task is a warning naming it, and the run went on.
     assert "lm-eval task 'hellaswag' was skipped" in result.stdout, result.stdout[-4000:]
+    check_scored_and_exported(dump, 4, tmp_path, max_length=settings["max_length"])
 
 
 @pytest.mark.timeout(420)

@@ -14,6 +14,7 @@ import pytest
 from lingua.run.dump_dir import read_metrics, train_rows
 from tests.runs import (assert_no_orphan_producers, assert_ok, base_overrides, signal_ranks, torchrun, wait_for_step,
                         worker_pids)
+from tests.student_exports import check_scored_and_exported
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -234,11 +235,12 @@ def test_the_straggler_row_names_the_late_rank_and_probe_steps_write_per_rank_st
         assert rows[step]["stragglers/arrival_max_s"] - rows[step]["stragglers/arrival_min_s"] < 3.0
 
 
-@pytest.mark.timeout(120)
-def test_single_process_without_torchrun_with_a_live_progress_line(corpus, tmp_path):
+@pytest.mark.timeout(300)
+def test_single_process_without_torchrun_with_a_live_progress_line(corpus, student_tokenizers, tmp_path):
     """`python -m apps.main.train` alone trains, saves and warns; on a terminal rank 0 redraws its status line
     every step, not only at log steps: between log steps from host numbers, with the last log row's loss (reading
-    the loss every step would sync the host with the GPU)."""
+    the loss every step would sync the host with the GPU). The student has a sentencepiece tokenizer: its last
+    checkpoint is scored on pydocs_cloze in-process, and its export reads as lingua does."""
     import pty
     import subprocess
     import sys
@@ -246,8 +248,10 @@ def test_single_process_without_torchrun_with_a_live_progress_line(corpus, tmp_p
     dump = tmp_path / "run"
     primary, secondary = pty.openpty()
     # A grace shorter than a step plus a save (as stool writes it) gets one warning at the first save.
+    sentencepiece = {"data.tokenizer.name": "sp", "data.tokenizer.path": student_tokenizers["sp"],
+                     "checkpoint.eval.every": 6, "eval.harness.tasks": "[pydocs_cloze]", "eval.harness.limit": 8}
     overrides = base_overrides(corpus, dump, steps=6, preemption_grace_s=0.001,
-                               **{"logging.freq": 3, "checkpoint.dump.every": 1})
+                               **{"logging.freq": 3, "checkpoint.dump.every": 1, **sentencepiece})
     proc = subprocess.Popen([sys.executable, "-m", "apps.main.train", *overrides], cwd=Path(__file__).resolve().parents[2],
                             stdin=secondary, stdout=secondary, stderr=secondary, env=dict(os.environ, OMP_NUM_THREADS="1"))
     os.close(secondary)
@@ -262,7 +266,7 @@ def test_single_process_without_torchrun_with_a_live_progress_line(corpus, tmp_p
         chunks.append(data)
     os.close(primary)
     screen = b"".join(chunks).decode(errors="replace")
-    assert proc.wait(timeout=100) == 0, screen[-3000:]
+    assert proc.wait(timeout=200) == 0, screen[-3000:]
     rows = train_rows(dump)
     assert sorted(rows) == [3, 6]
     for step in (1, 2):  # before the first log row: progress and speed, no loss yet
@@ -272,6 +276,7 @@ def test_single_process_without_torchrun_with_a_live_progress_line(corpus, tmp_p
     assert (dump / "checkpoints" / f"{6:010d}").is_dir()
     assert screen.count("between SLURM's USR2 and the kill (preemption_grace_s)") == 1, screen[-3000:]
     assert "step 1 with its checkpoint took" in screen
+    check_scored_and_exported(dump, 6, tmp_path)
 
 
 @pytest.mark.timeout(300)

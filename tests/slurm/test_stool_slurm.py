@@ -163,12 +163,12 @@ def kd_inputs(tmp_path_factory, trainer_ready):
 def distill_argv(launcher: str, partition: str, dump_dir: Path, corpus: Path, teacher: Path, steps: int,
                  **extra) -> list[str]:
     """stool options for 2 students + 1 teacher on CPU, then training overrides after `--`."""
-    overrides = {**extra,
+    overrides = {
         "steps": steps, "data.root_dir": corpus, "distillation.teacher_path": teacher,
         "data.tokenizer.path": teacher, "data.batch_size": 2, "data.seq_len": 32, "data.load_async": "false",
         "model.dim": 32, "model.max_seqlen": 32, "distillation.k": 8, "logging.freq": 1,
         "checkpoint.dump.every": 1000, "distributed.init_timeout_s": 120, "distributed.train_timeout_s": 60,
-    }
+        **extra}  # the test's own settings win
     return [f"launcher={launcher}", "config=configs/distill_exps/debug_cpu.yaml", f"dump_dir={dump_dir}", "ngpus=0",
             "ntasks_per_node=3", "ncpu=1", f"partition={partition}", "signal_grace_s=60",
             "exports={HF_HUB_OFFLINE: '1', TRANSFORMERS_OFFLINE: '1', WANDB_MODE: disabled,"

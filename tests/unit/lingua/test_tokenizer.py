@@ -156,3 +156,77 @@ def test_every_tokenizer_encodes_whatever_the_reader_passes(tmp_path):
             ids = tokenizer.encode(text, add_bos=True, add_eos=True)
             # sentencepiece's normalizer drops some characters ("\ufeff" alone gives bos, eos): not an error.
             assert len(ids) >= 2 and all(0 <= i < tokenizer.n_words for i in ids), (name, text[:20])
+
+
+def _student_tokenizer(name: str, student_tokenizers, tmp_path):
+    """bytes, the trained tiktoken and sentencepiece BPE files, or sentencepiece models of other settings."""
+    from tests.trained_tokenizers import sentencepiece_model
+
+    if name == "bytes":
+        return ByteTokenizer()
+    if name in student_tokenizers:
+        return build_tokenizer(TokenizerArgs(name=name, path=str(student_tokenizers[name])))
+    # A unigram vocabulary spells its special pieces ("<s>", "<0x3C>") in single characters, as a real one does.
+    settings = {"sp_unigram": dict(model_type="unigram", extra_text="<ABCDEFx/s> " * 5),
+                "sp_nfkc_no_fallback": dict(normalization="nmt_nfkc", byte_fallback=False)}[name]
+    return build_tokenizer(TokenizerArgs(name="sp", path=str(sentencepiece_model(tmp_path / name, **settings))))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["bytes", "tiktoken", "sp", "sp_unigram", "sp_nfkc_no_fallback"])
+def test_the_exported_hugging_face_tokenizer_encodes_and_decodes_as_lingua_does(name, student_tokenizers, corpus,
+                                                                                tmp_path):
+    """AutoTokenizer on the export gives lingua's ids on the corpus and on unusual text, with bos exactly when the
+    run added it (never eos), the run's bos/eos ids, and the same text back (unknown pieces apart)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from apps.main.export_hf import hf_tokenizer_of
+    from tests.trained_tokenizers import CORPUS
+
+    tokenizer = _student_tokenizer(name, student_tokenizers, tmp_path)
+    documents = [json.loads(line)["text"] for line in (corpus / "text" / "text.val.jsonl").read_text().splitlines()]
+    texts = CORPUS + documents + SENTENCES + UNUSUAL_TEXTS + ["", " ", "  two  spaces  ", "<s>a</s>"]
+    unknown = getattr(getattr(tokenizer, "model", None), "unk_id", lambda: None)()
+    for add_bos in (True, False):
+        hf_tokenizer_of(tokenizer, add_bos).save_pretrained(tmp_path / f"hf_{add_bos}")
+        auto = AutoTokenizer.from_pretrained(tmp_path / f"hf_{add_bos}")
+        assert (auto.bos_token_id, auto.eos_token_id, len(auto)) == (tokenizer.bos_id, tokenizer.eos_id,
+                                                                    tokenizer.n_words)
+        for text in texts:
+            ids = tokenizer.encode(text, add_bos=False, add_eos=False)
+            assert auto(text)["input_ids"] == tokenizer.encode(text, add_bos=add_bos, add_eos=False), (name, text[:40])
+            assert auto.encode(text, add_special_tokens=False) == ids, (name, text[:40])
+            if unknown not in ids:  # sentencepiece spells an unknown piece " ⁇ ", transformers its name
+                assert auto.decode(ids) == tokenizer.decode(ids), (name, text[:40])
+    # Generation and evaluation read the export through lingua's hf tokenizer: the same ids again.
+    exported = build_tokenizer(TokenizerArgs(name="hf", path=str(tmp_path / "hf_True")))
+    assert all(exported.encode(text, True, True) == tokenizer.encode(text, True, True) for text in texts)
+
+
+@pytest.mark.timeout(30)
+def test_a_hugging_face_form_that_encodes_differently_is_one_sentence(student_tokenizers, monkeypatch):
+    from apps.main.export_hf import hf_tokenizer_of
+    from lingua.errors import DataError
+
+    tokenizer = build_tokenizer(TokenizerArgs(name="tiktoken", path=str(student_tokenizers["tiktoken"])))
+    bytes_form = ByteTokenizer().hf_backend()  # bytes alone: not the trained merges
+    monkeypatch.setattr(tokenizer, "hf_backend", lambda: bytes_form)
+    with pytest.raises(DataError, match=r"the Hugging Face form of this TikTokenTokenizer encodes 'def distill"):
+        hf_tokenizer_of(tokenizer, add_bos=True)
+
+
+@pytest.mark.timeout(30)
+def test_a_sentencepiece_model_without_a_hugging_face_form_is_named(tmp_path):
+    from lingua.tokenizer import hf_form_problem
+    from tests.trained_tokenizers import sentencepiece_model
+
+    char_model = sentencepiece_model(tmp_path / "char", model_type="char", byte_fallback=False)
+    problem = hf_form_problem(TokenizerArgs("sp", str(char_model)))
+    assert "is a 'char' model (only bpe and unigram models convert)" in problem
+    assert hf_form_problem(TokenizerArgs("sp", str(sentencepiece_model(tmp_path / "bpe")))) is None
+    unigram = sentencepiece_model(tmp_path / "unigram", model_type="unigram")  # its corpus has no "<"
+    problem = hf_form_problem(TokenizerArgs("sp", str(unigram)))
+    assert "has no piece for '<', so its Hugging Face form would read '<unk>' written in a document as" in problem
+    assert hf_form_problem(TokenizerArgs("bytes")) is None

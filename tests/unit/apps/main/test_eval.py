@@ -14,6 +14,7 @@ from apps.main.eval import EVAL_TASKS_DIR, hf_model_args, local_task_names, main
 from apps.main.eval_tasks.pydocs_cloze import DATA_FILE, build_items
 from lingua.cli.entry import run_cli
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
+from tests.trained_tokenizers import sentencepiece_model
 from tests.unit.apps.main.test_export_hf import build, save_dcp_checkpoint, tiny_args
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -21,14 +22,15 @@ SEQ_LEN = 32
 LIMIT = 8
 
 
-def tiny_checkpoint(root, tokenizer_dir, corpus, add_bos: bool):
-    """A random student on the tiny teacher's tokenizer, saved like the trainer does, with a data config."""
+def tiny_checkpoint(root, tokenizer_path, corpus, add_bos: bool, tokenizer_name: str = "hf"):
+    """A random student on the given tokenizer (the tiny teacher's by default), saved like the trainer does, with a
+    data config."""
+    tokenizer = {"name": tokenizer_name, "path": str(tokenizer_path)}
     # max_seqlen 256: no cloze item is cut on the left, so scoring it by hand below is the whole context.
-    args = tiny_args(vocab_size=build_tokenizer(TokenizerArgs("hf", str(tokenizer_dir))).n_words, max_seqlen=256)
+    args = tiny_args(vocab_size=build_tokenizer(TokenizerArgs(**tokenizer)).n_words, max_seqlen=256)
     model = build(args)
     data = dict(root_dir=str(corpus), sources={"text": 1.0}, seq_len=SEQ_LEN, batch_size=3, add_bos=add_bos,
                 add_eos=True)
-    tokenizer = {"name": "hf", "path": str(tokenizer_dir)}
     return model, save_dcp_checkpoint(model, args, root, step=10, tokenizer=tokenizer, data=data)
 
 
@@ -47,7 +49,7 @@ def direct_held_out_ce(model, tokenizer, corpus, add_bos: bool) -> tuple[float, 
         logits = model(window[:, :-1])
         loss_sum += torch.nn.functional.cross_entropy(logits[0].double(), window[0, 1:], reduction="sum").item()
         tokens += window.shape[1] - 1
-        n_bytes += len(tokenizer.tokenizer.decode(window[0, 1:].tolist(), skip_special_tokens=True).encode("utf-8"))
+        n_bytes += len(tokenizer.decode(window[0, 1:].tolist()).encode("utf-8"))
     return loss_sum / tokens, tokens, loss_sum / math.log(2) / n_bytes
 
 
@@ -69,18 +71,22 @@ def direct_cloze_accuracy(model, tokenizer, add_bos: bool, limit: int) -> float:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("add_bos", [True, False])
-def test_eval_app_scores_checkpoint_with_local_task_and_held_out_perplexity(tmp_path, tiny_teacher, corpus, add_bos):
-    model, step_dir = tiny_checkpoint(tmp_path / "checkpoints", tiny_teacher, corpus, add_bos)
+@pytest.mark.parametrize("tokenizer_name,add_bos", [("hf", True), ("hf", False), ("tiktoken", True), ("sp", False)])
+def test_eval_app_scores_checkpoint_with_local_task_and_held_out_perplexity(tmp_path, tiny_teacher, student_tokenizers,
+                                                                            corpus, tokenizer_name, add_bos):
+    """Any tokenizer: lm-eval reads the export's Hugging Face form of a tiktoken or sentencepiece student's (the
+    held-out half, which never read the export, is checked on the hf rows)."""
+    tokenizer_path = tiny_teacher if tokenizer_name == "hf" else student_tokenizers[tokenizer_name]
+    model, step_dir = tiny_checkpoint(tmp_path / "checkpoints", tokenizer_path, corpus, add_bos, tokenizer_name)
     main([f"ckpt={tmp_path / 'checkpoints'}", "tasks=pydocs_cloze", f"limit={LIMIT}", "batch_size=8", "device=cpu",
-          f"hf_dir={tmp_path / 'hf'}"])
+          f"hf_dir={tmp_path / 'hf'}", f"perplexity={tokenizer_name == 'hf'}"])
 
     report = json.loads((step_dir / "eval.json").read_text())  # beside the checkpoint: its step directory
-    assert {"checkpoint", "step", "heldout", "tasks", "settings", "versions", "wall_s"} <= set(report)
+    assert {"checkpoint", "step", "tasks", "settings", "versions", "wall_s"} <= set(report)
     assert report["step"] == 10 and report["settings"]["add_bos"] is add_bos
     cloze = report["tasks"]["pydocs_cloze"]
     assert 0.0 <= cloze["acc"] <= 1.0 and 0.0 <= cloze["acc_norm"] <= 1.0 and cloze["n_samples"] == LIMIT
-    tokenizer = build_tokenizer(TokenizerArgs("hf", str(tiny_teacher)))
+    tokenizer = build_tokenizer(TokenizerArgs(tokenizer_name, str(tokenizer_path)))
     # lm-eval scored the exported model exactly as our own model scores the same items (BOS as in training).
     assert cloze["acc"] == direct_cloze_accuracy(model, tokenizer, add_bos, LIMIT)
 
@@ -92,6 +98,8 @@ def test_eval_app_scores_checkpoint_with_local_task_and_held_out_perplexity(tmp_
     assert (context[0] == tokenizer.bos_id) is add_bos and continuation
     assert context == tokenizer.encode("The list type", add_bos=add_bos, add_eos=False)
 
+    if tokenizer_name != "hf":
+        return
     heldout = report["heldout"]
     ce, tokens, bpb = direct_held_out_ce(model, tokenizer, corpus, add_bos)
     assert heldout["tokens"] == tokens and math.isfinite(heldout["ce"])
@@ -120,9 +128,11 @@ def test_eval_app_errors_are_one_sentence(tmp_path, tiny_teacher, corpus, capsys
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kw: real_manager(**{**kw, "include_defaults": False}))
     assert "unknown lm-eval task(s) 'nosuchtask'" in error_of(f"ckpt={step_dir}", "tasks=pydocs_cloze,nosuchtask")
     params = json.loads((step_dir / "params.json").read_text())
-    params["data"]["tokenizer"] = {"name": "bytes", "path": None}
+    char_model = sentencepiece_model(tmp_path / "char", model_type="char", byte_fallback=False)
+    params["data"]["tokenizer"] = {"name": "sp", "path": str(char_model)}
     (step_dir / "params.json").write_text(json.dumps(params))
-    assert "need a Hugging Face tokenizer" in error_of(f"ckpt={step_dir}", "tasks=pydocs_cloze")
+    assert ("lm-eval tasks read the checkpoint's Hugging Face export, but the sentencepiece model "
+            f"{char_model} is a 'char' model") in error_of(f"ckpt={step_dir}", "tasks=pydocs_cloze")
     assert not (step_dir / "eval.json").exists()
 
 

@@ -111,7 +111,13 @@ def test_export_from_dcp_checkpoint_cli_and_generate(tmp_path):
     expected = generate_tokens(model, prompt_ids, 6, temperature=0.0, eos_id=257)
     assert len(expected) >= 1
     assert text == ByteTokenizer().decode([t for t in expected if t != 257])
-    # The exported directory has no HF tokenizer (bytes): generation from it says so.
+    # The export carries the byte tokenizer's Hugging Face form: generating from it gives the same text.
+    assert load_student(str(tmp_path / "hf"), torch.device("cpu")).tokenizer.encode("ab", True, False) == prompt_ids
+    assert generate_text(GenerateArgs(ckpt=str(tmp_path / "hf"), prompt="ab", max_new_tokens=6, temperature=0.0,
+                                      device="cpu")) == text
+    # An export without any tokenizer (written before tokenizers were exported) says so.
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "hf" / name).unlink()
     with pytest.raises(FileNotFoundError, match="tokenizer"):
         load_student(str(tmp_path / "hf"), torch.device("cpu"))
 

@@ -55,6 +55,28 @@ def test_every_bad_config_is_one_sentence_naming_its_key(bad, launch, corpus, te
         assert message == bad.sentence
 
 
+def test_tasks_that_cannot_be_scored_with_the_runs_tokenizer_are_refused_when_the_config_is_read(
+        corpus, student_tokenizers, tmp_path):
+    """Before any process group, not at the first checkpoint evaluation; tiktoken and sentencepiece BPE pass."""
+    from tests.trained_tokenizers import sentencepiece_model
+
+    char_model = sentencepiece_model(tmp_path / "char", model_type="char", byte_fallback=False)
+    tasks = ["eval.harness.tasks=[pydocs_cloze]", "checkpoint.eval.every=10"]
+    for name, path in student_tokenizers.items():  # tiktoken, sentencepiece BPE
+        overrides = base_overrides(corpus, tmp_path / name,
+                                   **{"data.tokenizer.name": name, "data.tokenizer.path": path})
+        parse_args(TrainArgs, overrides + tasks).validate(2)
+    sp_char = base_overrides(corpus, tmp_path / "char_run", **{"data.tokenizer.name": "sp",
+                                                               "data.tokenizer.path": char_model})
+    parse_args(TrainArgs, sp_char).validate(2)  # no tasks: nothing to refuse
+    with pytest.raises(UserError) as caught:
+        parse_args(TrainArgs, sp_char + tasks).validate(2)
+    assert str(caught.value) == (
+        f"eval.harness.tasks are scored through the checkpoint's Hugging Face export, but the sentencepiece model "
+        f"{char_model} is a 'char' model (only bpe and unigram models convert); train with a tokenizer that "
+        f"converts (bytes, tiktoken, hf, a sentencepiece BPE model) or set eval.harness.tasks=[].")
+
+
 def test_the_table_is_large_enough_and_names_the_issue_cases():
     names = {b.name for b in BAD_CONFIGS}
     assert len(names) == len(BAD_CONFIGS) >= 82
