@@ -33,6 +33,18 @@ def require(ok: bool, key: str, value: Any, fix: str) -> None:
         raise ConfigError(f"{key}={format_value(value)}; {fix}.")
 
 
+def is_placeholder(value: Any) -> bool:
+    """Whether `value` is a placeholder a printed command left for the user (`<teacher checkpoint dir>`)."""
+    return isinstance(value, str) and len(value) > 2 and value[0] == "<" and value[-1] == ">" and "<" not in value[1:]
+
+
+def require_filled(key: str, value: Any, what: str) -> None:
+    """One sentence for a placeholder pasted as it was printed (apps.plan prints `<...>` where it cannot know a
+    path): replace it with `what`."""
+    require(not is_placeholder(value), key, value,
+            f"that is a placeholder of a printed command; replace it with {what}")
+
+
 def one_line(text: str) -> str:
     """`text` with its line breaks folded into spaces (OmegaConf and YAML errors span several lines)."""
     return " ".join(str(text).split())
@@ -208,6 +220,14 @@ def parse_args(cls: Type[T], argv: Optional[list[str]] = None) -> T:
                          f"({_omegaconf_words(err)}); write key=value, with YAML values (lists [a, b], "
                          f"mappings {{a: 1}}).") from None
     return dataclass_from_dict(cls, merged)
+
+
+def fill_training_defaults(args: Any) -> None:
+    """Fill what a training config leaves to the trainer (a TrainArgs or a subclass, e.g. the planner's PlanArgs),
+    so that every tool reads a Lingua config as the trainer does: model.max_seqlen=-1 is data.seq_len, as in Meta
+    Lingua. apps.main.train calls it before validating, apps.plan before planning."""
+    if args.model.max_seqlen == -1:
+        args.model.max_seqlen = args.data.seq_len
 
 
 def to_dict(obj: Any) -> dict:

@@ -37,8 +37,8 @@ from torch import nn
 
 from lingua.args import require
 from lingua.cli.entry import run_cli
-from lingua.run.checkpoint_health import (MARKER, after_failed_rename, damage, failure_words, newest_intact, save_failed,
-                                      unreadable, warn_if_short_of_space)
+from lingua.run.checkpoint_health import (MARKER, after_failed_rename, damage, failure_words, newest_intact,
+                                          other_world_size, save_failed, unreadable, warn_if_short_of_space)
 from lingua.errors import DataError, LaunchError, MissingPathError
 from lingua.parallel.collectives import first_error, log_collective
 
@@ -331,13 +331,12 @@ class CheckpointManager:
         damaged = first_error(damage(ckpt) if self.is_master else None, self.group, "checkpoint intact")
         if damaged is not None:
             raise unreadable(ckpt, damaged[1], newest_intact(complete_checkpoints(self.root), ckpt))
+        if path is None and self.args.init_ckpt_path and self.is_master:  # it resumes from its own checkpoint first
+            logger.warning(f"checkpoint.init_ckpt_path={self.args.init_ckpt_path} is not read: resuming from {ckpt}")
         saved_world = read_marker(ckpt).get("train_world_size")
         if saved_world != self.train_world_size:
-            raise LaunchError(
-                f"checkpoint {ckpt} was written by {saved_world} training ranks but this run has "
-                f"{self.train_world_size}; the data-loader state is per rank, so resume with {saved_world} "
-                f"training ranks, or start a new run from its weights with checkpoint.init_ckpt_path={ckpt}."
-            )
+            raise LaunchError(other_world_size(ckpt, saved_world, self.train_world_size, self.root,
+                                               own_path=bool(self.args.path), resuming=path is None))
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

@@ -50,11 +50,11 @@ IGNORE_INDEX = -100
 class DataArgs:
     root_dir: Optional[str] = None  # folder with one sub-folder per source
     sources: dict[str, float] = field(default_factory=dict)  # source folder -> weight (share of tokens)
-    batch_size: int = 2
-    seq_len: int = 256
-    seed: int = 42
-    add_bos: bool = True
-    add_eos: bool = True
+    batch_size: int = 2  # rows per micro-batch on each student rank (not global: x students x grad_acc_steps)
+    seq_len: int = 256  # tokens per row (a packed window of documents)
+    seed: int = 42  # the data order: document shuffling and the source mix (same seed, same batches)
+    add_bos: bool = True  # start each document with the tokenizer's bos token (where it has one)
+    add_eos: bool = True  # end each document with the tokenizer's eos token (where it has one)
     load_async: bool = True  # build batches in a producer process per rank (false: in the training process)
     prefetch_size: int = 64  # batches the producer may build ahead
     workers: int = 0  # with load_async: tokenizing processes feeding the producer (0: it tokenizes itself)

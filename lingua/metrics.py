@@ -34,11 +34,11 @@ def host_peak_rss_gib() -> float:
 
 @dataclass
 class WandbArgs:
-    project: Optional[str] = None
-    entity: Optional[str] = None
-    name: Optional[str] = None
-    group: Optional[str] = None
-    tags: Optional[list[str]] = None
+    project: Optional[str] = None  # wandb project to log to; null = no wandb
+    entity: Optional[str] = None  # wandb team or user; null = your default
+    name: Optional[str] = None  # wandb run name; null = the run's name
+    group: Optional[str] = None  # wandb group, to see related runs together; null = none
+    tags: Optional[list[str]] = None  # wandb tags of the run; null = none
     mode: str = "online"  # "online" | "offline" | "disabled"; the WANDB_MODE env var wins when set
     dir: Optional[str] = None  # where wandb keeps its files; default: the dump dir
 

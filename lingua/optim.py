@@ -33,15 +33,15 @@ FUSED_DEVICE_TYPES = ("cuda", "cpu")  # where torch has fused AdamW kernels (aut
 
 @dataclass
 class OptimArgs:
-    lr: float = 3e-4
-    weight_decay: float = 0.1
-    epsilon: float = 1e-8
-    beta1: float = 0.9
-    beta2: float = 0.95
+    lr: float = 3e-4  # AdamW's peak learning rate, reached at the end of warmup
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay per step (times the lr)
+    epsilon: float = 1e-8  # AdamW's epsilon, added to the second moment's root
+    beta1: float = 0.9  # AdamW's first-moment (gradient average) decay per step
+    beta2: float = 0.95  # AdamW's second-moment (squared gradient average) decay per step
     clip: float = 1.0  # max global gradient norm; <= 0 measures the norm without clipping
     scheduler: str = "cosine"  # "constant" | "linear" | "cosine" | "inv_sqrt" | "wsd"
-    warmup: int = 100
-    lr_min_ratio: float = 0.1
+    warmup: int = 100  # steps of linear warmup from 0 to optim.lr
+    lr_min_ratio: float = 0.1  # the schedule's final lr as a share of optim.lr
     cycle_length: float = 1.0  # cosine: fraction of the post-warmup steps one decay takes
     cosine_theta: float = 1.0  # cosine: progress is raised to this power before the cosine
     decay_fraction: float = 0.1  # wsd: fraction of all steps spent in the final decay

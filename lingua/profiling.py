@@ -30,15 +30,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ProfilerArgs:
-    run: bool = False
-    trace_folder: str = "profiling"
+    run: bool = False  # record a memory snapshot and a torch profiler trace (rank 0's windows below)
+    trace_folder: str = "profiling"  # folder, inside the dump dir, for the traces and snapshots
     # The memory snapshot records steps [mem_warmup, mem_warmup + mem_steps); the trace records
     # [profile_warmup, profile_warmup + profile_steps). Keep the windows apart: recording memory
     # history slows the steps it covers.
     mem_warmup: int = 100
-    mem_steps: int = 2
-    profile_warmup: int = 102
-    profile_steps: int = 2
+    mem_steps: int = 2  # steps the memory snapshot records (from step mem_warmup)
+    profile_warmup: int = 102  # steps before the profiler trace starts
+    profile_steps: int = 2  # steps the profiler trace records
 
     def validate(self) -> None:
         """Recording windows that start at a step >= 0 and last at least one step."""

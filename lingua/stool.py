@@ -47,18 +47,18 @@ GRACE_AWARE_SCRIPTS = ("apps.main.train",)
 @dataclass
 class StoolArgs:
     script: str = "apps.main.train"  # module run with `python -m` on every rank
-    config: str = ""  # the training yaml
-    launcher: str = "sbatch"  # "sbatch" | "submitit"
-    nodes: int = 1
+    config: str = ""  # the training config (.yaml) the job runs; required
+    launcher: str = "sbatch"  # how the job is submitted: "sbatch" (a script stool writes) | "submitit"
+    nodes: int = 1  # nodes of the job (each runs ntasks_per_node ranks)
     ngpus: int = 8  # GPUs per node; 0 = CPU partition
     ntasks_per_node: Optional[int] = None  # ranks per node; default ngpus (required when ngpus=0)
     ncpu: int = 8  # CPUs per task (rank)
     mem: str = ""  # per node, e.g. "200G"; "" = the partition's default
     partition: str = ""  # "" = the cluster's default partition
-    qos: str = ""
-    account: str = ""
-    constraint: str = ""
-    exclude: str = ""
+    qos: str = ""  # SLURM quality of service (--qos); "" = the account's default
+    account: str = ""  # SLURM account to charge (--account); "" = your default
+    constraint: str = ""  # SLURM node features required (--constraint, e.g. "h100"); "" = any
+    exclude: str = ""  # nodes not to run on (--exclude, e.g. "node[01-02]"); "" = none
     time: int = -1  # minutes; -1 = the partition's limit (from sinfo)
     job_name: str = ""  # "" = the config's name, else the dump dir's name
     sbatch_extra: list[str] = field(default_factory=list)  # extra sbatch options, e.g. "--mail-type=END"
@@ -67,6 +67,8 @@ class StoolArgs:
     dump_dir: str = ""  # "" = the training config's dump_dir
     env_activate: str = ""  # shell line run first; "" = activate this interpreter's venv/conda env; "none"
     python: str = ""  # "" = this interpreter
+    # Folders copied into the job's code snapshot (<dump_dir>/code), which the ranks run from and resolve relative
+    # paths against
     code_dirs: list[str] = field(default_factory=lambda: ["apps", "lingua", "setup", "configs"])
     dry_run: bool = False  # write everything, print the script, submit nothing
     force: bool = False  # reuse an existing dump dir without asking
@@ -170,7 +172,42 @@ def load_train_config(args: StoolArgs, cwd: Optional[Path] = None) -> DictConfig
                           f"choose a dump_dir without spaces.")
     container = _absolutize_paths(OmegaConf.to_container(cfg, resolve=True), cwd)
     container["dump_dir"] = str(dump_dir.resolve())
+    check_paths_reach_the_job(container, cwd, list(args.code_dirs), dump_dir)
     return OmegaConf.create(container)
+
+
+# The config's input paths (files and folders the job reads); outputs (checkpoint.path, ...) are created.
+INPUT_PATHS = ("data.root_dir", "data.tokenizer.path", "distillation.teacher_path", "distillation.teacher_tokenizer",
+               "distillation.cache_dir", "checkpoint.init_ckpt_path", "eval.dataset_dir", "eval.validation.root_dir")
+TEACHER_INPUT_PATHS = ("path", "tokenizer", "cache_dir")  # of each distillation.teachers[i]
+HUB_ID_KEYS = ("teacher_path", "teacher_tokenizer", "path", "tokenizer")  # a teacher's "org/name" may be a hub id
+
+
+def check_paths_reach_the_job(config: dict, cwd: Path, code_dirs: list[str], dump_dir: Path) -> None:
+    """Refuse, in one sentence and before anything is written or queued, an input path left relative (it exists
+    neither from `cwd`, where _absolutize_paths would have made it absolute, nor inside the job's code snapshot,
+    which the job runs from): it would fail only after the job waited in the queue. A hub id ("org/name") is not
+    a path."""
+    def select(node, dotted: str):
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    teachers = select(config, "distillation.teachers") or []
+    keyed = [(key, select(config, key)) for key in INPUT_PATHS] + [
+        (f"distillation.teachers[{i}].{key}", teacher.get(key)) for i, teacher in enumerate(teachers)
+        if isinstance(teacher, dict) for key in TEACHER_INPUT_PATHS]
+    for key, value in keyed:
+        if not isinstance(value, str) or not value or os.path.isabs(value) or value.startswith("~"):
+            continue
+        hub_id = key.startswith("distillation.") and key.rsplit(".", 1)[-1] in HUB_ID_KEYS \
+            and value.count("/") == 1 and not value.startswith(".")
+        in_snapshot = Path(value).parts[0] in code_dirs and (REPO_ROOT / value).exists()
+        if not (hub_id or in_snapshot):
+            raise MissingPathError(
+                f"{key}={value!r} is a relative path that exists neither from here ({cwd}) nor in the job's code "
+                f"snapshot ({dump_dir / 'code'}), which the job runs from; pass it as an absolute path, or run stool "
+                f"from the folder it is relative to.")
 
 
 def _absolutize_paths(node, cwd: Path):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from lingua.args import require
+from lingua.args import require, require_filled
 from lingua.errors import ConfigError, MissingPathError
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ class TokenizerArgs:
             return
         expected = "a Hugging Face tokenizer directory" if self.name == "hf" else f"a {self.name} model file"
         require(bool(self.path), "data.tokenizer.path", self.path, f"tokenizer {self.name!r} needs {expected}")
+        require_filled("data.tokenizer.path", self.path, expected)
         path = Path(self.path)
         if not path.exists():
             raise MissingPathError(f"data.tokenizer.path={self.path!r} does not exist; set it to {expected}.")

@@ -51,14 +51,14 @@ INIT_STD_FACTORS = ("disabled", "global_depth", "current_depth")
 
 @dataclass
 class BaseTransformerArgs:
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
+    dim: int = 256  # model width: channels of the residual stream and the embeddings
+    n_layers: int = 4  # transformer blocks (attention + SwiGLU MLP each)
+    n_heads: int = 4  # attention query heads per layer (dim / n_heads channels each)
     n_kv_heads: Optional[int] = None  # None: one key/value head per query head (no GQA)
     ffn_dim_multiplier: float = 1.0  # SwiGLU hidden = multiple_of-rounded 8/3 * dim * multiplier
-    multiple_of: int = 64
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    multiple_of: int = 64  # the SwiGLU hidden size is rounded up to a multiple of this many channels
+    norm_eps: float = 1e-5  # epsilon added to the mean square in RMSNorm
+    rope_theta: float = 10000.0  # RoPE base frequency (larger: slower-turning positions, longer context)
     max_seqlen: int = 1024  # longest sequence RoPE tables are built for
     attn_impl: str = "auto"  # kernel for doc_causal masks: "auto" (flex on CUDA) | "sdpa" | "flex" | "xformers"
     attn_mask: str = "causal"  # "causal" | "doc_causal" (packed documents don't attend to each other)

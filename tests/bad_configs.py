@@ -132,8 +132,7 @@ BAD_CONFIGS = [
               "distillation.teacher_path"),
     BadConfig("missing_teacher_dir", {"enable_distillation": "true", "distillation.teacher_path": "/no/such/teacher"},
               "distillation.teacher_path", "distillation.teacher_path='/no/such/teacher'; that directory does not "
-              "exist; point it at a transformers checkpoint directory (`python -m setup.prepare_teacher --out DIR` "
-              "makes SmolLM2-135M-Instruct, `python -m setup.make_tiny_teacher --out DIR` a tiny random one).",
+              "exist, nor does its folder /no/such; point it at a transformers checkpoint directory.",
               launch=True),
     BadConfig("seq_len_beyond_teacher", {"enable_distillation": "true", "distillation.teacher_path": "{teacher}",
                                          "data.seq_len": 5000, "model.max_seqlen": 5000},

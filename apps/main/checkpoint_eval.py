@@ -40,7 +40,7 @@ class HarnessArgs:
     tasks: Optional[list[Any]] = None  # lm-eval task names, or task dicts ({task: nq_open, num_fewshot: 5})
     num_fewshot: Optional[int] = None  # None: each task's default
     limit: Optional[int] = None  # examples per task; None: all
-    batch_size: int = 8
+    batch_size: int = 8  # lm-eval requests per forward of the evaluated model
 
 
 @dataclass
@@ -54,12 +54,12 @@ class ValidationArgs:
 @dataclass
 class GeneratorArgs:
     """Lingua's generator settings, as lm-eval's Hugging Face backend takes them (generation tasks only)."""
-    temperature: float = 0.0  # 0: greedy
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
+    temperature: float = 0.0  # sampling temperature of generation tasks; 0 = greedy
+    top_p: Optional[float] = None  # nucleus sampling: the smallest set of tokens with this much probability; null = off
+    top_k: Optional[int] = None  # sample among this many most likely tokens; null = off
     max_gen_len: int = 512  # new tokens per generation
     max_tokens: int = 1024  # tokens through the model per request (lm-eval's max_length)
-    until: list[str] = field(default_factory=list)  # extra stop strings
+    until: list[str] = field(default_factory=list)  # extra strings that stop a generation (besides each task's)
     dtype: str = "fp32"  # bf16 | fp32 | fp16
     device: Optional[str] = None  # None: cuda when there is one
 
@@ -77,13 +77,13 @@ class GeneratorArgs:
 @dataclass
 class EvalAtCheckpointArgs:
     harness: HarnessArgs = field(default_factory=HarnessArgs)
-    validation: Optional[ValidationArgs] = None
+    validation: Optional[ValidationArgs] = None  # held-out loss at each eval checkpoint (its keys below); null = none
     generator: GeneratorArgs = field(default_factory=GeneratorArgs)
     dataset_dir: Optional[str] = None  # lm-eval's datasets cache (HF_DATASETS_CACHE) for the evaluation
     # Deprecated: the in-loop held-out CE, now `heldout.every` / `heldout.max_batches` / `heldout.uneven`.
-    every: Optional[int] = None
-    max_batches: Optional[int] = None
-    uneven: Optional[str] = None
+    every: Optional[int] = None  # deprecated: heldout.every (steps between in-loop held-out evaluations)
+    max_batches: Optional[int] = None  # deprecated: heldout.max_batches (held-out batches per rank)
+    uneven: Optional[str] = None  # deprecated: heldout.uneven (ranks with unequal held-out batches: min or error)
 
     @property
     def enabled(self) -> bool:

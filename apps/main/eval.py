@@ -50,7 +50,7 @@ OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 @dataclass
 class EvalArgs:
     every: int = 0  # steps between in-loop evaluations (0 = never); the trainer's `heldout:` section
-    max_batches: int = 16  # per rank
+    max_batches: int = 16  # held-out batches each rank scores per evaluation (data.batch_size rows each)
     # Ranks holding different numbers of eval batches (agreed before the loop either way):
     # "min" = every rank runs the smallest count, with a warning naming them; "error" = stop, naming them.
     uneven: str = "min"

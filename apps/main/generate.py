@@ -46,11 +46,11 @@ class LoadedStudent(NamedTuple):
 @dataclass
 class GenerateArgs:
     ckpt: str = ""  # checkpoint step dir, checkpoints root, or exported HF dir
-    prompt: str = ""
-    max_new_tokens: int = 50
-    temperature: float = 0.8  # 0: greedy
+    prompt: str = ""  # the text to continue (the tokenizer's bos is added where it has one)
+    max_new_tokens: int = 50  # tokens to generate after the prompt (fewer where eos comes first)
+    temperature: float = 0.8  # sampling temperature (lower: more likely tokens); 0 = greedy
     top_p: float = 0.95  # nucleus sampling; 1.0 keeps the whole distribution
-    seed: int = 42
+    seed: int = 42  # the sampling's random seed (same seed, same text)
     device: str = "auto"  # "auto" (cuda if available) | "cpu" | "cuda" | "cuda:1" ...
 
 

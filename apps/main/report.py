@@ -66,6 +66,16 @@ def teacher_wait_words(row: dict) -> str:
     return f" teacher wait {100 * row['speed/teacher_wait_s'] / row['speed/step_time_s']:.0f}%"
 
 
+def global_batch_words(args, students: int) -> str:
+    """"global batch: S students x B x L = N tokens a step": data.batch_size rows of data.seq_len tokens per student
+    rank and micro-batch (teacher ranks train nothing, so distilling on the same GPUs trains fewer tokens a step)."""
+    data, micro = args.data, args.grad_acc_steps
+    tokens = students * data.batch_size * data.seq_len * micro
+    return (f"global batch: {students} students x {data.batch_size} x {data.seq_len}"
+            + (f" x {micro} micro-batches" if micro > 1 else "")
+            + f" = {tokens:,} tokens a step (data.batch_size is per student rank)")
+
+
 class StepReporter:
     """Owns the logging cadence (`should_log`); the metrics file, wandb and the progress line are rank 0's."""
 
@@ -84,6 +94,8 @@ class StepReporter:
         self.last_logged: dict = {}  # the last log row's loss and teacher share, for the live line in between
         self.unlogged_save_s = 0.0  # checkpoint seconds since the last log row (a save on a step that does not log)
         self.recovery = RecoveryLog(args.dump_dir, topo.recovered, active=master)  # restarts, steps redone, seconds
+        if master:  # data.batch_size is per student rank: what one step trains on, said once at startup
+            logger.info(global_batch_words(args, topo.train_world_size))
 
     def tokens_per_step(self) -> int:
         """Tokens one optimizer step consumes over all students."""

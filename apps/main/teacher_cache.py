@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 from apps.main.train import TrainArgs
-from lingua.args import parse_args, require
+from lingua.args import parse_args, require, require_filled
 from lingua.cli.entry import release_sigterm, run_cli
 from lingua.distillation.cache.codec import ZSTD_LEVEL
 from lingua.distillation.cache.write_job import write_cache
@@ -44,7 +44,7 @@ from lingua.parallel.launch_plan import LaunchPlan, read_launch_env, tensor_para
 
 @dataclass
 class TeacherCacheArgs(TrainArgs):
-    cache_dir: str = ""
+    cache_dir: str = ""  # the folder to write the cache to (created; a rerun resumes it); required
     streams: int = 1  # data-parallel students the cache is laid out for (train from it with as many)
     sequences_per_stream: int = 0  # windows per stream; 0 = what the config trains on: steps x grad_acc x batch
     shard_sequences: int = 64  # windows per shard file (the unit of resuming)
@@ -67,6 +67,7 @@ class TeacherCacheArgs(TrainArgs):
         teacher = replace(self.distillation, source="online", n_teacher_ranks=self.distillation.teacher_tp, teachers=[])
         TrainArgs.validate(replace(self, enable_distillation=True, distillation=teacher))
         require(bool(self.cache_dir), "cache_dir", self.cache_dir, "pass cache_dir=<folder for the teacher cache>")
+        require_filled("cache_dir", self.cache_dir, "the folder to write the teacher cache to")
         for key in ("streams", "shard_sequences", "forward_rows"):
             require(getattr(self, key) >= 1, key, getattr(self, key), "use a positive integer")
         require(type(self.zstd_level) is int and 1 <= self.zstd_level <= 22, "zstd_level", self.zstd_level,

@@ -32,7 +32,7 @@ from apps.main.faults import FaultInjector, parse_injected_failure
 from apps.main.report import StepReporter, nonfinite_sentence
 from apps.main.transformer import (LMTransformer, LMTransformerArgs, batch_documents, get_no_recompute_ops,
                                    get_num_flop_per_token)
-from lingua.args import dump_config, parse_args, require, to_dict
+from lingua.args import dump_config, fill_training_defaults, parse_args, require, to_dict
 from lingua.checkpoint import CheckpointArgs, CheckpointManager
 from lingua.cli.entry import run_cli
 from lingua.data import DataArgs, training_loader
@@ -117,8 +117,7 @@ class TrainArgs:
                 self.preemption_grace_s, "use the seconds between SLURM's USR2 and the kill, or 0 for unknown")
         parse_injected_failure(self.inject_failure)
         self.data.validate()
-        if self.model.max_seqlen == -1:
-            self.model.max_seqlen = self.data.seq_len
+        fill_training_defaults(self)  # model.max_seqlen=-1 -> data.seq_len (apps.plan fills the same)
         self.model.validate()
         self.optim.validate()
         self.distributed.validate()

@@ -3,8 +3,13 @@
     python -m apps.plan config=configs/llama_1B.yaml world_size=64 gpus_per_node=8 gpu_mem_gib=80 \\
         teacher_config=configs/teachers/llama3_8b.json [teacher_tokens_per_s=... student_tokens_per_s=...]
 
-Prints a plan and writes it as JSON (`out=plan.json`; `out=null` prints only). Any training key overrides the
-config as in training (`data.batch_size=8 distillation.k=32`). What it decides, in order:
+Prints a plan and writes it as JSON (`out=plan.json`; `out=null` prints only). Its first line is the answer
+(distill or not, online or from a cache, the layout, the break-even, the GPU-hours, and the pilot first with its
+GPU-hours where the plan is not measured); the lines below are its evidence. Any training key overrides the config
+as in training (`data.batch_size=8 distillation.k=32`), and the config is read with the trainer's defaults
+(`lingua.args.fill_training_defaults`: Meta Lingua's configs as they are). Every command it prints runs as printed
+(tokenizers.py: the teacher's path from the inputs or a placeholder validation names, the students' tokenizer).
+What it decides, in order:
 
 1. Sizes. The teacher's from its config.json (`teacher_config=`, else `<distillation.teacher_path>/config.json`),
    counted as a Llama-family model (embeddings, q/k/v/o, gate/up/down, two norms a layer, a final norm, a head
@@ -47,6 +52,8 @@ The package, in the order a plan is made:
     evidence.py  what that study measured, the plan's settings outside it ("not measured here"), the pilot
     printing.py  format_plan (the printed lines), write_plan (only over a plan of its own)
     teachers.py  several teachers (distillation.teachers): each at its configured ranks, the slowest named
+    tokenizers.py  the keys the printed commands need (teacher path, students' tokenizer); the cross-tokenizer ratio
+                 measured where both tokenizers are here
     cli.py       main: parse, validate, plan, print, write (`python -m apps.plan` runs it via __main__.py)
     pilot.py     `python -m apps.plan.pilot`: the two pilot runs' held-out CE -> kd_study's token multiplier,
                  a results.json for kd_measurement=

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from apps.main.train import TrainArgs
-from lingua.args import require
+from lingua.args import fill_training_defaults, require
 
 # The plan JSON's layout: 2 = cache.writer (was writer_overrides), the verdict's keys, the pilot's read command.
 PLAN_VERSION = 2
@@ -26,24 +26,29 @@ class PlanArgs(TrainArgs):
     """The training config (`config=`, its keys as overrides) plus the cluster and what is known of its speed."""
 
     world_size: int = 0  # GPUs of the launch (whole nodes)
-    gpus_per_node: int = 8
-    gpu_mem_gib: float = 80.0
-    teacher_config: Optional[str] = None  # a config.json; default <distillation.teacher_path>/config.json
+    gpus_per_node: int = 8  # GPUs of one node (a teacher replica stays inside a node)
+    gpu_mem_gib: float = 80.0  # memory of one GPU in GiB (what the teacher's weights and requests must fit)
+    # the teacher's config.json (its sizes); null = <distillation.teacher_path>/config.json
+    teacher_config: Optional[str] = None
     teacher_tokens_per_s: float = 0.0  # measured, per teacher GPU (a replica's tokens/s / teacher_tp); 0 = cost model
     student_tokens_per_s: float = 0.0  # measured, per student GPU; 0 = cost model
     # distillation.cross_tokenizer: the teacher's tokens per student token on your data (its forward's work per
-    # student token scales by it), as `python -m apps.bench.alignment_cost` prints it for the pair
-    teacher_tokens_per_student_token: float = 1.0
-    # distillation.teachers (several teachers, apps/plan/teachers.py): per teacher, in order; [] = the defaults
-    teacher_configs: list[str] = field(default_factory=list)  # config.json files; [] = <teachers[i].path>/config.json
-    teachers_tokens_per_student_token: list[float] = field(default_factory=list)  # [] = 1 each
-    teachers_tokens_per_s: list[float] = field(default_factory=list)  # measured per teacher GPU; [] = cost model
+    # student token scales by it), as `python -m apps.bench.alignment_cost` prints it for the pair; 0 = measured by
+    # the planner where both tokenizers are on this machine (else it asks for it); 1 without cross_tokenizer
+    teacher_tokens_per_student_token: float = 0.0
+    # several teachers (distillation.teachers, apps/plan/teachers.py): each one's config.json, in order;
+    # [] = <teachers[i].path>/config.json
+    teacher_configs: list[str] = field(default_factory=list)
+    # each teacher's tokens per student token (as teacher_tokens_per_student_token), in order; [] = 1 each
+    teachers_tokens_per_student_token: list[float] = field(default_factory=list)
+    # each teacher's tokens/s per teacher GPU, measured, in order; [] = the cost model
+    teachers_tokens_per_s: list[float] = field(default_factory=list)
     gpu_tflops: float = 989.0  # dense bf16 peak of one GPU (H100 SXM), for the cost model
     mfu: float = 0.4  # the share of that peak the teacher and the students reach, for the cost model
     planned_runs: int = 1  # training runs that could share one teacher cache
     tokens_per_run: int = 0  # student tokens of a run; 0 = steps x grad_acc_steps x batch_size x seq_len x students
     unique_tokens: float = 0.0  # unique training tokens there are (the data wall); 0 = every token fresh
-    # a kd_study results.json (your pilot's); None = this repository's: docs/kd_study/results.json for fresh data,
+    # a kd_study results.json (your pilot's); null = this repository's: docs/kd_study/results.json for fresh data,
     # docs/kd_study/wall/results.json with unique_tokens
     kd_measurement: Optional[str] = None
     repeat_decay: float = 15.4  # R_D* of the effective-data law for repeated tokens (Muennighoff et al. 2023's fit)
@@ -68,9 +73,10 @@ class PlanArgs(TrainArgs):
                     "use measured tokens/s per GPU, or 0 for the cost model (gpu_tflops x mfu)")
         self.validate_teachers()
         ratio = self.teacher_tokens_per_student_token
-        require(math.isfinite(ratio) and ratio > 0, "teacher_tokens_per_student_token", ratio,
-                "use the measured ratio (python -m apps.bench.alignment_cost prints it), e.g. 1.1")
-        require(ratio == 1 or self.distillation.cross_tokenizer, "teacher_tokens_per_student_token", ratio,
+        require(math.isfinite(ratio) and ratio >= 0, "teacher_tokens_per_student_token", ratio,
+                "use the measured ratio (python -m apps.bench.alignment_cost prints it), e.g. 1.1, or 0 to let the "
+                "planner measure it")
+        require(ratio in (0, 1) or self.distillation.cross_tokenizer, "teacher_tokens_per_student_token", ratio,
                 "a student on the teacher's tokenizer has one teacher token per student token; leave it at 1, or "
                 "set distillation.cross_tokenizer=true")
         require(self.planned_runs >= 1, "planned_runs", self.planned_runs, "use 1 or more runs")
@@ -87,7 +93,10 @@ class PlanArgs(TrainArgs):
         for key in ("batch_size", "seq_len"):
             value = getattr(self.data, key)
             require(value >= 1, f"data.{key}", value, "use a positive number")
+        fill_training_defaults(self)  # as the trainer reads the config: model.max_seqlen=-1 -> data.seq_len
         self.model.validate()
+        require(self.model.max_seqlen >= self.data.seq_len, "model.max_seqlen", self.model.max_seqlen,
+                f"the model must fit data.seq_len={self.data.seq_len}; set model.max_seqlen >= {self.data.seq_len}")
         self.distributed.validate()
         self.distillation.validate(enabled=False)  # its values; the planner picks the teacher ranks itself
 
@@ -110,7 +119,7 @@ class PlanArgs(TrainArgs):
                                  ("teacher_tokens_per_s", "teachers_tokens_per_s")):
             require(not getattr(self, key), key, getattr(self, key),
                     f"with distillation.teachers give one value per teacher in {per_teacher}")
-        require(self.teacher_tokens_per_student_token == 1, "teacher_tokens_per_student_token",
+        require(self.teacher_tokens_per_student_token in (0, 1), "teacher_tokens_per_student_token",
                 self.teacher_tokens_per_student_token,
                 "with distillation.teachers give one ratio per teacher in teachers_tokens_per_student_token")
         for i, (ratio, teacher) in enumerate(zip(self.teachers_tokens_per_student_token, teachers)):

@@ -27,12 +27,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     config_path = next((item.split("=", 1)[1] for item in argv if item.startswith("config=")), None)
     if args.distillation.teachers:  # several teachers: each at its configured ranks, online only
         plan = plan_teachers(args, config_path, training_overrides(argv))
-        lines = format_teachers_plan(plan) if args.show == "all" else \
-            ["no verdict: the KD studies measured one teacher; show=all prints the several teachers' plan"]
+        lines = format_teachers_plan(plan) if args.show == "all" else [
+            f"answer: {plan['recommendation']}", "no verdict: the KD studies measured one teacher"]
     else:
         plan = Planner(args, config_path, training_overrides(argv)).plan()
-        lines = format_plan(plan) if args.show == "all" else verdict_lines(plan["verdict"]) if "verdict" in plan \
-            else [f"no verdict: {plan['recommendation']}"]
+        lines = format_plan(plan) if args.show == "all" else [f"answer: {plan['recommendation']}"] + (
+            verdict_lines(plan["verdict"]) if "verdict" in plan else [])
     print("\n".join(lines))
     if args.out:
         write_plan(plan, Path(args.out))

@@ -91,32 +91,55 @@ def pilot_steps(steps: int) -> int:
     return max(min(steps, 100), steps // 20)
 
 
-def launcher(inputs: dict) -> str:
-    """torchrun over the plan's GPUs (whole nodes)."""
-    nodes = inputs["world_size"] // inputs["gpus_per_node"]
+def launcher(inputs: dict, world_size: int = 0) -> str:
+    """torchrun over the plan's GPUs (whole nodes), or over `world_size` of them."""
+    nodes = (world_size or inputs["world_size"]) // inputs["gpus_per_node"]
     return f"torchrun {f'--nnodes {nodes} ' if nodes > 1 else ''}--nproc-per-node {inputs['gpus_per_node']}"
 
 
-def training_command(inputs: dict, module: str) -> str:
-    """`torchrun ... -m <module> config=<the plan's config> <the training overrides planned with>`."""
-    given = "".join(f" {shlex.quote(item)}" for item in inputs.get("overrides", []))
-    return f"{launcher(inputs)} -m {module} config={inputs['config'] or '<config>'}{given}"
+def training_command(inputs: dict, module: str, teacher: bool = False, world_size: int = 0) -> str:
+    """`torchrun ... -m <module> config=<the plan's config> <the training overrides planned with>`, with the keys
+    the plan adds (apps/plan/tokenizers.py: the students' tokenizer; with `teacher`, the teacher's path), each
+    quoted for the shell (a placeholder's <> would be a redirection)."""
+    keys = inputs.get("overrides", []) + inputs.get("tokenizer_keys", []) + \
+        (inputs.get("teacher_keys", []) if teacher else [])
+    config = shlex.quote(f"config={inputs['config'] or '<config>'}")
+    return f"{launcher(inputs, world_size)} -m {module} {config}" + "".join(f" {shlex.quote(key)}" for key in keys)
+
+
+def pilot_ce_batch(inputs: dict, online: dict) -> int:
+    """The CE-only pilot's data.batch_size for the KD pilot's global batch on every GPU (data.batch_size is per
+    student rank: S students x B = W ranks x B'); 0 where S x B does not split over the W ranks evenly."""
+    rows = inputs["batch_size"] * online.get("students", 1)
+    return rows // inputs["world_size"] if rows % inputs["world_size"] == 0 else 0
 
 
 def pilot_commands(inputs: dict, online: dict, dump_dir: str, steps: int) -> list[str]:
-    """The two runs that measure the multiplier at the plan's sizes and settings: CE-only on every GPU to at least
-    twice the KD run's tokens (its curve is what KD's final held-out CE is read against), and KD with the
-    planned layout (`online`: its overrides and student count); then `apps.plan.pilot`, which reads both and
-    writes the results.json for kd_measurement= (pilot_results_path)."""
-    base = training_command(inputs, "apps.main.train")
-    kd_steps = pilot_steps(steps)
-    ce_steps = math.ceil(2 * kd_steps * online.get("students", 1) / inputs["world_size"])
-    return [f"{base} enable_distillation=false steps={ce_steps} heldout.every={max(1, ce_steps // 20)} "
-            f"dump_dir={dump_dir}_pilot_ce",
-            f"{base} {online.get('overrides', 'enable_distillation=true')} steps={kd_steps} "
+    """The two runs that measure the multiplier at the plan's sizes and settings: CE-only on every GPU to twice the
+    KD run's tokens at the KD run's global batch where it splits evenly (pilot_ce_batch; else at the config's
+    data.batch_size, whose larger global batch the plan states), its curve what KD's final held-out CE is read
+    against, and KD with the planned layout (`online`: its overrides and student count); then `apps.plan.pilot`,
+    which reads both and writes the results.json for kd_measurement= (pilot_results_path)."""
+    kd_steps, ce_batch = pilot_steps(steps), pilot_ce_batch(inputs, online)
+    ce_steps = 2 * kd_steps if ce_batch else math.ceil(2 * kd_steps * online.get("students", 1) / inputs["world_size"])
+    teacher = f" teacher_config={shlex.quote(inputs['teacher_config'])}" if inputs.get("teacher_config") else ""
+    return [f"{training_command(inputs, 'apps.main.train')} enable_distillation=false"
+            + (f" data.batch_size={ce_batch}" if ce_batch else "")
+            + f" steps={ce_steps} heldout.every={max(1, ce_steps // 20)} dump_dir={dump_dir}_pilot_ce",
+            f"{training_command(inputs, 'apps.main.train', teacher=True)} "
+            f"{online.get('overrides', 'enable_distillation=true')} steps={kd_steps} "
             f"heldout.every={kd_steps} dump_dir={dump_dir}_pilot_kd",
-            f"python -m apps.plan.pilot ce={dump_dir}_pilot_ce kd={dump_dir}_pilot_kd "
+            f"python -m apps.plan.pilot ce={dump_dir}_pilot_ce kd={dump_dir}_pilot_kd{teacher} "
             f"out={pilot_results_path(dump_dir)}"]
+
+
+def pilot_gpu_hours(inputs: dict, online: dict, steps: int, student_tokens_per_s: float) -> float:
+    """GPU-hours of the two pilot runs on the plan's GPUs: CE-only's tokens (twice the KD run's) at a student GPU's
+    speed on every GPU, and the KD run's at the planned layout's student throughput (its waits included)."""
+    kd_tokens = pilot_tokens(inputs, online, steps)
+    ce_hours = 2 * kd_tokens / student_tokens_per_s / 3600
+    kd_hours = kd_tokens / max(online.get("student_tokens_per_s", 1), 1) * inputs["world_size"] / 3600
+    return ce_hours + kd_hours
 
 
 def pilot_results_path(dump_dir: str) -> str:

@@ -39,7 +39,9 @@ from lingua.run.dump_dir import RunDir, eval_rows, read_jsonl, train_rows
 
 # Keys the two pilots may set differently: the planner's pilot commands set them (the teacher, the layout, the
 # length, how often to evaluate, where to write); every other key must be the same for the curves to compare.
+# data.batch_size: the CE-only pilot takes the KD pilot's global batch on every GPU (per rank: fewer rows).
 MAY_DIFFER = ("name", "dump_dir", "steps", "enable_distillation", "distillation", "distributed", "heldout.every",
+              "data.batch_size",
               "checkpoint", "logging", "profiling", "eval", "async_eval_gpus", "probe_freq", "exit_after_steps",
               "preemption_grace_s", "inject_failure")
 MAY_DIFFER_PREFIXES = tuple(f"{key}." for key in MAY_DIFFER)

@@ -9,8 +9,10 @@ from apps.main.transformer import num_parameters
 from apps.plan.args import DTYPE_BYTES, GIB, MAX_WAIT_SHARE, PLAN_VERSION, USABLE_MEMORY, PlanArgs
 from apps.plan.memory import TeacherMemory, teacher_dtype, teacher_memory
 from apps.plan.sizes import read_teacher_shape, significant, student_flops_per_token, teacher_config_path
-from apps.plan.evidence import SETTINGS, pilot_commands, pilot_tokens
+from apps.plan.evidence import SETTINGS, pilot_ce_batch, pilot_commands, pilot_gpu_hours, pilot_tokens
+from apps.plan.tokenizers import command_keys, resolve_ratio
 from apps.plan.verdict import distill_verdict, read_measurement
+from apps.plan.printing import hours
 from apps.plan.timing import (Layout, Speeds, Timing, candidate_layouts, max_students_per_replica,
                               tensor_parallel_sizes)
 from lingua.args import to_dict
@@ -29,13 +31,17 @@ class Planner:
 
     def __init__(self, args: PlanArgs, config_path: Optional[str] = None, overrides: tuple[str, ...] = ()):
         self.args, self.config_path, self.overrides = args, config_path, list(overrides)  # the training keys given
-        self.shape = read_teacher_shape(teacher_config_path(args))
+        teacher_config = teacher_config_path(args)
+        self.shape = read_teacher_shape(teacher_config)
+        # Cross-tokenizer: the teacher's tokens per student token, given, or measured here (else one sentence).
+        args.teacher_tokens_per_student_token, self.ratio_source = resolve_ratio(args, teacher_config)
         # Cross-tokenizer: the teacher's rows have their own length, cut at its max positions (as the trainer says).
         check_seq_len_fits_teacher(args.data.seq_len, 0 if args.distillation.cross_tokenizer else
                                    self.shape.max_positions or 0, f"max_position_embeddings in {self.shape.path}")
         if args.model.vocab_size == -1:  # the student speaks the teacher's tokenizer
             args.model = dataclasses.replace(args.model, vocab_size=self.shape.vocab)
         self.student_params = num_parameters(args.model)
+        self.command_keys = command_keys(args, teacher_config)  # the teacher's path and the students' tokenizer
         kd = args.distillation
         self.bytes_up = 4 + (4 if args.model.attn_mask == "doc_causal" else 0)  # int32 tokens (+ document ids)
         self.bytes_down = TeacherOutputs.bytes_per_token(kd.output, kd.k, args.model.vocab_size,
@@ -61,7 +67,7 @@ class Planner:
             words.append(f"{' and '.join(modelled)} from the cost model "
                          f"({args.gpu_tflops:g} TFLOP/s x MFU {args.mfu:g})")
         if ratio != 1:
-            words.append(f"the teacher at {ratio:g} of its tokens per student token")
+            words.append(f"the teacher at {ratio:g} of its tokens per student token ({self.ratio_source})")
         return Speeds(student, teacher, "; ".join(words))
 
     def memory(self, tp: int, students_per_bridge: int) -> TeacherMemory:
@@ -254,6 +260,8 @@ class Planner:
                        "mfu": args.mfu, "planned_runs": args.planned_runs, "teacher_dtype": teacher_dtype(args),
                        "batch_size": args.data.batch_size, "seq_len": args.data.seq_len, "steps": args.steps,
                        "grad_acc_steps": args.grad_acc_steps, "prefetch": self.prefetch,
+                       "teacher_keys": self.command_keys["teacher"], "tokenizer_keys": self.command_keys["tokenizer"],
+                       "notes": self.command_keys["notes"],
                        "distillation": {key: distillation[key] for key in
                                         ("output", "k", "wire_dtype", "logits_chunk_rows", "attn_implementation")}},
             "teacher": {"parameters": shape.parameters(), "model_type": shape.model_type, "layers": shape.layers,
@@ -301,33 +309,57 @@ class Planner:
                                   pilot_tokens(facts["inputs"], facts["online"], args.steps))
         if verdict["unmeasured"]:
             verdict["pilot"] = pilot_commands(facts["inputs"], facts["online"], args.dump_dir, args.steps)
+            verdict["pilot_gpu_hours"] = significant(pilot_gpu_hours(facts["inputs"], facts["online"], args.steps,
+                                                                     self.speeds.student))
+            verdict["pilot_equal_global_batch"] = bool(pilot_ce_batch(facts["inputs"], facts["online"]))
         return verdict
 
-    def recommend(self, result: dict, waiting: str) -> str:
-        """One recommendation from the road, the layout and the verdict: the road the verdict says pays; where none
-        pays, CE-only and why the cheaper road is not worth its teacher; where the plan is not measured, the pilot
-        first and what it must measure for the cheaper road to pay."""
-        args, online, cache, verdict = self.args, result["online"], result["cache"], result["verdict"]
-        close = cache["cheaper"] == "online" and cache["cache_gpu_hours"] < cache["online_gpu_hours"]
-        details = {
-            "cache": f"from the offline cache ({cache['cache_gpu_hours']:,.0f} GPU-hours for {args.planned_runs} "
-                     f"run(s) against {cache['online_gpu_hours']:,.0f} online"
-                     + (f", where {waiting}" if waiting else "") + "; write it with the command above)",
-            "online": f"online ({online['overrides']}" + (f"; {waiting}" if waiting else "")
-                      + (f"; the cache would cost within {MAX_WAIT_SHARE:.0%} of its GPU-hours" if close else "") + ")",
-        }
+    def road_words(self, result: dict, road: str, waiting: str) -> str:
+        """A road in a phrase: its layout and its GPU-hours (the other road's for comparison)."""
+        online, cache, world = result["online"], result["cache"], self.args.world_size
+        if road == "cache":
+            writer = cache["writer"]
+            by = f" with teacher_tp={writer['teacher_tp']}" if writer else ""
+            return (f"from a cache (written once{by}: "
+                    f"{hours(cache['teacher_pass_gpu_hours'])} GPU-hours; then {hours(cache['cache_run_gpu_hours'])} "
+                    f"a run on {world} GPUs; online {hours(cache['online_run_gpu_hours'])} a run)")
+        return (f"online with teacher_tp={online['teacher_tp']} x {online['replicas']} replica(s) beside "
+                f"{online['students']} students ({hours(cache['online_run_gpu_hours'])} GPU-hours a run"
+                + (f", {waiting}" if waiting else "") + f"; from a cache {hours(cache['cache_gpu_hours'])})")
+
+    def answer(self, result: dict, waiting: str) -> str:
+        """The plan in one sentence, its first line: distill or not, on which road and layout, the break-even, the
+        GPU-hours, and where the plan is not measured, the pilot first and its GPU-hours. The lines below it are
+        its evidence; none of them recommends anything else."""
+        cache, verdict = result["cache"], result["verdict"]
         needed, worth, cheaper = verdict["needed_on_road"], verdict["worth"], cache["cheaper"]
+        even = f"break-even {needed:.3g}x the CE tokens"
         if not verdict["measured_here"]:
-            return (f"pilot first, your plan is not measured here: distill {details[cheaper]} only if the pilot "
-                    f"measures KD worth more than {needed:.3g}x the CE tokens (the nearest measurement: {worth:.3g}x)")
+            if verdict["pays_on"] == cheaper:
+                nearest = f"distill unless the pilot measures {needed:.3g}x or less"
+            else:
+                nearest = f"do not distill unless the pilot measures more than {needed:.3g}x"
+            return (f"pilot first ({hours(verdict['pilot_gpu_hours'])} GPU-hours, commands below): {even}, the "
+                    f"nearest measurement {worth:.3g}x, so {nearest}; to distill: "
+                    f"{self.road_words(result, cheaper, waiting)}")
         if verdict["pays_on"] == cheaper:
-            return f"distill {details[cheaper]}"
+            return f"distill {self.road_words(result, cheaper, waiting)}: {even}, measured {worth:.3g}x"
         if verdict["pays_on"] == "cache":  # online is cheaper in GPU-hours, but its teacher is not paid back
-            return (f"distill {details['cache']}: online costs fewer GPU-hours, but its teacher ({needed:.3g}x the "
-                    f"CE tokens) is more than KD's measured {worth:.3g}x")
-        road = "the offline cache" if cheaper == "cache" else "online distillation"
-        return (f"train CE-only, without the teacher: {road}, the cheaper road, needs KD worth {needed:.3g}x the CE "
-                f"tokens and the measurement gives {worth:.3g}x")
+            return (f"distill {self.road_words(result, 'cache', waiting)}: online costs fewer GPU-hours but does "
+                    f"not pay back its teacher ({even} online, measured {worth:.3g}x)")
+        shared = f"; a cache shared by {verdict['min_cache_runs']} runs would pay" if verdict["min_cache_runs"] else ""
+        return (f"do not distill: train CE-only on all {self.args.world_size} GPUs "
+                f"({hours(cache['cache_run_gpu_hours'])} GPU-hours a run); {even} "
+                f"{'from a cache' if cheaper == 'cache' else 'online'} (the cheaper road), measured {worth:.3g}x"
+                f"{shared}")
+
+    def global_batch(self, online: dict) -> dict:
+        """Tokens a step distilling (the students only: data.batch_size is per student rank) and CE-only on every
+        GPU at the same data.batch_size."""
+        args = self.args
+        per_rank = args.grad_acc_steps * args.data.batch_size * args.data.seq_len
+        return {"students": online["students"], "per_student_rank": per_rank,
+                "distilling": online["students"] * per_rank, "ce_only": args.world_size * per_rank}
 
     def plan(self) -> dict:
         """The plan: the facts, the online layout (or why there is none), a smaller world size that keeps up when
@@ -353,7 +385,8 @@ class Planner:
         tokens = args.tokens_per_run or (args.steps * args.grad_acc_steps * args.data.batch_size * args.data.seq_len
                                          * online["students"])
         cache = result["cache"] = self.cache_road(online, tokens)
+        result["global_batch"] = self.global_batch(online)
         result["verdict"] = self.verdict(tokens, cache["cheaper"], result)
-        waiting = "" if reason is None else f"students would wait {online['wait_share']:.0%} of each step"
-        result["recommendation"] = self.recommend(result, waiting)
+        waiting = "" if reason is None else f"students waiting {online['wait_share']:.0%} of each step"
+        result["recommendation"] = self.answer(result, waiting)
         return result

@@ -1,11 +1,14 @@
 """The plan as the lines the planner prints, and the JSON file it writes (only over a plan of its own)."""
 
 import json
+import shlex
 from pathlib import Path
 
 from apps.plan.args import MAX_WAIT_SHARE, PLAN_VERSION
 from apps.plan.evidence import SETTINGS, training_command
 from lingua.errors import ConfigError
+
+CACHE_PLACEHOLDER = "cache_dir=<cache dir>"  # where to write it: the user's choice (validation names it)
 
 
 def count(value: float) -> str:
@@ -37,8 +40,13 @@ def summary_line(layout: dict) -> str:
             f"{layout['teacher_busy']:.0%}")
 
 
-def layout_lines(online: dict) -> list[str]:
-    """The online layout: its summary, memory, bridges, the overrides that launch it and its launch plan."""
+def launch_command(inputs: dict, layout: dict) -> str:
+    """The command that launches `layout` (the trainer with the plan's config, its keys and the layout's)."""
+    return f"{training_command(inputs, 'apps.main.train', True, layout['world_size'])} {layout['overrides']}"
+
+
+def layout_lines(online: dict, inputs: dict) -> list[str]:
+    """The online layout: its summary, memory, bridges, the command that launches it and its launch plan."""
     memory = online["memory_gib"]
     bridge = online["bridge"]
     return [
@@ -49,7 +57,7 @@ def layout_lines(online: dict) -> list[str]:
         f"  bridge: {bridge['bytes_up_per_token']} B/token up, {bridge['bytes_down_per_token']} down, "
         f"{size(bridge['bytes_per_s'])}/s per bridge; bridges inside nodes: "
         f"{'yes' if online['bridges_inside_nodes'] else 'no'}",
-        f"  overrides: {online['overrides']}",
+        f"  launch: {launch_command(inputs, online)}",
         *(f"  | {line}" for line in online["launch_plan"]),
     ]
 
@@ -59,6 +67,7 @@ def format_plan(plan: dict) -> list[str]:
     inputs, teacher, student, speed = plan["inputs"], plan["teacher"], plan["student"], plan["speed"]
     memory = plan["memory"]
     lines = [
+        f"answer: {plan['recommendation']}",
         f"plan: {inputs['config'] or 'the config'} on {inputs['world_size']} GPUs "
         f"({inputs['world_size'] // inputs['gpus_per_node']} node(s) x {inputs['gpus_per_node']}, "
         f"{inputs['gpu_mem_gib']:g} GiB each)",
@@ -76,20 +85,22 @@ def format_plan(plan: dict) -> list[str]:
             f"{memory['usable_gib']:.1f}", inputs["gpu_mem_gib"],
             ", ".join(f"TP{t} {m['total']:.1f} GiB" for t, m in memory["one_student_request"].items())),
         f"  smallest teacher_tp that fits: {memory['min_teacher_tp'] if memory['min_teacher_tp'] else 'none'}",
+        *inputs.get("notes", []),
     ]
     online = plan["online"]
     if "teacher_tp" not in online:
-        return lines + [f"online: {online['reason']}", f"recommendation: {plan['recommendation']}"]
+        return lines + [f"online: {online['reason']}"]
+    lines.append(global_batch_line(plan))
     if online["keeps_up"]:
         lines.append(f"online: keeps the students' wait under {MAX_WAIT_SHARE:.0%} of a step")
     else:
         lines += [f"online: no layout keeps the wait under {MAX_WAIT_SHARE:.0%}: {online['reason']}",
                   "  the most student throughput:"]
-    lines += layout_lines(online)
+    lines += layout_lines(online, inputs)
     if plan.get("smaller_world_that_keeps_up"):
         smaller = plan["smaller_world_that_keeps_up"]
         lines += [f"  world_size={smaller['world_size']} would keep up:", summary_line(smaller),
-                  f"  overrides: {smaller['overrides']}"]
+                  f"  launch: {launch_command(inputs, smaller)}"]
     elif not online["keeps_up"]:
         lines.append("  no smaller world size keeps up either")
     cache = plan["cache"]
@@ -109,8 +120,23 @@ def format_plan(plan: dict) -> list[str]:
     ]
     if cache["writer"]:
         lines += writer_lines(cache["writer"], inputs, cache["cached_tokens"])
-    lines.append(f"recommendation: {plan['recommendation']}")
     return lines + verdict_lines(plan["verdict"])
+
+
+def global_batch_line(plan: dict) -> str:
+    """Tokens a step distilling and CE-only (data.batch_size is per student rank), and whether the pilot's KD and
+    CE-only runs compare at equal global batches."""
+    batch, inputs = plan["global_batch"], plan["inputs"]
+    acc = f" x {inputs['grad_acc_steps']} micro-batches" if inputs["grad_acc_steps"] > 1 else ""
+    verdict = plan.get("verdict", {})
+    pilot = ""
+    if verdict.get("pilot"):
+        pilot = ("; the pilot's CE-only run takes the same global batch (a smaller data.batch_size)"
+                 if verdict.get("pilot_equal_global_batch") else
+                 "; the pilot's CE-only run keeps data.batch_size, so its global batch is larger (compared per token)")
+    return (f"global batch: {batch['students']} students x {inputs['batch_size']} x {inputs['seq_len']}{acc} = "
+            f"{batch['distilling']:,} tokens a step distilling (data.batch_size is per student rank); CE-only on "
+            f"all {inputs['world_size']} GPUs at this data.batch_size: {batch['ce_only']:,}{pilot}")
 
 
 def writer_lines(writer: dict, inputs: dict, planned: int) -> list[str]:
@@ -122,7 +148,8 @@ def writer_lines(writer: dict, inputs: dict, planned: int) -> list[str]:
     return [f"  write it on the {inputs['world_size']} GPUs ({writer['streams']} streams x "
             f"{writer['sequences_per_stream']:,} windows of {inputs['seq_len']:,} tokens = {writer['tokens']:,} "
             f"tokens{exact}{steps}):",
-            f"    {training_command(inputs, 'apps.main.teacher_cache')} cache_dir=<dir> {writer['overrides']}"]
+            f"    {training_command(inputs, 'apps.main.teacher_cache', teacher=True)} {shlex.quote(CACHE_PLACEHOLDER)} "
+            f"{writer['overrides']}"]
 
 
 def nearest_words(measured: dict) -> str:
@@ -181,7 +208,8 @@ def verdict_lines(verdict: dict) -> list[str]:
     if verdict["unmeasured"]:
         lines.append(f"  not measured here: {unmeasured_words(verdict)}; the multiplier may not transfer")
         pilot = verdict.get("pilot", [])
-        lines += ["  the pilot that measures it (CE-only to twice the KD run's tokens, then KD with the planned "
+        cost = f"{hours(verdict['pilot_gpu_hours'])} GPU-hours: " if "pilot_gpu_hours" in verdict else ""
+        lines += [f"  the pilot that measures it ({cost}CE-only to twice the KD run's tokens, then KD with the planned "
                   "layout, then the multiplier: CE-only's tokens when its held-out CE first reaches the KD run's "
                   "final, over the KD run's tokens):",
                   *(f"    {command}" for command in pilot)]
@@ -191,7 +219,7 @@ def verdict_lines(verdict: dict) -> list[str]:
         lines.append("  warning: the multiplier was measured on fresh data; behind a data wall this assumes the "
                      "teacher is worth the same share of effective data, which is what apps.studies.kd --wall "
                      "measures: run it (or a pilot of it) and pass kd_measurement=<its results.json>")
-    return lines + [f"  verdict: {verdict['verdict']}"]
+    return lines
 
 
 def is_plan_file(path: Path) -> bool:

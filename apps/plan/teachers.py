@@ -119,7 +119,8 @@ def milliseconds(seconds: float) -> str:
 def format_teachers_plan(plan: dict) -> list[str]:
     """The printed plan of several teachers, one block per teacher, each named."""
     inputs, online = plan["inputs"], plan["online"]
-    lines = [f"several teachers: {len(plan['teachers'])} on {inputs['world_size'] - online['students']} ranks, "
+    lines = [f"answer: {plan['recommendation']}",
+             f"several teachers: {len(plan['teachers'])} on {inputs['world_size'] - online['students']} ranks, "
              f"{online['students']} students; every teacher receives every micro-batch, the students wait for the "
              f"slowest"]
     for row in plan["teachers"]:
@@ -141,5 +142,5 @@ def format_teachers_plan(plan: dict) -> list[str]:
     else:
         lines += ["launch plan:"] + [f"  {line}" for line in online["launch_plan"]]
     lines += ["no cache road and no verdict: these teachers run on their own ranks, and the KD studies measured one "
-              "teacher", f"recommendation: {plan['recommendation']}"]
+              "teacher"]
     return lines

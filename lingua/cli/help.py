@@ -2,8 +2,10 @@
 
     python -m apps.plan --help        (or -h; the same for train, eval, teacher_cache, stool, export_hf, ...)
 
-The line is the field's own comment in the source (on its line, else the comment lines just above it), else
-the docstring of its dataclass; nested dataclasses are listed under their dotted keys (`optim.lr`). Nothing
+The line is the field's own comment in the source (on its line, else the comment lines just above it): what the
+key does and its unit (tests/unit/lingua/cli/test_help.py checks that every key of every entry point has one). A
+tool whose args extend another's (apps.plan's PlanArgs extends the trainer's TrainArgs) lists its own keys first.
+Nested dataclasses are listed under their dotted keys (`optim.lr`). Nothing
 here imports torch or starts a process group: `parse_args` answers a help request before anything else runs.
 """
 
@@ -119,11 +121,19 @@ def help_text(cls: type, usage: str = "") -> str:
                       f"config file's values, then the command line's, override these defaults)"]
     if own_doc:
         lines += ["", own_doc.split("\n\n")[0]]
-    lines += ["", "keys (default, then what it does):"]
-    for key, shown, text in rows:
-        left = f"  {key}={shown}"
-        lines.append(f"{left:<{width + 4}}  {text}".rstrip() if len(left) <= width + 2 else
-                     f"{left}\n{'':<{width + 4}}  {text}".rstrip())
+    base = next((k for k in cls.__mro__[1:] if dataclasses.is_dataclass(k)), None)
+    inherited = {f.name for f in dataclasses.fields(base)} if base is not None else set()
+    own = [row for row in rows if row[0].split(".", 1)[0] not in inherited]
+    sections = [("keys (default, then what it does):", rows)] if base is None else [
+        (f"{cls.__name__}'s own keys, first (default, then what it does):", own),
+        (f"the keys it shares with {base.__name__} (its config's sections, as there):",
+         [row for row in rows if row not in own])]
+    for title, section in sections:
+        lines += ["", title]
+        for key, shown, text in section:
+            left = f"  {key}={shown}"
+            lines.append(f"{left:<{width + 4}}  {text}".rstrip() if len(left) <= width + 2 else
+                         f"{left}\n{'':<{width + 4}}  {text}".rstrip())
     return "\n".join(lines) + "\n"
 
 

@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 import torch
 
-from lingua.args import require
+from lingua.args import require, require_filled
 from lingua.distillation.loss.divergences import DIVERGENCES
 from lingua.distillation.loss.fused import WEIGHT_GRADS
 from lingua.distillation.outputs import FORMATS
@@ -63,18 +63,19 @@ class TeacherArgs:
 @dataclass
 class DistillationArgs:
     teacher_path: Optional[str] = None  # local directory (or hub id when online) of a transformers causal LM
-    n_teacher_ranks: int = 1
+    n_teacher_ranks: int = 1  # ranks that run the teacher (the last ones by default); the rest are students
     # Ranks per teacher replica: the teacher sharded tensor-parallel over them (on one node); n_teacher_ranks is a
     # multiple of it, and its attention and KV head counts divide by it.
     teacher_tp: int = 1
     output: str = "topk"  # "topk" | "sampled" | "full"
     k: int = 64  # top-k ids, or samples per position for "sampled"
-    temperature: float = 1.0
+    temperature: float = 1.0  # softmax temperature T of teacher and student in the KD term (1 = as they are)
     alpha: float = 0.5  # loss = (1 - alpha) * CE + alpha * T^2 * KD
     alpha_schedule: str = "constant"  # "constant" | "lr" (alpha follows the lr schedule's factor)
     divergence: str = "fkl"  # "fkl" | "rkl" | "jsd"
-    jsd_beta: float = 0.5
+    jsd_beta: float = 0.5  # divergence=jsd: the mixture's weight on the teacher (0.5 = symmetric)
     teacher_dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU) | "bf16" | "fp32" | "fp16"
+    # The teacher's attention in transformers (sdpa, eager, flash_attention_2, ...); null = the model's default.
     attn_implementation: Optional[str] = "sdpa"
     wire_dtype: str = "bf16"  # dtype of the values sent to students: "bf16" | "fp16" | "fp32"
     # The student's CE + KD computed fused with its output head (lingua/distillation/loss/fused.py: no [tokens, vocab]
@@ -96,7 +97,7 @@ class DistillationArgs:
     # Where the teacher's outputs come from: "online" (teacher ranks, the bridge) or "cache" (an offline cache
     # written by apps.main.teacher_cache into cache_dir; every rank is a student, the cache is the dataset).
     source: str = "online"
-    cache_dir: Optional[str] = None
+    cache_dir: Optional[str] = None  # with source=cache: the folder apps.main.teacher_cache wrote
     # Teacher requests submitted ahead of the micro-batch being computed (0 = each right before its own
     # forward), across step boundaries: with 1 the teacher's forward hides behind the student's whole step.
     # "auto": 1 where it can (each rank its own GPU, or the node's cores enough for its ranks), else 0.
@@ -377,11 +378,46 @@ def _check_own_settings(teacher: TeacherArgs, key: str) -> None:
 
 def _check_teacher_dir(path: str, key: str) -> None:
     """A path written as one (absolute, ./, ../, ~) cannot be a hub id: refuse it now, not at the handshake."""
+    require_filled(key, path, "the teacher's transformers checkpoint directory (the one holding its config.json)")
     looks_local = path.startswith(("/", ".", "~"))
     require(not looks_local or Path(path).expanduser().exists(), key, path,
-            "that directory does not exist; point it at a transformers checkpoint directory "
-            "(`python -m setup.prepare_teacher --out DIR` makes SmolLM2-135M-Instruct, `python -m "
-            "setup.make_tiny_teacher --out DIR` a tiny random one)")
+            f"that directory does not exist{close_names(path)}; {teacher_dir_fix(path)}")
+
+
+DEMO_TEACHERS = Path("data") / "teachers"  # where setup.prepare_teacher and setup.make_tiny_teacher write
+
+
+def close_names(path: str) -> str:
+    """", did you mean X or Y (in its folder)?" for the entries of a missing `path`'s folder whose names are close
+    to its own (difflib), ", nor does its folder F" where that is missing too, else ""."""
+    import difflib
+
+    local = Path(path).expanduser()
+    folder = local.parent
+    if not folder.is_dir():
+        return f", nor does its folder {folder}" if str(folder) not in ("", ".") else ""
+    try:
+        names = [entry.name for entry in folder.iterdir()]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(local.name, names, n=3, cutoff=0.6)
+    close += [name for name in names if name.lower() == local.name.lower() and name not in close]  # case only
+    if not close:
+        return ""
+    return f", did you mean {' or '.join(str(folder / name) for name in close[:3])}?"
+
+
+def teacher_dir_fix(path: str, key: str = "it") -> str:
+    """What to do about a teacher directory that is missing or unusable: point at a checkpoint directory, and only
+    for a path under data/teachers/ (where the demo's teachers live) the commands that make one there; anywhere else
+    they would write a toy model where the user's own teacher was meant to be. `key`: the setting to point."""
+    fix = f"point {key} at a transformers checkpoint directory"
+    parts = Path(path).expanduser().parts
+    under_demo = any(parts[i:i + 2] == DEMO_TEACHERS.parts for i in range(len(parts) - 1)) and len(parts) > 2
+    if under_demo:
+        fix += (f", or make one: `python -m setup.prepare_teacher --out {path}` (SmolLM2-135M-Instruct, the demo "
+                f"teacher) or `python -m setup.make_tiny_teacher --out {path}` (the tiny test teacher)")
+    return fix
 
 
 def check_seq_len_fits_teacher(seq_len: int, max_positions: int, where: str) -> None:

@@ -39,10 +39,10 @@ MAX_TIMEOUT_S = 7 * 24 * 3600  # longer is "never" in practice, and huge values 
 class DistributedArgs:
     # Mesh over the training (student) ranks; -1 = infer from the training world size.
     dp_replicate: int = 1
-    dp_shard: int = -1
-    fsdp_type: str = "full_shard"  # "full_shard" | "no_shard"
+    dp_shard: int = -1  # student ranks each FSDP group shards the model over; -1 = all the rest
+    fsdp_type: str = "full_shard"  # "full_shard" (FSDP shards weights, grads, optimizer) | "no_shard" (DDP-like)
     model_dtype: str = "bf16"  # parameter dtype under FSDP mixed precision: "bf16" | "fp32"
-    compile: bool = False
+    compile: bool = False  # torch.compile the student's blocks (a slower first step, faster steps on a GPU)
     activation_checkpointing: str = "none"  # "none" | "full" | "selective"
     # Meta Lingua's names, accepted so its configs run unchanged (folded by `validate`).
     selective_activation_checkpointing: Optional[bool] = None  # Lingua's: true = activation_checkpointing=selective
@@ -51,9 +51,9 @@ class DistributedArgs:
     teacher_placement: str = "last"  # "last" global ranks | "per_node" (last local rank of each node)
     # Two-phase timeouts: generous while loading/compiling, short once the first step went through.
     init_timeout_s: float = 600.0
-    train_timeout_s: float = 300.0
+    train_timeout_s: float = 300.0  # seconds a collective may wait once the first step is done
     debug: str = "false"  # one of DEBUG_MODES (see `debug_mode`); true/false may come as booleans
-    matmul_allow_tf32: bool = True
+    matmul_allow_tf32: bool = True  # fp32 matmuls may use TF32 tensor cores (Ampere and later GPUs)
     # With grad_acc_steps > 1: False keeps FSDP's unsharded gradients across a step's micro-batches and
     # reduce-scatters once, after the last (grad_acc_steps - 1 fewer reduce-scatters per step), at the cost
     # of one unsharded gradient copy of the model per rank in FSDP2's reduce_dtype, fp32 (parallelize.py):

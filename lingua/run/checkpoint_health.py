@@ -154,3 +154,21 @@ def unreadable(ckpt: Path, why: str, intact: Optional[Path]) -> CheckpointUnread
         resume = (f"the newest intact one is {intact}; to resume from it, move the damaged one aside "
                   f"(`mv {ckpt} {ckpt}.damaged`) and relaunch")
     return CheckpointUnreadable(f"checkpoint {ckpt} cannot be read: {why}; {resume}")
+
+
+def other_world_size(ckpt: Path, saved_world: Optional[int], world: int, root: Path, own_path: bool,
+                     resuming: bool) -> str:
+    """Why `ckpt` (of `saved_world` training ranks) cannot resume a run of `world`, and a fix that works: the same
+    rank count, or its weights in a run of its own. A run resumes from its own checkpoint root (`root`) before it
+    reads checkpoint.init_ckpt_path, so that key is only suggested with another dump dir (and checkpoint.path, where
+    the run set one: `own_path`); `resuming`: False for init_ckpt_path with continue_training_from_init."""
+    head = (f"checkpoint {ckpt} was written by {saved_world} training ranks but this run has {world}; the "
+            f"data-loader state is per rank, so ")
+    if not resuming:
+        return head + (f"continue it with {saved_world} training ranks, or take only its weights: drop "
+                       f"checkpoint.continue_training_from_init.")
+    where = ("dump_dir=<a new folder> checkpoint.path=<a new folder>" if own_path else
+             f"dump_dir=<a new folder, e.g. {root.parent}_{world}ranks>")
+    return head + (f"resume with {saved_world} training ranks, or start a new run from its weights in a dump dir of "
+                   f"its own: {where} checkpoint.init_ckpt_path={ckpt} (in this dump dir, init_ckpt_path is not read: "
+                   f"a run resumes from its own checkpoint first).")

@@ -41,6 +41,8 @@ def test_kd_training_resume_gradacc_probe_and_clean_stop(corpus, tiny_teacher, t
     assert any("eval/loss" in r for r in read_metrics(dump))
     # One request per micro-batch (3 steps x 2); the probe at step 2 and the eval did not call the teacher.
     assert "sent STOP to teacher" in first.stdout and "STOP received after 6 requests" in first.stdout
+    # data.batch_size is per student rank: the startup log says what a step trains on (the teacher rank: nothing).
+    assert "global batch: 2 students x 2 x 32 x 2 micro-batches = 256 tokens a step" in first.stdout
     # The benchmark reads only keys the trainer logs; from these rows: bytes = the framed buffers of 2 x 32 tokens.
     ordered = [rows[step] for step in sorted(rows)]
     assert all(key in row for row in ordered for key in bench.METRIC_KEYS + bench.KD_METRIC_KEYS), ordered[-1]
@@ -63,6 +65,7 @@ def test_distillation_off_trains_on_all_three_ranks(corpus, tiny_teacher, tmp_pa
     result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=3, enable_distillation="false"), timeout=150)
     assert_ok(result)
     assert "role=teacher" not in result.stdout and result.stdout.count("role=student") >= 3
+    assert "global batch: 3 students x 2 x 32 = 192 tokens a step (data.batch_size is per student rank)" in result.stdout
     rows = train_rows(dump)
     assert sorted(rows) == [1, 2, 3] and "loss/kd" not in rows[1]
     assert all(key in rows[1] for key in bench.METRIC_KEYS) and "kd/bytes_up" not in rows[1]
@@ -80,7 +83,7 @@ def test_missing_hub_style_teacher_fails_at_the_handshake_on_every_rank(corpus, 
 
 @pytest.mark.timeout(90)
 def test_truncated_teacher_weights_fail_fast_on_every_rank_naming_the_fix(corpus, tiny_teacher, tmp_path):
-    damaged = tmp_path / "damaged-teacher"
+    damaged = tmp_path / "data" / "teachers" / "damaged-teacher"  # under data/teachers/: the demo's commands apply
     shutil.copytree(tiny_teacher, damaged)
     weights = (damaged / "model.safetensors").read_bytes()
     (damaged / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # an interrupted copy

@@ -27,9 +27,9 @@ def test_the_printed_cache_command_writes_the_planned_tokens(corpus, tiny_teache
     assert planned == 3 * 2 * 2 * 32 and plan["online"]["students"] == 1
     assert (writer["streams"], writer["sequences_per_stream"], writer["tokens"]) == (2, 6, planned)
     command = next(line.strip() for line in format_plan(plan) if "-m apps.main.teacher_cache" in line)
-    assert command.startswith("torchrun --nproc-per-node 2 -m apps.main.teacher_cache config=<config> ")
+    assert command.startswith("torchrun --nproc-per-node 2 -m apps.main.teacher_cache 'config=<config>' ")
     cache_dir = tmp_path / "cache"
-    printed = shlex.split(command.split(" config=<config> ", 1)[1].replace("cache_dir=<dir>", f"cache_dir={cache_dir}"))
+    printed = [word.replace("cache_dir=<cache dir>", f"cache_dir={cache_dir}") for word in shlex.split(command)[6:]]
     assert printed[:len(training)] == training  # the training keys the plan was made with, as given
     result = torchrun(2, printed, timeout=120, module="apps.main.teacher_cache")
     assert_ok(result)

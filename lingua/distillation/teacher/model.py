@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lingua.distillation.args import DistillationArgs
+from lingua.distillation.args import DistillationArgs, close_names, teacher_dir_fix
 from lingua.distillation.loss.fused import multiplies_into_fp32
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
 from lingua.distillation.teacher.tensor_parallel import CheckpointTensors, VocabShard, shard_teacher
@@ -35,13 +35,6 @@ CPU_LOGITS_CHUNK_ROWS = 4  # distillation.logits_chunk_rows=0 (auto) on CPU
 # the top-k/logsumexp work), and the share of the memory free after loading the teacher they may use.
 LOGITS_WORK_TENSORS = 4
 LOGITS_FREE_MEMORY_SHARE = 0.25
-
-TEACHER_PREPARE_HINT = (
-    "point distillation.teacher_path at a transformers checkpoint directory, or make one: "
-    "`python -m setup.prepare_teacher --out {path}` (SmolLM2-135M-Instruct, the demo teacher) or "
-    "`python -m setup.make_tiny_teacher --out {path}` (the tiny test teacher)"
-)
-
 
 def safetensors_problem(file: Path) -> Optional[str]:
     """Why `file` is not a complete safetensors file, or None. Cheap: reads the header, not the tensors.
@@ -71,9 +64,9 @@ def check_teacher_dir(path) -> None:
     """Raise MissingPathError (missing files) or DataError (a truncated or corrupt weights file), naming the
     command to run, unless `path` holds a loadable HF teacher checkpoint."""
     path = Path(path)
-    fix = TEACHER_PREPARE_HINT.format(path=path)
+    fix = teacher_dir_fix(str(path), "distillation.teacher_path")
     if not path.is_dir():
-        raise MissingPathError(f"Teacher directory {path} does not exist; {fix}.")
+        raise MissingPathError(f"Teacher directory {path} does not exist{close_names(str(path))}; {fix}.")
     missing = []
     if not (path / "config.json").is_file():
         missing.append("config.json")
@@ -138,11 +131,11 @@ def load_teacher(args: DistillationArgs, device: torch.device, place: bool = Tru
 
     path = args.teacher_path
     local = Path(path).expanduser()
-    hint = TEACHER_PREPARE_HINT.format(path=path)
+    hint = teacher_dir_fix(path, "distillation.teacher_path")
     # "org/name" that is not on disk may be a hub id; anything else must be a local directory.
     hub_like = not path.startswith((".", "/", "~")) and path.count("/") == 1 and not local.exists()
     if not hub_like and not local.is_dir():
-        what = "is a file, not a directory" if local.exists() else "does not exist"
+        what = "is a file, not a directory" if local.exists() else f"does not exist{close_names(path)}"
         raise MissingPathError(f"teacher path '{path}' {what}; {hint}.")
     source = path if hub_like else str(local)
     dtype = teacher_dtype(args, device)
@@ -189,7 +182,7 @@ def load_sharded_teacher(args: DistillationArgs, device: torch.device, group):
             try:
                 shard = shard_teacher(model, group, device, checkpoint)
             except (SafetensorError, OSError) as err:  # a truncated or unreadable file of a sharded checkpoint
-                hint = TEACHER_PREPARE_HINT.format(path=args.teacher_path)
+                hint = teacher_dir_fix(args.teacher_path, "distillation.teacher_path")
                 raise DataError(f"teacher directory '{args.teacher_path}' could not be loaded "
                                 f"({_short_reason(err)}); {hint}.") from err
             logger.info(f"teacher shard {shard.tp_rank + 1}/{shard.tp_size} read from the checkpoint in "

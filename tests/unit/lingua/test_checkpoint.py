@@ -233,12 +233,32 @@ def test_failing_save_keeps_the_previous_checkpoint(tmp_path, train_group, monke
 
 
 @pytest.mark.timeout(60)
-def test_other_train_world_size_is_a_readable_error(tmp_path, train_group):
+def test_other_train_world_size_is_a_readable_error(tmp_path, train_group, caplog):
     model, optimizer, scheduler = make()
-    save(manager(tmp_path, train_group), model, optimizer, scheduler, 1)
-    other = CheckpointManager(CheckpointArgs(), str(tmp_path), train_group, 0, 2)
-    with pytest.raises(ValueError, match=r"written by 1 training ranks but this run has 2"):
+    other = CheckpointManager(CheckpointArgs(), str(tmp_path / "checkpoints"), train_group, 0, 2)
+    save(manager(tmp_path / "checkpoints", train_group), model, optimizer, scheduler, 1)
+    with pytest.raises(ValueError, match=r"written by 1 training ranks but this run has 2") as refused:
         other.load(model, optimizer)
+    # The fix it names works: init_ckpt_path in a dump dir of its own (in this one the run would resume first).
+    sentence = str(refused.value)
+    assert f"dump_dir=<a new folder, e.g. {tmp_path}_2ranks>" in sentence
+    init = sentence.split("checkpoint.init_ckpt_path=")[1].split(" ")[0]
+    assert init == str(tmp_path / "checkpoints" / "0000000001")
+    fresh_model, fresh_opt, _ = make(seed=5)
+    new_run = manager(tmp_path.parent / f"{tmp_path.name}_2ranks" / "checkpoints", train_group, init_ckpt_path=init)
+    assert new_run.load(fresh_model, fresh_opt) is None and new_run.load_init(fresh_model, fresh_opt) is None
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh_model.state_dict().items())
+    # Beside its own checkpoint a run resumes, and says that init_ckpt_path is not read.
+    with caplog.at_level(logging.WARNING):
+        assert new_run.load(fresh_model, fresh_opt) is None  # nothing of its own yet: load_init's turn
+        save(new_run, fresh_model, fresh_opt, scheduler, 1)
+        assert new_run.load(fresh_model, fresh_opt)["step"] == 1
+    assert f"checkpoint.init_ckpt_path={init} is not read: resuming from " in caplog.text
+    # A full resume of another run (continue_training_from_init) is told to take the weights only instead.
+    cont = CheckpointManager(CheckpointArgs(init_ckpt_path=init, continue_training_from_init=True),
+                             str(tmp_path / "elsewhere"), train_group, 0, 2)
+    with pytest.raises(ValueError, match="drop checkpoint.continue_training_from_init"):
+        cont.load_init(model, optimizer)
 
 
 @pytest.mark.timeout(60)

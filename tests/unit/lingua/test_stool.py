@@ -253,6 +253,40 @@ def test_relative_paths_that_exist_become_absolute(tmp_path):
     assert cfg.data.missing == "data/nope" and cfg.tokenizer.name == "bytes"
 
 
+@pytest.mark.parametrize("overrides, key", [
+    (["data.root_dir=data/hf"], "data.root_dir='data/hf'"),
+    (["data.tokenizer.path=tokenizers/cl_toplang_128k.tiktoken"],
+     "data.tokenizer.path='tokenizers/cl_toplang_128k.tiktoken'"),
+    (["distillation.teacher_path=models/llama/Llama-3.1-8B"], "distillation.teacher_path='models/llama/Llama-3.1-8B'"),
+    (["distillation.teachers=[{path: ./teachers/a}]"], "distillation.teachers[0].path='./teachers/a'"),
+])
+def test_a_relative_path_the_job_cannot_reach_is_refused_at_submission(tmp_path, monkeypatch, overrides, key):
+    """Issue 44: `data/hf` from a Lingua config, relative to nothing the job will have, fails before the queue."""
+    monkeypatch.setattr(stool, "submit_sbatch", no_submit)
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path)
+    with pytest.raises(FileNotFoundError) as refused:
+        stool.launch(StoolArgs(config=str(config), dry_run=True, force=True, time=10, ngpus=1, overrides=overrides))
+    assert str(refused.value).startswith(
+        f"{key} is a relative path that exists neither from here ({tmp_path}) nor in the job's code snapshot "
+        f"({tmp_path / 'dump' / 'code'}), which the job runs from; pass it as an absolute path"), str(refused.value)
+    assert not (tmp_path / "dump").exists()  # nothing written
+
+
+def test_what_the_job_can_reach_is_submitted(tmp_path, monkeypatch):
+    """A hub id is no path, a path inside the code snapshot (configs/...) reaches the job, and one that exists from
+    here becomes absolute."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data" / "hf").mkdir(parents=True)
+    config = write_config(tmp_path)
+    cfg = stool.load_train_config(StoolArgs(config=str(config), overrides=[
+        "distillation.teacher_path=HuggingFaceTB/SmolLM2-135M", "data.root_dir=data/hf",
+        "checkpoint.init_ckpt_path=configs/teachers"]), cwd=tmp_path)
+    assert cfg.distillation.teacher_path == "HuggingFaceTB/SmolLM2-135M"
+    assert cfg.data.root_dir == str(tmp_path / "data" / "hf")
+    assert cfg.checkpoint.init_ckpt_path == "configs/teachers"
+
+
 def test_reusing_a_dump_dir_needs_confirmation(tmp_path, monkeypatch):
     monkeypatch.setattr(stool, "submit_sbatch", no_submit)
     config = write_config(tmp_path)

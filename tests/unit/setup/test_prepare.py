@@ -74,8 +74,8 @@ def test_tiny_teacher_is_deterministic_per_seed_and_vocab_can_differ(tmp_path):
 @pytest.mark.timeout(60)
 def test_check_teacher_dir_names_what_is_missing_and_the_command(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"does not exist.*python -m setup\.prepare_teacher"):
-        check_teacher_dir(tmp_path / "nowhere")
-    out = make_tiny_teacher(tmp_path / "tiny")
+        check_teacher_dir(tmp_path / "data" / "teachers" / "nowhere")  # the demo's folder: its commands apply
+    out = make_tiny_teacher(tmp_path / "data" / "teachers" / "tiny")
     (out / "config.json").unlink()
     (out / "tokenizer.json").unlink()
     expected = r"missing config\.json, tokenizer\.json.*python -m setup\.prepare_teacher"
@@ -85,7 +85,7 @@ def test_check_teacher_dir_names_what_is_missing_and_the_command(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_truncated_or_corrupt_weights_are_not_a_finished_conversion(tmp_path):
-    out = make_tiny_teacher(tmp_path / "teacher")
+    out = make_tiny_teacher(tmp_path / "data" / "teachers" / "teacher")
     (out / MARKER_NAME).write_text(json.dumps({"dtype": SAVE_DTYPE}))
     assert _is_prepared(out)
     weights = out / "model.safetensors"

@@ -107,8 +107,8 @@ def test_truncated_gguf_is_named_as_corrupt(tmp_path):
 
 
 def test_missing_teacher_dir_error_names_the_command(tmp_path):
-    missing = tmp_path / "not-prepared"
-    with pytest.raises(FileNotFoundError, match=rf"does not exist; point distillation\.teacher_path at a transformers "
+    missing = tmp_path / "data" / "teachers" / "not-prepared"  # under data/teachers/: the demo's commands apply
+    with pytest.raises(FileNotFoundError, match=rf"does not exist[^;]*; point distillation\.teacher_path at a transformers "
                                                 rf"checkpoint directory, or make one: `python -m setup\.prepare_teacher "
                                                 rf"--out {re.escape(str(missing))}`"):
         check_teacher_dir(missing)

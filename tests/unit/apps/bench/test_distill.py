@@ -202,7 +202,7 @@ def test_cpu_seconds_per_step_interpolate_the_proc_samples():
 
 def test_missing_teacher_or_corpus_is_named_before_any_launch(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the tiny preset's relative paths point at nothing here
-    with pytest.raises(FileNotFoundError, match=r"Teacher directory data/teachers/tiny-llama does not exist; .*"
+    with pytest.raises(FileNotFoundError, match=r"Teacher directory data/teachers/tiny-llama does not exist, nor does its folder data/teachers; .*"
                                                 r"`python -m setup\.make_tiny_teacher --out data/teachers/tiny-llama`"):
         bench.main(["--config", str(bench.ROOT / bench.CONFIG_PRESETS["tiny"]), "--out", str(tmp_path / "out")])
     (tmp_path / "data/teachers/tiny-llama").mkdir(parents=True)  # an interrupted preparation

@@ -62,10 +62,10 @@ def test_outside_the_measurement_is_not_measured_here_with_the_nearest_one_and_a
         "0.9 planned; temperature 1 measured, 2 planned; divergence fkl measured, rkl planned; the multiplier may " \
         "not transfer" in printed
     ce, kd, read = verdict["pilot"]
-    assert [line.strip() for line in printed if "-m apps.main.train" in line] == [ce, kd]
+    assert [line.strip() for line in printed if line.startswith("    torchrun") and "apps.main.train" in line] == [ce, kd]
     # Then apps.plan.pilot reads both runs into the results.json the plan is rerun with.
     assert read == "python -m apps.plan.pilot ce=dumps/kd_study_pilot_ce kd=dumps/kd_study_pilot_kd " \
-        "out=dumps/kd_study_pilot.json"
+        "teacher_config=configs/teachers/smollm2_135m.json out=dumps/kd_study_pilot.json"
     assert printed[printed.index(f"    {read}") + 1] == "    then rerun this plan with kd_measurement=" \
         "dumps/kd_study_pilot.json"
     for command, distilled in ((ce, False), (kd, True)):  # both are training command lines the trainer parses
@@ -74,8 +74,9 @@ def test_outside_the_measurement_is_not_measured_here_with_the_nearest_one_and_a
         assert args.enable_distillation == distilled and args.distillation.k == 32 and args.distillation.alpha == 0.9
         assert args.distillation.output == "full" and args.distillation.divergence == "rkl"
     assert shlex.split(ce)[:4] == ["torchrun", "--nproc-per-node", "2", "-m"]
-    # CE-only on both GPUs, KD on its 1 student: the same steps are twice the KD run's tokens.
-    assert "enable_distillation=false steps=100 " in ce and " steps=100 " in kd
+    # CE-only on both GPUs at KD's global batch (1 student x 8 rows = 2 ranks x 4): twice the steps, twice the tokens.
+    assert "enable_distillation=false data.batch_size=4 steps=200 " in ce and " steps=100 " in kd
+    assert "the pilot's CE-only run takes the same global batch" in "\n".join(printed)
     assert "distillation.n_teacher_ranks=1" in kd
     # Epochs past the wall study's 16: not measured, the nearest (E=16) read and named.
     far = plan_of(AS_STUDIED[:4] + ["tokens_per_run=245760", "unique_tokens=6144"])  # 40 epochs
@@ -102,24 +103,27 @@ def test_no_jump_at_one_epoch(side):
     assert fresh["measured"]["why"] == "unique_tokens=0: every token fresh, the one-pass study"
 
 
-def test_one_plan_gives_one_recommendation():
-    # The case: the cache is the cheaper road, the nearest measurement says CE-only; one sentence says both.
+def test_one_plan_gives_one_answer_on_its_first_line():
+    # The case: the cache is the cheaper road, the nearest measurement says CE-only; one sentence says both,
+    # on the first line, with the pilot's GPU-hours, and no later line says anything else.
     plan = plan_of(LLAMA_8B_TO_1B_ON_8)
     assert plan["cache"]["cheaper"] == "cache" and not plan["verdict"]["measured_here"]
-    assert plan["recommendation"].startswith("pilot first, your plan is not measured here: distill from the offline "
-                                             "cache (")
-    assert "only if the pilot measures KD worth more than 2.47x the CE tokens (the nearest measurement: 1.18x)" \
-        in plan["recommendation"]
-    assert sum(line.startswith("recommendation:") for line in format_plan(plan)) == 1
+    printed = format_plan(plan)
+    assert printed[0] == f"answer: {plan['recommendation']}"
+    assert plan["recommendation"] == (
+        f"pilot first ({plan['verdict']['pilot_gpu_hours']:.3g} GPU-hours, commands below): break-even 2.47x the CE "
+        f"tokens, the nearest measurement 1.18x, so do not distill unless the pilot measures more than 2.47x; to "
+        f"distill: from a cache (written once with teacher_tp=1: 47.4 GPU-hours; then 32.3 a run on 8 GPUs; online "
+        f"94.7 a run)")
+    assert not any(line.lstrip().startswith(("recommendation:", "verdict:")) for line in printed)
     # Measured here (the one-pass study as a plan): CE-only, and why the cheaper road does not pay.
     studied = plan_of(AS_STUDIED)
     assert studied["verdict"]["measured_here"] and studied["verdict"]["pays_on"] is None
-    assert studied["recommendation"] == (
-        f"train CE-only, without the teacher: "
-        f"{'the offline cache' if studied['cache']['cheaper'] == 'cache' else 'online distillation'}, the cheaper "
-        f"road, needs KD worth {studied['verdict']['needed_on_road']:.3g}x the CE tokens and the measurement gives "
-        f"1.18x")
+    assert studied["recommendation"].startswith("do not distill: train CE-only on all 2 GPUs (")
+    assert (f"GPU-hours a run); break-even {studied['verdict']['needed_on_road']:.3g}x the CE tokens "
+            f"{'from a cache' if studied['cache']['cheaper'] == 'cache' else 'online'} (the cheaper road), measured "
+            f"1.18x") in studied["recommendation"]
     # Shared by enough runs, the cache pays: the recommendation is that road.
     shared = plan_of(AS_STUDIED[:-1] + ["planned_runs=40"])
     assert shared["verdict"]["pays_on"] == "cache" and shared["recommendation"].startswith(
-        "distill from the offline cache")
+        "distill from a cache (written once with teacher_tp=")

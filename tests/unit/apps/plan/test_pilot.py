@@ -143,7 +143,8 @@ def test_the_plan_that_printed_the_pilot_is_measured_by_it(tmp_path, teacher_dir
     assert not before["verdict"]["measured_here"]
     ce_command, kd_command, read_command = before["verdict"]["pilot"]
     assert read_command == "python -m apps.plan.pilot ce=dumps/distill_debug_pilot_ce " \
-        "kd=dumps/distill_debug_pilot_kd out=dumps/distill_debug_pilot.json"
+        "kd=dumps/distill_debug_pilot_kd teacher_config=configs/teachers/smollm2_135m.json " \
+        "out=dumps/distill_debug_pilot.json"
     # The two runs exactly as the plan prints them (their dump dirs here), the KD run's teacher a local directory.
     ce_args = [a for a in shlex.split(ce_command) if "=" in a and a.split("=")[0] not in ("config", "dump_dir")]
     kd_args = [a for a in shlex.split(kd_command) if "=" in a and a.split("=")[0] not in ("config", "dump_dir")]
@@ -151,7 +152,8 @@ def test_the_plan_that_printed_the_pilot_is_measured_by_it(tmp_path, teacher_dir
     ce_steps = int(next(a for a in ce_args if a.startswith("steps=")).split("=")[1])
     kd_steps = int(next(a for a in kd_args if a.startswith("steps=")).split("=")[1])
     every = int(next(a for a in ce_args if a.startswith("heldout.every=")).split("=")[1])
-    ce = fake_run(tmp_path / "ce", ce_args, 8 * PER_GPU,
+    assert "data.batch_size=4" in ce_args  # KD's global batch (4 students x 8 rows) on the 8 GPUs: 4 rows each
+    ce = fake_run(tmp_path / "ce", ce_args, students * PER_GPU,
                   {step: 4.0 - step / ce_steps for step in range(every, ce_steps + 1, every)})
     kd = fake_run(tmp_path / "kd", [*kd_args, f"distillation.teacher_path={teacher_dir}"], students * PER_GPU,
                   {kd_steps: 3.3})

@@ -21,6 +21,7 @@ from apps.plan.sizes import read_teacher_shape
 from apps.plan.timing import Speeds, Timing, max_students_per_replica
 from lingua.args import parse_args
 from lingua.cli.entry import run_cli
+from lingua.errors import ConfigError
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -127,8 +128,8 @@ def test_smollm2_teaching_the_debug_student_on_8_gpus():
     # The cache format v2's size as measured on the KD study's data (top-64 of the same 49k vocabulary).
     assert plan["cache"]["bytes_per_token"] == pytest.approx(MEASURED_TOPK64_49K, abs=0.1)
     # The road: online, the cache within 5% for one run; 74M students are not the study's 7M: the pilot first.
-    assert plan["cache"]["cheaper"] == "online" and plan["recommendation"].startswith(
-        "pilot first, your plan is not measured here: distill online (enable_distillation=true")
+    assert plan["cache"]["cheaper"] == "online" and plan["recommendation"].startswith("pilot first (")
+    assert "; to distill: online with teacher_tp=1 x 4 replica(s) beside 4 students (" in plan["recommendation"]
 
 
 def test_llama3_8b_teaching_a_1b_student_on_64_gpus():
@@ -148,8 +149,8 @@ def test_llama3_8b_teaching_a_1b_student_on_64_gpus():
     assert plan["cache"]["bytes_per_token"] == pytest.approx(
         planned_bytes_per_token("topk", 64, 128256, 2, 4096), abs=1e-3)
     assert MEASURED_TOPK64_49K < plan["cache"]["bytes_per_token"] < 4 * 4097 / 4096 + 2 + 64 * 6 + 4  # v1
-    assert plan["recommendation"].startswith("pilot first, your plan is not measured here: distill from the offline "
-                                             "cache")
+    assert plan["recommendation"].startswith("pilot first (") and "; to distill: from a cache (written once with " \
+        "teacher_tp=1: " in plan["recommendation"]
 
 
 def test_llama3_70b_teaching_a_1b_student_on_256_gpus():
@@ -192,6 +193,21 @@ def test_the_cache_writer_splits_the_planned_windows_evenly_and_says_when_it_rou
     assert walled["teacher_pass_gpu_hours"] < plan_of(EXAMPLES["smollm2"])["cache"]["teacher_pass_gpu_hours"] / 16
     assert (walled["writer"]["sequences_per_stream"], walled["writer"]["tokens"], walled["writer"]["train_steps"]) == \
         (245, 8 * 245 * 1024, 500)
+
+
+def test_the_planner_reads_a_config_with_the_trainers_defaults():
+    """One function fills what a config leaves to the trainer, for the trainer and the planner alike: Lingua's
+    configs leave model.max_seqlen at -1 (data.seq_len), and the planner no longer refuses them."""
+    import apps.main.train
+    import apps.plan.args
+    from lingua.args import fill_training_defaults
+
+    assert apps.main.train.fill_training_defaults is apps.plan.args.fill_training_defaults is fill_training_defaults
+    args = parse_args(PlanArgs, EXAMPLES["8b"] + ["out=null", "model.max_seqlen=-1", "data.seq_len=2048"])
+    args.validate_plan()
+    assert args.model.max_seqlen == 2048
+    with pytest.raises(ConfigError, match=r"^model.max_seqlen=1024; the model must fit data.seq_len=2048"):
+        parse_args(PlanArgs, EXAMPLES["8b"] + ["out=null", "model.max_seqlen=1024", "data.seq_len=2048"]).validate_plan()
 
 
 def test_measured_speeds_replace_the_cost_model():
@@ -342,7 +358,8 @@ def test_the_docs_show_the_planners_own_output():
     for argv, printed in blocks:
         assert "out=null" in argv
         plan = plan_of([a for a in argv if a != "out=null"])
-        expected = verdict_lines(plan["verdict"]) if "show=verdict" in argv else format_plan(plan)
+        expected = [f"answer: {plan['recommendation']}", *verdict_lines(plan["verdict"])] if "show=verdict" in argv \
+            else format_plan(plan)
         assert printed.splitlines() == expected, argv
     assert [argv for argv, _ in blocks[3:]] == [[*argv[:-1], a, "show=verdict", "out=null"] for (argv, _), a in
                                                 zip(blocks[:3], ("unique_tokens=2e6", "unique_tokens=2e9",
@@ -384,10 +401,11 @@ def test_a_cross_tokenizer_teacher_is_counted_in_its_own_tokens_per_student_toke
     student token: its measured speed divides by it; the cost model counts its forward at its own row length."""
     measured = EXAMPLES["8b"] + ["teacher_tokens_per_s=40000", "student_tokens_per_s=10000",
                                  "distillation.cross_tokenizer=true"]
-    same, double = plan_of(measured), plan_of(measured + ["teacher_tokens_per_student_token=2"])
+    same, double = [plan_of(measured + [f"teacher_tokens_per_student_token={r}"]) for r in (1, 2)]
     assert (same["speed"]["teacher_gpus_per_student_gpu"], double["speed"]["teacher_gpus_per_student_gpu"]) == (0.25,
                                                                                                                 0.5)
-    assert double["speed"]["source"] == "student and teacher measured; the teacher at 2 of its tokens per student token"
+    assert double["speed"]["source"] == "student and teacher measured; the teacher at 2 of its tokens per student " \
+        "token (given)"
     assert double["inputs"]["teacher_tokens_per_student_token"] == 2.0
     modelled = [plan_of(EXAMPLES["8b"] + ["distillation.cross_tokenizer=true", f"teacher_tokens_per_student_token={r}"])
                 for r in (1, 0.5)]
@@ -399,8 +417,12 @@ def test_a_cross_tokenizer_teacher_is_counted_in_its_own_tokens_per_student_toke
     (["teacher_tokens_per_student_token=1.1"],
      "error: teacher_tokens_per_student_token=1.1; a student on the teacher's tokenizer has one teacher token per "
      "student token; leave it at 1, or set distillation.cross_tokenizer=true."),
-    (["teacher_tokens_per_student_token=0", "distillation.cross_tokenizer=true"],
-     "error: teacher_tokens_per_student_token=0.0; use the measured ratio"),
+    (["teacher_tokens_per_student_token=-1", "distillation.cross_tokenizer=true"],
+     "error: teacher_tokens_per_student_token=-1.0; use the measured ratio"),
+    (["distillation.cross_tokenizer=true", "data.tokenizer.name=tiktoken", "data.tokenizer.path=/no/such.tiktoken"],
+     "error: distillation.cross_tokenizer=true: the plan needs the teacher's tokens per student token on your data "
+     "and the students' (data.tokenizer.path) tokenizer is not here to measure it; pass "
+     "teacher_tokens_per_student_token=<ratio> (python -m apps.bench.alignment_cost prints it), or both tokenizers."),
 ])
 def test_a_bad_teacher_tokens_per_student_token_is_one_sentence(argv, sentence, monkeypatch, capsys, tmp_path):
     code, printed, err = run(EXAMPLES["smollm2"] + [f"out={tmp_path / 'plan.json'}"] + argv, monkeypatch, capsys)

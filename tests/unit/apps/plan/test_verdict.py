@@ -142,5 +142,5 @@ def test_bad_verdict_input_is_one_sentence(argv, sentence, monkeypatch, capsys):
 def test_show_verdict_prints_only_the_verdict(monkeypatch, capsys):
     code, printed, _ = run(AS_STUDIED + ["out=null", "show=verdict"], monkeypatch, capsys)
     lines = printed.splitlines()
-    assert code == 0 and lines[0].startswith("distill? the teacher's forward is 6.4") and len(lines) == 5
-    assert lines[-1].startswith("  verdict: do not distill")
+    assert code == 0 and lines[0].startswith("answer: do not distill: train CE-only") and len(lines) == 5
+    assert lines[1].startswith("distill? the teacher's forward is 6.4")

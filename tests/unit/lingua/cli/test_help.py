@@ -7,7 +7,8 @@ import pytest
 import torch.distributed as dist
 
 from lingua.cli.entry import run_cli
-from lingua.cli.help import field_comments, help_rows
+from lingua.cli.help import field_comments, help_rows, help_text
+from lingua.cli.words import type_words
 
 # (entry point, lines its help must show: a key=default with the start of its comment, or a key=default alone)
 ENTRY_POINTS = {
@@ -24,7 +25,7 @@ ENTRY_POINTS = {
     "apps.main.teacher_cache": ["cache_dir=''", "streams=1", "data-parallel students the cache is laid out for",
                                 "sequences_per_stream=0", "shard_sequences=64", "data.seq_len=256"],
     "apps.main.export_hf": ["ckpt=''", "out=''", "dtype='fp32'", "dtype of the saved weights"],
-    "apps.main.generate": ["max_new_tokens=50", "temperature=0.8", "0: greedy", "device='auto'"],
+    "apps.main.generate": ["max_new_tokens=50", "temperature=0.8", "0 = greedy", "device='auto'"],
     "apps.debug.startup": ["steps=1000", "distillation.teacher_path=null"],
 }
 
@@ -48,7 +49,7 @@ def test_every_key_gets_its_default_and_a_line():
 
     rows = {key: (default, text) for key, default, text in help_rows(PlanArgs, PlanArgs())}
     assert rows["world_size"] == ("0", "GPUs of the launch (whole nodes)")  # PlanArgs' own comment
-    assert rows["gpus_per_node"] == ("8", "an integer")  # no comment in the source: the type it takes
+    assert rows["gpus_per_node"] == ("8", "GPUs of one node (a teacher replica stays inside a node)")
     assert rows["model.max_seqlen"][0] == "-1"  # TrainArgs' default_factory, not LMTransformerArgs' own default
     assert rows["distributed.init_timeout_s"][1].startswith("Two-phase timeouts")  # the comment block above it
     assert all(text for _, text in rows.values())
@@ -60,3 +61,47 @@ def test_a_subclass_keeps_its_bases_comments():
     comments = field_comments(TeacherCacheArgs)
     assert comments["streams"].startswith("data-parallel students")
     assert comments["steps"] == "optimizer steps of the whole run"  # TrainArgs' comment
+
+
+# Each entry point's args class: the keys its --help lists.
+ARGS_CLASSES = {"apps.main.train": "TrainArgs", "apps.plan.args": "PlanArgs", "apps.plan.pilot": "PilotArgs",
+                "lingua.stool": "StoolArgs", "apps.main.eval": "CheckpointEvalArgs",
+                "apps.main.teacher_cache": "TeacherCacheArgs", "apps.main.export_hf": "ExportArgs",
+                "apps.main.generate": "GenerateArgs", "apps.debug.startup": "StartupArgs"}
+WORDS_OF_TYPES = {type_words(t) for t in (int, float, str, bool)}
+
+
+def args_class(module: str) -> type:
+    return getattr(importlib.import_module(module), ARGS_CLASSES[module])
+
+
+@pytest.mark.parametrize("module", sorted(ARGS_CLASSES))
+def test_no_key_lacks_a_description(module):
+    """Every key of every entry point says what it does in a comment of its own (its unit, and what its special
+    values mean), never only the type it takes ("an integer", "a number", "a string") nor a word or two."""
+    cls = args_class(module)
+    try:
+        instance = cls()
+    except TypeError:
+        instance = None
+    lacking = []
+    for key, _, text in help_rows(cls, instance):
+        typed = text.removesuffix(" or null")
+        if typed in WORDS_OF_TYPES or text.startswith(("a mapping of ", "a list of ")) or len(text.split()) < 4:
+            lacking.append(f"{key}: {text!r}")
+    assert not lacking, f"{cls.__name__}: keys without a description: {lacking}"
+
+
+@pytest.mark.parametrize("module", ["apps.plan.args", "apps.main.teacher_cache", "apps.debug.startup"])
+def test_a_tool_lists_its_own_keys_before_the_training_keys_it_shares(module):
+    """apps.plan --help starts with world_size and the cluster's keys, not with 135 training keys."""
+    from apps.main.train import TrainArgs
+
+    cls = args_class(module)
+    lines = help_text(cls).splitlines()
+    keys = [line.split()[0].split("=", 1)[0] for line in lines if line.startswith("  ") and "=" in line.split()[0]]
+    training = {key for key, _, _ in help_rows(TrainArgs, TrainArgs())}
+    own = [key for key in keys if key not in training]
+    assert own and keys[:len(own)] == own, keys[:5]
+    assert any(line.startswith(f"{cls.__name__}'s own keys, first") for line in lines)
+    assert any(line.startswith("the keys it shares with TrainArgs") for line in lines)

@@ -20,7 +20,7 @@ from lingua.distillation.online.bridge import (
     agreed_settings,
     check_handshake,
 )
-from lingua.distillation.teacher.model import load_teacher
+from lingua.distillation.teacher.model import check_teacher_dir, load_teacher
 from lingua.errors import ConfigError, PeerStopped, TeacherError, UserError
 
 BRIDGE = [4, 5, 6]  # two students, then their teacher (global ranks)
@@ -136,6 +136,8 @@ def test_a_bf16_teacher_loads_with_bf16_params_and_matches_fp32_within_bf16_tole
 @pytest.mark.timeout(60)
 def test_every_local_load_failure_names_the_path_the_reason_and_the_prepare_commands(tiny_teacher, tmp_path):
     args = DistillationArgs(teacher_path="", teacher_dtype="fp32")
+    teachers = tmp_path / "data" / "teachers"  # the demo's folder: only there do the prepare commands apply
+    teachers.mkdir(parents=True)
 
     def failure(path: str) -> str:
         with pytest.raises(UserError) as caught:
@@ -146,11 +148,11 @@ def test_every_local_load_failure_names_the_path_the_reason_and_the_prepare_comm
         assert "transformers checkpoint directory" in text and "\n" not in text
         return text
 
-    assert failure(str(tmp_path / "missing")).startswith(f"teacher path '{tmp_path / 'missing'}' does not exist; ")
-    (tmp_path / "empty").mkdir()
-    assert failure(str(tmp_path / "empty")).startswith(
-        f"teacher directory '{tmp_path / 'empty'}' could not be loaded (ValueError: Unrecognized model in ")
-    truncated = tmp_path / "truncated"
+    assert failure(str(teachers / "missing")).startswith(f"teacher path '{teachers / 'missing'}' does not exist; ")
+    (teachers / "empty").mkdir()
+    assert failure(str(teachers / "empty")).startswith(
+        f"teacher directory '{teachers / 'empty'}' could not be loaded (ValueError: Unrecognized model in ")
+    truncated = teachers / "truncated"
     shutil.copytree(tiny_teacher, truncated)
     weights = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
@@ -163,6 +165,26 @@ def test_every_local_load_failure_names_the_path_the_reason_and_the_prepare_comm
 
 
 @pytest.mark.timeout(60)
+def test_a_mistyped_teacher_path_names_close_matches_and_no_toy_teacher(tmp_path):
+    """A typo of the user's own teacher: the close names in its folder, and no command that would write the demo's
+    SmolLM2 (or a tiny random model) at the typo."""
+    models = tmp_path / "models"
+    (models / "Llama-3.1-8B").mkdir(parents=True)
+    (models / "Qwen2.5-7B").mkdir()
+    typo = str(models / "Llama-3.1-8b")
+    for check in (lambda: load_teacher(DistillationArgs(teacher_path=typo), CPU), lambda: check_teacher_dir(typo),
+                  lambda: DistillationArgs(teacher_path=typo).validate(enabled=True)):
+        with pytest.raises(UserError) as caught:
+            check()
+        text = str(caught.value)
+        assert f"did you mean {models / 'Llama-3.1-8B'}?" in text, text
+        assert "Qwen" not in text and "prepare_teacher" not in text and "make_tiny_teacher" not in text, text
+        assert "at a transformers checkpoint directory" in text
+    with pytest.raises(UserError, match=f"nor does its folder {tmp_path / 'nowhere'};"):
+        check_teacher_dir(tmp_path / "nowhere" / "teacher")
+
+
+@pytest.mark.timeout(60)
 def test_a_relative_path_that_looks_like_a_hub_id_names_both_possibilities_offline(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError) as caught:
@@ -170,7 +192,9 @@ def test_a_relative_path_that_looks_like_a_hub_id_names_both_possibilities_offli
     text = str(caught.value)
     assert text.startswith(f"teacher path 'models/x' is neither a local directory (nothing at {tmp_path / 'models/x'}) "
                            f"nor a hub model that could be loaded, and the Hugging Face hub is offline (HF_HUB_OFFLINE): ")
-    assert "`python -m setup.prepare_teacher --out models/x`" in text
+    assert "prepare_teacher" not in text  # not under data/teachers/: the demo's commands would write a toy there
+    with pytest.raises(FileNotFoundError, match=r"`python -m setup.prepare_teacher --out data/teachers/smollm`"):
+        load_teacher(DistillationArgs(teacher_path="data/teachers/smollm"), CPU)
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])

@@ -75,7 +75,7 @@ def test_a_checkpoint_without_safetensors_or_with_other_names_is_loaded_whole_wi
 
 
 def test_a_truncated_file_of_a_sharded_checkpoint_is_one_sentence(tied_sharded_teacher, train_group, tmp_path):
-    damaged = tmp_path / "damaged"
+    damaged = tmp_path / "data" / "teachers" / "damaged"  # under data/teachers/: the demo's commands apply
     shutil.copytree(tied_sharded_teacher, damaged)
     last = sorted(damaged.glob("model-*.safetensors"))[-1]
     last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
