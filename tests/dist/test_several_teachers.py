@@ -109,7 +109,7 @@ def test_each_source_learns_from_its_own_teacher_and_a_killed_teacher_is_named(t
     print(f"launch: {run.seconds:.1f}s, {run.after_kill_s:.1f}s of it after the kill")
     assert f"teacher 1 ({second_teacher}) on rank 3 ready" in stdout
     for rank, teacher, dtype in ((2, tiny_teacher, "float32"), (3, second_teacher, "bfloat16")):
-        assert re.search(rf"\[r{rank} teacher\] INFO  lingua\.distillation\.server: teacher {re.escape(str(teacher))} "
+        assert re.search(rf"\[r{rank} teacher\] INFO  lingua\.distillation\.online\.server: teacher {re.escape(str(teacher))} "
                          rf"loaded in .* params in {dtype}\)", stdout), stdout[-4000:]
     rows = train_rows(dump)
     assert set(range(1, COMPARED + 2)) <= set(rows), sorted(rows)
