@@ -1,9 +1,5 @@
-"""The objective's math, one home for both losses: divergences with their gradients, the teacher's buckets,
-the statistics of its support, and the CE/KD mix.
-
-`fused_loss.fused_linear_kd_loss` (the default, closed-form gradients) and `reference_loss.kd_loss` (logits +
-autograd, the float64 check of the fused one) both compute through these functions, so a new divergence is one
-edit here (a value and its gradient G = dD/d(log q), checked against autograd by tests/unit/lingua/distillation/loss/test_divergences.py).
+"""The objective's math, one home for the fused loss and the reference (a new divergence is one edit here: a value
+and its gradient G = dD/d(log q), checked against autograd by tests/unit/lingua/distillation/loss/test_divergences.py).
 
     p = teacher, q = student, over buckets b (the vocabulary, or the top-k ids plus "rest")
     fkl   D = sum p (log p - log q)                 G = -p
@@ -87,6 +83,14 @@ def teacher_support(values: torch.Tensor, ids: Optional[torch.Tensor], extra: Op
     first = torch.ones_like(sorted_ids, dtype=torch.bool)
     first[..., 1:] = sorted_ids[..., 1:] != sorted_ids[..., :-1]
     return (values.float().gather(-1, order).exp() * first).sum(-1), top1
+
+
+def kd_rows_and_weights(mask: torch.Tensor, kd_weight: Optional[torch.Tensor], dtype: torch.dtype):
+    """(KD rows: masked-in positions with a positive weight, their weights in `dtype` with 0 elsewhere); the other
+    rows' teacher tensors are never read into the loss."""
+    weight = torch.ones_like(mask, dtype=dtype) if kd_weight is None else kd_weight.to(dtype)
+    kd_rows = mask & (weight > 0)
+    return kd_rows, torch.where(kd_rows, weight, 0.0)
 
 
 def distillation_loss(ce, kd, alpha: float, temperature: float):
