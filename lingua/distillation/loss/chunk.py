@@ -21,12 +21,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from lingua.distillation.loss.divergences import (
-    divergence,
-    sampled_forward_kl,
-    teacher_full_log_probs,
-    teacher_topk_log_probs,
-)
+from lingua.distillation.loss.divergences import (divergence, sampled_forward_kl, teacher_full_log_probs,
+                                                  teacher_topk_log_probs)
 
 
 def _student_top1(z_ids, ids, rest_max, rest_argmax, z_max, vocab_size):

@@ -3,19 +3,15 @@
     loss, stats = fused_linear_kd_loss(hidden, model.output.weight, labels, teacher, n_valid, alpha, T)
     loss = ((1 - alpha) * sum_i CE_i + alpha * T^2 * sum_i KD_i) / normalizer   over positions with label != -100
 
-The objective of CE + `reference.kd_loss` mixed by `divergences.distillation_loss`, computed as Liger-Kernel's
-fused linear distillation does: per chunk of rows the logits z = h W^T are formed in fp32, the loss rows and dLoss/dz
-are written in closed form (`chunk.py` has the math) and dz is pushed through the head at once (grad_h = dz W,
-grad_W += dz^T h). Backward only scales the stored grads, so one chunk of fp32 [rows, V] work lives at a time and
-nothing is recomputed; grad_W (which autograd would allocate anyway) is kept in fp32 while the chunks add into it.
+CE + `reference.kd_loss` computed as Liger-Kernel's fused linear distillation does: per chunk of rows the logits
+z = h W^T are formed in fp32, the loss rows and dLoss/dz written in closed form (`chunk.py`) and dz pushed through
+the head at once (grad_h = dz W, grad_W += dz^T h, in fp32). Backward only scales the stored grads: one chunk of
+fp32 [rows, V] lives at a time and nothing is recomputed. Masked positions contribute exactly zero, also when their
+hidden states or teacher tensors are inf/nan (`where`, never a multiply by the mask); no step reads the device.
 
-Masked positions (label -100) contribute exactly zero, also when their hidden states or teacher tensors are inf/nan:
-their hidden rows are zeroed before the head and every per-row coefficient goes through `where`. No step reads a
-device value on the host. Call it where the head would run, inside the model's forward (under FSDP2 the head weight
-is then the unsharded plain tensor; a DTensor or a vocab-sharded head is not supported), with the tied
-`tok_embeddings.weight` when embeddings are tied; not inside an activation-checkpointed region, one backward per
-call. bf16 hidden/weight: bf16 GEMMs, fp32 loss math and grad_W accumulation (on CUDA `addmm` with `out_dtype`
-writes into the fp32 accumulator directly), grads returned in bf16.
+Call it where the head would run, inside the model's forward (under FSDP2 the unsharded plain head weight; not a
+DTensor or a vocab-sharded head), with `tok_embeddings.weight` when tied; not inside an activation-checkpointed
+region. bf16 hidden/weight: bf16 GEMMs, fp32 loss math and grad_W accumulation, grads returned in bf16.
 """
 
 import functools
@@ -30,13 +26,9 @@ from lingua.distillation.loss.chunk import GradRecipe, chunk_loss_and_grad, voca
 from lingua.distillation.outputs import TeacherOutputs, check_format
 from lingua.distillation.loss.uld import ChunkULD, split_unmapped
 
-# Auto chunking: rows per chunk so the chunk's fp32 [rows, V] work tensors fit about this many bytes.
-# CPU: 256 MiB is ~450 rows at V=49k. Measured (2-core CPU, V=49k, N=1k): with 1 thread any chunk of
-# 96-1024 rows costs the same as CE (GEMMs are ~90% of the step); with 2 threads every op pays a
-# thread-pool sync, and 113-row chunks (64 MiB) cost 1.46x CE's CPU time where 512-row ones cost 1.08x.
-# 256 MiB is still a sixth of one [N, V] fp32 tensor at N=8k. CUDA: GEMMs need ~1k+ rows to fill the
-# SMs, and 1 GiB is a small share of a GPU. A fixed budget, not a share of free memory, keeps chunk
-# boundaries (hence rounding) the same from run to run and rank to rank.
+# Auto chunking: rows per chunk so the chunk's fp32 [rows, V] work fits this many bytes. CPU (2 cores, V=49k):
+# 113-row chunks cost 1.46x CE's time, 512-row ones 1.08x (every op pays a thread-pool sync); CUDA GEMMs need ~1k+
+# rows. A fixed budget, not a share of free memory, keeps chunk boundaries (hence rounding) equal on every rank.
 AUTO_CHUNK_BYTES = {"cpu": 256 * 2**20, "cuda": 1024 * 2**20}
 # weight_grad="vocab_blocks" keeps no fp32 [V, D]: its chunks and vocabulary blocks get a smaller budget, a peak
 # close to the grads themselves (a GPU sets the final value: docs/gpu.md).
@@ -59,8 +51,7 @@ def auto_chunk_rows(vocab_size: int, format: Optional[str], device: Union[str, t
 
 @functools.lru_cache(maxsize=None)
 def accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this device adds a `dtype` GEMM into an fp32 tensor in one call (`torch.addmm(acc, ..., out_dtype=
-    torch.float32, out=acc)`): CUDA for fp16/bf16 where torch's kernel accepts it; not CPU. A tiny probe, once."""
+    """Whether `torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)` adds a `dtype` GEMM into fp32 here."""
     if dtype == torch.float32:
         return False
     acc = torch.zeros(2, 2, dtype=torch.float32, device=device)
@@ -74,8 +65,7 @@ def accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def multiplies_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this device multiplies two `dtype` matrices into an fp32 result in one call (`torch.mm(a, b,
-    out_dtype=torch.float32)`, the GEMM's accumulator kept): CUDA for fp16/bf16; not CPU. A tiny probe, once."""
+    """Whether `torch.mm(a, b, out_dtype=torch.float32)` keeps a `dtype` GEMM's fp32 accumulator here (CUDA)."""
     if dtype == torch.float32:
         return False
     a = torch.ones(2, 2, dtype=dtype, device=device)
@@ -87,11 +77,9 @@ def multiplies_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
 
 def _fused_pass(hidden, weight, labels, teachers, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
                 vocab_block, compiled, uld, need_grad_hidden, need_grad_weight):
-    """(loss, stats [1 + 3 * teachers], grad_hidden or None, grad_weight or None) of the flattened inputs.
-
-    teachers: (flat TeacherOutputs, flat kd_weight or None) each, none for CE alone; the first carries CE, the others
-    add their KD on a copy of the chunk's logits. vocab_block > 0: grad_W by `vocab_block_weight_grad`; compiled:
-    the last chunk padded to the others' rows; uld: None or (uld_weight, uld_k), for the first teacher."""
+    """(loss, stats, grad_hidden or None, grad_weight or None) of the flattened inputs. teachers: (flat outputs,
+    flat kd_weight) each, none for CE alone; the first carries CE, the others read a copy of the chunk's logits.
+    vocab_block > 0: grad_W by `vocab_block_weight_grad`; uld: None or (uld_weight, uld_k), the first teacher's."""
     N, D = hidden.shape
     V = weight.shape[0]
     dtype = torch.promote_types(hidden.dtype, torch.float32)
@@ -132,8 +120,9 @@ def _fused_pass(hidden, weight, labels, teachers, normalizer, alpha, temperature
                 z = spare.clone() if i + 1 < len(calls) else spare
             values, ids, extra, row_weight, kd_rows, row_kd_scale, chunk_uld = _chunk_teacher(
                 teacher, kd_weight, rows, pad, row_mask, kd_scale, dtype, uld if i == 0 else None, V)
-            chunk_args = (pad(safe_labels[rows]), row_mask, None if teacher is None else (teacher.format, values, extra),
-                          ids, kd_rows, ce_scale if i == 0 else no_ce, row_kd_scale, temperature, divergence, jsd_beta)
+            chunk_teacher = None if teacher is None else (teacher.format, values, extra)
+            chunk_args = (pad(safe_labels[rows]), row_mask, chunk_teacher, ids, kd_rows, ce_scale if i == 0 else no_ce,
+                          row_kd_scale, temperature, divergence, jsd_beta)
             if compiled:  # z in the head's dtype; g comes back in it, written over z
                 ce, kd, student_top1, g_i, recipe_i = compiled_chunk_loss_and_grad(z, dtype, *chunk_args)
             else:
@@ -178,8 +167,7 @@ def _fused_pass(hidden, weight, labels, teachers, normalizer, alpha, temperature
 
 
 def _chunk_teacher(teacher, kd_weight, rows, pad, row_mask, kd_scale, dtype, uld, vocab_size):
-    """A teacher's (values, ids, extra) for the chunk's rows, its KD weight and KD rows (a row outside them takes CE
-    alone), each row's KD scale and, with `uld`, the chunk's ULD side (else None)."""
+    """A teacher's (values, ids, extra) for the chunk's rows, KD weights and rows, each row's KD scale and ULD side."""
     if teacher is None:
         return None, None, None, None, row_mask, torch.zeros_like(row_mask, dtype=dtype), None
     values, ids, extra = (None if t is None else pad(t[rows]) for t in (teacher.values, teacher.ids, teacher.extra))
@@ -203,7 +191,7 @@ def _pad_rows(t, extra_rows):
 
 
 def flat_teacher(teacher: TeacherOutputs, N: int) -> TeacherOutputs:
-    """The teacher's tensors as [N, ...] rows (kd_weight left out: the losses take it apart)."""
+    """The teacher's tensors as [N, ...] rows (kd_weight apart)."""
     return TeacherOutputs(teacher.format, teacher.values.reshape(N, teacher.values.shape[-1]),
                           None if teacher.ids is None else teacher.ids.reshape(N, teacher.ids.shape[-1]),
                           None if teacher.extra is None else teacher.extra.reshape(N))
@@ -292,23 +280,18 @@ def fused_linear_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          more_teachers: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """((1 - alpha) * CE_sum + alpha * T^2 * KD_sum) / normalizer over labels != -100, fused with the head.
 
-    hidden [N, D] or [B, S, D]: the student's final normed hidden states, in weight's dtype; weight [V, D]: the
-    output head; labels [N] or [B, S], -100 = ignored; teacher: `TeacherOutputs` leading with [B, S] or [N], or None
-    for CE alone (alpha ignored); normalizer: the step's valid-token count (number or 0-dim tensor). KD is
-    `reference.kd_loss`'s on z / T for every divergence and format. chunk_size=0 picks rows per chunk from
-    `AUTO_CHUNK_BYTES`. kd_weight (labels' shape, float in [0, 1], None = all ones) multiplies each position's KD,
-    value and gradient; at 0 its teacher tensors (inf/nan included) are never read into the loss.
-    weight_grad: "accumulate" sums each chunk's grad_W GEMM into an fp32 [V, D] buffer; "vocab_blocks" keeps per-row
-    coefficients and writes grad_W one vocabulary block at a time after the chunks (one more head GEMM, no fp32
-    [V, D], chunks sized from `VOCAB_BLOCK_BYTES`); the full format always accumulates. compiled=True runs each
-    chunk's math through torch.compile (`compiled_chunk.py`). uld_weight > 0 (cross-tokenizer top-k with marked
-    unmapped entries): each KD row adds uld_weight times the ULD distance over uld_k sorted ranks (`uld.py`).
-    more_teachers: (TeacherOutputs, kd_weight) of further teachers, each adding alpha * T^2 * its weighted KD on the
-    same logits and head GEMMs (not with vocab_blocks, compiled or ULD: call once per teacher there).
+    hidden [N, D] or [B, S, D] in weight's dtype; weight [V, D] the output head; labels [N] or [B, S]; teacher:
+    `TeacherOutputs` leading with [B, S] or [N], or None for CE alone; normalizer: the step's valid-token count
+    (number or 0-dim tensor). chunk_size=0 picks rows per chunk from `AUTO_CHUNK_BYTES`. kd_weight (labels' shape,
+    float in [0, 1], None = ones) scales each position's KD; at 0 its teacher tensors are never read.
+    weight_grad: "accumulate" sums grad_W in an fp32 [V, D] buffer; "vocab_blocks" writes it one vocabulary block
+    at a time after the chunks (one more head GEMM, `VOCAB_BLOCK_BYTES`; the full format accumulates). compiled:
+    the chunk math through torch.compile. uld_weight > 0: ULD over uld_k ranks joins each KD row (`uld.py`).
+    more_teachers: (TeacherOutputs, kd_weight) of further teachers sharing the head GEMMs (accumulate only).
 
     Returns (loss, stats): loss a scalar in promote(dtype, fp32) with autograd to hidden and weight (one backward);
-    stats a detached fp32 tensor of sums over the masked positions, on the device: CE, then per teacher (KD, teacher
-    mass covered by the support, student argmax == teacher top-1), each weighted by kd_weight (zeros without one).
+    stats a detached fp32 tensor of sums over the masked positions: CE, then per teacher (KD, teacher mass covered
+    by the support, student argmax == teacher top-1), each weighted by kd_weight (zeros without a teacher).
     """
     _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
                 kd_weight, weight_grad, uld_weight, uld_k, compiled)

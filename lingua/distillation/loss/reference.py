@@ -1,34 +1,23 @@
 """The reference KD loss on student logits: `kd_loss`, the float64 check of `fused.fused_linear_kd_loss` and what
 `distillation.fused_loss=false` trains with. Both compute through `divergences.py`. Per format:
 
-    topk     exact divergence between k+1 buckets (the ids, plus "rest" = everything else), the teacher's buckets
-             renormalised in fp32 so bf16 rounding cannot make them sum != 1.
-    sampled  RS-KD style Monte-Carlo estimate of the forward KL: with x_1..x_k ~ p_T, KL(p_T || s_T) ~= extra -
-             (1/k) sum_j log s_T(x_j), unbiased in value and gradient ((s_T - counts/k) / T). The proposal is p_T
-             itself, so the importance weights are exactly 1 and the wire dtype of `values` only reaches the
-             statistics. A sharper proposal p_T^beta would need its normaliser on the student (or be biased at
-             finite k), and reverse KL and JSD have no unbiased estimator from samples of p_T: both are refused.
-             Cross-tokenizer draws of unmapped ids (-1) add nothing (`divergences.sampled_forward_kl`).
+    topk     exact divergence between k+1 buckets (the ids, plus "rest"), the teacher's renormalised in fp32.
+    sampled  RS-KD's Monte-Carlo forward KL: with x_1..x_k ~ p_T, KL(p_T || s_T) ~= extra - (1/k) sum_j log s_T(x_j),
+             unbiased in value and gradient; the proposal is p_T itself, so the importance weights are exactly 1
+             (a sharper p_T^beta would need its normaliser on the student). Reverse KL and JSD have no unbiased
+             estimator from samples of p_T: refused. Unmapped cross-tokenizer draws (-1) add nothing.
     full     exact divergence over the vocabulary.
     uld      (cross-tokenizer top-k, uld_weight > 0) plus uld_weight times `uld.uld_reference`.
 
-Memory: the positions are walked in chunks; with gradients a custom autograd function builds each chunk's fp32
-graph, takes its gradient at once into one buffer shaped like the logits and frees the graph, so one chunk of fp32
-[chunk_size, V] lives at a time and nothing is recomputed in backward. One backward pass only.
+Each chunk's fp32 graph is built, differentiated at once into one buffer shaped like the logits and freed: one chunk
+of fp32 [chunk_size, V] lives at a time and nothing is recomputed in backward (one backward pass only).
 """
 from typing import Optional
 
 import torch
 
-from lingua.distillation.loss.divergences import (
-    DIVERGENCES,
-    divergence,
-    kd_rows_and_weights,
-    sampled_forward_kl,
-    teacher_full_log_probs,
-    teacher_support,
-    teacher_topk_log_probs,
-)
+from lingua.distillation.loss.divergences import (DIVERGENCES, divergence, kd_rows_and_weights, sampled_forward_kl,
+                                                  teacher_full_log_probs, teacher_support, teacher_topk_log_probs)
 from lingua.distillation.outputs import TeacherOutputs, check_format
 from lingua.distillation.loss.uld import split_unmapped, uld_reference
 
@@ -54,8 +43,8 @@ def _chunk_divergence(logits, values, ids, extra, format, temperature, kind, jsd
     return value if uld is None else value + uld[0] * uld_reference(z, ids, uld[1])
 
 
-def _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size, kd_weight, want_grad,
-                uld=None):
+def _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size, kd_weight, uld,
+                want_grad):
     """(loss, stats [3] = kd, teacher_mass, top1_agreement, grad buffer or None); uld: None or (weight, k)."""
     V = student_logits.shape[-1]
     dtype = torch.promote_types(student_logits.dtype, torch.float32)
@@ -104,15 +93,14 @@ class _ChunkedKDLoss(torch.autograd.Function):
     """Computes the loss and its gradient chunk by chunk in forward; backward only scales the gradient."""
 
     @staticmethod
-    def forward(ctx, student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size, kd_weight, uld):
-        loss, stats, grad = _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size,
-                                        kd_weight, True, uld)
+    def forward(ctx, student_logits, *args):
+        loss, stats, grad = _run_chunks(student_logits, *args, want_grad=True)
         ctx.grad = grad.view(student_logits.shape)
         ctx.mark_non_differentiable(stats)
         return loss, stats
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_stats):
+    def backward(ctx, grad_loss, _):
         if ctx.grad is None:
             raise RuntimeError("kd_loss supports a single backward pass; do not backward through it twice (retain_graph).")
         # In place: the buffer is ours and is needed once, so scaling it adds no full-size tensor.
@@ -152,7 +140,7 @@ def kd_loss_and_stats(student_logits: torch.Tensor, teacher: TeacherOutputs, mas
             (uld_weight, uld_k) if uld_weight > 0 else None)
     if torch.is_grad_enabled() and student_logits.requires_grad:
         return _ChunkedKDLoss.apply(student_logits, *args)
-    loss, stats, _ = _run_chunks(student_logits, *args[:-1], False, args[-1])
+    loss, stats, _ = _run_chunks(student_logits, *args, want_grad=False)
     return loss, stats
 
 
