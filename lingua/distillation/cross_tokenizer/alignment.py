@@ -1,21 +1,16 @@
 """Alignment by text offsets: a student window becomes the teacher's tokens, and each student position learns
 which teacher position (if any) predicts the same next text.
 
-    aligner = WindowAligner(student_bytes, student.bos_id, student.eos_id, teacher_hf_tokenizer, teacher_bytes)
-    windows = aligner.align_rows(rows, docs, next_tokens)  # one call of the teacher's encoder for a request's rows
+    windows = WindowAligner(student_bytes, bos, eos, teacher_hf_tokenizer, teacher_bytes).align_rows(rows, docs, nexts)
     windows[r].ids, windows[r].doc_ids, windows[r].source  # the teacher's sequence; source[i]: position i's target
 
-The student's tokens are spelled to bytes run by run (a run = tokens between specials) and each run's text is
-tokenized by the teacher, its tokens placed by byte offsets (their own bytes when they spell the text, else the
-tokenizer's character offsets). Student position i is aligned when token i + 1 starts at a byte where a teacher
-token starts: the teacher's output before that token is its target (both predict the same text after the same text).
-
-Documents stay apart on both sides: a student bos becomes the teacher's bos (its eos when it has none), a student
-eos the teacher's eos; each document's text is tokenized alone and a document's first token is aligned only through
-its own separator. A position whose next token is the student's eos is aligned to the teacher position before its
-separator (the vocabulary map pairs the eos by role), so "the document ends here" is distilled. Bytes that are not
-UTF-8 cut the run, and no position across a cut is aligned. The window's last position reads the label past the
-window (`next_token`). Per run, not per token: numpy gathers the bytes, one `encode_batch` call encodes a request.
+The student's tokens are spelled to bytes run by run (between specials), each run's text tokenized by the teacher and
+its tokens placed by byte offsets. Student position i is aligned when token i + 1 starts where a teacher token
+starts: the teacher's output before that token is its target. Documents stay apart (a student bos or eos becomes
+the teacher's, each document's text is tokenized alone, a document's first token is aligned only through its own
+separator), a position before the student's eos is aligned to the one before the teacher's (the vocabulary map pairs
+them by role), and bytes that are not UTF-8 cut the run. Per run, not per token: numpy gathers the bytes and one
+`encode_batch` call encodes a request's rows.
 """
 
 from dataclasses import dataclass, field

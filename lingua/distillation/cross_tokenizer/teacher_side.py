@@ -17,11 +17,8 @@ from lingua.evaluation.bits_per_byte import batches_target_bytes, byte_lengths
 from lingua.data import IGNORE_INDEX
 from lingua.distillation.cross_tokenizer.alignment import WindowAligner
 from lingua.distillation.distiller import tokenizer_fingerprint
-from lingua.distillation.cross_tokenizer.targets import (
-    sample_student_ids,
-    student_sampled_targets,
-    student_topk_targets,
-)
+from lingua.distillation.cross_tokenizer.targets import (sample_student_ids, student_sampled_targets,
+                                                         student_topk_targets)
 from lingua.distillation.cross_tokenizer.token_bytes import byte_fallback_ids, hf_token_bytes, student_token_bytes
 from lingua.distillation.cross_tokenizer.vocab_map import VocabMap, build_vocab_map
 from lingua.distillation.outputs import TeacherOutputs

@@ -68,8 +68,7 @@ def teachers_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
     weighted by the teacher's weight, then the weight itself and the alignment) of one micro-batch. `weights`: each
     teacher's KD weight per position (None: every position); `uld`: which teachers take ULD."""
     normalizer, valid = max(n_valid, 1), labels != -100
-    uld = uld or [False] * len(outputs)
-    uld_of = [args.uld_weight if u else 0.0 for u in uld]
+    uld_of = [args.uld_weight if u else 0.0 for u in (uld or [False] * len(outputs))]
     per_teacher, loss = [], None
     if not args.fused_loss:  # the reference: logits, then CE and each teacher's chunked kd_loss
         logits = F.linear(hidden, weight)

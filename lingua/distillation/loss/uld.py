@@ -36,18 +36,11 @@ def sorted_to_width(probs: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(top, (0, width - top.shape[-1]))
 
 
-def uld_distance(teacher_sorted: torch.Tensor, student_sorted: torch.Tensor, with_sign: bool = False):
-    """sum_r |p_u[r] - s_r[r]| per row; with `with_sign` also sign(s_r - p_u), its subgradient in s_r."""
-    diff = student_sorted - teacher_sorted
-    distance = diff.abs().sum(-1)
-    return (distance, diff.sign()) if with_sign else distance
-
-
 def uld_reference(a: torch.Tensor, ids: torch.Tensor, teacher_sorted: torch.Tensor) -> torch.Tensor:
     """ULD per row from the scaled logits a = z / T [N, V] (autograd) and the k target ids: what `ChunkULD` computes
     in closed form."""
     student = torch.softmax(a, dim=-1).scatter(-1, ids, 0.0)  # the rest bucket: ids outside the k target slots
-    return uld_distance(teacher_sorted, sorted_to_width(student, teacher_sorted.shape[-1]))
+    return (sorted_to_width(student, teacher_sorted.shape[-1]) - teacher_sorted).abs().sum(-1)
 
 
 class ChunkULD:
@@ -69,7 +62,8 @@ class ChunkULD:
         rest [rows, 1], its gradient at the top-K ids [rows, K']), scaled by kd_scale [rows, 1] as KD is."""
         s_top = (self.top_z / temperature - a_lse).exp()
         student_sorted = torch.nn.functional.pad(s_top, (0, self.teacher_sorted.shape[-1] - self.width))
-        distance, sign = uld_distance(self.teacher_sorted, student_sorted, with_sign=True)
+        diff = student_sorted - self.teacher_sorted
+        distance, sign = diff.abs().sum(-1), diff.sign()  # sign(s_r - p_u): the subgradient in s_r
         scale = torch.where(kd_rows.unsqueeze(-1), kd_scale * self.weight, 0.0)
         pulled = sign[:, :self.width] * s_top  # c_r s_r
         # Every id's share of the softmax Jacobian: -s_v sum_r c_r s_r (s_v = q on the ids, exp(a - a_lse) elsewhere).
