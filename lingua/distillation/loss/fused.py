@@ -190,7 +190,7 @@ def _pad_rows(t, extra_rows):
     return torch.cat([t, t.new_zeros((extra_rows,) + tuple(t.shape[1:]))])
 
 
-def flat_teacher(teacher: TeacherOutputs, N: int) -> TeacherOutputs:
+def _flat_teacher(teacher: TeacherOutputs, N: int) -> TeacherOutputs:
     """The teacher's tensors as [N, ...] rows (kd_weight apart)."""
     return TeacherOutputs(teacher.format, teacher.values.reshape(N, teacher.values.shape[-1]),
                           None if teacher.ids is None else teacher.ids.reshape(N, teacher.ids.shape[-1]),
@@ -311,7 +311,7 @@ def fused_linear_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
             _check_args(hidden, weight, labels, other, normalizer, alpha, temperature, divergence, jsd_beta,
                         chunk_size, other_weight, weight_grad, uld_weight, uld_k, compiled)
     teachers = [] if teacher is None else [(teacher, kd_weight), *more_teachers]
-    teachers = [(flat_teacher(t, N), None if w is None else w.reshape(N)) for t, w in teachers]
+    teachers = [(_flat_teacher(t, N), None if w is None else w.reshape(N)) for t, w in teachers]
     args = (labels.reshape(N), teachers, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
             vocab_block, compiled, (uld_weight, uld_k) if uld_weight > 0 else None)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
