@@ -1,35 +1,16 @@
 """Alignment by text offsets: a student window becomes the teacher's tokens, and each student position learns
 which teacher position (if any) predicts the same next text.
 
-    aligner = WindowAligner(student_bytes, student.bos_id, student.eos_id, teacher_hf_tokenizer, teacher_bytes)
-    window = aligner.align(tokens)            # one student window (its token ids), optionally its doc ids
-    windows = aligner.align_rows(rows, docs, next_tokens)  # a request's rows: one call of the teacher's encoder
-    window.ids, window.doc_ids                # the teacher's sequence and its documents
-    window.source[i]                          # teacher index whose output is position i's target, or -1
+    windows = WindowAligner(student_bytes, bos, eos, teacher_hf_tokenizer, teacher_bytes).align_rows(rows, docs, nexts)
+    windows[r].ids, windows[r].doc_ids, windows[r].source  # the teacher's sequence; source[i]: position i's target
 
-The student's tokens are detokenized to bytes run by run (a run = tokens between special tokens); each run's
-text is tokenized by the teacher (its own tokenizer, no special tokens added) and the teacher's tokens get
-byte offsets in it (from their own bytes when they spell the text exactly, else from the tokenizer's character
-offsets). Student position i predicts token i + 1; it is aligned when token i + 1 starts at a byte where a
-teacher token starts, and then the teacher's output at the position before that token is its target (both
-predict the same text after the same text). Offsets are bytes of UTF-8 rather than characters, which agree at
-every character boundary and also place tokens that are parts of a character (byte tokenizers, byte fallback).
-
-Document boundaries: a student bos becomes the teacher's bos (its eos when it has none), a student eos the
-teacher's eos, so documents stay apart on both sides (each document's text is tokenized alone, never merged with
-its neighbour's); the first token of a document is aligned through that separator when it is the document's own
-(never through another document's eos: GPT-2's "<|endoftext|> <|endoftext|> text" at a window's start numbers as
-an empty document, then text), and teacher documents take the student's document ids. A position whose next token
-is the student's eos (or bos) in the same document is aligned to the teacher position before its separator: the
-vocabulary map sends the teacher's eos to the student's (by role, `vocab_map.py`), so "the document ends here" is
-distilled. Bytes that are not UTF-8 (a window cut inside a character) cut the run: the text on each side is
-tokenized alone, and no position across a cut is aligned. The window's last position predicts the label just past
-the window: given it (`next_token`, the label stream's last token) the aligner reads it too, and that position is
-aligned when a teacher token starts there.
-
-It runs on the teacher rank's CPU before each forward, so it works per run, not per token: the students' bytes are
-gathered from one byte table with numpy, every text piece of a request's rows goes to the teacher's Rust encoder in
-one `encode_batch` call, and the positions are matched by a sorted search (benchmarks.md has the cost).
+The student's tokens are spelled to bytes run by run (between specials), each run's text tokenized by the teacher and
+its tokens placed by byte offsets. Student position i is aligned when token i + 1 starts where a teacher token
+starts: the teacher's output before that token is its target. Documents stay apart (a student bos or eos becomes
+the teacher's, each document's text is tokenized alone, a document's first token is aligned only through its own
+separator), a position before the student's eos is aligned to the one before the teacher's (the vocabulary map pairs
+them by role), and bytes that are not UTF-8 cut the run. Per run, not per token: numpy gathers the bytes and one
+`encode_batch` call encodes a request's rows.
 """
 
 from dataclasses import dataclass, field
@@ -42,7 +23,7 @@ ALIGN_NONE = -1
 
 @dataclass
 class TeacherWindow:
-    """The teacher's side of one student window (see the module docstring)."""
+    """The teacher's side of one student window."""
 
     ids: list[int] = field(default_factory=list)
     doc_ids: list[int] = field(default_factory=list)
@@ -77,8 +58,8 @@ def char_to_byte_offsets(text: str) -> np.ndarray:
 
 
 def student_doc_ids(tokens: Sequence[int], bos_id: Optional[int], eos_id: Optional[int]) -> list[int]:
-    """Document ids as the loader numbers them (each document is [bos] text [eos]): a new one at a bos, or after an
-    eos. Where bos and eos are one token (GPT-2's <|endoftext|>), it opens a document after one was closed."""
+    """Document ids as the loader numbers them: a new one at a bos, or after an eos; where bos and eos are one token
+    (GPT-2's <|endoftext|>), it opens a document after one was closed."""
     if bos_id != eos_id or bos_id is None:  # no token both opens and closes: a new document at a bos or after an eos
         array = np.asarray(tokens, dtype=np.int64)
         bos, eos = (-1 if bos_id is None else bos_id), (-1 if eos_id is None else eos_id)
@@ -152,16 +133,14 @@ class WindowAligner:
             self.backend.encode(probe, add_special_tokens=False).ids, dtype=np.int64))) == probe.encode("utf-8")
 
     def _separator(self, token: int, opens: bool) -> Optional[int]:
-        """The teacher's token for a student special one: an opening bos (or the one token that is both, where
-        it opens a document), a closing eos; None for other specials."""
+        """The teacher's separator for a student special token that opens or closes a document, else None."""
         if token == self.student_bos and (opens or self.student_bos != self.student_eos):
             return self.opening
         return self.closing if token == self.student_eos else None
 
     def window_tokens(self, tokens: Sequence[int], doc_ids: Optional[Sequence[int]],
                       next_token: Optional[int]) -> tuple[list[int], list[int]]:
-        """The student tokens the aligner reads and their document ids: the window, and the label past it when
-        given (a negative `next_token` is none), numbered as the loader numbers documents."""
+        """The window's tokens and the label past it (a negative `next_token` is none), with their document ids."""
         tokens = [int(t) for t in tokens]
         extended = tokens + ([int(next_token)] if tokens and next_token is not None and next_token >= 0 else [])
         numbered = student_doc_ids(extended, self.student_bos, self.student_eos)
@@ -174,8 +153,7 @@ class WindowAligner:
 
     def align(self, tokens: Sequence[int], doc_ids: Optional[Sequence[int]] = None,
               next_token: Optional[int] = None) -> TeacherWindow:
-        """The teacher's sequence for student `tokens` (and the label past them, `next_token`) and each student
-        position's target index (module docstring)."""
+        """`align_rows` of one window."""
         return self.align_rows([tokens], None if doc_ids is None else [doc_ids], [next_token])[0]
 
     def align_rows(self, rows: Sequence[Sequence[int]], doc_ids: Optional[Sequence[Sequence[int]]] = None,
@@ -205,7 +183,7 @@ class WindowAligner:
 
     def _assemble(self, n_positions: int, tokens: np.ndarray, docs: list[int], runs: list[_Run],
                   encodings) -> TeacherWindow:
-        """The teacher's window from the runs' encodings (in order) and the specials between them."""
+        """The teacher's window from the runs' encodings and the specials between them."""
         window = TeacherWindow()
         source = np.full(len(tokens), ALIGN_NONE, dtype=np.int64)
         separator_of: dict[int, int] = {}  # student index of a special token -> teacher index of its separator
@@ -231,8 +209,7 @@ class WindowAligner:
         return window
 
     def _piece_starts(self, piece: bytes, encoding) -> np.ndarray:
-        """Where each teacher token of a piece starts, in bytes of the piece (-1: inside a character, where only
-        character offsets are known)."""
+        """Where each teacher token of a piece starts, in bytes (-1: inside a character)."""
         index = self.teacher_table.index(np.asarray(encoding.ids, dtype=np.int64))
         lengths = self.teacher_table.lengths[index]
         if self.teacher_table.known[index].all() and int(lengths.sum()) == len(piece) \
@@ -252,8 +229,7 @@ class WindowAligner:
 
     def _place_run(self, run: _Run, tokens: np.ndarray, window: TeacherWindow, source: np.ndarray, doc: int,
                    separator: Optional[int], run_end: dict[int, int], encodings) -> None:
-        """Append the teacher's tokens of one run and set the targets of the positions whose next token is in it
-        (after its first): the teacher position before the teacher token that starts where that token does."""
+        """Append the teacher's tokens of one run and set the targets of the positions whose next token is in it."""
         keys, values, ids = [], [], []
         for piece_start, piece_end in run.pieces:
             encoding = next(encodings)

@@ -1,24 +1,14 @@
 """The teacher's top-k (or sampled draws) at aligned positions, turned into student targets in the same format.
 
-    outputs, kd_weight = student_topk_targets(teacher_topk, source, vocab_map)
+At an aligned position (`source` >= 0, `alignment.py`) the teacher's k ids become student ids through the vocabulary
+map: the probabilities of teacher ids mapping to one student id add up, those of unmapped ids join the "rest" bucket
+(the top-k tail). Left-over slots hold other student ids at probability 0, so a row's ids stay distinct. kd_weight
+is 1 there and 0 at unaligned positions, whose rows are a placeholder weighed by 0. With `unmapped_entries`
+(distillation.uld_weight > 0) the unmapped entries also travel in the free slots, marked (`loss/uld.py`).
 
-`teacher_topk` is the teacher's `TeacherOutputs("topk", ...)` over its own positions (flattened to [T, k]);
-`source` [B, S] holds, per student position, the teacher position that predicts it (`alignment.py`) or -1.
-At an aligned position the teacher's k ids become student ids through the vocabulary map: the probabilities
-of teacher ids that map to one student id add up, and those of unmapped ids join the "rest" bucket (the tail
-the top-k format already carries). Slots left over (fewer distinct student ids than k) hold other student ids
-with probability 0, so the ids of a row stay distinct, as the losses need. kd_weight is 1 there and 0 at
-unaligned positions, whose rows are a harmless placeholder (CE only: the loss weighs their KD by 0).
-
-With `unmapped_entries` (distillation.uld_weight > 0) the unmapped teacher entries also travel, in the free slots
-(there are always enough: k minus the distinct mapped ids), marked by a negative id (`lingua/distillation/loss/uld.py`),
-and each row is sorted most likely first again; their mass stays in the rest bucket too.
-
-Sampled (`sample_student_ids`, on the teacher's logits): the teacher's probabilities are added up per student id,
-the unmapped ones in a bucket of their own, and the k draws come from that (the same law as drawing teacher ids
-and mapping them). A draw in the unmapped bucket is id -1 with log-prob -inf: the losses give it no student term,
-and extra is the mapped part's sum_s p(s) log(p(s) / M), so the estimate stays unbiased for M * KL(p / M || q)
-(`divergences.sampled_forward_kl`). `student_sampled_targets` then moves the rows to the student's positions.
+Sampled: the teacher's probabilities are added up per student id, the unmapped ones in a bucket of their own (id -1,
+log-prob -inf: no student term), and extra is the mapped part's sum_s p(s) log(p(s) / M), so the estimate stays
+unbiased for M * KL(p / M || q) (`divergences.sampled_forward_kl`).
 """
 
 import torch
@@ -41,8 +31,7 @@ def _padding_ids(kept_ids: torch.Tensor, kept: torch.Tensor, student_vocab_size:
 
 def map_topk_rows(values: torch.Tensor, ids: torch.Tensor, tail: torch.Tensor, vocab_map: VocabMap,
                   unmapped_entries: bool = False):
-    """Teacher top-k rows [N, k] (log-probs, ids, tail) -> student rows [N, k] in the same format, most likely
-    first; see the module docstring."""
+    """Teacher top-k rows [N, k] (log-probs, ids, tail) -> student rows [N, k], most likely first."""
     N, k = ids.shape
     if k > vocab_map.student_vocab_size:
         raise ConfigError(f"distillation.k={k} exceeds the student's vocabulary ({vocab_map.student_vocab_size}); "
@@ -72,8 +61,7 @@ def map_topk_rows(values: torch.Tensor, ids: torch.Tensor, tail: torch.Tensor, v
 
 
 def _with_unmapped_entries(log_values, out_ids, kept, free_rank, unmapped_log):
-    """The j-th free slot takes the j-th largest unmapped log-prob (id marked ~padding id), then the row is
-    sorted most likely first (stable: the placeholders keep their order at the end)."""
+    """The j-th free slot takes the j-th largest unmapped log-prob (id ~padding id); the row sorted again (stable)."""
     ranked = unmapped_log.sort(-1, descending=True).values.gather(-1, free_rank.clamp_min(0))
     entry = ~kept & (ranked > float("-inf"))
     log_values = torch.where(entry, ranked, log_values)
@@ -85,35 +73,39 @@ def _with_unmapped_entries(log_values, out_ids, kept, free_rank, unmapped_log):
 def student_topk_targets(teacher: TeacherOutputs, source: torch.Tensor, vocab_map: VocabMap,
                          wire_dtype: torch.dtype = torch.bfloat16,
                          unmapped_entries: bool = False) -> tuple[TeacherOutputs, torch.Tensor]:
-    """Student-side top-k targets [B, S, k] and kd_weight [B, S] (float32, 1 aligned, 0 not) from the teacher's
-    top-k over its positions (any leading shape, flattened) and `source` [B, S] (indices into them, or -1);
-    `unmapped_entries`: with the marked unmapped entries ULD reads (module docstring)."""
+    """Student top-k targets [B, S, k] and kd_weight [B, S] from the teacher's top-k over its positions and
+    `source` [B, S]; an unaligned position takes the first k student ids, uniform, no rest (finite, weighed by 0)."""
     assert teacher.format == "topk", teacher.format  # sampled: student_sampled_targets
     k = teacher.ids.shape[-1]
-    values, ids, tail = teacher.values.reshape(-1, k), teacher.ids.reshape(-1, k), teacher.extra.reshape(-1)
+    uniform = (-torch.log(torch.tensor(float(k))), torch.arange(k, dtype=torch.int32, device=teacher.ids.device), 0.0)
+    return _at_student_positions(teacher, source, wire_dtype, uniform,
+                                 lambda *rows: map_topk_rows(*rows, vocab_map, unmapped_entries))
+
+
+def _at_student_positions(teacher: TeacherOutputs, source: torch.Tensor, wire_dtype: torch.dtype, unaligned: tuple,
+                          map_rows=lambda *rows: rows) -> tuple[TeacherOutputs, torch.Tensor]:
+    """The teacher's rows (any leading shape, flattened) read at each student position of `source` [B, S] (an
+    index, or -1) and passed through `map_rows`, as outputs [B, S, k] whose unaligned rows are `unaligned` (value,
+    ids, extra), and the kd_weight [B, S] (1 aligned, 0 not)."""
+    k = teacher.ids.shape[-1]
+    values, ids, extra = teacher.values.reshape(-1, k), teacher.ids.reshape(-1, k), teacher.extra.reshape(-1)
     if values.shape[0] == 0:  # a teacher with no positions (an empty window): every position is unaligned
-        values, ids, tail = values.new_zeros(1, k), torch.arange(k, dtype=ids.dtype).view(1, k), tail.new_zeros(1)
-    aligned = source >= 0
+        values, ids, extra = values.new_zeros(1, k), torch.arange(k, dtype=ids.dtype).view(1, k), extra.new_zeros(1)
     rows = source.clamp_min(0).reshape(-1)
-    out_values, out_ids, rest = map_topk_rows(values[rows], ids[rows], tail[rows], vocab_map, unmapped_entries)
-    shape = (*source.shape, k)
-    # Unaligned rows: the first k student ids, uniform, no rest: finite, and weighed by 0 in the loss.
-    placeholder_ids = torch.arange(k, dtype=torch.int32, device=out_ids.device).expand(rows.numel(), k)
-    flat_aligned = aligned.reshape(-1, 1)
-    out_values = torch.where(flat_aligned, out_values, -torch.log(torch.tensor(float(k))))
-    out_ids = torch.where(flat_aligned, out_ids, placeholder_ids)
-    rest = torch.where(aligned.reshape(-1), rest, 0.0)
-    outputs = TeacherOutputs("topk", out_values.reshape(shape).to(wire_dtype), out_ids.reshape(shape),
-                             rest.reshape(source.shape).float())
-    return outputs, aligned.float()
+    values, ids, extra = map_rows(values[rows], ids[rows], extra[rows])
+    aligned = source >= 0
+    flat_aligned, shape = aligned.reshape(-1, 1), (*source.shape, k)
+    values = torch.where(flat_aligned, values.float(), unaligned[0]).reshape(shape).to(wire_dtype)
+    ids = torch.where(flat_aligned, ids, unaligned[1]).reshape(shape).to(torch.int32)
+    extra = torch.where(aligned.reshape(-1), extra.float(), unaligned[2]).reshape(source.shape)
+    return TeacherOutputs(teacher.format, values, ids, extra), aligned.float()
 
 
 @torch.no_grad()
 def sample_student_ids(logits: torch.Tensor, k: int, temperature: float, vocab_map: VocabMap,
                        wire_dtype: torch.dtype = torch.bfloat16, generator=None) -> TeacherOutputs:
-    """Teacher logits [..., V_teacher] -> sampled outputs in student ids [..., k] (module docstring): k draws with
-    replacement from the teacher's probabilities at `temperature` added up per student id (-1: unmapped), their
-    log-probs (-inf for -1) and the mapped part's sum_s p(s) log(p(s) / M)."""
+    """Teacher logits [..., V_teacher] -> k draws with replacement in student ids [..., k] (-1: unmapped), their
+    log-probs at `temperature` and the mapped part's sum_s p(s) log(p(s) / M)."""
     V = vocab_map.student_vocab_size
     table = vocab_map.table(logits.device)
     probs = torch.softmax(logits.float().reshape(-1, logits.shape[-1]) / temperature, dim=-1)
@@ -136,20 +128,6 @@ def sample_student_ids(logits: torch.Tensor, k: int, temperature: float, vocab_m
 
 def student_sampled_targets(teacher: TeacherOutputs, source: torch.Tensor,
                             wire_dtype: torch.dtype = torch.bfloat16) -> tuple[TeacherOutputs, torch.Tensor]:
-    """Student-side sampled targets [B, S, k] and kd_weight [B, S] from `sample_student_ids`'s rows over the
-    teacher's positions (any leading shape, flattened) and `source` [B, S] (indices into them, or -1). An unaligned
-    position gets k unmapped draws and extra 0: a KD of exactly 0 (and weight 0)."""
-    k = teacher.ids.shape[-1]
-    values, ids, extra = teacher.values.reshape(-1, k), teacher.ids.reshape(-1, k), teacher.extra.reshape(-1)
-    aligned = source >= 0
-    rows = source.clamp_min(0).reshape(-1)
-    if values.shape[0] == 0:  # a teacher with no positions (an empty window): every position is unaligned
-        rows = torch.zeros_like(rows)
-        values, ids, extra = values.new_full((1, k), float("-inf")), ids.new_full((1, k), -1), extra.new_zeros(1)
-    flat_aligned = aligned.reshape(-1, 1)
-    out_values = torch.where(flat_aligned, values[rows].float(), float("-inf"))
-    out_ids = torch.where(flat_aligned, ids[rows], -1)
-    out_extra = torch.where(aligned.reshape(-1), extra[rows].float(), 0.0)
-    shape = (*source.shape, k)
-    return TeacherOutputs("sampled", out_values.reshape(shape).to(wire_dtype), out_ids.reshape(shape).to(torch.int32),
-                          out_extra.reshape(source.shape)), aligned.float()
+    """`student_topk_targets` for `sample_student_ids`'s rows; an unaligned position gets k unmapped draws, extra 0:
+    a KD of exactly 0."""
+    return _at_student_positions(teacher, source, wire_dtype, (float("-inf"), -1, 0.0))

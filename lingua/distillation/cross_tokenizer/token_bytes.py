@@ -1,13 +1,6 @@
-"""The UTF-8 bytes each token id stands for, for every tokenizer kind: the common ground of two vocabularies.
-
-    student_bytes = student_token_bytes(tokenizer)   # a lingua.tokenizer.Tokenizer of any kind
-    teacher_bytes = hf_token_bytes(hf_tokenizer)     # a transformers fast tokenizer
-    student_bytes[i]                                 # b" hello", or None for bos/eos and other specials
-
-Byte-level BPE (GPT-2 style: a space is "Ġ", every byte has a printable stand-in) is read through the inverse of
-its byte-to-character table; SentencePiece-style pieces ("▁" for a space, "<0xE2>" for a byte fallback) through
-those two rules. Bytes, not strings, so a token that is part of a character (a byte-level BPE splitting an emoji,
-the byte tokenizer) still has a value and still matches its equal on the other side.
+"""The bytes each token id stands for, for every tokenizer kind: the common ground of two vocabularies. Bytes, not
+strings, so a token that is part of a character still has a value and matches its equal on the other side. Byte-level
+BPE ("Ġ") is read through its byte-to-character table, SentencePiece pieces ("▁", "<0xE2>") through those two rules.
 """
 
 import json
@@ -56,9 +49,7 @@ def hf_token_bytes(tokenizer) -> list[Optional[bytes]]:
         def piece_bytes(piece):
             return bytes(byte_of[c] for c in piece) if all(c in byte_of for c in piece) else None
     elif kinds & {"Metaspace", "ByteFallback", "Replace"}:
-        def piece_bytes(piece):
-            byte = SP_BYTE_PIECE.match(piece)
-            return bytes([int(byte.group(1), 16)]) if byte else piece.replace(SP_SPACE, " ").encode("utf-8")
+        piece_bytes = _sp_piece_bytes
     else:
         def piece_bytes(piece):  # WordPiece and other decoders: only what decodes alone is trusted
             return None
@@ -82,10 +73,14 @@ def sentencepiece_token_bytes(model) -> list[Optional[bytes]]:
         if model.is_control(i) or model.is_unknown(i) or model.is_unused(i):
             table.append(None)
             continue
-        piece = model.id_to_piece(i)
-        byte = SP_BYTE_PIECE.match(piece) if model.is_byte(i) else None
-        table.append(bytes([int(byte.group(1), 16)]) if byte else piece.replace(SP_SPACE, " ").encode("utf-8") or None)
+        table.append(_sp_piece_bytes(model.id_to_piece(i), model.is_byte(i)) or None)
     return table
+
+
+def _sp_piece_bytes(piece: str, may_be_byte: bool = True) -> bytes:
+    """A SentencePiece-style piece's bytes: "<0xNN>" a byte fallback, "▁" a space."""
+    byte = SP_BYTE_PIECE.match(piece) if may_be_byte else None
+    return bytes([int(byte.group(1), 16)]) if byte else piece.replace(SP_SPACE, " ").encode("utf-8")
 
 
 def byte_fallback_ids(tokenizer: Tokenizer) -> set[int]:

@@ -1,13 +1,6 @@
-"""The vocabulary map: which student id each teacher id is, built once from the two tokenizers' bytes.
-
-    vocab_map = build_vocab_map(student_token_bytes(student), hf_token_bytes(teacher), byte_fallback_ids(student))
-    vocab_map.teacher_to_student[t]   # the student id whose bytes equal teacher id t's, or -1 (unmapped)
-
-A teacher id maps when its bytes are exactly one student token's bytes; teacher tokens that are several student
-tokens (or part of one) stay unmapped: their probability goes to the "rest" bucket of the student's targets
-(`targets.py`). Several teacher ids may map to one student id (their probabilities add up there). Special tokens
-have no bytes: the teacher's eos and bos map to the student's by role (`roles`, eos first, so a teacher whose bos
-is its eos sends "the document ends" to the student's eos); its other specials stay unmapped.
+"""The vocabulary map: teacher id -> the student id with the same bytes, or -1 (several student tokens, part of one,
+a special); several teacher ids may map to one student id. The teacher's eos and bos map to the student's by role
+(eos first, so a teacher whose bos is its eos sends "the document ends" to the student's eos).
 """
 
 import hashlib
@@ -21,7 +14,7 @@ from lingua.parallel.host_copies import to_device
 
 @dataclass
 class VocabMap:
-    """teacher_to_student: int64 [teacher vocabulary], a student id or -1; student_vocab_size: the student's V."""
+    """teacher_to_student: int64 [teacher vocabulary], a student id or -1."""
 
     teacher_to_student: torch.Tensor
     student_vocab_size: int
@@ -49,24 +42,18 @@ class VocabMap:
         return digest.hexdigest()[:16]
 
 
-def _student_ids_by_bytes(student_bytes: Sequence[Optional[bytes]], fallback_ids: Collection[int]) -> dict[bytes, int]:
-    """bytes -> student id. Where several ids share bytes (a SentencePiece byte fallback "<0x41>" beside "A"),
-    a regular piece wins over a byte-fallback one (it is what the student's encoder produces), then the lowest id."""
-    chosen: dict[bytes, int] = {}
-    for i, data in enumerate(student_bytes):
-        if data and (data not in chosen or (chosen[data] in fallback_ids and i not in fallback_ids)):
-            chosen[data] = i
-    return chosen
-
-
 def build_vocab_map(student_bytes: Sequence[Optional[bytes]], teacher_bytes: Sequence[Optional[bytes]],
                     student_fallback_ids: Collection[int] = (),
                     roles: Sequence[tuple[Optional[int], Optional[int]]] = ()) -> VocabMap:
-    """The map from teacher ids to student ids by equal bytes (`token_bytes.py` gives both tables and the student's
-    byte-fallback ids; None = a special token), then the specials paired by role: (teacher id, student id) pairs,
-    e.g. [(teacher eos, student eos), (teacher bos, student bos)]; a teacher id keeps its first pair, a None
-    side is skipped."""
-    by_bytes = _student_ids_by_bytes(student_bytes, frozenset(student_fallback_ids))
+    """The map from teacher ids to student ids by equal bytes (`token_bytes.py`'s tables, None = a special), then
+    the specials paired by `roles`: (teacher id, student id) pairs, a teacher id keeping its first, None skipped."""
+    fallback = frozenset(student_fallback_ids)
+    # Where ids share bytes, a regular piece wins over a byte fallback ("A" over "<0x41>": what the student's encoder
+    # produces), then the lowest id.
+    by_bytes: dict[bytes, int] = {}
+    for i, data in enumerate(student_bytes):
+        if data and (data not in by_bytes or (by_bytes[data] in fallback and i not in fallback)):
+            by_bytes[data] = i
     table = [by_bytes.get(data, -1) if data else -1 for data in teacher_bytes]
     paired: set[int] = set()
     for teacher_id, student_id in roles:

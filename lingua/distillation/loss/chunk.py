@@ -1,37 +1,28 @@
-"""One chunk of the fused CE + KD loss: from the chunk's logits z [rows, V] to its loss rows and dLoss/dz, with KD
-folded into CE's own passes over [rows, V] (`fused_loss.py` walks the chunks and runs the head's GEMMs).
+"""One chunk of the fused loss: from the chunk's logits z [rows, V] to its loss rows and dLoss/dz, KD folded into
+CE's own five passes over [rows, V] (max, subtract, exp, sum, multiply; then a 1-wide scatter_add at the label).
 
-CE alone takes five passes over the chunk: max, subtract, exp, sum, multiply (then a 1-wide scatter_add at the
-label). KD at T = 1 adds none of its own, for the top-k format (fkl, rkl, jsd) and the sampled one:
+    topk     gather z at the k ids, scatter -inf there; CE's max pass then gives the rest's max m_r and the global
+             max is max(m_r, max z_ids). g = exp(z - m_r) is CE's exp pass (0 on the ids), Z_r = sum g its sum pass,
+             and lse = log(exp(m_r - max) Z_r + sum_ids exp(z_i - max)) + max has no cancellation, so log q_rest =
+             m_r + log Z_r - lse stays exact when the rest lies far below the ids. With a = z / T, s = softmax(a)
+             and G_b = dKD/d(log q_b) (`divergences.divergence`): on an id dKD/da_i = G_i - q_i sum(G); elsewhere
+             dKD/da_v = exp(a_v - lse_rest) (G_rest - q_rest sum(G)), one coefficient per row riding on CE's
+             multiply pass. The ids get their CE + KD gradient by a k-wide scatter.
+    sampled  dKD/da = s - counts / k: CE's softmax with a larger coefficient plus a k-wide scatter_add; a
+             cross-tokenizer draw of an unmapped id (-1) adds nothing: (mapped / k) s - counts / k.
+    T != 1   KD needs exp((z - m_r) / T) besides CE's exp(z - m_r): three more passes and an addcmul.
+    full     its own log-softmax over the vocabulary (about eight more passes): dKD/da = G - q sum(G).
 
-    topk     gather z at the k ids, scatter -inf there (k-wide); CE's max pass then gives the REST's max m_r,
-             the global max is max(m_r, max z_ids) (k-wide). g = exp(z - m_r) is CE's exp pass (0 on the ids),
-             Z_r = sum g is CE's sum pass, and the softmax normaliser is exp(m_r - max) Z_r + sum_ids
-             exp(z_i - max) (no cancellation), so log q_rest = m_r + log Z_r - lse is exact even when the
-             rest lies far below the ids. Off the ids CE's softmax is g * exp(m_r - lse) and KD's rest
-             gradient g / Z_r * B_rest: one coefficient per row, CE's multiply pass. The ids get their
-             combined CE + KD gradient by a k-wide scatter, the label its -1 by a 1-wide scatter_add.
-    sampled  dKD/dz = s - counts / k: CE's softmax with a larger coefficient plus a k-wide scatter_add. A
-             cross-tokenizer draw of an unmapped id (id -1) adds nothing: dKD/dz = (mapped / k) s - counts / k.
-    T != 1   KD needs exp((z - m_r) / T) besides CE's exp(z - m_r): three more passes (divide, exp, sum) and
-             the multiply becomes multiply + addcmul. The full format builds its log-softmax over the
-             vocabulary as before (about eight more passes).
-
-The math of each divergence (G = dD/d log q per bucket) is `divergences.divergence`; the bucket gradient
-dKD/da_b = G_b - q_b sum(G) is spread over the rest as exp(a_v - lse_rest(a)) (see `fused_loss`'s doc).
-Masked rows come in with z = 0 and finite in-range ids; every per-row coefficient goes through `where`.
+KD enters the logits' gradient as T^2 dKD/dz = T dKD/da. Masked rows come in with z = 0 and in-range ids; every
+per-row coefficient goes through `where`. tests/unit/lingua/distillation/loss/test_fused_passes.py counts the passes.
 """
 
 from typing import NamedTuple, Optional
 
 import torch
 
-from lingua.distillation.loss.divergences import (
-    divergence,
-    sampled_forward_kl,
-    teacher_full_log_probs,
-    teacher_topk_log_probs,
-)
+from lingua.distillation.loss.divergences import (divergence, sampled_forward_kl, teacher_full_log_probs,
+                                                  teacher_topk_log_probs)
 
 
 def _student_top1(z_ids, ids, rest_max, rest_argmax, z_max, vocab_size):
@@ -41,23 +32,12 @@ def _student_top1(z_ids, ids, rest_max, rest_argmax, z_max, vocab_size):
     return torch.minimum(id_top1, rest_top1)
 
 
-def _kd_rest_at_temperature(shifted_z, temperature):
-    """exp((z - shift) / T) in a new buffer (0 where z = -inf) and its row sums: KD's rest at T != 1."""
-    soft = shifted_z.div(temperature).exp_()
-    return soft, soft.sum(-1, keepdim=True)
-
-
 def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd_scale, temperature, kind, jsd_beta,
                         uld=None):
-    """(CE per row, KD per row or None, student argmax per row, g = dLoss/dz, recipe) for one chunk; overwrites z.
-
-    z [rows, V] in the work dtype; labels [rows, 1] in range; row_mask [rows] (label != -100); teacher: None or
-    (format, values, extra) of the chunk; ids [rows, k] in range and distinct per row (None without ids; sampled:
-    repeats, and -1 for a cross-tokenizer draw without a student id);
-    kd_rows [rows]: rows whose KD counts; ce_scale a 0-dim tensor, kd_scale [rows] (0 off kd_rows). The recipe
-    rebuilds g from z (`GradRecipe`; None for the full format): `vocab_block_weight_grad` needs it. uld: None or a
-    `uld.ChunkULD` (top-k only): its topk over the rest replaces the max pass, its term joins KD (`uld.py`).
-    """
+    """(CE per row, KD per row or None, student argmax per row, g = dLoss/dz, `GradRecipe` or None) of one chunk;
+    overwrites z [rows, V] (work dtype). teacher: None or (format, values, extra); ids [rows, k] in range, distinct
+    per row (sampled: repeats, -1 unmapped); kd_rows [rows]: rows whose KD counts; ce_scale 0-dim, kd_scale [rows];
+    uld: None or a `uld.ChunkULD` (top-k only), whose topk over the rest replaces the max pass."""
     V = z.shape[-1]
     format = None if teacher is None else teacher[0]
     mapped = None
@@ -83,8 +63,9 @@ def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd
     else:
         g = z.sub_(shift)
     soft = soft_sum = None
-    if format in ("topk", "sampled") and temperature != 1.0:
-        soft, soft_sum = _kd_rest_at_temperature(g, temperature)
+    if format in ("topk", "sampled") and temperature != 1.0:  # KD's rest at T != 1, in a buffer of its own
+        soft = g.div(temperature).exp_()
+        soft_sum = soft.sum(-1, keepdim=True)
     g = g.exp_()  # exp(z - shift), 0 on excluded ids
     rest_sum = g.sum(-1, keepdim=True)
     if excluded:
@@ -147,8 +128,7 @@ def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd
 
 
 def _combine(g, ce_coef, soft, rest_coef):
-    """g <- ce_coef * g + rest_coef * soft: one multiply pass when soft is g (T = 1), multiply + addcmul if not.
-    Returns the (coefficient of g, coefficient of soft or None) it applied."""
+    """g <- ce_coef * g + rest_coef * soft (one multiply pass when soft is g, at T = 1); returns the coefficients."""
     if rest_coef is None:
         g.mul_(ce_coef)
         return ce_coef, None
@@ -180,10 +160,8 @@ class GradRecipe(NamedTuple):
 
 
 def vocab_block_weight_grad(hidden, weight, recipe: GradRecipe, temperature: float, block: int, work_dtype):
-    """grad_W = dz^T hidden, one vocabulary block of `block` ids at a time: the block's logits are recomputed for
-    all rows, dz rebuilt from the recipe, and one GEMM over all rows writes the block (its fp32 accumulator
-    rounds once, to the weight's dtype): no fp32 [V, D] accumulator, one extra logits GEMM. hidden has its
-    masked rows zeroed already."""
+    """grad_W = dz^T hidden one block of `block` vocabulary ids at a time: the block's logits recomputed for all rows
+    (hidden's masked rows zeroed), dz rebuilt from the recipe, one GEMM writes the block; no fp32 [V, D]."""
     V, N = weight.shape[0], hidden.shape[0]
     grad_weight = torch.empty_like(weight)
     buffer = torch.empty(N, block + 1, dtype=work_dtype, device=hidden.device)  # a spare column for others' ids

@@ -1,9 +1,5 @@
-"""The objective's math, one home for both losses: divergences with their gradients, the teacher's buckets,
-the statistics of its support, and the CE/KD mix.
-
-`fused_loss.fused_linear_kd_loss` (the default, closed-form gradients) and `reference_loss.kd_loss` (logits +
-autograd, the float64 check of the fused one) both compute through these functions, so a new divergence is one
-edit here (a value and its gradient G = dD/d(log q), checked against autograd by tests/unit/lingua/distillation/loss/test_divergences.py).
+"""The objective's math, one home for the fused loss and the reference (a new divergence is one edit here: a value
+and its gradient G = dD/d(log q), checked against autograd by tests/unit/lingua/distillation/loss/test_divergences.py).
 
     p = teacher, q = student, over buckets b (the vocabulary, or the top-k ids plus "rest")
     fkl   D = sum p (log p - log q)                 G = -p
@@ -44,8 +40,8 @@ def divergence(log_p: torch.Tensor, log_q: torch.Tensor, kind: str, jsd_beta: fl
 
 def teacher_topk_log_probs(values: torch.Tensor, tail: torch.Tensor, dtype: torch.dtype,
                            with_rest: bool) -> torch.Tensor:
-    """The teacher's k top-k buckets (+ "rest" with `with_rest`), renormalised in `dtype` (bf16 values sum to
-    1 only roughly) and floored at LOG_TINY: [..., k(+1)] log-probs."""
+    """[..., k(+1)] log-probs of the teacher's top-k buckets (+ "rest"), renormalised in `dtype` (bf16 values sum
+    to 1 only roughly) and floored at LOG_TINY."""
     log_t = values.to(dtype)
     tail = tail.to(dtype).clamp(0.0, 1.0)
     log_total = torch.log(log_t.exp().sum(-1) + tail).unsqueeze(-1)
@@ -63,15 +59,12 @@ def teacher_full_log_probs(values: torch.Tensor, dtype: torch.dtype) -> torch.Te
 def sampled_forward_kl(neg_entropy: torch.Tensor, student_log_probs_of_samples: torch.Tensor,
                        mapped: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The Monte-Carlo forward KL from k samples x_j ~ p_T: sum p log p - (1/k) sum_j log q(x_j) (unbiased).
-
-    `mapped` [..., k] (cross-tokenizer): the draws that have a student id; the others add nothing, so with
-    neg_entropy = sum_s p(s) log(p(s) / M) over the student ids (M their mass) the estimate is unbiased for
-    M * KL(p / M || q), the forward KL of the teacher's mapped part renormalised."""
+    `mapped` [..., k] (cross-tokenizer): draws with a student id; with neg_entropy = sum_s p(s) log(p(s) / M) over
+    the student ids (M their mass) the estimate is unbiased for M * KL(p / M || q)."""
     log_q = student_log_probs_of_samples
-    if mapped is None:
-        return neg_entropy.to(log_q.dtype) - log_q.mean(-1)
-    # mean, as above: on one tokenizer (every draw mapped) the same arithmetic, to the last bit on every device
-    return neg_entropy.to(log_q.dtype) - torch.where(mapped, log_q, 0.0).mean(-1)
+    # mean either way: on one tokenizer (every draw mapped) the same arithmetic, to the last bit on every device
+    log_q = log_q if mapped is None else torch.where(mapped, log_q, 0.0)
+    return neg_entropy.to(log_q.dtype) - log_q.mean(-1)
 
 
 def teacher_support(values: torch.Tensor, ids: Optional[torch.Tensor], extra: Optional[torch.Tensor],
@@ -87,6 +80,13 @@ def teacher_support(values: torch.Tensor, ids: Optional[torch.Tensor], extra: Op
     first = torch.ones_like(sorted_ids, dtype=torch.bool)
     first[..., 1:] = sorted_ids[..., 1:] != sorted_ids[..., :-1]
     return (values.float().gather(-1, order).exp() * first).sum(-1), top1
+
+
+def kd_rows_and_weights(mask: torch.Tensor, kd_weight: Optional[torch.Tensor], dtype: torch.dtype):
+    """(KD rows: masked-in positions with a positive weight, their weights in `dtype`, 0 elsewhere)."""
+    weight = torch.ones_like(mask, dtype=dtype) if kd_weight is None else kd_weight.to(dtype)
+    kd_rows = mask & (weight > 0)
+    return kd_rows, torch.where(kd_rows, weight, 0.0)
 
 
 def distillation_loss(ce, kd, alpha: float, temperature: float):

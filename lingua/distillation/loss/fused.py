@@ -3,50 +3,15 @@
     loss, stats = fused_linear_kd_loss(hidden, model.output.weight, labels, teacher, n_valid, alpha, T)
     loss = ((1 - alpha) * sum_i CE_i + alpha * T^2 * sum_i KD_i) / normalizer   over positions with label != -100
 
-This is the same objective as CE (`lingua.transformer.cross_entropy_sum`) + `reference_loss.kd_loss` mixed by
-`divergences.distillation_loss`, computed differently (the idea of Liger-Kernel's fused linear
-distillation): the rows are walked in chunks; per chunk the logits z = h W^T are formed in fp32,
-the loss rows and dLoss/dz are written in closed form into the chunk's buffers, and dz is pushed
-through the head at once (grad_h = dz W, grad_W += dz^T h). Backward only scales the stored grads by
-grad_output. So one chunk of fp32 [rows, V] work lives at a time, nothing is recomputed, and the
-extra memory is grad_W ([V, D], which autograd would allocate anyway; kept in fp32 while the chunks
-add into it, then cast to the weight's dtype) from forward to backward. A chunk's math is
-`fused_chunk.chunk_loss_and_grad`: at T = 1 top-k (every divergence) and sampled KD ride on CE's own
-five passes over [rows, V] (max, subtract, exp, sum, multiply) with k-wide gathers and scatters;
-T != 1 adds three passes and an addcmul, the full format its own log-softmax (tests/unit/lingua/distillation/loss/test_fused_passes.py).
+CE + `reference.kd_loss` computed as Liger-Kernel's fused linear distillation does: per chunk of rows the logits
+z = h W^T are formed in fp32, the loss rows and dLoss/dz written in closed form (`chunk.py`) and dz pushed through
+the head at once (grad_h = dz W, grad_W += dz^T h, in fp32). Backward only scales the stored grads: one chunk of
+fp32 [rows, V] lives at a time and nothing is recomputed. Masked positions contribute exactly zero, also when their
+hidden states or teacher tensors are inf/nan (`where`, never a multiply by the mask); no step reads the device.
 
-Gradients per position, with a = z / T, s = softmax(a), and bucket log-probs log q_b of the student:
-CE gives softmax(z) - onehot(y). KD enters as T^2 * dKD/dz = T * dKD/da, and dKD/da follows from
-G_b = dKD/d(log q_b) (p = the teacher's buckets, `divergences.teacher_*_log_probs`; D and G come from
-`divergences.divergence`, whose docstring lists them):
-
-    fkl   KD = sum p (log p - log q)                 G = -p
-    rkl   KD = sum q (log q - log p)                 G = q (log q - log p + 1)
-    jsd   KD = beta sum p (log p - log m) + (1 - beta) sum q (log q - log m),  m = beta p + (1 - beta) q
-                                                     G = (1 - beta) q (log q - log m)
-          (d/dq of the beta and (1 - beta) parts' log m terms cancel to -(1 - beta), leaving the above)
-
-    full     buckets = the vocabulary: dKD/da = G - q sum(G)   (fkl: q sum(p) - p)
-    topk     buckets = the k ids + "rest". log q_i = a_i - lse(a), log q_rest = lse_rest(a) - lse(a), so
-             on an id      dKD/da_i = G_i - q_i sum(G)
-             elsewhere     dKD/da_v = s_v / q_rest * (G_rest - q_rest sum(G))
-                                    = exp(a_v - lse_rest(a)) * (G_rest - q_rest sum(G))
-             (fkl: q_i - p_i on the ids, s_v (1 - p_rest / q_rest) elsewhere). exp(a_v - lse_rest) is
-             computed from the rest's own max (the ids are set to -inf before CE's max pass), so a rest
-             bucket far below the top ids stays exact.
-    sampled  KD = extra - mean_j log s(x_j);  dKD/da = s - counts / k  (counts of each id among the k)
-
-Masked positions (label -100) contribute exactly zero, also when their hidden states or teacher
-tensors are inf/nan: their hidden rows are zeroed before the head and every per-row coefficient
-goes through `where`, never a multiply by the mask. No step reads a device value on the host.
-
-Using it: call it where the head would run, inside the model's forward (under FSDP2 the head weight is
-then the unsharded plain tensor; a DTensor or a vocab-sharded head is not supported), with the
-tied `tok_embeddings.weight` when embeddings are tied (autograd adds the two grads). Not inside an
-activation-checkpointed region (the forward already does the backward's work), and one backward per
-call. bf16 hidden/weight: bf16 GEMMs, fp32 loss math and grad_W accumulation, grads returned in bf16. On CUDA
-each chunk's bf16 grad_W GEMM writes into the fp32 accumulator directly (`addmm` with `out_dtype`); elsewhere
-it makes a bf16 [V, D] product first, then adds it.
+Call it where the head would run, inside the model's forward (under FSDP2 the unsharded plain head weight; not a
+DTensor or a vocab-sharded head), with `tok_embeddings.weight` when tied; not inside an activation-checkpointed
+region. bf16 hidden/weight: bf16 GEMMs, fp32 loss math and grad_W accumulation, grads returned in bf16.
 """
 
 import functools
@@ -56,18 +21,14 @@ from typing import Optional, Union
 import torch
 
 from lingua.distillation.loss.compiled_chunk import compiled_chunk_loss_and_grad
-from lingua.distillation.loss.divergences import DIVERGENCES, distillation_loss, teacher_support
+from lingua.distillation.loss.divergences import DIVERGENCES, distillation_loss, kd_rows_and_weights, teacher_support
 from lingua.distillation.loss.chunk import GradRecipe, chunk_loss_and_grad, vocab_block_weight_grad
 from lingua.distillation.outputs import TeacherOutputs, check_format
-from lingua.distillation.loss.uld import ChunkULD, check_uld, split_unmapped
+from lingua.distillation.loss.uld import ChunkULD, split_unmapped
 
-# Auto chunking: rows per chunk so the chunk's fp32 [rows, V] work tensors fit about this many bytes.
-# CPU: 256 MiB is ~450 rows at V=49k. Measured (2-core CPU, V=49k, N=1k): with 1 thread any chunk of
-# 96-1024 rows costs the same as CE (GEMMs are ~90% of the step); with 2 threads every op pays a
-# thread-pool sync, and 113-row chunks (64 MiB) cost 1.46x CE's CPU time where 512-row ones cost 1.08x.
-# 256 MiB is still a sixth of one [N, V] fp32 tensor at N=8k. CUDA: GEMMs need ~1k+ rows to fill the
-# SMs, and 1 GiB is a small share of a GPU. A fixed budget, not a share of free memory, keeps chunk
-# boundaries (hence rounding) the same from run to run and rank to rank.
+# Auto chunking: rows per chunk so the chunk's fp32 [rows, V] work fits this many bytes. CPU (2 cores, V=49k):
+# 113-row chunks cost 1.46x CE's time, 512-row ones 1.08x (every op pays a thread-pool sync); CUDA GEMMs need ~1k+
+# rows. A fixed budget, not a share of free memory, keeps chunk boundaries (hence rounding) equal on every rank.
 AUTO_CHUNK_BYTES = {"cpu": 256 * 2**20, "cuda": 1024 * 2**20}
 # weight_grad="vocab_blocks" keeps no fp32 [V, D]: its chunks and vocabulary blocks get a smaller budget, a peak
 # close to the grads themselves (a GPU sets the final value: docs/gpu.md).
@@ -90,9 +51,7 @@ def auto_chunk_rows(vocab_size: int, format: Optional[str], device: Union[str, t
 
 @functools.lru_cache(maxsize=None)
 def accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this device adds a `dtype` GEMM into an fp32 tensor in one call (`torch.addmm(acc, ..., out_dtype=
-    torch.float32, out=acc)`): CUDA for fp16/bf16 where torch's kernel accepts an fp32 `acc` (older ones want it in
-    the inputs' dtype); not CPU. A tiny probe, once per device."""
+    """Whether `torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)` adds a `dtype` GEMM into fp32 here."""
     if dtype == torch.float32:
         return False
     acc = torch.zeros(2, 2, dtype=torch.float32, device=device)
@@ -106,9 +65,7 @@ def accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def multiplies_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this device multiplies two `dtype` matrices into an fp32 result in one call (`torch.mm(a, b,
-    out_dtype=torch.float32)`, the GEMM's fp32 accumulator kept instead of rounded to `dtype`): CUDA for fp16/bf16
-    where torch has the kernel; not CPU. A tiny probe, once per device, like `accumulates_in_fp32`."""
+    """Whether `torch.mm(a, b, out_dtype=torch.float32)` keeps a `dtype` GEMM's fp32 accumulator here (CUDA)."""
     if dtype == torch.float32:
         return False
     a = torch.ones(2, 2, dtype=dtype, device=device)
@@ -118,14 +75,11 @@ def multiplies_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta,
-                chunk_size, kd_weight, vocab_block, compiled, uld, need_grad_hidden, need_grad_weight, more=()):
-    """(loss, stats [4 + 3 * len(more)], grad_hidden or None, grad_weight or None) of the flattened inputs, chunk
-    by chunk; vocab_block > 0: grad_W by `vocab_block_weight_grad` in blocks of that many ids, not by accumulation;
-    compiled: the chunk math through torch.compile (`compiled_chunk`), the last chunk padded to the others' rows;
-    uld: None or (uld_weight, uld_k) for marked cross-tokenizer top-k rows (`uld.py`); more: (flat teacher, flat
-    kd_weight) of further teachers whose KD terms add to the loss on the same logits and gradient GEMMs (neither
-    vocab_block, compiled nor uld)."""
+def _fused_pass(hidden, weight, labels, teachers, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
+                vocab_block, compiled, uld, need_grad_hidden, need_grad_weight):
+    """(loss, stats, grad_hidden or None, grad_weight or None) of the flattened inputs. teachers: (flat outputs,
+    flat kd_weight) each, none for CE alone; the first carries CE, the others read a copy of the chunk's logits.
+    vocab_block > 0: grad_W by `vocab_block_weight_grad`; uld: None or (uld_weight, uld_k), the first teacher's."""
     N, D = hidden.shape
     V = weight.shape[0]
     dtype = torch.promote_types(hidden.dtype, torch.float32)
@@ -135,13 +89,15 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
     if not isinstance(normalizer, torch.Tensor):
         normalizer = torch.full((), float(normalizer), dtype=dtype, device=hidden.device)
     inv_norm = 1.0 / normalizer.to(device=hidden.device, dtype=dtype)
-    if teacher is None:
+    if not teachers:
         alpha = 0.0
     ce_scale, kd_scale = (1.0 - alpha) * inv_norm, alpha * temperature * inv_norm
-    stats = torch.zeros(4 + 3 * len(more), dtype=dtype, device=hidden.device)
+    no_ce = torch.zeros((), dtype=dtype, device=hidden.device)
+    calls = teachers or [(None, None)]
+    stats = torch.zeros(1 + 3 * len(calls), dtype=dtype, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
     # The recipes rebuild dz block by block after the chunks; the full format has none (it accumulates).
-    by_blocks = need_grad_weight and vocab_block > 0 and (teacher is None or teacher.format != "full")
+    by_blocks = need_grad_weight and vocab_block > 0 and (not teachers or teachers[0][0].format != "full")
     recipes = []
     # fp32 accumulator for a bf16 head: adding bf16 partial sums chunk after chunk would round each time.
     grad_weight = torch.zeros(V, D, dtype=dtype, device=weight.device) if need_grad_weight and not by_blocks else None
@@ -157,34 +113,34 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
         row_mask = pad(mask[rows])
         h = pad(masked_hidden[rows])
         z = h @ weight.T if compiled else (h @ weight.T).to(dtype)
-        values = ids = extra = None
-        z_more = z.clone() if more else None  # the chunk math overwrites z: further teachers read a copy
-        if teacher is None:
-            kd_rows, row_kd_scale = row_mask, torch.zeros_like(row_mask, dtype=dtype)
-        else:
+        spare = z.clone() if len(calls) > 1 else None  # the chunk math overwrites z: further teachers read a copy
+        per_row = []
+        for i, (teacher, kd_weight) in enumerate(calls):
+            if i > 0:
+                z = spare.clone() if i + 1 < len(calls) else spare
             values, ids, extra, row_weight, kd_rows, row_kd_scale, chunk_uld = _chunk_teacher(
-                teacher, kd_weight, rows, pad, row_mask, kd_scale, dtype, uld, V)
-        chunk_teacher = None if teacher is None else (teacher.format, values, extra)
-        chunk_args = (pad(safe_labels[rows]), row_mask, chunk_teacher, ids, kd_rows, ce_scale, row_kd_scale,
-                      temperature, divergence, jsd_beta) + ((chunk_uld,) if uld is not None else ())
-        if compiled:  # z in the head's dtype; g comes back in it, written over z
-            ce, kd, student_top1, g, recipe = compiled_chunk_loss_and_grad(z, dtype, *chunk_args)
-        else:
-            ce, kd, student_top1, g, recipe = chunk_loss_and_grad(z, *chunk_args)
-        if teacher is None:
-            kd = mass = agree = torch.zeros_like(ce)
-        else:
-            mass, teacher_top1 = teacher_support(values, ids, extra, teacher.format)
-            agree = (student_top1 == teacher_top1).to(dtype)
-            # The KD stats are sums weighted by the KD weight (where, not multiply: a weight-0 row may be nan).
-            kd, mass, agree = (torch.where(kd_rows, t.to(dtype) * row_weight, 0.0) for t in (kd, mass, agree))
-        per_row = torch.stack([ce, kd, mass, agree])
-        if more:
-            per_row = torch.cat([per_row, _more_teachers(z_more, more, rows, pad, safe_labels, row_mask, g,
-                                                         kd_scale, temperature, divergence, jsd_beta, dtype)])
-            z_more = None
-        stats += torch.where(row_mask, per_row, 0.0).sum(-1)
-        z = None  # g is z's buffer; only g lives on into the grad GEMMs
+                teacher, kd_weight, rows, pad, row_mask, kd_scale, dtype, uld if i == 0 else None, V)
+            chunk_teacher = None if teacher is None else (teacher.format, values, extra)
+            chunk_args = (pad(safe_labels[rows]), row_mask, chunk_teacher, ids, kd_rows, ce_scale if i == 0 else no_ce,
+                          row_kd_scale, temperature, divergence, jsd_beta)
+            if compiled:  # z in the head's dtype; g comes back in it, written over z
+                ce, kd, student_top1, g_i, recipe_i = compiled_chunk_loss_and_grad(z, dtype, *chunk_args)
+            else:
+                ce, kd, student_top1, g_i, recipe_i = chunk_loss_and_grad(z, *chunk_args, uld=chunk_uld)
+            if i == 0:
+                g, recipe = g_i, recipe_i
+                per_row.append(ce)
+            else:
+                g.add_(g_i)
+            if teacher is None:
+                per_row += [torch.zeros_like(ce)] * 3
+            else:
+                mass, teacher_top1 = teacher_support(values, ids, extra, teacher.format)
+                agree = (student_top1 == teacher_top1).to(dtype)
+                # Sums weighted by the KD weight (where, not multiply: a weight-0 row may be nan).
+                per_row += [torch.where(kd_rows, t.to(dtype) * row_weight, 0.0) for t in (kd, mass, agree)]
+        stats += torch.where(row_mask, torch.stack(per_row), 0.0).sum(-1)
+        z = spare = g_i = None  # g is z's buffer; only g lives on into the grad GEMMs
         if by_blocks:
             recipes.append(GradRecipe(*(None if t is None else t[:n_rows] for t in recipe[:-1]), recipe.ids_set))
         if need_grad_hidden or need_grad_weight:
@@ -199,7 +155,7 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
                 torch.addmm(grad_weight, g.T, h, out_dtype=dtype, out=grad_weight)
             else:
                 grad_weight.add_(g.T @ h)
-    kd_sum = stats[1] + stats[4::3].sum() if more else stats[1]
+    kd_sum = stats[1] + stats[4::3].sum() if len(calls) > 1 else stats[1]
     loss = distillation_loss(stats[0], kd_sum, alpha, temperature) * inv_norm
     if by_blocks:
         g = None
@@ -210,13 +166,12 @@ def _fused_pass(hidden, weight, labels, teacher, normalizer, alpha, temperature,
     return loss, stats.float(), grad_hidden, grad_weight
 
 
-def _chunk_teacher(teacher, kd_weight, rows, pad, row_mask, kd_scale, dtype, uld=None, vocab_size=0):
-    """A teacher's tensors for the chunk's rows, its KD weight and KD rows (valid labels with a positive weight; a
-    row outside them takes CE alone), each row's KD scale and, with `uld`, the chunk's ULD side (else None)."""
-    values, ids, extra = (None if t is None else pad(t[rows]) for t in teacher)
-    row_weight = torch.ones_like(row_mask, dtype=dtype) if kd_weight is None else pad(kd_weight[rows]).to(dtype)
-    kd_rows = row_mask & (row_weight > 0)
-    row_weight = torch.where(kd_rows, row_weight, 0.0)
+def _chunk_teacher(teacher, kd_weight, rows, pad, row_mask, kd_scale, dtype, uld, vocab_size):
+    """A teacher's (values, ids, extra) for the chunk's rows, KD weights and rows, each row's KD scale and ULD side."""
+    if teacher is None:
+        return None, None, None, None, row_mask, torch.zeros_like(row_mask, dtype=dtype), None
+    values, ids, extra = (None if t is None else pad(t[rows]) for t in (teacher.values, teacher.ids, teacher.extra))
+    kd_rows, row_weight = kd_rows_and_weights(row_mask, None if kd_weight is None else pad(kd_weight[rows]), dtype)
     chunk_uld = None
     if uld is not None:  # the unmapped entries leave the top-k targets and become ULD's teacher side
         values, ids, teacher_sorted = split_unmapped(values, ids, extra, uld[1], dtype)
@@ -228,25 +183,6 @@ def _chunk_teacher(teacher, kd_weight, rows, pad, row_mask, kd_scale, dtype, uld
     return values, ids, extra, row_weight, kd_rows, kd_scale * row_weight, chunk_uld
 
 
-def _more_teachers(z, more, rows, pad, safe_labels, row_mask, g, kd_scale, temperature, divergence, jsd_beta, dtype):
-    """Further teachers' KD on the chunk's logits `z` (a copy, overwritten): each one's gradient is added into g
-    (no CE: its scale is 0), and its per-row (KD, mass, agreement), weighted by its KD weight, are returned."""
-    zero = torch.zeros((), dtype=dtype, device=z.device)
-    per_row = []
-    for i, (teacher, kd_weight) in enumerate(more):
-        z_i = z.clone() if i + 1 < len(more) else z
-        values, ids, extra, row_weight, kd_rows, row_kd_scale, _ = _chunk_teacher(teacher, kd_weight, rows, pad,
-                                                                                  row_mask, kd_scale, dtype)
-        _, kd, student_top1, g_i, _ = chunk_loss_and_grad(z_i, pad(safe_labels[rows]), row_mask,
-                                                          (teacher.format, values, extra), ids, kd_rows, zero,
-                                                          row_kd_scale, temperature, divergence, jsd_beta)
-        g.add_(g_i)
-        mass, teacher_top1 = teacher_support(values, ids, extra, teacher.format)
-        agree = (student_top1 == teacher_top1).to(dtype)
-        per_row += [torch.where(kd_rows, t.to(dtype) * row_weight, 0.0) for t in (kd, mass, agree)]
-    return torch.stack(per_row)
-
-
 def _pad_rows(t, extra_rows):
     """t with `extra_rows` rows of zeros (False, id 0) appended: masked rows for a compiled short chunk."""
     if extra_rows == 0:
@@ -254,34 +190,26 @@ def _pad_rows(t, extra_rows):
     return torch.cat([t, t.new_zeros((extra_rows,) + tuple(t.shape[1:]))])
 
 
-class _FlatTeacher:
-    """The teacher's tensors flattened to [N, ...] rows; iterates as (values, ids, extra)."""
-
-    def __init__(self, teacher: TeacherOutputs, N: int):
-        self.format = teacher.format
-        self.values = teacher.values.reshape(N, teacher.values.shape[-1])
-        self.ids = None if teacher.ids is None else teacher.ids.reshape(N, teacher.ids.shape[-1])
-        self.extra = None if teacher.extra is None else teacher.extra.reshape(N)
-
-    def __iter__(self):
-        return iter((self.values, self.ids, self.extra))
+def _flat_teacher(teacher: TeacherOutputs, N: int) -> TeacherOutputs:
+    """The teacher's tensors as [N, ...] rows (kd_weight apart)."""
+    return TeacherOutputs(teacher.format, teacher.values.reshape(N, teacher.values.shape[-1]),
+                          None if teacher.ids is None else teacher.ids.reshape(N, teacher.ids.shape[-1]),
+                          None if teacher.extra is None else teacher.extra.reshape(N))
 
 
 class _FusedLinearKDLoss(torch.autograd.Function):
     """Forward computes the loss and both grads chunk by chunk; backward only scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-                kd_weight, vocab_block, compiled, uld, more):
-        loss, stats, ctx.grad_hidden, ctx.grad_weight = _fused_pass(
-            hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-            kd_weight, vocab_block, compiled, uld, ctx.needs_input_grad[0], ctx.needs_input_grad[1], more)
+    def forward(ctx, hidden, weight, *args):
+        loss, stats, ctx.grad_hidden, ctx.grad_weight = _fused_pass(hidden, weight, *args, ctx.needs_input_grad[0],
+                                                                    ctx.needs_input_grad[1])
         ctx.mark_non_differentiable(stats)
-        ctx.used = False
+        ctx.used, ctx.n_args = False, len(args)
         return loss, stats
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_stats):
+    def backward(ctx, grad_loss, _):
         if ctx.used:
             raise RuntimeError("fused_linear_kd_loss supports a single backward pass; do not backward through it "
                                "twice (retain_graph).")
@@ -289,11 +217,11 @@ class _FusedLinearKDLoss(torch.autograd.Function):
         # In place: the buffers are ours and needed once, so scaling adds no [V, D] tensor.
         grads = [None if t is None else t.mul_(grad_loss) for t in (ctx.grad_hidden, ctx.grad_weight)]
         ctx.grad_hidden = ctx.grad_weight = None
-        return grads[0], grads[1], None, None, None, None, None, None, None, None, None, None, None, None, None
+        return (*grads, *[None] * ctx.n_args)
 
 
 def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-                kd_weight, weight_grad, uld_weight=0.0, uld_k=1, compiled=False):
+                kd_weight, weight_grad, uld_weight, uld_k, compiled):
     if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
         raise ValueError(f"hidden {tuple(hidden.shape)} and the head weight {tuple(weight.shape)} must be [..., D] "
                          f"and [V, D]; pass the output head's weight (logits = hidden @ weight.T).")
@@ -311,9 +239,10 @@ def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature,
         raise ValueError(f"weight_grad={weight_grad!r} is unknown; use one of {', '.join(WEIGHT_GRADS)}.")
     if chunk_size < 0:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1, or 0 for a size chosen from the memory budget.")
-    uld_problem = check_uld(uld_weight, uld_k)
-    if uld_problem is not None:
-        raise ValueError(f"{uld_problem}.")
+    if not (uld_weight >= 0.0 and uld_weight < float("inf")):
+        raise ValueError(f"uld_weight={uld_weight} must be a finite weight >= 0 (0 = off).")
+    if uld_weight > 0 and uld_k < 1:
+        raise ValueError(f"uld_k={uld_k} must be at least 1 (the sorted probabilities compared).")
     if uld_weight > 0 and (teacher is None or teacher.format != "topk" or compiled):
         raise ValueError("uld_weight > 0 reads the unmapped entries of cross-tokenizer top-k targets in the eager "
                          "chunk math; pass top-k teacher outputs and compiled=False, or uld_weight=0.")
@@ -343,60 +272,31 @@ def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature,
         raise ValueError(f"Top-k teacher outputs with k={width} exceed the student's vocabulary {V}; lower distillation.k.")
 
 
-def fused_linear_kd_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    teacher: Optional[TeacherOutputs],
-    normalizer: Union[int, float, torch.Tensor],
-    alpha: float,
-    temperature: float,
-    divergence: str = "fkl",
-    jsd_beta: float = 0.5,
-    chunk_size: int = 0,
-    kd_weight: Optional[torch.Tensor] = None,
-    weight_grad: str = "accumulate",
-    compiled: bool = False,
-    uld_weight: float = 0.0,
-    uld_k: int = 16,
-    more_teachers: tuple = (),
-) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_linear_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         teacher: Optional[TeacherOutputs], normalizer: Union[int, float, torch.Tensor], alpha: float,
+                         temperature: float, divergence: str = "fkl", jsd_beta: float = 0.5, chunk_size: int = 0,
+                         kd_weight: Optional[torch.Tensor] = None, weight_grad: str = "accumulate",
+                         compiled: bool = False, uld_weight: float = 0.0, uld_k: int = 16,
+                         more_teachers: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """((1 - alpha) * CE_sum + alpha * T^2 * KD_sum) / normalizer over labels != -100, fused with the head.
 
-    hidden [N, D] or [B, S, D]: the student's final normed hidden states (any float dtype, same as
-    weight); weight [V, D]: the output head (logits = hidden @ weight.T, never materialised beyond one
-    chunk); labels [N] or [B, S], -100 = ignored; teacher: `TeacherOutputs` whose tensors lead with
-    [B, S] or [N], or None for CE alone (alpha is then ignored); normalizer: the step's valid-token
-    count (number or 0-dim tensor; sums are divided by it). KD is computed on z / T against the
-    teacher's log-probs at T exactly as `kd_loss.kd_loss` defines it, for every divergence/format
-    it accepts. chunk_size=0 picks rows per chunk from `AUTO_CHUNK_BYTES`. kd_weight (labels' shape, float
-    in [0, 1], None = all ones) multiplies each position's KD term, value and gradient; at 0 the position
-    takes CE alone and its teacher tensors (any value, inf/nan included) are never read into the loss.
-    weight_grad: "accumulate" sums each chunk's grad_W GEMM into an fp32 [V, D] buffer; "vocab_blocks" keeps
-    per-row coefficients instead and, after the chunks, writes grad_W one vocabulary block at a time from
-    one GEMM over all rows (the block's logits recomputed: one more head GEMM, no fp32 [V, D] and chunks
-    sized from `VOCAB_BLOCK_BYTES`); the full format always accumulates. compiled=True runs each chunk's math
-    (everything between the logits GEMM and the gradient GEMMs) through torch.compile (`compiled_chunk`): the same
-    results within fp32 rounding, one compile per static configuration per process. uld_weight > 0 (cross-tokenizer
-    top-k whose unmapped entries are marked, `uld.py`): each KD row adds uld_weight times the ULD distance between
-    the teacher's sorted unmapped probabilities and the student's uld_k largest rest probabilities.
+    hidden [N, D] or [B, S, D] in weight's dtype; weight [V, D] the output head; labels [N] or [B, S]; teacher:
+    `TeacherOutputs` leading with [B, S] or [N], or None for CE alone; normalizer: the step's valid-token count
+    (number or 0-dim tensor). chunk_size=0 picks rows per chunk from `AUTO_CHUNK_BYTES`. kd_weight (labels' shape,
+    float in [0, 1], None = ones) scales each position's KD; at 0 its teacher tensors are never read.
+    weight_grad: "accumulate" sums grad_W in an fp32 [V, D] buffer; "vocab_blocks" writes it one vocabulary block
+    at a time after the chunks (one more head GEMM, `VOCAB_BLOCK_BYTES`; the full format accumulates). compiled:
+    the chunk math through torch.compile. uld_weight > 0: ULD over uld_k ranks joins each KD row (`uld.py`).
+    more_teachers: (TeacherOutputs, kd_weight) of further teachers sharing the head GEMMs (accumulate only).
 
-    Returns (loss, stats): loss is a scalar in promote(dtype, fp32) with autograd to hidden and weight
-    (grads in their dtypes; a single backward pass); stats is a detached fp32 [4] tensor of sums over
-    the masked positions: (CE, KD, teacher mass covered by the support, student argmax == teacher
-    top-1), the last three zero without a teacher and each weighted by kd_weight (divide them by the
-    sum of kd_weight over valid labels for means). Nothing is read back to the host.
-
-    more_teachers: (TeacherOutputs, kd_weight) of further teachers (several teachers, `mixture.py`), each adding
-    alpha * T^2 * its weighted KD to the loss on the same logits: one set of head GEMMs for all, each teacher's
-    chunk math on a copy of the chunk's logits; stats then go on with (KD, mass, agreement) of each. Not with
-    weight_grad="vocab_blocks" or compiled=True (call once per teacher there).
+    Returns (loss, stats): loss a scalar in promote(dtype, fp32) with autograd to hidden and weight (one backward);
+    stats a detached fp32 tensor of sums over the masked positions: CE, then per teacher (KD, teacher mass covered
+    by the support, student argmax == teacher top-1), each weighted by kd_weight (zeros without a teacher).
     """
     _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
                 kd_weight, weight_grad, uld_weight, uld_k, compiled)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     N, V = flat_hidden.shape[0], weight.shape[0]
-    flat_teacher = None if teacher is None else _FlatTeacher(teacher, N)
     format = None if teacher is None else teacher.format
     budgets = VOCAB_BLOCK_BYTES if weight_grad == "vocab_blocks" else None
     if chunk_size == 0:
@@ -404,25 +304,25 @@ def fused_linear_kd_loss(
     # The blocks' [N, block] work matches a chunk's [rows, V]: the same bytes.
     vocab_block = 0 if budgets is None else max(1, min(V, auto_chunk_rows(N, format, hidden.device, hidden.dtype,
                                                                           budgets)))
-    flat_kd_weight = None if kd_weight is None or teacher is None else kd_weight.reshape(N)
     if more_teachers:
         assert teacher is not None and weight_grad == "accumulate" and not compiled and not uld_weight, \
             "see more_teachers"
         for other, other_weight in more_teachers:
             _check_args(hidden, weight, labels, other, normalizer, alpha, temperature, divergence, jsd_beta,
                         chunk_size, other_weight, weight_grad, uld_weight, uld_k, compiled)
-    more = tuple((_FlatTeacher(other, N), None if w is None else w.reshape(N)) for other, w in more_teachers)
-    args = (labels.reshape(N), flat_teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-            flat_kd_weight, vocab_block, compiled, (uld_weight, uld_k) if uld_weight > 0 else None, more)
+    teachers = [] if teacher is None else [(teacher, kd_weight), *more_teachers]
+    teachers = [(_flat_teacher(t, N), None if w is None else w.reshape(N)) for t, w in teachers]
+    args = (labels.reshape(N), teachers, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
+            vocab_block, compiled, (uld_weight, uld_k) if uld_weight > 0 else None)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _FusedLinearKDLoss.apply(flat_hidden, weight, *args)
-    loss, stats, _, _ = _fused_pass(flat_hidden, weight, *args[:-1], False, False, more)
+    loss, stats, _, _ = _fused_pass(flat_hidden, weight, *args, False, False)
     return loss, stats
 
 
 def fused_ce_head(labels: torch.Tensor, normalizer: Union[int, float, torch.Tensor] = 1):
-    """A model's `head_loss` for CE alone through the fused head, for evaluation and the probe: CE summed over
-    labels != -100 and divided by `normalizer`, in fp32, with autograd when grads are on; no [tokens, V] logits."""
+    """A model's `head_loss` for CE alone through the fused head (evaluation, the probe): CE summed over labels
+    != -100 and divided by `normalizer`, in fp32, with autograd when grads are on; no [tokens, V] logits."""
     def ce_loss(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return fused_linear_kd_loss(hidden, weight, labels, None, normalizer, 0.0, 1.0)[0]
     return ce_loss

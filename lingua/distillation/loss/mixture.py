@@ -1,21 +1,15 @@
-"""The KD loss of a student's teachers, one or several: each position's KD term mixed over the teachers that teach it.
+"""The KD loss of a student's teachers, 1..N: each position's KD term mixed over the teachers that teach it.
 
     routing = source_routing(args.teachers, active_sources(data.sources))   # [sources, teachers] weights
     weights = mixing_weights(routing, batch["source_ids"], [o.kd_weight for o in outputs], labels.shape)
-    loss, ce, per_teacher = teachers_head_loss(hidden, head_weight, labels, outputs, weights, n_valid, alpha, args,
-                                               uld)
+    loss, ce, per_teacher = teachers_head_loss(hidden, head_weight, labels, outputs, weights, n_valid, alpha, args, uld)
 
 A position of source s takes KD from the teachers that list s in their `sources` (or list none), with weights
-w_i / sum of theirs; a cross-tokenizer teacher with no target at the position (kd_weight 0) leaves the others the
-whole term. A position no teacher teaches takes CE alone, as an unaligned cross-tokenizer position does. So the
-loss is (1 - alpha) * CE + alpha * T^2 * sum_i weight_i * KD_i: the weighted sum of each teacher's KD term. A lone
-teacher's weights are its own kd_weight (None: every position), which is that sum with one term.
-
-The fused loss takes several teachers together (`fused_linear_kd_loss(..., more_teachers=...)`): one logits GEMM and
-one pair of gradient GEMMs per chunk for all of them, each further teacher's chunk math (CE's passes over
-[rows, V], its KD folded in) on a copy of the chunk's logits. With loss_weight_grad=vocab_blocks, loss_compile or
-ULD it runs once per teacher instead: the first carries CE, the others alpha = 1 with kd_weight = alpha * weight,
-which is exactly alpha * T^2 * weight * KD and no CE (each costs one more pass of the fused head, GEMMs included).
+w_i / sum of theirs; a cross-tokenizer teacher with no target there (kd_weight 0) leaves the others the whole term,
+and a position no teacher teaches takes CE alone. So the loss is (1 - alpha) * CE + alpha * T^2 * sum_i weight_i *
+KD_i; a lone teacher's weights are its own kd_weight. The fused loss shares the head GEMMs among the teachers
+(`more_teachers`); with vocab_blocks, loss_compile or ULD it runs once per teacher, the first carrying CE and the
+others alpha = 1 with kd_weight = alpha * weight (exactly alpha * T^2 * weight * KD, no CE).
 """
 
 import contextlib
@@ -72,11 +66,9 @@ def teachers_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
                        uld: Optional[list[bool]] = None):
     """(loss, CE / n_valid, per-teacher stats [teachers, 5] / n_valid: KD, teacher mass, top-1 agreement, each
     weighted by the teacher's weight, then the weight itself and the alignment) of one micro-batch. `weights`: each
-    teacher's KD weight per position (None: every position); `uld`: which teachers take ULD (args.uld_weight > 0:
-    the cross-tokenizer ones, whose top-k marks its unmapped entries)."""
+    teacher's KD weight per position (None: every position); `uld`: which teachers take ULD."""
     normalizer, valid = max(n_valid, 1), labels != -100
-    uld = uld or [False] * len(outputs)
-    uld_of = [args.uld_weight if u else 0.0 for u in uld]
+    uld_of = [args.uld_weight if u else 0.0 for u in (uld or [False] * len(outputs))]
     per_teacher, loss = [], None
     if not args.fused_loss:  # the reference: logits, then CE and each teacher's chunked kd_loss
         logits = F.linear(hidden, weight)
@@ -90,8 +82,7 @@ def teachers_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
             kd = kd_i if kd is None else kd + kd_i
             per_teacher.append(stats.double()[:3] * share)
         loss = distillation_loss(ce, kd * share, alpha, args.temperature)
-    elif (len(outputs) > 1 and args.loss_weight_grad == "accumulate" and not any(uld_of)
-          and not args.compiles_loss(True, hidden.device)):  # shared head GEMMs
+    elif args.loss_weight_grad == "accumulate" and not any(uld_of) and not args.compiles_loss(True, hidden.device):
         loss, sums = fused_linear_kd_loss(hidden, weight, labels, outputs[0], normalizer, alpha, args.temperature,
                                           args.divergence, args.jsd_beta, args.loss_chunk_size, kd_weight=weights[0],
                                           more_teachers=tuple(zip(outputs[1:], weights[1:])))

@@ -1,50 +1,25 @@
-"""The reference KD loss on student logits: `kd_loss` (chunked, autograd per chunk), the float64 check that
-`fused_loss.fused_linear_kd_loss` (the default) is tested against, and what `distillation.fused_loss=false`
-trains with. Both compute through `divergences.py`. The student-side loss is
+"""The reference KD loss on student logits: `kd_loss`, the float64 check of `fused.fused_linear_kd_loss` and what
+`distillation.fused_loss=false` trains with. Both compute through `divergences.py`. Per format:
 
-    topk     exact divergence between k+1 buckets (the ids, plus "rest" = everything else). The
-             teacher buckets are renormalised in fp32 so bf16 rounding cannot make them sum != 1.
-    sampled  RS-KD style Monte-Carlo estimate of the forward KL: with x_1..x_k ~ p_T,
-             KL(p_T || s_T) ~= extra - (1/k) sum_j log s_T(x_j). Its expectation is the exact KL
-             and its gradient wrt the student logits, (s_T - counts/k) / T, has expectation
-             (s_T - p_T) / T, the exact gradient. Because the proposal is p_T itself the importance
-             weights p/q are exactly 1, so neither the estimate nor its gradient depends on the
-             wire dtype of `values` (those only feed the teacher_mass / top-1 statistics). A
-             sharper proposal q ~ p_T^beta is deliberately not offered: unbiased weights p/q need
-             both beta and the normaliser sum p_T^beta on the student, and the self-normalised
-             weights that avoid that are biased at finite k. Reverse KL and JSD have no unbiased
-             estimator from samples of p_T, so they are rejected for this format. Cross-tokenizer
-             draws of unmapped teacher ids (id -1) add nothing: the estimate is then of M KL(p / M || s_T),
-             the mapped part renormalised (M its mass; `divergences.sampled_forward_kl`).
+    topk     exact divergence between k+1 buckets (the ids, plus "rest"), the teacher's renormalised in fp32.
+    sampled  RS-KD's Monte-Carlo forward KL: with x_1..x_k ~ p_T, KL(p_T || s_T) ~= extra - (1/k) sum_j log s_T(x_j),
+             unbiased in value and gradient; the proposal is p_T itself, so the importance weights are exactly 1
+             (a sharper p_T^beta would need its normaliser on the student). Reverse KL and JSD have no unbiased
+             estimator from samples of p_T: refused. Unmapped cross-tokenizer draws (-1) add nothing.
     full     exact divergence over the vocabulary.
-    uld      (cross-tokenizer top-k, uld_weight > 0) the divergence plus uld_weight times the ULD distance between
-             the teacher's sorted unmapped probabilities and the student's sorted rest (`uld.uld_reference`).
+    uld      (cross-tokenizer top-k, uld_weight > 0) plus uld_weight times `uld.uld_reference`.
 
-Memory: `kd_loss` walks the flattened positions in chunks. With gradients enabled it runs a
-custom autograd function that, for each chunk, builds the fp32 graph, takes its gradient at once
-and writes it into one buffer shaped and typed like the student logits, then frees the chunk's
-graph. So at most one chunk of fp32 [chunk_size, V] activations lives at a time, nothing is
-recomputed in backward, and the only full-size extra tensor is that gradient buffer (which a plain
-autograd backward would allocate anyway; here it exists from the forward until the backward).
-Double backward through `kd_loss` is not supported.
+Each chunk's fp32 graph is built, differentiated at once into one buffer shaped like the logits and freed: one chunk
+of fp32 [chunk_size, V] lives at a time and nothing is recomputed in backward (one backward pass only).
 """
-import logging
 from typing import Optional
 
 import torch
 
-from lingua.distillation.loss.divergences import (
-    DIVERGENCES,
-    divergence,
-    sampled_forward_kl,
-    teacher_full_log_probs,
-    teacher_support,
-    teacher_topk_log_probs,
-)
+from lingua.distillation.loss.divergences import (DIVERGENCES, divergence, kd_rows_and_weights, sampled_forward_kl,
+                                                  teacher_full_log_probs, teacher_support, teacher_topk_log_probs)
 from lingua.distillation.outputs import TeacherOutputs, check_format
 from lingua.distillation.loss.uld import split_unmapped, uld_reference
-
-logger = logging.getLogger(__name__)
 
 
 def _chunk_divergence(logits, values, ids, extra, format, temperature, kind, jsd_beta, dtype,
@@ -68,14 +43,8 @@ def _chunk_divergence(logits, values, ids, extra, format, temperature, kind, jsd
     return value if uld is None else value + uld[0] * uld_reference(z, ids, uld[1])
 
 
-def _chunk_stats(logits, values, ids, extra, format) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position (teacher mass covered by the support, student argmax == teacher top-1)."""
-    mass, teacher_top1 = teacher_support(values, ids, extra, format)
-    return mass, (logits.argmax(-1) == teacher_top1).float()
-
-
-def _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size, kd_weight, want_grad,
-                uld=None):
+def _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size, kd_weight, uld,
+                want_grad):
     """(loss, stats [3] = kd, teacher_mass, top1_agreement, grad buffer or None); uld: None or (weight, k)."""
     V = student_logits.shape[-1]
     dtype = torch.promote_types(student_logits.dtype, torch.float32)
@@ -85,10 +54,7 @@ def _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta
     flat_teacher = [None if t is None else t.reshape(flat_mask.shape[0], *t.shape[2:])
                     for t in (teacher.values, teacher.ids, teacher.extra)]
     count = flat_mask.sum().clamp_min(1).to(dtype)
-    flat_weight = torch.ones_like(flat_mask, dtype=dtype) if kd_weight is None else kd_weight.reshape(-1).to(dtype)
-    # KD rows: masked-in positions with a positive weight; the others' teacher tensors are never read into the loss.
-    flat_mask = flat_mask & (flat_weight > 0)
-    flat_weight = torch.where(flat_mask, flat_weight, 0.0)
+    flat_mask, flat_weight = kd_rows_and_weights(flat_mask, None if kd_weight is None else kd_weight.reshape(-1), dtype)
     totals = torch.zeros(3, dtype=dtype, device=student_logits.device)
     grad = torch.empty_like(flat_logits) if want_grad else None
     for start in range(0, flat_logits.shape[0], chunk_size):
@@ -113,7 +79,8 @@ def _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta
                 # Explicit zero: 0 * inf inside the graph would still turn a masked inf/nan logit into a nan gradient.
                 grad[start:end] = chunk_grad.masked_fill_(~chunk_mask.unsqueeze(-1), 0.0)
         with torch.no_grad():
-            mass, agree = (t.to(dtype) for t in _chunk_stats(logits.detach(), values, ids, extra, teacher.format))
+            mass, teacher_top1 = teacher_support(values, ids, extra, teacher.format)
+            mass, agree = mass.to(dtype), (logits.detach().argmax(-1) == teacher_top1).float().to(dtype)
             totals += torch.stack([
                 chunk_loss.detach(),
                 torch.where(chunk_mask, mass * chunk_weight, 0.0).sum() / count,
@@ -126,15 +93,14 @@ class _ChunkedKDLoss(torch.autograd.Function):
     """Computes the loss and its gradient chunk by chunk in forward; backward only scales the gradient."""
 
     @staticmethod
-    def forward(ctx, student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size, kd_weight, uld):
-        loss, stats, grad = _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size,
-                                        kd_weight, True, uld)
+    def forward(ctx, student_logits, *args):
+        loss, stats, grad = _run_chunks(student_logits, *args, want_grad=True)
         ctx.grad = grad.view(student_logits.shape)
         ctx.mark_non_differentiable(stats)
         return loss, stats
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_stats):
+    def backward(ctx, grad_loss, _):
         if ctx.grad is None:
             raise RuntimeError("kd_loss supports a single backward pass; do not backward through it twice (retain_graph).")
         # In place: the buffer is ours and is needed once, so scaling it adds no full-size tensor.
@@ -142,29 +108,19 @@ class _ChunkedKDLoss(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None, None
 
 
-def kd_loss(
-    student_logits: torch.Tensor,
-    teacher: TeacherOutputs,
-    mask: torch.Tensor,
-    temperature: float,
-    divergence: str = "fkl",
-    jsd_beta: float = 0.5,
-    chunk_size: int = 1024,
-    kd_weight: Optional[torch.Tensor] = None,
-    uld_weight: float = 0.0,
-    uld_k: int = 16,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Mean over masked positions of D(teacher || student) on the teacher's support (see module doc).
+def kd_loss_and_stats(student_logits: torch.Tensor, teacher: TeacherOutputs, mask: torch.Tensor, temperature: float,
+                      divergence: str = "fkl", jsd_beta: float = 0.5, chunk_size: int = 1024,
+                      kd_weight: Optional[torch.Tensor] = None, uld_weight: float = 0.0,
+                      uld_k: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean over masked positions of D(teacher || student) on the teacher's support (see module doc), and its stats.
 
-    student_logits [B, S, V] (any float dtype; math in fp32), mask [B, S] bool (pass
-    `labels != -100` so KD counts the same positions as CE), temperature as used on the teacher.
-    Returns (loss scalar with grad, stats) where stats are floats: "kd" (the divergence),
-    "teacher_mass" (teacher probability covered by the support), "top1_agreement" (fraction of
-    masked positions where the student's argmax is the teacher's top-1 id; for "sampled" the
-    teacher's top-1 is the most likely sampled id). kd_weight [B, S] (float in [0, 1], None = all ones)
-    multiplies each position's divergence, and its mass and agreement in the stats; the mean still
-    divides by the masked count. A weight-0 position's teacher tensors may hold anything (inf/nan too).
-    uld_weight > 0: cross-tokenizer top-k with marked unmapped entries (`uld.py`); uld_k sorted ranks compared.
+    student_logits [B, S, V] (any float dtype; math in fp32), mask [B, S] (pass `labels != -100` so KD counts the
+    same positions as CE), temperature as used on the teacher. Returns (loss scalar with grad, stats): a detached
+    device tensor [kd, teacher_mass (teacher probability covered by the support), top1_agreement (the student's
+    argmax is the teacher's top-1 id; for "sampled" the most likely sampled id)]. kd_weight [B, S] (float in [0, 1],
+    None = all ones) multiplies each position's divergence, mass and agreement; the mean still divides by the
+    masked count, and a weight-0 position's teacher tensors may hold anything (inf/nan too). uld_weight > 0:
+    cross-tokenizer top-k with marked unmapped entries (`uld.py`); uld_k sorted ranks compared.
     """
     # The settings come from a validated DistillationArgs (which explains each rule); a bad one here is our bug.
     check_format(teacher.format)
@@ -180,23 +136,16 @@ def kd_loss(
         raise ValueError(f"kd_weight {tuple(kd_weight.shape)} must match the student's [B, S] = [{B}, {S}].")
     if teacher.format == "full" and teacher.values.shape[-1] != V:
         raise ValueError(f"Teacher vocabulary {teacher.values.shape[-1]} differs from the student's {V}; both must use the same tokenizer.")
-    loss, stats = kd_loss_and_stats(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size,
-                                    kd_weight, uld_weight, uld_k)
-    kd, teacher_mass, top1 = stats.tolist()  # a host sync: the trainer uses kd_loss_and_stats
-    return loss, {"kd": kd, "teacher_mass": teacher_mass, "top1_agreement": top1}
-
-
-def kd_loss_and_stats(student_logits: torch.Tensor, teacher: TeacherOutputs, mask: torch.Tensor, temperature: float,
-                      divergence: str = "fkl", jsd_beta: float = 0.5,
-                      chunk_size: int = 1024,
-                      kd_weight: Optional[torch.Tensor] = None, uld_weight: float = 0.0,
-                      uld_k: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kd_loss` with its stats as a detached device tensor [kd, teacher_mass, top1_agreement]: no host sync."""
-    mask = mask.bool()
-    uld = (uld_weight, uld_k) if uld_weight > 0 else None
+    args = (teacher, mask.bool(), temperature, divergence, jsd_beta, chunk_size, kd_weight,
+            (uld_weight, uld_k) if uld_weight > 0 else None)
     if torch.is_grad_enabled() and student_logits.requires_grad:
-        return _ChunkedKDLoss.apply(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size,
-                                    kd_weight, uld)
-    loss, stats, _ = _run_chunks(student_logits, teacher, mask, temperature, divergence, jsd_beta, chunk_size,
-                                 kd_weight, False, uld)
+        return _ChunkedKDLoss.apply(student_logits, *args)
+    loss, stats, _ = _run_chunks(student_logits, *args, want_grad=False)
     return loss, stats
+
+
+def kd_loss(*args, **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
+    """`kd_loss_and_stats` with its stats read to the host (a sync: the trainer uses the former) as a dict of floats:
+    kd, teacher_mass, top1_agreement."""
+    loss, stats = kd_loss_and_stats(*args, **kwargs)
+    return loss, dict(zip(("kd", "teacher_mass", "top1_agreement"), stats.tolist()))
