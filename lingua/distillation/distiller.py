@@ -45,8 +45,6 @@ class Distiller:
     traffic (no requests, nothing to agree on, nothing to drain)."""
 
     prefetch = 0  # requests submitted ahead of the micro-batch being computed (MicroBatchFeed reads it)
-    teacher_heldout_ce: Optional[float] = None  # the teacher's own held-out CE, when known (logged with the eval)
-    teacher_heldout_bpb: Optional[float] = None  # the same in bits per byte
     first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done) of the first request
     phases = None  # the PhaseLog the first round trip is recorded in (build_distiller sets it)
     first_step_done = False  # this launch's first control point is behind
@@ -108,9 +106,9 @@ class Distiller:
         return None
 
     def teacher_heldout_row(self) -> dict:
-        """The teacher's own held-out numbers for the first eval row, where known: eval/teacher_loss and
-        eval/teacher_bpb (with several teachers eval/<i>/teacher_loss and eval/<i>/teacher_bpb)."""
-        return heldout_row(self.teacher_heldout_ce, self.teacher_heldout_bpb)
+        """The teachers' own held-out numbers for the first eval row, where known (eval/teacher_loss, eval/teacher_bpb;
+        with several teachers eval/<i>/teacher_loss, eval/<i>/teacher_bpb)."""
+        return {}
 
     def log_metrics(self, timer) -> dict:
         """Extra keys of a log row (teacher wait and the teacher's clocks, with a teacher)."""
@@ -119,20 +117,20 @@ class Distiller:
     # ---------------------------------------------------------------- the roads' hooks
 
     def control_flags(self) -> dict:
-        """Device flags for the step's agreed control point (the teacher's error and preemption bits)."""
+        """Device flags for the step's agreed control point (the teachers' error and preemption bits)."""
         return {}
 
     def after_agreement(self, flags: dict) -> None:
-        """Acts on the agreed flags that concern the teacher (its error is raised here, on every student)."""
+        """Acts on the agreed flags that concern the teachers (an error is raised here, on every student)."""
 
     def mark_first_step_done(self) -> None:
-        """This launch's first step is over (the teacher may switch to the training timeout)."""
+        """This launch's first step is over (the teachers may switch to the training timeout)."""
 
     def announce_pause(self, pause_follows: bool) -> None:
-        """Whether the step about to run is followed by a long pause of the students."""
+        """Whether a long pause of the students follows the step about to run."""
 
     def stop(self, step: int, error: bool = False) -> None:
-        """The end of this launch (or an agreed error): the teacher leaves its loop."""
+        """The end of this launch (or an agreed error): the teachers leave their loops."""
 
     def report_exit(self) -> None:
         """As the loop is left, on every path: say how many teacher requests were left unwaited."""
@@ -180,15 +178,13 @@ class KDDistiller(Distiller):
         self.cross = [teacher.cross_tokenizer for teacher in teachers]
         self.uld = [cross and args.uld_weight > 0 for cross in self.cross]  # ULD reads a cross teacher's marks
         self.heldout = heldout
-        if not self.several:
-            self.teacher_heldout_ce, self.teacher_heldout_bpb = heldout[0]
 
     def teacher_heldout_row(self) -> dict:
-        if not self.several:
-            return super().teacher_heldout_row()
         row = {}
-        for i, (ce, bpb) in enumerate(self.heldout):
-            row.update(heldout_row(ce, bpb, f"eval/{i}/"))
+        for i, (ce, bpb) in enumerate(self.heldout):  # a cross-tokenizer teacher's CE is in its own tokens: None
+            prefix = f"eval/{i}/" if self.several else "eval/"
+            row.update({prefix + name: value for name, value in (("teacher_loss", ce), ("teacher_bpb", bpb))
+                        if value is not None})
         return row
 
     def begin_step(self, step: int, lr_factor: float, pause_follows: bool = False) -> None:
@@ -238,13 +234,6 @@ class KDDistiller(Distiller):
         if self.several:
             return {**metrics, **teacher_metrics(self.teacher_stats, self.cross)}
         return {**metrics, **({"kd/aligned": self.teacher_stats[0, 4]} if self.cross[0] else {})}
-
-
-def heldout_row(ce: Optional[float], bpb: Optional[float], prefix: str = "eval/") -> dict:
-    """A teacher's held-out CE and bits per byte as eval keys (<prefix>teacher_loss, <prefix>teacher_bpb), where
-    known (a cross-tokenizer teacher's CE per token is in its own tokens: None)."""
-    return {f"{prefix}{name}": value for name, value in (("teacher_loss", ce), ("teacher_bpb", bpb))
-            if value is not None}
 
 
 def tokenizer_fingerprint(vocab: dict[str, int]) -> int:
