@@ -191,8 +191,8 @@ def restore_checkpoint(args: TrainArgs, topo: Topology, model, optimizer) -> tup
 
 
 class FirstStepTracker:
-    """This launch's first step: its startup spans (first step, first teacher round trip, compile
-    warm-up), the generous timeout until it is done, then the switch to the training timeout."""
+    """This launch's first step: its startup spans (first step, compile warm-up; the distiller records the first
+    teacher round trip), the generous timeout until it is done, then the switch to the training timeout."""
 
     def __init__(self, args: TrainArgs, topo: Topology, phases: PhaseLog, first_step: int):
         self.args, self.topo, self.phases = args, topo, phases
@@ -284,10 +284,10 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             state.step += 1
             hang_watch.arm(startup.timeout_s(state.step), step=state.step)
             faults.before_step(state.step)
-            with startup.span(state.step):  # a pause after the step (a checkpoint eval) is announced to the teacher
+            pause_follows = checkpoint_eval.announces_pause(state.step, feed)  # the teacher's timeout: told per request
+            with startup.span(state.step):
                 metrics, micro_batches = train_step(args, model, distiller, feed, state.step, timer, device,
-                                                    scheduler.get_last_lr()[0] / args.optim.lr,
-                                                    checkpoint_eval.announces_pause(state.step, feed))
+                                                    scheduler.get_last_lr()[0] / args.optim.lr, pause_follows)
                 grad_norm = optimizer_step(model, optimizer, scheduler, args.optim.clip, timer)
             state.tokens += metrics.pop("tokens") * topo.train_world_size
             metrics["data/bad_lines"] = feed.state_dict()["bad_lines"]  # this rank's, look-ahead excluded; logs sum them

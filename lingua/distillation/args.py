@@ -227,7 +227,7 @@ class DistillationArgs:
         self.validate_cross_tokenizer()
 
     def _refuse_shared_keys(self, index: str) -> None:
-        """The one-teacher keys that `teachers` sets per teacher (teachers[`index`]): beside it, one would be ignored."""
+        """The one-teacher keys that `teachers` sets per teacher (teachers[`index`]): beside it, one is ignored."""
         require(not self.cross_tokenizer, "distillation.cross_tokenizer", self.cross_tokenizer,
                 f"with distillation.teachers set cross_tokenizer per teacher (teachers[{index}].cross_tokenizer)")
         require(self.n_teacher_ranks == 1, "distillation.n_teacher_ranks", self.n_teacher_ranks,

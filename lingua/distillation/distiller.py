@@ -165,7 +165,7 @@ class NoDistiller(Distiller):
 class KDDistiller(Distiller):
     """The KD loss of the teachers (`distillation.teachers`): each position's KD term mixed over the teachers that
     teach its source (`loss/mixture.py`). A subclass says where a micro-batch's targets come from (`targets`).
-    `routing`: [sources, teachers] (`source_routing`); `heldout`: each teacher's own (CE, bits per byte), where known."""
+    `routing`: [sources, teachers] (`source_routing`); `heldout`: each teacher's own (CE, bits per byte) if known."""
 
     def __init__(self, args: DistillationArgs, routing: Optional[torch.Tensor] = None, device: str = "cpu",
                  heldout: Optional[list[tuple[Optional[float], Optional[float]]]] = None):
