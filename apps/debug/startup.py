@@ -42,20 +42,14 @@ from apps.main.train import (
     build_model,
     distillation_process,
     init_tokenizer,
-    n_teacher_ranks,
-    open_training_cache,
     optimizer_step,
     restore_checkpoint,
-    teacher_counts,
-    teacher_tp,
     train_step,
 )
 from lingua.args import parse_args, require
 from lingua.cli.entry import release_sigterm, run_cli
 from lingua.data import DataLoader
-from lingua.loading.stream import active_sources
-from lingua.distillation.args import teacher_replica_sizes
-from lingua.distillation.build import build_distiller
+from lingua.distillation.build import TeacherLaunch, build_distiller
 from lingua.distillation.micro_batches import MicroBatchFeed
 from lingua.distributed import (
     Topology,
@@ -140,10 +134,8 @@ def student_startup(args: TrainArgs, topo: Topology, phases: PhaseLog, phase: in
         tokenizer = init_tokenizer(args)
     with phases.span("model_build"):
         model = build_model(args, topo)
-    cache = open_training_cache(args, tokenizer, topo)
-    distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer,
-                                (args.data.batch_size, args.data.seq_len), args.model.attn_mask, cache, phases,
-                                active_sources(args.data.sources))
+    distiller, cache = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer, args.data,
+                                       args.model.attn_mask, phases)
     saved, step, loader = None, 0, None
     try:
         if phase >= 5:
@@ -160,7 +152,7 @@ def student_startup(args: TrainArgs, topo: Topology, phases: PhaseLog, phase: in
                 if saved is not None:
                     loader.load_state_dict(saved["data"])
             # One step's micro-batches, drawn as the trainer's feed draws them (no look-ahead beyond the step).
-            feed = MicroBatchFeed(loader, distiller, args.grad_acc_steps, last_step=step + 1)
+            feed = MicroBatchFeed(loader, distiller, args.grad_acc_steps, 0, last_step=step + 1)
             with phases.span("first_batch"):
                 feed.start_step(step + 1)
         if phase >= 5:
@@ -197,10 +189,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     launch = read_launch_env()
     args.validate(launch.world_size, launch.local_world_size)  # the trainer's own pass
     release_sigterm()
-    role = LaunchPlan.for_launch(args.distributed, n_teacher_ranks(args), launch.world_size,
-                                 launch.local_world_size, teacher_tp(args), teacher_counts(args),
-                                 teacher_tps=teacher_replica_sizes(teacher_counts(args), args.distillation)
-                                 ).role(launch.rank)
+    teachers = TeacherLaunch.of(args.enable_distillation, args.distillation)
+    role = LaunchPlan.for_launch(args.distributed, teachers.n_ranks, launch.world_size, launch.local_world_size,
+                                 teachers.tp, teachers.counts, teacher_tps=teachers.replica_sizes).role(launch.rank)
     out_dir = Path(args.dump_dir) / "startup_diag"
     init_logger(launch.rank, role, str(out_dir / "logs" / f"rank_{launch.rank}.log"))
     phases = PhaseLog(str(out_dir), launch.rank, role)
@@ -212,10 +203,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             bare_init(args.distributed, launch, phases)
         else:
             with phases.span("setup_torch_distributed"):
-                topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir,
-                                               teacher_tp(args), teacher_counts(args),
-                                               teacher_tps=teacher_replica_sizes(teacher_counts(args),
-                                                                                 args.distillation))
+                topo = setup_torch_distributed(args.distributed, teachers.n_ranks, args.dump_dir, teachers.tp,
+                                               teachers.counts, teacher_tps=teachers.replica_sizes)
             with phases.span("rank_map"):
                 log_rank_device_map(topo)
             first_collectives(topo, phases)

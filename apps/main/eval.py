@@ -75,12 +75,12 @@ def batch_ce_sum(model, batch: dict, device) -> tuple[float, int]:
 class Evaluator:
     """Owns its cadence (`should_run`) and runs the eval over this rank's share of the held-out files."""
 
-    def __init__(self, args: EvalArgs, data_args, tokenizer, topo, teacher_reference: Optional[dict] = None):
-        """`teacher_reference`: the teacher's (or each teacher's) own CE and bits per byte on these windows, as eval
-        keys (`Distiller.teacher_heldout_row`): logged once, with the first eval, as a reference."""
+    def __init__(self, args: EvalArgs, data_args, tokenizer, topo, teacher=None):
+        """`teacher`: the run's Distiller, whose `teacher_heldout_row` (the teachers' own CE and bits per byte on these
+        windows, as eval keys) is logged once, with the first eval, as a reference."""
         self.args, self.data_args = args, data_args
         self.tokenizer, self.topo = tokenizer, topo
-        self.teacher_reference = dict(teacher_reference or {})
+        self.teacher_reference = teacher.teacher_heldout_row() if teacher is not None else {}
         self.byte_lengths: Optional[torch.Tensor] = None  # bytes per token id, read on the first eval
 
     def should_run(self, step: int) -> bool:

@@ -6,7 +6,7 @@
 Students run `train()`; teacher ranks run `distillation_process()`. Everything distributed goes
 through the Topology returned by `setup_torch_distributed`, and every collective names its group:
 the training group for anything the students do together, a bridge group for teacher traffic.
-The loop asks one Distiller (`lingua/distillation/distiller.py`) for the KD part of each step, whatever its kind.
+The loop asks one Distiller (lingua.distillation.distiller) for the KD part of each step, whatever its kind.
 `TrainArgs.validate()` checks the whole config before any process group exists.
 """
 
@@ -36,14 +36,10 @@ from lingua.args import dump_config, fill_training_defaults, parse_args, require
 from lingua.checkpoint import CheckpointArgs, CheckpointManager
 from lingua.cli.entry import run_cli
 from lingua.data import DataArgs, training_loader
-from lingua.loading.stream import active_sources
-from lingua.distillation.args import DistillationArgs, teacher_rank_counts, teacher_replica_sizes
-from lingua.distillation.build import build_distiller
-from lingua.distillation.micro_batches import MicroBatchFeed
+from lingua.distillation.args import DistillationArgs
+from lingua.distillation.build import TeacherLaunch, build_distiller, serve_teacher
 from lingua.distillation.loss.fused import fused_ce_head
-from lingua.distillation.online.server import TeacherServer
-from lingua.distillation.cache.several import open_training_caches
-from lingua.distillation.teacher.roster import check_teachers_fit, serving_args
+from lingua.distillation.micro_batches import MicroBatchFeed
 from lingua.distributed import Topology, clean_up, log_rank_device_map, setup_torch_distributed
 from lingua.run.owner import DumpDirOwner
 from lingua.errors import ConfigError, NonFiniteError
@@ -51,7 +47,7 @@ from lingua.evaluation.heldout import eval_files
 from lingua.logger import init_logger
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs, build_optimizer, clip_grad_norm_
-from lingua.parallel.collectives import AgreedError, agree_count, agree_flags
+from lingua.parallel.collectives import AgreedError, agree_count
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, read_launch_env
 from lingua.parallel.parallelize import parallelize_model
 from lingua.parallel.preemption import PreemptionFlag, requeue_if_slurm
@@ -130,34 +126,10 @@ class TrainArgs:
                 f"the model must fit data.seq_len={self.data.seq_len}; set model.max_seqlen >= {self.data.seq_len}")
         if self.heldout.every:
             eval_files(self.data)
-        if n_teacher_ranks(self) or self.enable_distillation and self.distillation.teachers:  # cached ones: sources
-            check_teachers_fit(self.distillation, self.data)
+        teachers = TeacherLaunch.of(self.enable_distillation, self.distillation, self.data)  # each fits the data
         if world_size is not None:  # roles, bridges, teacher replicas and the students' mesh for this many ranks
-            LaunchPlan.for_launch(self.distributed, n_teacher_ranks(self), world_size, local_world_size or world_size,
-                                  teacher_tp(self), teacher_counts(self),
-                                  teacher_tps=teacher_replica_sizes(teacher_counts(self), self.distillation))
-
-
-def teacher_counts(args: TrainArgs) -> tuple[int, ...]:
-    """Ranks of each teacher of this launch, in rank order after the students (() without teacher ranks)."""
-    return teacher_rank_counts(args.enable_distillation and args.distillation.source == "online", args.distillation)
-
-
-def n_teacher_ranks(args: TrainArgs) -> int:
-    return sum(teacher_counts(args))
-
-
-def teacher_tp(args: TrainArgs) -> int:
-    """Ranks per teacher replica of this launch (1 without teacher ranks)."""
-    return args.distillation.teacher_tp if n_teacher_ranks(args) else 1
-
-
-def open_training_cache(args: TrainArgs, tokenizer, topo: Topology):
-    """The teachers' caches as this student's dataset (any teacher with a cache_dir), or None."""
-    if not args.enable_distillation:
-        return None
-    return open_training_caches(args.distillation, args.data, args.model.attn_mask, tokenizer, args.data.batch_size,
-                                topo.train_rank, topo.train_world_size)  # several teachers: one cache each
+            LaunchPlan.for_launch(self.distributed, teachers.n_ranks, world_size, local_world_size or world_size,
+                                  teachers.tp, teachers.counts, teacher_tps=teachers.replica_sizes)
 
 
 # ---------------------------------------------------------------- teacher ranks
@@ -165,16 +137,14 @@ def open_training_cache(args: TrainArgs, tokenizer, topo: Topology):
 def distillation_process(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: PreemptionFlag) -> None:
     """Teacher rank: load the HF model, handshake with its students, serve until STOP."""
     index = topo.teacher_ranks.index(topo.global_rank)
-    kd, teacher_names = serving_args(args.distillation, topo)  # with several teachers: this rank's own settings
-    server = TeacherServer(kd, topo, preemption, phases=phases, attn_mask=args.model.attn_mask,
-                           student_tokenizer=args.data.tokenizer, teacher_names=teacher_names,
-                           heldout=teacher_heldout(args.heldout, args.data, len(topo.student_ranks)),
-                           inject_load_failure=FaultInjector.teacher_load_fails(args.inject_failure, index),
-                           inject_serve_failure_at=FaultInjector.teacher_serve_fails_at(args.inject_failure, index))
     # The generous timeout holds through the students' first step; a request sent after it (or STOP)
     # switches the teacher to the short one (on every group).
-    server.serve(timeouts=(args.distributed.init_timeout_s, args.distributed.train_timeout_s)
-                 if topo.distributed else None)
+    timeouts = (args.distributed.init_timeout_s, args.distributed.train_timeout_s) if topo.distributed else None
+    serve_teacher(args.distillation, topo, preemption, timeouts, phases=phases, attn_mask=args.model.attn_mask,
+                  student_tokenizer=args.data.tokenizer,
+                  heldout=teacher_heldout(args.heldout, args.data, len(topo.student_ranks)),
+                  inject_load_failure=FaultInjector.teacher_load_fails(args.inject_failure, index),
+                  inject_serve_failure_at=FaultInjector.teacher_serve_fails_at(args.inject_failure, index))
 
 
 # ---------------------------------------------------------------- student ranks
@@ -221,11 +191,11 @@ def restore_checkpoint(args: TrainArgs, topo: Topology, model, optimizer) -> tup
 
 
 class FirstStepTracker:
-    """This launch's first step: its startup spans (first step, first teacher round trip, compile
-    warm-up), the generous timeout until it is done, then the switch to the training timeout."""
+    """This launch's first step: its startup spans (first step, compile warm-up; the distiller records the first
+    teacher round trip), the generous timeout until it is done, then the switch to the training timeout."""
 
-    def __init__(self, args: TrainArgs, topo: Topology, phases: PhaseLog, distiller, first_step: int):
-        self.args, self.topo, self.phases, self.distiller = args, topo, phases, distiller
+    def __init__(self, args: TrainArgs, topo: Topology, phases: PhaseLog, first_step: int):
+        self.args, self.topo, self.phases = args, topo, phases
         self.first_step = first_step
         self.collective_timeout_s = args.distributed.init_timeout_s  # on this rank's groups; short after the first step
 
@@ -236,17 +206,14 @@ class FirstStepTracker:
         return self.phases.span("first_step") if step == self.first_step else contextlib.nullcontext()
 
     def after_agreement(self, step: int, timer: StepTimer) -> None:
-        """After the first step's agreed control point: record its spans, shorten the timeouts (the teacher's
-        with the next request), print the table."""
+        """After the first step's agreed control point (where the distiller recorded the first teacher round trip and
+        told the teachers): record its spans, shorten the timeouts, print the table."""
         if step != self.first_step:
             return
-        if self.distiller.first_round_trip is not None:
-            self.phases.record("first_teacher_round_trip", *self.distiller.first_round_trip)
         if self.args.distributed.compile:  # torch.compile runs inside the first forward/backward
             self.phases.record("compile_warmup", time.time() - timer.read()["fwd_bwd"], time.time())
         enter_training_timeout(self.topo, self.args.distributed.train_timeout_s)
         self.collective_timeout_s = self.args.distributed.train_timeout_s
-        self.distiller.mark_first_step_done()
         if self.topo.is_train_master:  # every rank's spans are on disk by now (teacher's too)
             table = format_phase_table(read_phase_files(self.args.dump_dir, world_size=self.topo.world_size))
             logger.info("startup phases (all ranks)\n" + table)
@@ -264,10 +231,9 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
     logger.info(f"student model: {n_params / 1e6:.2f}M parameters, vocab {args.model.vocab_size}")
     if topo.is_train_master and (mesh := topo.mesh) is not None:
         logger.info(f"student mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))} over ranks {mesh.mesh.tolist()}")
-    cache = open_training_cache(args, tokenizer, topo)  # a cache written with other settings is refused here
-    distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer,
-                                (args.data.batch_size, args.data.seq_len), args.model.attn_mask, cache, phases,
-                                active_sources(args.data.sources))
+    # The teachers' handshakes, or their caches as the dataset (one written with other settings is refused here).
+    distiller, cache = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer, args.data,
+                                       args.model.attn_mask, phases)
     optimizer, scheduler = build_optimizer(model, args.optim, args.steps)
     state = TrainState()
     with phases.span("checkpoint_load"):
@@ -282,18 +248,17 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
 
     probe = ActivationProbe(model, args.dump_dir, topo.global_rank, topo.is_train_master, group,
                             every=args.probe_freq) if args.probe_freq else None
-    evaluator = Evaluator(args.heldout, args.data, tokenizer, topo, distiller.teacher_heldout_row())
+    evaluator = Evaluator(args.heldout, args.data, tokenizer, topo, teacher=distiller)
     checkpoint_eval = CheckpointEvaluation(args, topo, checkpoint)  # Lingua's eval: section, after checkpoint.eval saves
     # The embedding lookup is no matmul; the output head is (and with tied weights it is the only copy counted).
     matmul_params = n_params - (0 if args.model.tie_embeddings else args.model.vocab_size * args.model.dim)
     reporter = StepReporter(args, topo, distiller, get_num_flop_per_token(
         matmul_params, args.model.n_layers, args.model.dim, args.data.seq_len))
     faults = FaultInjector(args.inject_failure, topo.train_rank)
-    startup = FirstStepTracker(args, topo, phases, distiller, first_step=state.step + 1)
+    startup = FirstStepTracker(args, topo, phases, first_step=state.step + 1)
     timer, ended = StepTimer(device), "completed"
     last_step = args.steps if args.exit_after_steps is None else min(args.steps, state.step + args.exit_after_steps)
-    feed = MicroBatchFeed(loader, distiller, args.grad_acc_steps, distiller.prefetch, last_step,
-                          pin_memory=device.type == "cuda")
+    feed = MicroBatchFeed(loader, distiller, args.grad_acc_steps, last_step=last_step, pin_memory=device.type == "cuda")
 
     def save(kinds: list[str]) -> float:
         """The step's checkpoints (if any); returns their seconds, logged apart from the step's (checkpoint/save_s)."""
@@ -309,7 +274,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
 
     with (maybe_run_profiler(args.dump_dir, model, args.profiling, topo.global_rank, topo.is_train_master,
                              group) as profiler, contextlib.closing(loader), reporter, HangWatch() as hang_watch,
-          distiller.stop_on_agreed_error(lambda: state.step)):
+          distiller.session(lambda: state.step)):  # STOP to the teachers at the end, ERROR on an agreed error
         # Micro-batches per step is a loop length (and the teacher's request count): the same on every student.
         agree_count(args.grad_acc_steps, group, device, "micro-batches per step (grad_acc_steps)", mode="equal")
         timer.common_point()
@@ -319,10 +284,10 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             state.step += 1
             hang_watch.arm(startup.timeout_s(state.step), step=state.step)
             faults.before_step(state.step)
-            distiller.announce_pause(checkpoint_eval.announces_pause(state.step, feed))  # the teacher's timeout
+            pause_follows = checkpoint_eval.announces_pause(state.step, feed)  # the teacher's timeout: told per request
             with startup.span(state.step):
                 metrics, micro_batches = train_step(args, model, distiller, feed, state.step, timer, device,
-                                                    scheduler.get_last_lr()[0] / args.optim.lr)
+                                                    scheduler.get_last_lr()[0] / args.optim.lr, pause_follows)
                 grad_norm = optimizer_step(model, optimizer, scheduler, args.optim.clip, timer)
             state.tokens += metrics.pop("tokens") * topo.train_world_size
             metrics["data/bad_lines"] = feed.state_dict()["bad_lines"]  # this rank's, look-ahead excluded; logs sum them
@@ -330,12 +295,12 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
                 profiler.step()
             if probe is not None and probe.should_run(state.step):
                 run_probe(args, model, probe, micro_batches[0], state.step)
-            # The one agreed control point of the step: stop, save and fail are decided together.
-            flags = agree_flags(dict(preempt=preemption.requested or faults.preempt(state.step),
-                                     nonfinite=faults.nonfinite(state.step, metrics["loss/total"]),
-                                     save_due=checkpoint.minutes_due(), **distiller.control_flags()), group, device)
+            # The one agreed control point of the step: stop, save and fail are decided together, with the teachers'
+            # error and preemption flags; every branch below reads the agreed flags only.
+            flags = distiller.agree(dict(preempt=preemption.requested or faults.preempt(state.step),
+                                         nonfinite=faults.nonfinite(state.step, metrics["loss/total"]),
+                                         save_due=checkpoint.minutes_due()), group, device)
             timer.common_point()
-            distiller.after_agreement(flags)
             startup.after_agreement(state.step, timer)
             if flags["nonfinite"]:
                 raise NonFiniteLoss(nonfinite_sentence(state.step, metrics, group, device))
@@ -352,23 +317,22 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             if stop_now:
                 ended = "preempted" if preempted else "exit_after_steps"
                 break
-        distiller.stop(state.step)
-        if ended == "preempted":
-            requeue_if_slurm(topo.is_train_master, args.dump_dir)
+    if ended == "preempted":
+        requeue_if_slurm(topo.is_train_master, args.dump_dir)
     if topo.is_train_master:
         reporter.summary(state, ended)
 
 
 def train_step(args: TrainArgs, model, distiller, feed: MicroBatchFeed, step: int, timer: StepTimer, device,
-               lr_factor: float) -> tuple[dict, list[dict]]:
+               lr_factor: float, pause_follows: bool = False) -> tuple[dict, list[dict]]:
     """Forward/backward over the step's micro-batches; returns this rank's metrics (device tensors: read them on
     log steps only) and the batches. No host sync per micro-batch: batches and requests go to the device
-    without blocking, the losses' statistics stay there."""
+    without blocking, the losses' statistics stay there. `pause_follows`: a long pause of the students follows."""
     with timer.part("data"):
         micro_batches = feed.start_step(step)
     # Counted on the host (loader batches are host tensors): the step's trained-on tokens normalise every loss.
     n_valid = int(sum((mb.batch["labels"] != -100).sum() for mb in micro_batches))
-    distiller.begin_step(step, lr_factor)
+    distiller.begin_step(step, lr_factor, pause_follows)
     defer_reduce = not args.distributed.reduce_every_micro_batch and hasattr(model, "set_requires_gradient_sync")
     for i, mb in enumerate(micro_batches):
         with timer.part("data"):
@@ -415,9 +379,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     owner = DumpDirOwner(args.dump_dir, launch, args.distributed.init_timeout_s).take()
     failure: Optional[BaseException] = None  # an exceptional exit aborts the process groups (clean_up)
     try:
-        topo = setup_torch_distributed(args.distributed, n_teacher_ranks(args), args.dump_dir, teacher_tp(args),
-                                       teacher_counts(args), args.distillation.launch_teacher_paths(),
-                                       teacher_replica_sizes(teacher_counts(args), args.distillation))
+        teachers = TeacherLaunch.of(args.enable_distillation, args.distillation)
+        topo = setup_torch_distributed(args.distributed, teachers.n_ranks, args.dump_dir, teachers.tp, teachers.counts,
+                                       teachers.paths, teachers.replica_sizes)
         init_logger(topo.global_rank, topo.role, str(RunDir(args.dump_dir).rank_log(topo.global_rank)))
         # From here a rank that fails leaves a note, and one that loses a peer names the rank that stopped.
         with (RankStatus(args.dump_dir, topo, debug=args.distributed.debug_mode) as status,

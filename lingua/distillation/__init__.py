@@ -8,10 +8,11 @@ Shared roots (every road enters through these):
 
     args.py            DistillationArgs (the `distillation:` config section), TeacherArgs, alpha_at
     outputs.py         TeacherOutputs: the wire and cache formats (topk, sampled, full), sparsify_teacher_logits
-    distiller.py       the seam: Distiller, NoDistiller (CE only), KDDistiller (the KD loss of 1..N teachers, their
-                       metrics); the tokenizer's identity (tokenizer_vocab, tokenizer_fingerprint)
+    distiller.py       the seam (the loop's six calls): Distiller, NoDistiller (CE only), KDDistiller (the KD loss of
+                       1..N teachers, their metrics); the tokenizer's identity (tokenizer_vocab, tokenizer_fingerprint)
     micro_batches.py   MicroBatchFeed: a step's micro-batches, their teacher requests submitted ahead (look-ahead)
-    build.py           build_distiller: which Distiller a student gets (none, cache, online); the agreed look-ahead
+    build.py           what the trainer asks: TeacherLaunch (a launch's teacher ranks), build_distiller (a student's
+                       Distiller and its teachers' caches), serve_teacher (a teacher rank), the agreed look-ahead
 
 Rooms, one per road (each `__init__` maps its own files; imports go down, never across roads):
 
@@ -27,11 +28,9 @@ Rooms, one per road (each `__init__` maps its own files; imports go down, never 
 Rooms import the shared roots and the rooms below them (loss, teacher, cross_tokenizer); online and cache are
 roads and never import each other (tests/unit/test_layout.py).
 
-How a micro-batch flows (online): `MicroBatchFeed.submit_ahead` -> `OnlineDistiller.submit` ->
-`TeacherClient.submit` posts a gather of [header, tokens] and a scatter of the response on the bridge group; the
-teacher's `TeacherServer.serve` receives every student's rows, runs one forward (`TeacherModel`), and scatters
-each student its own rows. In the student's forward the model calls `Distiller.head_loss(hidden, head_weight)`,
-which waits for the handles and computes `teachers_head_loss` (`fused_linear_kd_loss`). With a cache, the same
-targets arrive inside each batch and nothing waits. The cache's writer is `cache/write_job.py`, whose command line is
-`apps.main.teacher_cache`.
+How a micro-batch flows (online): `MicroBatchFeed.submit_ahead` -> `OnlineDistiller.submit` -> `TeacherClient.submit`
+(a gather of [header, tokens], a scatter of the response, on the bridge group); `TeacherServer.serve` runs one forward
+for every student's rows and scatters each its own. The model calls `Distiller.head_loss(hidden, head_weight)`, which
+waits for the handles and computes `teachers_head_loss`. With a cache, the targets arrive inside each batch; the
+cache's writer is `cache/write_job.py`, whose command line is `apps.main.teacher_cache`.
 """

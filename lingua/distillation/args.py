@@ -1,14 +1,5 @@
-"""Distillation settings and a map of the pieces.
-
-A distillation job splits its ranks into students and teachers (`lingua/parallel/launch_plan.py`). The pieces:
-
-    lingua/distillation/distiller.py       the one object the student loop asks for the KD part of a step
-    lingua/distillation/online/client.py  student end of a bridge: handshake, submit/wait, STOP
-    lingua/distillation/online/server.py  teacher rank: load, handshake, then receive -> handle -> reply until STOP
-    lingua/distillation/online/bridge.py          the wire records (RequestHeader, HandshakeRecord, ResponseStatus), the handshake
-    lingua/distillation/teacher/model.py         finding, checking and loading a transformers teacher
-    lingua/distillation/loss/reference.py         the sparse teacher outputs and the KD losses
-"""
+"""The `distillation:` config section (DistillationArgs, TeacherArgs: one teacher is a list of one), the keys and
+titles a sentence names a teacher by, the teacher-directory hints, the look-ahead and the KD weight's schedule."""
 
 import math
 from dataclasses import dataclass, field, fields
@@ -226,11 +217,7 @@ class DistillationArgs:
             return
         only = self.teachers[0]
         _check_own_settings(only, "distillation.teachers[0]")
-        self._refuse_one_teacher_keys()
-        require(not self.cross_tokenizer, "distillation.cross_tokenizer", self.cross_tokenizer,
-                "with distillation.teachers set cross_tokenizer per teacher (teachers[0].cross_tokenizer)")
-        require(not self.cache_dir, "distillation.cache_dir", self.cache_dir,
-                "with distillation.teachers set it per teacher (teachers[0].cache_dir), or remove it")
+        self._refuse_shared_keys("0")
         self.teacher_path, self.n_teacher_ranks = only.path, only.n_teacher_ranks
         self.teacher_dtype = self.teacher_dtype if only.teacher_dtype is None else only.teacher_dtype
         self.teacher_tp = self.teacher_tp if only.teacher_tp is None else only.teacher_tp
@@ -239,22 +226,22 @@ class DistillationArgs:
             self.source, self.cache_dir = "cache", only.cache_dir
         self.validate_cross_tokenizer()
 
-    def _refuse_one_teacher_keys(self) -> None:
-        """The one-teacher keys that `teachers` sets per teacher: set beside it, one of them would be ignored."""
+    def _refuse_shared_keys(self, index: str) -> None:
+        """The one-teacher keys that `teachers` sets per teacher (teachers[`index`]): beside it, one is ignored."""
+        require(not self.cross_tokenizer, "distillation.cross_tokenizer", self.cross_tokenizer,
+                f"with distillation.teachers set cross_tokenizer per teacher (teachers[{index}].cross_tokenizer)")
         require(self.n_teacher_ranks == 1, "distillation.n_teacher_ranks", self.n_teacher_ranks,
                 "with distillation.teachers set it per teacher (teachers[i].n_teacher_ranks), or remove it")
         require(self.teacher_tokenizer is None, "distillation.teacher_tokenizer", self.teacher_tokenizer,
                 "with distillation.teachers set it per teacher (teachers[i].tokenizer), or remove it")
+        require(not self.cache_dir, "distillation.cache_dir", self.cache_dir,
+                f"with distillation.teachers name each teacher's cache (teachers[{index}].cache_dir), or remove it")
 
     def _validate_teachers(self) -> None:
         """Several teachers: each its path, ranks and weight; the keys of the one-teacher case left unset."""
         require(not self.teacher_path, "distillation.teacher_path", self.teacher_path,
                 "distillation.teachers names the teachers; set teacher_path=null or remove distillation.teachers")
-        require(not self.cross_tokenizer, "distillation.cross_tokenizer", self.cross_tokenizer,
-                "with distillation.teachers set cross_tokenizer per teacher (teachers[i].cross_tokenizer)")
-        self._refuse_one_teacher_keys()
-        require(not self.cache_dir, "distillation.cache_dir", self.cache_dir,
-                "with distillation.teachers name each teacher's cache (teachers[i].cache_dir), or remove it")
+        self._refuse_shared_keys("i")
         self._settle_teachers_source()
         for i, teacher in enumerate(self.teachers):
             key = f"distillation.teachers[{i}]"
@@ -308,18 +295,18 @@ class DistillationArgs:
                     f"{tp_key.removeprefix('distillation.')}=1, or output=topk")
 
     def teacher_args(self, index: int) -> "OneTeacherArgs":
-        """The settings teacher `index` of `teachers` runs with: these, its own path, ranks and tokenizer."""
+        """The settings teacher `index` of `teachers` runs with: these, its own path, ranks and tokenizer (a lone
+        teacher is named as teacher_path's: index None)."""
         teacher = self.teachers[index]
         shared = {f.name: getattr(self, f.name) for f in fields(DistillationArgs)}
-        if not self.several_teachers:  # teacher_path's own keys (a validated lone teacher mirrors them)
-            return OneTeacherArgs(**{**shared, "teachers": []}, index=None)
         shared.update(teacher_path=teacher.path, n_teacher_ranks=teacher.n_teacher_ranks, teachers=[],
                       cross_tokenizer=teacher.cross_tokenizer, teacher_tokenizer=teacher.tokenizer,
                       cache_dir=teacher.cache_dir)
         for key in ("teacher_dtype", "teacher_tp"):  # its own where set, else the shared value
             if getattr(teacher, key) is not None:
                 shared[key] = getattr(teacher, key)
-        return OneTeacherArgs(**shared, index=index, own_dtype=teacher.teacher_dtype is not None)
+        return OneTeacherArgs(**shared, index=index if self.several_teachers else None,
+                              own_dtype=teacher.teacher_dtype is not None)
 
 
 @dataclass
@@ -348,23 +335,6 @@ def teacher_title(args: DistillationArgs, rank: int) -> str:
     if isinstance(args, OneTeacherArgs) and args.index is not None:
         return f"Teacher {args.index} ({args.teacher_path}) on rank {rank}"
     return f"Teacher rank {rank}"
-
-
-def teacher_rank_counts(enabled_online: bool, args: DistillationArgs) -> tuple[int, ...]:
-    """Ranks of each teacher of a launch, in rank order after the students: () for none, (n,) for one."""
-    if not enabled_online:
-        return ()
-    if args.several_teachers:
-        return tuple(args.teachers[i].n_teacher_ranks for i in args.online_teachers())
-    return (teacher_rank_count(True, args.n_teacher_ranks),)
-
-
-def teacher_replica_sizes(counts: tuple[int, ...], args: DistillationArgs) -> tuple[int, ...]:
-    """Ranks per replica of each of several teachers (each its own teacher_tp, or the shared one) of a launch whose
-    teachers have `counts` ranks (`teacher_rank_counts`); () for one teacher or none."""
-    if len(counts) < 2:
-        return ()
-    return tuple(args.teacher_args(i).teacher_tp for i in args.online_teachers())
 
 
 def _check_own_settings(teacher: TeacherArgs, key: str) -> None:

@@ -1,33 +1,72 @@
-"""Which Distiller a student gets (`build_distiller`): none, the teachers' caches, or their bridges (and any cached
-teacher beside them); and the teacher look-ahead every student agrees on (`agreed_prefetch`)."""
+"""What the trainer asks of the package: its launch's teacher ranks (`TeacherLaunch`), a student's Distiller and its
+teachers' caches (`build_distiller`), a teacher rank's serving (`serve_teacher`), the agreed look-ahead."""
 
 import contextlib
 import logging
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from lingua.distillation.args import DistillationArgs, resolve_prefetch
 from lingua.distillation.cache.distiller import CacheDistiller
+from lingua.distillation.cache.several import open_training_caches
 from lingua.distillation.distiller import Distiller, NoDistiller, tokenizer_vocab
 from lingua.distillation.loss.mixture import source_routing
 from lingua.distillation.online.distiller import OnlineDistiller, handshake_clients
+from lingua.distillation.online.server import TeacherServer
+from lingua.distillation.teacher.roster import check_teachers_fit, serving_args
+from lingua.loading.stream import active_sources
 from lingua.parallel.collectives import agree_count
+from lingua.parallel.launch_plan import teacher_rank_count
 
 logger = logging.getLogger(__name__)
 
 
-def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tokenizer, max_batch: tuple[int, int],
-                    attn_mask: str = "causal", cache=None, phases=None, source_names: Optional[list[str]] = None
-                    ) -> Distiller:
-    """The Distiller for this student: none, the teachers' caches (`cache`: their `TeacherCaches`) or the online
-    bridges (whose handshakes run here, announcing `max_batch` = the largest (batch, seq_len) this student sends),
-    with any cached teacher's targets from the batches beside them; several teachers are routed by the data sources
-    (a batch's source_ids index them: the caches' own order when there is a cache, else `source_names`)."""
+@dataclass(frozen=True)
+class TeacherLaunch:
+    """A launch's teacher ranks, laid out after the students (what `LaunchPlan` and `setup_torch_distributed` take)."""
+
+    counts: tuple[int, ...]  # ranks of each teacher with ranks of its own, in rank order; () without teacher ranks
+    tp: int  # ranks per teacher replica (the shared distillation.teacher_tp; 1 without teacher ranks)
+    replica_sizes: tuple[int, ...]  # ranks per replica of each of several teachers; () for one or none
+    paths: tuple[str, ...]  # each online teacher's path when the teachers are named one by one, else ()
+
+    @classmethod
+    def of(cls, enable_distillation: bool, args: DistillationArgs, data=None) -> "TeacherLaunch":
+        """The teacher ranks of a launch with these (validated) settings; a cached teacher has none. Given `data` (at
+        validation), each teacher is first checked to fit it (`check_teachers_fit`)."""
+        if data is not None and enable_distillation:
+            check_teachers_fit(args, data)
+        online = args.online_teachers()
+        if not (enable_distillation and args.source == "online"):
+            counts = ()
+        elif args.several_teachers:
+            counts = tuple(args.teachers[i].n_teacher_ranks for i in online)
+        else:
+            counts = (teacher_rank_count(True, args.n_teacher_ranks),)
+        sizes = tuple(args.teacher_args(i).teacher_tp for i in online) if len(counts) > 1 else ()
+        return cls(counts, args.teacher_tp if sum(counts) else 1, sizes, args.launch_teacher_paths())
+
+    @property
+    def n_ranks(self) -> int:
+        return sum(self.counts)
+
+
+def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tokenizer, data, attn_mask: str = "causal",
+                    phases=None) -> tuple[Distiller, Optional[object]]:
+    """(the Distiller for this student, the teachers' caches as its dataset or None): none, the caches (one per
+    teacher with a cache_dir; one written with other settings is refused here) or the online bridges, whose handshakes
+    run here announcing the largest (data.batch_size, data.seq_len) this student sends, with any cached teacher's
+    targets from the batches beside them. Several teachers are routed by the data sources: a batch's source_ids index
+    the caches' own order when there is a cache, else data.sources' active ones."""
     if not enable_distillation:
-        return NoDistiller(args)
+        return NoDistiller(args), None
+    cache = open_training_caches(args, data, attn_mask, tokenizer, data.batch_size, topo.train_rank,
+                                 topo.train_world_size)
     heldout = [(None, None)] * len(args.teachers)
+    source_names = active_sources(data.sources)
     if cache is not None:
         # the caches' own source order: their shards' source ids index it (the students may list data.sources in
         # another order; the caches were checked to hold the same sources and the same windows)
@@ -36,10 +75,24 @@ def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tok
             heldout[i] = (loader.manifest.teacher_heldout_ce, loader.manifest.teacher_heldout_bpb)
     routing = source_routing(args.teachers, source_names or [])
     if not args.online_teachers():
-        return CacheDistiller(args, routing, topo.device, heldout)
-    with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
-        clients = handshake_clients(args, topo, tokenizer_vocab(tokenizer), tokenizer.n_words, max_batch, attn_mask)
-    return OnlineDistiller(args, clients, agreed_prefetch(args, topo), routing, heldout)
+        distiller = CacheDistiller(args, routing, topo.device, heldout)
+    else:
+        with phases.span("teacher_handshake") if phases is not None else contextlib.nullcontext():
+            clients = handshake_clients(args, topo, tokenizer_vocab(tokenizer), tokenizer.n_words,
+                                        (data.batch_size, data.seq_len), attn_mask)
+        distiller = OnlineDistiller(args, clients, agreed_prefetch(args, topo), routing, heldout)
+    distiller.phases = phases
+    return distiller, cache
+
+
+def serve_teacher(args: DistillationArgs, topo, preemption, timeouts: Optional[tuple[float, float]],
+                  **server_options) -> None:
+    """A teacher rank: the teacher it serves (with several, the one of its bridge), loaded; the handshake with its
+    students, then their requests until STOP. `timeouts`: (until the first step, after it); `server_options`: the
+    rest of `TeacherServer`'s arguments."""
+    kd, teacher_names = serving_args(args, topo)
+    server = TeacherServer(kd, topo, preemption, teacher_names=teacher_names, **server_options)
+    server.serve(timeouts=timeouts)
 
 
 def agreed_prefetch(args: DistillationArgs, topo) -> int:

@@ -1,26 +1,22 @@
-"""The Distiller: the one object the student loop asks for the KD part of a step.
+"""The Distiller: the one object the student loop asks for the KD part of a step, through six members.
 
-    distiller = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer,  # (build.py)
-                                (args.data.batch_size, args.data.seq_len), args.model.attn_mask, cache, phases)
-    distiller.begin_step(step, lr_factor)                      # alpha for this step, fresh stats
-    pending = distiller.submit(batch, step, micro_step)        # ask for this micro-batch's teacher targets
-    head_loss = distiller.head_loss(labels, pending, n_valid, timer)
-    loss = model(input_ids, doc_ids=..., head_loss=head_loss)  # the model calls head_loss(hidden, head_weight)
-    flags = distiller.control_flags()                          # device flags for the step's agreed point
-    distiller.after_agreement(agreed)                          # raises the teacher's error on every student
-    metrics = distiller.step_metrics()                         # loss/ce, loss/total (+ loss/kd, kd/*): tensors
-    distiller.stop(step, error=False)                          # drains requests in flight, then STOP
-    with distiller.stop_on_agreed_error(current_step): ...     # around the loop: an agreed error drains, sends ERROR
+    distiller, cache = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer, args.data,
+                                       args.model.attn_mask, phases)                  # (build.py)
+    with distiller.session(current_step):                 # STOP to the teachers at the end; ERROR on an agreed error
+        distiller.begin_step(step, lr_factor, pause_follows)        # alpha for this step, fresh statistics
+        head_loss = distiller.head_loss(labels, pending, n_valid, timer)  # pending: `submit`'s (MicroBatchFeed)
+        loss = model(input_ids, doc_ids=..., head_loss=head_loss)   # the model calls head_loss(hidden, head_weight)
+        metrics = distiller.step_metrics()                          # loss/ce, loss/total (+ loss/kd, kd/*): tensors
+        flags = distiller.agree(flags, group, device)               # the control point, the teachers' flags with them
+        distiller.drain()                                           # requests in flight answered before a save
 
-Kinds: `NoDistiller` (enable_distillation=false: every rank trains on CE) and `KDDistiller`, the KD loss of the
-run's teachers, one or several (a lone teacher is a list of one: its loss and metrics are the one-teacher ones; several
-are mixed per position by `loss/mixture.py` and add kd/<i>/*), on two roads: `OnlineDistiller` (one bridge per online
-teacher, `online/distiller.py`; a cached teacher beside them has its targets in the batch) and `CacheDistiller`
-(every teacher from its cache, `cache/distiller.py`). The loop never asks which one it has;
-`Distiller` lists all it may ask (what a log line or the summary says is the reporter's business,
-apps/main/report.py, from the metrics). The loss of a micro-batch is ((1 - alpha) * CE_sum + alpha * T^2 *
-KD_sum) / n_valid, n_valid being the step's count of trained-on tokens, so micro-batches add up to one large
-batch. Statistics stay on the device; the loop reads them on log steps only.
+Kinds: `NoDistiller` (enable_distillation=false: CE only) and `KDDistiller`, the KD loss of the run's teachers, one or
+several (a lone teacher is a list of one and keeps the one-teacher metric names; several are mixed per position by
+`loss/mixture.py` and add kd/<i>/*), on two roads: `OnlineDistiller` (`online/distiller.py`) and `CacheDistiller`
+(`cache/distiller.py`). A road overrides the hooks below the seam (submit, targets, control_flags, after_agreement,
+mark_first_step_done, announce_pause, drain, stop, report_exit, log_metrics); the loop never asks which road it has.
+The loss of a micro-batch is ((1 - alpha) * CE_sum + alpha * T^2 * KD_sum) / n_valid, n_valid being the step's count
+of trained-on tokens, so micro-batches add up to one large batch. Statistics stay on the device.
 """
 
 import contextlib
@@ -37,36 +33,32 @@ from lingua.distillation.loss.divergences import distillation_loss
 from lingua.distillation.loss.fused import fused_linear_kd_loss
 from lingua.distillation.loss.mixture import mixing_weights, teacher_metrics, teachers_head_loss
 from lingua.distillation.outputs import TeacherOutputs
-from lingua.parallel.collectives import AgreedError
+from lingua.parallel.collectives import AgreedError, agree_flags
 from lingua.parallel.host_copies import to_device
 from lingua.transformer import cross_entropy_sum
 
 logger = logging.getLogger(__name__)
 
+
 class Distiller:
-    """What the student loop asks of the KD part of a step; the defaults are those of a run without teacher
+    """What the student loop asks of the KD part of a step; the hooks' defaults are those of a run without teacher
     traffic (no requests, nothing to agree on, nothing to drain)."""
 
-    prefetch = 0  # requests submitted ahead of the micro-batch being computed
-    teacher_heldout_ce: Optional[float] = None  # the teacher's own held-out CE, when known (logged with the eval)
-    teacher_heldout_bpb: Optional[float] = None  # the same in bits per byte
+    prefetch = 0  # requests submitted ahead of the micro-batch being computed (MicroBatchFeed reads it)
     first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done) of the first request
+    phases = None  # the PhaseLog the first round trip is recorded in (build_distiller sets it)
+    first_step_done = False  # this launch's first control point is behind
 
     def __init__(self, args: DistillationArgs):
         self.args = args
 
-    def teacher_heldout_row(self) -> dict:
-        """The teacher's own held-out numbers for the first eval row, each where known: eval/teacher_loss and
-        eval/teacher_bpb (with several teachers eval/<i>/teacher_loss and eval/<i>/teacher_bpb, as kd/<i>/...)."""
-        return heldout_row(self.teacher_heldout_ce, self.teacher_heldout_bpb)
+    # ---------------------------------------------------------------- the seam: what the loop calls
 
-    def begin_step(self, step: int, lr_factor: float) -> None:
-        """A new step: fresh statistics (and the KD weight for this step)."""
+    def begin_step(self, step: int, lr_factor: float, pause_follows: bool = False) -> None:
+        """A new step: fresh statistics, the KD weight for this step, and whether a long pause of the students (an
+        in-process checkpoint evaluation) follows it, which every request of the step tells the teacher."""
+        self.announce_pause(pause_follows)
         self.ce_sum: Optional[torch.Tensor] = None  # the step's CE (divided by n_valid), summed over micro-batches
-
-    def submit(self, batch: dict, step: int, micro_step: int):
-        """Ask for a micro-batch's teacher targets; returns what `head_loss` takes as `pending`."""
-        return None
 
     def head_loss(self, labels: torch.Tensor, pending, n_valid: int, timer) -> Callable:
         """The loss of a micro-batch as a function of the model's final hidden states and its head weight."""
@@ -76,46 +68,72 @@ class Distiller:
         """This step's loss metrics as device tensors (read on log steps only)."""
         raise NotImplementedError
 
-    def control_flags(self) -> dict:
-        """Device flags for the step's agreed control point (the teacher's error and preemption bits)."""
-        return {}
-
-    def after_agreement(self, flags: dict) -> None:
-        """Acts on the agreed flags that concern the teacher (its error is raised here, on every student)."""
-
-    def mark_first_step_done(self) -> None:
-        """This launch's first step is over (the teacher may switch to the training timeout)."""
-
-    def announce_pause(self, pause_follows: bool) -> None:
-        """Whether the step about to run is followed by a long pause of the students (an in-process checkpoint
-        evaluation); a teacher rank is told with every request posted during the step."""
-
-    def log_metrics(self, timer) -> dict:
-        """Extra keys of a log row (teacher wait and the teacher's clocks, with a teacher)."""
-        return {}
+    def agree(self, flags: dict, group, device) -> dict:
+        """The step's control point: the loop's `flags` and the teachers' (`control_flags`) agreed by every student
+        in one collective, then acted on alike by all: a teacher failure agreed on is raised, and after the launch's
+        first step the teachers may switch to the training timeout. Returns the agreed flags."""
+        agreed = agree_flags({**flags, **self.control_flags()}, group, device)
+        self.after_agreement(agreed)
+        if not self.first_step_done:
+            self.first_step_done = True
+            self.mark_first_step_done()
+            if self.first_round_trip is not None and self.phases is not None:
+                self.phases.record("first_teacher_round_trip", *self.first_round_trip)
+        return agreed
 
     def drain(self) -> None:
         """Wait for every request in flight (before a save, STOP or an agreed error)."""
 
-    def stop(self, step: int, error: bool = False) -> None:
-        """The end of this launch (or an agreed error): the teacher leaves its loop."""
-
-    def report_exit(self) -> None:
-        """As the loop is left, on every path: say how many teacher requests were left unwaited."""
-
     @contextlib.contextmanager
-    def stop_on_agreed_error(self, current_step: Callable[[], int]):
-        """An error the students raise together (`AgreedError`: a non-finite loss, different loop lengths, a
-        teacher's failure) reaches the teacher too, as an ERROR request after the requests in flight, before it
-        propagates. Any other error is this rank's own: it leaves without talking to the teacher (its peers may
-        be blocked in a collective it never joins) and its process groups are aborted on the way out."""
+    def session(self, current_step: Callable[[], int]):
+        """Around the student loop: the teachers hear STOP when it ends. An error the students raise together
+        (`AgreedError`: a non-finite loss, different loop lengths, a teacher's failure) reaches the teachers too, as
+        ERROR after the requests in flight, before it propagates. Any other error is this rank's own: it leaves
+        without talking to the teachers (its peers may be blocked in a collective it never joins)."""
         try:
             yield
+            self.stop(current_step())
         except AgreedError:
             self.stop(current_step(), error=True)
             raise
         finally:
             self.report_exit()
+
+    # ---------------------------------------------------------------- what the feed, the reporter and the eval ask
+
+    def submit(self, batch: dict, step: int, micro_step: int):
+        """Ask for a micro-batch's teacher targets; returns what `head_loss` takes as `pending`."""
+        return None
+
+    def teacher_heldout_row(self) -> dict:
+        """The teachers' own held-out numbers for the first eval row, where known (eval/teacher_loss, eval/teacher_bpb;
+        with several teachers eval/<i>/teacher_loss, eval/<i>/teacher_bpb)."""
+        return {}
+
+    def log_metrics(self, timer) -> dict:
+        """Extra keys of a log row (teacher wait and the teacher's clocks, with a teacher)."""
+        return {}
+
+    # ---------------------------------------------------------------- the roads' hooks
+
+    def control_flags(self) -> dict:
+        """Device flags for the step's agreed control point (the teachers' error and preemption bits)."""
+        return {}
+
+    def after_agreement(self, flags: dict) -> None:
+        """Acts on the agreed flags that concern the teachers (an error is raised here, on every student)."""
+
+    def mark_first_step_done(self) -> None:
+        """This launch's first step is over (the teachers may switch to the training timeout)."""
+
+    def announce_pause(self, pause_follows: bool) -> None:
+        """Whether a long pause of the students follows the step about to run."""
+
+    def stop(self, step: int, error: bool = False) -> None:
+        """The end of this launch (or an agreed error): the teachers leave their loops."""
+
+    def report_exit(self) -> None:
+        """As the loop is left, on every path: say how many teacher requests were left unwaited."""
 
     def _add_ce(self, ce: torch.Tensor) -> None:
         ce = ce.detach().double()
@@ -145,14 +163,12 @@ class NoDistiller(Distiller):
 
 
 class KDDistiller(Distiller):
-    """The KD loss of one or several teachers (`distillation.teachers`, a lone teacher a list of one): each
-    position's KD term mixed over the teachers that teach its source (`loss/mixture.py`). A subclass says where a
-    micro-batch's targets come from (`targets`); a lone teacher's metrics keep their names (loss/kd, kd/...), several
-    add kd/<i>/* per teacher. `heldout`: each teacher's own held-out (CE, bits per byte), where known."""
+    """The KD loss of the teachers (`distillation.teachers`): each position's KD term mixed over the teachers that
+    teach its source (`loss/mixture.py`). A subclass says where a micro-batch's targets come from (`targets`).
+    `routing`: [sources, teachers] (`source_routing`); `heldout`: each teacher's own (CE, bits per byte) if known."""
 
     def __init__(self, args: DistillationArgs, routing: Optional[torch.Tensor] = None, device: str = "cpu",
                  heldout: Optional[list[tuple[Optional[float], Optional[float]]]] = None):
-        """`routing`: [sources, teachers] (`source_routing`; several teachers only); `heldout`: per teacher."""
         super().__init__(args)
         self.alpha = args.alpha
         self.several = args.several_teachers
@@ -162,19 +178,17 @@ class KDDistiller(Distiller):
         self.cross = [teacher.cross_tokenizer for teacher in teachers]
         self.uld = [cross and args.uld_weight > 0 for cross in self.cross]  # ULD reads a cross teacher's marks
         self.heldout = heldout
-        if not self.several:
-            self.teacher_heldout_ce, self.teacher_heldout_bpb = heldout[0]
 
     def teacher_heldout_row(self) -> dict:
-        if not self.several:
-            return super().teacher_heldout_row()
         row = {}
-        for i, (ce, bpb) in enumerate(self.heldout):
-            row.update(heldout_row(ce, bpb, f"eval/{i}/"))
+        for i, (ce, bpb) in enumerate(self.heldout):  # a cross-tokenizer teacher's CE is in its own tokens: None
+            prefix = f"eval/{i}/" if self.several else "eval/"
+            row.update({prefix + name: value for name, value in (("teacher_loss", ce), ("teacher_bpb", bpb))
+                        if value is not None})
         return row
 
-    def begin_step(self, step: int, lr_factor: float) -> None:
-        super().begin_step(step, lr_factor)
+    def begin_step(self, step: int, lr_factor: float, pause_follows: bool = False) -> None:
+        super().begin_step(step, lr_factor, pause_follows)
         self.alpha = alpha_at(step, self.args.alpha, self.args.alpha_schedule, lr_factor)
         self.kd_stats = None  # (kd, teacher_mass, top1_agreement), each weighted by its micro-batch's share
         self.teacher_stats = None  # [teachers, 5]: `teachers_head_loss`'s per-teacher statistics, summed
@@ -220,13 +234,6 @@ class KDDistiller(Distiller):
         if self.several:
             return {**metrics, **teacher_metrics(self.teacher_stats, self.cross)}
         return {**metrics, **({"kd/aligned": self.teacher_stats[0, 4]} if self.cross[0] else {})}
-
-
-def heldout_row(ce: Optional[float], bpb: Optional[float], prefix: str = "eval/") -> dict:
-    """A teacher's held-out CE and bits per byte as eval keys (<prefix>teacher_loss, <prefix>teacher_bpb), where
-    known (a cross-tokenizer teacher's CE per token is in its own tokens: None)."""
-    return {f"{prefix}{name}": value for name, value in (("teacher_loss", ce), ("teacher_bpb", bpb))
-            if value is not None}
 
 
 def tokenizer_fingerprint(vocab: dict[str, int]) -> int:

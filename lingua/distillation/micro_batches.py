@@ -1,18 +1,16 @@
 """The micro-batches of each step, with their teacher requests submitted ahead of the compute.
 
-    feed = MicroBatchFeed(loader, distiller, grad_acc_steps, prefetch, last_step)
+    feed = MicroBatchFeed(loader, distiller, grad_acc_steps, last_step=last_step)  # look-ahead: distiller.prefetch
     micro_batches = feed.start_step(step)      # this step's micro-batches, all drawn (the loss needs their count)
     for mb in micro_batches:
         feed.submit_ahead(mb)                  # mb's request, and `prefetch` more (into the next step if needed)
         ... compute mb ...
-    feed.state_dict()                          # the loader's position after the last micro-batch of the step
+    feed.finish_step(step)
 
-With `prefetch=p` the teacher always holds the next p requests while the student computes the current
-micro-batch, across step boundaries: its forward hides behind the student's whole step (forward,
-backward, optimizer), not only the forward. A look-ahead batch belongs to the next step: the state
-saved in a checkpoint is the loader's position after the last micro-batch of the finished step, so a
-resume draws (and sends) exactly the batches that were not trained on. Nothing is drawn beyond
-`last_step` (the end of training or of this launch's exit_after_steps budget).
+With `prefetch=p` the teacher always holds the next p requests while the student computes the current micro-batch,
+across step boundaries: its forward hides behind the student's whole step, not only the forward. A look-ahead batch
+belongs to the next step: a checkpoint saves the loader's position after the last micro-batch of the finished step,
+so a resume draws (and sends) exactly the batches that were not trained on. Nothing is drawn beyond `last_step`.
 """
 
 from collections import deque
@@ -37,12 +35,16 @@ class MicroBatchFeed:
     loader: Any
     distiller: Any
     grad_acc_steps: int
-    prefetch: int = 0
+    prefetch: Optional[int] = None  # None: the distiller's agreed look-ahead
     last_step: Optional[int] = None  # draw nothing for steps after this one
     pin_memory: bool = False  # page-locked batches: their copies to the GPU do not block the host
     next_step: int = 1  # the step start_step was last called for
     queue: deque = field(default_factory=deque)  # drawn, not yet trained on, in order
     consumed_state: Optional[dict] = None  # the loader state after the last micro-batch trained on
+
+    def __post_init__(self):
+        if self.prefetch is None:
+            self.prefetch = self.distiller.prefetch
 
     def _draw(self) -> bool:
         """Draw the micro-batch after the queue's last (or after the consumed ones); False past last_step."""

@@ -38,8 +38,8 @@ class OnlineDistiller(KDDistiller):
     def first_round_trip(self) -> Optional[tuple[float, float]]:
         return self.clients[0].first_round_trip
 
-    def begin_step(self, step: int, lr_factor: float) -> None:
-        super().begin_step(step, lr_factor)
+    def begin_step(self, step: int, lr_factor: float, pause_follows: bool = False) -> None:
+        super().begin_step(step, lr_factor, pause_follows)
         for client in self.clients:
             client.wait_clock.new_step()
 

@@ -57,7 +57,7 @@ def run_mode(teacher_dir: str, mode: str, topo) -> None:
     elif mode == "serve_failure":
         client.submit(tokens, step=1, micro_step=0).wait()
     # The step's agreed point, as the trainer has it: statuses are read here, not per micro-batch. The error is
-    # agreed, so the teacher hears ERROR before it is raised (the trainer's `stop_on_agreed_error`).
+    # agreed, so the teacher hears ERROR before it is raised (the trainer's `Distiller.session`).
     if client.response_flags()["teacher_error"]:
         client.stop(step=1, error=True)
         client.raise_teacher_error()

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from apps.main.train import TrainArgs, n_teacher_ranks
+from apps.main.train import TrainArgs
+from lingua.distillation.build import TeacherLaunch
 from lingua.args import dump_config, parse_args
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan
 
@@ -32,7 +33,7 @@ def test_every_shipped_config_validates(tmp_path, monkeypatch):
     for config in sorted((ROOT / "configs").rglob("*.yaml")):
         args = parse_args(TrainArgs, [f"config={config}"])
         stub_inputs(args)
-        args.validate(world_size=n_teacher_ranks(args) + 2)
+        args.validate(world_size=TeacherLaunch.of(args.enable_distillation, args.distillation).n_ranks + 2)
         assert args.steps >= 1, config
 
 

@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from apps.main.train import TrainArgs, n_teacher_ranks, teacher_counts
+from apps.main.train import TrainArgs
 from lingua.args import parse_args
 from lingua.data import DataArgs, DataLoader
 from lingua.loading.stream import active_sources
 from lingua.distillation.args import DistillationArgs, OneTeacherArgs, TeacherArgs, teacher_title
+from lingua.distillation.build import TeacherLaunch
 from lingua.distillation.loss.fused import fused_linear_kd_loss
 from lingua.distillation.loss.mixture import mixing_weights, source_routing, teacher_metrics
 from lingua.distillation.loss.mixture import teachers_head_loss as mixed_head_loss
@@ -21,6 +22,10 @@ from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan
 from lingua.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[4]
+
+
+def launch(args: TrainArgs) -> TeacherLaunch:
+    return TeacherLaunch.of(args.enable_distillation, args.distillation)
 
 
 def kd_args(tmp_path, *overrides: str) -> TrainArgs:
@@ -56,7 +61,7 @@ def test_one_teacher_in_the_list_is_teacher_path(tmp_path):
     assert plain.distillation.teachers == [TeacherArgs(path=str(tmp_path / "t0"), n_teacher_ranks=2)]
     plain.validate(world_size=4)
     assert listed.distillation == plain.distillation and not plain.distillation.several_teachers
-    assert teacher_counts(listed) == teacher_counts(plain) == (2,)
+    assert launch(listed).counts == launch(plain).counts == (2,)
     assert teacher_title(listed.distillation, 3) == "Teacher rank 3"
 
 
@@ -64,7 +69,7 @@ def test_several_teachers_lay_out_after_the_students(tmp_path):
     args = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}, n_teacher_ranks: 2}}", "{{path: {t1}, sources: [code]}}"),
                    "data.sources={pydocs: 1.0, code: 1.0}")
     args.validate(world_size=7)
-    assert teacher_counts(args) == (2, 1) and n_teacher_ranks(args) == 3
+    assert launch(args).counts == (2, 1) and launch(args).n_ranks == 3
     one = args.distillation.teacher_args(1)
     assert isinstance(one, OneTeacherArgs) and (one.teacher_path, one.n_teacher_ranks) == (str(tmp_path / "t1"), 1)
     assert teacher_title(one, 6) == f"Teacher 1 ({tmp_path / 't1'}) on rank 6"
@@ -76,11 +81,11 @@ def test_uld_with_several_teachers_and_a_cached_teacher_beside_an_online_one(tmp
     uld = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}}}", "{{path: {t1}, cross_tokenizer: true}}"),
                   "distillation.uld_weight=0.5")
     uld.validate(world_size=4)
-    assert teacher_counts(uld) == (1, 1)
+    assert launch(uld).counts == (1, 1)
     mixed = kd_args(tmp_path, teachers(tmp_path, "{{cache_dir: {t0}}}", "{{path: {t1}}}"))
     mixed.validate(world_size=3)
     kd = mixed.distillation
-    assert kd.source == "online" and kd.online_teachers() == [1] and teacher_counts(mixed) == (1,)
+    assert kd.source == "online" and kd.online_teachers() == [1] and launch(mixed).counts == (1,)
     assert kd.launch_teacher_paths() == (str(tmp_path / "t1"),)
 
 
@@ -135,8 +140,7 @@ def test_each_teacher_may_have_its_own_dtype_and_tensor_parallelism(tmp_path):
     the ranks alike; sentences about a teacher's dtype name the key that set it."""
     from omegaconf import OmegaConf
 
-    from apps.main.train import teacher_tp
-    from lingua.distillation.args import dtype_setting, teacher_replica_sizes
+    from lingua.distillation.args import dtype_setting
     from lingua.stool import launch_plan
 
     listed = teachers(tmp_path, "{{path: {t0}, n_teacher_ranks: 2, teacher_tp: 2, teacher_dtype: bf16}}", "{{path: {t1}}}")
@@ -147,10 +151,10 @@ def test_each_teacher_may_have_its_own_dtype_and_tensor_parallelism(tmp_path):
     assert (first.teacher_dtype, first.teacher_tp, second.teacher_dtype, second.teacher_tp) == ("bf16", 2, "fp32", 1)
     assert (dtype_setting(first), dtype_setting(second)) == ("distillation.teachers[0].teacher_dtype",
                                                              "distillation.teacher_dtype")
-    tps = teacher_replica_sizes(teacher_counts(args), kd)
-    assert tps == (2, 1) and teacher_tp(args) == 1
-    plan = LaunchPlan.for_launch(args.distributed, n_teacher_ranks(args), 5, 5, teacher_tp(args),
-                                 teacher_counts(args), teacher_tps=tps)
+    tps = launch(args).replica_sizes
+    assert tps == (2, 1) and launch(args).tp == 1
+    plan = LaunchPlan.for_launch(args.distributed, launch(args).n_ranks, 5, 5, launch(args).tp, launch(args).counts,
+                                 teacher_tps=tps)
     assert plan.replicas() == [([2, 3], [0, 1]), ([4], [0, 1])]
     assert "  teacher replica 0: global ranks 2-3 (node 0, local ranks 2-3), tensor-parallel over 2, serving " \
            "students 0-1" in plan.describe() and "  teacher: global rank 4 (node 0, local rank 4)" in plan.describe()
@@ -161,7 +165,7 @@ def test_each_teacher_may_have_its_own_dtype_and_tensor_parallelism(tmp_path):
     shared = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}, n_teacher_ranks: 2}}",
                                         "{{path: {t1}, teacher_tp: 1}}"), "distillation.teacher_tp=2")
     shared.validate(world_size=5)
-    assert teacher_replica_sizes(teacher_counts(shared), shared.distillation) == (2, 1)
+    assert launch(shared).replica_sizes == (2, 1)
     # One teacher in the list is teacher_path with its keys, its own dtype and tensor parallelism included.
     one = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}, n_teacher_ranks: 2, teacher_tp: 2, teacher_dtype: bf16}}"))
     assert (one.distillation.teacher_tp, one.distillation.teacher_dtype, one.distillation.teachers) == (2, "bf16", [])
@@ -431,6 +435,7 @@ def test_each_teachers_held_out_reference_is_logged_under_its_index():
     bits per byte only. One teacher keeps eval/teacher_loss and eval/teacher_bpb."""
     from types import SimpleNamespace
 
+    from lingua.distillation.cache.distiller import CacheDistiller
     from lingua.distillation.distiller import Distiller
     from lingua.distillation.online.distiller import OnlineDistiller
 
@@ -440,8 +445,7 @@ def test_each_teachers_held_out_reference_is_logged_under_its_index():
     several = OnlineDistiller(args, clients, 0, torch.ones(1, 2), [(None, None)] * 2)
     assert several.teacher_heldout_row() == {"eval/0/teacher_loss": 2.5, "eval/0/teacher_bpb": 3.5,
                                              "eval/1/teacher_bpb": 4.25}
-    one = Distiller(DistillationArgs(teacher_path="a"))
-    one.teacher_heldout_ce, one.teacher_heldout_bpb = 2.5, 3.5
+    one = CacheDistiller(DistillationArgs(teacher_path="a"), heldout=[(2.5, 3.5)])  # a lone teacher keeps eval/...
     assert one.teacher_heldout_row() == {"eval/teacher_loss": 2.5, "eval/teacher_bpb": 3.5}
     assert Distiller(DistillationArgs()).teacher_heldout_row() == {}  # CE only, or no eval asked of the teacher
 
@@ -458,7 +462,7 @@ def test_a_validated_config_read_again_keeps_its_lone_teacher(tmp_path):
                                     "data.tokenizer.path=null", f"distillation.teacher_path={tmp_path / 't0'}",
                                     f"distillation.teachers=[{{path: {tmp_path / 't0'}}}]"])
     dumped.validate(world_size=3)
-    assert dumped.distillation == args.distillation and teacher_counts(dumped) == (1,)
+    assert dumped.distillation == args.distillation and launch(dumped).counts == (1,)
     writer = parse_args(TeacherCacheArgs, [f"config={ROOT / 'configs/distill_exps/debug_cpu.yaml'}",
                                            f"data.root_dir={tmp_path / 'corpus'}", "data.tokenizer.name=bytes",
                                            "data.tokenizer.path=null", f"distillation.teacher_path={tmp_path / 't0'}",

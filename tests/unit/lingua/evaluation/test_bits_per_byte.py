@@ -86,7 +86,7 @@ def test_in_loop_eval_logs_bpb_of_the_scored_targets(corpus):
     model = build(tiny_args(max_seqlen=32))
     topo = SimpleNamespace(train_rank=0, train_world_size=1, train_group=None, device=torch.device("cpu"))
     evaluator = Evaluator(EvalArgs(every=1, max_batches=6), data, tokenizer, topo,
-                          {"eval/teacher_loss": 2.5, "eval/teacher_bpb": 3.5})
+                          teacher=CacheDistiller(DistillationArgs(), heldout=[(2.5, 3.5)]))
     row = evaluator.run(model, step=1)
 
     ce_sum = tokens = n_bytes = 0

@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from apps.main.train import TrainArgs, n_teacher_ranks
+from apps.main.train import TrainArgs
+from lingua.distillation.build import TeacherLaunch
+from lingua.loading.stream import active_sources
 from lingua.args import parse_args
 from lingua.loading.producer import from_wire, to_wire
 from lingua.distillation.cache.store import (INDEX, CacheLoader, CacheManifest, read_shard, settings_manifest, shard_path,
@@ -111,7 +113,8 @@ def test_two_caches_train_as_the_online_mixture(tmp_path):
     from the batch)."""
     args = cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}, sources: [pydocs]}}",
                            f"{{cache_dir: {tmp_path / 'b'}, weight: 2.0}}")
-    assert args.distillation.source == "cache" and n_teacher_ranks(args) == 0  # no teacher ranks
+    assert args.distillation.source == "cache"
+    assert TeacherLaunch.of(args.enable_distillation, args.distillation).n_ranks == 0  # no teacher ranks
     write_cache(tmp_path / "a", args, 0, seed=0)
     write_cache(tmp_path / "b", args, 1, seed=1)
     caches = open_caches(args)
@@ -125,6 +128,7 @@ def test_two_caches_train_as_the_online_mixture(tmp_path):
     assert cached.teacher_heldout_row() == {"eval/0/teacher_loss": 2.5, "eval/0/teacher_bpb": 1.25}
     handles = [SimpleNamespace(wait=lambda t=t: t) for t in batch["teachers"]]
     clients = [SimpleNamespace(device="cpu", wait_clock=SimpleNamespace(new_step=lambda: None),
+                               announce_pause=lambda pause_follows: None,
                                teacher_heldout_ce=None, teacher_heldout_bpb=None,
                                spec=SimpleNamespace(doc_boundaries=False, kd_weight=False),
                                submit=lambda *a, h=h: h) for h in handles]
@@ -223,7 +227,8 @@ def test_cached_teachers_settings_and_the_launch(tmp_path):
         ("cache", str(tmp_path / "a"), [])  # one cached teacher is the one-teacher cache road
     mixed = train_args(tmp_path, f"distillation.teachers=[{{cache_dir: {tmp_path}}}, {{path: {tmp_path}}}]")
     mixed.validate()  # a cached teacher beside an online one: only the online one has ranks
-    assert mixed.distillation.source == "online" and n_teacher_ranks(mixed) == 1
+    assert mixed.distillation.source == "online"
+    assert TeacherLaunch.of(mixed.enable_distillation, mixed.distillation).n_ranks == 1
     cfg = OmegaConf.create({"enable_distillation": True, "distillation": {
         "teachers": [{"cache_dir": "a", "sources": ["x"]}, {"cache_dir": "b"}]}})
     plan, _ = launch_plan(cfg, nodes=1, ntasks_per_node=2)
@@ -242,11 +247,12 @@ def test_cached_routing_follows_the_caches_source_order_and_a_resume_in_another_
     args = cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}}}", f"{{cache_dir: {tmp_path / 'b'}, sources: [code]}}")
     for teacher, seed in ((0, 1), (1, 2)):
         write_cache(tmp_path / "ab"[teacher], args, teacher, seed)
-    caches = open_caches(args)
+    students = replace(args.data, batch_size=3, sources=dict(reversed(args.data.sources.items())))
+    assert active_sources(students.sources) == ["code", "pydocs"]  # the students' own order, reversed
+    topo = SimpleNamespace(device=torch.device("cpu"), train_rank=0, train_world_size=1)
+    distiller, caches = build_distiller(True, args.distillation, topo, build_tokenizer(args.data.tokenizer), students,
+                                        args.model.attn_mask)
     assert caches.manifest.source_names == ["pydocs", "code"]
-    topo = SimpleNamespace(device=torch.device("cpu"))
-    distiller = build_distiller(True, args.distillation, topo, None, (3, SEQ), cache=caches,
-                                source_names=["code", "pydocs"])  # the students' own order, reversed
     code = caches.manifest.source_names.index("code")
     assert distiller.routing[code].tolist() == [1.0, 1.0] and distiller.routing[1 - code].tolist() == [1.0, 0.0]
     caches.close()
