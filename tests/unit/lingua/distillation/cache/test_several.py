@@ -13,7 +13,7 @@ import torch
 from apps.main.train import TrainArgs, n_teacher_ranks
 from lingua.args import parse_args
 from lingua.loading.producer import from_wire, to_wire
-from lingua.distillation.cache.store import (INDEX, CacheLoader, CacheManifest, read_shard, settings_manifest, shard_path,
+from lingua.distillation.cache.store import (INDEX, CacheManifest, read_shard, settings_manifest, shard_path,
                                        write_json_atomic, write_shard)
 from lingua.distillation.cache.codec import decode_shard, encode_shard
 from lingua.distillation.cache.distiller import CacheDistiller
@@ -99,9 +99,9 @@ def test_each_windows_source_id_round_trips_and_old_shards_read_without_it(tmp_p
     assert new.source_names == ["pydocs", "code"] and old.source_names is None
     assert read_shard(shard_path(tmp_path / "a", 1), range(1, 3), new)["source_ids"].tolist() == [1, 1]
     assert "source_ids" not in read_shard(shard_path(tmp_path / "b", 1), range(1, 3), old)
-    loader = CacheLoader(str(tmp_path / "a"), new, batch_size=3, dp_rank=0, dp_degree=1)
+    loader = TeacherCaches([str(tmp_path / "a")], [new], batch_size=3, dp_rank=0, dp_degree=1)
     assert [next(loader)["source_ids"].tolist() for _ in range(3)] == [[0, 1, 1], [0, 0, 1], [1, 0, 0]]
-    assert "source_ids" not in next(CacheLoader(str(tmp_path / "b"), old, batch_size=3, dp_rank=0, dp_degree=1))
+    assert "source_ids" not in next(TeacherCaches([str(tmp_path / "b")], [old], batch_size=3, dp_rank=0, dp_degree=1))
 
 
 def test_two_caches_train_as_the_online_mixture(tmp_path):
