@@ -221,16 +221,11 @@ def encode_shard(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOu
 def decode_shard(streams: dict, specs: dict) -> dict:
     """tokens [K, S+1] int32, doc_ids [K, S], source_ids [K] int32 (when stored) and the TeacherOutputs as the
     bridge sends them."""
-    windows = _decode_windows(streams, specs)
-    return {**windows, "teacher": _decode_teacher(streams, specs)}
-
-
-def _decode_windows(streams: dict, specs: dict) -> dict:
     windows = {"tokens": torch.from_numpy(_get(streams, specs, "tokens").astype(np.int32)),
                "doc_ids": torch.from_numpy(_get(streams, specs, "doc_ids").copy())}
     if "source_ids" in specs:
         windows["source_ids"] = torch.from_numpy(_get(streams, specs, "source_ids").astype(np.int32))
-    return windows
+    return {**windows, "teacher": _decode_teacher(streams, specs)}
 
 
 def _decode_teacher(streams: dict, specs: dict) -> TeacherOutputs:
@@ -267,11 +262,9 @@ MEASURED_VOCAB = 49152
 
 def planned_bytes_per_token(output: str, k: int, vocab_size: int, wire_bytes: int, seq_len: int,
                             version: int = 2, wire_dtype: str = "bf16") -> float:
-    """Bytes per token a cache takes on disk. Version 1 is exact (its layout). Version 2 scales the study's bf16
-    measurement (an estimate): entries with k, an id's bytes with log2 of the vocabulary. sampled at k below the
-    measured 64 stores relatively more distinct ids (fewer repeats): there the estimate is low (at k = 8, 15 B
-    against 19 measured by subsampling the study's draws). Not measured, so counted at the v1 size: `full`,
-    and values on an fp16 or fp32 wire (their finer bit patterns make larger gaps)."""
+    """Bytes per token a cache takes on disk: exact for version 1; for version 2 the study's bf16 measurement scaled
+    (entries with k, an id's bytes with log2 of the vocabulary; low for sampled at small k: 15 B against 19 at k = 8).
+    `full` and fp16/fp32 wires (not measured) count at the v1 size."""
     windows = 4 * (seq_len + 1) / seq_len + (2 if seq_len + 1 <= 2**15 else 4)  # int32 tokens, document ids
     v1 = windows + (vocab_size * wire_bytes if output == "full" else k * (wire_bytes + (2 if vocab_size <= 2**16 else 4)) + 4)
     if version == 1 or output == "full" or wire_dtype != "bf16":

@@ -1,12 +1,10 @@
-"""The teachers' caches as the training dataset, for 1..N teachers with a `cache_dir` (one teacher is a list of one):
-one stream of windows, every cached teacher's targets for each.
+"""The reader: 1..N teachers' caches (one teacher is a list of one) as one training dataset.
 
     loader = open_training_caches(kd, data, attn_mask, tokenizer, batch_size, dp_rank, dp_degree)
     batch = next(loader)  # input_ids, labels, doc_ids, source_ids, teachers: [TeacherOutputs, one per cache]
 
-The caches must describe the same windows: each is checked against the students' settings, then against the first
-cache for its layout; each batch's windows are compared as they are read. Per-source routing needs each window's
-data source, which caches written before the shards stored it lack: they train one teacher, or several by weight.
+Each cache is checked against the students' settings, then against the first cache's layout; each batch's windows
+are compared as they are read. Caches written before shards stored each window's source cannot route by source.
 """
 
 import logging
@@ -26,7 +24,6 @@ logger = logging.getLogger(__name__)
 # What decides which windows a shard of a cache holds, beyond the students' settings every cache is checked against.
 LAYOUT = ("data", "tokenizer_fingerprint", "vocab_size", "attn_mask", "streams", "sequences_per_stream",
           "shard_sequences", "source_names")
-# The students' settings a cache must have been written with.
 TRAINING_SETTINGS = ("output", "k", "temperature", "wire_dtype", "attn_mask", "tokenizer_fingerprint", "vocab_size",
                      "data", "cross_tokenizer", "unmapped_entries")
 WINDOW_KEYS = ("input_ids", "labels", "doc_ids", "source_ids")
@@ -50,13 +47,12 @@ def open_training_caches(kd, data, attn_mask: str, tokenizer, batch_size: int, d
 
 
 def open_cache(cache_dir: str, wanted: CacheManifest, batch_size: int, dp_rank: int, dp_degree: int):
-    """One cache as `TeacherCaches`, refused in one sentence when written with settings other than `wanted`."""
+    """One cache, refused in one sentence when it was written with settings other than `wanted`."""
     return TeacherCaches([cache_dir], [checked_manifest(cache_dir, wanted)], batch_size, dp_rank, dp_degree)
 
 
 def checked_manifest(cache_dir: str, wanted: CacheManifest, whose: str = "") -> CacheManifest:
-    """The manifest of the cache in `cache_dir`, refused in one sentence (`whose`: which teacher's cache) when it
-    was written with settings other than `wanted`."""
+    """The manifest in `cache_dir`, refused in one sentence (`whose`: which teacher's) when it differs from `wanted`."""
     manifest = CacheManifest.read(Path(cache_dir))
     differ = describe_differences(manifest, wanted, TRAINING_SETTINGS)
     if differ:
@@ -94,16 +90,16 @@ def joined(parts: list[dict], output: str) -> dict:
     """One cache's batch from its parts (rows of consecutive shards); a window key only when every part has it."""
     if len(parts) == 1:
         return parts[0]
-    teacher = TeacherOutputs.from_tensors(output, [torch.cat(ts) for ts in zip(*(p["teacher"].tensors() for p in parts))])
+    tensors = [torch.cat(ts) for ts in zip(*(p["teacher"].tensors() for p in parts))]
+    teacher = TeacherOutputs.from_tensors(output, tensors)
     windows = [key for key in WINDOW_KEYS if all(key in p for p in parts)]
     return {**{key: torch.cat([p[key] for p in parts]) for key in windows}, "teacher": teacher}
 
 
 @dataclass
 class TeacherCaches:
-    """1..N teachers' caches read in step as one rank's training dataset, looping over its shards forever: batches
-    of `batch_size` windows (the same in every cache, checked) with `teachers`, each cache's targets for them.
-    The caches share one layout, so one position (`state_dict()`) restores the exact stream."""
+    """1..N caches read in step as one rank's dataset, looping over its shards forever: batches of `batch_size`
+    windows (the same in every cache) with `teachers`, each cache's targets. One layout, so one position."""
 
     dirs: list[str]
     manifests: list[CacheManifest]

@@ -38,8 +38,7 @@ READABLE_VERSIONS = (1, 2)
 MANIFEST, INDEX, SHARDS = "cache.json", "index.json", "shards"
 PREPARE_HINT = "write it with `torchrun --nproc-per-node N -m apps.main.teacher_cache config=<config> cache_dir={dir}`"
 CONVERT_HINT = "convert it with `python -m apps.main.convert_cache {src} <new dir>`"
-
-
+V1_NAMES = {"full": ("values",), "topk": ("values", "ids", "extra"), "sampled": ("values", "ids", "extra")}
 CROSS_FIELDS = ("cross_tokenizer", "teacher_tokenizer_fingerprint", "vocab_map_fingerprint", "unmapped_entries")
 # What a differing setting means, where its name alone does not say.
 SETTING_NOTES = {"tokenizer_fingerprint": " (the students' tokenizer, data.tokenizer: the targets are in its ids)",
@@ -67,15 +66,13 @@ class CacheManifest:
     teacher_heldout_bpb: Optional[float] = None  # the same in bits per byte (None in caches written before it)
     version: int = CACHE_VERSION
     zstd_level: int = ZSTD_LEVEL  # the v2 streams' compression (read as OLD_ZSTD_LEVEL where a manifest lacks it)
-    # distillation.cross_tokenizer: the targets are in the student's ids and positions, with a kd_weight bit per
-    # position; tokenizer_fingerprint and vocab_size are the student's. Written only then (CROSS_FIELDS), so a
-    # same-tokenizer manifest keeps its fields and bytes.
+    # distillation.cross_tokenizer (the targets in the student's ids and positions, a kd_weight bit per position):
+    # written only then (CROSS_FIELDS), so a same-tokenizer manifest keeps its fields and bytes.
     cross_tokenizer: bool = False
     teacher_tokenizer_fingerprint: Optional[int] = None
     vocab_map_fingerprint: Optional[str] = None
     unmapped_entries: bool = False  # written with distillation.uld_weight > 0: the shards carry them, marked (uld.py)
-    # The data sources a shard's source_ids index, in order (active_sources); None: a cache written before the
-    # shards stored each window's source (it trains one teacher, or several mixed by weight, not per source).
+    # The data sources a shard's source_ids index, in order; None: a cache written before shards stored them.
     source_names: Optional[list[str]] = None
 
     @property
@@ -112,15 +109,13 @@ class CacheManifest:
 
 
 def data_identity(data_args) -> dict:
-    """The data settings that decide a cache's windows (root_dir and the tokenizer's path left out: files may
-    move; the tokenizer itself is compared by fingerprint)."""
+    """The data settings that decide a cache's windows (not root_dir or the tokenizer's path: files may move)."""
     return {"sources": dict(data_args.sources), "seq_len": data_args.seq_len, "add_bos": data_args.add_bos,
             "add_eos": data_args.add_eos, "seed": data_args.seed}
 
 
 def settings_manifest(kd_args, data_args, attn_mask: str, tokenizer, **layout) -> CacheManifest:
-    """The manifest these settings would write (`layout`: streams, sequences_per_stream, shard_sequences; a
-    cross-tokenizer writer adds the teacher's tokenizer and the vocabulary map's fingerprints)."""
+    """The manifest these settings would write (`layout`: streams, sequences_per_stream, shard_sequences)."""
     layout = {"streams": 1, "sequences_per_stream": 0, "shard_sequences": 1, **layout}
     return CacheManifest(teacher_path=str(kd_args.teacher_path), vocab_size=tokenizer.n_words,
                          tokenizer_fingerprint=tokenizer_fingerprint(tokenizer_vocab(tokenizer)), output=kd_args.output,
@@ -158,10 +153,9 @@ def write_shard(path: Path, tokens: torch.Tensor, doc_ids: torch.Tensor, outputs
 
 def shard_bytes(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs, manifest: CacheManifest,
                 metadata: dict, source_ids: Optional[torch.Tensor] = None) -> bytes:
-    """A shard file's bytes. Version 2 codes it (`cache_codec`, with its round-trip check; `source_ids`, each
-    window's data source, stored when given); version 1 (the converter's tests) stores the bridge's tensors."""
+    """A shard file's bytes: coded by codec.py (version 2), or the bridge's tensors as they are (version 1)."""
     if manifest.version == 1:
-        names = ("values",) if outputs.format == "full" else ("values", "ids", "extra")
+        names = V1_NAMES[outputs.format]
         tensors = {"tokens": tokens.to(torch.int32).contiguous(),
                    "doc_ids": doc_ids.to(torch.int16 if tokens.shape[1] <= 2**15 else torch.int32).contiguous()}
         for name, tensor in zip(names, outputs.tensors()):
@@ -184,9 +178,8 @@ def write_file_atomic(path: Path, data: bytes) -> None:
 
 
 def canonical_safetensors(data: bytes) -> bytes:
-    """A safetensors file's bytes with its metadata keys sorted. The library writes them in a hash map's order,
-    which changes from call to call and process to process; a shard must be the same bytes whoever writes it
-    (the serial writer, an encode worker, a rerun). Same header length, so the tensors' offsets hold."""
+    """A safetensors file's bytes with its metadata keys sorted (the library's order changes from process to process;
+    a shard must be the same bytes whoever writes it). Same header length, so the tensors' offsets hold."""
     size = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + size])
     if "__metadata__" in header:
@@ -208,9 +201,8 @@ def shard_metadata(path: Path) -> Optional[dict]:
 
 
 def read_shard(path: Path, rows: range, manifest: CacheManifest) -> dict:
-    """Rows of a shard as a training batch: input_ids, labels, doc_ids, source_ids (when the shard stores them)
-    and the teacher's outputs (sampled draws in `cache_codec`'s canonical order, whatever the version, so a v1
-    cache and its conversion train alike)."""
+    """Rows of a shard as a training batch: input_ids, labels, doc_ids, source_ids (when stored) and the teacher's
+    outputs (sampled draws in the codec's canonical order whatever the version: a v1 cache trains as its conversion)."""
     span = slice(rows.start, rows.stop, rows.step)
     sources = {}
     if manifest.version == 1:
@@ -235,8 +227,7 @@ def read_v1_shard(path: Path, span: slice, manifest: CacheManifest) -> tuple:
     with safe_open(str(path), "pt") as f:
         tokens = rows_of(f, "tokens").long()
         doc_ids = rows_of(f, "doc_ids").int()
-        names = ("values",) if manifest.output == "full" else ("values", "ids", "extra")
-        tensors = [rows_of(f, name) for name in names]
+        tensors = [rows_of(f, name) for name in V1_NAMES[manifest.output]]
     if manifest.output != "full":
         tensors[1] = tensors[1].to(torch.int32)
     return tokens, doc_ids, TeacherOutputs.from_tensors(manifest.output, tensors)

@@ -20,18 +20,9 @@ import torch.distributed as dist
 from lingua.evaluation.bits_per_byte import batches_target_bytes, bits_per_byte, token_byte_lengths
 from lingua.data import DataLoader
 from lingua.distillation.args import WIRE_DTYPES
-from lingua.distillation.cache.store import (
-    CONVERT_HINT,
-    CROSS_FIELDS,
-    INDEX,
-    MANIFEST,
-    CacheManifest,
-    describe_differences,
-    settings_manifest,
-    shard_metadata,
-    shard_path,
-    write_json_atomic,
-)
+from lingua.distillation.cache.store import (CONVERT_HINT, CROSS_FIELDS, INDEX, MANIFEST, CacheManifest,
+                                             describe_differences, settings_manifest, shard_metadata, shard_path,
+                                             write_json_atomic)
 from lingua.distillation.cache.writer import READ_AHEAD, ShardWriters, StageClock, WindowReadAhead, auto_encode_workers
 from lingua.distillation.cross_tokenizer.teacher_side import CrossTokenizerTeacher, load_cross_tokenizer
 from lingua.distillation.distiller import tokenizer_fingerprint, tokenizer_vocab
@@ -167,8 +158,8 @@ def teacher_outputs(teacher: TeacherModel, batch: dict, manifest: CacheManifest,
 
 def heldout_reference(args, tokenizer, teacher: TeacherModel, manifest: CacheManifest, topo,
                       replica: int, replicas: int, writer: bool) -> tuple[Optional[float], Optional[float]]:
-    """The teacher's CE and bits per byte on the held-out windows the students evaluate on, or (None, None) (no
-    held-out files); the batches are split over the replicas and the sums all-reduced, so no rank idles in a collective."""
+    """The teacher's CE and bits per byte on the students' held-out windows, or (None, None) (no held-out files);
+    the batches are split over the replicas and the sums all-reduced, so no rank idles in a collective."""
     try:
         batches = [b for d in range(manifest.streams) for b in iterate_eval_batches(
             args.data, tokenizer, d, manifest.streams, args.heldout.max_batches)]

@@ -21,6 +21,7 @@ from lingua.distillation.outputs import TeacherOutputs
 from lingua.errors import UserError
 from lingua.logger import FILE_ONLY
 from lingua.loading.process_pool import BrokenProcessPool, spawn_pool, stop_pool
+from lingua.loading.producer import die_with_parent
 
 logger = logging.getLogger(__name__)
 READ_AHEAD = 2  # shards of windows read ahead of the teacher: tokenizing one takes far less than its forward
@@ -105,15 +106,8 @@ class WindowReadAhead:
 def _start_encode_worker(parent: int) -> None:
     """Ctrl-C is the writer's to handle (it stops the workers); a writer killed (SIGKILL) takes them along."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the writer's own clean-up still stops them
-        pass
-    if os.getppid() != parent:  # the writer died before the signal was armed
-        os._exit(1)
-    torch.set_num_threads(1)
+    die_with_parent(parent, parent_is_main_thread=True)  # the pool is started from the writer's main thread
+    torch.set_num_threads(1)  # one thread per worker, as measured
 
 
 def _ready_worker() -> int:
