@@ -147,9 +147,7 @@ class ShardWriters:
     def __init__(self, workers: int, clock: StageClock):
         self.workers, self.clock, self.written = workers, clock, 0
         self.pending: dict[int, tuple[Path, Future]] = {}
-        self.pool: Optional[ProcessPoolExecutor] = None
-        if workers > 0:
-            self.pool = start_encode_pool(workers)
+        self.pool: Optional[ProcessPoolExecutor] = start_encode_pool(workers) if workers > 0 else None
 
     def submit(self, index: int, path: Path, tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs,
                manifest: CacheManifest, metadata: dict, source_ids: Optional[torch.Tensor] = None) -> None:
