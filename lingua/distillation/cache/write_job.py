@@ -95,7 +95,9 @@ class StreamReader:
         self.loaders: dict[int, DataLoader] = {}
         self.next_chunk: dict[int, int] = {}
 
-    def chunk(self, stream: int, chunk: int) -> dict:
+    def shard_windows(self, index: int) -> tuple[int, int, dict, dict]:
+        """(stream, chunk, windows, the stream's loader state after them) of shard `index`."""
+        stream, chunk = index % self.manifest.streams, index // self.manifest.streams
         if stream not in self.loaders or self.next_chunk[stream] > chunk:
             data = replace(self.args.data, batch_size=self.manifest.shard_sequences, load_async=False)
             self.loaders[stream] = DataLoader(data, self.tokenizer, stream, self.manifest.streams)
@@ -112,13 +114,7 @@ class StreamReader:
             next(loader)
             self.next_chunk[stream] += 1
         self.next_chunk[stream] += 1
-        return next(loader)
-
-    def shard_windows(self, index: int) -> tuple[int, int, dict, dict]:
-        """(stream, chunk, windows, the stream's loader state after them) of shard `index`."""
-        stream, chunk = index % self.manifest.streams, index // self.manifest.streams
-        batch = self.chunk(stream, chunk)
-        return stream, chunk, batch, self.loaders[stream].state_dict()
+        return stream, chunk, next(loader), loader.state_dict()
 
 
 def align_windows(cross: CrossTokenizerTeacher, batch: dict, manifest: CacheManifest, forward_rows: int) -> dict:
