@@ -183,7 +183,7 @@ class DataLoader:
 
 
 def training_loader(args: DataArgs, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, cache=None):
-    """This rank's training batches: the offline teacher cache's (`cache`, a CacheLoader) when given, else the jsonl
+    """This rank's training batches: the teachers' caches' (`cache`, their TeacherCaches) when given, else the jsonl
     stream; with `args.load_async` built in a producer process (the cache's shards decoded there too)."""
     if cache is None:
         return DataLoader(args, tokenizer, dp_rank, dp_degree)

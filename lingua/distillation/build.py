@@ -71,8 +71,8 @@ def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tok
         # the caches' own source order: their shards' source ids index it (the students may list data.sources in
         # another order; the caches were checked to hold the same sources and the same windows)
         source_names = cache.manifest.source_names or source_names
-        for i, loader in zip([i for i, t in enumerate(args.teachers) if t.cache_dir], cache.loaders):
-            heldout[i] = (loader.manifest.teacher_heldout_ce, loader.manifest.teacher_heldout_bpb)
+        for i, manifest in zip([i for i, t in enumerate(args.teachers) if t.cache_dir], cache.manifests):
+            heldout[i] = (manifest.teacher_heldout_ce, manifest.teacher_heldout_bpb)
     routing = source_routing(args.teachers, source_names or [])
     if not args.online_teachers():
         distiller = CacheDistiller(args, routing, topo.device, heldout)

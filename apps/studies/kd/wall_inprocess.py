@@ -35,7 +35,8 @@ from apps.studies.kd.launch import build_cache
 from apps.studies.kd.wall_report import report
 from apps.main.eval import batch_ce_sum
 from apps.main.transformer import LMTransformer, batch_documents, get_num_flop_per_token
-from lingua.distillation.cache.store import open_cache, settings_manifest
+from lingua.distillation.cache.several import open_cache
+from lingua.distillation.cache.store import settings_manifest
 from lingua.distillation.cache.distiller import CacheDistiller
 from lingua.distillation.distiller import NoDistiller
 from lingua.errors import ConfigError, DataError, NonFiniteError
@@ -80,7 +81,7 @@ def cached_batches(args, tokenizer, cache_dir: Path, steps_per_epoch: int, devic
     for _ in range(steps_per_epoch):
         batch = next(loader)
         batches.append({"input_ids": batch["input_ids"].to(device), "labels": batch["labels"].to(device),
-                        "doc_ids": batch["doc_ids"].to(device), "teacher": batch["teacher"].to(device),
+                        "doc_ids": batch["doc_ids"].to(device), "teacher": batch["teachers"][0].to(device),
                         "n_valid": int((batch["labels"] != -100).sum())})
     return batches
 

@@ -1,33 +1,25 @@
-"""Teacher cache format v2: each shard's tensors coded for what they are, then zstd. Lossless.
-
-A v1 shard stores the bridge's tensors as they are (266 B/token at top-64 and a 49k vocabulary). A v2 shard
-stores the same information in these streams, each in zstd frames with checksums (one frame per byte plane of
-a multi-byte stream: all first bytes, then all second bytes, each plane with its own statistics):
+"""Teacher cache format v2: each shard's tensors coded for what they are, then zstd. Lossless, and about half of
+v1's bytes (v1 stored the bridge's tensors as they are). Every stream is in zstd frames with checksums, one frame
+per byte plane of a multi-byte stream (all first bytes, then all second bytes: each plane has its own statistics):
 
     tokens, doc_ids   the windows (uint16 tokens when the vocabulary fits)
-    source_ids        each window's data source (its index in the manifest's source_names), for several teachers'
-                      per-source routing; absent in shards written before it (they read as before)
-    id_table          the shard's distinct teacher ids, most frequent first (ties ascending, zigzag deltas; a
-                      cross-tokenizer cache written for ULD also holds the negative ids of unmapped entries)
-    id_ranks          each entry's id as its rank in id_table: frequent ids get small numbers, which zstd's byte
-                      coder turns into fewer bits (about an order-0 entropy coder's rate)
+    source_ids        each window's data source (its index in the manifest's source_names); absent in older shards
+    id_table          the shard's distinct teacher ids, most frequent first (ties ascending, zigzag deltas; a ULD
+                      cache also holds the negative ids of unmapped entries)
+    id_ranks          each entry's id as its rank in id_table: frequent ids get small numbers, fewer bits after zstd
     value_first       per position, its first (most likely) entry's value as its float bit pattern
-    value_gaps        each next entry's bit pattern minus the previous one's, uint8, 255 = see value_escapes.
-                      Values are log-probs (<= 0) sorted most likely first, so for IEEE floats the sign-less bit
-                      patterns ascend: a gap is a small count of representable values, never negative
+    value_gaps        each next entry's bit pattern minus the previous one's, uint8, 255 = see value_escapes: log-probs
+                      (<= 0) sorted most likely first have ascending sign-less bit patterns, so no gap is negative
     value_escapes     the gaps of 255 or more, uint32
     extra             the topk tail mass or the sampled negative entropy, float32
-    n_distinct, counts  sampled only: a position's k draws as its distinct ids (most likely first, ties by id)
-                      with their counts; the reader expands them back to k entries
-    kd_weight         cross-tokenizer caches only: a bit per position (1 = aligned, a KD target; 0 = CE only),
-                      packed 8 to a byte; a same-tokenizer shard has no such stream (the same bytes as before)
+    n_distinct, counts  sampled only: a position's k draws as its distinct ids with their counts
+    kd_weight         cross-tokenizer caches only: a bit per position (1 = aligned, a KD target), packed
 
-Entries are stored slot by slot (every position's first entry, then every second one, ...): entries of one
-slot are alike, and zstd adapts to what it sees together. topk keeps the bridge's order and every bit.
-sampled keeps the multiset of draws with every value's bits, in the canonical order above, which the reader
-also gives v1 shards, so a v1 cache and its v2 conversion train bit-identically (the estimator only sums over
-the draws). full: the values' bit patterns. `encode_shard` decodes what it coded and compares, so a shard that
-would not round-trip is a bug caught when it is written, not when it is trained on.
+Entries are stored slot by slot (every position's first entry, then every second one, ...): entries of one slot
+are alike. topk keeps the bridge's order and every bit; sampled keeps the multiset of draws in the canonical order
+(most likely first, ties by id), which the reader also gives v1 shards, so a v1 cache and its conversion train
+bit-identically; full stores the values' bit patterns. `encode_shard` decodes what it coded and compares, so a shard
+that would not round-trip is a bug caught when it is written.
 """
 
 import math
@@ -39,6 +31,7 @@ import zstandard
 
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.errors import TeacherError
+
 
 class CodecError(RuntimeError):
     """A bug: a shard's coding would not round-trip (raised at write time, never under `python -O` silence)."""
@@ -54,8 +47,7 @@ FLOAT_BITS = {2: np.uint16, 4: np.uint32}  # element size -> the integer type of
 
 
 def _compress(array: np.ndarray, planes: bool, level: int) -> tuple[torch.Tensor, dict]:
-    """One stream: the array's bytes in zstd frames (with checksums), one per byte plane (all first bytes, then
-    all second bytes, ...: each plane has its own statistics, so each gets its own frame)."""
+    """One stream: the array's bytes in zstd frames, one per byte plane when `planes`."""
     array = np.ascontiguousarray(array)
     planes = bool(planes and array.itemsize > 1)
     raw = array.view(np.uint8).reshape(-1, array.itemsize).T if planes else array.view(np.uint8).reshape(1, -1)
@@ -96,8 +88,7 @@ def _keys_to_values(keys: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _slot_major(run_lengths: np.ndarray) -> np.ndarray:
-    """Entry indices slot by slot: every position's first entry, then every second one, ... (entries of one slot
-    are alike: all top-1s, all second ids, ...; zstd's coder adapts to what it sees together)."""
+    """Entry indices slot by slot: every position's first entry, then every second one, ..."""
     if len(run_lengths) and (run_lengths == run_lengths[0]).all():  # top-k: a transpose
         return np.arange(int(run_lengths.sum())).reshape(len(run_lengths), -1).T.ravel()
     starts = np.cumsum(run_lengths) - run_lengths
@@ -177,8 +168,7 @@ def canonical_sampled(outputs: TeacherOutputs) -> TeacherOutputs:
 def encode_shard(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs,
                  vocab_size: int, level: int = ZSTD_LEVEL, source_ids: Optional[torch.Tensor] = None
                  ) -> tuple[dict, dict]:
-    """A shard's v2 streams ({name: uint8 tensor}) and their specs (the shard's `codec` metadata), compressed at
-    zstd `level`; `source_ids` [K] (each window's data source) stored when given."""
+    """A shard's v2 streams ({name: uint8 tensor}) and their specs (the shard's `codec` metadata)."""
     if outputs.values.isnan().any():
         raise TeacherError("The teacher's outputs are not finite (NaN log-probs) for windows of this cache shard; "
                            "check the teacher's weights (a NaN weight) and teacher_dtype, then run the cache command "
@@ -229,18 +219,13 @@ def encode_shard(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOu
 
 
 def decode_shard(streams: dict, specs: dict) -> dict:
-    """tokens [K, S+1] int32, doc_ids [K, S], source_ids [K] int32 (when stored) and the TeacherOutputs, as the
-    bridge sends them (ids int32)."""
-    windows = _decode_windows(streams, specs)
-    return {**windows, "teacher": _decode_teacher(streams, specs)}
-
-
-def _decode_windows(streams: dict, specs: dict) -> dict:
+    """tokens [K, S+1] int32, doc_ids [K, S], source_ids [K] int32 (when stored) and the TeacherOutputs as the
+    bridge sends them."""
     windows = {"tokens": torch.from_numpy(_get(streams, specs, "tokens").astype(np.int32)),
                "doc_ids": torch.from_numpy(_get(streams, specs, "doc_ids").copy())}
     if "source_ids" in specs:
         windows["source_ids"] = torch.from_numpy(_get(streams, specs, "source_ids").astype(np.int32))
-    return windows
+    return {**windows, "teacher": _decode_teacher(streams, specs)}
 
 
 def _decode_teacher(streams: dict, specs: dict) -> TeacherOutputs:
@@ -277,11 +262,9 @@ MEASURED_VOCAB = 49152
 
 def planned_bytes_per_token(output: str, k: int, vocab_size: int, wire_bytes: int, seq_len: int,
                             version: int = 2, wire_dtype: str = "bf16") -> float:
-    """Bytes per token a cache takes on disk. Version 1 is exact (its layout). Version 2 scales the study's bf16
-    measurement (an estimate): entries with k, an id's bytes with log2 of the vocabulary. sampled at k below the
-    measured 64 stores relatively more distinct ids (fewer repeats): there the estimate is low (at k = 8, 15 B
-    against 19 measured by subsampling the study's draws). Not measured, so counted at the v1 size: `full`,
-    and values on an fp16 or fp32 wire (their finer bit patterns make larger gaps)."""
+    """Bytes per token a cache takes on disk: exact for version 1; for version 2 the study's bf16 measurement scaled
+    (entries with k, an id's bytes with log2 of the vocabulary; low for sampled at small k: 15 B against 19 at k = 8).
+    `full` and fp16/fp32 wires (not measured) count at the v1 size."""
     windows = 4 * (seq_len + 1) / seq_len + (2 if seq_len + 1 <= 2**15 else 4)  # int32 tokens, document ids
     v1 = windows + (vocab_size * wire_bytes if output == "full" else k * (wire_bytes + (2 if vocab_size <= 2**16 else 4)) + 4)
     if version == 1 or output == "full" or wire_dtype != "bf16":

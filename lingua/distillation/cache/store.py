@@ -1,31 +1,23 @@
-"""The offline teacher cache: training windows with the teacher's sparse outputs, written once, read as the dataset.
+"""The offline teacher cache's format: training windows with the teacher's sparse outputs, written once, read as the
+dataset. A cache directory (written by `apps.main.teacher_cache`):
 
-Layout of a cache directory (written by `apps/main/teacher_cache.py`):
+    cache.json                        the manifest (`CacheManifest`): what the cache was written with
+    shards/shard_<i:05d>.safetensors  `shard_sequences` windows of one stream: tokens [K, S+1], doc_ids [K, S],
+                                      source_ids [K] (by the manifest's source_names; absent in older caches) and
+                                      the teacher's outputs, coded losslessly by codec.py (v1 stored the bridge's
+                                      tensors as they are); its metadata names its stream and chunk, the loader state
+                                      after it (resuming a cache) and the codec's stream specs
+    index.json                        written last, when every shard is on disk: the cache is complete
 
-    cache.json                      the manifest: teacher, tokenizer fingerprint, output format, k, temperature,
-                                    wire dtype, attention mask, data settings, streams, shard size, the teacher's
-                                    held-out CE (cross-tokenizer: also the teacher tokenizer's and the
-                                    vocabulary map's fingerprints; the targets are in the students' ids)
-    shards/shard_<i:05d>.safetensors  `shard_sequences` windows of one stream: the tokens [K, S+1], doc_ids [K, S],
-                                    source_ids [K] (each window's data source, by the manifest's source_names;
-                                    caches written before it have none) and the teacher's outputs, coded
-                                    losslessly by `cache_codec` (format v2: about half of v1's bytes; v1 stored
-                                    the bridge's tensors as they are); its metadata
-                                    names its stream and chunk, the loader state after it (resuming a cache) and
-                                    the codec's stream specs
-    index.json                      written last, when every shard is on disk: the cache is complete
-
-Streams: a cache written for `streams=M` holds the window streams of M data-parallel students (stream d
-is what `DataLoader(dp_rank=d, dp_degree=M)` yields); shard i is chunk i // M of stream i % M. Trained
-from with M students (round-robin shards, `lingua.loading.documents.shard_files`), student d reads exactly
-stream d, so a run from the cache trains on the sequences an online run with M students would. Any
-other number of students reads every shard too (no-drop sharding), in another order.
+Streams: a cache written for `streams=M` holds the window streams of M data-parallel students (stream d is what
+`DataLoader(dp_rank=d, dp_degree=M)` yields); shard i is chunk i // M of stream i % M. Trained from with M students
+(round-robin shards, `shard_files`), student d reads exactly stream d, so a run from the cache trains on the
+sequences an online run with M students would; any other number of students reads every shard, in another order.
 """
 
 import json
-import logging
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -39,18 +31,14 @@ from lingua.distillation.cache.codec import OLD_ZSTD_LEVEL, ZSTD_LEVEL, canonica
 from lingua.distillation.distiller import tokenizer_fingerprint, tokenizer_vocab
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.distillation.teacher.model import safetensors_problem
-from lingua.loading.documents import shard_files
-from lingua.errors import DataError, LaunchError, MissingPathError
-
-logger = logging.getLogger(__name__)
+from lingua.errors import DataError, MissingPathError
 
 CACHE_VERSION = 2  # what the writer writes; 1 (the bridge's tensors as they are) is still read
 READABLE_VERSIONS = (1, 2)
 MANIFEST, INDEX, SHARDS = "cache.json", "index.json", "shards"
 PREPARE_HINT = "write it with `torchrun --nproc-per-node N -m apps.main.teacher_cache config=<config> cache_dir={dir}`"
 CONVERT_HINT = "convert it with `python -m apps.main.convert_cache {src} <new dir>`"
-
-
+V1_NAMES = {"full": ("values",), "topk": ("values", "ids", "extra"), "sampled": ("values", "ids", "extra")}
 CROSS_FIELDS = ("cross_tokenizer", "teacher_tokenizer_fingerprint", "vocab_map_fingerprint", "unmapped_entries")
 # What a differing setting means, where its name alone does not say.
 SETTING_NOTES = {"tokenizer_fingerprint": " (the students' tokenizer, data.tokenizer: the targets are in its ids)",
@@ -78,15 +66,13 @@ class CacheManifest:
     teacher_heldout_bpb: Optional[float] = None  # the same in bits per byte (None in caches written before it)
     version: int = CACHE_VERSION
     zstd_level: int = ZSTD_LEVEL  # the v2 streams' compression (read as OLD_ZSTD_LEVEL where a manifest lacks it)
-    # distillation.cross_tokenizer: the targets are in the student's ids and positions, with a kd_weight bit per
-    # position; tokenizer_fingerprint and vocab_size are the student's. Written only then (CROSS_FIELDS), so a
-    # same-tokenizer manifest keeps its fields and bytes.
+    # distillation.cross_tokenizer (the targets in the student's ids and positions, a kd_weight bit per position):
+    # written only then (CROSS_FIELDS), so a same-tokenizer manifest keeps its fields and bytes.
     cross_tokenizer: bool = False
     teacher_tokenizer_fingerprint: Optional[int] = None
     vocab_map_fingerprint: Optional[str] = None
     unmapped_entries: bool = False  # written with distillation.uld_weight > 0: the shards carry them, marked (uld.py)
-    # The data sources a shard's source_ids index, in order (active_sources); None: a cache written before the
-    # shards stored each window's source (it trains one teacher, or several mixed by weight, not per source).
+    # The data sources a shard's source_ids index, in order; None: a cache written before shards stored them.
     source_names: Optional[list[str]] = None
 
     @property
@@ -123,15 +109,13 @@ class CacheManifest:
 
 
 def data_identity(data_args) -> dict:
-    """The data settings that decide a cache's windows (root_dir and the tokenizer's path left out: files may
-    move; the tokenizer itself is compared by fingerprint)."""
+    """The data settings that decide a cache's windows (not root_dir or the tokenizer's path: files may move)."""
     return {"sources": dict(data_args.sources), "seq_len": data_args.seq_len, "add_bos": data_args.add_bos,
             "add_eos": data_args.add_eos, "seed": data_args.seed}
 
 
 def settings_manifest(kd_args, data_args, attn_mask: str, tokenizer, **layout) -> CacheManifest:
-    """The manifest these settings would write (`layout`: streams, sequences_per_stream, shard_sequences; a
-    cross-tokenizer writer adds the teacher's tokenizer and the vocabulary map's fingerprints)."""
+    """The manifest these settings would write (`layout`: streams, sequences_per_stream, shard_sequences)."""
     layout = {"streams": 1, "sequences_per_stream": 0, "shard_sequences": 1, **layout}
     return CacheManifest(teacher_path=str(kd_args.teacher_path), vocab_size=tokenizer.n_words,
                          tokenizer_fingerprint=tokenizer_fingerprint(tokenizer_vocab(tokenizer)), output=kd_args.output,
@@ -154,35 +138,24 @@ def describe_differences(cache: CacheManifest, wanted: CacheManifest, keys: tupl
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_file_atomic(path, json.dumps(obj, indent=1).encode())
 
 
 def shard_path(cache_dir: Path, index: int) -> Path:
     return Path(cache_dir) / SHARDS / f"shard_{index:05d}.safetensors"
 
 
-def shard_location(index: int, streams: int) -> tuple[int, int]:
-    """(stream, chunk) of shard `index`."""
-    return index % streams, index // streams
-
-
 def write_shard(path: Path, tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs,
                 manifest: CacheManifest, metadata: dict, source_ids: Optional[torch.Tensor] = None) -> None:
-    """One shard, atomically: written to `.tmp`, synced, renamed (a crash leaves no half shard under the name)."""
+    """One shard, atomically (`write_file_atomic`)."""
     write_file_atomic(path, shard_bytes(tokens, doc_ids, outputs, manifest, metadata, source_ids))
 
 
 def shard_bytes(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs, manifest: CacheManifest,
                 metadata: dict, source_ids: Optional[torch.Tensor] = None) -> bytes:
-    """A shard file's bytes. Version 2 codes it (`cache_codec`, with its round-trip check; `source_ids`, each
-    window's data source, stored when given); version 1 (the converter's tests) stores the bridge's tensors."""
+    """A shard file's bytes: coded by codec.py (version 2), or the bridge's tensors as they are (version 1)."""
     if manifest.version == 1:
-        names = ("values",) if outputs.format == "full" else ("values", "ids", "extra")
+        names = V1_NAMES[outputs.format]
         tensors = {"tokens": tokens.to(torch.int32).contiguous(),
                    "doc_ids": doc_ids.to(torch.int16 if tokens.shape[1] <= 2**15 else torch.int32).contiguous()}
         for name, tensor in zip(names, outputs.tensors()):
@@ -194,7 +167,7 @@ def shard_bytes(tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOut
 
 
 def write_file_atomic(path: Path, data: bytes) -> None:
-    """`data` to `path` through `.tmp`, synced, renamed."""
+    """`data` to `path` through `.tmp`, synced, renamed (a crash leaves no half file under the name)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -205,9 +178,8 @@ def write_file_atomic(path: Path, data: bytes) -> None:
 
 
 def canonical_safetensors(data: bytes) -> bytes:
-    """A safetensors file's bytes with its metadata keys sorted. The library writes them in a hash map's order,
-    which changes from call to call and process to process; a shard must be the same bytes whoever writes it
-    (the serial writer, an encode worker, a rerun). Same header length, so the tensors' offsets hold."""
+    """A safetensors file's bytes with its metadata keys sorted (the library's order changes from process to process;
+    a shard must be the same bytes whoever writes it). Same header length, so the tensors' offsets hold."""
     size = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + size])
     if "__metadata__" in header:
@@ -229,9 +201,8 @@ def shard_metadata(path: Path) -> Optional[dict]:
 
 
 def read_shard(path: Path, rows: range, manifest: CacheManifest) -> dict:
-    """Rows of a shard as a training batch: input_ids, labels, doc_ids, source_ids (when the shard stores them)
-    and the teacher's outputs (sampled draws in `cache_codec`'s canonical order, whatever the version, so a v1
-    cache and its conversion train alike)."""
+    """Rows of a shard as a training batch: input_ids, labels, doc_ids, source_ids (when stored) and the teacher's
+    outputs (sampled draws in the codec's canonical order whatever the version: a v1 cache trains as its conversion)."""
     span = slice(rows.start, rows.stop, rows.step)
     sources = {}
     if manifest.version == 1:
@@ -256,8 +227,7 @@ def read_v1_shard(path: Path, span: slice, manifest: CacheManifest) -> tuple:
     with safe_open(str(path), "pt") as f:
         tokens = rows_of(f, "tokens").long()
         doc_ids = rows_of(f, "doc_ids").int()
-        names = ("values",) if manifest.output == "full" else ("values", "ids", "extra")
-        tensors = [rows_of(f, name) for name in names]
+        tensors = [rows_of(f, name) for name in V1_NAMES[manifest.output]]
     if manifest.output != "full":
         tensors[1] = tensors[1].to(torch.int32)
     return tokens, doc_ids, TeacherOutputs.from_tensors(manifest.output, tensors)
@@ -301,89 +271,3 @@ def check_cache_complete(cache_dir: Path, manifest: CacheManifest) -> list[Path]
             raise DataError(f"Teacher cache shard {path} is damaged ({problem}); delete it and run the cache command "
                             f"again to rewrite it: {PREPARE_HINT.format(dir=cache_dir)}.")
     return paths
-
-
-@dataclass
-class CacheLoader:
-    """The cache as a training dataset for one data-parallel rank: batches of `batch_size` windows with the
-    teacher's outputs, looping over this rank's shards forever; `state_dict()` restores the exact stream."""
-
-    cache_dir: str
-    manifest: CacheManifest
-    batch_size: int
-    dp_rank: int
-    dp_degree: int
-    position: dict = field(default_factory=lambda: dict(shard=0, row=0, epoch=0))
-
-    def __post_init__(self):
-        paths = check_cache_complete(Path(self.cache_dir), self.manifest)
-        self.shards = shard_files(paths, self.dp_rank, self.dp_degree)
-        self.bad_lines = 0  # the cache holds no malformed lines: the writer's loader skipped them
-        logger.info(f"cache rank {self.dp_rank}/{self.dp_degree} reads {len(self.shards)} shard(s) of {self.cache_dir}"
-                    + (f", 1/{self.shards[0].stride} of the rows" if self.shards[0].stride > 1 else ""))
-
-    def __iter__(self) -> "CacheLoader":
-        return self
-
-    def _rows_of(self, shard) -> list[int]:
-        return list(range(shard.offset, self.manifest.shard_sequences, shard.stride))
-
-    def __next__(self) -> dict:
-        parts, needed = [], self.batch_size
-        while needed:
-            shard = self.shards[self.position["shard"]]
-            rows = self._rows_of(shard)[self.position["row"]:self.position["row"] + needed]
-            if rows:
-                parts.append(read_shard(Path(shard.path), range(rows[0], rows[-1] + 1, shard.stride), self.manifest))
-                self.position["row"] += len(rows)
-                needed -= len(rows)
-            if self.position["row"] >= len(self._rows_of(shard)):
-                self.position["row"] = 0
-                self.position["shard"] += 1
-                if self.position["shard"] == len(self.shards):
-                    self.position["shard"], self.position["epoch"] = 0, self.position["epoch"] + 1
-                    logger.info(f"teacher cache: starting epoch {self.position['epoch']}")
-        if len(parts) == 1:
-            return parts[0]
-        teacher = TeacherOutputs.from_tensors(self.manifest.output, [
-            torch.cat(ts) for ts in zip(*(p["teacher"].tensors() for p in parts))])
-        windows = [key for key in ("input_ids", "labels", "doc_ids", "source_ids") if all(key in p for p in parts)]
-        return {**{key: torch.cat([p[key] for p in parts]) for key in windows}, "teacher": teacher}
-
-    def state_dict(self) -> dict:
-        return dict(kind="teacher_cache", dp_rank=self.dp_rank, dp_degree=self.dp_degree, bad_lines=0,
-                    **self.position)
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("kind") != "teacher_cache":
-            raise DataError("The checkpoint's data state is a jsonl stream, not a teacher cache position; resume "
-                            "with the data source it was trained on (distillation.source).")
-        if (state["dp_rank"], state["dp_degree"]) != (self.dp_rank, self.dp_degree):
-            raise LaunchError(f"The cache position was saved by data-parallel rank {state['dp_rank']} of "
-                              f"{state['dp_degree']} but this is rank {self.dp_rank} of {self.dp_degree}; resume with "
-                              f"the same number of training ranks.")
-        self.position = {key: state[key] for key in ("shard", "row", "epoch")}
-
-    def close(self) -> None:
-        pass
-
-
-def open_cache(cache_dir: str, wanted: CacheManifest, batch_size: int, dp_rank: int, dp_degree: int) -> CacheLoader:
-    """The training side: refuse a cache written with other settings (one sentence naming both values)."""
-    return CacheLoader(cache_dir, checked_manifest(cache_dir, wanted), batch_size, dp_rank, dp_degree)
-
-
-def checked_manifest(cache_dir: str, wanted: CacheManifest, whose: str = "") -> CacheManifest:
-    """The manifest of the cache in `cache_dir`, refused in one sentence when it was written with settings other
-    than `wanted` (`whose`: which teacher's cache, in the sentence)."""
-    manifest = CacheManifest.read(Path(cache_dir))
-    differ = describe_differences(manifest, wanted, ("output", "k", "temperature", "wire_dtype", "attn_mask",
-                                                     "tokenizer_fingerprint", "vocab_size", "data", "cross_tokenizer",
-                                                     "unmapped_entries"))
-    if differ:
-        raise DataError(f"The teacher cache in {cache_dir}{whose} was written with other settings: "
-                        f"{'; '.join(differ)}. "
-                        f"Train with the cache's settings, or write a new cache for these: "
-                        f"{PREPARE_HINT.format(dir='<new dir>')}.")
-    return manifest
-

@@ -1,14 +1,10 @@
-"""The cache writer's job (`apps.main.teacher_cache` is its command line): every rank a teacher, each writing the
-shards assigned to it, resumable, its manifest settled first and its index last.
+"""The cache writer's job (`apps.main.teacher_cache` is its command line): every rank a teacher writing its shards,
+resumable, the manifest settled first and the index last.
 
-    write_cache(args, topo)            # args: the writer's TeacherCacheArgs (the trainer's config + cache keys)
-    manifest = planned_manifest(args, tokenizer, cross)
-    settle_manifest(cache_dir, manifest)                           # a new cache, or the same one resumed
-    write_shards(args, StreamReader(...), teacher, manifest, ...)  # one rank's shards, pipelined (writer.py)
+    write_cache(args, topo)  # args: the writer's TeacherCacheArgs (the trainer's config + cache keys)
 
-Shard i is chunk i // M of stream i % M (M = streams); rank r of N (replica r of N / teacher_tp) writes shards
-r, r + N, ...; a rerun skips finished shards and resumes the others from the loader state in the last finished
-shard of their stream. Cross-tokenizer teachers align each window on the read-ahead thread (CrossTokenizerTeacher).
+Rank r of N (replica r of N / teacher_tp) writes shards r, r + N, ...; a rerun skips finished shards and resumes the
+others from the loader state in the last finished shard of their stream.
 """
 
 import logging
@@ -24,18 +20,9 @@ import torch.distributed as dist
 from lingua.evaluation.bits_per_byte import batches_target_bytes, bits_per_byte, token_byte_lengths
 from lingua.data import DataLoader
 from lingua.distillation.args import WIRE_DTYPES
-from lingua.distillation.cache.store import (
-    CONVERT_HINT,
-    CROSS_FIELDS,
-    INDEX,
-    CacheManifest,
-    describe_differences,
-    settings_manifest,
-    shard_location,
-    shard_metadata,
-    shard_path,
-    write_json_atomic,
-)
+from lingua.distillation.cache.store import (CONVERT_HINT, CROSS_FIELDS, INDEX, MANIFEST, CacheManifest,
+                                             describe_differences, settings_manifest, shard_metadata, shard_path,
+                                             write_json_atomic)
 from lingua.distillation.cache.writer import READ_AHEAD, ShardWriters, StageClock, WindowReadAhead, auto_encode_workers
 from lingua.distillation.cross_tokenizer.teacher_side import CrossTokenizerTeacher, load_cross_tokenizer
 from lingua.distillation.distiller import tokenizer_fingerprint, tokenizer_vocab
@@ -76,9 +63,9 @@ def check_tokenizers(tokenizer, teacher: TeacherModel, teacher_path: str) -> Non
 
 
 def settle_manifest(cache_dir: Path, planned: CacheManifest) -> None:
-    """Every rank reads the same manifest, so all agree: a cache started with other settings is refused. One
-    started by an older writer is finished in its own format version (convert it afterwards: convert_cache)."""
-    if not (cache_dir / "cache.json").is_file():
+    """A cache started with other settings is refused (every rank reads the same manifest, so all agree); one
+    started by an older writer is finished in its own format version and zstd level."""
+    if not (cache_dir / MANIFEST).is_file():
         return
     existing = CacheManifest.read(cache_dir)
     if existing.version != planned.version:
@@ -108,8 +95,9 @@ class StreamReader:
         self.loaders: dict[int, DataLoader] = {}
         self.next_chunk: dict[int, int] = {}
 
-    def chunk(self, stream: int, chunk: int) -> dict:
-        """The windows of chunk `chunk` of `stream` (a batch of shard_sequences windows)."""
+    def shard_windows(self, index: int) -> tuple[int, int, dict, dict]:
+        """(stream, chunk, windows, the stream's loader state after them) of shard `index`."""
+        stream, chunk = index % self.manifest.streams, index // self.manifest.streams
         if stream not in self.loaders or self.next_chunk[stream] > chunk:
             data = replace(self.args.data, batch_size=self.manifest.shard_sequences, load_async=False)
             self.loaders[stream] = DataLoader(data, self.tokenizer, stream, self.manifest.streams)
@@ -126,13 +114,7 @@ class StreamReader:
             next(loader)
             self.next_chunk[stream] += 1
         self.next_chunk[stream] += 1
-        return next(loader)
-
-    def shard_windows(self, index: int) -> tuple[int, int, dict, dict]:
-        """(stream, chunk, windows, the stream's loader state after them) of shard `index`."""
-        stream, chunk = shard_location(index, self.manifest.streams)
-        batch = self.chunk(stream, chunk)
-        return stream, chunk, batch, self.loaders[stream].state_dict()
+        return stream, chunk, next(loader), loader.state_dict()
 
 
 def align_windows(cross: CrossTokenizerTeacher, batch: dict, manifest: CacheManifest, forward_rows: int) -> dict:
@@ -146,30 +128,25 @@ def align_windows(cross: CrossTokenizerTeacher, batch: dict, manifest: CacheMani
     return {**batch, "aligned": aligned}
 
 
-def cross_outputs(teacher: TeacherModel, cross: CrossTokenizerTeacher, aligned, manifest: CacheManifest,
-                  generator) -> TeacherOutputs:
-    """The teacher's forward on its own tokens, its top-k or draws mapped to the student's positions and ids with
-    kd_weight (`CrossTokenizerTeacher.student_targets`): what `TeacherServer._cross_forward_rows` sends a student."""
-    doc_ids = aligned.doc_ids.to(teacher.device) if manifest.attn_mask == "doc_causal" else None
-    hidden = teacher.hidden_states(aligned.tokens.to(teacher.device), doc_ids)
-    return cross.student_targets(teacher, hidden, aligned, manifest.output, manifest.k,
-                                 WIRE_DTYPES[manifest.wire_dtype], generator, manifest.unmapped_entries)
-
-
 def teacher_outputs(teacher: TeacherModel, batch: dict, manifest: CacheManifest, forward_rows: int,
                     generator, cross: Optional[CrossTokenizerTeacher] = None) -> Optional[TeacherOutputs]:
     """The teacher's outputs for a chunk's windows, `forward_rows` windows per forward (tensor-parallel: on the
-    replica's first rank, None on the others; cross-tokenizer: from the windows `align_windows` aligned)."""
-    parts = []
+    replica's first rank, None on the others). Cross-tokenizer: the forward on the windows `align_windows` aligned,
+    its targets mapped to the student's positions and ids, as `TeacherServer` sends them."""
+    parts, wire = [], WIRE_DTYPES[manifest.wire_dtype]
+    doc_causal = manifest.attn_mask == "doc_causal"
     for index, start in enumerate(range(0, batch["input_ids"].shape[0], forward_rows)):
         if cross is not None:
-            parts.append(cross_outputs(teacher, cross, batch["aligned"][index], manifest, generator))
+            aligned = batch["aligned"][index]
+            hidden = teacher.hidden_states(aligned.tokens.to(teacher.device),
+                                           aligned.doc_ids.to(teacher.device) if doc_causal else None)
+            parts.append(cross.student_targets(teacher, hidden, aligned, manifest.output, manifest.k, wire, generator,
+                                               manifest.unmapped_entries))
             continue
         rows = slice(start, start + forward_rows)
-        doc_ids = batch["doc_ids"][rows].to(teacher.device) if manifest.attn_mask == "doc_causal" else None
+        doc_ids = batch["doc_ids"][rows].to(teacher.device) if doc_causal else None
         hidden = teacher.hidden_states(batch["input_ids"][rows].to(teacher.device), doc_ids)
-        parts.append(teacher.sparse_outputs(hidden, manifest.output, manifest.k, WIRE_DTYPES[manifest.wire_dtype],
-                                            manifest.vocab_size, generator))
+        parts.append(teacher.sparse_outputs(hidden, manifest.output, manifest.k, wire, manifest.vocab_size, generator))
     if parts[0] is None:
         return None
     return TeacherOutputs.from_tensors(manifest.output, [torch.cat(ts).cpu() for ts in zip(*(p.tensors() for p in parts))])
@@ -177,10 +154,8 @@ def teacher_outputs(teacher: TeacherModel, batch: dict, manifest: CacheManifest,
 
 def heldout_reference(args, tokenizer, teacher: TeacherModel, manifest: CacheManifest, topo,
                       replica: int, replicas: int, writer: bool) -> tuple[Optional[float], Optional[float]]:
-    """The teacher's CE and bits per byte on the held-out windows the students evaluate on (each stream's share),
-    or (None, None) (no held-out files). The batches are split over the replicas, each computing its share (every rank of a
-    replica: the sharded forward needs them all), and the sums are all-reduced over the job: no rank waits
-    idle in a collective while another computes them all."""
+    """The teacher's CE and bits per byte on the students' held-out windows, or (None, None) (no held-out files);
+    the batches are split over the replicas and the sums all-reduced, so no rank idles in a collective."""
     try:
         batches = [b for d in range(manifest.streams) for b in iterate_eval_batches(
             args.data, tokenizer, d, manifest.streams, args.heldout.max_batches)]
@@ -205,8 +180,7 @@ def heldout_reference(args, tokenizer, teacher: TeacherModel, manifest: CacheMan
 
 
 def check_k_fits_vocab(args, tokenizer) -> None:
-    """Top-k ids come from the data tokenizer's vocabulary (the students'; the teacher's is no smaller): k beyond
-    it is refused before the teacher loads or anything is written, as the online handshake refuses it."""
+    """k beyond the students' vocabulary (the top-k's ids) is refused before the teacher loads, as online."""
     k, vocab = args.distillation.k, tokenizer.n_words
     if args.distillation.output == "topk" and k > vocab:
         raise ConfigError(f"distillation.k={k} is more than the {vocab} token ids the top-k is taken from (the data "
@@ -214,13 +188,12 @@ def check_k_fits_vocab(args, tokenizer) -> None:
 
 
 def replica_group(topo, teacher_tp: int, timeout_s: float):
-    """This rank's tensor-parallel group: replicas of teacher_tp consecutive ranks, one group each, made by every
-    rank in the same order (new_group is collective); None with teacher_tp=1."""
+    """This rank's tensor-parallel group (replicas of teacher_tp consecutive ranks), or None with teacher_tp=1."""
     if teacher_tp == 1:
         return None
     mine = None
-    for i, ranks in enumerate(tensor_parallel_replicas(list(range(topo.world_size)), teacher_tp,
-                                                       topo.local_world_size)):
+    replicas = tensor_parallel_replicas(list(range(topo.world_size)), teacher_tp, topo.local_world_size)
+    for i, ranks in enumerate(replicas):  # every rank makes every group, in the same order: new_group is collective
         group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), group_desc=f"teacher_tp_{i}")
         if topo.global_rank in ranks:
             mine = group
@@ -228,10 +201,13 @@ def replica_group(topo, teacher_tp: int, timeout_s: float):
     return mine
 
 
+def unwritten(cache_dir: Path, indices) -> list[int]:
+    return [i for i in indices if shard_metadata(shard_path(cache_dir, i)) is None]
+
+
 def shards_to_write(cache_dir: Path, mine: list[int], tp_group, device) -> list[int]:
-    """The shards of `mine` not written yet, as the replica's first rank sees them on disk (shared with the
-    other ranks of its replica, which then run the same forwards)."""
-    todo = [i for i in mine if shard_metadata(shard_path(cache_dir, i)) is None]
+    """The shards of `mine` not written yet, as the replica's first rank sees them (its replica runs the same)."""
+    todo = unwritten(cache_dir, mine)
     if tp_group is None:
         return todo
     padded = torch.full((len(mine),), -1, dtype=torch.int64, device=device)
@@ -242,6 +218,7 @@ def shards_to_write(cache_dir: Path, mine: list[int], tp_group, device) -> list[
 
 
 def write_cache(args, topo) -> None:
+    """Write (or resume) the cache of `args.cache_dir`: this rank's shards, then the held-out line and the index."""
     cache_dir = Path(args.cache_dir)
     tokenizer = build_tokenizer(args.data.tokenizer)
     check_k_fits_vocab(args, tokenizer)
@@ -263,7 +240,7 @@ def write_cache(args, topo) -> None:
     replicas, replica, writer = world // tp, rank // tp, rank % tp == 0  # replicas are consecutive ranks
     if rank == 0:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        if not (cache_dir / "cache.json").is_file():
+        if not (cache_dir / MANIFEST).is_file():
             manifest.write(cache_dir)
     barrier(topo, "cache manifest")
     mine = [i for i in range(manifest.n_shards) if i % replicas == replica]
@@ -280,7 +257,7 @@ def write_cache(args, topo) -> None:
             args, tokenizer, teacher, manifest, topo, replica, replicas, writer)
     if rank == 0:
         manifest.write(cache_dir)
-        missing = [i for i in range(manifest.n_shards) if shard_metadata(shard_path(cache_dir, i)) is None]
+        missing = unwritten(cache_dir, range(manifest.n_shards))
         if missing:
             raise RuntimeError(f"shards {missing[:5]} are not complete after every rank finished; rerun the command")
         write_json_atomic(cache_dir / INDEX, {"shards": [shard_path(cache_dir, i).name for i in range(manifest.n_shards)],
@@ -296,8 +273,7 @@ def write_cache(args, topo) -> None:
 def write_shards(args, streams: StreamReader, teacher: TeacherModel, manifest: CacheManifest,
                  todo: list[int], writer: bool, topo, cross: Optional[CrossTokenizerTeacher] = None) -> None:
     """Shards `todo`: windows read ahead (and aligned there, cross-tokenizer), the teacher's forward here, encoding
-    and writing in worker processes (`encode_workers`; 0: each in turn on this thread). Same bytes either way
-    (lingua/distillation/cache/writer.py)."""
+    and writing in worker processes (`encode_workers`; 0: each in turn on this thread, the same bytes)."""
     pipelined = args.encode_workers != 0
     workers = (auto_encode_workers() if args.encode_workers < 0 else args.encode_workers) if pipelined and writer else 0
     clock = StageClock()
@@ -337,7 +313,6 @@ def write_shards(args, streams: StreamReader, teacher: TeacherModel, manifest: C
 
 
 def report_progress(rank: int, written: int, total: int, tokens_per_shard: int, clock: StageClock) -> float:
-    """The progress line: shards written, tokens/s, ETA, and where the writer's time went."""
     now = time.perf_counter()
     rate = written * tokens_per_shard / max(now - clock.start, 1e-9)
     eta = format_duration((total - written) * tokens_per_shard / rate) if rate > 0 else "unknown"

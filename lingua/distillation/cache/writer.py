@@ -1,14 +1,7 @@
-"""The teacher cache writer's pipeline: windows read ahead on a thread, shards encoded and written by worker
-processes, while the writer's main thread runs the teacher's forward.
-
-    read-ahead thread   tokenize and pack the windows of the next shards (at most `READ_AHEAD` ahead)
-    main thread         the teacher's forward of this shard's windows (forward_rows at a time)
-    encode workers      encode (v2 codec, round-trip check, zstd) and write atomically the shards before it
-
-A shard's bytes depend only on its windows, the teacher's outputs and its metadata (the loader state after its
-chunk, taken when the chunk is read), so the pipeline writes the serial writer's bytes. Shards may finish out
-of order, which resuming already allows: a rerun writes the missing ones, each stream restarting from the newest
-finished shard before it. `encode_workers=0` is the serial writer: everything on the main thread, in order.
+"""The cache writer's pipeline, around the main thread's teacher forward: windows read ahead on a thread
+(`WindowReadAhead`), shards encoded and written atomically by worker processes (`ShardWriters`). A shard's bytes
+depend only on its windows, outputs and metadata, so the pipeline writes the serial writer's bytes
+(`encode_workers=0`: everything in line, in order). Shards may finish out of order: resuming allows it.
 """
 
 import logging
@@ -28,6 +21,7 @@ from lingua.distillation.outputs import TeacherOutputs
 from lingua.errors import UserError
 from lingua.logger import FILE_ONLY
 from lingua.loading.process_pool import BrokenProcessPool, spawn_pool, stop_pool
+from lingua.loading.producer import die_with_parent
 
 logger = logging.getLogger(__name__)
 READ_AHEAD = 2  # shards of windows read ahead of the teacher: tokenizing one takes far less than its forward
@@ -38,14 +32,13 @@ class ShardWriteError(UserError, RuntimeError):
 
 
 def auto_encode_workers() -> int:
-    """One encode worker per core the writer's own threads leave free (the main thread drives the teacher;
-    encoding scales with workers, `python -m apps.bench.feeding`), at least one."""
+    """One encode worker per core the main thread (the teacher's) leaves free (`python -m apps.bench.feeding`)."""
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 class StageClock:
-    """Seconds the main thread spent in each stage, for the progress line: the teacher's forward, and waiting
-    on the host (windows not read yet, or every encode worker busy; in line: the encoding and writing itself)."""
+    """The main thread's seconds per stage, for the progress line: the teacher's forward, and waiting on the host
+    (windows not read yet; every encode worker busy, or in line the encoding and writing itself)."""
 
     def __init__(self):
         self.start = time.perf_counter()
@@ -57,7 +50,6 @@ class StageClock:
         return now
 
     def shares(self) -> str:
-        """'teacher 71% of the time, host 27% (windows 2%, encode+write 25%)'."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         share = {stage: 100 * s / elapsed for stage, s in self.seconds.items()}
         return (f"teacher {share['teacher']:.0f}% of the time, host {share['windows'] + share['encode']:.0f}% "
@@ -65,8 +57,8 @@ class StageClock:
 
 
 class WindowReadAhead:
-    """`read(index) -> item` for each index of `todo`, in order, computed on a thread at most `depth` ahead
-    (`depth=0`: in line). Iterating gives (index, item); the waits are charged to `clock`'s "windows"."""
+    """(index, `read(index)`) for each index of `todo`, in order, read on a thread at most `depth` ahead (0: in
+    line); the waits are charged to `clock`'s "windows"."""
 
     def __init__(self, read: Callable[[int], object], todo: Iterable[int], clock: StageClock, depth: int = READ_AHEAD):
         self.read, self.todo, self.clock = read, list(todo), clock
@@ -112,18 +104,10 @@ class WindowReadAhead:
 
 
 def _start_encode_worker(parent: int) -> None:
-    """In each encode worker: Ctrl-C is the writer's to handle (it stops the workers); a writer that dies
-    without stopping them (SIGKILL) takes them along (Linux's parent-death signal); one thread, as measured."""
+    """Ctrl-C is the writer's to handle (it stops the workers); a writer killed (SIGKILL) takes them along."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the writer's own clean-up still stops them
-        pass
-    if os.getppid() != parent:  # the writer died before the signal was armed
-        os._exit(1)
-    torch.set_num_threads(1)
+    die_with_parent(parent, parent_is_main_thread=True)  # the pool is started from the writer's main thread
+    torch.set_num_threads(1)  # one thread per worker, as measured
 
 
 def _ready_worker() -> int:
@@ -131,8 +115,8 @@ def _ready_worker() -> int:
 
 
 def _portable(tensor: torch.Tensor) -> tuple:
-    """A tensor as its bytes, dtype and shape: pickled through the pool's pipe, not torch's shared-memory file
-    descriptors (whose server thread prints a traceback when a worker is stopped during a transfer)."""
+    """A tensor as its bytes, dtype and shape: through the pool's pipe, not torch's shared-memory file descriptors
+    (whose server thread prints a traceback when a worker is stopped during a transfer)."""
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape)
 
 
@@ -143,32 +127,27 @@ def _tensor(portable: tuple) -> torch.Tensor:
 
 def _write_portable(path: Path, tokens: tuple, doc_ids: tuple, output_format: str, outputs: list, manifest,
                     metadata: dict, source_ids: Optional[tuple] = None) -> None:
-    """An encode worker's task: `write_shard` of the tensors `_portable` packed."""
     teacher = TeacherOutputs.from_tensors(output_format, [_tensor(t) for t in outputs])
     write_shard(path, _tensor(tokens), _tensor(doc_ids), teacher, manifest, metadata,
                 None if source_ids is None else _tensor(source_ids))
 
 
 def start_encode_pool(workers: int) -> ProcessPoolExecutor:
-    """`workers` encode processes, started now (while the teacher loads): spawned, not forked, since the writer
-    holds threads (the read-ahead, torch's) and maybe a CUDA context."""
+    """`workers` encode processes, started now (while the teacher loads)."""
     pool = spawn_pool(workers, _start_encode_worker, (os.getpid(),))
     pool.submit(_ready_worker)
     return pool
 
 
 class ShardWriters:
-    """Encode and write shards atomically (`cache.write_shard`): in line (`workers=0`, the serial writer) or in a
-    pool of `workers` spawned processes, at most `workers + 1` shards pending (the main thread waits for a free
-    one, charged to `clock`'s "encode"). A failure is one sentence naming the shard, its traceback in the log;
-    `close()` stops every worker (also after an error, Ctrl-C or SIGTERM turned into an exception)."""
+    """Encode and write shards (`write_shard`): in line (`workers=0`) or in `workers` processes, at most `workers + 1`
+    pending (waits charged to `clock`'s "encode"). A failure is one sentence naming the shard, its traceback in
+    the log; `close()` stops every worker (also after an error, Ctrl-C or SIGTERM)."""
 
     def __init__(self, workers: int, clock: StageClock):
         self.workers, self.clock, self.written = workers, clock, 0
         self.pending: dict[int, tuple[Path, Future]] = {}
-        self.pool: Optional[ProcessPoolExecutor] = None
-        if workers > 0:
-            self.pool = start_encode_pool(workers)
+        self.pool: Optional[ProcessPoolExecutor] = start_encode_pool(workers) if workers > 0 else None
 
     def submit(self, index: int, path: Path, tokens: torch.Tensor, doc_ids: torch.Tensor, outputs: TeacherOutputs,
                manifest: CacheManifest, metadata: dict, source_ids: Optional[torch.Tensor] = None) -> None:
@@ -192,7 +171,6 @@ class ShardWriters:
         self.written += 1
 
     def drain(self) -> None:
-        """Wait for every pending shard (each written, or one sentence for the first that failed)."""
         since = time.perf_counter()
         while self.pending:
             self._finish_one()
@@ -221,6 +199,5 @@ class ShardWriters:
         """Stop the workers at once: pending shards are dropped (never renamed into place, so a rerun writes them)."""
         pool, self.pool = self.pool, None
         self.pending.clear()
-        if pool is None:
-            return
-        stop_pool(pool)
+        if pool is not None:
+            stop_pool(pool)

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from apps.main.convert_cache import cache_sizes, convert
 from lingua.distillation.cache.store import (
     INDEX,
-    CacheLoader,
     CacheManifest,
     read_shard,
     shard_path,
@@ -19,6 +18,7 @@ from lingua.distillation.cache.store import (
     write_shard,
 )
 from lingua.distillation.cache.codec import canonical_sampled, decode_shard, encode_shard
+from lingua.distillation.cache.several import TeacherCaches
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
 from lingua.errors import ConfigError, DataError, TeacherError
 
@@ -134,12 +134,13 @@ def test_a_v1_cache_and_its_conversion_give_the_same_batches_and_resume_alike(fo
     sizes = convert(old, new)
     assert CacheManifest.read(new).version == 2 and json.loads((new / INDEX).read_text()) == {"tokens": 192}
     assert sizes["v1"]["version"] == 1 and sizes["v2"]["version"] == 2  # sizes of real shards: the fixture test
-    loaders = [CacheLoader(str(d), CacheManifest.read(d), batch_size=3, dp_rank=0, dp_degree=1) for d in (old, new)]
+    loaders = [TeacherCaches([str(d)], [CacheManifest.read(d)], batch_size=3, dp_rank=0, dp_degree=1)
+               for d in (old, new)]
     for _ in range(5):  # 15 windows: across shard ends and into a second epoch
         a, b = (next(loader) for loader in loaders)
         for key in ("input_ids", "labels", "doc_ids"):
             assert torch.equal(a[key], b[key])
-        assert_bit_equal(a["teacher"], b["teacher"])
+        assert_bit_equal(a["teachers"][0], b["teachers"][0])
     assert loaders[0].state_dict() == loaders[1].state_dict()
     # Converting again resumes (every shard kept); into the source itself or from a v2 cache is a sentence.
     assert convert(old, new)["v2"] == sizes["v2"]

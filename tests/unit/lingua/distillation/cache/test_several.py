@@ -15,7 +15,7 @@ from lingua.distillation.build import TeacherLaunch
 from lingua.loading.stream import active_sources
 from lingua.args import parse_args
 from lingua.loading.producer import from_wire, to_wire
-from lingua.distillation.cache.store import (INDEX, CacheLoader, CacheManifest, read_shard, settings_manifest, shard_path,
+from lingua.distillation.cache.store import (INDEX, CacheManifest, read_shard, settings_manifest, shard_path,
                                        write_json_atomic, write_shard)
 from lingua.distillation.cache.codec import decode_shard, encode_shard
 from lingua.distillation.cache.distiller import CacheDistiller
@@ -101,9 +101,33 @@ def test_each_windows_source_id_round_trips_and_old_shards_read_without_it(tmp_p
     assert new.source_names == ["pydocs", "code"] and old.source_names is None
     assert read_shard(shard_path(tmp_path / "a", 1), range(1, 3), new)["source_ids"].tolist() == [1, 1]
     assert "source_ids" not in read_shard(shard_path(tmp_path / "b", 1), range(1, 3), old)
-    loader = CacheLoader(str(tmp_path / "a"), new, batch_size=3, dp_rank=0, dp_degree=1)
+    loader = TeacherCaches([str(tmp_path / "a")], [new], batch_size=3, dp_rank=0, dp_degree=1)
     assert [next(loader)["source_ids"].tolist() for _ in range(3)] == [[0, 1, 1], [0, 0, 1], [1, 0, 0]]
-    assert "source_ids" not in next(CacheLoader(str(tmp_path / "b"), old, batch_size=3, dp_rank=0, dp_degree=1))
+    assert "source_ids" not in next(TeacherCaches([str(tmp_path / "b")], [old], batch_size=3, dp_rank=0, dp_degree=1))
+
+
+def test_one_cache_is_a_list_of_one_and_each_cache_reads_its_own_stream(tmp_path):
+    """The reader's rows are each shard's rows in order, across shard ends and into a second epoch; two caches read
+    in step give each cache the batches it gives alone, and one position resumes both."""
+    args = cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}}}", f"{{cache_dir: {tmp_path / 'b'}}}")
+    write_cache(tmp_path / "a", args, 0, seed=0)
+    write_cache(tmp_path / "b", args, 1, seed=1)
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    manifests = [CacheManifest.read(Path(d)) for d in dirs]
+    shards = [[read_shard(shard_path(d, i), range(0, ROWS), m) for i in range(SHARDS)] for d, m in zip(dirs, manifests)]
+    rows = [(i, r) for _ in range(2) for i in range(SHARDS) for r in range(ROWS)][:9]  # 3 batches of 3
+    alone = [TeacherCaches([d], [m], batch_size=3, dp_rank=0, dp_degree=1) for d, m in zip(dirs, manifests)]
+    both = TeacherCaches(dirs, manifests, batch_size=3, dp_rank=0, dp_degree=1)
+    for start in range(0, 9, 3):
+        batch, singles = next(both), [next(reader) for reader in alone]
+        expected = torch.stack([shards[0][i]["input_ids"][r] for i, r in rows[start:start + 3]])
+        assert torch.equal(batch["input_ids"], expected) and torch.equal(singles[0]["input_ids"], expected)
+        for c in range(2):
+            assert torch.equal(batch["teachers"][c].values, singles[c]["teachers"][0].values)
+            values = torch.stack([shards[c][i]["teacher"].values[r] for i, r in rows[start:start + 3]])
+            assert torch.equal(batch["teachers"][c].values, values)
+    assert both.state_dict() == alone[0].state_dict() == {"kind": "teacher_cache", "dp_rank": 0, "dp_degree": 1,
+                                                          "bad_lines": 0, "shard": 0, "row": 1, "epoch": 1}
 
 
 def test_two_caches_train_as_the_online_mixture(tmp_path):

@@ -18,13 +18,13 @@ from lingua.distillation.args import DistillationArgs
 from lingua.distillation.cache.store import (
     CacheManifest,
     canonical_safetensors,
-    open_cache,
     read_shard,
     settings_manifest,
     shard_bytes,
     shard_metadata,
     shard_path,
 )
+from lingua.distillation.cache.several import open_cache
 from lingua.distillation.cache.codec import OLD_ZSTD_LEVEL, CodecError, canonical_sampled, decode_shard, encode_shard
 from lingua.distillation.cross_tokenizer.targets import sample_student_ids, student_sampled_targets
 from lingua.distillation.cross_tokenizer.teacher_side import load_cross_tokenizer
@@ -207,11 +207,11 @@ def test_a_sampled_cache_holds_the_online_draws_and_trains(corpus, tiny_teacher,
     distiller = CacheDistiller(train)
     distiller.begin_step(0, 1.0)
     hidden = torch.randn(*batch["input_ids"].shape, 16, requires_grad=True)
-    loss = distiller.head_loss(batch["labels"], distiller.submit({**batch, "teachers": [batch["teacher"]]}, 0, 0), batch["labels"].numel(), None)(
+    loss = distiller.head_loss(batch["labels"], distiller.submit(batch, 0, 0), batch["labels"].numel(), None)(
         hidden, torch.randn(258, 16))
     loss.backward()
     assert torch.isfinite(loss) and hidden.grad.isfinite().all() and hidden.grad.abs().sum() > 0
-    assert distiller.step_metrics()["kd/aligned"].item() == pytest.approx(batch["teacher"].kd_weight.mean().item())
+    assert distiller.step_metrics()["kd/aligned"].item() == pytest.approx(batch["teachers"][0].kd_weight.mean().item())
 
 
 def test_training_reads_the_kd_weight_and_logs_kd_aligned(cross_cache):
@@ -220,16 +220,16 @@ def test_training_reads_the_kd_weight_and_logs_kd_aligned(cross_cache):
     wanted = settings_manifest(train, args.data, args.model.attn_mask, build_tokenizer(args.data.tokenizer))
     loader = open_cache(str(cache_dir), wanted, batch_size=2, dp_rank=0, dp_degree=2)
     batch = next(loader)
-    assert batch["teacher"].kd_weight.shape == batch["input_ids"].shape
+    assert batch["teachers"][0].kd_weight.shape == batch["input_ids"].shape
     distiller = CacheDistiller(train)
     distiller.begin_step(0, 1.0)
     generator = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(*batch["input_ids"].shape, 16, generator=generator), torch.randn(258, 16)
-    loss = distiller.head_loss(batch["labels"], distiller.submit({**batch, "teachers": [batch["teacher"]]}, 0, 0),
+    loss = distiller.head_loss(batch["labels"], distiller.submit(batch, 0, 0),
                                batch["labels"].numel(), None)(hidden, weight)
     metrics = distiller.step_metrics()
     assert torch.isfinite(loss) and metrics["kd/aligned"].item() == pytest.approx(
-        batch["teacher"].kd_weight.mean().item())
+        batch["teachers"][0].kd_weight.mean().item())
 
 
 def test_a_cache_for_another_student_tokenizer_or_without_cross_tokenizer_is_one_sentence(cross_cache, tiny_teacher):

@@ -13,7 +13,8 @@ from lingua.distillation.cache.write_job import write_cache
 from lingua.args import parse_args
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.online.bridge import BridgeSpec, check_handshake
-from lingua.distillation.cache.store import CacheManifest, open_cache, read_shard, settings_manifest, shard_path
+from lingua.distillation.cache.several import open_cache
+from lingua.distillation.cache.store import CacheManifest, read_shard, settings_manifest, shard_path
 from lingua.distillation.cache.codec import decode_shard, encode_shard
 from lingua.distillation.cross_tokenizer.targets import map_topk_rows
 from lingua.distillation.cross_tokenizer.teacher_side import load_cross_tokenizer
@@ -118,7 +119,7 @@ def test_the_cache_carries_the_marked_entries_and_trains_with_uld(uld_cache):
     for uld_weight, fused_loss in ((0.5, True), (0.5, False), (0.0, True)):
         distiller = CacheDistiller(replace(train, uld_weight=uld_weight, fused_loss=fused_loss))
         distiller.begin_step(0, 1.0)
-        teacher = batch["teacher"]
+        teacher = batch["teachers"][0]
         if uld_weight == 0:  # today's targets: the same windows without the marked entries
             ids = teacher.ids
             teacher = replace(teacher, values=torch.where(ids < 0, float("-inf"), teacher.values.float()).to(
