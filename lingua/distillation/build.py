@@ -11,7 +11,7 @@ import torch
 
 from lingua.distillation.args import DistillationArgs, resolve_prefetch
 from lingua.distillation.cache.distiller import CacheDistiller
-from lingua.distillation.cache.several import open_training_caches
+from lingua.distillation.cache.reader import open_training_caches
 from lingua.distillation.distiller import Distiller, NoDistiller, tokenizer_vocab
 from lingua.distillation.loss.mixture import source_routing
 from lingua.distillation.online.distiller import OnlineDistiller, handshake_clients

@@ -35,7 +35,7 @@ from apps.studies.kd.launch import build_cache
 from apps.studies.kd.wall_report import report
 from apps.main.eval import batch_ce_sum
 from apps.main.transformer import LMTransformer, batch_documents, get_num_flop_per_token
-from lingua.distillation.cache.several import open_cache
+from lingua.distillation.cache.reader import open_cache
 from lingua.distillation.cache.store import settings_manifest
 from lingua.distillation.cache.distiller import CacheDistiller
 from lingua.distillation.distiller import NoDistiller

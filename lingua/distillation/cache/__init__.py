@@ -2,7 +2,7 @@
 Entered by the builder (reading: its distiller and reader) and the writer's command line (writing).
 
     distiller.py       CacheDistiller: every teacher's targets come with each batch, nothing to wait for
-    several.py         the reader, TeacherCaches: 1..N teachers' caches (one teacher is a list of one) read in step as
+    reader.py          the reader, TeacherCaches: 1..N teachers' caches (one teacher is a list of one) read in step as
                        the training dataset, checked against the students' settings and each other
     store.py           the format: manifest, safetensors shards, atomic writes, reading a shard's rows
     codec.py           format v2: a shard's tensors coded losslessly (sorted values as bit-pattern gaps, ids by

@@ -18,7 +18,7 @@ from lingua.distillation.cache.store import (
     write_shard,
 )
 from lingua.distillation.cache.codec import canonical_sampled, decode_shard, encode_shard
-from lingua.distillation.cache.several import TeacherCaches
+from lingua.distillation.cache.reader import TeacherCaches
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
 from lingua.errors import ConfigError, DataError, TeacherError
 

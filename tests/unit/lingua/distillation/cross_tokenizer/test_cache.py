@@ -24,7 +24,7 @@ from lingua.distillation.cache.store import (
     shard_metadata,
     shard_path,
 )
-from lingua.distillation.cache.several import open_cache
+from lingua.distillation.cache.reader import open_cache
 from lingua.distillation.cache.codec import OLD_ZSTD_LEVEL, CodecError, canonical_sampled, decode_shard, encode_shard
 from lingua.distillation.cross_tokenizer.targets import sample_student_ids, student_sampled_targets
 from lingua.distillation.cross_tokenizer.teacher_side import load_cross_tokenizer

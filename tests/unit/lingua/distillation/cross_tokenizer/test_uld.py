@@ -13,7 +13,7 @@ from lingua.distillation.cache.write_job import write_cache
 from lingua.args import parse_args
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.online.bridge import BridgeSpec, check_handshake
-from lingua.distillation.cache.several import open_cache
+from lingua.distillation.cache.reader import open_cache
 from lingua.distillation.cache.store import CacheManifest, read_shard, settings_manifest, shard_path
 from lingua.distillation.cache.codec import decode_shard, encode_shard
 from lingua.distillation.cross_tokenizer.targets import map_topk_rows

@@ -22,7 +22,7 @@ from lingua.distillation.cache.distiller import CacheDistiller
 from lingua.distillation.loss.mixture import source_routing
 from lingua.distillation.online.distiller import OnlineDistiller
 from lingua.distillation.outputs import sparsify_teacher_logits
-from lingua.distillation.cache.several import TeacherCaches, open_training_caches
+from lingua.distillation.cache.reader import TeacherCaches, open_training_caches
 from lingua.errors import ConfigError, DataError
 from lingua.tokenizer import build_tokenizer
 
