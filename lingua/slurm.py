@@ -177,7 +177,11 @@ class SubmititTrainJob:
             raise RunFailed(f"{' '.join(self.command())} exited with code {returncode}; "
                             f"see the task logs in {self.dump_dir}/submitit/.")
         if preempted and not self.finished() and callable(submitit_handler):
-            submitit_handler(signal.SIGUSR2, None)  # rank 0: checkpoint() + scontrol requeue + exit
+            # Rank 0: checkpoint() + `scontrol requeue` + exit. The requeue sends this step SIGTERM at once; ignored
+            # from here on (scontrol inherits it), it can no longer kill scontrol before it exits 0, which made
+            # submitit raise after the requeue (no "Requeued job" line, an error result for a requeued job).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            submitit_handler(signal.SIGUSR2, None)
         return returncode
 
     def finished(self) -> bool:

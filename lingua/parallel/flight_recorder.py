@@ -5,9 +5,9 @@ where PyTorch's analyzer reads it:
     python -m torch.distributed.flight_recorder.fr_trace <dump_dir>/comm_traces -p rank_ --allow-incomplete-ranks
 
 Only NCCL's watchdog dumps by itself (on a timeout, with `TORCH_NCCL_DUMP_ON_TIMEOUT=1`). On gloo nothing is
-written unless we ask: `write_trace` does, when the hang watch fires, on SIGUSR1 and on a collective timeout
-(`distributed.debug=trace`). The in-process buffer also tells the timeout sentence and the hang note which
-collective each group was in (`last_collectives`), whatever the debug switch.
+written unless we ask: `write_trace` does, when the hang watch fires, on SIGUSR1, on a collective timeout and
+when a collective loses its peer (`distributed.debug=trace`). The in-process buffer also tells the timeout
+sentence and the hang note which collective each group was in (`last_collectives`), whatever the debug switch.
 
 The analyzer needs each dump's `pg_config` (group id -> name, ranks); torch fills it for NCCL only, so
 `write_trace` fills it from the Topology's groups, and drops entries of groups it does not know (under
@@ -19,6 +19,7 @@ slow at the moment of a hang; the hang note and the rank log say where each rank
 import logging
 import os
 import pickle
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 TRACE_PREFIX = "rank_"  # <dump_dir>/comm_traces/rank_<r>: the analyzer's `-p rank_`, and NCCL's dump file names
+_writing = threading.Lock()  # the watch thread and the main thread may dump at once: one temporary file each time
 
 
 def trace_dir(dump_dir) -> Path:
@@ -97,8 +99,9 @@ def write_trace(topo, dump_dir, reason: str) -> Optional[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{TRACE_PREFIX}{topo.global_rank}"
     tmp = folder / f".writing.{topo.global_rank}"  # no `rank_` in the name: the analyzer reads every such file
-    tmp.write_bytes(pickle.dumps(record))
-    os.replace(tmp, path)
+    with _writing:
+        tmp.write_bytes(pickle.dumps(record))
+        os.replace(tmp, path)
     logger.warning(f"flight recorder written to {path} ({reason}; {len(record['entries'])} collectives"
                    + (f", {dropped} on groups of torch's own left out" if dropped else "") + ")")
     return path

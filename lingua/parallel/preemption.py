@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -38,6 +39,21 @@ class PreemptionFlag:
             signal.signal(sig, signal.SIG_IGN)
 
 
+@contextmanager
+def sigterm_ignored():
+    """SIGTERM ignored in this process and in the programs it starts meanwhile (an ignored signal survives exec).
+
+    `scontrol requeue` ends the job's steps with SIGTERM at once: in a rank that runs it, that signal would kill
+    scontrol after the job was requeued but before it exits 0, and the requeue would read as a failure. Main thread
+    only (Python sets handlers there); SLURM's SIGKILL KillWait seconds later still ends a process that hangs.
+    """
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def requeue_if_slurm(is_train_master: bool, dump_dir: Optional[str] = None) -> None:
     """After a preemption save, one rank asks SLURM to requeue the job (submitit requeues by itself), first leaving
     the marker that tells stool's job script this requeue was no failure (lingua/slurm.py, max_failure_requeues)."""
@@ -48,7 +64,8 @@ def requeue_if_slurm(is_train_master: bool, dump_dir: Optional[str] = None) -> N
         marker = Path(dump_dir) / "logs" / f"requeued_by_preemption.{job_id}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
-    result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    with sigterm_ignored():  # the requeue's own SIGTERM must not kill scontrol before it reports
+        result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
     if result.returncode == 0:
         logger.info(f"requeued SLURM job {job_id}")
     else:

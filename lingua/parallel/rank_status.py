@@ -315,6 +315,10 @@ class RankStatus:
             return
         logger.error("the collective that lost its peer", exc_info=exc, extra=FILE_ONLY)  # the backend's traceback
         backend = one_line(str(exc))
+        if self.traces:  # as on a timeout: a rank that was stopped (SIGSTOP) ends here, its hang watch re-armed
+            from lingua.parallel import flight_recorder  # torch-side; status files are read without it too
+
+            flight_recorder.write_trace(self.topo, self.run_dir.root, "lost a peer")
         self.write("lost_peer", "lost a peer in a collective", backend_error=backend[:2000])
         found = self.first_stopped()
         me = self.topo.global_rank

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from lingua.parallel.preemption import sigterm_ignored
+
 
 def latest_step(ckpt_root: Path) -> int:
     steps = [int(p.name) for p in ckpt_root.glob("[0-9]" * 10) if (p / "state.json").exists()]
@@ -58,7 +60,8 @@ def main() -> None:
             if rank == 0:
                 save(ckpt_root, step)
                 if os.environ.get("SLURM_JOB_ID") and not os.environ.get("SUBMITIT_EXECUTOR"):
-                    subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True)
+                    with sigterm_ignored():  # as the trainer: the requeue's SIGTERM must not kill scontrol first
+                        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True)
                     print("rank 0 requeued the job", flush=True)
             return
     if rank == 0:

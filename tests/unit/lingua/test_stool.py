@@ -492,3 +492,31 @@ def test_a_mesh_that_does_not_fit_the_allocation_is_refused_at_submission(tmp_pa
     with pytest.raises(ValueError, match=r"Mesh dp_replicate=1 x dp_shard=4 = 4 ranks, but there are 7 training ranks"):
         stool.launch(StoolArgs(config=str(config), dry_run=True, force=True, ngpus=8, time=5))
     assert not (tmp_path / "dump").exists()
+
+
+def test_submitit_rank0_requeue_outlives_the_sigterm_the_requeue_sends(tmp_path, monkeypatch):
+    """Rank 0 hands over to submitit's handler, whose `scontrol requeue` gets SLURM's SIGTERM for the requeued step
+    before it exits: it still exits 0, so submitit logs the requeue instead of raising after it (CI run 3)."""
+    import signal
+
+    from tests.unit.lingua.parallel.test_preemption import fake_scontrol
+
+    calls = fake_scontrol(tmp_path, monkeypatch)
+    trainer = tmp_path / "bin" / "trainer"  # the trainer gets USR2 with its task process, saves and exits 0
+    trainer.write_text("#!/bin/sh\nkill -USR2 $PPID\nexit 0\n")
+    trainer.chmod(0o755)
+    (tmp_path / "code").mkdir()
+    monkeypatch.setattr(slurm.SubmititTrainJob, "command", lambda self: [str(trainer)])
+    requeues = []
+
+    def submitit_handler(signum, frame):  # submitit's checkpoint_and_try_requeue: its scontrol call, checked
+        requeues.append(subprocess.run(["scontrol", "requeue", "7"]).returncode)
+
+    previous = {sig: signal.signal(sig, handler) for sig, handler in
+                ((signal.SIGUSR2, submitit_handler), (signal.SIGTERM, signal.getsignal(signal.SIGTERM)))}
+    try:
+        assert slurm.SubmititTrainJob("apps.main.train", "python", str(tmp_path), steps=10)() == 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert requeues == [0] and calls.read_text() == "requeue 7\n"
