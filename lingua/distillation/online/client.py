@@ -183,8 +183,10 @@ class TeacherClient:
                                                                            nexts, -1)
         return request.to(self.device, non_blocking=True)
 
-    def _post(self, op: Op, step: int, micro_step: int, tokens: Optional[torch.Tensor],
-              doc_ids: Optional[torch.Tensor] = None, next_tokens: Optional[torch.Tensor] = None) -> TeacherHandle:
+    def submit(self, tokens: Optional[torch.Tensor], step: int, micro_step: int, doc_ids: Optional[torch.Tensor] = None,
+               next_tokens: Optional[torch.Tensor] = None, op: Op = Op.FORWARD) -> TeacherHandle:
+        """Post one micro-batch of tokens [bsz, seqlen] (best on the host), with doc boundaries its document ids,
+        cross-tokenizer each row's label past the window [bsz] (no tokens: a STOP or ERROR)."""
         bsz, seqlen = (0, 0) if tokens is None else tuple(tokens.shape)
         if bsz > self.spec.max_bsz or seqlen > self.spec.max_seqlen:
             raise ValueError(
@@ -206,12 +208,6 @@ class TeacherClient:
         handle.request_bytes = request.numel() * request.element_size()
         self.in_flight.append(handle)
         return handle
-
-    def submit(self, input_ids: torch.Tensor, step: int, micro_step: int, doc_ids: Optional[torch.Tensor] = None,
-               next_tokens: Optional[torch.Tensor] = None) -> TeacherHandle:
-        """Post one micro-batch of tokens [bsz, seqlen] (best on the host), with doc boundaries its document ids,
-        cross-tokenizer each row's label past the window [bsz]."""
-        return self._post(Op.FORWARD, step, micro_step, input_ids, doc_ids, next_tokens)
 
     def payload(self, response: torch.Tensor, bsz: int, seqlen: int) -> TeacherOutputs:
         return TeacherOutputs.from_tensors(self.spec.output,
@@ -260,7 +256,7 @@ class TeacherClient:
         if self.stopped:
             return
         self.drain()
-        handle = self._post(Op.ERROR if error else Op.STOP, step, blame if error else 0, None)
+        handle = self.submit(None, step, blame if error else 0, op=Op.ERROR if error else Op.STOP)
         handle.complete()
         self.stopped = True
         status = ResponseStatus.unpack(handle.response[:RECORD_BYTES])
