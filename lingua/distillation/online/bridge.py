@@ -1,18 +1,12 @@
-"""The bridge protocol between a teacher and its students (`topo.bridge_group`): the wire records and the handshake.
-docs/distillation_internals.md ("What the teacher sends") walks through it; in short:
+"""The bridge protocol between a teacher and its students (`topo.bridge_group`): the wire records and the handshake,
+walked through in docs/distillation_internals.md ("What the teacher sends").
 
-1. Handshake, once: every member all-gathers a `HandshakeRecord`; every rank runs the same `check_handshake` on the
-   same records, then one all_gather over the world shares each rank's verdict, so a failure in any bridge is the
-   same sentence on every rank within seconds.
-2. Per micro-batch: each student gathers onto the teacher one int32 buffer (a `RequestHeader`, its tokens padded
-   to the agreed [max_bsz, max_seqlen], with doc_causal as many document ids); the teacher scatters one byte buffer
-   per student (a `ResponseStatus`, then its rows laid out by `BridgeSpec.payload_spec()`).
-3. STOP / ERROR: the same exchange with another `Op`. A teacher that failed a request answers every later one with
-   that error (no forward) until its students send STOP or ERROR, which they do only after completing every request
-   they posted. A user error is the same `TeacherError` sentence on every rank (exit 2); a bug keeps its traceback
-   on the teacher, and its students stop naming the teacher (`PeerStopped`, exit 1).
-
-Records are fixed-size so the collectives always move the same shapes: int64 fields, then MESSAGE_BYTES of UTF-8.
+Handshake once (`agreed_handshakes`: every member's `HandshakeRecord`, the same `check_handshake` on every rank, then
+every rank's verdict over the world, so a failure in any bridge is the same sentence everywhere); then per
+micro-batch one gather of each student's `RequestHeader` and tokens and one scatter of each student's
+`ResponseStatus` and outputs (`BridgeSpec`); then STOP or ERROR, sent by the students only after completing every
+request they posted. A teacher that failed answers every later request with its error until then. Records are
+fixed-size (int64 fields, then MESSAGE_BYTES of UTF-8), so the collectives always move the same shapes.
 """
 
 import logging
@@ -314,9 +308,9 @@ def _exchange(topo, mine: HandshakeRecord) -> list[HandshakeRecord]:
 def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> BridgeSpec:
     """The same checks on the same records on every bridge member: every rank raises the same sentence."""
     teacher = next(r for r in records if r.role == "teacher")
+    title = teacher_title(args, teacher.global_rank)
     if not teacher.loaded:
-        raise teacher_failure(f"{teacher_title(args, teacher.global_rank)} failed to load: {teacher.message}",
-                              teacher.bug)
+        raise teacher_failure(f"{title} failed to load: {teacher.message}", teacher.bug)
     served = teacher.settings
     students = [r for r in records if r.role == "student"]
     for student in students:
@@ -326,16 +320,15 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
         if differ:
             detail = ", ".join(f"{key} is {served[name]} on the teacher but {asked[name]} on the student"
                                for name, key in differ)
-            raise ConfigError(f"{teacher_title(args, teacher.global_rank)} and student rank {student.global_rank} "
-                              f"disagree: "
-                              f"{detail}; give every rank the same distillation settings (one config for the whole job).")
+            raise ConfigError(f"{title} and student rank {student.global_rank} disagree: {detail}; give every rank "
+                              f"the same distillation settings (one config for the whole job).")
     for student in students:
         same_tokenizer = student.tokenizer_fingerprint == teacher.tokenizer_fingerprint
         if served["cross_tokenizer"] and not (same_tokenizer and student.vocab == teacher.vocab):
             raise ConfigError(
-                f"{teacher_title(args, teacher.global_rank)} aligns from a student tokenizer (vocab {teacher.vocab}) that is "
-                f"not student rank {student.global_rank}'s (vocab {student.vocab}); give every rank the same "
-                f"data.tokenizer (one config for the whole job).")
+                f"{title} aligns from a student tokenizer (vocab {teacher.vocab}) that is not student rank "
+                f"{student.global_rank}'s (vocab {student.vocab}); give every rank the same data.tokenizer (one config "
+                f"for the whole job).")
         if not served["cross_tokenizer"] and not (same_tokenizer and student.vocab <= teacher.vocab):
             same_size = ", the same size but different tokens" if student.vocab == teacher.vocab else ""
             raise ConfigError(

@@ -1,15 +1,9 @@
 """A tensor-parallel teacher replica (distillation.teacher_tp > 1) as one teacher: its first rank (the leader) is the
-bridge's teacher end, the others (followers) talk only to it, over `topo.teacher_tp_group`:
-
-    load        `replica_load_record`: any rank's load failure becomes the leader's handshake record
-    handshake   followers only share the world's verdicts, then `share_spec` broadcasts what the bridge agreed
-    per request one broadcast of a round (`ReplicaLink`): FORWARD with every student's request buffer (a
-                cross-tokenizer leader then broadcasts the aligned teacher tokens), or LEAVE with the status the
-                students get; after a FORWARD every rank runs its shards, and one reduce (max) brings each rank's
-                preemption flag and peak memory to the leader's status words (on the device)
-
-A follower that fails inside the forward leaves the others blocked in one of its collectives: on gloo they fail
-with a lost peer naming it; on NCCL the watchdog ends them, the sentence in the status files (docs/gpu_failures.md).
+bridge's teacher end, the others (followers) talk only to it, over `topo.teacher_tp_group`: one all-gather of the
+load records (`replica_load_record`), one broadcast of the agreed spec (`share_spec`), then per request one
+broadcast of a round (`ReplicaLink`: FORWARD with the students' requests, or LEAVE with their status) and one reduce
+of the preemption flags and peak memory. A follower that fails inside the forward leaves the others blocked in one
+of its collectives: gloo fails them with a lost peer naming it; on NCCL the watchdog ends them (docs/gpu_failures.md).
 """
 
 import logging

@@ -1,15 +1,11 @@
-"""The teacher rank: load the model, handshake with its students, then serve until STOP (the protocol is
-`bridge.py`'s).
+"""The teacher rank: load the model, handshake with its students, then receive -> handle -> reply until STOP.
 
-Per request (`TeacherServer.serve`): receive (one gather of every student's header and tokens) -> handle (check the
-headers agree, one forward over all rows, each student's rows of outputs written into its response) -> reply (one
-scatter). Whatever fails while handling is answered too, with its sentence, so students raise it instead of waiting
-for a timeout; all but a sticky CUDA error, after which no reply can run: the teacher leaves at once, its students
-learn it as a lost peer (gloo) or from their watchdog (NCCL). After a failure the teacher stays "errored": it answers
-every later request with the same status (no forward) until its students leave with ERROR or STOP, then raises it.
-The students learn of an error only at their step's agreed point, and until then still post requests: a teacher that
-left at once would strand them. A tensor-parallel replica's first rank runs this loop and its others follow
-(`_follow`, `replica.py`). On CUDA, idle time ends when the headers reach the CPU, busy time when the stream has run.
+Whatever fails while handling a request is answered with its sentence, so students raise it instead of waiting for
+a timeout; all but a sticky CUDA error, after which no reply can run (the students learn it as a lost peer or from
+their watchdog). A failed teacher stays "errored": it answers every later request with the same status (no forward)
+until its students leave with ERROR or STOP, then raises. A tensor-parallel replica's first rank runs this loop, the
+others follow it (`_follow`, `replica.py`). On CUDA, idle time ends when the headers reach the CPU, busy time when
+the stream has run the forward.
 """
 
 import contextlib

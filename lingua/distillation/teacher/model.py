@@ -16,8 +16,7 @@ import torch.distributed as dist
 from lingua.distillation.args import DistillationArgs, close_names, teacher_dir_fix
 from lingua.distillation.loss.fused import multiplies_into_fp32
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
-from lingua.distillation.teacher.tensor_parallel import (CheckpointTensors, VocabShard, read_teacher_config,
-                                                        shard_teacher)
+from lingua.distillation.teacher.tensor_parallel import CheckpointTensors, VocabShard, shard_teacher
 from lingua.distillation.teacher.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_outputs
 from lingua.errors import DataError, MissingPathError
 from lingua.metrics import host_peak_rss_gib
@@ -83,16 +82,6 @@ def check_teacher_dir(path) -> None:
         problem = safetensors_problem(weights)
         if problem is not None:
             raise DataError(f"Teacher directory {path} is damaged: {problem}; {fix}.")
-
-
-def read_max_positions(path) -> Optional[int]:
-    """`max_position_embeddings` from a local teacher's config.json (its text config's for a multimodal one); None
-    when there is no such file or key."""
-    config = read_teacher_config(path)
-    if config is None:
-        return None
-    value = config.get("max_position_embeddings", (config.get("text_config") or {}).get("max_position_embeddings"))
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def teacher_dtype(args: DistillationArgs, device: torch.device) -> torch.dtype:

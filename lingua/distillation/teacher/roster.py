@@ -7,7 +7,6 @@ and which teacher a teacher rank serves as.
 
 from lingua.distillation.args import DistillationArgs, check_seq_len_fits_teacher, tp_setting
 from lingua.distillation.loss.mixture import check_teacher_sources
-from lingua.distillation.teacher.model import read_max_positions
 from lingua.distillation.teacher.tensor_parallel import heads_problem, read_teacher_config
 from lingua.errors import ConfigError
 
@@ -17,19 +16,22 @@ def check_teachers_fit(kd: DistillationArgs, data) -> None:
     when on disk; a hub teacher is checked at the handshake); every source a teacher lists is a data source."""
     for i in kd.online_teachers():  # a validated config: one teacher is a list of one
         teacher = kd.teacher_args(i)
-        # From its config.json when on disk (a missing teacher is its own error); cross-tokenizer rows are cut.
-        max_positions = 0 if teacher.cross_tokenizer else read_max_positions(teacher.teacher_path)
-        check_seq_len_fits_teacher(data.seq_len, max_positions or 0,
-                                   f"max_position_embeddings in {teacher.teacher_path}/config.json")
-        check_heads_divide(teacher.teacher_path, teacher.teacher_tp, tp_setting(kd, i))
+        config = read_teacher_config(teacher.teacher_path)  # None: a hub teacher, or a missing one (its own error)
+        if config is None:
+            continue
+        where = f"{teacher.teacher_path}/config.json"
+        if not teacher.cross_tokenizer:  # a cross-tokenizer teacher's rows are cut to its positions
+            check_seq_len_fits_teacher(data.seq_len, max_positions(config), f"max_position_embeddings in {where}")
+        problem = heads_problem(config, teacher.teacher_tp, where, tp_setting(kd, i))
+        if problem is not None:
+            raise ConfigError(problem)
     check_teacher_sources(kd.teachers, data.sources)
 
 
-def check_heads_divide(teacher_path: str, tp: int, key: str = "distillation.teacher_tp") -> None:
-    """A teacher's head counts divide by its teacher_tp (set by `key`), from its config.json when on disk."""
-    config = read_teacher_config(teacher_path)
-    if config is not None and (problem := heads_problem(config, tp, f"{teacher_path}/config.json", key)) is not None:
-        raise ConfigError(problem)
+def max_positions(config: dict) -> int:
+    """`max_position_embeddings` of a config.json (its text config's for a multimodal one); 0 when unknown."""
+    value = config.get("max_position_embeddings", (config.get("text_config") or {}).get("max_position_embeddings"))
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def serving_args(kd: DistillationArgs, topo) -> tuple[DistillationArgs, tuple[str, ...]]:

@@ -37,20 +37,16 @@ def scaled_slice(logits: torch.Tensor, shard: VocabShard, vocab_size: int, tempe
     return padded
 
 
-def _gather_to_leader(tensor: torch.Tensor, shard: VocabShard, what: str) -> Optional[torch.Tensor]:
+def _gather(tensor: torch.Tensor, shard: VocabShard, what: str, everywhere: bool = False) -> Optional[torch.Tensor]:
+    """[teacher_tp, *tensor.shape] in slice order on every rank (`everywhere`) or on the group's first rank only."""
     tensor = tensor.contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(shard.tp_size)] if shard.tp_rank == 0 else None
-    log_collective(f"gather {what}", shard.group, tensor)
-    dist.gather(tensor, parts, dst=shard.leader, group=shard.group)
+    parts = [torch.empty_like(tensor) for _ in range(shard.tp_size)] if everywhere or shard.tp_rank == 0 else None
+    log_collective(f"{'all_gather' if everywhere else 'gather'} {what}", shard.group, tensor)
+    if everywhere:
+        dist.all_gather(parts, tensor, group=shard.group)
+    else:
+        dist.gather(tensor, parts, dst=shard.leader, group=shard.group)
     return torch.stack(parts) if parts is not None else None
-
-
-def _all_gather(tensor: torch.Tensor, shard: VocabShard, what: str) -> torch.Tensor:
-    tensor = tensor.contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(shard.tp_size)]
-    log_collective(f"all_gather {what}", shard.group, tensor)
-    dist.all_gather(parts, tensor, group=shard.group)
-    return torch.stack(parts)
 
 
 def vocab_parallel_outputs(logits: torch.Tensor, shard: VocabShard, format: str, k: int, temperature: float,
@@ -81,7 +77,7 @@ def _topk(z: torch.Tensor, shard: VocabShard, k: int, wire_dtype: torch.dtype) -
     # float64 carries ids < 2^53 exactly: one message per slice, no bit casts.
     packed = torch.cat([lse[..., None].double(), rest[..., None].double(), values.double(),
                         (ids + shard.start).double()], dim=-1)
-    gathered = _gather_to_leader(packed, shard, "top-k candidates")
+    gathered = _gather(packed, shard, "top-k candidates")
     if gathered is None:
         return None
     tp = shard.tp_size
@@ -131,7 +127,7 @@ def _sampled(z: torch.Tensor, shard: VocabShard, k: int, wire_dtype: torch.dtype
     flat = z.reshape(N * S, W)
     lse = torch.cat([flat[i:i + POSITIONS_PER_BLOCK].double().logsumexp(-1)
                      for i in range(0, flat.shape[0], POSITIONS_PER_BLOCK)])
-    shard_lse = _all_gather(lse, shard, "slice log-sum-exp")
+    shard_lse = _gather(lse, shard, "slice log-sum-exp", everywhere=True)
     uniforms = torch.rand((N * S, k), generator=generator, dtype=torch.float64, device=z.device)
     valid = max(0, min(shard.end, vocab_size) - shard.start)
     mine, ids, log_probs, neg_entropy = sample_ids(flat, shard_lse, shard.tp_rank, shard.start, valid, uniforms)
@@ -148,8 +144,8 @@ def _sampled(z: torch.Tensor, shard: VocabShard, k: int, wire_dtype: torch.dtype
 
 def _full(z: torch.Tensor, shard: VocabShard, wire_dtype: torch.dtype, vocab_size: int) -> Optional[TeacherOutputs]:
     N, S, W = z.shape
-    log_total = _all_gather(z.logsumexp(-1), shard, "slice log-sum-exp").logsumexp(0)
-    gathered = _gather_to_leader((z - log_total[..., None]).to(wire_dtype), shard, "log-probs")
+    log_total = _gather(z.logsumexp(-1), shard, "slice log-sum-exp", everywhere=True).logsumexp(0)
+    gathered = _gather((z - log_total[..., None]).to(wire_dtype), shard, "log-probs")
     if gathered is None:
         return None
     return TeacherOutputs("full", gathered.permute(1, 2, 0, 3).reshape(N, S, shard.tp_size * W)[..., :vocab_size])
@@ -160,7 +156,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, sha
     """Cross-entropy summed over the labelled positions of one slice's logits [..., V / tp], over the first
     `vocab_size` ids; the same scalar on every rank of the group."""
     z = scaled_slice(logits, shard, vocab_size, 1.0)
-    log_total = _all_gather(z.logsumexp(-1), shard, "slice log-sum-exp").logsumexp(0)
+    log_total = _gather(z.logsumexp(-1), shard, "slice log-sum-exp", everywhere=True).logsumexp(0)
     local = labels - shard.start
     here = (local >= 0) & (local < min(shard.end, vocab_size) - shard.start)
     picked = torch.where(here, z.gather(-1, local.clamp(0, z.shape[-1] - 1)[..., None])[..., 0], 0.0)
