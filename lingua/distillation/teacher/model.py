@@ -358,12 +358,9 @@ class TeacherModel:
                 doc_ids = batch["doc_ids"].to(self.device) if doc_causal else None
                 hidden = self.hidden_states(input_ids, doc_ids)
                 for row in range(hidden.shape[0]):  # one row of logits at a time: [S, V] only
-                    if self.shard is not None:
-                        loss_sum += float(vocab_parallel_cross_entropy(self.logits(hidden[row]), labels[row],
-                                                                       self.shard, vocab_size))
-                        continue
-                    logits = self.logits(hidden[row])[:, :vocab_size]
-                    loss_sum += float(torch.nn.functional.cross_entropy(logits, labels[row], ignore_index=-100,
-                                                                       reduction="sum"))
+                    logits = self.logits(hidden[row])
+                    loss_sum += float(vocab_parallel_cross_entropy(logits, labels[row], self.shard, vocab_size)
+                                      if self.shard is not None else torch.nn.functional.cross_entropy(
+                                          logits[:, :vocab_size], labels[row], ignore_index=-100, reduction="sum"))
                 tokens += int((labels != -100).sum())
         return loss_sum, tokens
