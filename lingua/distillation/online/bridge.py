@@ -87,8 +87,7 @@ def _bits_float(bits: int) -> float:
 
 ATTN_MASKS = ("causal", "doc_causal")
 
-# What teacher and students must agree on, each as (name, the config key it comes from, encode value -> int64,
-# decode int64 -> value).
+# What teacher and students must agree on: (name, the config key it comes from, encode -> int64, decode).
 AGREED_SETTINGS = (
     ("output", "distillation.output", FORMATS.index, lambda v: FORMATS[v]),
     ("k", "distillation.k", int, int),  # top-k ids, or samples per position for "sampled"
@@ -198,16 +197,6 @@ HEADER_INTS = len(fields(RequestHeader))
 BAD_TOKENS_FIELD = [f.name for f in fields(RequestHeader)].index("bad_tokens")
 
 
-def payload_segments(spec: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tuple[int, int]]:
-    """(offset, nbytes) of each wire tensor in a response payload, 8-byte aligned."""
-    out, offset = [], 0
-    for shape, dtype in spec:
-        nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
-        out.append((offset, nbytes))
-        offset += (nbytes + 7) // 8 * 8
-    return out
-
-
 @dataclass
 class BridgeSpec:
     max_bsz: int
@@ -220,10 +209,14 @@ class BridgeSpec:
     kd_weight: bool = False  # cross-tokenizer: responses carry each position's KD weight after the top-k
     teacher_heldout_ce: Optional[float] = None  # the teacher's own held-out CE, if it computed one
     teacher_heldout_bpb: Optional[float] = None  # the same in bits per byte
-    segments: list = field(init=False, repr=False)  # (offset, nbytes) of each payload tensor
+    segments: list = field(init=False, repr=False)  # (offset, nbytes) of each payload tensor, 8-byte aligned
 
     def __post_init__(self):
-        self.segments = payload_segments(self.payload_spec())
+        self.segments, offset = [], 0
+        for shape, dtype in self.payload_spec():
+            nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+            self.segments.append((offset, nbytes))
+            offset += (nbytes + 7) // 8 * 8
 
     def payload_spec(self):
         return TeacherOutputs.wire_spec(self.output, self.max_bsz, self.max_seqlen, self.k, self.vocab_size,
@@ -274,9 +267,8 @@ def agreed_handshakes(topo, bridges: list[tuple]) -> list[Optional[BridgeSpec]]:
     bridge (record None) only shares the verdicts, and raises its own replica's sentence."""
     specs, error = [], None
     try:
-        # Every bridge's records first, then the checks: a refusal on one bridge must not leave another's
-        # members waiting in an exchange this rank skipped.
-        records = [_exchange(view, mine) if mine is not None else None for view, mine, _ in bridges]
+        # Every bridge's records first: a refusal on one must not leave another's members waiting in an exchange.
+        records = [exchange_records(view, mine) if mine is not None else None for view, mine, _ in bridges]
         specs = [check_handshake(r, args) if r is not None else None for r, (_, _, args) in zip(records, bridges)]
     except Exception as err:  # a bug in the checks too: the other ranks must not wait for this one's verdict
         error = err
@@ -297,11 +289,13 @@ def agreed_handshakes(topo, bridges: list[tuple]) -> list[Optional[BridgeSpec]]:
     return specs
 
 
-def _exchange(topo, mine: HandshakeRecord) -> list[HandshakeRecord]:
+def exchange_records(topo, mine: HandshakeRecord, group=None, what: str = "handshake") -> list[HandshakeRecord]:
+    """Every member's record, all-gathered on `group` (default: the bridge's) in its rank order."""
+    group = group or topo.bridge_group
     packed = mine.pack().to(topo.device)  # input and outputs on the backend's device (NCCL: the GPU)
-    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(topo.bridge_group))]
-    log_collective("all_gather handshake", topo.bridge_group, packed)
-    dist.all_gather(gathered, packed, group=topo.bridge_group)
+    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+    log_collective(f"all_gather {what}", group, packed)
+    dist.all_gather(gathered, packed, group=group)
     return [HandshakeRecord.unpack(r) for r in gathered]
 
 
@@ -335,8 +329,7 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
                 f"Student rank {student.global_rank}'s tokenizer (vocab {student.vocab}) does not match the teacher's "
                 f"(vocab {teacher.vocab}{same_size}) at {args.teacher_path}. Use the teacher's tokenizer (set "
                 f"data.tokenizer.name=hf data.tokenizer.path={args.teacher_path}), or keep yours and set "
-                f"{own_key(args, 'cross_tokenizer', 'cross_tokenizer')}=true."
-            )
+                f"{own_key(args, 'cross_tokenizer', 'cross_tokenizer')}=true.")
     max_bsz, max_seqlen = max(s.max_bsz for s in students), max(s.max_seqlen for s in students)
     # Checked at startup already when the teacher's config.json is on disk; a hub teacher is checked here.
     check_seq_len_fits_teacher(max_seqlen, teacher.max_positions, f"teacher rank {teacher.global_rank}")

@@ -98,11 +98,9 @@ class TeacherHandle:
             work.wait()
         self.done = True
         self.client.in_flight.remove(self)
-        # Completed: from now on its status is safe to read (the teacher's clocks for the metrics). A posted
-        # buffer is not: its scatter may still be writing (CUDA: uninitialised bytes until the stream waits).
+        # Completed: its status is safe to read now; a posted buffer's scatter may still be writing into it.
         self.client.last_status = self.response[:RECORD_BYTES]
-        # Counted when answered, so a look-ahead request belongs to the step that consumes it. What goes over
-        # the bridge is the whole framed buffer (header/status, padding), not only the payload.
+        # Counted when answered (a look-ahead request belongs to the step that consumes it), whole framed buffers.
         self.client.bytes_up += self.request_bytes
         self.client.bytes_down += self.response.numel() * self.response.element_size()
 
@@ -149,11 +147,9 @@ class TeacherClient:
         self.pause_follows = False  # during a step followed by a long pause: requests say in_training=0 again
         self.bytes_up = self.bytes_down = 0  # the buffers of answered requests: handed to gather / got from scatter
         self.stopped = False
-        logger.info(
-            f"{self.title[0].lower()}{self.title[1:]} ready: output={self.spec.output} k={self.spec.k} "
-            f"vocab={self.spec.vocab_size} buffers [{self.spec.max_bsz} x {self.spec.max_seqlen}]"
-            + (" with document ids" if self.spec.doc_boundaries else "")
-        )
+        logger.info(f"{self.title[0].lower()}{self.title[1:]} ready: output={self.spec.output} k={self.spec.k} "
+                    f"vocab={self.spec.vocab_size} buffers [{self.spec.max_bsz} x {self.spec.max_seqlen}]"
+                    + (" with document ids" if self.spec.doc_boundaries else ""))
 
     def metrics(self) -> dict[str, float]:
         """Bridge metrics for a log row, cumulative since launch, from the last completed response's status (one
@@ -189,10 +185,8 @@ class TeacherClient:
         cross-tokenizer each row's label past the window [bsz] (no tokens: a STOP or ERROR)."""
         bsz, seqlen = (0, 0) if tokens is None else tuple(tokens.shape)
         if bsz > self.spec.max_bsz or seqlen > self.spec.max_seqlen:
-            raise ValueError(
-                f"Batch of shape [{bsz}, {seqlen}] is larger than the [{self.spec.max_bsz}, {self.spec.max_seqlen}] "
-                f"announced to the teacher at the handshake."
-            )
+            raise ValueError(f"Batch of shape [{bsz}, {seqlen}] is larger than the [{self.spec.max_bsz}, "
+                             f"{self.spec.max_seqlen}] announced to the teacher at the handshake.")
         if self.spec.doc_boundaries and tokens is not None and doc_ids is None:
             raise ValueError("This bridge agreed on document boundaries (model.attn_mask=doc_causal) but the "
                              "batch has no doc_ids.")

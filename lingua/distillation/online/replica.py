@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from lingua.distillation.args import WIRE_DTYPES, DistillationArgs
-from lingua.distillation.online.bridge import RECORD_BYTES, BridgeSpec, HandshakeRecord, ResponseStatus, teacher_failure
+from lingua.distillation.online.bridge import (RECORD_BYTES, BridgeSpec, HandshakeRecord, ResponseStatus,
+                                               exchange_records, teacher_failure)
 from lingua.errors import PeerStopped
 from lingua.parallel.collectives import log_collective
 from lingua.parallel.host_copies import pins, to_device
@@ -33,13 +34,7 @@ class Round(IntEnum):
 
 def replica_load_record(topo, mine: HandshakeRecord) -> HandshakeRecord:
     """This rank's load record, "not loaded" with the reason of any rank of the replica that failed."""
-    group = topo.teacher_tp_group
-    packed = mine.pack().to(topo.device)
-    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
-    log_collective("all_gather replica load records", group, packed)
-    dist.all_gather(gathered, packed, group=group)
-    records = [HandshakeRecord.unpack(r) for r in gathered]
-    failed = [r for r in records if not r.loaded]
+    failed = [r for r in exchange_records(topo, mine, topo.teacher_tp_group, "replica load records") if not r.loaded]
     if failed and mine.loaded:
         first = failed[0]
         mine.loaded, mine.bug = False, first.bug

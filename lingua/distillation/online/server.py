@@ -117,8 +117,7 @@ class TeacherServer:
         self.memory = MemoryMonitor(topo.device)
         self.clock = ServingClock(topo.device)
         self.requests = self.tokens = 0
-        # A signal on the teacher cannot stop anything by itself: it rides on every response, and the
-        # students fold it into their agreed control bits.
+        # A signal on the teacher rides on every response; the students fold it into their agreed control bits.
         self.preemption = preemption or PreemptionFlag()
         self.student_ranks = topo.plan.bridges()[topo.my_bridge][1]
         self.link = ReplicaLink(topo, self.spec, len(self.student_ranks)) if tensor_parallel else None
@@ -131,8 +130,7 @@ class TeacherServer:
         device, n = topo.device, len(self.bridge_ranks)
         self.gathered = [torch.empty(self.spec.request_ints(), dtype=torch.int32, device=device) for _ in range(n)]
         self.request = torch.zeros(self.spec.request_ints(), dtype=torch.int32, device=device)
-        # Allocated once: a request writes only its rows and students read only theirs. The teacher's own
-        # slot is a throwaway; a separate output buffer avoids aliasing the scatter input.
+        # Allocated once: a request writes only its rows, and a separate output buffer avoids aliasing the scatter.
         self.responses = [torch.zeros(self.spec.response_bytes(), dtype=torch.uint8, device=device) for _ in range(n)]
         self.scatter_out = torch.empty_like(self.responses[self.mine])
 

@@ -1,18 +1,12 @@
 """A transformers teacher sharded tensor-parallel over its replica's group (distillation.teacher_tp > 1).
 
-Not transformers' `from_pretrained(..., tp_plan="auto", device_mesh=mesh)`: in transformers 5.23 a `tp_plan` derives
-its size from WORLD_SIZE and replaces the given mesh by one over the whole world (transformers/modeling_utils.py:
-4236-4240), so a replica on ranks 1-2 of 3 was cut in three and its first forward waited for rank 0. The model's own
-plan (`config.base_model_tp_plan`) is applied with torch's `parallelize_module` on `DeviceMesh.from_group` of the
-replica's group (no collective on the default group, ever), plus two rows of ours: embed_tokens row-wise
-(vocabulary rows, one all-reduce) and lm_head column-wise with local outputs (each rank the logits of its vocabulary
-slice, merged by `vocab_parallel.py`). Each rank runs `num_attention_heads / teacher_tp` heads (`heads_problem`).
-
-Loading streams each rank's shard: the plan is applied to a skeleton on the meta device, then
-`CheckpointTensors.load_local_shards` reads every parameter's slice from the safetensors files, one tensor at a
-time, cast onto the rank's device: no rank builds the whole teacher. A checkpoint from_pretrained would do more with
-than read tensors by name (`stream_problem`) is loaded whole on the host and sliced there, with a warning. Loading
-runs no collective (`src_data_rank=None`), so a rank that fails to load leaves no other waiting in one.
+Not transformers' `tp_plan="auto"`: in transformers 5.23 it sizes itself from WORLD_SIZE and replaces the given mesh
+by one over the whole world (transformers/modeling_utils.py:4236-4240), which cut a replica on 2 of 3 ranks in three.
+The model's own plan (`config.base_model_tp_plan`) is applied with torch's `parallelize_module` on a mesh of the
+replica's group, plus embed_tokens row-wise and lm_head column-wise with local outputs (each rank the logits of its
+vocabulary slice, merged by `vocab_parallel.py`). Each rank reads only its shards of the safetensors files into a
+meta skeleton (`CheckpointTensors`), or loads the teacher whole on the host and slices it when they cannot be read
+by name (`stream_problem`). Loading runs no collective (`src_data_rank=None`): a rank that fails leaves none waiting.
 """
 
 import contextlib

@@ -1,14 +1,11 @@
-"""The teacher's outputs from a vocabulary-parallel head: each rank of a replica holds the logits of its slice
-([rows, S, V / teacher_tp], `VocabShard`); each function returns on the group's first rank (None elsewhere) the
-`TeacherOutputs` that `sparsify_teacher_logits` would for the whole vocabulary. Ids past the students' `vocab_size`
-become -inf in the slice that holds them.
+"""The teacher's outputs from a vocabulary-parallel head: each rank holds the logits of its slice ([rows, S,
+V / teacher_tp], `VocabShard`); each function returns on the group's first rank (None elsewhere) what
+`sparsify_teacher_logits` would for the whole vocabulary. Ids past the students' `vocab_size` become -inf.
 
-    topk     one gather of each slice's log-sum-exp, the log-sum-exp of the rest of its top-k and that top-k; the
-             first rank merges them (ties may come in another order than one topk would, with the same values)
-    sampled  an all-gather of the log-sum-exps, then float64 inverse-CDF draws from the replica's seed: each rank
-             answers for the draws in its slice, one reduce sums them (`sample_ids`; the same uniforms at
-             teacher_tp=1 give the same ids, though teacher_tp=1 itself keeps torch.multinomial)
-    full     an all-gather of the log-sum-exps, one gather of each slice's log-probs (wire dtype)
+    topk     one gather of each slice's log-sum-exp, its rest's and its top-k; the first rank merges them
+    sampled  an all-gather of the log-sum-exps, float64 inverse-CDF draws from the replica's seed, one reduce
+             (`sample_ids`: the same uniforms at teacher_tp=1 give the same ids)
+    full     an all-gather of the log-sum-exps, one gather of each slice's log-probs
     CE       an all-gather of the log-sum-exps, an all-reduce of the labels' logits (the held-out reference)
 """
 
