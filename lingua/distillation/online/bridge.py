@@ -1,28 +1,12 @@
-"""The bridge protocol between a teacher and its students: named wire records and the handshake.
+"""The bridge protocol between a teacher and its students (`topo.bridge_group`): the wire records and the handshake,
+walked through in docs/distillation_internals.md ("What the teacher sends").
 
-Everything goes over `topo.bridge_group` (teacher i + its contiguous block of students):
-
-1. Handshake, once: every member all-gathers a `HandshakeRecord` (a teacher says whether it loaded,
-   its vocab, max positions and tokenizer fingerprint; a student its vocab, fingerprint and largest
-   batch; both the settings they must share, `AGREED_SETTINGS`). Every rank runs the same
-   `check_handshake` on the same records, then one all_gather over the world shares each rank's
-   verdict, so a failure in any bridge is the same sentence on every rank within seconds.
-2. Per micro-batch: each student gathers onto the teacher one int32 buffer, a `RequestHeader` then
-   its tokens padded to the agreed [max_bsz, max_seqlen] (then as many document ids with
-   model.attn_mask=doc_causal, so the teacher attends within documents like the student); the teacher answers with one byte buffer
-   per student, a `ResponseStatus` then that student's rows of sparse outputs laid out by
-   `BridgeSpec.payload_spec()` (see `lingua.kd_loss.TeacherOutputs`). `lingua/distillation/online/server.py`
-   and `lingua/distillation/online/client.py` are the two ends.
-3. STOP / ERROR: the same exchange with another `Op`; the teacher answers and leaves its loop. A
-   teacher that failed a request answers every later one with that error (no forward) until its
-   students send STOP or ERROR, which they do only after completing every request they posted.
-
-A teacher's failure travels with its kind (`Failure`): a user error is the same `TeacherError` sentence on
-every rank (exit 2); a bug keeps its traceback on the teacher, and its students stop naming the teacher
-(`PeerStopped`, exit 1).
-
-Records are fixed-size so the collectives always move the same shapes: a handshake record or a
-response status is RECORD_INTS int64 fields followed by MESSAGE_BYTES of UTF-8 text (an error).
+Handshake once (`agreed_handshakes`: every member's `HandshakeRecord`, the same `check_handshake` on every rank, then
+every rank's verdict over the world, so a failure in any bridge is the same sentence everywhere); then per
+micro-batch one gather of each student's `RequestHeader` and tokens and one scatter of each student's
+`ResponseStatus` and outputs (`BridgeSpec`); then STOP or ERROR, sent by the students only after completing every
+request they posted. A teacher that failed answers every later request with its error until then. Records are
+fixed-size (int64 fields, then MESSAGE_BYTES of UTF-8), so the collectives always move the same shapes.
 """
 
 import logging
@@ -66,19 +50,16 @@ class Failure(IntEnum):
 
 
 def failure_word(failed: bool, bug: bool) -> int:
-    """The `Failure` code of a record."""
     return Failure.NONE if not failed else Failure.BUG if bug else Failure.USER
 
 
 def teacher_failure(sentence: str, bug: bool) -> Exception:
-    """What a bridge member raises for a teacher's failure: the user's error in its words, or, when the teacher
-    hit a bug (its traceback is in its own log), a stop naming it, as for any peer that failed first."""
+    """A teacher's user error in its words, or for a bug (traceback in the teacher's log) a stop naming it."""
     return PeerStopped(sentence) if bug else TeacherError(sentence)
 
 
 def pack_record(ints: list[int], message: str = "", pin: bool = False, n_ints: int = RECORD_INTS) -> torch.Tensor:
-    """`n_ints` int64 fields then the message, as one uint8 tensor of n_ints * 8 + MESSAGE_BYTES on the host
-    (pinned with `pin`, so the copy to a GPU does not block)."""
+    """`n_ints` int64 fields then the message, one uint8 host tensor (pinned with `pin`: a non-blocking copy)."""
     record = torch.zeros(n_ints * 8 + MESSAGE_BYTES, dtype=torch.uint8, pin_memory=pin)
     values = torch.zeros(n_ints, dtype=torch.int64)
     values[: len(ints)] = torch.tensor(ints, dtype=torch.int64)
@@ -89,7 +70,6 @@ def pack_record(ints: list[int], message: str = "", pin: bool = False, n_ints: i
 
 
 def record_ints(record: torch.Tensor, n_ints: int = RECORD_INTS) -> list[int]:
-    """The int64 fields of a record (one copy to the host)."""
     return record[: n_ints * 8].cpu().clone().view(torch.int64).tolist()
 
 
@@ -107,8 +87,7 @@ def _bits_float(bits: int) -> float:
 
 ATTN_MASKS = ("causal", "doc_causal")
 
-# What teacher and students must agree on, each as (name, the config key it comes from, encode value -> int64,
-# decode int64 -> value).
+# What teacher and students must agree on: (name, the config key it comes from, encode -> int64, decode).
 AGREED_SETTINGS = (
     ("output", "distillation.output", FORMATS.index, lambda v: FORMATS[v]),
     ("k", "distillation.k", int, int),  # top-k ids, or samples per position for "sampled"
@@ -124,15 +103,12 @@ AGREED_SETTINGS = (
 
 
 def agreed_settings(args: DistillationArgs, attn_mask: str = "causal") -> dict:
-    """This rank's values of the settings both ends of a bridge must share."""
     return {"output": args.output, "k": args.k, "wire_dtype": args.wire_dtype, "temperature": args.temperature,
             "attn_mask": attn_mask, "cross_tokenizer": args.cross_tokenizer, "uld_weight": args.uld_weight}
 
 
 @dataclass
 class HandshakeRecord:
-    """What each bridge member announces once, before any request."""
-
     role: str  # "teacher" | "student"
     global_rank: int
     vocab: int  # teacher: rows of its output head; student: its tokenizer's size
@@ -172,8 +148,6 @@ class HandshakeRecord:
 
 @dataclass
 class ResponseStatus:
-    """The head of every response: the teacher's verdict on the request and its cumulative clocks."""
-
     ok: bool = True
     teacher_preempt: bool = False  # the teacher received a preemption signal
     busy_s: float = 0.0  # the teacher's serving time since the handshake
@@ -196,8 +170,6 @@ class ResponseStatus:
 
 @dataclass
 class RequestHeader:
-    """The head of every request (int32 fields in this order, HEADER_INTS in all)."""
-
     op: int
     step: int
     micro_step: int
@@ -205,9 +177,8 @@ class RequestHeader:
     seqlen: int
     train_rank: int
     bad_tokens: int = 0  # 1 when a token id is outside [0, vocab): the teacher refuses the request
-    # 1 once the students finished this launch's first step: the teacher then switches to the training timeout.
-    # 0 again on every request posted during a step the students follow with a long pause (an in-process
-    # checkpoint evaluation): the teacher waits across it under the generous one (serving_clock.TimeoutSwitch).
+    # 1 after this launch's first step, 0 again during a step the students follow with a long pause: which
+    # timeout the teacher waits under (serving_clock.TimeoutSwitch).
     in_training: int = 0
 
     def to_ints(self) -> list[int]:
@@ -226,20 +197,8 @@ HEADER_INTS = len(fields(RequestHeader))
 BAD_TOKENS_FIELD = [f.name for f in fields(RequestHeader)].index("bad_tokens")
 
 
-def payload_segments(spec: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tuple[int, int]]:
-    """(offset, nbytes) of each wire tensor inside a response payload, 8-byte aligned."""
-    out, offset = [], 0
-    for shape, dtype in spec:
-        nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
-        out.append((offset, nbytes))
-        offset += (nbytes + 7) // 8 * 8
-    return out
-
-
 @dataclass
 class BridgeSpec:
-    """What both sides agreed at the handshake: buffer shapes and output format."""
-
     max_bsz: int
     max_seqlen: int
     vocab_size: int
@@ -250,10 +209,14 @@ class BridgeSpec:
     kd_weight: bool = False  # cross-tokenizer: responses carry each position's KD weight after the top-k
     teacher_heldout_ce: Optional[float] = None  # the teacher's own held-out CE, if it computed one
     teacher_heldout_bpb: Optional[float] = None  # the same in bits per byte
-    segments: list = field(init=False, repr=False)  # (offset, nbytes) of each payload tensor
+    segments: list = field(init=False, repr=False)  # (offset, nbytes) of each payload tensor, 8-byte aligned
 
     def __post_init__(self):
-        self.segments = payload_segments(self.payload_spec())
+        self.segments, offset = [], 0
+        for shape, dtype in self.payload_spec():
+            nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+            self.segments.append((offset, nbytes))
+            offset += (nbytes + 7) // 8 * 8
 
     def payload_spec(self):
         return TeacherOutputs.wire_spec(self.output, self.max_bsz, self.max_seqlen, self.k, self.vocab_size,
@@ -269,49 +232,43 @@ class BridgeSpec:
         return HEADER_INTS + grid * (2 if self.doc_boundaries else 1) + (self.max_bsz if self.kd_weight else 0)
 
     def payload_views(self, response: torch.Tensor) -> list[torch.Tensor]:
-        """Each payload tensor as a [max_bsz, max_seqlen, ...] view into a response buffer."""
         payload = response[RECORD_BYTES:]
         return [payload[offset: offset + nbytes].view(dtype).view(shape)
                 for (shape, dtype), (offset, nbytes) in zip(self.payload_spec(), self.segments)]
 
     def token_grid(self, request: torch.Tensor) -> torch.Tensor:
-        """The [max_bsz, max_seqlen] token area of a request buffer."""
         return request[HEADER_INTS: HEADER_INTS + self.max_bsz * self.max_seqlen].view(self.max_bsz, self.max_seqlen)
 
     def doc_grid(self, request: torch.Tensor) -> torch.Tensor:
-        """The [max_bsz, max_seqlen] document-id area of a request buffer (doc_boundaries only)."""
         assert self.doc_boundaries, "this bridge sends no document ids"
         start = HEADER_INTS + self.max_bsz * self.max_seqlen
         return request[start: start + self.max_bsz * self.max_seqlen].view(self.max_bsz, self.max_seqlen)
 
     def next_tokens(self, request: torch.Tensor) -> torch.Tensor:
-        """The [max_bsz] area of a cross-tokenizer request holding each row's label past the window (-1: none)."""
+        """Each row's label past the window (-1: none), sent by cross-tokenizer students."""
         assert self.kd_weight, "only a cross-tokenizer bridge sends the labels past the windows"
         return request[self.request_ints() - self.max_bsz:]
 
 
 def synchronize(device: torch.device) -> None:
-    """Block the CPU until `device`'s current stream has run (a no-op on CPU, where nothing is queued)."""
+    """Block the CPU until `device`'s current stream has run (CPU: nothing is queued)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
 
 def agreed_handshake(topo, mine: Optional[HandshakeRecord], args: DistillationArgs) -> Optional[BridgeSpec]:
-    """Handshake on my bridge, then every rank's verdict over the world: a failure in one bridge
-    (teacher 1 could not load) stops the ranks of every bridge with its sentence, not only its own.
-    A teacher rank off the bridge (a tensor-parallel replica's other ranks: `mine` None) only shares the
-    verdicts, and raises its own replica's sentence; it returns None (its first rank shares the spec)."""
+    """`agreed_handshakes` over this rank's one bridge (`mine` None: a replica's rank off the bridge; returns None)."""
     return agreed_handshakes(topo, [(topo, mine, args)])[0]
 
 
 def agreed_handshakes(topo, bridges: list[tuple]) -> list[Optional[BridgeSpec]]:
-    """`agreed_handshake` over several bridges of this rank, (topology view, record, args) each in teacher order (a
-    student's one per teacher, a teacher rank's one), then one world-wide share of every rank's verdict."""
+    """Handshake on each of this rank's bridges ((topology view, record, args) in teacher order), then every rank's
+    verdict over the world: a failure in one bridge stops every rank with its sentence. A replica's rank off the
+    bridge (record None) only shares the verdicts, and raises its own replica's sentence."""
     specs, error = [], None
     try:
-        # Every bridge's records first, then the checks: a refusal on one bridge must not leave another's
-        # members waiting in an exchange this rank skipped.
-        records = [_exchange(view, mine) if mine is not None else None for view, mine, _ in bridges]
+        # Every bridge's records first: a refusal on one must not leave another's members waiting in an exchange.
+        records = [exchange_records(view, mine) if mine is not None else None for view, mine, _ in bridges]
         specs = [check_handshake(r, args) if r is not None else None for r, (_, _, args) in zip(records, bridges)]
     except Exception as err:  # a bug in the checks too: the other ranks must not wait for this one's verdict
         error = err
@@ -332,21 +289,22 @@ def agreed_handshakes(topo, bridges: list[tuple]) -> list[Optional[BridgeSpec]]:
     return specs
 
 
-def _exchange(topo, mine: HandshakeRecord) -> list[HandshakeRecord]:
-    """All-gather every bridge member's record; returns them in bridge-group rank order."""
+def exchange_records(topo, mine: HandshakeRecord, group=None, what: str = "handshake") -> list[HandshakeRecord]:
+    """Every member's record, all-gathered on `group` (default: the bridge's) in its rank order."""
+    group = group or topo.bridge_group
     packed = mine.pack().to(topo.device)  # input and outputs on the backend's device (NCCL: the GPU)
-    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(topo.bridge_group))]
-    log_collective("all_gather handshake", topo.bridge_group, packed)
-    dist.all_gather(gathered, packed, group=topo.bridge_group)
+    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+    log_collective(f"all_gather {what}", group, packed)
+    dist.all_gather(gathered, packed, group=group)
     return [HandshakeRecord.unpack(r) for r in gathered]
 
 
 def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> BridgeSpec:
-    """The same checks on every bridge member (the same records), so every rank raises the same sentence."""
+    """The same checks on the same records on every bridge member: every rank raises the same sentence."""
     teacher = next(r for r in records if r.role == "teacher")
+    title = teacher_title(args, teacher.global_rank)
     if not teacher.loaded:
-        raise teacher_failure(f"{teacher_title(args, teacher.global_rank)} failed to load: {teacher.message}",
-                              teacher.bug)
+        raise teacher_failure(f"{title} failed to load: {teacher.message}", teacher.bug)
     served = teacher.settings
     students = [r for r in records if r.role == "student"]
     for student in students:
@@ -356,26 +314,22 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
         if differ:
             detail = ", ".join(f"{key} is {served[name]} on the teacher but {asked[name]} on the student"
                                for name, key in differ)
-            raise ConfigError(f"{teacher_title(args, teacher.global_rank)} and student rank {student.global_rank} "
-                              f"disagree: "
-                              f"{detail}; give every rank the same distillation settings (one config for the whole job).")
+            raise ConfigError(f"{title} and student rank {student.global_rank} disagree: {detail}; give every rank "
+                              f"the same distillation settings (one config for the whole job).")
     for student in students:
-        if served["cross_tokenizer"] and (student.tokenizer_fingerprint != teacher.tokenizer_fingerprint
-                                          or student.vocab != teacher.vocab):
+        same_tokenizer = student.tokenizer_fingerprint == teacher.tokenizer_fingerprint
+        if served["cross_tokenizer"] and not (same_tokenizer and student.vocab == teacher.vocab):
             raise ConfigError(
-                f"{teacher_title(args, teacher.global_rank)} aligns from a student tokenizer (vocab {teacher.vocab}) that is "
-                f"not student rank {student.global_rank}'s (vocab {student.vocab}); give every rank the same "
-                f"data.tokenizer (one config for the whole job).")
-        if served["cross_tokenizer"]:
-            continue
-        if student.tokenizer_fingerprint != teacher.tokenizer_fingerprint or student.vocab > teacher.vocab:
+                f"{title} aligns from a student tokenizer (vocab {teacher.vocab}) that is not student rank "
+                f"{student.global_rank}'s (vocab {student.vocab}); give every rank the same data.tokenizer (one config "
+                f"for the whole job).")
+        if not served["cross_tokenizer"] and not (same_tokenizer and student.vocab <= teacher.vocab):
             same_size = ", the same size but different tokens" if student.vocab == teacher.vocab else ""
             raise ConfigError(
                 f"Student rank {student.global_rank}'s tokenizer (vocab {student.vocab}) does not match the teacher's "
                 f"(vocab {teacher.vocab}{same_size}) at {args.teacher_path}. Use the teacher's tokenizer (set "
                 f"data.tokenizer.name=hf data.tokenizer.path={args.teacher_path}), or keep yours and set "
-                f"{_cross_key(args)}=true."
-            )
+                f"{own_key(args, 'cross_tokenizer', 'cross_tokenizer')}=true.")
     max_bsz, max_seqlen = max(s.max_bsz for s in students), max(s.max_seqlen for s in students)
     # Checked at startup already when the teacher's config.json is on disk; a hub teacher is checked here.
     check_seq_len_fits_teacher(max_seqlen, teacher.max_positions, f"teacher rank {teacher.global_rank}")
@@ -388,16 +342,15 @@ def check_handshake(records: list[HandshakeRecord], args: DistillationArgs) -> B
                       teacher_heldout_bpb=teacher.heldout_bpb)
 
 
-def _cross_key(args: DistillationArgs) -> str:
-    """The cross_tokenizer key of this teacher: its element of distillation.teachers when there are several."""
+def own_key(args: DistillationArgs, shared: str, own: str) -> str:
+    """A teacher's key: `distillation.<shared>`, or with several teachers its element's `teachers[i].<own>`."""
     index = getattr(args, "index", None)
-    return "distillation.cross_tokenizer" if index is None else f"distillation.teachers[{index}].cross_tokenizer"
+    return f"distillation.{shared}" if index is None else f"distillation.teachers[{index}].{own}"
 
 
 def check_k_fits_vocab(output: str, k: int, vocab: int, teacher: HandshakeRecord) -> None:
-    """Top-k ids come from the teacher's outputs cut to the students' `vocab`: k beyond it is refused here, at the
-    handshake, before any buffer sized by k exists. `sampled` draws with replacement: any k is a valid sample;
-    `full` sends no ids."""
+    """Top-k ids come from the outputs cut to the students' `vocab`: a larger k is refused before any buffer sized
+    by it exists (`sampled` draws with replacement, `full` sends no ids)."""
     if output == "topk" and k > vocab:
         raise ConfigError(f"distillation.k={k} is more than the {vocab} token ids the top-k is taken from (the "
                          f"students' vocabulary; teacher rank {teacher.global_rank} has {teacher.vocab}); set "

@@ -1,21 +1,15 @@
 """The student end of a bridge: handshake, then one asynchronous request per micro-batch, then STOP.
 
     client = TeacherClient(args, topo, vocab, n_words, max_bsz, max_seqlen)   # runs the handshake
-    handle = client.submit(input_ids, step, micro_step)                       # gather + scatter posted
-    outputs = handle.wait()                                                   # TeacherOutputs
+    outputs = client.submit(input_ids, step, micro_step).wait()              # TeacherOutputs
     flags = client.response_flags()                                           # at the step's agreed point
     client.stop(step)                                                         # drains, then STOP
 
-Both collectives of a request are posted asynchronously, so the teacher's forward runs while the
-student computes. No host sync per micro-batch on CUDA: the request is built on the host (tokens
-come from the loader there) in pinned memory and copied without blocking; the responses' status
-words stay on the device and are read once per step, at the agreed control point
-(`response_flags`); the wait clock uses CUDA events, read on log steps. A response whose status
-says error carries stale but valid outputs (the teacher's buffers only ever hold its own
-outputs), so the step can finish before every student raises the teacher's sentence together.
-A failed teacher answers every request that way until each of its students sent ERROR (or STOP),
-and a student sends it only after completing all it posted: no request is left in flight on any
-path but a student's own unagreed failure (`report_exit` counts them; that exit aborts its groups).
+No host sync per micro-batch on CUDA: requests are built in pinned host memory and copied without blocking, the
+responses' status words stay on the device until the step's agreed point, the wait clock uses CUDA events read on
+log steps. A failed teacher answers with stale but valid outputs until each student sent ERROR (or STOP), which
+it does only after completing all it posted: no request is left in flight but on a student's own unagreed failure
+(`report_exit` counts them; that exit aborts its groups).
 """
 
 import logging
@@ -27,21 +21,9 @@ import torch.distributed as dist
 
 from lingua.distillation.args import (AgreedPeerStopped, AgreedTeacherError, DistillationArgs, dtype_setting,
                                      teacher_title)
-from lingua.distillation.online.bridge import (
-    BAD_TOKENS_FIELD,
-    HEADER_INTS,
-    NAN_WORD,
-    RECORD_BYTES,
-    BridgeSpec,
-    HandshakeRecord,
-    Op,
-    RequestHeader,
-    ResponseStatus,
-    agreed_handshake,
-    agreed_settings,
-    teacher_failure,
-    tokenizer_fingerprint,
-)
+from lingua.distillation.online.bridge import (BAD_TOKENS_FIELD, HEADER_INTS, NAN_WORD, RECORD_BYTES, BridgeSpec,
+                                               HandshakeRecord, Op, RequestHeader, ResponseStatus, agreed_handshake,
+                                               agreed_settings, record_ints, teacher_failure, tokenizer_fingerprint)
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.parallel.collectives import log_collective
 from lingua.parallel.host_copies import pins
@@ -51,9 +33,8 @@ STATUS_WORDS = NAN_WORD + 1  # the response status fields read per step (int64 e
 
 
 class WaitClock:
-    """Student time blocked on the teacher. CPU (gloo): the host blocks in wait(), so the host clock.
-    CUDA (NCCL): wait() only makes the stream wait; the event pair around it is kept until read (log steps),
-    and pairs of steps that were never read still count in the total when a later read folds them in."""
+    """Student time blocked on the teacher: the host clock on CPU (gloo blocks in wait()); on CUDA (wait() only
+    orders the stream) event pairs kept until a log step reads them, unread steps' pairs folded into the total."""
 
     def __init__(self, device: torch.device, make_event: Optional[Callable[[], object]] = None):
         self.cuda = device.type == "cuda"
@@ -86,8 +67,7 @@ class WaitClock:
         self.total_s += elapsed
 
     def read_step(self) -> float:
-        """This step's wait in seconds, every unread pair folded in (on CUDA: one sync, on the newest event,
-        which the stream records after all the others; log steps only)."""
+        """This step's wait in seconds, every unread pair folded in (CUDA: one sync, on the newest event)."""
         pending = self.earlier_pairs + self.step_pairs
         if not pending:
             return self.step_s
@@ -101,7 +81,7 @@ class WaitClock:
 
 
 class TeacherHandle:
-    """One in-flight request. `wait()` returns this student's TeacherOutputs (on its device)."""
+    """One in-flight request; `wait()` returns this student's TeacherOutputs."""
 
     def __init__(self, client: "TeacherClient", works, response: torch.Tensor, bsz: int, seqlen: int, step: int):
         self.client, self.works, self.response = client, works, response
@@ -118,11 +98,9 @@ class TeacherHandle:
             work.wait()
         self.done = True
         self.client.in_flight.remove(self)
-        # Completed: from now on its status is safe to read (the teacher's clocks for the metrics). A posted
-        # buffer is not: its scatter may still be writing (CUDA: uninitialised bytes until the stream waits).
+        # Completed: its status is safe to read now; a posted buffer's scatter may still be writing into it.
         self.client.last_status = self.response[:RECORD_BYTES]
-        # Counted when answered, so a look-ahead request belongs to the step that consumes it. What goes over
-        # the bridge is the whole framed buffer (header/status, padding), not only the payload.
+        # Counted when answered (a look-ahead request belongs to the step that consumes it), whole framed buffers.
         self.client.bytes_up += self.request_bytes
         self.client.bytes_down += self.response.numel() * self.response.element_size()
 
@@ -140,25 +118,22 @@ class TeacherHandle:
 
 def student_record(args: DistillationArgs, topo, vocab: dict[str, int], n_words: int, max_bsz: int, max_seqlen: int,
                    attn_mask: str = "causal") -> HandshakeRecord:
-    """What a student announces on a bridge at the handshake."""
     return HandshakeRecord("student", topo.global_rank, n_words, tokenizer_fingerprint(vocab),
                            agreed_settings(args, attn_mask), max_bsz=max_bsz, max_seqlen=max_seqlen)
 
 
 class TeacherClient:
-    """Student side of the bridge. Build it right after the student model (it runs the handshake)."""
+    """Student side of a bridge. `spec`: what a handshake of several bridges agreed for it; None runs the handshake."""
 
     def __init__(self, args: DistillationArgs, topo, vocab: dict[str, int], n_words: int,
                  max_bsz: int, max_seqlen: int, attn_mask: str = "causal", spec: Optional[BridgeSpec] = None):
-        """`spec`: what a handshake of several bridges agreed for this one (`agreed_handshakes`); None runs it."""
         assert topo.is_student and topo.bridge_group is not None
         self.args, self.topo = args, topo
         self.teacher_rank = topo.my_teacher
         self.title = teacher_title(args, self.teacher_rank)  # "Teacher rank 2", or with several its index and path
         self.spec = spec or agreed_handshake(topo, student_record(args, topo, vocab, n_words, max_bsz, max_seqlen,
                                                                   attn_mask), args)
-        self.teacher_heldout_ce = self.spec.teacher_heldout_ce
-        self.teacher_heldout_bpb = self.spec.teacher_heldout_bpb
+        self.teacher_heldout_ce, self.teacher_heldout_bpb = self.spec.teacher_heldout_ce, self.spec.teacher_heldout_bpb
         self.n_words = n_words
         self.device = topo.device
         self.pin = pins(self.device)  # pinned host buffers: the copy to the GPU does not block
@@ -168,39 +143,18 @@ class TeacherClient:
         self.statuses: list[tuple[torch.Tensor, int]] = []  # (status record on the device, step), read per step
         self.checked: list[tuple[torch.Tensor, int]] = []  # the statuses of the last agreed step
         self.last_status: Optional[torch.Tensor] = None  # the last completed response's status, read on log steps
-        self.unwaited_at_exit: Optional[int] = None  # posted requests never completed, counted by report_exit
-        self.in_training = False  # set after this launch's first step: requests then tell the teacher
-        self.pause_follows = False  # set for a step the students follow with a long pause: its requests say
-        # in_training=0 again, so the teacher waits across the pause under the generous timeout
+        self.in_training = False  # after this launch's first step (the teacher's timeout follows it)
+        self.pause_follows = False  # during a step followed by a long pause: requests say in_training=0 again
         self.bytes_up = self.bytes_down = 0  # the buffers of answered requests: handed to gather / got from scatter
         self.stopped = False
-        logger.info(
-            f"{self.title[0].lower()}{self.title[1:]} ready: output={self.spec.output} k={self.spec.k} "
-            f"vocab={self.spec.vocab_size} buffers [{self.spec.max_bsz} x {self.spec.max_seqlen}]"
-            + (" with document ids" if self.spec.doc_boundaries else "")
-        )
-
-    @property
-    def total_wait_s(self) -> float:
-        self.wait_clock.read_step()
-        return self.wait_clock.total_s
-
-    def teacher_status(self) -> ResponseStatus:
-        """The teacher's status in the last completed response (its cumulative busy/idle seconds, peak memory):
-        one host read. Requests posted ahead are not looked at: their buffers may still be in flight."""
-        if self.last_status is None:
-            return ResponseStatus()
-        return ResponseStatus.unpack(self.last_status)
-
-    @property
-    def teacher_busy(self) -> float:
-        """Fraction of the teacher's time since the handshake spent computing (vs waiting for requests)."""
-        status = self.teacher_status()
-        return status.busy_s / max(status.busy_s + status.idle_s, 1e-9)
+        logger.info(f"{self.title[0].lower()}{self.title[1:]} ready: output={self.spec.output} k={self.spec.k} "
+                    f"vocab={self.spec.vocab_size} buffers [{self.spec.max_bsz} x {self.spec.max_seqlen}]"
+                    + (" with document ids" if self.spec.doc_boundaries else ""))
 
     def metrics(self) -> dict[str, float]:
-        """Bridge metrics for a log row; all cumulative since launch, so a window is a difference of two rows."""
-        status = self.teacher_status()
+        """Bridge metrics for a log row, cumulative since launch, from the last completed response's status (one
+        host read; requests posted ahead may still be in flight)."""
+        status = ResponseStatus() if self.last_status is None else ResponseStatus.unpack(self.last_status)
         return {"kd/teacher_busy": status.busy_s / max(status.busy_s + status.idle_s, 1e-9),
                 "kd/teacher_busy_s": status.busy_s, "kd/teacher_idle_s": status.idle_s,
                 "kd/teacher_forward_s": status.forward_s,
@@ -209,7 +163,7 @@ class TeacherClient:
 
     def _request(self, header: RequestHeader, tokens: Optional[torch.Tensor], doc_ids: Optional[torch.Tensor],
                  next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The request buffer, built on the host (pinned on CUDA) and sent to the device without blocking."""
+        """The request buffer, built on the host (pinned on CUDA), sent to the device without blocking."""
         request = torch.zeros(self.spec.request_ints(), dtype=torch.int32, pin_memory=self.pin)
         request[:HEADER_INTS] = torch.tensor(header.to_ints(), dtype=torch.int32)
         if tokens is not None:
@@ -225,14 +179,14 @@ class TeacherClient:
                                                                            nexts, -1)
         return request.to(self.device, non_blocking=True)
 
-    def _post(self, op: Op, step: int, micro_step: int, tokens: Optional[torch.Tensor],
-              doc_ids: Optional[torch.Tensor] = None, next_tokens: Optional[torch.Tensor] = None) -> TeacherHandle:
+    def submit(self, tokens: Optional[torch.Tensor], step: int, micro_step: int, doc_ids: Optional[torch.Tensor] = None,
+               next_tokens: Optional[torch.Tensor] = None, op: Op = Op.FORWARD) -> TeacherHandle:
+        """Post one micro-batch of tokens [bsz, seqlen] (best on the host), with doc boundaries its document ids,
+        cross-tokenizer each row's label past the window [bsz] (no tokens: a STOP or ERROR)."""
         bsz, seqlen = (0, 0) if tokens is None else tuple(tokens.shape)
         if bsz > self.spec.max_bsz or seqlen > self.spec.max_seqlen:
-            raise ValueError(
-                f"Batch of shape [{bsz}, {seqlen}] is larger than the [{self.spec.max_bsz}, {self.spec.max_seqlen}] "
-                f"announced to the teacher at the handshake."
-            )
+            raise ValueError(f"Batch of shape [{bsz}, {seqlen}] is larger than the [{self.spec.max_bsz}, "
+                             f"{self.spec.max_seqlen}] announced to the teacher at the handshake.")
         if self.spec.doc_boundaries and tokens is not None and doc_ids is None:
             raise ValueError("This bridge agreed on document boundaries (model.attn_mask=doc_causal) but the "
                              "batch has no doc_ids.")
@@ -249,20 +203,12 @@ class TeacherClient:
         self.in_flight.append(handle)
         return handle
 
-    def submit(self, input_ids: torch.Tensor, step: int, micro_step: int, doc_ids: Optional[torch.Tensor] = None,
-               next_tokens: Optional[torch.Tensor] = None) -> TeacherHandle:
-        """Send one micro-batch of tokens [bsz, seqlen] (host tensors are best: no device round trip; with
-        doc boundaries also its document ids; cross-tokenizer, each row's label past the window [bsz]); returns a
-        handle whose wait() gives outputs."""
-        return self._post(Op.FORWARD, step, micro_step, input_ids, doc_ids, next_tokens)
-
     def payload(self, response: torch.Tensor, bsz: int, seqlen: int) -> TeacherOutputs:
         return TeacherOutputs.from_tensors(self.spec.output,
                                            [view[:bsz, :seqlen] for view in self.spec.payload_views(response)])
 
     def response_flags(self) -> dict[str, torch.Tensor]:
-        """Whether any response since the last call reported an error or the teacher's preemption signal,
-        as device tensors for the step's agreed flags (no host read here)."""
+        """Whether any response since the last call reported an error, a preemption or NaN (device tensors)."""
         if not self.statuses:
             zero = torch.zeros((), dtype=torch.int64, device=self.device)
             return {"teacher_error": zero, "teacher_preempt": zero, "teacher_nan": zero}
@@ -270,46 +216,27 @@ class TeacherClient:
         self.checked, self.statuses = self.statuses, []
         return {"teacher_error": words[0], "teacher_preempt": words[1], "teacher_nan": words[NAN_WORD]}
 
-    def nan_error(self) -> Optional[Exception]:
-        """After the students agreed that a teacher's outputs held NaN: the sentence, if this bridge's teacher sent
-        them (one host read per checked status: the error path only)."""
+    def agreed_error(self, kind: str) -> Optional[Exception]:
+        """After the students agreed that a response failed (`kind` "error") or held NaN ("nan"): this bridge's
+        teacher's sentence, if it sent one (statuses decoded only here, on the error path)."""
         for record, step in self.checked:
-            if record[: STATUS_WORDS * 8].view(torch.int64)[NAN_WORD].item():
+            status = ResponseStatus.unpack(record)
+            if kind == "nan" and record_ints(record)[NAN_WORD]:
                 return AgreedTeacherError(
                     f"{self.title}'s outputs are not finite (NaN) at step {step}: its weights or "
                     f"its forward in {dtype_setting(self.args)}={self.args.teacher_dtype} are broken, not the "
                     f"students; check the teacher at {self.args.teacher_path} (its own check of its outputs)")
-        return None
-
-    def raise_teacher_nan(self) -> None:
-        """After the students agreed that a teacher's outputs held NaN: which teacher and step, if this bridge's."""
-        raise self.nan_error() or AgreedPeerStopped("a teacher in another bridge sent outputs that are not finite; "
-                                                    "its students' logs name it")
-
-    def teacher_error(self) -> Optional[Exception]:
-        """After the students agreed that a response failed: the teacher's own sentence, if this bridge has it."""
-        for record, step in self.checked:
-            status = ResponseStatus.unpack(record)  # the message is decoded only here, on the error path
-            if not status.ok:
+            if kind == "error" and not status.ok:
                 sentence = f"{self.title} failed at step {step}: {status.message}"
                 return AgreedPeerStopped(sentence) if status.bug else AgreedTeacherError(sentence)
         return None
 
-    def raise_teacher_error(self) -> None:
-        """After the students agreed that a response failed: the teacher's own sentence, if this bridge has it.
-        The error is agreed, so the loop drains and sends ERROR before it propagates (`stop_on_agreed_error`):
-        the failed teacher answers every request until then, and leaves once each of its students sent ERROR."""
-        raise self.teacher_error() or AgreedPeerStopped("a teacher in another bridge failed; its students' logs "
-                                                        "name the reason")
-
     def mark_first_step_done(self) -> None:
-        """This launch's first step is over: later requests let the teacher switch to the training timeout."""
         self.in_training = True
 
     def announce_pause(self, pause_follows: bool) -> None:
-        """Whether the step about to run is followed by a long pause (an in-process checkpoint evaluation): every
-        request posted until the next call says so, and the teacher waits for the one after under the generous
-        timeout. Every student of a bridge calls it alike (the same rule on the same step)."""
+        """Whether the step about to run is followed by a long pause (an in-process checkpoint evaluation): its
+        requests say so, and the teacher waits across it under the generous timeout."""
         self.pause_follows = pause_follows
 
     def drain(self) -> None:
@@ -318,13 +245,12 @@ class TeacherClient:
             handle.complete()
 
     def stop(self, step: int, error: bool = False, blame: int = 0) -> None:
-        """Tell the teacher to leave its loop (end of training, preemption, agreed error), after draining. `blame`:
-        with several teachers, 1 + the index of the teacher whose failure the students agreed on (0: none), sent
-        in the ERROR's micro_step so that every teacher's sentence names it."""
+        """Drain, then tell the teacher to leave its loop. `blame`: 1 + the index of the teacher whose failure the
+        students agreed on (0: none), sent in the ERROR's micro_step so that every teacher's sentence names it."""
         if self.stopped:
             return
         self.drain()
-        handle = self._post(Op.ERROR if error else Op.STOP, step, blame if error else 0, None)
+        handle = self.submit(None, step, blame if error else 0, op=Op.ERROR if error else Op.STOP)
         handle.complete()
         self.stopped = True
         status = ResponseStatus.unpack(handle.response[:RECORD_BYTES])
@@ -333,10 +259,8 @@ class TeacherClient:
         logger.info(f"sent {'ERROR' if error else 'STOP'} to teacher rank {self.teacher_rank} at step {step}")
 
     def report_exit(self) -> int:
-        """Count (and log) the posted requests never completed as this student leaves: 0 on every path but a
-        student failing on its own (not agreed), which must not wait for a teacher its peers may never reach;
-        its process groups are then aborted, which cancels them (NCCL's destroy would wait for them)."""
-        self.unwaited_at_exit = len(self.in_flight)
-        log = logger.warning if self.unwaited_at_exit else logger.info
-        log(f"teacher requests left unwaited at exit: {self.unwaited_at_exit}")
-        return self.unwaited_at_exit
+        """Count and log the posted requests never completed: 0 on every path but a student failing on its own,
+        which must not wait for a teacher its peers may never reach (its aborted groups cancel them)."""
+        unwaited = len(self.in_flight)
+        (logger.warning if unwaited else logger.info)(f"teacher requests left unwaited at exit: {unwaited}")
+        return unwaited

@@ -1,11 +1,9 @@
-"""The online road's distiller: each online teacher behind its own bridge (a lone teacher: one), every micro-batch
-sent to each; a teacher read from its cache beside them has its targets in the batch (`batch["teachers"]`).
+"""The online road's distiller: each online teacher behind its own bridge, every micro-batch sent to each (the
+routing only weighs the answers: no rank decides alone to skip a collective); a teacher read from its cache beside
+them has its targets in the batch (`batch["teachers"]`).
 
     clients = handshake_clients(args, topo, vocab, n_words, max_batch)   # one bridge per online teacher, one verdict
     distiller = OnlineDistiller(args, clients, prefetch, routing, heldout)
-
-Every online teacher receives every micro-batch's request, whatever the routing: each bridge's per-step protocol is
-the one-teacher protocol, and no rank decides alone to skip a collective (the routing only weighs the answers).
 """
 
 from typing import Optional
@@ -62,8 +60,6 @@ class OnlineDistiller(KDDistiller):
 
     def control_flags(self) -> dict:
         flags = [client.response_flags() for client in self.clients]
-        if len(flags) == 1:
-            return flags[0]
         return {key: torch.stack([f[key] for f in flags]).amax() for key in flags[0]}
 
     def after_agreement(self, flags: dict) -> None:
@@ -86,13 +82,18 @@ class OnlineDistiller(KDDistiller):
             client.drain()
 
     def log_metrics(self, timer) -> dict:
+        """This step's wait, then cumulative since launch (a benchmark differences two rows): the total wait and
+        each bridge's metrics, with several teachers as kd/<i>/..., busy as the busiest's, bytes summed."""
+        out = {"speed/teacher_wait_s": sum(c.wait_clock.read_step() for c in self.clients),
+               "speed/teacher_wait_total_s": sum(c.wait_clock.total_s for c in self.clients)}
         if not self.several:
-            # This step's wait; this rank's total wait, the teacher's busy/idle seconds, its peak memory and this
-            # rank's bridge bytes, cumulative since launch (a benchmark differences two rows).
-            client = self.clients[0]
-            return {"speed/teacher_wait_s": client.wait_clock.read_step(),
-                    "speed/teacher_wait_total_s": client.wait_clock.total_s, **client.metrics()}
-        return several_log_metrics(self.client_of)
+            return {**out, **self.clients[0].metrics()}
+        for i, client in self.client_of.items():
+            out.update({key.replace("kd/", f"kd/{i}/", 1): value for key, value in client.metrics().items()})
+        out["kd/teacher_busy"] = max(out[f"kd/{i}/teacher_busy"] for i in self.client_of)
+        for key in ("kd/bytes_up", "kd/bytes_down"):
+            out[key] = sum(out[key.replace("kd/", f"kd/{i}/", 1)] for i in self.client_of)
+        return out
 
     def stop(self, step: int, error: bool = False) -> None:
         """STOP (or ERROR naming the failed teacher) to every teacher, in teacher order: one that reports an error at
@@ -127,23 +128,10 @@ def first_error(clients: list[TeacherClient], kind: str) -> tuple[int, Exception
     """(1 + index, sentence) of the first teacher whose responses carried the agreed error ("error" or "nan"),
     or (0, a stop saying another bridge's teacher failed) when none of this student's did."""
     for i, client in enumerate(clients):
-        error = client.teacher_error() if kind == "error" else client.nan_error()
+        error = client.agreed_error(kind)
         if error is not None:
             return i + 1, error
     what = "failed; its students' logs name the reason" if kind == "error" else \
         "sent outputs that are not finite; its students' logs name it"
     return 0, AgreedPeerStopped(f"a teacher in another bridge {what}")
 
-
-def several_log_metrics(client_of: dict[int, TeacherClient]) -> dict:
-    """Each online teacher's bridge metrics as kd/<i>/..., the students' wait summed, busy as the busiest's."""
-    clients = list(client_of.values())
-    out = {"speed/teacher_wait_s": sum(c.wait_clock.read_step() for c in clients),
-           "speed/teacher_wait_total_s": sum(c.wait_clock.total_s for c in clients)}
-    for i, client in client_of.items():
-        for key, value in client.metrics().items():
-            out[key.replace("kd/", f"kd/{i}/", 1)] = value
-    out["kd/teacher_busy"] = max(out[f"kd/{i}/teacher_busy"] for i in client_of)
-    for key in ("kd/bytes_up", "kd/bytes_down"):
-        out[key] = sum(out[key.replace("kd/", f"kd/{i}/", 1)] for i in client_of)
-    return out

@@ -1,27 +1,9 @@
-"""A tensor-parallel teacher replica (distillation.teacher_tp > 1): how its ranks stay one teacher.
-
-The replica's first rank (the leader) is the teacher end of the bridge; the others (followers) never talk
-to students. Everything between them goes over the replica's group (`topo.teacher_tp_group`):
-
-    load        `replica_load_record`: one all-gather of every rank's load record, so the leader's handshake
-                record says "not loaded" with the reason of any rank that failed, and no rank enters a
-                collective forward (the held-out reference) next to one that has no model.
-    handshake   followers only share the world's verdicts (`agreed_handshake` with no record of their own);
-                then `share_spec` broadcasts what the bridge agreed (buffer shapes, the students' vocab).
-    per request one broadcast of a round (`ReplicaLink`): FORWARD with every student's request buffer (a
-                cross-tokenizer leader then aligns them and broadcasts the teacher's tokens: their shape, then
-                the tokens and document ids; the followers never align), or
-                LEAVE with the status the students get (STOP: return; an error: every follower raises it as
-                the students do: a user error's sentence, or a stop naming the rank that failed, exit 1).
-                After a FORWARD, every rank runs the sharded forward and its part of the outputs, then one
-                reduce (max) brings each rank's preemption flag and peak memory to the leader, which
-                writes them into the status words on the device (no host read of its own).
-
-A follower that raises inside the forward, dies, or is killed leaves the others blocked in a collective of
-that forward: its process exits and, on gloo, their collective fails with a lost peer and every rank ends with
-the sentence naming the rank that stopped first (`lingua/parallel/rank_status.py`). On NCCL nothing fails in
-Python: the others block until NCCL's watchdog ends them at the collective timeout, and the sentence is in the
-status files `python -m apps.debug.postmortem <dump_dir>` reads (docs/gpu_failures.md).
+"""A tensor-parallel teacher replica (distillation.teacher_tp > 1) as one teacher: its first rank (the leader) is the
+bridge's teacher end, the others (followers) talk only to it, over `topo.teacher_tp_group`: one all-gather of the
+load records (`replica_load_record`), one broadcast of the agreed spec (`share_spec`), then per request one
+broadcast of a round (`ReplicaLink`: FORWARD with the students' requests, or LEAVE with their status) and one reduce
+of the preemption flags and peak memory. A follower that fails inside the forward leaves the others blocked in one
+of its collectives: gloo fails them with a lost peer naming it; on NCCL the watchdog ends them (docs/gpu_failures.md).
 """
 
 import logging
@@ -32,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from lingua.distillation.args import WIRE_DTYPES, DistillationArgs
-from lingua.distillation.online.bridge import RECORD_BYTES, BridgeSpec, HandshakeRecord, ResponseStatus, teacher_failure
+from lingua.distillation.online.bridge import (RECORD_BYTES, BridgeSpec, HandshakeRecord, ResponseStatus,
+                                               exchange_records, teacher_failure)
 from lingua.errors import PeerStopped
 from lingua.parallel.collectives import log_collective
 from lingua.parallel.host_copies import pins, to_device
@@ -50,15 +33,8 @@ class Round(IntEnum):
 
 
 def replica_load_record(topo, mine: HandshakeRecord) -> HandshakeRecord:
-    """Every rank's load record all-gathered on the replica's group; returns this rank's record, which says
-    "not loaded" (with that rank's reason) when any rank of the replica failed."""
-    group = topo.teacher_tp_group
-    packed = mine.pack().to(topo.device)
-    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
-    log_collective("all_gather replica load records", group, packed)
-    dist.all_gather(gathered, packed, group=group)
-    records = [HandshakeRecord.unpack(r) for r in gathered]
-    failed = [r for r in records if not r.loaded]
+    """This rank's load record, "not loaded" with the reason of any rank of the replica that failed."""
+    failed = [r for r in exchange_records(topo, mine, topo.teacher_tp_group, "replica load records") if not r.loaded]
     if failed and mine.loaded:
         first = failed[0]
         mine.loaded, mine.bug = False, first.bug
@@ -67,8 +43,7 @@ def replica_load_record(topo, mine: HandshakeRecord) -> HandshakeRecord:
 
 
 def share_spec(topo, spec: Optional[BridgeSpec], args: DistillationArgs) -> BridgeSpec:
-    """The leader's bridge spec on every rank of the replica (followers build it from the agreed shapes and
-    their own distillation settings, which the handshake checked are the students')."""
+    """The leader's bridge spec on every rank (followers add their own settings, which the handshake checked)."""
     fields = [spec.max_bsz, spec.max_seqlen, spec.vocab_size, int(spec.doc_boundaries), int(spec.kd_weight)] \
         if spec is not None else [0] * 5
     shapes = torch.tensor(fields, dtype=torch.int64, device=topo.device)
@@ -82,7 +57,6 @@ def share_spec(topo, spec: Optional[BridgeSpec], args: DistillationArgs) -> Brid
 
 
 class ReplicaLink:
-    """The per-request traffic of a replica over its group; the same buffer shapes on every rank."""
 
     def __init__(self, topo, spec: BridgeSpec, n_students: int):
         self.group, self.leader = topo.teacher_tp_group, topo.replica_ranks[0]
@@ -99,14 +73,12 @@ class ReplicaLink:
     # ---- the leader
 
     def share_forward(self, requests: list[torch.Tensor]) -> None:
-        """Send the followers this round's request buffers (the students', in bridge order)."""
         self.round[0].fill_(int(Round.FORWARD))  # on the device: a Python number written into it is a blocking copy
         torch.cat(requests, out=self.round[CONTROL_INTS + STATUS_INTS:])
         self._broadcast("forward")
 
     def share_leave(self, status: ResponseStatus, peer_stopped: bool = False) -> None:
-        """Tell the followers to leave, with the status the students get (`peer_stopped`: its error is the
-        students' own stop, not the teacher's)."""
+        """`peer_stopped`: the status's error is the students' own stop, not the teacher's."""
         self.round[0].fill_(int(Round.LEAVE))
         self.round[1].fill_(int(peer_stopped))
         record = status.pack(pin=pins(self.round.device)).view(torch.int32)
@@ -114,8 +86,7 @@ class ReplicaLink:
         self._broadcast("leave")
 
     def replica_flags(self, preempt: bool, peak_bytes: int) -> Optional[torch.Tensor]:
-        """After a forward, on every rank: the max over the replica of (preemption flag, peak bytes), int64 on
-        the leader's device (None elsewhere)."""
+        """After a forward: the max over the replica of (preemption flag, peak bytes) on the leader, None elsewhere."""
         self.flags[0].fill_(int(preempt))  # device-side writes: no host sync after the queued forward
         self.flags[1].fill_(int(peak_bytes))
         log_collective("reduce(max) replica flags", self.group, self.flags)
@@ -124,8 +95,7 @@ class ReplicaLink:
 
     def share_teacher_tokens(self, tokens: Optional[torch.Tensor], doc_ids: Optional[torch.Tensor]
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cross-tokenizer, on every rank of the replica: the teacher's [N, L] tokens and document ids the leader
-        aligned (given there; None on a follower, which receives them): their shape, then both in one tensor."""
+        """Cross-tokenizer: the teacher's [N, L] tokens and document ids the leader aligned (None on a follower)."""
         shape = torch.zeros(2, dtype=torch.int64, device=self.flags.device)
         if tokens is not None:
             shape[0].fill_(tokens.shape[0])
@@ -142,7 +112,6 @@ class ReplicaLink:
 
     @staticmethod
     def write_flags(response: torch.Tensor, flags: torch.Tensor) -> None:
-        """Overwrite a response's preemption and peak-memory words with the replica's (a device copy)."""
         words = response[:RECORD_BYTES].view(torch.int64)
         words[PREEMPT_WORD] = flags[0]
         words[PEAK_WORD] = flags[1]
@@ -150,8 +119,7 @@ class ReplicaLink:
     # ---- a follower
 
     def next_round(self) -> tuple[Round, object]:
-        """Wait for the leader's next round: (FORWARD, the request buffers) or (LEAVE, None after a STOP, else
-        the error to raise)."""
+        """(FORWARD, the request buffers) or (LEAVE, None after a STOP, else the error to raise)."""
         self._broadcast("receive")
         op = Round(int(self.round[0]))
         if op == Round.FORWARD:

@@ -1,25 +1,11 @@
-"""The teacher rank: load the model, handshake with its students, then serve until STOP.
+"""The teacher rank: load the model, handshake with its students, then receive -> handle -> reply until STOP.
 
-Per request (`TeacherServer.serve`): receive (one gather of every student's `RequestHeader` + tokens)
--> handle (check the headers agree, one forward over all rows under inference mode, each student's
-rows of sparse outputs written into its response buffer) -> reply (one scatter: a `ResponseStatus`
-then the outputs). Whatever fails while handling is answered too, as a status carrying the sentence,
-so students raise it instead of waiting for a timeout; all but a sticky CUDA error (a device-side assert, an
-illegal address), after which no reply can run: the teacher leaves at once and its students learn it as a lost
-peer (gloo) or from their watchdog (NCCL), the sentence in its log and status file. After a failure the teacher
-stays "errored": it answers every later request with the same status (no forward) until its students leave with
-ERROR or STOP, then raises the failure itself: a user error as its sentence, a bug with its original traceback (the
-students' sentence names this rank's log). The students learn of the error only at their step's agreed
-point, so until then they still finish the step's micro-batches and hold requests posted ahead; a teacher
-that left at once would strand them (on NCCL until the watchdog fires, the sentence lost). The protocol
-itself is in `lingua/distillation/online/bridge.py`.
-
-With distillation.teacher_tp > 1 the teacher is a replica of several ranks sharded tensor-parallel: its
-first rank runs this loop on the bridge and shares each request with the others, which follow
-(`_follow`); `lingua/distillation/online/replica.py` holds what passes between them.
-
-Timing on CUDA: NCCL's blocking calls only order streams, the CPU returns at once. So the teacher's
-idle time ends when the headers reach the CPU and its busy time when its stream has run the forward.
+Whatever fails while handling a request is answered with its sentence, so students raise it instead of waiting for
+a timeout; all but a sticky CUDA error, after which no reply can run (the students learn it as a lost peer or from
+their watchdog). A failed teacher stays "errored": it answers every later request with the same status (no forward)
+until its students leave with ERROR or STOP, then raises. A tensor-parallel replica's first rank runs this loop, the
+others follow it (`_follow`, `replica.py`). On CUDA, idle time ends when the headers reach the CPU, busy time when
+the stream has run the forward.
 """
 
 import contextlib
@@ -32,19 +18,9 @@ import torch.distributed as dist
 
 from lingua.evaluation.bits_per_byte import bits_per_byte
 from lingua.distillation.args import DistillationArgs
-from lingua.distillation.online.bridge import (
-    HEADER_INTS,
-    NAN_WORD,
-    RECORD_BYTES,
-    HandshakeRecord,
-    Op,
-    RequestHeader,
-    ResponseStatus,
-    agreed_handshake,
-    agreed_settings,
-    synchronize,
-    tokenizer_fingerprint,
-)
+from lingua.distillation.online.bridge import (HEADER_INTS, NAN_WORD, RECORD_BYTES, HandshakeRecord, Op, RequestHeader,
+                                               ResponseStatus, agreed_handshake, agreed_settings, own_key, synchronize,
+                                               tokenizer_fingerprint)
 from lingua.distillation.cross_tokenizer.teacher_side import load_cross_tokenizer
 from lingua.distillation.distiller import tokenizer_vocab
 from lingua.distillation.outputs import TeacherOutputs
@@ -65,7 +41,6 @@ LEAVING = frozenset({Op.STOP, Op.ERROR})  # a student sending either has left it
 
 
 def is_bug(err: BaseException) -> bool:
-    """Neither a user error nor a peer's stop: the teacher keeps its traceback."""
     return not isinstance(err, (UserError, PeerStopped))
 
 
@@ -76,14 +51,14 @@ def failure_words(err: BaseException) -> str:
 
 
 class TeacherServer:
-    """Teacher side: load, handshake, then answer requests until every student sent STOP (or ERROR). Every rank
-    of a tensor-parallel replica builds one; the first answers the students, the others follow it."""
+    """Teacher side: load, handshake, then answer until the students sent STOP (or ERROR). Every rank of a replica
+    builds one; the first answers the students, the others follow it. `teacher_names`: with several teachers, each
+    one's name, so that an ERROR's sentence names the failed one."""
 
     def __init__(self, args: DistillationArgs, topo, preemption: Optional[PreemptionFlag] = None,
                  inject_load_failure: bool = False, phases=None, attn_mask: str = "causal",
                  inject_serve_failure_at: Optional[int] = None, heldout=None, student_tokenizer=None,
                  teacher_names: tuple[str, ...] = ()):
-        """`teacher_names`: with several teachers, each one's name, so that an ERROR's sentence names the failed one."""
         assert topo.is_teacher
         self.args, self.topo, self.teacher_names = args, topo, teacher_names
         self.leader = topo.is_replica_leader  # always, with teacher_tp=1
@@ -101,10 +76,9 @@ class TeacherServer:
             record.vocab, record.max_positions = self.teacher.vocab_size, self.teacher.max_positions
             record.tokenizer_fingerprint = tokenizer_fingerprint(self.teacher.tokenizer.get_vocab())
             if args.cross_tokenizer:  # announce the students' tokenizer it aligns from; its rows are cut, not refused
-                index = getattr(args, "index", None)  # one of several teachers: its own element's key
-                key = "distillation.teacher_tokenizer" if index is None else f"distillation.teachers[{index}].tokenizer"
                 self.cross = load_cross_tokenizer(student_tokenizer, args.teacher_tokenizer, self.teacher.tokenizer,
-                                                  self.teacher.max_positions, key)
+                                                  self.teacher.max_positions,
+                                                  own_key(args, "teacher_tokenizer", "tokenizer"))
                 record.vocab, record.max_positions = self.cross.student.n_words, 0
                 record.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer_vocab(self.cross.student))
                 logger.info(f"cross-tokenizer: {self.cross.vocab_map.mapped} of the teacher's "
@@ -143,8 +117,7 @@ class TeacherServer:
         self.memory = MemoryMonitor(topo.device)
         self.clock = ServingClock(topo.device)
         self.requests = self.tokens = 0
-        # A signal on the teacher cannot stop anything by itself: it rides on every response, and the
-        # students fold it into their agreed control bits.
+        # A signal on the teacher rides on every response; the students fold it into their agreed control bits.
         self.preemption = preemption or PreemptionFlag()
         self.student_ranks = topo.plan.bridges()[topo.my_bridge][1]
         self.link = ReplicaLink(topo, self.spec, len(self.student_ranks)) if tensor_parallel else None
@@ -157,23 +130,13 @@ class TeacherServer:
         device, n = topo.device, len(self.bridge_ranks)
         self.gathered = [torch.empty(self.spec.request_ints(), dtype=torch.int32, device=device) for _ in range(n)]
         self.request = torch.zeros(self.spec.request_ints(), dtype=torch.int32, device=device)
-        # Allocated once: a request writes only its rows and students read only theirs. The teacher's own
-        # slot is a throwaway; a separate output buffer avoids aliasing the scatter input.
+        # Allocated once: a request writes only its rows, and a separate output buffer avoids aliasing the scatter.
         self.responses = [torch.zeros(self.spec.response_bytes(), dtype=torch.uint8, device=device) for _ in range(n)]
         self.scatter_out = torch.empty_like(self.responses[self.mine])
 
-    @property
-    def busy_s(self) -> float:
-        return self.clock.busy_s
-
-    @property
-    def idle_s(self) -> float:
-        return self.clock.idle_s
-
     def _heldout_ce(self, heldout, attn_mask: str) -> tuple[Optional[float], float]:
-        """The teacher's CE and bits per byte on (held-out batches of every student, the students' vocab, the bytes
-        of their targets): a reference line. A cross-tokenizer teacher scores the same text in its own tokens: its
-        bits per byte compare with the students', its CE per token does not (None)."""
+        """The teacher's CE and bits per byte on the students' held-out (batches, vocab, bytes): a reference line. A
+        cross-tokenizer teacher scores the text in its own tokens: its CE per token does not compare (None)."""
         batches, vocab_size, n_bytes = heldout
         if self.cross is not None:
             batches, n_bytes = self.cross.own_heldout(batches)
@@ -185,17 +148,14 @@ class TeacherServer:
         return (None if self.cross is not None else loss_sum / max(tokens, 1)), bpb
 
     def _throughput(self) -> str:
-        """This rank's serving numbers, for its log: tokens/s of busy time, the forward's share, peak memory."""
         busy = max(self.clock.busy_s, 1e-9)
         return (f"{self.tokens:,} tokens at {self.tokens / busy:,.0f} tokens/s of busy time, forward and outputs "
                 f"{100 * self.clock.forward_s / busy:.1f}% of it; peak memory "
                 f"{self.memory.get_peak_stats()['mem/peak_gib']:.2f} GiB on this rank")
 
     def serve(self, timeouts: Optional[tuple[float, float]] = None) -> None:
-        """Receive -> handle -> reply until STOP. Returns after a STOP; on any error, answers every request with
-        it until the students left (`_serve_errored`), then raises it.
-
-        `timeouts` = (init, train) seconds for the `TimeoutSwitch`; None keeps the groups' timeout."""
+        """Receive -> handle -> reply until STOP; after an error, `_serve_errored`. `timeouts`: (init, train) seconds
+        for the `TimeoutSwitch`; None keeps the groups' timeout."""
         switch = TimeoutSwitch(self.topo, timeouts)
         self.clock = ServingClock(self.topo.device)
         if not self.leader:
@@ -221,8 +181,7 @@ class TeacherServer:
                 logger.info(f"served {self.requests} requests; busy {100 * self.clock.busy_fraction:.0f}% of the time")
 
     def _follow(self, switch: TimeoutSwitch) -> None:
-        """A follower of a tensor-parallel replica: the leader's rounds until LEAVE, its share of each forward.
-        Returns after a STOP; after an error the leader answered, raises it as the students do."""
+        """A replica's follower: the leader's rounds until LEAVE (raising the error the leader answered, if any)."""
         while True:
             switch.arm()
             op, payload = self.link.next_round()
@@ -252,11 +211,9 @@ class TeacherServer:
         dist.gather(self.request, self.gathered, dst=self.topo.global_rank, group=self.topo.bridge_group)
 
     def _serve_errored(self, status: ResponseStatus, ops: set, switch: TimeoutSwitch, failure: Exception) -> NoReturn:
-        """After a failure: every later request is answered with the same error `status` (no forward; the
-        outputs stay as they were, stale but valid) until the students leave, then `failure` is raised.
-
-        A student sends ERROR (or STOP) only after completing every request it posted, and all students of a
-        bridge send it in the same round (they agreed on it), so none is left waiting when this rank leaves."""
+        """Answer every later request with the error `status` (no forward: stale but valid outputs) until the
+        students leave, then raise `failure`. They send ERROR (or STOP) in one round, after completing every request
+        they posted, so none is left waiting when this rank leaves."""
         answered = 0
         while not ops & LEAVING:
             switch.arm()
@@ -273,20 +230,16 @@ class TeacherServer:
 
     @staticmethod
     def _headers(students) -> dict[int, RequestHeader]:
-        """Each student's request header; one copy to the CPU for all (on NCCL: where the wait really ends)."""
+        """Each student's request header; one copy to the CPU for all (on NCCL: where the wait ends)."""
         rows = torch.stack([buf[:HEADER_INTS] for _, buf in students]).tolist()
         return {rank: RequestHeader.from_ints(row) for (rank, _), row in zip(students, rows)}
 
     def _students(self) -> list[tuple[int, torch.Tensor]]:
-        """(global rank, gathered request buffer) of each student, in bridge order."""
         return [(rank, self.gathered[i]) for i, rank in enumerate(self.bridge_ranks) if i != self.mine]
 
     def _handle(self, switch: TimeoutSwitch) -> tuple[ResponseStatus, set, Optional[Exception]]:
-        """The status to send for the request just received (outputs are written into the responses), its ops,
-        and the error the teacher raises once it has answered (None when it served).
-
-        Everything between the gather and the scatter is guarded: whatever fails here (bad headers,
-        the forward, out of memory), the students get its sentence; a sticky CUDA error leaves at once, unanswered."""
+        """(the status to send, the request's ops, the error to raise once answered or None). Whatever fails between
+        the gather and the scatter is answered with its sentence; a sticky CUDA error leaves at once, unanswered."""
         students = self._students()
         arrived, ops, step, failure, error, peak_bytes, forwarded = False, set(), None, None, None, 0, False
         self.replica_flags, self.nan_flags = None, {}  # nan_flags: response index -> device flag of its outputs
@@ -327,10 +280,8 @@ class TeacherServer:
         return status, ops, failure
 
     def _release_replica(self, status: ResponseStatus, failure: Optional[Exception] = None) -> None:
-        """Leaving the loop (STOP, or an error the students were told): a replica's other ranks leave with the
-        same status (and whether its error is the students' own stop). After a forward that failed on this rank
-        they are stuck in one of its collectives: they learn it when this rank's process is gone (the sentence
-        naming it)."""
+        """A replica's other ranks leave with this status; after a forward that failed on this rank they are stuck
+        in one of its collectives and learn it when this process is gone."""
         if self.link is not None and not self.link.broken:
             self.link.share_leave(status, peer_stopped=isinstance(failure, PeerStopped))
 
@@ -347,8 +298,8 @@ class TeacherServer:
         self.clock.worked()  # packing and sending the responses is serving time too
 
     def _check_headers(self, headers: dict[int, RequestHeader], students) -> Optional[Exception]:
-        """None if the students asked for the same thing within the agreed shapes, else the error to answer
-        with: the students' own agreed error, a bug (their requests must never differ), or a user error."""
+        """None, or the error to answer with: the students' own agreed error, a bug (requests that differ or
+        exceed the agreed shapes), or a user error (token ids out of range)."""
         ops = {h.op for h in headers.values()}
         if Op.ERROR in ops:
             failed = [r for r, h in headers.items() if h.op == Op.ERROR]
@@ -373,8 +324,8 @@ class TeacherServer:
         return None
 
     def _forward(self, students, headers: dict[int, RequestHeader]) -> None:
-        """One forward over every student's rows; each student's outputs go into its own response (on a
-        follower of a replica, its part of them goes to the first rank)."""
+        """One forward over every student's rows, each student's outputs into its response (a follower's part goes
+        to the replica's first rank)."""
         with self.clock.forward(), self.teacher.no_grad():
             self._forward_rows(students, headers)
         self.tokens += sum(h.bsz * h.seqlen for h in headers.values())
@@ -396,18 +347,20 @@ class TeacherServer:
                                                   self.spec.k, self.spec.wire_dtype, self.spec.vocab_size,
                                                   self.generator)
             row += header.bsz
-            if outputs is None:  # a follower: its part of the outputs went to the replica's first rank
-                continue
-            views = self.spec.payload_views(self.responses[self.bridge_ranks.index(rank)])
-            self.nan_flags[self.bridge_ranks.index(rank)] = outputs.nan_flag()
-            for source, dest in zip(outputs.tensors(), views):
-                dest[: source.shape[0], : source.shape[1]] = source
+            if outputs is not None:  # None on a follower: its part of the outputs went to the replica's first rank
+                self._write(rank, outputs)
+
+    def _write(self, rank: int, outputs: TeacherOutputs) -> None:
+        """Student `rank`'s outputs into its response, with the flag of the teacher's check of them."""
+        index = self.bridge_ranks.index(rank)
+        self.nan_flags[index] = outputs.nan_flag()
+        for source, dest in zip(outputs.tensors(), self.spec.payload_views(self.responses[index])):
+            dest[: source.shape[0], : source.shape[1]] = source
 
     def _cross_forward_rows(self, students, headers: dict[int, RequestHeader], tokens: torch.Tensor,
                             doc_ids: Optional[torch.Tensor], next_tokens: Optional[torch.Tensor] = None) -> None:
-        """distillation.cross_tokenizer: the students' rows (and the labels past them) aligned to the teacher's
-        tokens (on this rank's CPU), one forward on those, and each student's top-k or draws mapped back to its
-        positions, with kd_weight."""
+        """Cross-tokenizer: the students' rows (and the labels past them) aligned to the teacher's tokens on the
+        leader's host, one forward on those, each student's outputs mapped back to its positions with kd_weight."""
         batch = teacher_tokens = teacher_docs = None
         if self.leader:  # a tensor-parallel replica's followers get the teacher's tokens, not the text to align
             batch = self.cross.teacher_batch(tokens.cpu(), None if doc_ids is None else doc_ids.cpu(),
@@ -426,9 +379,6 @@ class TeacherServer:
         row = 0
         for rank, _ in students:
             header = headers[rank]
-            rows = [t[row: row + header.bsz, :header.seqlen] for t in outputs.tensors()]
+            self._write(rank, TeacherOutputs.from_tensors(
+                self.spec.output, [t[row: row + header.bsz, :header.seqlen] for t in outputs.tensors()]))
             row += header.bsz
-            index = self.bridge_ranks.index(rank)
-            self.nan_flags[index] = TeacherOutputs.from_tensors(self.spec.output, rows).nan_flag()
-            for source, dest in zip(rows, self.spec.payload_views(self.responses[index])):
-                dest[: source.shape[0], : source.shape[1]] = source

@@ -1,11 +1,7 @@
 """The teacher's clocks: its busy and idle seconds (`ServingClock`) and the collective timeout in force while it
-waits for its students (`TimeoutSwitch`).
-
-The timeout follows the students' requests, both ways. Generous (`distributed.init_timeout_s`) through the
-students' first step (checkpoint load, compile, the first backward, a save) and across every long pause the
-students announce (an in-process checkpoint evaluation: the requests they post during the step before it carry
-`RequestHeader.in_training=0` again); short (`distributed.train_timeout_s`) as soon as a request of normal
-training (`in_training=1`) or a STOP arrives. Each wait arms the hang watch with the timeout in force.
+waits for its students (`TimeoutSwitch`): generous (`distributed.init_timeout_s`) through the students' first step
+and across every long pause they announce (requests with `RequestHeader.in_training=0` again), short
+(`distributed.train_timeout_s`) from a request of normal training or a STOP on.
 """
 
 import contextlib
@@ -21,27 +17,24 @@ logger = logging.getLogger(__name__)
 
 
 class ServingClock:
-    """The teacher's busy and idle seconds since the handshake; together they cover the whole loop.
-
-    CPU: the host clock (the forward runs on the host). CUDA: busy = the stream's time from a request's
-    arrival to the end of its forward, from events read when the next request arrives (reading its
-    headers waits for the stream anyway), idle = the rest; so a status reports the busy time of the
-    requests before it, and the forward needs no host sync of its own."""
+    """The teacher's busy and idle seconds since the handshake. CPU: the host clock. CUDA: busy is the stream's time
+    from a request's arrival to the end of its forward, from events read when the next request arrives (its headers
+    wait for the stream anyway), idle the rest: a status reports the busy time of the requests before it."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.start = self.mark = time.perf_counter()  # mark: where the last counted interval ended (CPU)
-        self.busy_total = self.idle_total = 0.0
-        self.forward_total = 0.0  # the part of busy spent in the forward and the outputs (the rest is protocol)
+        self.busy_s = self.idle_total = 0.0
+        self.forward_s = 0.0  # the part of busy spent in the forward and the outputs (the rest is protocol)
         self.pending: list = []  # CUDA: (arrival, forward done) event pairs not read yet
         self.forward_pending: list = []  # CUDA: (forward start, forward end) event pairs not read yet
 
     def request_arrived(self) -> None:
         if self.cuda:
             for begin, end in self.pending:
-                self.busy_total += begin.elapsed_time(end) / 1e3
+                self.busy_s += begin.elapsed_time(end) / 1e3
             for begin, end in self.forward_pending:
-                self.forward_total += begin.elapsed_time(end) / 1e3
+                self.forward_s += begin.elapsed_time(end) / 1e3
             begin = torch.cuda.Event(enable_timing=True)
             begin.record()
             self.pending, self.forward_pending = [(begin, None)], []
@@ -58,7 +51,7 @@ class ServingClock:
                 self.pending[-1] = (self.pending[-1][0], end)
             return
         now = time.perf_counter()
-        self.busy_total += now - self.mark
+        self.busy_s += now - self.mark
         self.mark = now
 
     @contextlib.contextmanager
@@ -73,20 +66,12 @@ class ServingClock:
             return
         start = time.perf_counter()
         yield
-        self.forward_total += time.perf_counter() - start
-
-    @property
-    def busy_s(self) -> float:
-        return self.busy_total
-
-    @property
-    def forward_s(self) -> float:
-        return self.forward_total
+        self.forward_s += time.perf_counter() - start
 
     @property
     def idle_s(self) -> float:
         if self.cuda:
-            return max(time.perf_counter() - self.start - self.busy_total, 0.0)
+            return max(time.perf_counter() - self.start - self.busy_s, 0.0)
         return self.idle_total
 
     @property
@@ -95,12 +80,10 @@ class ServingClock:
 
 
 class TimeoutSwitch:
-    """The teacher's collective timeout, switched on every group of this rank as requests arrive: generous until a
-    request of normal training, short until a request announcing a pause (see the module docstring). A request
-    is observed before the teacher waits for the next one, so the announcement governs exactly the wait that
-    spans the pause; with look-ahead the last request posted before the pause is one of the next step's, which
-    is why the students mark every request they post during the step before it. Each wait arms a stack dump
-    shortly before the timeout in force, so a teacher stuck waiting says where."""
+    """The teacher's collective timeout on every group of this rank, switched as requests arrive (the module's rule).
+    A request is observed before the teacher waits for the next, so an announcement governs exactly the wait that
+    spans the pause (with look-ahead the last request before it is the next step's: the students mark every request
+    of the step before it). Each wait arms a stack dump shortly before the timeout in force."""
 
     def __init__(self, topo, timeouts: Optional[tuple[float, float]]):
         self.topo, self.timeouts = topo, timeouts
@@ -117,8 +100,6 @@ class TimeoutSwitch:
             self.hang_watch.cancel()
 
     def observe(self, headers: Iterable, stop: bool = False) -> None:
-        """The request just received (every student's header): short after a STOP or a request of normal training
-        (every student `in_training`), generous otherwise (the first step, or a pause announced)."""
         if self.timeouts is None:
             return
         headers = list(headers)

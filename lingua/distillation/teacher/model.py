@@ -1,11 +1,6 @@
-"""The teacher model: check a checkpoint directory cheaply, load it with transformers, run its forward.
-
-`check_teacher_dir` reads only file names and safetensors headers (seconds, no weights), so a launcher
-or a benchmark can refuse a missing or truncated teacher before any process starts; `load_teacher` is
-what a teacher rank runs. Both name the commands that make a teacher. `TeacherModel` is the forward
-both the online teacher and the offline cache writer use (document boundaries included); given a replica's
-group it is sharded tensor-parallel (`tensor_parallel.py`) and its outputs come from its slice of the
-vocabulary (`vocab_parallel.py`).
+"""The teacher model: a checkpoint directory checked cheaply (`check_teacher_dir`: file names and safetensors
+headers, no weights), loaded with transformers (`load_teacher`), and its forward (`TeacherModel`, which the online
+teacher and the cache writer share; sharded over a replica's group with `tensor_parallel.py`).
 """
 
 import json
@@ -36,12 +31,10 @@ CPU_LOGITS_CHUNK_ROWS = 4  # distillation.logits_chunk_rows=0 (auto) on CPU
 LOGITS_WORK_TENSORS = 4
 LOGITS_FREE_MEMORY_SHARE = 0.25
 
-def safetensors_problem(file: Path) -> Optional[str]:
-    """Why `file` is not a complete safetensors file, or None. Cheap: reads the header, not the tensors.
 
-    The format is an 8-byte little-endian header length, a JSON header giving each tensor's byte range
-    in the data section, then the data; a truncated copy is shorter than its header's last range.
-    """
+def safetensors_problem(file: Path) -> Optional[str]:
+    """Why `file` is not a complete safetensors file, or None, from its header: an 8-byte little-endian length, a JSON
+    header with each tensor's byte range, then the data (a truncated copy is shorter than its last range)."""
     size = file.stat().st_size
     if size < 8:
         return f"{file.name} is truncated ({size} bytes)"
@@ -61,8 +54,8 @@ def safetensors_problem(file: Path) -> Optional[str]:
 
 
 def check_teacher_dir(path) -> None:
-    """Raise MissingPathError (missing files) or DataError (a truncated or corrupt weights file), naming the
-    command to run, unless `path` holds a loadable HF teacher checkpoint."""
+    """Raise MissingPathError (missing files) or DataError (a truncated or corrupt weights file), naming the command
+    to run, unless `path` holds a loadable HF teacher checkpoint."""
     path = Path(path)
     fix = teacher_dir_fix(str(path), "distillation.teacher_path")
     if not path.is_dir():
@@ -91,37 +84,21 @@ def check_teacher_dir(path) -> None:
             raise DataError(f"Teacher directory {path} is damaged: {problem}; {fix}.")
 
 
-def read_max_positions(path) -> Optional[int]:
-    """`max_position_embeddings` from a local teacher's config.json (its text config's for a multimodal one),
-    without loading anything else; None when there is no such file or key."""
-    try:
-        config = json.loads((Path(path).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict):
-        return None
-    value = config.get("max_position_embeddings", (config.get("text_config") or {}).get("max_position_embeddings"))
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def teacher_dtype(args: DistillationArgs, device: torch.device) -> torch.dtype:
-    """The dtype to load the teacher in (distillation.teacher_dtype, validated with the config)."""
     if args.teacher_dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.teacher_dtype]
 
 
 def _short_reason(err: BaseException, limit: int = 400) -> str:
-    """An exception as one line, cut to `limit` characters (transformers' messages can list every model type)."""
+    """An exception as one line of at most `limit` characters (transformers' can list every model type)."""
     text = " ".join(f"{type(err).__name__}: {err}".split()).rstrip(".")  # the sentence goes on after it
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load_teacher(args: DistillationArgs, device: torch.device, place: bool = True, weights: bool = True):
-    """(model, tokenizer) from a local directory or a hub id, on `device` (left on the host with `place=False`,
-    for tensor parallelism to shard; with `weights=False` a skeleton whose parameters are on the meta device,
-    for it to read its shards into); any failure is one sentence naming the path, the reason and how to
-    prepare a teacher."""
+    """(model, tokenizer) from a local directory or a hub id, on `device` (`place=False`: on the host; `weights=False`:
+    a skeleton on the meta device, for tensor parallelism); a failure is one sentence naming path, reason and fix."""
     from accelerate import init_empty_weights
     from huggingface_hub import is_offline_mode
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -167,9 +144,9 @@ def load_teacher(args: DistillationArgs, device: torch.device, place: bool = Tru
 
 
 def load_sharded_teacher(args: DistillationArgs, device: torch.device, group):
-    """(model, tokenizer, this rank's VocabShard, the CheckpointTensors it read or None) of a teacher sharded
-    over `group`: each rank reads only its shards from the safetensors files, or, for a checkpoint they cannot
-    be read from by name, loads it whole on the host and slices it there (a warning says why)."""
+    """(model, tokenizer, this rank's VocabShard, the CheckpointTensors it read or None) of a teacher sharded over
+    `group`: each rank reads its shards from the safetensors files, or loads it whole on the host and slices it (a
+    warning says why) when they cannot be read by name."""
     from safetensors import SafetensorError
 
     local = Path(args.teacher_path).expanduser()
@@ -198,9 +175,8 @@ def load_sharded_teacher(args: DistillationArgs, device: torch.device, group):
 
 
 def stream_problem(model, checkpoint: CheckpointTensors) -> Optional[str]:
-    """Why the shards of `model` (a skeleton) cannot be read from `checkpoint` by name as they are, or None:
-    what from_pretrained would do beyond reading tensors by name (renaming or converting them, quantization,
-    keeping modules in fp32, untying a head the checkpoint holds apart) takes the whole-teacher path."""
+    """Why the shards of skeleton `model` cannot be read from `checkpoint` by name, or None: whatever from_pretrained
+    does beyond that (renaming, converting, quantization, fp32 modules, untying a head) takes the whole-teacher path."""
     unmatched = checkpoint.unmatched(model)
     if unmatched:
         return (f"{len(unmatched)} of the model's tensors have no tensor of that name in the checkpoint "
@@ -232,9 +208,8 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 def document_causal_mask(doc_ids: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """[N, 1, S, S]: query i sees key j iff j <= i and both are in the same document. Bool, or with `dtype`
-    additive (0 where seen, the dtype's minimum elsewhere: eager attention adds a mask to the scores, a bool one
-    would not mask)."""
+    """[N, 1, S, S]: query i sees key j iff j <= i in the same document. Bool, or additive in `dtype` (eager
+    attention adds a mask to the scores: a bool one would not mask)."""
     seen = doc_causal_bool_mask(doc_ids)
     if dtype is None:
         return seen
@@ -243,12 +218,10 @@ def document_causal_mask(doc_ids: torch.Tensor, dtype: Optional[torch.dtype] = N
 
 
 def packed_document_kwargs(doc_ids: torch.Tensor) -> dict:
-    """What transformers' flash-attention path needs to keep documents apart in `doc_ids` [N, S]: the rows packed
-    into one sequence [1, N*S] (position ids restarting per document), and every document's start in it
-    (`cu_seq_lens_q/k`, int32, ending with N*S) with the longest document (`max_length_q/k`, an int) for the
-    varlen kernel. transformers infers these from position ids only at batch size 1, so a [N, S] batch with
-    N > 1 would run plain causal flash over whole rows; a new row always starts a new segment. One host read
-    (the segment count and the longest), not one per layer."""
+    """transformers' flash-attention kwargs keeping the documents of `doc_ids` [N, S] apart: the rows packed into one
+    sequence [1, N*S] (positions restarting per document), each document's start (`cu_seq_lens_q/k`, ending with
+    N*S) and the longest (`max_length_q/k`). It infers these from positions only at batch size 1; a new row always
+    starts a segment. One host read, not one per layer."""
     N, S = doc_ids.shape
     starts = torch.ones_like(doc_ids, dtype=torch.bool)
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
@@ -260,12 +233,9 @@ def packed_document_kwargs(doc_ids: torch.Tensor) -> dict:
 
 
 class TeacherModel:
-    """A loaded teacher and its forward: tokens [N, S] (+ document ids) -> sparse outputs. The online
-    teacher rank (lingua/distillation/online/server.py) and the offline cache writer both compute through it.
-
-    With `tp_group` (a teacher replica of several ranks) every rank of the group loads the checkpoint, keeps
-    its shard, and must call `hidden_states`, `sparse_outputs` and `heldout_ce` with the same arguments as the
-    others (they run collectives on the group); outputs come back on the group's first rank, None elsewhere."""
+    """A loaded teacher and its forward: tokens [N, S] (+ document ids) -> sparse outputs. With `tp_group` every
+    rank of the replica keeps its shard and must call `hidden_states`, `sparse_outputs` and `heldout_ce` alike
+    (they run collectives on the group); outputs come back on the group's first rank, None elsewhere."""
 
     def __init__(self, args: DistillationArgs, device: torch.device, tp_group=None):
         self.args, self.device = args, device
@@ -284,8 +254,8 @@ class TeacherModel:
         self.chunk_rows: dict[int, int] = {}  # sequence length -> rows per lm_head chunk
 
     def logits_chunk_rows(self, seq_len: int) -> int:
-        """Teacher rows per lm_head chunk: distillation.logits_chunk_rows, or with 0 (auto) 4 on CPU and on GPU the
-        most rows, a power of two, whose fp32 [rows, S, V] work fits a quarter of the memory free after loading."""
+        """distillation.logits_chunk_rows, or with 0 (auto) 4 on CPU and on GPU the most rows, a power of two, whose
+        fp32 [rows, S, V] work fits a quarter of the memory free after loading."""
         if self.args.logits_chunk_rows:
             return self.args.logits_chunk_rows
         if seq_len not in self.chunk_rows:
@@ -306,16 +276,13 @@ class TeacherModel:
         return self.chunk_rows[seq_len]
 
     def no_grad(self):
-        """The forward's autograd-free mode: inference mode, or no_grad when sharded (DTensor dispatches slower
-        under inference mode: 48 vs 28 ms per forward of the tiny test teacher on 2 CPU ranks)."""
+        """Inference mode, or no_grad when sharded (DTensor dispatches slower under inference mode: 48 vs 28 ms per
+        forward of the tiny test teacher on 2 CPU ranks)."""
         return torch.no_grad() if self.shard is not None else torch.inference_mode()
 
     def hidden_states(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Final hidden states [N, S, D]. With `doc_ids` every document is its own sequence (positions restart,
-        attention stays inside it), as the student sees it with model.attn_mask=doc_causal.
-
-        An inference forward: no KV cache (`use_cache=False`), and the decoder runs over `logits_chunk_rows` rows
-        at a time, so its activations (and a document mask) exist for one chunk only."""
+        """Final hidden states [N, S, D], `logits_chunk_rows` rows at a time, no KV cache. With `doc_ids` every
+        document is its own sequence, as the student sees it with model.attn_mask=doc_causal."""
         N, S = tokens.shape
         rows = self.logits_chunk_rows(S)
         out = None
@@ -331,9 +298,8 @@ class TeacherModel:
         return out
 
     def _decoder(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
-        """The decoder over a chunk of rows [n, S] -> [n, S, D]: flash kernels get the document boundaries as
-        varlen segments of the rows packed into one sequence, flex a BlockMask built from the documents' spans,
-        the others a block-diagonal causal mask of the chunk (transformers passes a 4D mask through as it is)."""
+        """[n, S] -> [n, S, D]. Documents: flash as varlen segments of the packed rows, flex a BlockMask, the others a
+        block-diagonal causal 4D mask (which transformers passes through as it is)."""
         kwargs = {"use_cache": False}
         n, S = tokens.shape
         if doc_ids is not None:
@@ -348,10 +314,8 @@ class TeacherModel:
         return self.model.get_decoder()(input_ids=tokens, **kwargs).last_hidden_state.view(n, S, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output head in fp32 (this rank's vocabulary slice, tensor-parallel), with the model's final logit
-        soft-capping where it has one (Gemma): per element, before anything else. With bf16/fp16 weights the GEMM
-        writes fp32 where the device can (`multiplies_into_fp32`): its output is not rounded to the weights' dtype
-        first (bf16: steps of 0.06-0.125 at logits of 8-32)."""
+        """The output head in fp32 (tensor-parallel: this rank's vocabulary slice), soft-capped where the model does
+        (Gemma). bf16/fp16 weights write fp32 where the device can (`multiplies_into_fp32`), not rounded first."""
         head = self.model.get_output_embeddings()
         weight = getattr(head.weight, "to_local", lambda: head.weight)()  # tensor-parallel: this rank's vocab rows
         if isinstance(head, torch.nn.Linear) and head.bias is None and type(hidden) is torch.Tensor \
@@ -365,9 +329,7 @@ class TeacherModel:
 
     def sparse_outputs(self, hidden: torch.Tensor, output: str, k: int, wire_dtype: torch.dtype, vocab_size: int,
                        generator: Optional[torch.Generator] = None, sample=None) -> Optional[TeacherOutputs]:
-        """lm_head + sparsification a few rows at a time, so [rows, S, V] logits never exist at once; ids
-        beyond `vocab_size` (the students' vocab; teacher rows past it are padding) are cut. Tensor-parallel:
-        each rank computes its vocabulary slice's logits only, the outputs come back on the group's first rank.
+        """lm_head + sparsification a few rows at a time, ids past the students' `vocab_size` cut (padding rows).
         `sample` (cross-tokenizer sampled, unsharded): a function (logits, generator) -> outputs in its place."""
         rows = self.logits_chunk_rows(hidden.shape[1])
         parts = []
@@ -387,8 +349,8 @@ class TeacherModel:
         return TeacherOutputs.from_tensors(output, [torch.cat(ts) for ts in zip(*(p.tensors() for p in parts))])
 
     def heldout_ce(self, batches, vocab_size: int, doc_causal: bool) -> tuple[float, int]:
-        """(CE summed over the labelled positions, their count) of the teacher itself on held-out batches, at
-        temperature 1 and over the students' vocabulary: the reference line for the students' eval loss."""
+        """(CE summed over the labelled positions, their count) on held-out batches, at temperature 1 over the
+        students' vocabulary: the reference line for the students' eval loss."""
         loss_sum, tokens = 0.0, 0
         with self.no_grad():
             for batch in batches:
@@ -396,12 +358,9 @@ class TeacherModel:
                 doc_ids = batch["doc_ids"].to(self.device) if doc_causal else None
                 hidden = self.hidden_states(input_ids, doc_ids)
                 for row in range(hidden.shape[0]):  # one row of logits at a time: [S, V] only
-                    if self.shard is not None:
-                        loss_sum += float(vocab_parallel_cross_entropy(self.logits(hidden[row]), labels[row],
-                                                                       self.shard, vocab_size))
-                        continue
-                    logits = self.logits(hidden[row])[:, :vocab_size]
-                    loss_sum += float(torch.nn.functional.cross_entropy(logits, labels[row], ignore_index=-100,
-                                                                       reduction="sum"))
+                    logits = self.logits(hidden[row])
+                    loss_sum += float(vocab_parallel_cross_entropy(logits, labels[row], self.shard, vocab_size)
+                                      if self.shard is not None else torch.nn.functional.cross_entropy(
+                                          logits[:, :vocab_size], labels[row], ignore_index=-100, reduction="sum"))
                 tokens += int((labels != -100).sum())
         return loss_sum, tokens

@@ -7,40 +7,31 @@ and which teacher a teacher rank serves as.
 
 from lingua.distillation.args import DistillationArgs, check_seq_len_fits_teacher, tp_setting
 from lingua.distillation.loss.mixture import check_teacher_sources
-from lingua.distillation.teacher.model import read_max_positions
 from lingua.distillation.teacher.tensor_parallel import heads_problem, read_teacher_config
 from lingua.errors import ConfigError
 
 
-def each_teacher(kd: DistillationArgs) -> list[DistillationArgs]:
-    """The settings of each teacher: the one of teacher_path (none to check when it is read from its cache), or
-    each of distillation.teachers."""
-    if not kd.several_teachers:
-        return [kd] if kd.source == "online" else []
-    return [kd.teacher_args(i) for i in range(len(kd.teachers))]
-
-
 def check_teachers_fit(kd: DistillationArgs, data) -> None:
-    """Every teacher's positions fit data.seq_len and its heads divide by its teacher_tp (from its config.json when
-    on disk; a hub teacher is checked at the handshake); every source a teacher lists is a data source."""
-    for i, teacher in enumerate(each_teacher(kd)):
-        if not teacher.teacher_path:
+    """Every online teacher's positions fit data.seq_len and its heads divide by its teacher_tp (from its config.json
+    when on disk; a hub teacher is checked at the handshake); every source a teacher lists is a data source."""
+    for i in kd.online_teachers():  # a validated config: one teacher is a list of one
+        teacher = kd.teacher_args(i)
+        config = read_teacher_config(teacher.teacher_path)  # None: a hub teacher, or a missing one (its own error)
+        if config is None:
             continue
-        # From its config.json when on disk (a missing teacher is its own error); cross-tokenizer rows are cut.
-        max_positions = 0 if teacher.cross_tokenizer else read_max_positions(teacher.teacher_path)
-        check_seq_len_fits_teacher(data.seq_len, max_positions or 0,
-                                   f"max_position_embeddings in {teacher.teacher_path}/config.json")
-        check_heads_divide(teacher.teacher_path, teacher.teacher_tp,
-                           tp_setting(kd, i) if kd.several_teachers else "distillation.teacher_tp")
+        where = f"{teacher.teacher_path}/config.json"
+        if not teacher.cross_tokenizer:  # a cross-tokenizer teacher's rows are cut to its positions
+            check_seq_len_fits_teacher(data.seq_len, max_positions(config), f"max_position_embeddings in {where}")
+        problem = heads_problem(config, teacher.teacher_tp, where, tp_setting(kd, i))
+        if problem is not None:
+            raise ConfigError(problem)
     check_teacher_sources(kd.teachers, data.sources)
 
 
-def check_heads_divide(teacher_path: str, tp: int, key: str = "distillation.teacher_tp") -> None:
-    """A tensor-parallel teacher's attention and KV head counts divide by its teacher_tp (set by `key`; from its
-    config.json when it is on disk; a hub teacher is checked when it loads)."""
-    config = read_teacher_config(teacher_path)
-    if config is not None and (problem := heads_problem(config, tp, f"{teacher_path}/config.json", key)) is not None:
-        raise ConfigError(problem)
+def max_positions(config: dict) -> int:
+    """`max_position_embeddings` of a config.json (its text config's for a multimodal one); 0 when unknown."""
+    value = config.get("max_position_embeddings", (config.get("text_config") or {}).get("max_position_embeddings"))
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def serving_args(kd: DistillationArgs, topo) -> tuple[DistillationArgs, tuple[str, ...]]:

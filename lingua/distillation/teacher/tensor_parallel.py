@@ -1,36 +1,12 @@
 """A transformers teacher sharded tensor-parallel over its replica's group (distillation.teacher_tp > 1).
 
-Why our own plan and not transformers' `from_pretrained(..., tp_plan="auto", device_mesh=mesh)`: in
-transformers 5.23 a `tp_plan` makes `DistributedConfig` derive `tp_size` from the WORLD_SIZE environment
-variable (transformers/distributed/configuration_utils.py:144-152), and `from_pretrained` then replaces the
-mesh it was given by one `initialize_distributed_mesh` builds over the whole world
-(transformers/modeling_utils.py:4236-4240, transformers/distributed/utils.py:321). With 3 ranks and a mesh
-over ranks 1-2 the weights were cut in three (embed_tokens 171 and 170 rows of 512, q_proj 22 and 20 rows
-of 64) and the first forward waited for rank 0 in a collective of that world mesh. A teacher's group is a
-subset of the job, so here the plan is applied with torch's own `parallelize_module` on a `DeviceMesh` made
-from the replica's group (`DeviceMesh.from_group`: no collective on the default group, ever).
-
-The plan is the model's own (`config.base_model_tp_plan`, the facts transformers keeps per architecture),
-mapped to torch's styles, plus two rows of ours:
-
-    embed_tokens   RowwiseParallel(input_layouts=Replicate())  rows = vocabulary, one all-reduce
-    lm_head        ColwiseParallel(use_local_output=True)      rows = vocabulary, no communication: each rank
-                                                               computes the logits of its own vocabulary slice
-                                                               (`vocab_parallel.py` turns slices into outputs)
-
-Attention modules reshape with `-1` heads and keep `num_key_value_groups` (a ratio), so each rank runs its
-`num_attention_heads / teacher_tp` heads unchanged; the head counts must divide (`heads_problem`).
-
-Loading streams each rank's shard: the plan is applied to a skeleton whose parameters are on the meta device
-(accelerate's `init_empty_weights`), and `CheckpointTensors.load_local_shards` then reads every parameter's
-slice from the safetensors files (`safe_open(...).get_slice`), one tensor at a time, cast and copied onto the
-rank's device. No rank builds the whole teacher: a teacher cast while loading (bf16 from fp32 files) costs a
-rank its shards, where loading it whole cost a cast copy of every weight per rank (140 GB for a 70B teacher),
-and on a GPU only the slice of each tensor crosses to the device. A checkpoint that from_pretrained would do
-more with than read tensors by name (`stream_problem`: renamed or converted tensors, quantization, a head the
-config ties but the file holds apart) falls back, with a warning, to loading it whole on the host and slicing
-it there. Either way loading needs no collective (`src_data_rank=None`: each rank slices locally), so a rank
-that fails to load cannot leave the others waiting in one.
+Not transformers' `tp_plan="auto"`: in transformers 5.23 it sizes itself from WORLD_SIZE and replaces the given mesh
+by one over the whole world (transformers/modeling_utils.py:4236-4240), which cut a replica on 2 of 3 ranks in three.
+The model's own plan (`config.base_model_tp_plan`) is applied with torch's `parallelize_module` on a mesh of the
+replica's group, plus embed_tokens row-wise and lm_head column-wise with local outputs (each rank the logits of its
+vocabulary slice, merged by `vocab_parallel.py`). Each rank reads only its shards of the safetensors files into a
+meta skeleton (`CheckpointTensors`), or loads the teacher whole on the host and slices it when they cannot be read
+by name (`stream_problem`). Loading runs no collective (`src_data_rank=None`): a rank that fails leaves none waiting.
 """
 
 import contextlib
@@ -68,8 +44,6 @@ def shard_bounds(vocab: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class VocabShard:
-    """This rank's slice of the teacher's vocabulary and the group holding the other slices."""
-
     group: dist.ProcessGroup
     tp_rank: int
     tp_size: int
@@ -84,12 +58,11 @@ class VocabShard:
 
     @property
     def width(self) -> int:
-        """Rows of the widest slice: what every rank pads its slice to in a collective."""
+        """Rows of the widest slice, which every rank pads its slice to in a collective."""
         return -(-self.vocab // self.tp_size)
 
     @property
     def leader(self) -> int:
-        """Global rank of the group's first rank, which assembles the outputs."""
         return dist.get_global_rank(self.group, 0)
 
 
@@ -104,7 +77,7 @@ def head_counts(config: dict) -> Optional[tuple[int, int]]:
 
 
 def read_teacher_config(path) -> Optional[dict]:
-    """A local teacher's config.json as a dict; None when there is none (a hub id) or it does not parse."""
+    """A local teacher's config.json as a dict; None when there is none (a hub id) or it is not a JSON object."""
     try:
         config = json.loads((Path(path).expanduser() / "config.json").read_text())
     except (OSError, ValueError):
@@ -113,8 +86,7 @@ def read_teacher_config(path) -> Optional[dict]:
 
 
 def heads_problem(config: dict, teacher_tp: int, where: str, key: str = "distillation.teacher_tp") -> Optional[str]:
-    """The sentence for a teacher whose attention or KV head count does not divide by `teacher_tp` (set by `key`),
-    else None."""
+    """The sentence for head counts that `teacher_tp` (set by `key`) does not divide, else None."""
     counts = head_counts(config)
     if teacher_tp == 1 or counts is None:
         return None
@@ -141,9 +113,8 @@ def tensor_parallel_plan(model) -> dict:
 
 
 def shard_teacher(model, group, device: torch.device, checkpoint: Optional["CheckpointTensors"] = None) -> VocabShard:
-    """Shard `model` over `group` in place, onto `device`; returns this rank's vocabulary slice of the output
-    head, whose forward then yields only that slice's logits. `model` is loaded on the host, or (with
-    `checkpoint`) a skeleton on the meta device whose shards are then read from `checkpoint`."""
+    """Shard `model` (on the host, or with `checkpoint` a meta skeleton read from it) over `group` onto `device`;
+    returns this rank's vocabulary slice of the output head, whose forward yields only that slice's logits."""
     ranks = dist.get_process_group_ranks(group)
     mesh = DeviceMesh.from_group(group, device.type, mesh=torch.tensor(ranks, dtype=torch.int))
     problem = heads_problem(model.config.to_dict(), len(ranks), "its config")
@@ -168,16 +139,14 @@ def shard_teacher(model, group, device: torch.device, checkpoint: Optional["Chec
 
 @dataclass
 class CheckpointTensors:
-    """Where each tensor of a safetensors checkpoint lives, and how many bytes of it this rank read."""
-
     files: dict[str, Path]  # tensor name -> its file
     total_bytes: int  # the files' sizes
     read_bytes: int = 0
 
     @classmethod
     def find(cls, directory) -> tuple[Optional["CheckpointTensors"], str]:
-        """(the checkpoint's tensors, "") or (None, why shards cannot be streamed from `directory`). The files are
-        chosen as transformers chooses them: model.safetensors, else the index's."""
+        """(the checkpoint's tensors, "") or (None, why shards cannot be streamed from `directory`); the files are
+        transformers' choice: model.safetensors, else the index's."""
         from safetensors import SafetensorError, safe_open
 
         directory = Path(directory).expanduser()
@@ -202,16 +171,14 @@ class CheckpointTensors:
         return cls(files, sum(path.stat().st_size for path in set(files.values()))), ""
 
     def unmatched(self, model) -> list[str]:
-        """The model's parameters and persistent buffers for which this checkpoint has no tensor of that name."""
         persistent = set(model.state_dict())
         names = [name for name, _ in model.named_parameters()]
         names += [name for name, _ in model.named_buffers() if name in persistent]
         return [name for name in names if name not in self.files]
 
     def load_local_shards(self, model, device: torch.device) -> None:
-        """Replace every meta parameter (and persistent buffer) of a parallelized skeleton by this rank's slice,
-        read from disk one tensor at a time, cast to the skeleton's dtype and copied onto `device` (on the
-        host too: no shard stays a view of a mapped file). `read_bytes` counts the shard bytes read."""
+        """Replace every meta parameter and persistent buffer of a parallelized skeleton by this rank's slice, read
+        one tensor at a time, cast and copied onto `device` (no shard stays a view of a mapped file)."""
         from safetensors import safe_open
 
         with contextlib.ExitStack() as stack:
@@ -255,7 +222,7 @@ class CheckpointTensors:
 
 
 def local_index(param: DTensor) -> tuple:
-    """The slices of the whole tensor that make this rank's shard of `param` (a 1-D mesh: Shard(d) or Replicate)."""
+    """The slices of the whole tensor that make this rank's shard of `param` (1-D mesh: Shard(d) or Replicate)."""
     index = [slice(None)] * param.dim()
     for placement in param.placements:
         if isinstance(placement, Shard):

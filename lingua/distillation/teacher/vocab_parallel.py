@@ -1,26 +1,12 @@
-"""The teacher's outputs from a vocabulary-parallel output head: each rank of a replica holds the logits of its
-own slice of the vocabulary ([rows, S, V / teacher_tp], `VocabShard`), and no rank ever holds them all.
+"""The teacher's outputs from a vocabulary-parallel head: each rank holds the logits of its slice ([rows, S,
+V / teacher_tp], `VocabShard`); each function returns on the group's first rank (None elsewhere) what
+`sparsify_teacher_logits` would for the whole vocabulary. Ids past the students' `vocab_size` become -inf.
 
-Each function takes one rank's slice and the replica's group, and returns the `TeacherOutputs` that
-`sparsify_teacher_logits` would return for the whole vocabulary, on the group's first rank (the one on
-the bridge; None on the others). The students' vocabulary cut (teacher rows at or beyond `vocab_size` are
-padding) may fall inside a slice: those logits become -inf, so they are never chosen and weigh nothing.
-
-    topk     one gather: each slice's log-sum-exp, the log-sum-exp of what its own top-k leaves, and that
-             top-k (k x teacher_tp candidates). The first rank merges: the global log-sum-exp, the k best
-             candidates, and the rest mass from the slices' rests plus the candidates not chosen (a sum of
-             positive terms, as exact as the single-device log-sum-exp of the non-top-k entries). Equal
-             log-probs may be taken in another order than one topk over the whole vocabulary would (ties are
-             an implementation detail of topk); their values are the same.
-    sampled  an all-gather of each slice's log-sum-exp, then inverse-CDF sampling in float64: uniforms drawn
-             from the replica's seed (the same on every rank) pick the slice by its mass and the id inside
-             it; each rank answers for the draws that fell in its slice, one reduce sums them (with the
-             negative entropy's partial sums). Drawn from p_T exactly; the same uniforms at teacher_tp=1
-             give the same ids (`sample_ids`). teacher_tp=1 itself keeps torch.multinomial, as before.
-    full     an all-gather of the log-sum-exps, then one gather of each slice's log-probs (wire dtype):
-             only with output=full, which sends the whole vocabulary anyway.
-    cross-entropy (the teacher's held-out reference): an all-gather of log-sum-exps, an all-reduce of the
-             labels' logits.
+    topk     one gather of each slice's log-sum-exp, its rest's and its top-k; the first rank merges them
+    sampled  an all-gather of the log-sum-exps, float64 inverse-CDF draws from the replica's seed, one reduce
+             (`sample_ids`: the same uniforms at teacher_tp=1 give the same ids)
+    full     an all-gather of the log-sum-exps, one gather of each slice's log-probs
+    CE       an all-gather of the log-sum-exps, an all-reduce of the labels' logits (the held-out reference)
 """
 
 from typing import Optional
@@ -48,28 +34,21 @@ def scaled_slice(logits: torch.Tensor, shard: VocabShard, vocab_size: int, tempe
     return padded
 
 
-def _gather_to_leader(tensor: torch.Tensor, shard: VocabShard, what: str) -> Optional[torch.Tensor]:
-    """[teacher_tp, *tensor.shape] on the group's first rank (slice order), None on the others."""
+def _gather(tensor: torch.Tensor, shard: VocabShard, what: str, everywhere: bool = False) -> Optional[torch.Tensor]:
+    """[teacher_tp, *tensor.shape] in slice order on every rank (`everywhere`) or on the group's first rank only."""
     tensor = tensor.contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(shard.tp_size)] if shard.tp_rank == 0 else None
-    log_collective(f"gather {what}", shard.group, tensor)
-    dist.gather(tensor, parts, dst=shard.leader, group=shard.group)
+    parts = [torch.empty_like(tensor) for _ in range(shard.tp_size)] if everywhere or shard.tp_rank == 0 else None
+    log_collective(f"{'all_gather' if everywhere else 'gather'} {what}", shard.group, tensor)
+    if everywhere:
+        dist.all_gather(parts, tensor, group=shard.group)
+    else:
+        dist.gather(tensor, parts, dst=shard.leader, group=shard.group)
     return torch.stack(parts) if parts is not None else None
-
-
-def _all_gather(tensor: torch.Tensor, shard: VocabShard, what: str) -> torch.Tensor:
-    """[teacher_tp, *tensor.shape] on every rank of the group."""
-    tensor = tensor.contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(shard.tp_size)]
-    log_collective(f"all_gather {what}", shard.group, tensor)
-    dist.all_gather(parts, tensor, group=shard.group)
-    return torch.stack(parts)
 
 
 def vocab_parallel_outputs(logits: torch.Tensor, shard: VocabShard, format: str, k: int, temperature: float,
                            wire_dtype: torch.dtype, vocab_size: int,
                            generator: Optional[torch.Generator] = None) -> Optional[TeacherOutputs]:
-    """One slice's logits [N, S, V / tp] -> the whole vocabulary's TeacherOutputs on the group's first rank."""
     check_format(format)
     assert temperature > 0 and (format == "full" or k >= 1), (temperature, k)  # DistillationArgs.validate()
     if format == "topk" and k > vocab_size:
@@ -95,7 +74,7 @@ def _topk(z: torch.Tensor, shard: VocabShard, k: int, wire_dtype: torch.dtype) -
     # float64 carries ids < 2^53 exactly: one message per slice, no bit casts.
     packed = torch.cat([lse[..., None].double(), rest[..., None].double(), values.double(),
                         (ids + shard.start).double()], dim=-1)
-    gathered = _gather_to_leader(packed, shard, "top-k candidates")
+    gathered = _gather(packed, shard, "top-k candidates")
     if gathered is None:
         return None
     tp = shard.tp_size
@@ -113,11 +92,9 @@ def _topk(z: torch.Tensor, shard: VocabShard, k: int, wire_dtype: torch.dtype) -
 
 def sample_ids(z: torch.Tensor, shard_lse: torch.Tensor, slice_index: int, start: int, valid: int,
                uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse-CDF draws over slices. z: this slice's [P, W] logits / T (its first `valid` columns are real ids);
-    shard_lse: every slice's log-sum-exp [tp, P] (float64); uniforms: [P, k] in [0, 1), the same on every slice.
-
-    Returns (mine [P, k] bool: the draw fell in this slice, ids [P, k] global, log-probs [P, k] float64, this
-    slice's part of sum_v p log p [P] float64); ids and log-probs are only meaningful where `mine`."""
+    """Inverse-CDF draws over slices from z, this slice's [P, W] logits / T (`valid` real columns), every slice's
+    log-sum-exp [tp, P] (float64) and the same uniforms [P, k] on every slice. Returns (mine [P, k]: the draw fell
+    here, global ids, float64 log-probs (both meaningful where mine), this slice's part of sum_v p log p [P])."""
     log_total = shard_lse.logsumexp(0)  # [P]
     masses = (shard_lse - log_total).exp().t()  # [P, tp]
     cumulative = masses.cumsum(-1)
@@ -147,7 +124,7 @@ def _sampled(z: torch.Tensor, shard: VocabShard, k: int, wire_dtype: torch.dtype
     flat = z.reshape(N * S, W)
     lse = torch.cat([flat[i:i + POSITIONS_PER_BLOCK].double().logsumexp(-1)
                      for i in range(0, flat.shape[0], POSITIONS_PER_BLOCK)])
-    shard_lse = _all_gather(lse, shard, "slice log-sum-exp")
+    shard_lse = _gather(lse, shard, "slice log-sum-exp", everywhere=True)
     uniforms = torch.rand((N * S, k), generator=generator, dtype=torch.float64, device=z.device)
     valid = max(0, min(shard.end, vocab_size) - shard.start)
     mine, ids, log_probs, neg_entropy = sample_ids(flat, shard_lse, shard.tp_rank, shard.start, valid, uniforms)
@@ -164,8 +141,8 @@ def _sampled(z: torch.Tensor, shard: VocabShard, k: int, wire_dtype: torch.dtype
 
 def _full(z: torch.Tensor, shard: VocabShard, wire_dtype: torch.dtype, vocab_size: int) -> Optional[TeacherOutputs]:
     N, S, W = z.shape
-    log_total = _all_gather(z.logsumexp(-1), shard, "slice log-sum-exp").logsumexp(0)
-    gathered = _gather_to_leader((z - log_total[..., None]).to(wire_dtype), shard, "log-probs")
+    log_total = _gather(z.logsumexp(-1), shard, "slice log-sum-exp", everywhere=True).logsumexp(0)
+    gathered = _gather((z - log_total[..., None]).to(wire_dtype), shard, "log-probs")
     if gathered is None:
         return None
     return TeacherOutputs("full", gathered.permute(1, 2, 0, 3).reshape(N, S, shard.tp_size * W)[..., :vocab_size])
@@ -173,10 +150,10 @@ def _full(z: torch.Tensor, shard: VocabShard, wire_dtype: torch.dtype, vocab_siz
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shard: VocabShard,
                                  vocab_size: int) -> torch.Tensor:
-    """Cross-entropy summed over the labelled positions (labels != -100) of one slice's logits [..., V / tp]
-    against labels [...], over the first `vocab_size` ids; the same scalar on every rank of the group."""
+    """Cross-entropy summed over the labelled positions of one slice's logits [..., V / tp], over the first
+    `vocab_size` ids; the same scalar on every rank of the group."""
     z = scaled_slice(logits, shard, vocab_size, 1.0)
-    log_total = _all_gather(z.logsumexp(-1), shard, "slice log-sum-exp").logsumexp(0)
+    log_total = _gather(z.logsumexp(-1), shard, "slice log-sum-exp", everywhere=True).logsumexp(0)
     local = labels - shard.start
     here = (local >= 0) & (local < min(shard.end, vocab_size) - shard.start)
     picked = torch.where(here, z.gather(-1, local.clamp(0, z.shape[-1] - 1)[..., None])[..., 0], 0.0)

@@ -25,6 +25,7 @@ from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.parallel.launch_plan import DistributedArgs
 from lingua.distillation.teacher.model import load_teacher
 from lingua.distillation.online.client import TeacherClient
+from lingua.distillation.online.distiller import first_error
 from lingua.distillation.online.server import TeacherServer
 from lingua.errors import PeerStopped, TeacherError
 from lingua.logger import init_logger
@@ -60,7 +61,7 @@ def run_mode(teacher_dir: str, mode: str, topo) -> None:
     # agreed, so the teacher hears ERROR before it is raised (the trainer's `Distiller.session`).
     if client.response_flags()["teacher_error"]:
         client.stop(step=1, error=True)
-        client.raise_teacher_error()
+        raise first_error([client], "error")[1]
     client.stop(step=2)
 
 

@@ -96,9 +96,9 @@ def run_case(teacher_dir: str, case: str, topo) -> None:
         start = time.perf_counter()
         server.serve()
         # Busy and idle seconds cover the whole loop: no request's work falls between the two clocks.
-        elapsed, counted = time.perf_counter() - start, server.busy_s + server.idle_s
+        elapsed, counted = time.perf_counter() - start, server.clock.busy_s + server.clock.idle_s
         clock = "OK" if abs(elapsed - counted) < 0.02 * elapsed + 0.01 else "FAILED"
-        say(f"{case} TEACHER CLOCK {clock} busy {server.busy_s:.3f}s idle {server.idle_s:.3f}s of {elapsed:.3f}s")
+        say(f"{case} TEACHER CLOCK {clock} busy {server.clock.busy_s:.3f}s idle {server.clock.idle_s:.3f}s of {elapsed:.3f}s")
         return
     reference, tokenizer = load_teacher(replace(args, teacher_dtype="fp32"), topo.device)
     vocab = len(tokenizer)

@@ -103,6 +103,7 @@ def cross_tokenizer_case(rank: int, group, sharded: TeacherModel, whole: Teacher
                              args=args, leader=rank == 1, link=ReplicaLink(topo, spec, 1), bridge_ranks=[0, 1],
                              nan_flags={}, generator=torch.Generator().manual_seed(0),
                              responses=[torch.zeros(spec.response_bytes(), dtype=torch.uint8) for _ in range(2)])
+    server._write = lambda student, outputs: TeacherServer._write(server, student, outputs)
     with recorder:
         TeacherServer._cross_forward_rows(server, [(0, None)], {0: SimpleNamespace(bsz=2, seqlen=20)}, tokens,
                                           doc_ids, next_tokens)

@@ -369,7 +369,7 @@ def test_a_refused_bridge_does_not_skip_the_next_ones_exchange(tmp_path, monkeyp
     def all_gather_object(out, verdict, group):
         out[:] = [verdict] + [None] * (len(out) - 1)
 
-    monkeypatch.setattr(bridge, "_exchange", exchange)
+    monkeypatch.setattr(bridge, "exchange_records", exchange)
     monkeypatch.setattr(bridge.dist, "all_gather_object", all_gather_object)
     topo = SimpleNamespace(world_size=4, teacher_ranks=[2, 3])
     views = [SimpleNamespace(teacher_view=i) for i in (0, 1)]

@@ -148,6 +148,7 @@ def test_sampled_targets_cross_the_wire(tiny_teacher):
                              leader=True, link=None,
                              generator=torch.Generator().manual_seed(3),
                              responses=[torch.zeros(spec.response_bytes(), dtype=torch.uint8) for _ in range(2)])
+    server._write = lambda rank, outputs: TeacherServer._write(server, rank, outputs)
     headers = {0: SimpleNamespace(bsz=2, seqlen=20), 1: SimpleNamespace(bsz=1, seqlen=20)}
     TeacherServer._cross_forward_rows(server, [(0, None), (1, None)], headers, tokens, None, torch.tensor([32] * 3))
     batch = cross.teacher_batch(tokens, None, torch.tensor([32] * 3))

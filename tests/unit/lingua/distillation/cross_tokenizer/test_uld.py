@@ -81,6 +81,7 @@ def test_an_online_teacher_replies_with_the_marked_entries(corpus, tiny_teacher)
         server = SimpleNamespace(cross=cross, teacher=teacher, spec=spec, args=replace(args, uld_weight=uld_weight),
                                  leader=True, link=None, generator=None, bridge_ranks=[0, 2], nan_flags={},
                                  responses=[torch.zeros(spec.response_bytes(), dtype=torch.uint8)])
+        server._write = lambda rank, outputs: TeacherServer._write(server, rank, outputs)
         headers = {0: SimpleNamespace(bsz=2, seqlen=tokens.shape[1])}
         TeacherServer._cross_forward_rows(server, [(0, None)], headers, tokens, None)
         sent = TeacherOutputs.from_tensors("topk", spec.payload_views(server.responses[0]))
