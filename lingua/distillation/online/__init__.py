@@ -1,5 +1,5 @@
 """The online road: students and teacher ranks of one launch talking over a bridge group each step.
-Entered by the builder (student side) and `apps.main.train.distillation_process` (teacher side).
+Entered by the builder: `build_distiller` (student side) and `serve_teacher` (teacher side, from `apps.main.train`).
 
     distiller.py       OnlineDistiller: one bridge per online teacher (and any cached teacher's targets from the batch)
     bridge.py          the wire records (RequestHeader, HandshakeRecord, ResponseStatus) and the handshake
