@@ -12,7 +12,7 @@ import pytest
 from apps.bench import distill as bench
 from lingua.distillation.args import resolve_prefetch
 from lingua.run.dump_dir import RunDir, read_metrics, train_rows
-from tests.runs import assert_ok, distill_overrides, rank_exit_codes, rank_outputs, signal_ranks, torchrun
+from tests.runs import assert_ok, at_once, distill_overrides, rank_exit_codes, rank_outputs, signal_ranks, torchrun
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -280,16 +280,14 @@ def test_prefetch_gives_the_same_losses_and_resumes_exactly(corpus, tiny_teacher
     """prefetch 0 and 1 train bit-identically, and with look-ahead a resumed run sends and trains on exactly the
     batches the interrupted one did not (the look-ahead batch belongs to the next step): a look-ahead run
     preempted at step 3 and resumed gives, step for step, the numbers of an uninterrupted run without it."""
-    reference = tmp_path / "prefetch0"
-    result = torchrun(3, distill_overrides(corpus, tiny_teacher, reference, steps=6, grad_acc_steps=2,
-                                           **{"distillation.prefetch": 0}), timeout=150)
+    reference, split = tmp_path / "prefetch0", tmp_path / "split"
+    # prefetch 1 (the default), preempted at step 3 with a look-ahead request of step 4 in flight: drained,
+    # saved at 3, STOP, exit 0. It and the reference are independent: launched at once.
+    result, first = at_once(lambda job: torchrun(3, distill_overrides(corpus, tiny_teacher, job[0], steps=6,
+                                                                      grad_acc_steps=2, **job[1]), timeout=150),
+                            [(reference, {"distillation.prefetch": 0}), (split, {"inject_failure": "preempt:1@3"})])
     assert_ok(result)
     assert "STOP received after 12 requests" in result.stdout
-    # prefetch 1 (the default), preempted at step 3 with a look-ahead request of step 4 in flight: drained,
-    # saved at 3, STOP, exit 0.
-    split = tmp_path / "split"
-    first = torchrun(3, distill_overrides(corpus, tiny_teacher, split, steps=6, grad_acc_steps=2,
-                                          inject_failure="preempt:1@3"), timeout=150)
     assert_ok(first)
     assert "run preempted" in first.stdout and "STOP received after 7 requests" in first.stdout  # 3 x 2 + look-ahead
     assert sorted(p.name for p in (split / "checkpoints").iterdir()) == [f"{3:010d}"]
@@ -395,11 +393,15 @@ def test_no_host_read_per_micro_batch(corpus, tiny_teacher, tmp_path, mode):
     document masks, and with rank 0's progress line redrawn every step as on a terminal."""
     per_step = {}
     extra, env = ({"model.attn_mask": "doc_causal"}, {"COUNT_SYNCS_TTY": "1"}) if mode != "causal" else ({}, {})
-    for grad_acc in (1, 3):
-        out = tmp_path / f"counts_{grad_acc}.json"
+
+    def count(grad_acc):
         overrides = distill_overrides(corpus, tiny_teacher, tmp_path / f"run{grad_acc}", steps=6,
                                       grad_acc_steps=grad_acc, **{"logging.freq": 100, **extra})
-        result = torchrun(3, [str(out), *overrides], timeout=150, env=env, module="tests.dist.workers.count_syncs")
+        return torchrun(3, [str(tmp_path / f"counts_{grad_acc}.json"), *overrides], timeout=150, env=env,
+                        module="tests.dist.workers.count_syncs")
+
+    for grad_acc, result in zip((1, 3), at_once(count, (1, 3))):  # independent launches: two at a time
+        out = tmp_path / f"counts_{grad_acc}.json"
         assert_ok(result)
         assert ("step 4/6 | " in result.stdout) == bool(env)  # the live line, redrawn between log steps
         for rank in (0, 1):
