@@ -96,12 +96,16 @@ def write_trace(topo, dump_dir, reason: str) -> Optional[Path]:
     record["entries"] = [e for e in entries if str(e["process_group"][0]) in known]
     dropped = len(entries) - len(record["entries"])
     folder = trace_dir(dump_dir)
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{TRACE_PREFIX}{topo.global_rank}"
     tmp = folder / f".writing.{topo.global_rank}"  # no `rank_` in the name: the analyzer reads every such file
-    with _writing:
-        tmp.write_bytes(pickle.dumps(record))
-        os.replace(tmp, path)
+    try:
+        with _writing:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(pickle.dumps(record))
+            os.replace(tmp, path)
+    except OSError as exc:  # a full disk must not hide the sentence the dump was written beside
+        logger.warning(f"flight recorder not written to {path} ({reason}): {exc}")
+        return None
     logger.warning(f"flight recorder written to {path} ({reason}; {len(record['entries'])} collectives"
                    + (f", {dropped} on groups of torch's own left out" if dropped else "") + ")")
     return path

@@ -39,6 +39,9 @@ class PreemptionFlag:
             signal.signal(sig, signal.SIG_IGN)
 
 
+REQUEUE_TIMEOUT_S = 60  # seconds for `scontrol requeue` to answer (submitit's own requeue waits as long)
+
+
 @contextmanager
 def sigterm_ignored():
     """SIGTERM ignored in this process and in the programs it starts meanwhile (an ignored signal survives exec).
@@ -64,8 +67,13 @@ def requeue_if_slurm(is_train_master: bool, dump_dir: Optional[str] = None) -> N
         marker = Path(dump_dir) / "logs" / f"requeued_by_preemption.{job_id}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
-    with sigterm_ignored():  # the requeue's own SIGTERM must not kill scontrol before it reports
-        result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    try:  # bounded, as submitit's own requeue: a stuck controller must not hold this rank with SIGTERM ignored
+        with sigterm_ignored():  # the requeue's own SIGTERM must not kill scontrol before it reports
+            result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
+                                    timeout=REQUEUE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        logger.error(f"scontrol requeue {job_id} did not answer within {REQUEUE_TIMEOUT_S} s; requeue the job by hand")
+        return
     if result.returncode == 0:
         logger.info(f"requeued SLURM job {job_id}")
     else:

@@ -46,3 +46,23 @@ def test_only_the_train_master_requeues_and_never_under_submitit(tmp_path, monke
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
     requeue_if_slurm(True, str(tmp_path))
     assert not calls.exists() and not (tmp_path / "logs").exists()
+
+
+def test_a_controller_that_never_answers_is_given_up_on_with_a_sentence(tmp_path, monkeypatch, caplog):
+    """SIGTERM is ignored around the requeue, so a stuck `scontrol` must not hold the rank: bounded, then logged."""
+    from lingua.parallel import preemption
+
+    script = tmp_path / "bin" / "scontrol"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\nexec sleep 30\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{script.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    monkeypatch.setattr(preemption, "REQUEUE_TIMEOUT_S", 0.5)
+    handler = signal.getsignal(signal.SIGTERM)
+    with caplog.at_level(logging.INFO, logger="lingua.parallel.preemption"):
+        requeue_if_slurm(True, str(tmp_path))
+    assert [r.getMessage() for r in caplog.records] == [
+        "scontrol requeue 7 did not answer within 0.5 s; requeue the job by hand"]
+    assert signal.getsignal(signal.SIGTERM) is handler

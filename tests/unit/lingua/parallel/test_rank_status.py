@@ -52,3 +52,14 @@ def test_a_stopped_rank_woken_into_a_closed_connection_leaves_its_flight_recorde
     else:
         assert trace is not None and any(e["profiling_name"] == "gloo:all_reduce" for e in trace["entries"]), trace
         assert sorted(p.name for p in (tmp_path / "comm_traces").iterdir()) == ["rank_2"]
+
+
+def test_a_dump_that_cannot_be_written_still_leaves_the_sentence(train_group, tmp_path):
+    """A full disk (here: comm_traces is a file, so its folder cannot be made) costs the dump, never the sentence."""
+    dist.all_reduce(torch.ones(1), group=train_group)
+    students_timed_out_waiting_for_rank_2(tmp_path)
+    (tmp_path / "comm_traces").write_text("in the way")
+    with pytest.raises(PeerStopped, match=r"^this rank \(teacher\) had stopped answering"):
+        with RankStatus(str(tmp_path), teacher_topo(train_group), debug="trace"):
+            raise CLOSED
+    assert (tmp_path / "comm_traces").read_text() == "in the way"
