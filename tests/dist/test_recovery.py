@@ -43,9 +43,11 @@ def kill_plan(dump, kills: list[tuple[int, int]], pids: list[int], world: int, t
     `step`, SIGKILL that rank; every pid seen goes to `pids` (for the orphan check)."""
     def plan(*_):
         seen = 0
-        for rank, step in kills:
+        for done, (rank, step) in enumerate(kills):
             deadline = time.time() + timeout
-            while not any(row["step"] >= step for row in loss_rows(dump)[seen:]):
+            # The generation to kill has trained (its recovery row filled in), so no kill lands in its start-up.
+            while not (any(row["step"] >= step for row in loss_rows(dump)[seen:])
+                       and recovered(read_jsonl(RunDir(dump).recovery), done)):
                 assert time.time() < deadline, f"step {step} never logged after the last kill"
                 time.sleep(0.1)
             pid = generation_pid(dump, rank)
@@ -53,6 +55,11 @@ def kill_plan(dump, kills: list[tuple[int, int]], pids: list[int], world: int, t
             os.kill(pid, signal.SIGKILL)
             seen = len(loss_rows(dump))  # a later kill waits for the next generation's rows
     return plan
+
+
+def recovered(rows: list[dict], crashes: int) -> bool:
+    """Whether the generation after the `crashes`-th crash has done its first step (its row names where it resumed)."""
+    return crashes == 0 or (len(rows) >= crashes and rows[crashes - 1].get("resumed_from") is not None)
 
 
 def assert_same_losses(broken, unbroken) -> None:
