@@ -3,12 +3,13 @@ min/max/slowest rank per step part), the live progress line, one-time warnings, 
 Nothing here reads a device value on a step that does not log."""
 
 import logging
-import math
+import re
 import time
 from pathlib import Path
 
 import torch
 
+from apps.main.teacher_wait import TeacherWait, oversubscribed_cores, teacher_wait_advice
 from lingua.args import to_dict
 from lingua.metrics import MemoryMonitor, MetricLogger, ProgressLine, estimate_mfu
 from lingua.parallel.collectives import dist_gather_floats, dist_mean_dict
@@ -18,19 +19,8 @@ from lingua.run.dump_dir import RunDir, read_metrics
 logger = logging.getLogger("train")
 
 STEP_PARTS = ("data", "fwd_bwd", "teacher_wait", "optimizer", "checkpoint")
-TEACHER_BOUND_SHARE = 0.3  # warn when students wait on the teacher more than this share of a step
-
-
-def teacher_ranks_to_keep_up(n_teachers: int, n_students: int, busy_share: float, step_s: float,
-                             wait_s: float) -> int:
-    """Teacher ranks that would remove the students' wait, from what was measured: the teachers need
-    busy_share * step_s of work per step today; with k times more of them each needs 1/k of it, and with
-    look-ahead that hides behind the students' own compute (step_s - wait_s). Rounded up to a count the
-    students divide evenly among."""
-    compute_s = max(step_s - wait_s, 1e-9)
-    needed = math.ceil(n_teachers * busy_share * step_s / compute_s - 1e-9)
-    candidates = [k for k in range(max(needed, 1), n_students + 1) if n_students % k == 0]
-    return candidates[0] if candidates else n_students
+# A teacher's clocks reach each student from its own bridge: averaged over the students, they describe every replica
+TEACHER_CLOCKS = re.compile(r"kd/(\d+/)?teacher_(busy|busy_s|idle_s|forward_s)")
 
 
 def straggler_metrics(per_rank: list[list[float]], ranks: list[int]) -> dict:
@@ -52,6 +42,20 @@ def straggler_metrics(per_rank: list[list[float]], ranks: list[int]) -> dict:
         row[f"stragglers/{part}_min_s"] = min(values)
         row[f"stragglers/{part}_slowest_rank"] = ranks[slowest]
     return row
+
+
+def busy_shares(before: dict, after: dict) -> dict[str, float]:
+    """Each teacher's share of time computing between two log rows' cumulative clocks ("" for a lone teacher, "<i>"
+    for teacher i of several); {} on the first row, or where no time passed."""
+    shares = {}
+    for key in after:
+        if key.endswith("teacher_busy_s") and key in before:
+            prefix = key[:-len("teacher_busy_s")]
+            busy = after[key] - before[key]
+            idle = after[prefix + "teacher_idle_s"] - before[prefix + "teacher_idle_s"]
+            if busy + idle > 0:
+                shares[prefix[len("kd/"):].rstrip("/")] = busy / (busy + idle)
+    return shares
 
 
 def kd_words(row: dict) -> str:
@@ -91,6 +95,7 @@ class StepReporter:
         self.memory = MemoryMonitor(topo.device)
         self.warned_grace = False  # this launch only
         self.warned_teacher_bound = False  # once per launch: the progress line keeps showing the share
+        self.teacher_clocks: dict = {}  # the last log row's cumulative teacher busy/idle seconds (the window's start)
         self.last_logged: dict = {}  # the last log row's loss and teacher share, for the live line in between
         self.unlogged_save_s = 0.0  # checkpoint seconds since the last log row (a save on a step that does not log)
         self.recovery = RecoveryLog(args.dump_dir, topo.recovered, active=master)  # restarts, steps redone, seconds
@@ -136,7 +141,9 @@ class StepReporter:
         """Means over the students, plus min/max/slowest rank per step part (one gather, log steps only)."""
         topo = self.topo
         group, device = topo.train_group, topo.device
-        means = dist_mean_dict(dict(metrics), group, device)
+        bridges = self.distiller.log_metrics(timer)  # this rank's wait and its bridges' teacher clocks
+        teacher_clocks = {key: bridges.pop(key) for key in list(bridges) if TEACHER_CLOCKS.fullmatch(key)}
+        means = dist_mean_dict({**metrics, **teacher_clocks}, group, device)
         means["data/bad_lines"] = round(means["data/bad_lines"] * topo.train_world_size)  # a count: the sum
         seconds = timer.read()
         per_rank = dist_gather_floats([seconds.get(p, 0.0) for p in STEP_PARTS] + [step_time, timer.arrival_s],
@@ -145,7 +152,7 @@ class StepReporter:
         row = {"step": state.step, "tokens": state.tokens, **means, "optim/lr": lr, "optim/grad_norm": grad_norm,
                "speed/tokens_per_s": tokens_per_s, "speed/step_time_s": step_time,
                "speed/data_time_s": seconds.get("data", 0.0), "time": time.time(),
-               **self.memory.get_peak_stats(), **self.distiller.log_metrics(timer),
+               **self.memory.get_peak_stats(), **bridges,
                **straggler_metrics(per_rank, topo.student_ranks)}
         row.update(self.recovery.fields)  # only in a run that recovered from a crash
         if self.unlogged_save_s:  # this rank's saves since the last row, timed apart from the steps
@@ -169,22 +176,26 @@ class StepReporter:
             self.progress.update(state.step, row)
 
     def check_bottleneck(self, row: dict) -> None:
-        """Once per launch: students waiting on the teacher for more than TEACHER_BOUND_SHARE of a step."""
-        step_s, wait_s = row["speed/step_time_s"], row.get("speed/teacher_wait_s", 0.0)
-        if wait_s / step_s <= TEACHER_BOUND_SHARE or self.warned_teacher_bound:
+        """Once per launch, from the second log row on (the teacher's busy share over the window between two rows:
+        since the handshake it would count the startup's idle time): students waiting on the teacher for more than
+        TEACHER_BOUND_SHARE of a step, with what would change it (`apps/main/teacher_wait.py`)."""
+        clocks = {key: value for key, value in row.items() if re.fullmatch(r"kd/(\d+/)?teacher_(busy|idle)_s", key)}
+        window, self.teacher_clocks = busy_shares(self.teacher_clocks, clocks), clocks
+        if self.warned_teacher_bound or not window:
             return
-        self.warned_teacher_bound = True
-        n_teachers, n_students, tp = len(self.topo.teacher_ranks), len(self.topo.student_ranks), self.topo.teacher_tp
-        busy = row.get("kd/teacher_busy", 1.0)
-        # Counted in replicas (teacher_tp ranks each), then in ranks.
-        needed = teacher_ranks_to_keep_up(n_teachers // tp, n_students, busy, step_s, wait_s) * tp
-        logger.warning(f"students spend {100 * wait_s / step_s:.0f}% of the step waiting on the teacher, which is busy "
-                       f"{100 * row.get('kd/teacher_busy', 0.0):.0f}% of its time: the teacher is the bottleneck. "
-                       f"About {needed} teacher rank(s) (distillation.n_teacher_ranks={needed}, today "
-                       f"{n_teachers}) would keep up with {n_students} students"
-                       + ("" if self.distiller.prefetch else ", with distillation.prefetch=1 hiding the teacher behind "
-                          "the whole student step where its rank does not share cores with them")
-                       + "; or use a smaller teacher, or the offline cache.")
+        busiest = max(window, key=window.get)
+        topo = self.topo
+        measured = TeacherWait(
+            step_s=row["speed/step_time_s"], wait_s=row.get("speed/teacher_wait_s", 0.0), busy_share=window[busiest],
+            teacher_ranks=len(topo.teacher_ranks), tp=topo.teacher_tp, students=len(topo.student_ranks),
+            prefetch=self.distiller.prefetch,
+            shared_cores=oversubscribed_cores(topo.device.type, topo.local_world_size, torch.get_num_threads()),
+            rank_key="distillation.n_teacher_ranks" if busiest == "" else
+            f"teacher {busiest}'s n_teacher_ranks in distillation.teachers")
+        advice = teacher_wait_advice(measured)
+        if advice is not None:
+            self.warned_teacher_bound = True
+            logger.warning(advice)
 
     def log_eval(self, row: dict) -> None:
         if self.metric_logger is not None:

@@ -4,8 +4,11 @@ Every function here takes its group explicitly (the collective rule): `group=Non
 only in a single process; in a job it would silently mean the world, so it is refused.
 `agree_flags`, `agree_count` and `first_error` are how ranks agree before they diverge: any decision that changes
 which collectives a rank issues (stop, save, fail, loop lengths) goes through one of them first.
+`dist_mean_dict` reduces values by key: it checks first, with one small all_reduce, that every rank holds the same
+keys, so a key on some ranks only is one sentence on every rank (`KeyMismatch`), never a hang or a mixed-up mean.
 """
 
+import hashlib
 import logging
 from pathlib import Path
 from typing import Optional
@@ -13,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lingua.errors import DataError
+from lingua.errors import DataError, UserError
 
 logger = logging.getLogger(__name__)
 comm_logger = logging.getLogger("lingua.comm")  # per-collective lines; DEBUG level only with distributed.debug
@@ -48,16 +51,53 @@ def _alone(group) -> bool:
     return group is None or dist.get_world_size(group) == 1
 
 
-def dist_mean_dict(values: dict, group, device: torch.device) -> dict[str, float]:
-    """Mean of each value (Python numbers or device scalars) over `group`: one all_reduce, one host read."""
+def dist_mean_dict(values: dict, group, device: torch.device, what: str = "metric") -> dict[str, float]:
+    """Mean of each value (Python numbers or device scalars) over `group`: one all_reduce, one host read (after
+    `check_same_keys`, which raises `KeyMismatch` on every rank where some rank holds other keys)."""
     _require_group(group, "dist_mean_dict")
     keys = sorted(values)
     tensor = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=device).reshape(()) for k in keys])
     if not _alone(group):
+        check_same_keys(keys, group, device, what)
         log_collective("all_reduce(sum) dist_mean_dict", group, tensor)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
         tensor /= dist.get_world_size(group)
     return dict(zip(keys, tensor.tolist()))
+
+
+def _keys_digest(keys: list[str]) -> int:
+    """63 bits of a hash of the sorted keys, the same in every process (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.blake2b("\0".join(keys).encode(), digest_size=8).digest(), "big") >> 1
+
+
+def check_same_keys(keys: list[str], group, device: torch.device, what: str) -> None:
+    """Every rank of `group` holds the same keys, or `KeyMismatch` on every rank at once: one all_reduce of the
+    keys' digest (max and min), and only when they differ a gather of the names, for the sentence."""
+    digest = _keys_digest(sorted(keys))
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    log_collective("all_reduce(max) check_same_keys", group, extremes)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    highest, lowest = extremes.tolist()
+    if highest == -lowest:  # all ranks agree on this, so all return or all gather below
+        return
+    every: list = [None] * dist.get_world_size(group)
+    log_collective("all_gather_object check_same_keys", group)
+    dist.all_gather_object(every, sorted(keys), group=group)
+    raise KeyMismatch(key_mismatch_sentence(every, dist.get_process_group_ranks(group), what))
+
+
+def key_mismatch_sentence(keys_per_rank: list[list[str]], ranks: list[int], what: str) -> str:
+    """"metric 'kd/x' is on rank 1 only (not on rank 0): ..." for each key some ranks lack, in key order."""
+    held = [set(keys) for keys in keys_per_rank]
+    parts = []
+    for key in sorted(set().union(*held)):
+        on = [r for r, keys in zip(ranks, held) if key in keys]
+        if len(on) < len(ranks):
+            off = [r for r in ranks if r not in on]
+            parts.append(f"{what} '{key}' is on rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))} only "
+                         f"(not on rank{'s' if len(off) > 1 else ''} {', '.join(map(str, off))})")
+    return (f"{'; '.join(parts)}: every rank must report the same {what} keys to average them, so report each "
+            f"on every rank (e.g. 0.0 where it does not apply).")
 
 
 def dist_gather_floats(values: list[float], group, device: torch.device) -> list[list[float]]:
@@ -91,6 +131,11 @@ def agree_flags(flags: dict, group, device: torch.device) -> dict[str, bool]:
 class AgreedError(Exception):
     """An error every rank of a group raises at the same point, because they agreed on it (so a peer that
     talks to other ranks, like a student to its teacher, can tell them before raising)."""
+
+
+class KeyMismatch(AgreedError, UserError, ValueError):
+    """Ranks hold different keys for a reduction by key (a metric logged on some students only); raised on every
+    rank of the group at once (it is agreed)."""
 
 
 class CountMismatch(AgreedError, DataError):

@@ -416,3 +416,25 @@ def test_no_host_read_per_micro_batch(corpus, tiny_teacher, tmp_path, mode):
     # (host tensors unless capturable) -- none of them per micro-batch.
     sites = {site.split(":")[0] for site in per_step[3, 0][3][1]}
     assert sites <= {"collectives.py", "train.py", "adamw.py", "optimizer.py", "adam.py"}, per_step[3, 0][3]
+
+
+@pytest.mark.timeout(200)
+def test_a_metric_on_one_student_only_ends_both_with_one_sentence(corpus, tiny_teacher, tmp_path):
+    """dist_mean_dict checks the students' keys before its all_reduce: a metric logged by train rank 1 only (from
+    step 2) is one sentence naming the key and the ranks on both students, at that step, not a hang."""
+    dump = tmp_path / "dump"
+    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=6), timeout=180,
+                      module="tests.dist.workers.extra_metric")
+    sentence = ("error: metric 'debug/only_on_rank_1' is on rank 1 only (not on rank 0): every rank must report the "
+                "same metric keys to average them, so report each on every rank (e.g. 0.0 where it does not apply).")
+    assert result.returncode != 0 and result.stdout.count(sentence) == 2, result.stdout[-5000:]
+    assert "timed out" not in result.stdout.lower(), result.stdout[-5000:]
+    assert sorted(train_rows(dump)) == [1]  # step 1 logged; step 2's row is the one refused
+    for rank in (0, 1):  # each student told the teacher and left at once: no traceback, no collective timeout
+        log = (dump / "logs" / f"rank_{rank}.log").read_text()
+        assert "sent ERROR to teacher rank 2 at step 2" in log, log[-3000:]
+        assert "Traceback" not in log and "timed out" not in log.lower(), log[-3000:]
+        stamps = {what: time.mktime(time.strptime(re.search(rf"^(\S+ \S+) .*{what}", log, re.M).group(1),
+                                                  "%Y-%m-%d %H:%M:%S"))
+                  for what in ("startup phase first_step", "process groups aborted")}
+        assert stamps["process groups aborted"] - stamps["startup phase first_step"] < 15, log[-3000:]
