@@ -2,6 +2,9 @@
 
     python -m apps.main.train config=configs/debug_cpu.yaml steps=20 optim.lr=1e-3
 
+A dotted override sets one key and keeps the rest of its section (`data.sources.code=0.5` adds or changes one
+source). A mapping given whole to a map field (`'data.sources={pydocs: 1.0}'`) replaces the config file's map:
+what the command line wrote is the whole map (a section such as `model={dim: 64}` still merges key by key).
 Parsing rejects unknown keys (naming the valid keys at that level) and values of the wrong type, each
 in one sentence; every `XArgs.validate()` then checks the values with `require`, before anything
 distributed happens. All of it raises ConfigError (MissingPathError for a missing config file), the user
@@ -115,6 +118,25 @@ def check_types(obj: Any, where: str = "") -> None:
             check_types(value, f"{key}.")
 
 
+def _is_map_field(cls: type, dotted: str) -> bool:
+    """Whether `a.b.c` names a dict-typed field itself (data.sources), not a section or a key inside the map."""
+    annotation = cls
+    for part in dotted.split("."):
+        sub = _dataclass_type(annotation)
+        if sub is None or part not in {f.name for f in dataclasses.fields(sub)}:
+            return False
+        annotation = typing.get_type_hints(sub)[part]
+    return typing.get_origin(annotation) is dict
+
+
+def replace_maps(cls: type, merged: DictConfig, cli: DictConfig, argv: list[str]) -> None:
+    """A mapping the command line gave whole to a map field replaces the file's map in `merged` (the merge kept
+    the file's keys beside it); later dotted overrides of keys inside it are already in `cli`'s map."""
+    for key in dict.fromkeys(item.split("=", 1)[0] for item in argv):
+        if _is_map_field(cls, key) and isinstance(OmegaConf.select(cli, key), DictConfig):
+            OmegaConf.update(merged, key, OmegaConf.select(cli, key), merge=False)
+
+
 def _field_type(cls: type, dotted: str):
     """The annotation of `a.b.c` under `cls` (None when the path leaves the dataclasses)."""
     annotation = cls
@@ -212,6 +234,7 @@ def parse_args(cls: Type[T], argv: Optional[list[str]] = None) -> T:
         cli = OmegaConf.from_cli(argv)
         file_cfg = load_config_file(cli.pop("config")) if "config" in cli else OmegaConf.create()
         merged = OmegaConf.merge(file_cfg, cli)
+        replace_maps(cls, merged, cli, argv)
     except (yaml.YAMLError, OmegaConfBaseException, TypeError) as err:
         key = getattr(err, "full_key", None)
         if key and _field_type(cls, key) is not None:  # e.g. model=[1, 2] next to model.dim=32

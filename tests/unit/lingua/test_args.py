@@ -41,9 +41,30 @@ def test_overrides_reach_nested_fields():
     args = parse_args(TrainArgs, [f"config={ROOT / 'configs/debug_cpu.yaml'}", "steps=7", "optim.lr=0.5",
                                   "data.sources={a: 0.25, b: 0.75}", "distillation.k=3"])
     assert args.steps == 7 and args.optim.lr == 0.5 and args.distillation.k == 3
-    # Dicts merge with the file's (OmegaConf semantics): drop a source with weight 0.
-    assert args.data.sources == {"pydocs": 1.0, "a": 0.25, "b": 0.75}
+    # A map given whole replaces the file's map: the file's pydocs source is gone (docs/configuration.md).
+    assert args.data.sources == {"a": 0.25, "b": 0.75}
     assert args.model.dim == 128  # from the file
+
+
+DEBUG_CPU = f"config={ROOT / 'configs/debug_cpu.yaml'}"
+
+
+@pytest.mark.parametrize("overrides, sources", [
+    (["data.sources={code: 1.0}"], {"code": 1.0}),  # the spelling: the file's source need not exist
+    (["data.sources.code=0.5"], {"pydocs": 1.0, "code": 0.5}),  # dotted: one key added, the others kept
+    (["data.sources.pydocs=0"], {"pydocs": 0.0}),  # dotted: one key changed
+    (["data.sources={code: 1.0}", "data.sources.web=0.5"], {"code": 1.0, "web": 0.5}),  # replace, then add
+    (["data.sources.web=0.5", "data.sources={code: 1.0}"], {"web": 0.5, "code": 1.0}),  # the command line's keys
+    (["data.sources={}"], {}),
+])
+def test_a_map_given_whole_replaces_the_files_and_dotted_keys_merge(overrides, sources):
+    assert parse_args(TrainArgs, [DEBUG_CPU, *overrides]).data.sources == sources
+
+
+def test_a_section_given_whole_still_merges_key_by_key():
+    args = parse_args(TrainArgs, [DEBUG_CPU, "model={n_layers: 3}", "data={seq_len: 64}"])
+    assert args.model.n_layers == 3 and args.model.dim == 128 and args.data.seq_len == 64
+    assert args.data.sources == {"pydocs": 1.0}  # data's map kept: only data.sources={...} replaces it
 
 
 @pytest.mark.parametrize("override, key, level, valid", [
