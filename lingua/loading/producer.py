@@ -12,8 +12,9 @@ Batches travel as numpy arrays (pickled through a pipe, at most a few hundred KB
 come back with `torch.from_numpy`, no copy). The producer issues no collective: it is in no process group.
 
 Failure: an error in the producer reaches the rank at its next `get()`: a `UserError` (a bad data file, a
-missing path) as the same one-sentence error, anything else (a bug, the process killed) as a `RunFailed`
-sentence; the producer's traceback goes to the rank's log either way. Its log lines reach the rank's log too,
+missing path, a damaged cache shard) as the same one-sentence error and nothing else (its traceback only at DEBUG:
+the sentence says all there is, as when the rank reads in-line), anything else (a bug, the process killed) as a
+`RunFailed` sentence with the producer's traceback in the rank's log. Its log lines reach the rank's log too,
 when the batch they came with is handed out. Lifetime: the producer ignores the signals its rank handles
 (Ctrl-C, SIGTERM, the preemption signals), and exits when its rank does, however it does (SIGKILL included):
 the kernel kills it when the rank's thread that started it exits (PR_SET_PDEATHSIG, Linux, when started from
@@ -88,9 +89,10 @@ class BatchProducer:
                 return from_wire(batch), state
 
     def _failure(self, error: Optional[BaseException], summary: str, trace: str) -> BaseException:
-        logger.error(f"the data producer (pid {self.process.pid}) failed:\n{trace}")  # the rank log keeps it
-        if isinstance(error, UserError):
+        if isinstance(error, UserError):  # its sentence is the whole story: a traceback would read as a crash
+            logger.debug(f"the data producer (pid {self.process.pid}) stopped on:\n{trace}")
             return error
+        logger.error(f"the data producer (pid {self.process.pid}) failed:\n{trace}")  # the rank log keeps it
         return RunFailed(f"The data producer process (pid {self.process.pid}) failed: {summary}; its traceback is "
                          f"in this rank's log. Set data.load_async=false to build batches in the training process.")
 

@@ -81,14 +81,18 @@ def test_tensors_and_teacher_outputs_cross_the_pipe_unchanged():
 
 
 @pytest.mark.timeout(30)
-def test_a_data_error_in_the_producer_is_its_sentence_with_the_traceback_in_the_log(tmp_path, caplog):
+def test_a_data_error_in_the_producer_is_its_sentence_alone(tmp_path, caplog):
+    """A user's error is its sentence, as in-line: the producer's traceback only at DEBUG (a bug keeps it, below)."""
+    caplog.set_level(logging.DEBUG)
     write_chunks(tmp_path, "web", [[b"junk\n", b'{"text": 1}\n']])
     with DataLoader(make_args(tmp_path, {"web": 1.0}, load_async=True), TOKENIZER, 0, 1) as loader:
         with pytest.raises(ValueError, match="^Source 'web' has no valid document in this rank's share") as raised:
             next(loader)
     assert "Traceback" not in str(raised.value)
-    logged = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
-    assert "Traceback (most recent call last)" in logged and "lingua/loading/stream.py" in logged, logged
+    shown = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.INFO)
+    assert "Traceback" not in shown, shown
+    debug = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG)
+    assert "Traceback (most recent call last)" in debug and "lingua/loading/stream.py" in debug, debug
     # The producer's own log lines reached this process's log (its per-file count of skipped lines).
     assert any("web.chunk.0.jsonl" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 

@@ -296,3 +296,38 @@ def test_a_cached_teachers_own_dtype_or_tp_is_one_sentence(tmp_path, own):
     """A teacher read from its cache runs on no ranks: a dtype or tp of its own would mean nothing."""
     with pytest.raises(ConfigError, match=rf"^distillation\.teachers\[1\]\.{own.split(':')[0]}=.*runs on no ranks"):
         cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}}}", f"{{cache_dir: {tmp_path / 'b'}, {own}}}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("load_async", [True, False])
+def test_a_shard_with_flipped_bytes_is_its_sentence_alone(tmp_path, caplog, capfd, load_async):
+    """zstd's checksum catches bytes flipped inside a shard whose size and header are intact (the cheap startup check
+    passes): the read is one sentence naming the shard, in the producer process as in-line, and no traceback in
+    the log or on the console (a truncated or missing shard is a sentence at startup)."""
+    import logging
+
+    from lingua.loading.producer import ProducedLoader
+
+    caplog.set_level(logging.INFO)
+    args = cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}}}")
+    write_cache(tmp_path / "a", args, 0, seed=0)
+    shard = shard_path(tmp_path / "a", 1)
+    data = bytearray(shard.read_bytes())
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    middle = (header_end + len(data)) // 2
+    data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])  # same size, same header
+    shard.write_bytes(bytes(data))
+    manifest = CacheManifest.read(tmp_path / "a")
+    reader = TeacherCaches([str(tmp_path / "a")], [manifest], batch_size=ROWS, dp_rank=0, dp_degree=1)
+    loader = ProducedLoader(reader, size=2) if load_async else reader
+    try:
+        next(loader)  # shard 0 is intact
+        with pytest.raises(DataError) as raised:
+            next(loader)
+    finally:
+        loader.close() if load_async else None
+    assert str(raised.value).startswith(f"Teacher cache shard {shard} is damaged (")
+    assert str(raised.value).endswith("delete it and run the cache command again to rewrite it.")
+    out, err = capfd.readouterr()
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    assert "Traceback" not in logged + out + err, logged + out + err
