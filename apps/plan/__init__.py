@@ -3,7 +3,7 @@
     python -m apps.plan config=configs/llama_1B.yaml world_size=64 gpus_per_node=8 gpu_mem_gib=80 \\
         teacher_config=configs/teachers/llama3_8b.json [teacher_tokens_per_s=... student_tokens_per_s=...]
 
-Prints a plan and writes it as JSON (`out=plan.json`; `out=null` prints only). Its first line is the answer
+Prints a plan, and writes it as JSON where asked (`out=plan.json`; by default it prints only). Its first line is the answer
 (distill or not, online or from a cache, the layout, the break-even, the GPU-hours, and the pilot first with its
 GPU-hours where the plan is not measured); the lines below are its evidence. Any training key overrides the config
 as in training (`data.batch_size=8 distillation.k=32`), and the config is read with the trainer's defaults
@@ -14,8 +14,9 @@ What it decides, in order:
 1. Sizes. The teacher's from its config.json (`teacher_config=`, else `<distillation.teacher_path>/config.json`),
    counted as a Llama-family model (embeddings, q/k/v/o, gate/up/down, two norms a layer, a final norm, a head
    unless tied; biases where `attention_bias` / `mlp_bias` say so); the student's from the config's `model`
-   section without building it (`num_parameters`), with the teacher's vocabulary when `model.vocab_size=-1`
-   (a distilled student shares its teacher's tokenizer).
+   section without building it (`num_parameters`), at the vocabulary the trainer gives it when
+   `model.vocab_size=-1`: its tokenizer's, the teacher's unless `distillation.cross_tokenizer=true` keeps the
+   config's own tokenizer.
 2. Speed. Tokens/s per GPU measured (`teacher_tokens_per_s`: one teacher GPU, i.e. a replica's rate / its
    teacher_tp; `student_tokens_per_s`: one student GPU), else the cost model: `gpu_tflops x mfu` over the
    FLOPs per token, the trainer's `get_num_flop_per_token` for a student (6 x matmul parameters + attention)

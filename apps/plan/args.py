@@ -53,7 +53,7 @@ class PlanArgs(TrainArgs):
     kd_measurement: Optional[str] = None
     repeat_decay: float = 15.4  # R_D* of the effective-data law for repeated tokens (Muennighoff et al. 2023's fit)
     show: str = "all"  # all: the plan and the verdict; verdict: whether to distill only
-    out: Optional[str] = "plan.json"  # the JSON plan; null = print only
+    out: Optional[str] = None  # where to write the plan as JSON (e.g. plan.json); null = print only
 
     def validate_plan(self) -> None:
         """The planner's keys and the training values it uses (not the data files: the cluster is elsewhere)."""

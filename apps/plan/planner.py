@@ -10,7 +10,7 @@ from apps.plan.args import DTYPE_BYTES, GIB, MAX_WAIT_SHARE, PLAN_VERSION, USABL
 from apps.plan.memory import TeacherMemory, teacher_dtype, teacher_memory
 from apps.plan.sizes import read_teacher_shape, significant, student_flops_per_token, teacher_config_path
 from apps.plan.evidence import SETTINGS, pilot_ce_batch, pilot_commands, pilot_gpu_hours, pilot_tokens
-from apps.plan.tokenizers import command_keys, resolve_ratio
+from apps.plan.tokenizers import command_keys, resolve_ratio, student_vocab
 from apps.plan.verdict import distill_verdict, read_measurement
 from apps.plan.printing import hours
 from apps.plan.timing import (Layout, Speeds, Timing, candidate_layouts, max_students_per_replica,
@@ -27,7 +27,8 @@ MIN_EXACT_SHARD = 16
 
 class Planner:
     """Evaluates layouts of one config on one cluster; `plan()` returns the JSON-able plan. A student vocabulary
-    of -1 in `args` becomes the teacher's, as the trainer makes it the tokenizer's."""
+    of -1 in `args` becomes its tokenizer's, as the trainer makes it: the teacher's, or with cross_tokenizer=true the
+    config's own tokenizer's."""
 
     def __init__(self, args: PlanArgs, config_path: Optional[str] = None, overrides: tuple[str, ...] = ()):
         self.args, self.config_path, self.overrides = args, config_path, list(overrides)  # the training keys given
@@ -38,13 +39,14 @@ class Planner:
         # Cross-tokenizer: the teacher's rows have their own length, cut at its max positions (as the trainer says).
         check_seq_len_fits_teacher(args.data.seq_len, 0 if args.distillation.cross_tokenizer else
                                    self.shape.max_positions or 0, f"max_position_embeddings in {self.shape.path}")
-        if args.model.vocab_size == -1:  # the student speaks the teacher's tokenizer
-            args.model = dataclasses.replace(args.model, vocab_size=self.shape.vocab)
+        # As the trainer builds the student: its tokenizer's vocabulary, the teacher's unless cross_tokenizer=true.
+        args.model = dataclasses.replace(args.model, vocab_size=student_vocab(args, self.shape.vocab))
         self.student_params = num_parameters(args.model)
         self.command_keys = command_keys(args, teacher_config)  # the teacher's path and the students' tokenizer
         kd = args.distillation
         self.bytes_up = 4 + (4 if args.model.attn_mask == "doc_causal" else 0)  # int32 tokens (+ document ids)
-        self.bytes_down = TeacherOutputs.bytes_per_token(kd.output, kd.k, args.model.vocab_size,
+        self.output_vocab = self.shape.vocab if kd.cross_tokenizer else args.model.vocab_size  # the teacher's outputs
+        self.bytes_down = TeacherOutputs.bytes_per_token(kd.output, kd.k, self.output_vocab,
                                                          WIRE_DTYPES[kd.wire_dtype])
         self.speeds = self.measure_or_model()
         self.prefetch = kd.prefetch
@@ -195,7 +197,7 @@ class Planner:
         args, speeds, seq = self.args, self.speeds, self.args.data.seq_len
         kd = args.distillation
         # The cache writer's format (v2): its coded size as measured on the KD study's data, scaled to k and vocab.
-        per_token = planned_bytes_per_token(kd.output, kd.k, args.model.vocab_size, DTYPE_BYTES[kd.wire_dtype], seq,
+        per_token = planned_bytes_per_token(kd.output, kd.k, self.output_vocab, DTYPE_BYTES[kd.wire_dtype], seq,
                                             wire_dtype=kd.wire_dtype)
         cached = min(tokens, math.ceil(args.unique_tokens)) if args.unique_tokens > 0 else tokens
         teacher_pass = cached / speeds.teacher / 3600

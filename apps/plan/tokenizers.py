@@ -1,5 +1,6 @@
-"""The teacher and the students' tokenizers in a plan: the keys its printed commands need, and the cross-tokenizer
-ratio (the teacher's tokens per student token), measured where both tokenizers are on this machine.
+"""The teacher and the students' tokenizers in a plan: the keys its printed commands need, the students' vocabulary
+(as the trainer takes it from their tokenizer), and the cross-tokenizer ratio (the teacher's tokens per student
+token), measured where both tokenizers are on this machine.
 
 The printed commands run as printed: a teacher path the config does not name comes from the plan's inputs (the
 folder of `teacher_config=` where that folder is a checkpoint), else it is the visible placeholder
@@ -14,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from lingua.errors import ConfigError
+from lingua.errors import ConfigError, MissingPathError
 
 TEACHER_PLACEHOLDER = "<teacher checkpoint dir>"
 SAMPLE_CHARS = 200_000  # of text to measure the ratio on: enough for two digits, seconds on a CPU
@@ -48,6 +49,25 @@ def command_keys(args, teacher_config: Optional[Path]) -> dict:
                      f"commands set data.tokenizer, CE-only too, so both compare on one tokenizer); to keep your "
                      f"{args.data.tokenizer.name} tokenizer, plan with distillation.cross_tokenizer=true")
     return {"teacher": teacher, "tokenizer": tokenizer, "notes": notes}
+
+
+def student_vocab(args, teacher_vocab: int) -> int:
+    """The students' vocabulary as the trainer builds them (model.vocab_size=-1 is their tokenizer's size): the
+    teacher's on its tokenizer; with distillation.cross_tokenizer=true, the config's own tokenizer's, read here
+    (one sentence where it is not on this machine)."""
+    if args.model.vocab_size != -1:
+        return args.model.vocab_size
+    if not args.distillation.cross_tokenizer:
+        return teacher_vocab
+    from lingua.tokenizer import build_tokenizer
+
+    try:
+        return build_tokenizer(args.data.tokenizer).n_words
+    except (MissingPathError, OSError):
+        raise ConfigError(f"distillation.cross_tokenizer=true keeps the students' own tokenizer, whose vocabulary the "
+                          f"plan needs, but data.tokenizer.path={args.data.tokenizer.path} is not on this machine; "
+                          f"point data.tokenizer.path at a copy of it, or pass model.vocab_size=<its vocabulary>."
+                          ) from None
 
 
 def sample_texts(args) -> tuple[list[str], str]:

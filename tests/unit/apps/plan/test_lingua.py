@@ -133,3 +133,22 @@ def test_the_cross_tokenizer_ratio_is_measured_when_both_tokenizers_are_here(lin
     assert f"the teacher at {ratio:.3g} of its tokens per student token (measured on " in speed, speed
     assert teacher["max_position_embeddings"] >= 128
     assert not any("data.tokenizer.name=hf" in c for c in printed_commands(lines))  # the students keep tiktoken
+
+
+@pytest.mark.timeout(120)
+def test_lingua_llama_1b_keeping_its_tokenizer_is_planned_at_that_tokenizers_vocabulary(lingua_1b):
+    """distillation.cross_tokenizer=true keeps Lingua's tiktoken file: the planned student has its vocabulary, as the
+    trainer builds it, not the teacher's 128,256 (nor SmolLM2's 49,152), and its commands keep the tokenizer."""
+    from lingua.tokenizer import build_tokenizer
+    from apps.main.transformer import num_parameters
+
+    config, paths = lingua_1b
+    argv = [f"config={config}", "world_size=8", f"teacher_config={ROOT / 'configs/teachers/smollm2_135m.json'}",
+            *paths, "distillation.cross_tokenizer=true", "teacher_tokens_per_student_token=1.1"]
+    plan = main(argv + ["show=verdict"])
+    trainer = parse_args(TrainArgs, [f"config={config}", *paths])
+    vocab = build_tokenizer(trainer.data.tokenizer).n_words  # what init_tokenizer gives model.vocab_size
+    assert plan["student"]["vocab"] == vocab != plan["teacher"]["vocab"] == 49_152
+    trainer.model.vocab_size = vocab
+    assert plan["student"]["parameters"] == num_parameters(trainer.model)
+    assert plan["inputs"]["tokenizer_keys"] == []  # the commands leave data.tokenizer as the config has it

@@ -285,6 +285,14 @@ def test_prints_and_writes_the_plan(tmp_path, monkeypatch, capsys):
     assert code == 0 and json.loads(out.read_text())["version"] == PLAN_VERSION
 
 
+def test_the_default_plan_prints_only_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # where a default out= would land
+    code, printed, _ = run([f"config={ROOT / DEBUG}", "world_size=8", f"teacher_config={ROOT / SMOLLM2}"],
+                           monkeypatch, capsys)
+    assert code == 0 and printed.startswith("answer: ") and "wrote" not in printed
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("argv, sentence", [
     (["world_size=0"], "error: world_size=0; pass the GPUs of the launch, at least 2"),
     (["world_size=12"], "error: world_size=12; plan whole nodes: a multiple of gpus_per_node=8"),
@@ -399,18 +407,49 @@ def test_the_configs_mesh_settings_bound_the_layouts():
 def test_a_cross_tokenizer_teacher_is_counted_in_its_own_tokens_per_student_token():
     """teacher_tokens_per_student_token (apps.bench.alignment_cost's column) scales the teacher's work per
     student token: its measured speed divides by it; the cost model counts its forward at its own row length."""
+    # Lingua's tokenizer is not here: its vocabulary given (the plan needs it, and one sentence asks for it).
     measured = EXAMPLES["8b"] + ["teacher_tokens_per_s=40000", "student_tokens_per_s=10000",
-                                 "distillation.cross_tokenizer=true"]
+                                 "distillation.cross_tokenizer=true", "model.vocab_size=128256"]
     same, double = [plan_of(measured + [f"teacher_tokens_per_student_token={r}"]) for r in (1, 2)]
     assert (same["speed"]["teacher_gpus_per_student_gpu"], double["speed"]["teacher_gpus_per_student_gpu"]) == (0.25,
                                                                                                                 0.5)
     assert double["speed"]["source"] == "student and teacher measured; the teacher at 2 of its tokens per student " \
         "token (given)"
     assert double["inputs"]["teacher_tokens_per_student_token"] == 2.0
-    modelled = [plan_of(EXAMPLES["8b"] + ["distillation.cross_tokenizer=true", f"teacher_tokens_per_student_token={r}"])
-                for r in (1, 0.5)]
+    modelled = [plan_of(EXAMPLES["8b"] + ["distillation.cross_tokenizer=true", "model.vocab_size=128256",
+                                          f"teacher_tokens_per_student_token={r}"]) for r in (1, 0.5)]
     ratio = modelled[1]["speed"]["teacher_tokens_per_s_per_gpu"] / modelled[0]["speed"]["teacher_tokens_per_s_per_gpu"]
     assert 2.0 <= ratio < 2.2  # half the tokens, each in a row half as long (less attention per token)
+
+
+def test_a_cross_tokenizer_student_is_planned_as_the_trainer_builds_it():
+    """distillation.cross_tokenizer=true keeps the config's tokenizer: the planned student has that tokenizer's
+    vocabulary and the parameter count the trainer logs, from the trainer's own tokenizer and model build (the byte
+    tokenizer's 258 words; the teacher's 49,152 would plan a 13M student where the trainer builds 0.5M)."""
+    from apps.main.train import TrainArgs, init_tokenizer
+
+    training = [f"config={ROOT / 'configs/distill_exps/debug_cpu.yaml'}", "data.tokenizer.name=bytes",
+                "data.tokenizer.path=null", "distillation.cross_tokenizer=true"]
+    plan = plan_of(training + ["world_size=8", f"teacher_config={SMOLLM2}", "teacher_tokens_per_student_token=0.3"])
+    trainer_args = parse_args(TrainArgs, training)
+    init_tokenizer(trainer_args)  # the trainer's: model.vocab_size from the data tokenizer
+    with torch.device("meta"):
+        built = sum(p.numel() for p in LMTransformer(trainer_args.model).parameters())  # what train() logs
+    assert plan["student"]["vocab"] == trainer_args.model.vocab_size == 258
+    assert plan["student"]["parameters"] == built < 1e6
+    assert plan["teacher"]["vocab"] == 49_152  # the teacher keeps its own
+    # On the teacher's tokenizer (no cross_tokenizer) the student takes the teacher's vocabulary, as the trainer does.
+    shared = plan_of([f"config={DEBUG}", "world_size=8", f"teacher_config={SMOLLM2}"])
+    assert shared["student"]["vocab"] == 49_152
+
+
+def test_a_cross_tokenizer_student_whose_tokenizer_is_not_here_is_one_sentence(monkeypatch, capsys):
+    code, printed, err = run(EXAMPLES["8b"] + ["distillation.cross_tokenizer=true", "teacher_tokens_per_student_token=1"],
+                             monkeypatch, capsys)
+    assert code == 2 and printed == "" and err == (
+        "error: distillation.cross_tokenizer=true keeps the students' own tokenizer, whose vocabulary the plan needs, "
+        "but data.tokenizer.path=tokenizers/cl_toplang_128k.tiktoken is not on this machine; point "
+        "data.tokenizer.path at a copy of it, or pass model.vocab_size=<its vocabulary>.\n")
 
 
 @pytest.mark.parametrize("argv, sentence", [
