@@ -25,20 +25,33 @@ from apps.plan.timing import Timing, max_students_per_replica
 from lingua.parallel.launch_plan import LaunchPlan
 
 
-def teacher_planner(args: PlanArgs, index: int) -> Planner:
+def teacher_planner(args: PlanArgs, index: int, student_vocab: int = -1) -> Planner:
     """The one-teacher planner of teacher `index`: the settings it runs with (its path, ranks, tokenizer, dtype and
-    teacher_tp), its config.json, ratio and speed."""
+    teacher_tp), its config.json, ratio and speed; `student_vocab` where another teacher already gave it (-1: its own
+    planner works it out)."""
     pick = lambda values, default: values[index] if values else default  # noqa: E731 (one list per key)
     return Planner(dataclasses.replace(
-        args, distillation=args.distillation.teacher_args(index), teacher_config=pick(args.teacher_configs, None),
+        args, model=dataclasses.replace(args.model, vocab_size=student_vocab),
+        distillation=args.distillation.teacher_args(index), teacher_config=pick(args.teacher_configs, None),
         teacher_tokens_per_student_token=pick(args.teachers_tokens_per_student_token, 1.0),
         teacher_tokens_per_s=pick(args.teachers_tokens_per_s, 0.0)))
+
+
+def plan_each_teacher(args: PlanArgs) -> list[Planner]:
+    """Each teacher's planner, in order, all with the students' one vocabulary: a teacher on the students' tokenizer
+    gives it (planned first), else their own tokenizer does (cross_tokenizer, apps/plan/tokenizers.py)."""
+    teachers = args.distillation.teachers
+    planners, vocab = {}, args.model.vocab_size
+    for i in sorted(range(len(teachers)), key=lambda i: teachers[i].cross_tokenizer):
+        planners[i] = teacher_planner(args, i, vocab)
+        vocab = planners[i].args.model.vocab_size
+    return [planners[i] for i in range(len(teachers))]
 
 
 def plan_teachers(args: PlanArgs, config_path: Optional[str] = None, overrides: tuple[str, ...] = ()) -> dict:
     """The JSON-able plan of several teachers at their configured ranks (module docstring)."""
     teachers, kd, world = args.distillation.teachers, args.distillation, args.world_size
-    planners = [teacher_planner(args, i) for i in range(len(teachers))]
+    planners = plan_each_teacher(args)
     tps = [planner.args.distillation.teacher_tp for planner in planners]
     students = world - sum(t.n_teacher_ranks for t in teachers)
     rows = []
@@ -78,6 +91,7 @@ def plan_teachers(args: PlanArgs, config_path: Optional[str] = None, overrides: 
             "inputs": {"config": config_path, "overrides": list(overrides), "world_size": world,
                        "gpus_per_node": args.gpus_per_node, "gpu_mem_gib": args.gpu_mem_gib,
                        "batch_size": args.data.batch_size, "seq_len": args.data.seq_len, "prefetch": kd.prefetch},
+            "student": {"parameters": planners[0].student_params, "vocab": planners[0].args.model.vocab_size},
             "teachers": rows, "online": online, "recommendation": recommendation(rows, online)}
 
 

@@ -58,7 +58,7 @@ def test_each_teacher_is_planned_as_one_and_the_students_wait_for_the_slowest(te
     seconds_per_micro_batch = args.data.batch_size * args.data.seq_len / 1000
     assert big["forward_s_per_request"] == pytest.approx(1.5 * seconds_per_micro_batch)
     # The same teacher alone: its one-teacher planner gives the same speed and parameters.
-    alone = teacher_planner(args, 1)
+    alone = teacher_planner(args, 1, plan_teachers(args)["student"]["vocab"])  # the students' vocabulary, as planned
     assert alone.speeds.teacher == pytest.approx(2000) and alone.shape.parameters() == big["parameters"]
     assert big["memory_gib"] == alone.memory(1, 3).gib()
 
