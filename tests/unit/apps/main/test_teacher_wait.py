@@ -88,3 +88,33 @@ def test_oversubscribed_cores_counts_ranks_times_threads():
     assert oversubscribed_cores("cuda", 64, 64) is None
     assert oversubscribed_cores("cpu", 1, 1) is None
     assert re.fullmatch(r"100000 ranks x 1 threads on \d+ cores", oversubscribed_cores("cpu", 100000, 1))
+
+
+def test_the_reporter_warns_once_from_the_second_log_row_with_the_windows_busy_share(caplog):
+    """StepReporter.check_bottleneck: the first row only starts the window (the startup's idle time would dilute the
+    busy share), the second warns with the window's share, and a later row never warns again."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+
+    from apps.main.report import StepReporter
+
+    reporter = StepReporter.__new__(StepReporter)  # only what check_bottleneck reads
+    reporter.topo = SimpleNamespace(teacher_ranks=[2], teacher_tp=1, student_ranks=[0, 1], local_world_size=3,
+                                    device=torch.device("cuda"))  # a GPU each: no shared cores in the advice
+    reporter.distiller = SimpleNamespace(prefetch=1)
+    reporter.warned_teacher_bound, reporter.teacher_clocks = False, {}
+
+    def row(busy_s, idle_s):
+        return {"speed/step_time_s": 1.0, "speed/teacher_wait_s": 0.5, "kd/teacher_busy_s": busy_s,
+                "kd/teacher_idle_s": idle_s}
+    with caplog.at_level(logging.WARNING, logger="train"):
+        reporter.check_bottleneck(row(1.0, 20.0))  # since the handshake: 5% busy, mostly the startup
+        assert caplog.records == []
+        reporter.check_bottleneck(row(1.95, 20.05))  # this window: 95% busy
+        reporter.check_bottleneck(row(2.0, 30.0))
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("students spend 50% of the step waiting on the teacher, which is busy 95% of its time: "
+                              "the teacher is the bottleneck. About 2 teacher ranks would keep up with 2 students "
+                              "(distillation.n_teacher_ranks=2, 4 ranks in all instead of 3)"), warning
