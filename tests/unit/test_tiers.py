@@ -52,4 +52,5 @@ def test_every_bench_test_is_a_benchmark_or_a_study():
     """The bench tier holds the tools' end-to-end runs, never a product test that CI would then miss."""
     marked = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("test_*.py")
                     if re.search(r"^@pytest\.mark\.bench\b", path.read_text(), re.M))
-    assert marked and all(path.startswith(("tests/unit/apps/bench/", "tests/unit/apps/studies/")) for path in marked), marked
+    tools = ("tests/unit/apps/bench/", "tests/unit/apps/studies/")
+    assert marked and all(path.startswith(tools) for path in marked), marked
