@@ -15,6 +15,7 @@ sampler reads the checkpoint too.
 """
 
 import json
+import math
 import os
 import re
 import shlex
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lingua.run.dump_dir import read_metrics, train_rows
 from tests.readme import DEMO_COMMAND, TEST_COMMAND, commands, readme_blocks
 from tests.runs import ROOT
 
@@ -142,7 +144,9 @@ def dump_dir_of(command: str, cwd: Path) -> Path:
 @pytest.mark.timeout(600)
 def test_the_quickstart_runs_as_printed_after_the_demo(demo_run, fresh_copy):
     """Every Quickstart block in order, in the copy the demo prepared (its corpus): each training command ends with
-    exit 0 and writes its own dump dir's metrics (no command reuses a dump dir of another rank count)."""
+    exit 0 and writes its own dump dir's metrics (no command reuses a dump dir of another rank count). Then the
+    shipped debug_cpu config's run is read as its own test would (logs, held-out evals, checkpoints, save timing)
+    and resumed as the README says ("Run the first command again and it resumes (`steps=80` trains on)")."""
     assert demo_run[0].returncode == 0, (demo_run[0].stdout + demo_run[0].stderr)[-3000:]
     blocks = readme_blocks("Quickstart")
     assert blocks, "README.md's Quickstart has no ```bash block"
@@ -154,3 +158,28 @@ def test_the_quickstart_runs_as_printed_after_the_demo(demo_run, fresh_copy):
     assert len(trained) == len(set(trained)) >= 2, trained
     for dump_dir in trained:
         assert (dump_dir / "metrics.jsonl").read_text().strip(), dump_dir
+
+    first = commands(blocks[0])[1]  # torchrun --nproc-per-node 2 ... config=configs/debug_cpu.yaml
+    dump = dump_dir_of(first, fresh_copy)
+    assert dump == fresh_copy / "dumps" / "debug_cpu", first
+    check_the_debug_cpu_run(dump, last_step=40)
+    resumed = run_block(f"source .venv/bin/activate\n{first} steps=80", fresh_copy, timeout=300)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-5000:]
+    assert "resumed from step 40" in resumed.stdout + resumed.stderr
+    check_the_debug_cpu_run(dump, last_step=80)
+
+
+def check_the_debug_cpu_run(dump: Path, last_step: int):
+    """configs/debug_cpu.yaml as shipped: a row every 5 steps (logging.freq), the held-out CE and bits per byte
+    every 20 (heldout.every), a checkpoint every 20 keeping 2, each save timed apart from its step."""
+    rows, every_20 = train_rows(dump), list(range(20, last_step + 1, 20))
+    assert sorted(rows) == list(range(5, last_step + 1, 5))
+    assert rows[last_step]["loss/ce"] < rows[5]["loss/ce"]
+    evals = [r for r in read_metrics(dump) if "eval/loss" in r]
+    assert [r["step"] for r in evals] == every_20
+    # Bits per byte beside it: the byte tokenizer's EOS targets add CE and no bytes, so at least the CE in bits.
+    assert all(math.isfinite(r["eval/bpb"]) and r["eval/bpb"] >= r["eval/loss"] / math.log(2) for r in evals)
+    assert sorted(p.name for p in (dump / "checkpoints").iterdir()) == [f"{step:010d}" for step in every_20[-2:]]
+    assert [step for step, row in sorted(rows.items()) if "checkpoint/save_s" in row] == every_20
+    assert all(rows[step]["checkpoint/save_s"] > 0 for step in every_20)
+    assert (dump / "config.yaml").exists() and "vocab_size: 258" in (dump / "config.yaml").read_text()
