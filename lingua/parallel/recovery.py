@@ -68,7 +68,7 @@ def unsafe_restart_sentence(restarts: Restarts) -> Optional[str]:
         return (f"this launch restarts ranks (--max-restarts {restarts.max}) on {restarts.agents} torchrun agents that "
                 f"share the launcher's store, where a restarted generation can wait for peers that count their "
                 f"restarts differently (PyTorch #135712); launch several nodes with {SAFE_MULTI_NODE} (a fresh "
-                f"store per restart, as in the README), or through `python -m lingua.stool`.")
+                f"store per restart, as in docs/gpu.md), or through `python -m lingua.stool`.")
     return None
 
 

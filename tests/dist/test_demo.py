@@ -1,11 +1,13 @@
-"""README.md's first command and its Quickstart, run as printed from a fresh copy of the repository.
+"""README.md's first command (the demo) and its Quickstart, run as printed from a fresh copy of the repository.
 
 The copy is `git archive HEAD` in a temporary folder, sharing this venv as its `.venv` (a symlink) and SmolLM2
 converted once for the session (a symlink at data/teachers/smollm2-135m-instruct, which `setup.prepare_teacher`
 finds complete and skips). The commands run in order, each block in one `bash -e`, with no venv on PATH:
 
-1. the first screen's one block, `bash setup/demo.sh`, shortened by DEMO_OVERRIDES (training overrides the demo
-   passes on; the only change to a printed command: the full demo is 60 steps, its timing is in the README);
+1. the first screen's first command, `bash setup/demo.sh`, shortened by DEMO_OVERRIDES (training overrides the
+   demo passes on; the only change to a printed command: the full demo is 60 steps, its timing is in
+   docs/demo.md). Its second command, the test suite, is the one .ci/run runs (tests/unit/test_docs.py checks it);
+   running it here would run this test again;
 2. every block of the Quickstart, exactly as printed.
 
 Then the student the demo wrote is exported to a transformers LlamaForCausalLM and generates text there, and our
@@ -13,6 +15,7 @@ sampler reads the checkpoint too.
 """
 
 import json
+import math
 import os
 import re
 import shlex
@@ -23,6 +26,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lingua.run.dump_dir import read_metrics, train_rows
+from tests.readme import DEMO_COMMAND, TEST_COMMAND, commands, readme_blocks
 from tests.runs import ROOT
 
 pytestmark = pytest.mark.slow  # setup/demo.sh with the real SmolLM2 teacher, then torchrun and python processes
@@ -30,23 +35,6 @@ pytestmark = pytest.mark.slow  # setup/demo.sh with the real SmolLM2 teacher, th
 STEPS = 4
 DEMO_OVERRIDES = [f"steps={STEPS}", "logging.freq=2", "data.batch_size=2"]
 DEMO_DUMP = Path("dumps/smollm2_cpu_demo")  # configs/distill_exps/smollm2_cpu.yaml's dump_dir
-
-
-def readme_blocks(section: str) -> list[str]:
-    """The ```bash blocks of README.md's first screen (section "first screen": everything before the first `## `)
-    or of the `## <section>` section."""
-    text = (ROOT / "README.md").read_text()
-    if section == "first screen":
-        body = text.split("\n## ", 1)[0]
-    else:
-        body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```bash\n(.*?)```", body, re.S)
-
-
-def commands(block: str) -> list[str]:
-    """The block's command lines, comments and blank lines left out."""
-    lines = [line.split(" #", 1)[0].strip() for line in block.splitlines()]
-    return [line for line in lines if line and not line.startswith("#")]
 
 
 def clean_env() -> dict:
@@ -84,8 +72,8 @@ def fresh_copy(smollm2_teacher, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def demo_run(fresh_copy):
     (block,) = readme_blocks("first screen")
-    assert commands(block) == ["bash setup/demo.sh"], block
-    result = run_block(f"bash setup/demo.sh {shlex.join(DEMO_OVERRIDES)}", fresh_copy, timeout=420)
+    assert commands(block) == [DEMO_COMMAND, TEST_COMMAND], block  # the test command is CI's (tests/unit/test_docs.py)
+    result = run_block(f"{DEMO_COMMAND} {shlex.join(DEMO_OVERRIDES)}", fresh_copy, timeout=420)
     return result, fresh_copy / DEMO_DUMP, fresh_copy / "data"
 
 
@@ -156,7 +144,9 @@ def dump_dir_of(command: str, cwd: Path) -> Path:
 @pytest.mark.timeout(600)
 def test_the_quickstart_runs_as_printed_after_the_demo(demo_run, fresh_copy):
     """Every Quickstart block in order, in the copy the demo prepared (its corpus): each training command ends with
-    exit 0 and writes its own dump dir's metrics (no command reuses a dump dir of another rank count)."""
+    exit 0 and writes its own dump dir's metrics (no command reuses a dump dir of another rank count). Then the
+    shipped debug_cpu config's run is read as its own test would (logs, held-out evals, checkpoints, save timing)
+    and resumed as the README says ("Run the first command again and it resumes (`steps=80` trains on)")."""
     assert demo_run[0].returncode == 0, (demo_run[0].stdout + demo_run[0].stderr)[-3000:]
     blocks = readme_blocks("Quickstart")
     assert blocks, "README.md's Quickstart has no ```bash block"
@@ -168,3 +158,28 @@ def test_the_quickstart_runs_as_printed_after_the_demo(demo_run, fresh_copy):
     assert len(trained) == len(set(trained)) >= 2, trained
     for dump_dir in trained:
         assert (dump_dir / "metrics.jsonl").read_text().strip(), dump_dir
+
+    first = commands(blocks[0])[1]  # torchrun --nproc-per-node 2 ... config=configs/debug_cpu.yaml
+    dump = dump_dir_of(first, fresh_copy)
+    assert dump == fresh_copy / "dumps" / "debug_cpu", first
+    check_the_debug_cpu_run(dump, last_step=40)
+    resumed = run_block(f"source .venv/bin/activate\n{first} steps=80", fresh_copy, timeout=300)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-5000:]
+    assert "resumed from step 40" in resumed.stdout + resumed.stderr
+    check_the_debug_cpu_run(dump, last_step=80)
+
+
+def check_the_debug_cpu_run(dump: Path, last_step: int):
+    """configs/debug_cpu.yaml as shipped: a row every 5 steps (logging.freq), the held-out CE and bits per byte
+    every 20 (heldout.every), a checkpoint every 20 keeping 2, each save timed apart from its step."""
+    rows, every_20 = train_rows(dump), list(range(20, last_step + 1, 20))
+    assert sorted(rows) == list(range(5, last_step + 1, 5))
+    assert rows[last_step]["loss/ce"] < rows[5]["loss/ce"]
+    evals = [r for r in read_metrics(dump) if "eval/loss" in r]
+    assert [r["step"] for r in evals] == every_20
+    # Bits per byte beside it: the byte tokenizer's EOS targets add CE and no bytes, so at least the CE in bits.
+    assert all(math.isfinite(r["eval/bpb"]) and r["eval/bpb"] >= r["eval/loss"] / math.log(2) for r in evals)
+    assert sorted(p.name for p in (dump / "checkpoints").iterdir()) == [f"{step:010d}" for step in every_20[-2:]]
+    assert [step for step, row in sorted(rows.items()) if "checkpoint/save_s" in row] == every_20
+    assert all(rows[step]["checkpoint/save_s"] > 0 for step in every_20)
+    assert (dump / "config.yaml").exists() and "vocab_size: 258" in (dump / "config.yaml").read_text()

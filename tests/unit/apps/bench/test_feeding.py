@@ -71,6 +71,7 @@ def test_the_loader_is_measured_in_line_and_async_idle_and_busy(corpus):
     assert rates["inline"]["busy"]["wait_share"] < rates["inline"]["idle"]["wait_share"]  # it spun part of the time
 
 
+@pytest.mark.bench  # the feeding bench end to end: the bench tier
 @pytest.mark.slow  # launches the cache writer and two trainers, starts encode workers
 @pytest.mark.timeout(240)
 def test_the_bench_runs_at_tiny_sizes_with_the_step_comparison(corpus, tiny_teacher, tmp_path, capsys):

@@ -8,6 +8,7 @@ import pytest
 from apps.bench.host_overhead import PARTS, median_ms, minimal_loop, table
 
 
+@pytest.mark.bench  # the host-overhead bench run: the bench tier
 @pytest.mark.timeout(120)
 def test_the_minimal_loop_times_its_steps_and_the_table_shows_them(tmp_path):
     rows_path = tmp_path / "minimal.json"

@@ -42,6 +42,7 @@ def test_out_is_required_except_for_a_worker():
     assert worker == ("fused_kd", "memory") and args.vocab == 64 and args.temperature == 1.0 and args.out is None
 
 
+@pytest.mark.bench  # the loss-step bench run end to end: the bench tier
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("format", ["topk", "sampled", "full"])
 def test_results_file_and_table(format, tmp_path, keep_threads, capsys):
@@ -107,6 +108,7 @@ def test_against_table_ratios_and_missing_liger():
         bench.parse_args(TINY + ["--against", "unsloth", "--out", "unused"])
 
 
+@pytest.mark.bench  # the loss-step bench run end to end: the bench tier
 @pytest.mark.timeout(60)
 def test_against_runs_every_variant_in_this_process(tmp_path, keep_threads, capsys):
     from apps.bench import loss_against
@@ -122,6 +124,7 @@ def test_against_runs_every_variant_in_this_process(tmp_path, keep_threads, caps
     assert (tmp_path / "table.md").read_text().strip() == capsys.readouterr().out.strip()
 
 
+@pytest.mark.bench  # the loss-step bench run end to end: the bench tier
 @pytest.mark.timeout(120)
 def test_compiled_variants_run_beside_their_eager_twins(tmp_path, keep_threads, capsys, monkeypatch):
     """--compiled adds `<name>_compiled` rows (compiled once before the measurements, compile_s recorded), timed in the
@@ -146,6 +149,7 @@ def test_compiled_variants_run_beside_their_eager_twins(tmp_path, keep_threads, 
             bench.parse_args(TINY + flags + ["--out", str(tmp_path)])
 
 
+@pytest.mark.bench  # the loss-step bench run end to end: the bench tier
 def test_a_variant_that_raises_costs_its_row_only(tmp_path, keep_threads, capsys):
     """A variant that fails (out of memory, a compile error) is its row's reason; the others are measured as usual."""
     from apps.bench import loss_against

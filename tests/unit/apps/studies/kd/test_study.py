@@ -172,6 +172,7 @@ def test_flops_count_the_teacher_online_per_token_and_the_cache_once_per_reader(
     assert "| kd_topk64 | 4.00e+03 | 2.00e+04 | 6.67e+03 (1/3 of 2.00e+04) | 2.40e+04 | 1.07e+04 | 5.8000 |" in table
 
 
+@pytest.mark.bench  # the study's FLOPs from the real teacher: the bench tier
 @pytest.mark.slow
 def test_real_flop_formulas_use_the_trainers_count_and_the_teachers_parameters(smollm2_teacher):
     args = kd_arms.study_args(kd_arms.CONFIG, [f"distillation.teacher_path={smollm2_teacher}",
@@ -254,6 +255,7 @@ def test_bad_arm_eval_cadence_and_missing_inputs_are_one_sentence(tmp_path, corp
         kd_arms.check_inputs(args)
 
 
+@pytest.mark.bench  # a study end to end: the bench tier
 @pytest.mark.slow
 def test_the_study_runs_ce_4x_only_when_needed_and_reports_from_disk(smollm2_teacher, tmp_path, monkeypatch):
     """main() end to end with the trainings faked: phase one, the 4x decision, phase two, the report, --report-only."""

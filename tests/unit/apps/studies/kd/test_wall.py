@@ -130,6 +130,7 @@ def test_kd_below_only_the_later_ce_budgets_is_not_beyond_ce(tmp_path, monkeypat
     assert verdict["verdict"].startswith("do not distill")
 
 
+@pytest.mark.bench  # a study end to end: the bench tier
 @pytest.mark.slow
 def test_the_wall_study_end_to_end_with_the_trainings_faked(smollm2_teacher, tmp_path, monkeypatch):
     """main(--wall): caches, every run, the report from disk, then --report-only gives the same numbers."""

@@ -23,6 +23,7 @@ def test_device_and_tiny_name_the_option_they_need():
             study.main(["--wall", "--device", "cuda", "--out", "unused"])
 
 
+@pytest.mark.bench  # a study end to end: the bench tier
 @pytest.mark.timeout(300)
 def test_the_tiny_in_process_wall_study_reports_every_arm_seed_and_epoch(corpus, tiny_teacher, tmp_path):
     """`--wall --device cpu --tiny`: the cache written and every run trained in this process (no launch), both

@@ -25,6 +25,7 @@ def study_corpus(corpus, tmp_path):
     return root
 
 
+@pytest.mark.bench  # a study end to end: the bench tier
 @pytest.mark.timeout(300)  # 11 s of CPU; minutes of wall time on the shared 2-core machine
 def test_the_tiny_study_trains_every_arm_and_reports_bits_per_byte(study_corpus, tiny_teacher, tmp_path):
     out = tmp_path / "xtok"
