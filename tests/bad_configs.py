@@ -94,7 +94,8 @@ BAD_CONFIGS = [
     BadConfig("both_dims_inferred", {"distributed.dp_replicate": -1}, "distributed.dp_replicate"),
     BadConfig("mesh_vs_world_size", {"distributed.dp_shard": 4}, "dp_shard", {
         kind: "Mesh dp_replicate=1 x dp_shard=4 = 4 ranks, but there are 2 training ranks. Set one of them to -1 to "
-              f"infer it, or launch with 4 student ranks (torchrun --nproc-per-node {nproc})."
+              f"infer it (e.g. distributed.dp_shard=-1), or launch with 4 student ranks (torchrun --nproc-per-node "
+              f"{nproc})."
         for kind, nproc in (("plain", 4), ("distill", 5))}, launch=True),
     BadConfig("alpha", {"distillation.alpha": 1.5}, "distillation.alpha"),
     BadConfig("k", {"distillation.k": 0}, "distillation.k"),

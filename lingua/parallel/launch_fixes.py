@@ -28,30 +28,45 @@ def refused(problem: str, fixes: tuple[str, ...], opening: str = " (e.g.", closi
     return LayoutError(f"{problem}{told}.", fixes)
 
 
-def passing(plan, *options: tuple[str, dict]) -> tuple[str, ...]:
-    """The words of each (words, changed plan fields) option that the plan accepts; none while one is being tried."""
+def accepts(plan, changes: dict) -> bool:
+    """Whether the plan with these fields changed is a launch that works (never while a fix is being tried)."""
     if not plan.suggests:
-        return ()
-    accepted = []
-    for words, changes in options:
-        try:
-            dataclasses.replace(plan, suggest=False, **changes)
-        except LaunchError:
-            continue
-        accepted.append(words)
-    return tuple(accepted)
+        return False
+    try:
+        dataclasses.replace(plan, suggest=False, **changes)
+    except LaunchError:
+        return False
+    return True
 
 
-def more_ranks(plan) -> tuple[str, ...]:
-    """The smallest launch with more ranks that the plan's settings accept (more ranks on one node, or more nodes of
-    as many), as torchrun's flags; () when none within 64."""
+def first_launch(plan, changes: Optional[dict] = None) -> Optional[str]:
+    """The smallest launch with more ranks that the plan accepts with `changes` (more ranks on one node, or more nodes
+    of as many ranks), as torchrun's flags; None when none within 64."""
     one_node, nodes = plan.world_size == plan.local_world_size, plan.world_size // plan.local_world_size
     for extra in range(1, 65 if plan.suggests else 1):
         world = plan.world_size + extra if one_node else (nodes + extra) * plan.local_world_size
         local = world if one_node else plan.local_world_size
-        if passing(plan, ("", dict(world_size=world, local_world_size=local))):
-            return (launch_words(world, local),)
-    return ()
+        if accepts(plan, {**(changes or {}), "world_size": world, "local_world_size": local}):
+            return launch_words(world, local)
+    return None
+
+
+def passing(plan, *options: tuple[str, dict]) -> tuple[str, ...]:
+    """The words of each (words, changed plan fields) option the plan accepts: alone, or "<words> with <a launch of
+    more ranks>" where it needs more ranks too."""
+    accepted = []
+    for words, changes in options:
+        if accepts(plan, changes):
+            accepted.append(words)
+        elif "world_size" not in changes and (launch := first_launch(plan, changes)):
+            accepted.append(f"{words} with {launch}")
+    return tuple(accepted)
+
+
+def more_ranks(plan) -> tuple[str, ...]:
+    """The smallest launch with more ranks that the plan's settings accept, as torchrun's flags; () if none."""
+    launch = first_launch(plan)
+    return (launch,) if launch else ()
 
 
 def other_ranks(plan, i: int, key: str) -> tuple[str, ...]:
@@ -60,7 +75,7 @@ def other_ranks(plan, i: int, key: str) -> tuple[str, ...]:
     counts = sorted(range(teacher.tp, plan.world_size, teacher.tp), key=lambda n: (abs(n - teacher.ranks), n))
     for n in counts[:16]:
         changed = plan.teachers[:i] + (dataclasses.replace(teacher, ranks=n),) + plan.teachers[i + 1:]
-        if passing(plan, ("", dict(teachers=changed))):
+        if accepts(plan, dict(teachers=changed)):
             return (f"{key}={n}",)
     return ()
 
@@ -78,8 +93,8 @@ def tasks_per_node_fixes(plan, tp: int) -> tuple[str, tuple[str, ...]]:
     per-node placement."""
     nodes = max(1, plan.world_size // plan.local_world_size)
     sizes = [per for per in range(plan.local_world_size + 1, plan.local_world_size + 8 * tp) if per % tp == 0]
-    tasks = passing(plan, *[(launch_words(nodes * per, per), dict(world_size=nodes * per, local_world_size=per))
-                            for per in sizes])[:1]
+    tasks = tuple(launch_words(nodes * per, per) for per in sizes
+                  if accepts(plan, dict(world_size=nodes * per, local_world_size=per)))[:1]
     per_node = passing(plan, ("use distributed.teacher_placement=per_node", dict(teacher_placement="per_node")))
     words = "make the tasks per node a multiple of distillation.teacher_tp"
     words = ", or ".join([f"{words} (e.g. {tasks[0]})" if tasks else words, *per_node])
@@ -88,12 +103,18 @@ def tasks_per_node_fixes(plan, tp: int) -> tuple[str, tuple[str, ...]]:
 
 def mesh_divisor(plan, key: str, size: int, n_students: int) -> tuple[str, ...]:
     """"distributed.`key`=d" for the largest divisor d of the students below `size` that the launch accepts."""
-    return passing(plan, *[(f"distributed.{key}={d}", {key: d}) for d in range(size - 1, 0, -1)
-                           if n_students % d == 0])[:1]
+    divisors = [d for d in range(size - 1, 0, -1) if n_students % d == 0]
+    return tuple(f"distributed.{key}={d}" for d in divisors if accepts(plan, {key: d}))[:1]
 
 
 def mesh_launch(plan, n_students: int) -> tuple[str, ...]:
     """The launch with `n_students` students (and the plan's teachers) if it passes."""
     world = n_students + plan.n_teacher_ranks
     local = world if plan.world_size == plan.local_world_size else plan.local_world_size
-    return passing(plan, (launch_words(world, local), dict(world_size=world, local_world_size=local)))
+    fits = world % local == 0 and accepts(plan, dict(world_size=world, local_world_size=local))  # whole nodes
+    return (launch_words(world, local),) if fits else ()
+
+
+def inferred_mesh(plan) -> tuple[str, ...]:
+    """"distributed.<dim>=-1" for the first mesh dimension whose inference gives a launch that works."""
+    return passing(plan, *[(f"distributed.{key}=-1", {key: -1}) for key in ("dp_shard", "dp_replicate")])[:1]

@@ -22,8 +22,8 @@ from typing import Optional
 
 from lingua.args import require
 from lingua.errors import LaunchError
-from lingua.parallel.launch_fixes import (LayoutError, mesh_divisor, mesh_launch, more_ranks, other_ranks, passing,
-                                           per_node_fixes, refused, tasks_per_node_fixes)
+from lingua.parallel.launch_fixes import (LayoutError, accepts, inferred_mesh, mesh_divisor, mesh_launch, more_ranks,
+                                           other_ranks, passing, per_node_fixes, refused, tasks_per_node_fixes)
 
 TEACHER_PLACEMENTS = ("last", "per_node")
 FSDP_TYPES = ("full_shard", "no_shard")
@@ -281,7 +281,7 @@ class LaunchPlan:
                           passing(self, ("set distributed.teacher_placement=last", dict(teacher_placement="last"))),
                           ";", "")
         if self.world_size - n < 1:
-            more, off = more_ranks(self), passing(self, ("enable_distillation=false", dict(teachers=())))
+            more, off = more_ranks(self), ("enable_distillation=false",) if accepts(self, dict(teachers=())) else ()
             launch = f"Launch more ranks (e.g. {more[0]})" if more else "Launch more ranks"
             raise LayoutError(f"Distillation needs at least one student rank besides {n} teacher rank(s), but the job "
                               f"has {self.world_size} rank(s). {launch}{' or set ' + off[0] if off else ''}.",
@@ -343,11 +343,12 @@ class LaunchPlan:
         replicate = n_students // shard if replicate == -1 else replicate
         shard = n_students // replicate if shard == -1 else shard
         if replicate * shard != n_students:
-            launch = mesh_launch(self, replicate * shard)
+            inferred, launch = inferred_mesh(self), mesh_launch(self, replicate * shard)
+            infer = f" (e.g. {inferred[0]})" if inferred else ""
             student_launch = f", or launch with {replicate * shard} student ranks ({launch[0]})" if launch else ""
             raise LayoutError(f"Mesh dp_replicate={replicate} x dp_shard={shard} = {replicate * shard} ranks, but there "
-                              f"are {n_students} training ranks. Set one of them to -1 to infer it{student_launch}.",
-                              launch)
+                              f"are {n_students} training ranks. Set one of them to -1 to infer it{infer}"
+                              f"{student_launch}.", inferred + launch)
         return replicate, shard
 
     def teacher_tp_of(self, teacher: int) -> int:
