@@ -217,8 +217,8 @@ class KDDistiller(Distiller):
 
     def _weights(self, source_ids: Optional[torch.Tensor], outputs: list[TeacherOutputs], labels: torch.Tensor,
                  device: torch.device) -> list[Optional[torch.Tensor]]:
-        """Each teacher's KD weight per position: a lone teacher's own kd_weight (None: every position); several
-        teachers' mixed by source and alignment (`source_ids` None: every row of source 0, which only a routing
+        """Each teacher's KD weight per position: a teacher alone on every source, its own kd_weight (None: every
+        position); else mixed by source and alignment (`source_ids` None: every row of source 0, which only a routing
         without sources allows: each source's row is the same)."""
         if not self.mixed:
             return [outputs[0].kd_weight]
