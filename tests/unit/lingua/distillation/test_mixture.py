@@ -484,3 +484,22 @@ def test_a_validated_config_read_again_keeps_its_lone_teacher(tmp_path):
                      f"distillation.cache_dir={tmp_path / 'cache'}")
     cached.validate(world_size=2)  # the teacher's checkpoint is not read: its cache holds its outputs
     assert cached.distillation.teachers == [TeacherArgs(cache_dir=str(tmp_path / "cache"))]
+
+
+def test_one_teacher_that_teaches_some_sources_is_named_as_one_and_still_routed():
+    """A list of one with `sources` is one teacher: the one-teacher metric names (kd/*, eval/*; no kd/0/*), while its
+    KD weight still follows the sources it teaches (a row of another source takes CE alone)."""
+    from types import SimpleNamespace
+
+    from lingua.distillation.cache.distiller import CacheDistiller
+
+    args = DistillationArgs(teachers=[TeacherArgs(cache_dir="a", sources=["code"])])
+    one = CacheDistiller(args, source_routing(args.teachers, ["pydocs", "code"]), heldout=[(2.5, 3.5)])
+    assert one.teacher_heldout_row() == {"eval/teacher_loss": 2.5, "eval/teacher_bpb": 3.5}
+    (weight,) = one._weights(torch.tensor([0, 1]), [SimpleNamespace(kd_weight=None)],
+                             torch.zeros(2, 3, dtype=torch.long), torch.device("cpu"))
+    assert weight.tolist() == [[0.0] * 3, [1.0] * 3]  # pydocs untaught, code taught
+    one.ce_sum, one.alpha, one.kd_stats, one.teacher_stats = torch.tensor(2.0), 0.5, torch.ones(3), torch.ones(1, 5)
+    assert not any(key.startswith(("kd/0/", "eval/0/")) for key in one.step_metrics())
+    alone = CacheDistiller(DistillationArgs(teachers=[TeacherArgs(cache_dir="a")]), heldout=[(None, None)])
+    assert alone._weights(None, [SimpleNamespace(kd_weight=None)], torch.zeros(2, 3), torch.device("cpu")) == [None]
