@@ -190,7 +190,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     args.validate(launch.world_size, launch.local_world_size)  # the trainer's own pass
     release_sigterm()
     teachers = launch_teachers(args.enable_distillation, args.distillation)
-    role = LaunchPlan.for_launch(args.distributed, launch.world_size, launch.local_world_size, teachers).role(launch.rank)
+    plan = LaunchPlan.for_launch(args.distributed, launch.world_size, launch.local_world_size, teachers)
+    role = plan.role(launch.rank)
     out_dir = Path(args.dump_dir) / "startup_diag"
     init_logger(launch.rank, role, str(out_dir / "logs" / f"rank_{launch.rank}.log"))
     phases = PhaseLog(str(out_dir), launch.rank, role)

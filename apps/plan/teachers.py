@@ -67,8 +67,8 @@ def plan_teachers(args: PlanArgs, config_path: Optional[str] = None, overrides: 
               "student_tokens_per_s": round(max(students, 0) * planners[0].speeds.student / (1 + timing.wait))}
     try:
         distributed = dataclasses.replace(args.distributed, teacher_placement="last")
-        plan = LaunchPlan.for_launch(distributed, world, min(args.gpus_per_node, world),
-                                     tuple(TeacherLayout(t.n_teacher_ranks, tp, t.path or "") for t, tp in zip(teachers, tps)))
+        layouts = tuple(TeacherLayout(t.n_teacher_ranks, tp, t.path or "") for t, tp in zip(teachers, tps))
+        plan = LaunchPlan.for_launch(distributed, world, min(args.gpus_per_node, world), layouts)
         lines = plan.describe()
         online["launch_plan"] = lines[:6] + ([f"... {len(lines) - 6} more line(s)"] if len(lines) > 6 else [])
     except ValueError as err:  # the trainer would refuse this launch: its sentence

@@ -173,7 +173,8 @@ class DistillationArgs:
     def spelled_by_keys(self) -> bool:
         """Whether the teacher is named by the one-teacher keys (teacher_path or cache_dir, ...) rather than listed:
         no list, or (a validated config read again) the list of one those keys made."""
-        return not self.teachers or (bool(self.teacher_path or self.cache_dir) and self.teachers == [self.lone_teacher()])
+        named = bool(self.teacher_path or self.cache_dir)
+        return not self.teachers or (named and self.teachers == [self.lone_teacher()])
 
     def _validate_lone_teacher(self) -> None:
         """One teacher (teacher_path and its keys): its cache, or its ranks and checkpoint."""

@@ -346,8 +346,8 @@ class LaunchPlan:
             inferred, launch = inferred_mesh(self), mesh_launch(self, replicate * shard)
             infer = f" (e.g. {inferred[0]})" if inferred else ""
             student_launch = f", or launch with {replicate * shard} student ranks ({launch[0]})" if launch else ""
-            raise LayoutError(f"Mesh dp_replicate={replicate} x dp_shard={shard} = {replicate * shard} ranks, but there "
-                              f"are {n_students} training ranks. Set one of them to -1 to infer it{infer}"
+            raise LayoutError(f"Mesh dp_replicate={replicate} x dp_shard={shard} = {replicate * shard} ranks, but "
+                              f"there are {n_students} training ranks. Set one of them to -1 to infer it{infer}"
                               f"{student_launch}.", inferred + launch)
         return replicate, shard
 

@@ -176,7 +176,8 @@ def test_each_teacher_may_have_its_own_dtype_and_tensor_parallelism(tmp_path):
     one = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}, n_teacher_ranks: 2, teacher_tp: 2, teacher_dtype: bf16}}"))
     one.validate(world_size=4)
     own = one.distillation.teacher_args(0)
-    assert (own.teacher_tp, own.teacher_dtype) == (2, "bf16") and launch(one) == (TeacherLayout(2, 2, str(tmp_path / "t0")),)
+    assert (own.teacher_tp, own.teacher_dtype) == (2, "bf16")
+    assert launch(one) == (TeacherLayout(2, 2, str(tmp_path / "t0")),)
     with pytest.raises(ConfigError, match=r"distillation.teachers\[0\].teacher_dtype='fp8'; use one of auto"):
         kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}, teacher_dtype: fp8}}")).validate(world_size=2)
     one_cfg = OmegaConf.create({"enable_distillation": True, "distillation": {

@@ -21,7 +21,8 @@ TEACHERS = [(), (T(1),), (T(2),), (T(3),), (T(2, 2),), (T(3, 2),), (T(4, 2),), (
 MESHES = [(1, -1), (2, -1), (-1, 2), (2, 2), (1, 3)]
 PLACEMENTS = ("last", "per_node")
 LAUNCH = re.compile(r"torchrun(?: --nnodes \d+)? --nproc-per-node \d+")
-SETTING = re.compile(r"(?:set|use|e\.g\.|or) ((?:distributed|distillation)\.[\w.\[\]]+=[\w-]+|enable_distillation=false)")
+SETTING = re.compile(r"(?:set|use|e\.g\.|or) ((?:distributed|distillation)\.[\w.\[\]]+=[\w-]+"
+                     r"|enable_distillation=false)")
 
 
 def applied(fields: dict, fix: str) -> dict:

@@ -249,7 +249,8 @@ def test_cached_teachers_settings_and_the_launch(tmp_path):
 
     one = train_args(tmp_path, f"distillation.teachers=[{{cache_dir: {tmp_path / 'a'}}}]")
     one.validate()  # one cached teacher trains from its cache, as source=cache with cache_dir does
-    assert (one.distillation.source, one.distillation.teachers) == ("cache", [TeacherArgs(cache_dir=str(tmp_path / "a"))])
+    cached = [TeacherArgs(cache_dir=str(tmp_path / "a"))]
+    assert (one.distillation.source, one.distillation.teachers) == ("cache", cached)
     assert launch_teachers(one.enable_distillation, one.distillation) == ()
     mixed = train_args(tmp_path, f"distillation.teachers=[{{cache_dir: {tmp_path}}}, {{path: {tmp_path}}}]")
     mixed.validate()  # a cached teacher beside an online one: only the online one has ranks

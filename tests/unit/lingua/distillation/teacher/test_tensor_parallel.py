@@ -36,7 +36,8 @@ def test_per_node_puts_one_replica_at_the_end_of_each_node():
 
 @pytest.mark.parametrize("world, local, n_teachers, placement, message", [
     (8, 8, 3, "last", r"distillation.n_teacher_ranks=3 cannot be split into teacher replicas of "
-                      r"distillation.teacher_tp=2 ranks; use a multiple of 2 \(e.g. distillation.n_teacher_ranks=2\)\."),
+                      r"distillation.teacher_tp=2 ranks; use a multiple of 2 \(e.g. "
+                      r"distillation.n_teacher_ranks=2\)\."),
     (6, 3, 4, "last", r"The teacher replica of global ranks 2-3 \(distillation.teacher_tp=2\) would span nodes 0 and "
                       r"1 \(3 tasks per node\); a replica must stay on one node"),
     (8, 4, 2, "per_node", r"teacher_placement=per_node needs one teacher replica of distillation.teacher_tp=2 ranks "
