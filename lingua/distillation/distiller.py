@@ -171,8 +171,7 @@ class KDDistiller(Distiller):
                  heldout: Optional[list[tuple[Optional[float], Optional[float]]]] = None):
         super().__init__(args)
         self.alpha = args.alpha
-        teachers = args.teachers
-        assert teachers, "validate the distillation settings first: they fill distillation.teachers"
+        teachers = args.teachers or [args.lone_teacher()]  # validated args hold the list; a caller's may not yet
         self.several = len(teachers) > 1  # each teacher's metrics under kd/<i>/ beside the mixture's kd/
         self.mixed = self.several or any(t.sources for t in teachers)  # KD weights mixed per position by source
         self.routing = None if routing is None else routing.to(device)
