@@ -39,7 +39,8 @@ from lingua.errors import ConfigError, LaunchError
 from lingua.parallel import flight_recorder
 from lingua.parallel.collectives import comm_logger, log_collective
 # DistributedArgs is the `distributed:` config section; it lives with LaunchPlan, torch-free, for stool.
-from lingua.parallel.launch_plan import DistributedArgs, LaunchEnv, LaunchPlan, expected_cuda_index, read_launch_env
+from lingua.parallel.launch_plan import (DistributedArgs, LaunchEnv, LaunchPlan, TeacherLayout, expected_cuda_index,
+                                         read_launch_env)
 from lingua.parallel.recovery import Restarts, attempt_store, keep_previous_status, unsafe_restart_sentence
 from lingua.parallel.timeouts import forget_detail_check_groups, keep_detail_check_groups
 from lingua.run.dump_dir import RunDir
@@ -129,7 +130,7 @@ class Topology:
 
     @property
     def teacher_tp(self) -> int:
-        """Ranks per teacher replica (distillation.teacher_tp; 1 = every teacher rank is a whole teacher)."""
+        """Ranks per replica of the first teacher (every teacher's, with one; 1 = each rank a whole teacher)."""
         return self.plan.teacher_tp
 
     @property
@@ -239,14 +240,12 @@ def enable_debug_env(dump_dir: Optional[str], mode: str = "true") -> None:
     comm_logger.setLevel(logging.DEBUG)
 
 
-def setup_torch_distributed(args: DistributedArgs, n_teachers: int = 0, dump_dir: Optional[str] = None,
-                            teacher_tp: int = 1, teacher_counts: tuple[int, ...] = (),
-                            teacher_paths: tuple[str, ...] = (), teacher_tps: tuple[int, ...] = ()) -> Topology:
-    """Initialise torch.distributed and build the Topology (`teacher_counts`, `teacher_paths`, `teacher_tps`: the
-    ranks, checkpoint and replica size of each of several teachers). Config errors raise before any collective."""
+def setup_torch_distributed(args: DistributedArgs, teachers: tuple[TeacherLayout, ...] = (),
+                            dump_dir: Optional[str] = None) -> Topology:
+    """Initialise torch.distributed and build the Topology of a launch with these teachers (one `TeacherLayout` per
+    teacher with ranks of its own: its ranks, replica size and path). Config errors raise before any collective."""
     launch = read_launch_env()
-    plan = LaunchPlan.for_launch(args, n_teachers, launch.world_size, launch.local_world_size, teacher_tp,
-                                 teacher_counts, teacher_paths, teacher_tps)
+    plan = LaunchPlan.for_launch(args, launch.world_size, launch.local_world_size, teachers)
     device, backend = choose_device(args, launch.local_rank, launch.local_world_size)
     if backend == "nccl":
         torch.cuda.set_device(device)

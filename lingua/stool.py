@@ -34,7 +34,7 @@ from lingua.args import dataclass_from_dict, require, to_dict
 from lingua.cli.entry import run_cli
 from lingua.errors import ConfigError, MissingPathError
 from lingua.cli.help import exit_with_help
-from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, teacher_rank_count
+from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, TeacherLayout, teacher_rank_count
 from lingua.slurm import UNLIMITED, build_sbatch_script, submit_sbatch, submit_submitit
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -227,37 +227,41 @@ def launch_plan(cfg: DictConfig, nodes: int, ntasks_per_node: int) -> tuple[Laun
     config (None = leave it). With one teacher (replica of distillation.teacher_tp ranks) per node
     (n_teacher_ranks == nodes x teacher_tp, nodes > 1) each is the last rank(s) of its node, so a bridge never
     leaves its node; otherwise teachers are the last ranks."""
-    n_teachers = teacher_rank_count(bool(cfg.get("enable_distillation", False)),
-                                    int(OmegaConf.select(cfg, "distillation.n_teacher_ranks", default=1)))
-    # Several teachers (distillation.teachers), each its own ranks after the students, as the trainer lays them out.
-    listed = OmegaConf.select(cfg, "distillation.teachers", default=None) or []
-    # A teacher read from its cache has no ranks; training from caches alone (source=cache, or every listed teacher
-    # names its cache_dir) runs none.
-    teachers = [t for t in listed if not OmegaConf.select(t, "cache_dir", default=None)]
-    source = OmegaConf.select(cfg, "distillation.source", default="online")
-    online = source == "online" and not (listed and not teachers)
-    n_teachers = n_teachers if online else 0
-    counts = tuple(int(OmegaConf.select(t, "n_teacher_ranks", default=1)) for t in teachers) if n_teachers and online \
-        else ()
-    if counts:
-        n_teachers = sum(counts)
-    several = counts if len(counts) > 1 else ()
-    teacher_tp = int(OmegaConf.select(cfg, "distillation.teacher_tp", default=1)) if n_teachers else 1
-    if len(counts) == 1 and OmegaConf.select(teachers[0], "teacher_tp", default=None) is not None:
-        teacher_tp = int(teachers[0].teacher_tp)  # a one-teacher list is teacher_path with its own keys
-    require(teacher_tp >= 1, "distillation.teacher_tp", teacher_tp,
-            "use 1 (one rank per teacher) or the number of ranks to shard each teacher over")
-    # Each of several teachers in replicas of its own teacher_tp, or of the shared one.
-    tps = tuple(int(OmegaConf.select(t, "teacher_tp", default=None) or teacher_tp) for t in teachers) if several \
-        else ()
+    teachers = config_teachers(cfg)
     distributed = OmegaConf.merge(OmegaConf.structured(DistributedArgs), cfg.get("distributed") or {})
     write = None
-    if OmegaConf.select(cfg, "distributed.teacher_placement", default=None) is None \
-            and n_teachers and n_teachers == nodes * teacher_tp and nodes > 1 and not several:
+    if OmegaConf.select(cfg, "distributed.teacher_placement", default=None) is None and nodes > 1 \
+            and len(teachers) == 1 and teachers[0].ranks == nodes * teachers[0].tp:
         distributed.teacher_placement = write = "per_node"
-    plan = LaunchPlan.for_launch(OmegaConf.to_object(distributed), n_teachers, nodes * ntasks_per_node, ntasks_per_node,
-                                 teacher_tp, teacher_counts=several, teacher_tps=tps)
+    plan = LaunchPlan.for_launch(OmegaConf.to_object(distributed), nodes * ntasks_per_node, ntasks_per_node, teachers)
     return plan, write
+
+
+def config_teachers(cfg: DictConfig) -> tuple[TeacherLayout, ...]:
+    """The launch's teachers as the trainer lays them out (`launch_teachers`), read from the raw config (no torch
+    here): the one-teacher keys' teacher, or each listed one with ranks of its own; a teacher read from its cache has
+    none, and training from caches alone (source=cache, or every listed teacher names its cache_dir) runs none."""
+    select = OmegaConf.select
+    if not cfg.get("enable_distillation", False) or select(cfg, "distillation.source", default="online") != "online":
+        return ()
+    shared_tp = int(select(cfg, "distillation.teacher_tp", default=1))
+    require(shared_tp >= 1, "distillation.teacher_tp", shared_tp,
+            "use 1 (one rank per teacher) or the number of ranks to shard each teacher over")
+    listed = select(cfg, "distillation.teachers", default=None) or []
+    if not listed:
+        ranks = teacher_rank_count(True, int(select(cfg, "distillation.n_teacher_ranks", default=1)))
+        return (TeacherLayout(ranks, shared_tp, str(select(cfg, "distillation.teacher_path", default=None) or "")),)
+    layouts = []
+    for i, teacher in enumerate(listed):
+        if select(teacher, "cache_dir", default=None):
+            continue
+        ranks, tp = int(select(teacher, "n_teacher_ranks", default=1)), select(teacher, "teacher_tp", default=None)
+        tp = shared_tp if tp is None else int(tp)
+        require(ranks >= 1, f"distillation.teachers[{i}].n_teacher_ranks", ranks, "use a positive number of ranks")
+        require(tp >= 1, f"distillation.teachers[{i}].teacher_tp", tp,
+                "use 1 (one rank per replica) or the number of ranks to shard this teacher over")
+        layouts.append(TeacherLayout(ranks, tp, str(select(teacher, "path", default=None) or "")))
+    return tuple(layouts)
 
 
 # ---------------------------------------------------------------- partition time limit

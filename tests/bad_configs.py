@@ -8,7 +8,7 @@ directory. `key` must be named in the message; `sentence`, when given, is the wh
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 
 @dataclass(frozen=True)
@@ -16,8 +16,12 @@ class BadConfig:
     name: str
     overrides: dict
     key: str  # the setting the message must name
-    sentence: Optional[str] = None  # the exact message, when pinned
+    # the exact message, when pinned; one per launch ("plain", "distill") where it names a launch of that size
+    sentence: Optional[Union[str, dict]] = None
     launch: bool = False  # also launched under torchrun (plain and distillation): a few representative rows
+
+    def sentence_of(self, launch: str) -> Optional[str]:
+        return self.sentence[launch] if isinstance(self.sentence, dict) else self.sentence
 
     def args(self, teacher: str = "") -> list[str]:
         return [f"{k}={str(v).replace('{teacher}', teacher)}" for k, v in self.overrides.items()]
@@ -88,9 +92,11 @@ BAD_CONFIGS = [
     BadConfig("placement", {"distributed.teacher_placement": "middle"}, "distributed.teacher_placement"),
     BadConfig("zero_dp_shard", {"distributed.dp_shard": 0}, "distributed.dp_shard"),
     BadConfig("both_dims_inferred", {"distributed.dp_replicate": -1}, "distributed.dp_replicate"),
-    BadConfig("mesh_vs_world_size", {"distributed.dp_shard": 4}, "dp_shard", "Mesh dp_replicate=1 x dp_shard=4 = 4 "
-              "ranks, but there are 2 training ranks. Set one of them to -1 to infer it, or launch with 4 student "
-              "ranks.", launch=True),
+    BadConfig("mesh_vs_world_size", {"distributed.dp_shard": 4}, "dp_shard", {
+        kind: "Mesh dp_replicate=1 x dp_shard=4 = 4 ranks, but there are 2 training ranks. Set one of them to -1 to "
+              f"infer it (e.g. distributed.dp_shard=-1), or launch with 4 student ranks (torchrun --nproc-per-node "
+              f"{nproc})."
+        for kind, nproc in (("plain", 4), ("distill", 5))}, launch=True),
     BadConfig("alpha", {"distillation.alpha": 1.5}, "distillation.alpha"),
     BadConfig("k", {"distillation.k": 0}, "distillation.k"),
     BadConfig("output", {"distillation.output": "dense"}, "distillation.output"),

@@ -49,7 +49,7 @@ from apps.main.train import (
 from lingua.args import parse_args, require
 from lingua.cli.entry import release_sigterm, run_cli
 from lingua.data import DataLoader
-from lingua.distillation.build import TeacherLaunch, build_distiller
+from lingua.distillation.build import build_distiller, launch_teachers
 from lingua.distillation.micro_batches import MicroBatchFeed
 from lingua.distributed import (
     Topology,
@@ -189,9 +189,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     launch = read_launch_env()
     args.validate(launch.world_size, launch.local_world_size)  # the trainer's own pass
     release_sigterm()
-    teachers = TeacherLaunch.of(args.enable_distillation, args.distillation)
-    role = LaunchPlan.for_launch(args.distributed, teachers.n_ranks, launch.world_size, launch.local_world_size,
-                                 teachers.tp, teachers.counts, teacher_tps=teachers.replica_sizes).role(launch.rank)
+    teachers = launch_teachers(args.enable_distillation, args.distillation)
+    plan = LaunchPlan.for_launch(args.distributed, launch.world_size, launch.local_world_size, teachers)
+    role = plan.role(launch.rank)
     out_dir = Path(args.dump_dir) / "startup_diag"
     init_logger(launch.rank, role, str(out_dir / "logs" / f"rank_{launch.rank}.log"))
     phases = PhaseLog(str(out_dir), launch.rank, role)
@@ -203,8 +203,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             bare_init(args.distributed, launch, phases)
         else:
             with phases.span("setup_torch_distributed"):
-                topo = setup_torch_distributed(args.distributed, teachers.n_ranks, args.dump_dir, teachers.tp,
-                                               teachers.counts, teacher_tps=teachers.replica_sizes)
+                topo = setup_torch_distributed(args.distributed, teachers, args.dump_dir)
             with phases.span("rank_map"):
                 log_rank_device_map(topo)
             first_collectives(topo, phases)

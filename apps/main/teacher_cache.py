@@ -60,10 +60,12 @@ class TeacherCacheArgs(TrainArgs):
         """The trainer's pass for the config with an online teacher (whatever distillation.source says: this
         job is the teacher), then the cache's own keys. Every rank is a teacher here, so the launch is planned
         without teacher ranks, then cut into replicas of distillation.teacher_tp ranks."""
-        # none, or a validated config's list of one (teacher_path's keys)
-        lone = self.distillation.teachers in ([], [self.distillation.lone_teacher()])
-        require(lone, "distillation.teachers", [t.path for t in self.distillation.teachers],
+        listed = self.distillation.teachers
+        require(len(listed) <= 1 and not any(t.sources for t in listed), "distillation.teachers",
+                [t.path for t in listed],
                 "the cache writer runs one teacher: write each teacher's cache with its distillation.teacher_path")
+        if listed and not self.distillation.spelled_by_keys:  # a list of one: the writer runs its teacher's settings
+            self.distillation = self.distillation.teacher_args(0)
         teacher = replace(self.distillation, source="online", n_teacher_ranks=self.distillation.teacher_tp, teachers=[])
         TrainArgs.validate(replace(self, enable_distillation=True, distillation=teacher))
         require(bool(self.cache_dir), "cache_dir", self.cache_dir, "pass cache_dir=<folder for the teacher cache>")
@@ -77,7 +79,7 @@ class TeacherCacheArgs(TrainArgs):
         require(self.sequences_per_stream >= 0, "sequences_per_stream", self.sequences_per_stream,
                 "use 0 (the config's steps x grad_acc_steps x data.batch_size) or a positive number of windows")
         if world_size is not None:
-            LaunchPlan.for_launch(self.distributed, 0, world_size, local_world_size or world_size)
+            LaunchPlan.for_launch(self.distributed, world_size, local_world_size or world_size)
             tp = self.distillation.teacher_tp
             require(world_size % tp == 0, "distillation.teacher_tp", tp,
                     f"the cache writer's {world_size} ranks form replicas of teacher_tp ranks; "
@@ -92,7 +94,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     release_sigterm()
     failure: Optional[BaseException] = None  # an exceptional exit aborts the process groups (clean_up)
     try:
-        topo = setup_torch_distributed(args.distributed, 0, args.dump_dir)
+        topo = setup_torch_distributed(args.distributed, (), args.dump_dir)
         init_logger(topo.global_rank, "cache", str(Path(args.cache_dir) / "logs" / f"rank_{topo.global_rank}.log"))
         write_cache(args, topo)
     except BaseException as err:

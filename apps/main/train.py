@@ -37,7 +37,7 @@ from lingua.checkpoint import CheckpointArgs, CheckpointManager
 from lingua.cli.entry import run_cli
 from lingua.data import DataArgs, training_loader
 from lingua.distillation.args import DistillationArgs
-from lingua.distillation.build import TeacherLaunch, build_distiller, serve_teacher
+from lingua.distillation.build import build_distiller, launch_teachers, serve_teacher
 from lingua.distillation.loss.fused import fused_ce_head
 from lingua.distillation.micro_batches import MicroBatchFeed
 from lingua.distributed import Topology, clean_up, log_rank_device_map, setup_torch_distributed
@@ -126,10 +126,9 @@ class TrainArgs:
                 f"the model must fit data.seq_len={self.data.seq_len}; set model.max_seqlen >= {self.data.seq_len}")
         if self.heldout.every:
             eval_files(self.data)
-        teachers = TeacherLaunch.of(self.enable_distillation, self.distillation, self.data)  # each fits the data
+        teachers = launch_teachers(self.enable_distillation, self.distillation, self.data)  # each fits the data
         if world_size is not None:  # roles, bridges, teacher replicas and the students' mesh for this many ranks
-            LaunchPlan.for_launch(self.distributed, teachers.n_ranks, world_size, local_world_size or world_size,
-                                  teachers.tp, teachers.counts, teacher_tps=teachers.replica_sizes)
+            LaunchPlan.for_launch(self.distributed, world_size, local_world_size or world_size, teachers)
 
 
 # ---------------------------------------------------------------- teacher ranks
@@ -379,9 +378,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     owner = DumpDirOwner(args.dump_dir, launch, args.distributed.init_timeout_s).take()
     failure: Optional[BaseException] = None  # an exceptional exit aborts the process groups (clean_up)
     try:
-        teachers = TeacherLaunch.of(args.enable_distillation, args.distillation)
-        topo = setup_torch_distributed(args.distributed, teachers.n_ranks, args.dump_dir, teachers.tp, teachers.counts,
-                                       teachers.paths, teachers.replica_sizes)
+        teachers = launch_teachers(args.enable_distillation, args.distillation)
+        topo = setup_torch_distributed(args.distributed, teachers, args.dump_dir)
         init_logger(topo.global_rank, topo.role, str(RunDir(args.dump_dir).rank_log(topo.global_rank)))
         # From here a rank that fails leaves a note, and one that loses a peer names the rank that stopped.
         with (RankStatus(args.dump_dir, topo, debug=args.distributed.debug_mode) as status,

@@ -9,7 +9,7 @@ from apps.main.train import TrainArgs
 from apps.plan.args import PlanArgs
 from apps.plan.planner import Planner
 from apps.plan.printing import format_plan, verdict_lines, write_plan
-from apps.plan.teachers import format_teachers_plan, plan_teachers
+from apps.plan.teachers import format_teachers_plan, plan_teachers, teacher_planner
 from lingua.args import parse_args
 
 
@@ -25,12 +25,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(PlanArgs, argv)
     args.validate_plan()
     config_path = next((item.split("=", 1)[1] for item in argv if item.startswith("config=")), None)
-    if args.distillation.teachers:  # several teachers: each at its configured ranks, online only
+    if len(args.distillation.teachers) > 1:  # each teacher at its configured ranks, online only
         plan = plan_teachers(args, config_path, training_overrides(argv))
         lines = format_teachers_plan(plan) if args.show == "all" else [
             f"answer: {plan['recommendation']}", "no verdict: the KD studies measured one teacher"]
-    else:
-        plan = Planner(args, config_path, training_overrides(argv)).plan()
+    else:  # one teacher, by its keys or as a list of one: the planner picks its ranks
+        one = args if not args.distillation.teachers else teacher_planner(args, 0).args
+        plan = Planner(one, config_path, training_overrides(argv)).plan()
         lines = format_plan(plan) if args.show == "all" else [f"answer: {plan['recommendation']}"] + (
             verdict_lines(plan["verdict"]) if "verdict" in plan else [])
     print("\n".join(lines))

@@ -19,7 +19,7 @@ from lingua.args import to_dict
 from lingua.distillation.args import WIRE_DTYPES, check_seq_len_fits_teacher
 from lingua.distillation.cache.codec import planned_bytes_per_token
 from lingua.distillation.outputs import TeacherOutputs
-from lingua.parallel.launch_plan import LaunchPlan
+from lingua.parallel.launch_plan import LaunchPlan, TeacherLayout
 
 # A cache shard of fewer windows than this batches the writer's forwards too finely: the plan rounds up instead.
 MIN_EXACT_SHARD = 16
@@ -88,8 +88,9 @@ class Planner:
     def launch_plan(self, layout: Layout) -> LaunchPlan:
         """The trainer's own plan of `layout` with the config's mesh settings (ValueError: its sentence)."""
         distributed = dataclasses.replace(self.args.distributed, teacher_placement=layout.placement)
-        return LaunchPlan.for_launch(distributed, layout.teacher_ranks, layout.world_size,
-                                     min(self.args.gpus_per_node, layout.world_size), layout.teacher_tp)
+        teachers = (TeacherLayout(layout.teacher_ranks, layout.teacher_tp, self.args.distillation.teacher_path or ""),)
+        return LaunchPlan.for_launch(distributed, layout.world_size, min(self.args.gpus_per_node, layout.world_size),
+                                     teachers if layout.teacher_ranks else ())
 
     def timing(self, layout: Layout) -> Timing:
         return Timing.of(layout.load(self.speeds), self.prefetch)

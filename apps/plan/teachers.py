@@ -22,7 +22,7 @@ from apps.plan.args import MAX_WAIT_SHARE, PLAN_VERSION, PlanArgs
 from apps.plan.planner import Planner
 from apps.plan.printing import count
 from apps.plan.timing import Timing, max_students_per_replica
-from lingua.parallel.launch_plan import LaunchPlan
+from lingua.parallel.launch_plan import LaunchPlan, TeacherLayout
 
 
 def teacher_planner(args: PlanArgs, index: int, student_vocab: int = -1) -> Planner:
@@ -80,9 +80,8 @@ def plan_teachers(args: PlanArgs, config_path: Optional[str] = None, overrides: 
               "student_tokens_per_s": round(max(students, 0) * planners[0].speeds.student / (1 + timing.wait))}
     try:
         distributed = dataclasses.replace(args.distributed, teacher_placement="last")
-        plan = LaunchPlan.for_launch(distributed, world - students, world, min(args.gpus_per_node, world),
-                                     kd.teacher_tp, tuple(t.n_teacher_ranks for t in teachers),
-                                     tuple(t.path for t in teachers), tuple(tps))
+        layouts = tuple(TeacherLayout(t.n_teacher_ranks, tp, t.path or "") for t, tp in zip(teachers, tps))
+        plan = LaunchPlan.for_launch(distributed, world, min(args.gpus_per_node, world), layouts)
         lines = plan.describe()
         online["launch_plan"] = lines[:6] + ([f"... {len(lines) - 6} more line(s)"] if len(lines) > 6 else [])
     except ValueError as err:  # the trainer would refuse this launch: its sentence

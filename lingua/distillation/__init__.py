@@ -11,7 +11,7 @@ Shared roots (every road enters through these):
     distiller.py       the seam (the loop's six calls): Distiller, NoDistiller (CE only), KDDistiller (the KD loss of
                        1..N teachers, their metrics); the tokenizer's identity (tokenizer_vocab, tokenizer_fingerprint)
     micro_batches.py   MicroBatchFeed: a step's micro-batches, their teacher requests submitted ahead (look-ahead)
-    build.py           what the trainer asks: TeacherLaunch (a launch's teacher ranks), build_distiller (a student's
+    build.py           what the trainer asks: launch_teachers (a launch's TeacherLayouts), build_distiller (a student's
                        Distiller and its teachers' caches), serve_teacher (a teacher rank), the agreed look-ahead
 
 Rooms, one per road (each `__init__` maps its own files; imports go down, never across roads):

@@ -35,7 +35,7 @@ class AgreedTeacherError(TeacherError, AgreedError):
 
 @dataclass
 class TeacherArgs:
-    """One of several teachers (`distillation.teachers`): its checkpoint and its own ranks, or its cache; its share
+    """A teacher of `distillation.teachers`: its checkpoint and its own ranks, or its cache; its share
     of the KD term, its tokenizer, the data sources it teaches, and optionally (online) its own dtype and tensor
     parallelism. The other distillation settings are shared by all teachers."""
 
@@ -104,15 +104,11 @@ class DistillationArgs:
     # alone.
     uld_weight: float = 0.0
     uld_k: int = 16  # with uld_weight > 0: how many sorted probabilities (teacher unmapped, student rest) ULD compares
-    # Several teachers, each on its own ranks or each from its own cache (instead of teacher_path, n_teacher_ranks,
-    # cross_tokenizer, teacher_tokenizer and cache_dir): the students mix their KD terms by weight and per data
-    # source (lingua/distillation/loss/mixture.py). One element without sources is the same run as teacher_path (or as
-    # source=cache with its cache_dir).
+    # The teachers, each on its own ranks or from its own cache (instead of teacher_path, n_teacher_ranks,
+    # cross_tokenizer, teacher_tokenizer and cache_dir, which spell a list of one): the students mix their KD terms by
+    # weight and per data source (lingua/distillation/loss/mixture.py). Validation reads those keys into this list;
+    # every road after it reads the list. One element without sources is the same run as teacher_path.
     teachers: list[TeacherArgs] = field(default_factory=list)
-
-    def __post_init__(self):  # a one-teacher list is teacher_path as soon as it is read, for every app
-        if len(self.teachers) == 1 and not (self.teachers[0].sources or self.teacher_path or self.cross_tokenizer):
-            self._fold_single_teacher()
 
     def compiles_loss(self, with_teacher: bool, device: torch.device) -> bool:
         """Whether the fused loss's chunk math runs compiled (`loss_compile`; "auto": CE alone, on a GPU)."""
@@ -157,9 +153,6 @@ class DistillationArgs:
                 "distillation.uld_weight", self.uld_weight, "use a finite weight >= 0 (0 = no ULD term)")
         require(type(self.uld_k) is int and self.uld_k >= 1, "distillation.uld_k", self.uld_k,
                 "use a positive number of sorted probabilities to compare")
-        if self.teachers == [self.lone_teacher()]:  # a validated config read again: its list of one is teacher_path
-            self.teachers = []
-        self._fold_single_teacher()
         if self.uld_weight > 0:
             require(self.cross_tokenizer or any(t.cross_tokenizer for t in self.teachers), "distillation.uld_weight",
                     self.uld_weight, "ULD matches the mass a teacher of another tokenizer cannot map; set "
@@ -171,10 +164,17 @@ class DistillationArgs:
                     "ULD runs in the eager chunk math; set distillation.loss_compile=auto, or uld_weight=0")
         if not enabled:
             return
-        if self.teachers:
+        if not self.spelled_by_keys:
             return self._validate_teachers()
         self._validate_lone_teacher()
         self.teachers = [self.lone_teacher()]  # one teacher is a list of one: every road reads `teachers`
+
+    @property
+    def spelled_by_keys(self) -> bool:
+        """Whether the teacher is named by the one-teacher keys (teacher_path or cache_dir, ...) rather than listed:
+        no list, or (a validated config read again) the list of one those keys made."""
+        named = bool(self.teacher_path or self.cache_dir)
+        return not self.teachers or (named and self.teachers == [self.lone_teacher()])
 
     def _validate_lone_teacher(self) -> None:
         """One teacher (teacher_path and its keys): its cache, or its ranks and checkpoint."""
@@ -197,34 +197,9 @@ class DistillationArgs:
                            n_teacher_ranks=self.n_teacher_ranks, cross_tokenizer=self.cross_tokenizer,
                            tokenizer=self.teacher_tokenizer)
 
-    @property
-    def several_teachers(self) -> bool:
-        """Whether the teachers are named one by one (kd/<i>/..., teachers[i] in sentences): more than one, or one
-        that teaches some sources only. A lone teacher reads as teacher_path's, whichever key named it."""
-        return len(self.teachers) > 1 or any(teacher.sources for teacher in self.teachers)
-
     def online_teachers(self) -> list[int]:
         """The indices of the teachers that run on ranks of their own (no cache_dir), in rank order."""
         return [i for i, teacher in enumerate(self.teachers) if not teacher.cache_dir]
-
-    def launch_teacher_paths(self) -> tuple[str, ...]:
-        """The path of each teacher with ranks of its own, in rank order, when they are named one by one (else ())."""
-        return tuple(self.teachers[i].path for i in self.online_teachers()) if self.several_teachers else ()
-
-    def _fold_single_teacher(self) -> None:
-        """`teachers` with one element and no sources is `teacher_path` and its keys: the same run, the same code."""
-        if len(self.teachers) != 1 or self.teachers[0].sources or self.teacher_path:
-            return
-        only = self.teachers[0]
-        _check_own_settings(only, "distillation.teachers[0]")
-        self._refuse_shared_keys("0")
-        self.teacher_path, self.n_teacher_ranks = only.path, only.n_teacher_ranks
-        self.teacher_dtype = self.teacher_dtype if only.teacher_dtype is None else only.teacher_dtype
-        self.teacher_tp = self.teacher_tp if only.teacher_tp is None else only.teacher_tp
-        self.cross_tokenizer, self.teacher_tokenizer, self.teachers = only.cross_tokenizer, only.tokenizer, []
-        if only.cache_dir:  # its cache: the one-teacher cache road
-            self.source, self.cache_dir = "cache", only.cache_dir
-        self.validate_cross_tokenizer()
 
     def _refuse_shared_keys(self, index: str) -> None:
         """The one-teacher keys that `teachers` sets per teacher (teachers[`index`]): beside it, one is ignored."""
@@ -238,10 +213,10 @@ class DistillationArgs:
                 f"with distillation.teachers name each teacher's cache (teachers[{index}].cache_dir), or remove it")
 
     def _validate_teachers(self) -> None:
-        """Several teachers: each its path, ranks and weight; the keys of the one-teacher case left unset."""
+        """The listed teachers: each its path, ranks and weight; the keys of the one-teacher case left unset."""
         require(not self.teacher_path, "distillation.teacher_path", self.teacher_path,
                 "distillation.teachers names the teachers; set teacher_path=null or remove distillation.teachers")
-        self._refuse_shared_keys("i")
+        self._refuse_shared_keys("0" if len(self.teachers) == 1 else "i")
         self._settle_teachers_source()
         for i, teacher in enumerate(self.teachers):
             key = f"distillation.teachers[{i}]"
@@ -295,8 +270,8 @@ class DistillationArgs:
                     f"{tp_key.removeprefix('distillation.')}=1, or output=topk")
 
     def teacher_args(self, index: int) -> "OneTeacherArgs":
-        """The settings teacher `index` of `teachers` runs with: these, its own path, ranks and tokenizer (a lone
-        teacher is named as teacher_path's: index None)."""
+        """The settings teacher `index` of `teachers` runs with: these, its own path, ranks and tokenizer (one named by
+        the one-teacher keys keeps their names: index None)."""
         teacher = self.teachers[index]
         shared = {f.name: getattr(self, f.name) for f in fields(DistillationArgs)}
         shared.update(teacher_path=teacher.path, n_teacher_ranks=teacher.n_teacher_ranks, teachers=[],
@@ -305,16 +280,16 @@ class DistillationArgs:
         for key in ("teacher_dtype", "teacher_tp"):  # its own where set, else the shared value
             if getattr(teacher, key) is not None:
                 shared[key] = getattr(teacher, key)
-        return OneTeacherArgs(**shared, index=index if self.several_teachers else None,
+        return OneTeacherArgs(**shared, index=None if self.spelled_by_keys else index,
                               own_dtype=teacher.teacher_dtype is not None)
 
 
 @dataclass
 class OneTeacherArgs(DistillationArgs):
-    """The settings of teacher `index` of several (`DistillationArgs.teacher_args`): what its bridge, client and
+    """The settings of teacher `index` of `teachers` (`DistillationArgs.teacher_args`): what its bridge, client and
     server read; their sentences name it by index and path."""
 
-    index: Optional[int] = 0  # None: the lone teacher, named as teacher_path's
+    index: Optional[int] = 0  # None: the teacher of the one-teacher keys, named as teacher_path's
     own_dtype: bool = False  # its teacher_dtype is its own (teachers[index].teacher_dtype), not the shared one
 
 
@@ -325,13 +300,13 @@ def tp_setting(args: DistillationArgs, index: int) -> str:
 
 
 def dtype_setting(args: DistillationArgs) -> str:
-    """The key that sets a teacher's dtype: teacher `index`'s own teacher_dtype (several teachers), or the shared."""
+    """The key that sets a teacher's dtype: teacher `index`'s own teacher_dtype (a listed teacher), or the shared."""
     own = isinstance(args, OneTeacherArgs) and args.own_dtype and args.index is not None
     return f"distillation.teachers[{args.index}].teacher_dtype" if own else "distillation.teacher_dtype"
 
 
 def teacher_title(args: DistillationArgs, rank: int) -> str:
-    """How a sentence names a teacher rank: "Teacher rank 2", or with several "Teacher 1 (<path>) on rank 4"."""
+    """How a sentence names a teacher rank: "Teacher rank 2", or a listed one "Teacher 1 (<path>) on rank 4"."""
     if isinstance(args, OneTeacherArgs) and args.index is not None:
         return f"Teacher {args.index} ({args.teacher_path}) on rank {rank}"
     return f"Teacher rank {rank}"

@@ -1,10 +1,9 @@
-"""What the trainer asks of the package: its launch's teacher ranks (`TeacherLaunch`), a student's Distiller and its
+"""What the trainer asks of the package: its launch's teachers (`launch_teachers`), a student's Distiller and its
 teachers' caches (`build_distiller`), a teacher rank's serving (`serve_teacher`), the agreed look-ahead."""
 
 import contextlib
 import logging
 import os
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -19,39 +18,23 @@ from lingua.distillation.online.server import TeacherServer
 from lingua.distillation.teacher.roster import check_teachers_fit, serving_args
 from lingua.loading.stream import active_sources
 from lingua.parallel.collectives import agree_count
-from lingua.parallel.launch_plan import teacher_rank_count
+from lingua.parallel.launch_plan import TeacherLayout
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class TeacherLaunch:
-    """A launch's teacher ranks, laid out after the students (what `LaunchPlan` and `setup_torch_distributed` take)."""
-
-    counts: tuple[int, ...]  # ranks of each teacher with ranks of its own, in rank order; () without teacher ranks
-    tp: int  # ranks per teacher replica (the shared distillation.teacher_tp; 1 without teacher ranks)
-    replica_sizes: tuple[int, ...]  # ranks per replica of each of several teachers; () for one or none
-    paths: tuple[str, ...]  # each online teacher's path when the teachers are named one by one, else ()
-
-    @classmethod
-    def of(cls, enable_distillation: bool, args: DistillationArgs, data=None) -> "TeacherLaunch":
-        """The teacher ranks of a launch with these (validated) settings; a cached teacher has none. Given `data` (at
-        validation), each teacher is first checked to fit it (`check_teachers_fit`)."""
-        if data is not None and enable_distillation:
-            check_teachers_fit(args, data)
-        online = args.online_teachers()
-        if not (enable_distillation and args.source == "online"):
-            counts = ()
-        elif args.several_teachers:
-            counts = tuple(args.teachers[i].n_teacher_ranks for i in online)
-        else:
-            counts = (teacher_rank_count(True, args.n_teacher_ranks),)
-        sizes = tuple(args.teacher_args(i).teacher_tp for i in online) if len(counts) > 1 else ()
-        return cls(counts, args.teacher_tp if sum(counts) else 1, sizes, args.launch_teacher_paths())
-
-    @property
-    def n_ranks(self) -> int:
-        return sum(self.counts)
+def launch_teachers(enable_distillation: bool, args: DistillationArgs, data=None) -> tuple[TeacherLayout, ...]:
+    """The launch's teachers with ranks of their own, in rank order (what `LaunchPlan` and `setup_torch_distributed`
+    take): each online teacher's ranks, replica size and path; a cached teacher has none. `args` are validated (the
+    one-teacher keys read into `teachers`). Given `data` (at validation), each is first checked to fit it."""
+    if not enable_distillation:
+        return ()
+    if data is not None:
+        check_teachers_fit(args, data)
+    assert args.teachers, "validate the distillation settings first: they fill distillation.teachers"
+    online = args.online_teachers() if args.source == "online" else []
+    return tuple(TeacherLayout(args.teachers[i].n_teacher_ranks, args.teacher_args(i).teacher_tp,
+                               args.teachers[i].path or "") for i in online)
 
 
 def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tokenizer, data, attn_mask: str = "causal",
@@ -87,7 +70,7 @@ def build_distiller(enable_distillation: bool, args: DistillationArgs, topo, tok
 
 def serve_teacher(args: DistillationArgs, topo, preemption, timeouts: Optional[tuple[float, float]],
                   **server_options) -> None:
-    """A teacher rank: the teacher it serves (with several, the one of its bridge), loaded; the handshake with its
+    """A teacher rank: the teacher it serves (the one of its bridge), loaded; the handshake with its
     students, then their requests until STOP. `timeouts`: (until the first step, after it); `server_options`: the
     rest of `TeacherServer`'s arguments."""
     kd, teacher_names = serving_args(args, topo)

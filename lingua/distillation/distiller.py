@@ -171,9 +171,10 @@ class KDDistiller(Distiller):
                  heldout: Optional[list[tuple[Optional[float], Optional[float]]]] = None):
         super().__init__(args)
         self.alpha = args.alpha
-        self.several = args.several_teachers
-        self.routing = None if routing is None else routing.to(device)
         teachers = args.teachers or [args.lone_teacher()]  # validated args hold the list; a caller's may not yet
+        self.several = len(teachers) > 1  # each teacher's metrics under kd/<i>/ beside the mixture's kd/
+        self.mixed = self.several or any(t.sources for t in teachers)  # KD weights mixed per position by source
+        self.routing = None if routing is None else routing.to(device)
         heldout = heldout or [(None, None)] * len(teachers)
         self.cross = [teacher.cross_tokenizer for teacher in teachers]
         self.uld = [cross and args.uld_weight > 0 for cross in self.cross]  # ULD reads a cross teacher's marks
@@ -215,10 +216,10 @@ class KDDistiller(Distiller):
 
     def _weights(self, source_ids: Optional[torch.Tensor], outputs: list[TeacherOutputs], labels: torch.Tensor,
                  device: torch.device) -> list[Optional[torch.Tensor]]:
-        """Each teacher's KD weight per position: a lone teacher's own kd_weight (None: every position); several
-        teachers' mixed by source and alignment (`source_ids` None: every row of source 0, which only a routing
+        """Each teacher's KD weight per position: a teacher alone on every source, its own kd_weight (None: every
+        position); else mixed by source and alignment (`source_ids` None: every row of source 0, which only a routing
         without sources allows: each source's row is the same)."""
-        if not self.several:
+        if not self.mixed:
             return [outputs[0].kd_weight]
         if source_ids is None:
             source_ids = torch.zeros(labels.shape[0], dtype=torch.int32, device=device)

@@ -2,9 +2,11 @@
 the `Topology`, the process groups): the launch plan before any group exists, the loop's collectives, timeouts,
 FSDP, preemption, and what a rank says when a peer dies or stops answering.
 
-    launch_plan.py   DistributedArgs, read_launch_env, LaunchPlan: roles, teacher replicas (teacher_tp ranks on
-                     one node), bridges, the students' mesh for a world size, validated before any process group
-                     (torch-free: stool imports it)
+    launch_plan.py   DistributedArgs, read_launch_env, TeacherLayout (one per teacher), LaunchPlan: roles, teacher
+                     replicas (tp ranks on one node), bridges, the students' mesh for a world size, validated
+                     before any process group (torch-free: stool imports it)
+    launch_fixes.py  what a refused launch's sentence suggests (more ranks, a teacher's ranks, a mesh size), each
+                     tried on the plan first, so every suggested launch passes
     collectives.py   the loop's collectives, each on the group it is given; agree_flags / agree_count
                      (ranks agree before they diverge); the per-collective debug log
     timeouts.py      the two-phase collective timeout on every group and backend; HangWatch (armed per step/wait)

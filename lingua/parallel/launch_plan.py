@@ -5,23 +5,25 @@
 torchtitan's ParallelDims: a plan that cannot work raises a sentence before any process group
 exists. The trainer builds its `Topology` from it, and stool prints the same plan at submission.
 
-Ranks are split into students (the first `W - n_teachers`) and teachers (the last `n_teachers`, or
-the last `teacher_tp` ranks of each node with `teacher_placement=per_node`). Teachers form replicas of
-`teacher_tp` consecutive ranks on one node (the teacher sharded tensor-parallel over them; 1 by default:
-one rank, one teacher); each replica serves a contiguous block of students through its bridge, whose
-teacher end is the replica's first rank. Several teachers (`distillation.teachers`, `teacher_counts`) take
-their ranks in order after the students (teacher 0's, then teacher 1's), each in replicas of its own size
-(`teacher_tps`); each teacher's replicas divide all the students among them, so every student has one bridge to
-each teacher.
+The launch's teachers are one `TeacherLayout` each (its ranks, its replica size `tp`, its path), one or more. Their
+ranks follow the students (teacher 0's, then teacher 1's), or with one teacher and `teacher_placement=per_node`
+they are the last `tp` ranks of each node. A teacher's ranks form replicas of `tp` consecutive ranks on one node
+(the teacher sharded tensor-parallel over them; 1 by default: one rank, one teacher); each replica serves a
+contiguous block of students through its bridge, whose teacher end is the replica's first rank, and each
+teacher's replicas divide all the students among them, so every student has one bridge to each teacher. A
+refusal's suggested launch was tried first (`launch_fixes.py`).
 """
 
+import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from functools import cached_property
 from typing import Optional
 
 from lingua.args import require
 from lingua.errors import LaunchError
+from lingua.parallel.launch_fixes import (LayoutError, accepts, inferred_mesh, mesh_divisor, mesh_launch, more_ranks,
+                                           other_ranks, passing, per_node_fixes, refused, tasks_per_node_fixes)
 
 TEACHER_PLACEMENTS = ("last", "per_node")
 FSDP_TYPES = ("full_shard", "no_shard")
@@ -172,99 +174,30 @@ def format_ranks(ranks: list[int]) -> str:
     return ",".join(spans)
 
 
-def resolve_mesh_dims(dp_replicate: int, dp_shard: int, n_students: int) -> tuple[int, int]:
-    """(dp_replicate, dp_shard) for `n_students`, inferring one -1; readable error if they don't fit."""
-    replicate, shard = dp_replicate, dp_shard
-    # DistributedArgs.validate() names the setting; here a bad size is our bug.
-    assert {replicate, shard} != {-1} and all(v == -1 or v >= 1 for v in (replicate, shard)), (replicate, shard)
-    if replicate == -1:
-        if n_students % shard:
-            raise LaunchError(
-                f"{n_students} training ranks cannot be split into dp_shard={shard} groups; "
-                f"set distributed.dp_shard to a divisor of {n_students}."
-            )
-        replicate = n_students // shard
-    if shard == -1:
-        if n_students % replicate:
-            raise LaunchError(
-                f"{n_students} training ranks cannot be split into dp_replicate={replicate} groups; "
-                f"set distributed.dp_replicate to a divisor of {n_students}."
-            )
-        shard = n_students // replicate
-    if replicate * shard != n_students:
-        raise LaunchError(
-            f"Mesh dp_replicate={replicate} x dp_shard={shard} = {replicate * shard} ranks, but there are "
-            f"{n_students} training ranks. Set one of them to -1 to infer it, or launch with "
-            f"{replicate * shard} student ranks."
-        )
-    return replicate, shard
+def spanning_replica(replicas: list[list[int]], local_world_size: int) -> Optional[tuple[list[int], list[int]]]:
+    """(the first replica whose ranks are on more than one node, those nodes), or None."""
+    for replica in replicas:
+        nodes = sorted({rank // local_world_size for rank in replica})
+        if len(nodes) > 1:
+            return replica, nodes
+    return None
 
 
-def split_roles(world_size: int, n_teachers: int, placement: str, local_world_size: int,
-                teacher_tp: int = 1, one_teacher: bool = True) -> tuple[list[int], list[int]]:
-    """(student global ranks, teacher global ranks), validated before any collective (`one_teacher` False: the
-    students' split among several teachers' replicas is checked per teacher, by the LaunchPlan)."""
-    assert n_teachers >= 0 and placement in TEACHER_PLACEMENTS and teacher_tp >= 1, (n_teachers, placement, teacher_tp)
-    if n_teachers == 0:
-        return list(range(world_size)), []
-    if world_size - n_teachers < 1:
-        raise LaunchError(
-            f"Distillation needs at least one student rank besides {n_teachers} teacher rank(s), but the job "
-            f"has {world_size} rank(s). Launch more ranks (e.g. torchrun --nproc-per-node {n_teachers + 1}) "
-            f"or set enable_distillation=false."
-        )
-    if n_teachers % teacher_tp:
-        raise LaunchError(f"distillation.n_teacher_ranks={n_teachers} cannot be split into teacher replicas of "
-                         f"distillation.teacher_tp={teacher_tp} ranks; use a multiple of {teacher_tp}.")
-    if placement == "last":
-        teachers = list(range(world_size - n_teachers, world_size))
-    else:
-        n_nodes = world_size // local_world_size
-        if n_teachers != n_nodes * teacher_tp or world_size % local_world_size:
-            if teacher_tp == 1:
-                raise LaunchError(
-                    f"teacher_placement=per_node needs one teacher per node ({n_nodes} nodes), "
-                    f"but distillation.n_teacher_ranks={n_teachers}."
-                )
-            raise LaunchError(
-                f"teacher_placement=per_node needs one teacher replica of distillation.teacher_tp={teacher_tp} ranks "
-                f"per node ({n_nodes} nodes x {teacher_tp} = {n_nodes * teacher_tp} teacher ranks), but "
-                f"distillation.n_teacher_ranks={n_teachers}."
-            )
-        teachers = [node * local_world_size + local for node in range(n_nodes)
-                    for local in range(local_world_size - teacher_tp, local_world_size)]
-    tensor_parallel_replicas(teachers, teacher_tp, local_world_size)  # a replica that spans nodes is refused here
-    teacher_set = set(teachers)  # a set: at 16k ranks a list lookup per rank is quadratic
-    students = [r for r in range(world_size) if r not in teacher_set]
-    n_replicas = n_teachers // teacher_tp
-    if one_teacher and len(students) % n_replicas:
-        if teacher_tp == 1:
-            raise LaunchError(
-                f"{len(students)} student ranks cannot be split evenly among {n_teachers} teachers; "
-                f"launch a number of students divisible by distillation.n_teacher_ranks."
-            )
-        raise LaunchError(
-            f"{len(students)} student ranks cannot be split evenly among {n_replicas} teacher replicas "
-            f"({n_teachers} teacher ranks / distillation.teacher_tp={teacher_tp}); launch a number of students "
-            f"divisible by {n_replicas}."
-        )
-    return students, teachers
+def span_sentence(replica: list[int], nodes: list[int], teacher_tp: int, local_world_size: int, fix: str) -> str:
+    return (f"The teacher replica of global ranks {format_ranks(replica)} (distillation.teacher_tp={teacher_tp}) would "
+            f"span nodes {' and '.join(map(str, nodes))} ({local_world_size} tasks per node); a replica must stay on "
+            f"one node: {fix}.")
 
 
 def tensor_parallel_replicas(ranks: list[int], teacher_tp: int, local_world_size: int) -> list[list[int]]:
     """`ranks` cut into replicas of `teacher_tp` consecutive ranks; a replica whose ranks are not all on one
     node is refused (tensor parallelism talks every layer: it belongs on a node's fast links)."""
-    assert len(ranks) % teacher_tp == 0, (ranks, teacher_tp)  # split_roles / the cache writer checked the count
+    assert len(ranks) % teacher_tp == 0, (ranks, teacher_tp)  # the LaunchPlan / the cache writer checked the count
     replicas = [ranks[i:i + teacher_tp] for i in range(0, len(ranks), teacher_tp)]
-    for replica in replicas:
-        nodes = sorted({rank // local_world_size for rank in replica})
-        if len(nodes) > 1:
-            raise LaunchError(
-                f"The teacher replica of global ranks {format_ranks(replica)} (distillation.teacher_tp={teacher_tp}) "
-                f"would span nodes {' and '.join(map(str, nodes))} ({local_world_size} tasks per node); a replica must "
-                f"stay on one node: make the tasks per node a multiple of distillation.teacher_tp, or use "
-                f"distributed.teacher_placement=per_node."
-            )
+    spanning = spanning_replica(replicas, local_world_size)
+    if spanning is not None:
+        raise LaunchError(span_sentence(*spanning, teacher_tp, local_world_size,
+                                        "make the tasks per node a multiple of distillation.teacher_tp"))
     return replicas
 
 
@@ -283,86 +216,157 @@ def expected_cuda_index(local_rank: int, local_world_size: int, n_devices: int) 
 
 
 @dataclass(frozen=True)
+class TeacherLayout:
+    """A teacher on ranks of its own: how many (whole replicas of `tp` consecutive ranks on one node, the teacher
+    sharded tensor-parallel over a replica), and its checkpoint, which names it beside other teachers."""
+
+    ranks: int
+    tp: int = 1
+    path: str = ""
+
+
+@dataclass(frozen=True)
 class LaunchPlan:
     """Roles, bridges and the students' mesh of a launch of `world_size` ranks; raises if it cannot work."""
 
     world_size: int
     local_world_size: int
-    n_teachers: int = 0
+    teachers: tuple[TeacherLayout, ...] = ()  # each teacher with ranks of its own, in rank order after the students
     teacher_placement: str = "last"
     dp_replicate: int = 1
     dp_shard: int = -1
     fsdp_type: str = "full_shard"
-    teacher_tp: int = 1  # ranks per teacher replica (distillation.teacher_tp)
-    teacher_counts: tuple[int, ...] = ()  # ranks of each of several teachers, in order; () = one teacher
-    teacher_paths: tuple[str, ...] = ()  # the checkpoint of each of several teachers, for sentences naming them
-    teacher_tps: tuple[int, ...] = ()  # ranks per replica of each of several teachers; () = teacher_tp for each
+    suggest: InitVar[bool] = True  # a refusal names the changes that pass (lingua/parallel/launch_fixes.py)
     student_ranks: list[int] = field(init=False)
     teacher_ranks: list[int] = field(init=False)
     mesh_dims: tuple[int, int] = field(init=False)  # (dp_replicate, dp_shard), -1s resolved
 
-    def __post_init__(self):
+    def __post_init__(self, suggest: bool):
         assert self.fsdp_type in FSDP_TYPES, self.fsdp_type  # DistributedArgs.validate() names the choices
-        if self.teacher_counts and self.teacher_placement != "last":
-            raise LaunchError("Several teachers (distillation.teachers) take the last ranks, one teacher after the "
-                              "other; set distributed.teacher_placement=last.")
-        # Several teachers' replica sizes are checked per teacher (_check_several_teachers), one size for all here.
-        students, teachers = split_roles(self.world_size, self.n_teachers, self.teacher_placement,
-                                         self.local_world_size, 1 if self.teacher_tps else self.teacher_tp,
-                                         one_teacher=not self.teacher_counts)
-        object.__setattr__(self, "student_ranks", students)
+        assert self.teacher_placement in TEACHER_PLACEMENTS, self.teacher_placement
+        assert all(t.ranks >= 1 and t.tp >= 1 for t in self.teachers), self.teachers  # the config was validated
+        object.__setattr__(self, "suggests", suggest)
+        teachers = self._place_teachers()
+        teacher_set = set(teachers)  # a set: at 16k ranks a list lookup per rank is quadratic
         object.__setattr__(self, "teacher_ranks", teachers)
-        object.__setattr__(self, "mesh_dims", resolve_mesh_dims(self.dp_replicate, self.dp_shard, len(students)))
-        if self.teacher_counts:
-            self._check_several_teachers()
-
-    def _check_several_teachers(self) -> None:
-        """Several teachers: their ranks after the students, and each teacher's replicas divide the students."""
-        assert sum(self.teacher_counts) == self.n_teachers, (self.teacher_counts, self.n_teachers)
-        assert not self.teacher_tps or len(self.teacher_tps) == len(self.teacher_counts), self.teacher_tps
+        object.__setattr__(self, "student_ranks", [r for r in range(self.world_size) if r not in teacher_set])
         for i, ranks in enumerate(self.teacher_models):
-            tp = self.teacher_tp_of(i)
-            if len(ranks) % tp:
-                raise LaunchError(f"Teacher {i}'s {len(ranks)} rank(s) cannot be split into replicas of its teacher_tp="
-                                  f"{tp} ranks; set distillation.teachers[{i}].n_teacher_ranks to a multiple of {tp}.")
-            tensor_parallel_replicas(ranks, tp, self.local_world_size)  # a replica that spans nodes is refused here
-            n_replicas = len(ranks) // tp
-            if len(self.student_ranks) % n_replicas:
-                raise LaunchError(f"{len(self.student_ranks)} student ranks cannot be split evenly among teacher {i}'s "
-                                  f"{n_replicas} replica(s); set distillation.teachers[{i}].n_teacher_ranks so that "
-                                  f"its replicas divide the students.")
+            self._check_replicas(i, ranks)
+        object.__setattr__(self, "mesh_dims", self._mesh_dims(len(self.student_ranks)))
 
     @classmethod
-    def for_launch(cls, args: DistributedArgs, n_teachers: int, world_size: int, local_world_size: int,
-                   teacher_tp: int = 1, teacher_counts: tuple[int, ...] = (),
-                   teacher_paths: tuple[str, ...] = (), teacher_tps: tuple[int, ...] = ()) -> "LaunchPlan":
-        """The plan of `args` for a launch of `world_size` ranks (`args` are validated first); `teacher_counts`
-        the ranks of each of several teachers (their sum is `n_teachers`), `teacher_paths` their checkpoints,
-        `teacher_tps` their replica sizes (() = teacher_tp for each)."""
+    def for_launch(cls, args: DistributedArgs, world_size: int, local_world_size: int,
+                   teachers: tuple[TeacherLayout, ...] = ()) -> "LaunchPlan":
+        """The plan of `args` (validated first) for a launch of `world_size` ranks and these teachers."""
         args.validate()
-        several = len(teacher_counts) > 1
-        return cls(world_size, local_world_size, n_teachers, args.teacher_placement, args.dp_replicate,
-                   args.dp_shard, args.fsdp_type, teacher_tp, tuple(teacher_counts) if several else (),
-                   tuple(teacher_paths) if several else (), tuple(teacher_tps) if several else ())
+        return cls(world_size, local_world_size, tuple(teachers), args.teacher_placement, args.dp_replicate,
+                   args.dp_shard, args.fsdp_type)
+
+    @property
+    def n_teacher_ranks(self) -> int:
+        return sum(t.ranks for t in self.teachers)
+
+    @property
+    def teacher_tp(self) -> int:
+        """Ranks per replica of the first teacher (every teacher's, with one); 1 without teacher ranks."""
+        return self.teachers[0].tp if self.teachers else 1
+
+    def _place_teachers(self) -> list[int]:
+        """The teacher ranks: the last ones, teacher after teacher, or the last of each node (one teacher)."""
+        n, named = self.n_teacher_ranks, len(self.teachers) > 1
+        if n == 0:
+            return []
+        if named and self.teacher_placement != "last":
+            raise refused("Several teachers (distillation.teachers) take the last ranks, one teacher after the other",
+                          passing(self, ("set distributed.teacher_placement=last", dict(teacher_placement="last"))),
+                          ";", "")
+        if self.world_size - n < 1:
+            more, off = more_ranks(self), ("enable_distillation=false",) if accepts(self, dict(teachers=())) else ()
+            launch = f"Launch more ranks (e.g. {more[0]})" if more else "Launch more ranks"
+            raise LayoutError(f"Distillation needs at least one student rank besides {n} teacher rank(s), but the job "
+                              f"has {self.world_size} rank(s). {launch}{' or set ' + off[0] if off else ''}.",
+                              more + off)
+        for i, teacher in enumerate(self.teachers):
+            if teacher.ranks % teacher.tp == 0:
+                continue
+            key = f"distillation.teachers[{i}].n_teacher_ranks" if named else "distillation.n_teacher_ranks"
+            if named:
+                raise refused(f"Teacher {i}'s {teacher.ranks} rank(s) cannot be split into replicas of its teacher_tp="
+                              f"{teacher.tp} ranks; set {key} to a multiple of {teacher.tp}", other_ranks(self, i, key))
+            raise refused(f"{key}={n} cannot be split into teacher replicas of distillation.teacher_tp={teacher.tp} "
+                          f"ranks; use a multiple of {teacher.tp}", other_ranks(self, i, key))
+        if self.teacher_placement == "last":
+            return list(range(self.world_size - n, self.world_size))
+        local, tp = self.local_world_size, self.teacher_tp
+        n_nodes = self.world_size // local
+        if n != n_nodes * tp or self.world_size % local:
+            per_node = ("one teacher per node" if tp == 1 else
+                        f"one teacher replica of distillation.teacher_tp={tp} ranks per node")
+            count = f"({n_nodes} nodes)" if tp == 1 else f"({n_nodes} nodes x {tp} = {n_nodes * tp} teacher ranks)"
+            raise refused(f"teacher_placement=per_node needs {per_node} {count}, but distillation.n_teacher_ranks={n}",
+                          per_node_fixes(self), ";", "")
+        return [node * local + rank for node in range(n_nodes) for rank in range(local - tp, local)]
+
+    def _check_replicas(self, i: int, ranks: list[int]) -> None:
+        """Teacher `i`'s replicas stay on a node each, and divide all the students among them."""
+        teacher, named, students = self.teachers[i], len(self.teachers) > 1, len(self.student_ranks)
+        spanning = spanning_replica([ranks[j:j + teacher.tp] for j in range(0, len(ranks), teacher.tp)],
+                                    self.local_world_size)
+        if spanning is not None:
+            words, fixes = tasks_per_node_fixes(self, teacher.tp)
+            raise LayoutError(span_sentence(*spanning, teacher.tp, self.local_world_size, words), fixes)
+        n_replicas = len(ranks) // teacher.tp
+        if students % n_replicas == 0:
+            return
+        if named:
+            key = f"distillation.teachers[{i}].n_teacher_ranks"
+            raise refused(f"{students} student ranks cannot be split evenly among teacher {i}'s {n_replicas} "
+                          f"replica(s); set {key} so that its replicas divide the students",
+                          other_ranks(self, i, key) + more_ranks(self))
+        if teacher.tp == 1:
+            raise refused(f"{students} student ranks cannot be split evenly among {len(ranks)} teachers; launch a "
+                          f"number of students divisible by distillation.n_teacher_ranks", more_ranks(self))
+        raise refused(f"{students} student ranks cannot be split evenly among {n_replicas} teacher replicas "
+                      f"({len(ranks)} teacher ranks / distillation.teacher_tp={teacher.tp}); launch a number of "
+                      f"students divisible by {n_replicas}", more_ranks(self))
+
+    def _mesh_dims(self, n_students: int) -> tuple[int, int]:
+        """(dp_replicate, dp_shard) for the students, inferring one -1; a sentence if they don't fit."""
+        replicate, shard = self.dp_replicate, self.dp_shard
+        # DistributedArgs.validate() names the setting; here a bad size is our bug.
+        assert {replicate, shard} != {-1} and all(v == -1 or v >= 1 for v in (replicate, shard)), (replicate, shard)
+        for key, size, other in (("dp_shard", shard, replicate), ("dp_replicate", replicate, shard)):
+            if other == -1 and n_students % size:
+                raise refused(f"{n_students} training ranks cannot be split into {key}={size} groups; set "
+                              f"distributed.{key} to a divisor of {n_students}",
+                              mesh_divisor(self, key, size, n_students))
+        replicate = n_students // shard if replicate == -1 else replicate
+        shard = n_students // replicate if shard == -1 else shard
+        if replicate * shard != n_students:
+            inferred, launch = inferred_mesh(self), mesh_launch(self, replicate * shard)
+            infer = f" (e.g. {inferred[0]})" if inferred else ""
+            student_launch = f", or launch with {replicate * shard} student ranks ({launch[0]})" if launch else ""
+            raise LayoutError(f"Mesh dp_replicate={replicate} x dp_shard={shard} = {replicate * shard} ranks, but "
+                              f"there are {n_students} training ranks. Set one of them to -1 to infer it{infer}"
+                              f"{student_launch}.", inferred + launch)
+        return replicate, shard
 
     def teacher_tp_of(self, teacher: int) -> int:
-        """Ranks per replica of teacher `teacher` (its own teacher_tp with several teachers, else teacher_tp)."""
-        return self.teacher_tps[teacher] if self.teacher_tps else self.teacher_tp
+        """Ranks per replica of teacher `teacher`."""
+        return self.teachers[teacher].tp
 
     def rank_words(self, rank: int) -> str:
-        """How a sentence names a rank's role: "student", "teacher", or with several teachers "teacher 1 (<path>)"."""
-        if not self.teacher_counts or self.role(rank) != "teacher":
+        """How a sentence names a rank's role: "student", "teacher", or beside other teachers "teacher 1 (<path>)"."""
+        if len(self.teachers) < 2 or self.role(rank) != "teacher":
             return self.role(rank)
         index = next(i for i, ranks in enumerate(self.teacher_models) if rank in ranks)
-        return f"teacher {index}" + (f" ({self.teacher_paths[index]})" if index < len(self.teacher_paths) else "")
+        return f"teacher {index}" + (f" ({self.teachers[index].path})" if self.teachers[index].path else "")
 
     @cached_property
     def teacher_models(self) -> list[list[int]]:
-        """The teacher ranks of each teacher (one list with one teacher), in rank order."""
-        if not self.teacher_counts:
-            return [self.teacher_ranks] if self.teacher_ranks else []
-        starts = [sum(self.teacher_counts[:i]) for i in range(len(self.teacher_counts))]
-        return [self.teacher_ranks[start:start + n] for start, n in zip(starts, self.teacher_counts)]
+        """The teacher ranks of each teacher, in rank order."""
+        starts = [sum(t.ranks for t in self.teachers[:i]) for i in range(len(self.teachers))]
+        return [self.teacher_ranks[start:start + t.ranks] for start, t in zip(starts, self.teachers)]
 
     def teacher_of_bridge(self, bridge: int) -> int:
         """Which teacher (index in `teacher_models`) the replica of bridge `bridge` belongs to."""
@@ -423,7 +427,7 @@ class LaunchPlan:
             lines.append("distillation off: every rank is a student")
             return lines
         lines.append(f"distillation: {len(self.teacher_ranks)} teacher rank(s), placement {self.teacher_placement}")
-        for i, ranks in enumerate(self.teacher_models if self.teacher_counts else []):
+        for i, ranks in enumerate(self.teacher_models if len(self.teachers) > 1 else []):
             lines.append(f"  teacher {i}: global ranks {format_ranks(ranks)}")
         replicas = self.replicas()
         for rank in [ranks[0] for ranks, _ in replicas if len(ranks) == 1]:  # one rank, one whole teacher

@@ -95,7 +95,7 @@ def test_bad_config_is_one_sentence_on_every_rank(outcomes, bad, kind):
         assert not any("Traceback" in line for line in lines), (rank, lines)
         assert bad.key in errors[0], errors[0]
         if bad.sentence is not None:
-            assert errors[0] == f"error: {bad.sentence}"
+            assert errors[0] == f"error: {bad.sentence_of(kind)}"
         sentences.add(errors[0])
     assert len(sentences) == 1, sentences  # the same words on every rank
     # A user's error leaves torchrun no error file: its failure summary carries no traceback either.

@@ -36,7 +36,7 @@ def open_training_caches(kd, data, attn_mask: str, tokenizer, batch_size: int, d
     if not cached:
         return None
     dirs = [kd.teachers[i].cache_dir for i in cached]
-    whose = [f" (distillation.teachers[{i}])" if kd.several_teachers else "" for i in cached]
+    whose = ["" if kd.spelled_by_keys else f" (distillation.teachers[{i}])" for i in cached]
     manifests = [checked_manifest(d, settings_manifest(kd.teacher_args(i), data, attn_mask, tokenizer), w)
                  for i, d, w in zip(cached, dirs, whose)]
     check_same_windows(dirs, manifests)

@@ -1,4 +1,4 @@
-"""The launch's teachers, one or several (`distillation.teachers`): the checks of each before any process group,
+"""The launch's teachers (`distillation.teachers`, one or more): the checks of each before any process group,
 and which teacher a teacher rank serves as.
 
     check_teachers_fit(args.distillation, args.data)               # positions, head counts, sources of each teacher
@@ -35,9 +35,7 @@ def max_positions(config: dict) -> int:
 
 
 def serving_args(kd: DistillationArgs, topo) -> tuple[DistillationArgs, tuple[str, ...]]:
-    """(the settings this teacher rank serves with, the name of every teacher when there are several)."""
-    if not kd.several_teachers:
-        return kd, ()
+    """(the settings this teacher rank serves with: its teacher's, the name of every teacher beside others)."""
     online = kd.online_teachers()  # the launch's teachers: those with ranks of their own
-    names = tuple(f"teacher {i} ({kd.teachers[i].path})" for i in online)
+    names = tuple(f"teacher {i} ({kd.teachers[i].path})" for i in online) if len(kd.teachers) > 1 else ()
     return kd.teacher_args(online[topo.plan.teacher_of_bridge(topo.my_bridge)]), names

@@ -22,7 +22,7 @@ import torch
 
 from lingua.distillation.args import DistillationArgs
 from lingua.distributed import clean_up, setup_torch_distributed
-from lingua.parallel.launch_plan import DistributedArgs
+from lingua.parallel.launch_plan import DistributedArgs, TeacherLayout
 from lingua.distillation.teacher.model import load_teacher
 from lingua.distillation.online.client import TeacherClient
 from lingua.distillation.online.distiller import first_error
@@ -67,7 +67,7 @@ def run_mode(teacher_dir: str, mode: str, topo) -> None:
 
 
 def main(teacher_dir: str, modes: list[str]) -> None:
-    topo = setup_torch_distributed(DistributedArgs(init_timeout_s=60), n_teachers=1)
+    topo = setup_torch_distributed(DistributedArgs(init_timeout_s=60), (TeacherLayout(1),))
     init_logger(topo.global_rank, topo.role)
     try:
         for mode in modes:

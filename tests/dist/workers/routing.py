@@ -17,7 +17,7 @@ import torch
 
 from lingua.distillation.args import WIRE_DTYPES, DistillationArgs
 from lingua.distributed import clean_up, setup_torch_distributed
-from lingua.parallel.launch_plan import DistributedArgs
+from lingua.parallel.launch_plan import DistributedArgs, TeacherLayout
 from lingua.distillation.teacher.model import load_teacher
 from lingua.distillation.online.client import TeacherClient
 from lingua.distillation.online.server import TeacherServer
@@ -136,7 +136,7 @@ def run_case(teacher_dir: str, case: str, topo) -> None:
 
 
 def main(teacher_dir: str, cases: list[str]) -> None:
-    topo = setup_torch_distributed(DistributedArgs(init_timeout_s=60), n_teachers=1)
+    topo = setup_torch_distributed(DistributedArgs(init_timeout_s=60), (TeacherLayout(1),))
     init_logger(topo.global_rank, topo.role)
     try:
         for case in cases:

@@ -20,7 +20,7 @@ from lingua.distillation.online.server import TeacherServer
 from lingua.distillation.teacher.model import load_teacher
 from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.logger import init_logger
-from lingua.parallel.launch_plan import DistributedArgs
+from lingua.parallel.launch_plan import DistributedArgs, TeacherLayout
 from tests.dist.workers import run_worker, say
 
 SLOW_S = 3.0  # the second reply held back: far longer than a student takes from its first wait to its check
@@ -67,7 +67,7 @@ def student(args: DistillationArgs, topo) -> None:
 
 def main(teacher_dir: str) -> None:
     args = DistillationArgs(teacher_path=teacher_dir, k=5, teacher_dtype="fp32")
-    topo = setup_torch_distributed(DistributedArgs(init_timeout_s=60), n_teachers=1)
+    topo = setup_torch_distributed(DistributedArgs(init_timeout_s=60), (TeacherLayout(1),))
     init_logger(topo.global_rank, topo.role)
     try:
         if topo.is_teacher:

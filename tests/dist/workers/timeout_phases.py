@@ -19,7 +19,7 @@ import torch
 
 from lingua.distillation.args import DistillationArgs
 from lingua.distributed import clean_up, setup_torch_distributed
-from lingua.parallel.launch_plan import DistributedArgs
+from lingua.parallel.launch_plan import DistributedArgs, TeacherLayout
 from lingua.distillation.teacher.model import load_teacher
 from lingua.distillation.online.client import TeacherClient
 from lingua.distillation.online.server import TeacherServer
@@ -33,7 +33,7 @@ FIRST_STEP = 5
 
 def main(teacher_dir: str) -> None:
     args = DistillationArgs(teacher_path=teacher_dir, k=4, teacher_dtype="fp32")
-    topo = setup_torch_distributed(DistributedArgs(init_timeout_s=INIT_TIMEOUT_S), n_teachers=1)
+    topo = setup_torch_distributed(DistributedArgs(init_timeout_s=INIT_TIMEOUT_S), (TeacherLayout(1),))
     init_logger(topo.global_rank, topo.role)
     try:
         if topo.is_teacher:

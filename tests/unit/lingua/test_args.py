@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from apps.main.train import TrainArgs
-from lingua.distillation.build import TeacherLaunch
+from lingua.distillation.build import launch_teachers
 from lingua.args import dump_config, parse_args
-from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan
+from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, TeacherLayout
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -33,7 +33,8 @@ def test_every_shipped_config_validates(tmp_path, monkeypatch):
     for config in sorted((ROOT / "configs").rglob("*.yaml")):
         args = parse_args(TrainArgs, [f"config={config}"])
         stub_inputs(args)
-        args.validate(world_size=TeacherLaunch.of(args.enable_distillation, args.distillation).n_ranks + 2)
+        args.distillation.validate(enabled=args.enable_distillation)  # its teachers, read once (again below)
+        args.validate(world_size=sum(t.ranks for t in launch_teachers(args.enable_distillation, args.distillation)) + 2)
         assert args.steps >= 1, config
 
 
@@ -139,11 +140,11 @@ def test_mesh_dims_infer_minus_one(replicate, shard, n, expected):
 ])
 def test_mesh_dims_that_do_not_fit_are_rejected(replicate, shard, n, message):
     with pytest.raises(ValueError, match=message):
-        LaunchPlan.for_launch(DistributedArgs(dp_replicate=replicate, dp_shard=shard), 0, n, n)
+        LaunchPlan.for_launch(DistributedArgs(dp_replicate=replicate, dp_shard=shard), n, n)
 
 
 def roles(world: int, n_teachers: int, placement: str, local_world: int) -> tuple[list[int], list[int]]:
-    plan = LaunchPlan(world, local_world, n_teachers, placement)
+    plan = LaunchPlan(world, local_world, (TeacherLayout(n_teachers),) if n_teachers else (), placement)
     return plan.student_ranks, plan.teacher_ranks
 
 
@@ -156,11 +157,11 @@ def test_roles_last_ranks_and_per_node():
     with pytest.raises(ValueError, match="at least one student rank"):
         roles(1, 1, "last", 1)
     with pytest.raises(ValueError, match=r"distributed.teacher_placement='middle'; use one of last, per_node\."):
-        LaunchPlan.for_launch(DistributedArgs(teacher_placement="middle"), 1, 4, 4)
+        LaunchPlan.for_launch(DistributedArgs(teacher_placement="middle"), 4, 4, (TeacherLayout(1),))
 
 
 def test_launch_plan_bridges_mesh_and_description():
-    plan = LaunchPlan(8, 4, n_teachers=2, teacher_placement="per_node", dp_replicate=2)
+    plan = LaunchPlan(8, 4, (TeacherLayout(2),), teacher_placement="per_node", dp_replicate=2)
     assert plan.bridges() == [(3, [0, 1, 2]), (7, [4, 5, 6])]
     assert [plan.bridge_index(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [plan.role(r) for r in (2, 3)] == ["student", "teacher"]
@@ -173,7 +174,7 @@ def test_launch_plan_bridges_mesh_and_description():
         "  students: global ranks 0-2,4-6"]
     assert LaunchPlan(3, 3).bridges() == [] and LaunchPlan(3, 3).bridge_index(0) == -1
     with pytest.raises(ValueError, match="distributed.fsdp_type='hybrid'; use one of full_shard, no_shard."):
-        LaunchPlan.for_launch(DistributedArgs(fsdp_type="hybrid"), 0, 4, 4)
+        LaunchPlan.for_launch(DistributedArgs(fsdp_type="hybrid"), 4, 4)
 
 
 def test_injected_failure_specs_parse_or_say_what_is_valid():

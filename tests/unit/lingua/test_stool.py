@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from lingua import slurm, stool
-from lingua.parallel.launch_plan import LaunchPlan
+from lingua.parallel.launch_plan import LaunchPlan, TeacherLayout
 from lingua.stool import StoolArgs
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -406,7 +406,7 @@ def test_submitit_executor_resources(tmp_path, monkeypatch):
     args = stool.resolve_args(StoolArgs(config="c.yaml", launcher="submitit", nodes=2, ngpus=4, ncpu=6, mem="100G",
                                         partition="gpu", qos="high", exports={"NOTE": "x y"}, env_activate="none",
                                         python="/env/bin/python", sbatch_extra=["--mail-type=END"]))
-    layout = LaunchPlan(8, 4, n_teachers=2, teacher_placement="per_node")
+    layout = LaunchPlan(8, 4, (TeacherLayout(2),), teacher_placement="per_node")
     assert (layout.student_ranks, layout.teacher_ranks) == ([0, 1, 2, 4, 5, 6], [3, 7])
     executor = slurm.submitit_executor(args, tmp_path, layout, "90", "kd")
     text = executor._executor._make_submission_file_text("CMD", "uid")

@@ -108,9 +108,9 @@ def test_a_stopped_teacher_is_named_on_the_bridge_and_a_waiting_student_is_not(s
 def test_a_stopped_teacher_among_several_is_named_by_index_and_path(stopped_process):
     """Teacher 1 of 2 (rank 3) stopped: the student that timed out on its bridge names it by index and path; teacher
     0 (rank 2), running, is not named. The launched SIGSTOP scenario is the one-teacher test in test_peer_death.py."""
-    from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan
+    from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, TeacherLayout
 
-    plan = LaunchPlan.for_launch(DistributedArgs(), 2, 4, 4, teacher_counts=(1, 1), teacher_paths=("/t/a", "/t/b"))
+    plan = LaunchPlan.for_launch(DistributedArgs(), 4, 4, (TeacherLayout(1, 1, "/t/a"), TeacherLayout(1, 1, "/t/b")))
     groups = {"world": [0, 1, 2, 3], "train": [0, 1], "bridge_0": [0, 1, 2], "bridge_1": [0, 1, 3]}
     mine = {**MINE, "bridge_1": dict(seq=15, op="gloo:gather", started=50.5)}
     records = {1: record(1), 2: record(2), 3: record(3, pid=stopped_process)}

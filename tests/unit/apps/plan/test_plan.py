@@ -22,7 +22,7 @@ from apps.plan.timing import Speeds, Timing, max_students_per_replica
 from lingua.args import parse_args
 from lingua.cli.entry import run_cli
 from lingua.errors import ConfigError
-from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan
+from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, TeacherLayout
 
 ROOT = Path(__file__).resolve().parents[4]
 TEACHERS = ROOT / "configs" / "teachers"
@@ -54,8 +54,8 @@ def launch_plan_of(online: dict, gpus_per_node: int = 8, **mesh) -> LaunchPlan:
     """The trainer's LaunchPlan for the overrides the planner printed (`mesh`: the config's distributed settings)."""
     overrides = dict(item.split("=", 1) for item in online["overrides"].split())
     distributed = DistributedArgs(teacher_placement=overrides["distributed.teacher_placement"], **mesh)
-    return LaunchPlan.for_launch(distributed, int(overrides["distillation.n_teacher_ranks"]), online["world_size"],
-                                 gpus_per_node, int(overrides["distillation.teacher_tp"]))
+    teacher = TeacherLayout(int(overrides["distillation.n_teacher_ranks"]), int(overrides["distillation.teacher_tp"]))
+    return LaunchPlan.for_launch(distributed, online["world_size"], gpus_per_node, (teacher,))
 
 
 # ---------------------------------------------------------------- sizes

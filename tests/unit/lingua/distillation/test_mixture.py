@@ -1,6 +1,8 @@
 """Several teachers (distillation.teachers): the config's sentences, the one-teacher equivalence, the launch layout,
 the batches' source ids and the mixing math (weighted sums of each teacher's KD term, routing per source)."""
 
+import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,20 +14,20 @@ from lingua.args import parse_args
 from lingua.data import DataArgs, DataLoader
 from lingua.loading.stream import active_sources
 from lingua.distillation.args import DistillationArgs, OneTeacherArgs, TeacherArgs, teacher_title
-from lingua.distillation.build import TeacherLaunch
+from lingua.distillation.build import launch_teachers
 from lingua.distillation.loss.fused import fused_linear_kd_loss
 from lingua.distillation.loss.mixture import mixing_weights, source_routing, teacher_metrics
 from lingua.distillation.loss.mixture import teachers_head_loss as mixed_head_loss
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.errors import ConfigError, LaunchError
-from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan
+from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, TeacherLayout
 from lingua.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[4]
 
 
-def launch(args: TrainArgs) -> TeacherLaunch:
-    return TeacherLaunch.of(args.enable_distillation, args.distillation)
+def launch(args: TrainArgs) -> tuple[TeacherLayout, ...]:
+    return launch_teachers(args.enable_distillation, args.distillation)
 
 
 def kd_args(tmp_path, *overrides: str) -> TrainArgs:
@@ -56,20 +58,26 @@ def test_one_teacher_in_the_list_is_teacher_path(tmp_path):
     listed.validate(world_size=4)
     plain = kd_args(tmp_path, f"distillation.teacher_path={tmp_path / 't0'}", "distillation.n_teacher_ranks=2")
     plain.validate(world_size=4)
-    # One teacher is a list of one, whichever keys named it; validated again (a dumped config), it stays that.
-    assert listed.distillation == plain.distillation
+    # One teacher is a list of one, whichever keys named it: the same teacher, the same launch, nothing folded back;
+    # validated again (a dumped config), it stays that.
     assert plain.distillation.teachers == [TeacherArgs(path=str(tmp_path / "t0"), n_teacher_ranks=2)]
+    assert listed.distillation.teachers == [TeacherArgs(path=str(tmp_path / "t0"), n_teacher_ranks=2, weight=3.0)]
+    assert listed.distillation.teacher_path is None and plain.distillation.spelled_by_keys
+    before = copy.deepcopy(plain.distillation)
     plain.validate(world_size=4)
-    assert listed.distillation == plain.distillation and not plain.distillation.several_teachers
-    assert launch(listed).counts == launch(plain).counts == (2,)
-    assert teacher_title(listed.distillation, 3) == "Teacher rank 3"
+    assert plain.distillation == before
+    assert launch(listed) == launch(plain) == (TeacherLayout(2, 1, str(tmp_path / "t0")),)
+    own, keys = listed.distillation.teacher_args(0), plain.distillation.teacher_args(0)
+    assert dataclasses.replace(own, index=None) == keys  # its settings; only the keys that name it differ
+    assert teacher_title(keys, 3) == "Teacher rank 3"
+    assert teacher_title(own, 3) == f"Teacher 0 ({tmp_path / 't0'}) on rank 3"  # named as the user listed it
 
 
 def test_several_teachers_lay_out_after_the_students(tmp_path):
     args = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}, n_teacher_ranks: 2}}", "{{path: {t1}, sources: [code]}}"),
                    "data.sources={pydocs: 1.0, code: 1.0}")
     args.validate(world_size=7)
-    assert launch(args).counts == (2, 1) and launch(args).n_ranks == 3
+    assert [t.ranks for t in launch(args)] == [2, 1]
     one = args.distillation.teacher_args(1)
     assert isinstance(one, OneTeacherArgs) and (one.teacher_path, one.n_teacher_ranks) == (str(tmp_path / "t1"), 1)
     assert teacher_title(one, 6) == f"Teacher 1 ({tmp_path / 't1'}) on rank 6"
@@ -81,12 +89,12 @@ def test_uld_with_several_teachers_and_a_cached_teacher_beside_an_online_one(tmp
     uld = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}}}", "{{path: {t1}, cross_tokenizer: true}}"),
                   "distillation.uld_weight=0.5")
     uld.validate(world_size=4)
-    assert launch(uld).counts == (1, 1)
+    assert [t.ranks for t in launch(uld)] == [1, 1]
     mixed = kd_args(tmp_path, teachers(tmp_path, "{{cache_dir: {t0}}}", "{{path: {t1}}}"))
     mixed.validate(world_size=3)
     kd = mixed.distillation
-    assert kd.source == "online" and kd.online_teachers() == [1] and launch(mixed).counts == (1,)
-    assert kd.launch_teacher_paths() == (str(tmp_path / "t1"),)
+    assert kd.source == "online" and kd.online_teachers() == [1]
+    assert launch(mixed) == (TeacherLayout(1, 1, str(tmp_path / "t1")),)
 
 
 @pytest.mark.parametrize("overrides,words", [
@@ -151,10 +159,8 @@ def test_each_teacher_may_have_its_own_dtype_and_tensor_parallelism(tmp_path):
     assert (first.teacher_dtype, first.teacher_tp, second.teacher_dtype, second.teacher_tp) == ("bf16", 2, "fp32", 1)
     assert (dtype_setting(first), dtype_setting(second)) == ("distillation.teachers[0].teacher_dtype",
                                                              "distillation.teacher_dtype")
-    tps = launch(args).replica_sizes
-    assert tps == (2, 1) and launch(args).tp == 1
-    plan = LaunchPlan.for_launch(args.distributed, launch(args).n_ranks, 5, 5, launch(args).tp, launch(args).counts,
-                                 teacher_tps=tps)
+    assert [t.tp for t in launch(args)] == [2, 1]
+    plan = LaunchPlan.for_launch(args.distributed, 5, 5, launch(args))
     assert plan.replicas() == [([2, 3], [0, 1]), ([4], [0, 1])]
     assert "  teacher replica 0: global ranks 2-3 (node 0, local ranks 2-3), tensor-parallel over 2, serving " \
            "students 0-1" in plan.describe() and "  teacher: global rank 4 (node 0, local rank 4)" in plan.describe()
@@ -165,12 +171,15 @@ def test_each_teacher_may_have_its_own_dtype_and_tensor_parallelism(tmp_path):
     shared = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}, n_teacher_ranks: 2}}",
                                         "{{path: {t1}, teacher_tp: 1}}"), "distillation.teacher_tp=2")
     shared.validate(world_size=5)
-    assert launch(shared).replica_sizes == (2, 1)
-    # One teacher in the list is teacher_path with its keys, its own dtype and tensor parallelism included.
+    assert [t.tp for t in launch(shared)] == [2, 1]
+    # One teacher in the list runs with its own dtype and tensor parallelism, as one of two does.
     one = kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}, n_teacher_ranks: 2, teacher_tp: 2, teacher_dtype: bf16}}"))
-    assert (one.distillation.teacher_tp, one.distillation.teacher_dtype, one.distillation.teachers) == (2, "bf16", [])
+    one.validate(world_size=4)
+    own = one.distillation.teacher_args(0)
+    assert (own.teacher_tp, own.teacher_dtype) == (2, "bf16")
+    assert launch(one) == (TeacherLayout(2, 2, str(tmp_path / "t0")),)
     with pytest.raises(ConfigError, match=r"distillation.teachers\[0\].teacher_dtype='fp8'; use one of auto"):
-        kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}, teacher_dtype: fp8}}"))
+        kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}, teacher_dtype: fp8}}")).validate(world_size=2)
     one_cfg = OmegaConf.create({"enable_distillation": True, "distillation": {
         "teachers": [{"path": "a", "n_teacher_ranks": 2, "teacher_tp": 2}]}})
     assert launch_plan(one_cfg, nodes=1, ntasks_per_node=4)[0].replicas() == [([2, 3], [0, 1])]
@@ -191,15 +200,17 @@ def test_an_unknown_teacher_key_names_the_element(tmp_path):
 
 
 def test_the_launch_plan_gives_each_student_one_bridge_per_teacher():
-    plan = LaunchPlan.for_launch(DistributedArgs(), 3, 7, 7, teacher_counts=(2, 1))
+    plan = LaunchPlan.for_launch(DistributedArgs(), 7, 7, (TeacherLayout(2), TeacherLayout(1)))
     assert plan.student_ranks == [0, 1, 2, 3] and plan.teacher_models == [[4, 5], [6]]
     assert plan.replicas() == [([4], [0, 1]), ([5], [2, 3]), ([6], [0, 1, 2, 3])]
     assert [plan.bridge_index(2, teacher) for teacher in (0, 1)] == [1, 2]
     assert [plan.bridge_index(rank) for rank in (4, 5, 6)] == [0, 1, 2]
     assert [plan.teacher_of_bridge(bridge) for bridge in range(3)] == [0, 0, 1]
     assert "  teacher 1: global ranks 6" in plan.describe()
-    # One teacher through the list is the plan of today.
-    assert LaunchPlan.for_launch(DistributedArgs(), 1, 3, 3, teacher_counts=(1,)) == LaunchPlan(3, 3, 1)
+    # One teacher: the same layout, its rank named "teacher" and no per-teacher line.
+    one = LaunchPlan.for_launch(DistributedArgs(), 3, 3, (TeacherLayout(1, 1, "a"),))
+    assert one.teacher_models == [[2]] and one.rank_words(2) == "teacher"
+    assert not any(line.startswith("  teacher 0") for line in one.describe())
 
 
 def test_batches_say_which_source_each_row_comes_from(tmp_path):
@@ -326,10 +337,10 @@ def test_sentences_about_a_teacher_name_it_by_index_and_path(tmp_path):
         check_handshake([student, failed], args.teacher_args(1))
     with pytest.raises(TeacherError, match=r"^Teacher rank 3 failed to load: no such file"):
         check_handshake([student, failed], DistillationArgs(teacher_path="x"))
-    plan = LaunchPlan.for_launch(DistributedArgs(), 3, 5, 5, teacher_counts=(2, 1), teacher_paths=("a", "b"))
+    plan = LaunchPlan.for_launch(DistributedArgs(), 5, 5, (TeacherLayout(2, 1, "a"), TeacherLayout(1, 1, "b")))
     assert [plan.rank_words(rank) for rank in range(5)] == ["student", "student", "teacher 0 (a)", "teacher 0 (a)",
                                                             "teacher 1 (b)"]
-    assert LaunchPlan(3, 3, 1).rank_words(2) == "teacher"
+    assert LaunchPlan(3, 3, (TeacherLayout(1, 1, "a"),)).rank_words(2) == "teacher"
 
 
 def test_the_cache_writer_refuses_several_teachers_and_takes_a_one_teacher_list(tmp_path):
@@ -343,7 +354,8 @@ def test_the_cache_writer_refuses_several_teachers_and_takes_a_one_teacher_list(
     with pytest.raises(ConfigError, match=r"the cache writer runs one teacher: write each teacher's cache"):
         several.validate(world_size=1)
     one = parse_args(TeacherCacheArgs, overrides + [teachers(tmp_path, "{{path: {t1}}}")])
-    assert one.distillation.teacher_path == str(tmp_path / "t1") and one.distillation.teachers == []
+    one.validate(world_size=1)  # the writer runs the settings of its one listed teacher
+    assert one.distillation.teacher_path == str(tmp_path / "t1")
 
 
 def test_a_refused_bridge_does_not_skip_the_next_ones_exchange(tmp_path, monkeypatch):
@@ -379,10 +391,10 @@ def test_a_refused_bridge_does_not_skip_the_next_ones_exchange(tmp_path, monkeyp
 
 
 def test_a_one_teacher_list_refuses_the_keys_it_would_override(tmp_path):
-    """A one-element list folds into teacher_path with its own n_teacher_ranks: a top-level value beside it would be
-    silently replaced, so it is one sentence."""
+    """A one-element list sets its own n_teacher_ranks: a top-level value beside it would be silently ignored, so
+    it is one sentence."""
     with pytest.raises(ConfigError, match="distillation.n_teacher_ranks=2; with distillation.teachers set it per"):
-        kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}}}"), "distillation.n_teacher_ranks=2")
+        kd_args(tmp_path, teachers(tmp_path, "{{path: {t0}}}"), "distillation.n_teacher_ranks=2").validate(world_size=4)
 
 
 def test_each_cross_tokenizer_teacher_gets_the_label_past_each_window():
@@ -445,7 +457,7 @@ def test_each_teachers_held_out_reference_is_logged_under_its_index():
     several = OnlineDistiller(args, clients, 0, torch.ones(1, 2), [(None, None)] * 2)
     assert several.teacher_heldout_row() == {"eval/0/teacher_loss": 2.5, "eval/0/teacher_bpb": 3.5,
                                              "eval/1/teacher_bpb": 4.25}
-    one = CacheDistiller(DistillationArgs(teacher_path="a"), heldout=[(2.5, 3.5)])  # a lone teacher keeps eval/...
+    one = CacheDistiller(DistillationArgs(teachers=[TeacherArgs(cache_dir="a")]), heldout=[(2.5, 3.5)])  # eval/...
     assert one.teacher_heldout_row() == {"eval/teacher_loss": 2.5, "eval/teacher_bpb": 3.5}
     assert Distiller(DistillationArgs()).teacher_heldout_row() == {}  # CE only, or no eval asked of the teacher
 
@@ -462,7 +474,7 @@ def test_a_validated_config_read_again_keeps_its_lone_teacher(tmp_path):
                                     "data.tokenizer.path=null", f"distillation.teacher_path={tmp_path / 't0'}",
                                     f"distillation.teachers=[{{path: {tmp_path / 't0'}}}]"])
     dumped.validate(world_size=3)
-    assert dumped.distillation == args.distillation and launch(dumped).counts == (1,)
+    assert dumped.distillation == args.distillation and [t.ranks for t in launch(dumped)] == [1]
     writer = parse_args(TeacherCacheArgs, [f"config={ROOT / 'configs/distill_exps/debug_cpu.yaml'}",
                                            f"data.root_dir={tmp_path / 'corpus'}", "data.tokenizer.name=bytes",
                                            "data.tokenizer.path=null", f"distillation.teacher_path={tmp_path / 't0'}",
@@ -473,3 +485,22 @@ def test_a_validated_config_read_again_keeps_its_lone_teacher(tmp_path):
                      f"distillation.cache_dir={tmp_path / 'cache'}")
     cached.validate(world_size=2)  # the teacher's checkpoint is not read: its cache holds its outputs
     assert cached.distillation.teachers == [TeacherArgs(cache_dir=str(tmp_path / "cache"))]
+
+
+def test_one_teacher_that_teaches_some_sources_is_named_as_one_and_still_routed():
+    """A list of one with `sources` is one teacher: the one-teacher metric names (kd/*, eval/*; no kd/0/*), while its
+    KD weight still follows the sources it teaches (a row of another source takes CE alone)."""
+    from types import SimpleNamespace
+
+    from lingua.distillation.cache.distiller import CacheDistiller
+
+    args = DistillationArgs(teachers=[TeacherArgs(cache_dir="a", sources=["code"])])
+    one = CacheDistiller(args, source_routing(args.teachers, ["pydocs", "code"]), heldout=[(2.5, 3.5)])
+    assert one.teacher_heldout_row() == {"eval/teacher_loss": 2.5, "eval/teacher_bpb": 3.5}
+    (weight,) = one._weights(torch.tensor([0, 1]), [SimpleNamespace(kd_weight=None)],
+                             torch.zeros(2, 3, dtype=torch.long), torch.device("cpu"))
+    assert weight.tolist() == [[0.0] * 3, [1.0] * 3]  # pydocs untaught, code taught
+    one.ce_sum, one.alpha, one.kd_stats, one.teacher_stats = torch.tensor(2.0), 0.5, torch.ones(3), torch.ones(1, 5)
+    assert not any(key.startswith(("kd/0/", "eval/0/")) for key in one.step_metrics())
+    alone = CacheDistiller(DistillationArgs(teachers=[TeacherArgs(cache_dir="a")]), heldout=[(None, None)])
+    assert alone._weights(None, [SimpleNamespace(kd_weight=None)], torch.zeros(2, 3), torch.device("cpu")) == [None]

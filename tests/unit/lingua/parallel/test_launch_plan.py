@@ -13,7 +13,7 @@ import pytest
 from apps.main.train import TrainArgs
 from lingua.args import parse_args
 from lingua.errors import PeerStopped, UserError
-from lingua.parallel.launch_plan import LaunchPlan
+from lingua.parallel.launch_plan import LaunchPlan, TeacherLayout
 from lingua.parallel.rank_status import RankStatus, is_peer_loss
 from tests.bad_configs import BAD_CONFIGS
 from tests.runs import base_overrides, distill_overrides
@@ -52,7 +52,7 @@ def test_every_bad_config_is_one_sentence_naming_its_key(bad, launch, corpus, te
     assert "\n" not in message, message
     assert bad.key in message, message
     if bad.sentence is not None:
-        assert message == bad.sentence
+        assert message == bad.sentence_of(launch)
 
 
 def test_tasks_that_cannot_be_scored_with_the_runs_tokenizer_are_refused_when_the_config_is_read(
@@ -174,7 +174,7 @@ class FakeTopo:
 
     def __init__(self, rank: int, world_size: int = 3, hostname: str = "here"):
         self.global_rank, self.hostname = rank, hostname
-        self.plan = LaunchPlan(world_size, world_size, n_teachers=1)
+        self.plan = LaunchPlan(world_size, world_size, (TeacherLayout(1),))
         self.world_size, self.role = world_size, self.plan.role(rank)
 
     def all_groups(self) -> list:

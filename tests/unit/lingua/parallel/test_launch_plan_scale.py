@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from lingua.parallel.launch_plan import LaunchPlan
+from lingua.parallel.launch_plan import LaunchPlan, TeacherLayout
 
 
 def scanned_role_and_bridge(plan: LaunchPlan, rank: int) -> tuple[str, int]:
@@ -24,7 +24,7 @@ def valid_plans():
         if world % local:
             continue
         try:
-            yield LaunchPlan(world, local, n_teachers, placement, teacher_tp=tp)
+            yield LaunchPlan(world, local, (TeacherLayout(n_teachers, tp),) if n_teachers else (), placement)
         except ValueError:
             continue
 
@@ -42,7 +42,7 @@ def cpu_seconds_for_every_rank(world: int) -> float:
     best = float("inf")
     for _ in range(3):
         start = time.process_time()
-        plan = LaunchPlan(world, 8, world // 2, "last", teacher_tp=4)
+        plan = LaunchPlan(world, 8, (TeacherLayout(world // 2, 4),), "last")
         for rank in range(world):
             plan.role(rank), plan.bridge_index(rank)
         plan.bridges(), plan.mesh_grid()
@@ -62,7 +62,7 @@ def test_a_16k_rank_plan_costs_linear_not_quadratic_time():
 def test_replicas_stay_inside_nodes_at_scale(world, placement, tp):
     nodes = world // 8
     n_teachers = nodes * tp if placement == "per_node" else world // 2
-    plan = LaunchPlan(world, 8, n_teachers, placement, teacher_tp=tp)
+    plan = LaunchPlan(world, 8, (TeacherLayout(n_teachers, tp),) if n_teachers else (), placement)
     replicas = plan.replicas()
     assert len(replicas) == n_teachers // tp
     assert all(len({rank // 8 for rank in ranks}) == 1 for ranks, _ in replicas)

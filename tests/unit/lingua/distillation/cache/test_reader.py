@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from apps.main.train import TrainArgs
-from lingua.distillation.build import TeacherLaunch
+from lingua.distillation.args import TeacherArgs
+from lingua.distillation.build import launch_teachers
 from lingua.loading.stream import active_sources
 from lingua.args import parse_args
 from lingua.loading.producer import from_wire, to_wire
@@ -138,7 +139,7 @@ def test_two_caches_train_as_the_online_mixture(tmp_path):
     args = cached_teachers(tmp_path, f"{{cache_dir: {tmp_path / 'a'}, sources: [pydocs]}}",
                            f"{{cache_dir: {tmp_path / 'b'}, weight: 2.0}}")
     assert args.distillation.source == "cache"
-    assert TeacherLaunch.of(args.enable_distillation, args.distillation).n_ranks == 0  # no teacher ranks
+    assert launch_teachers(args.enable_distillation, args.distillation) == ()  # no teacher ranks
     write_cache(tmp_path / "a", args, 0, seed=0)
     write_cache(tmp_path / "b", args, 1, seed=1)
     caches = open_caches(args)
@@ -247,12 +248,14 @@ def test_cached_teachers_settings_and_the_launch(tmp_path):
     from lingua.stool import launch_plan
 
     one = train_args(tmp_path, f"distillation.teachers=[{{cache_dir: {tmp_path / 'a'}}}]")
-    assert (one.distillation.source, one.distillation.cache_dir, one.distillation.teachers) == \
-        ("cache", str(tmp_path / "a"), [])  # one cached teacher is the one-teacher cache road
+    one.validate()  # one cached teacher trains from its cache, as source=cache with cache_dir does
+    cached = [TeacherArgs(cache_dir=str(tmp_path / "a"))]
+    assert (one.distillation.source, one.distillation.teachers) == ("cache", cached)
+    assert launch_teachers(one.enable_distillation, one.distillation) == ()
     mixed = train_args(tmp_path, f"distillation.teachers=[{{cache_dir: {tmp_path}}}, {{path: {tmp_path}}}]")
     mixed.validate()  # a cached teacher beside an online one: only the online one has ranks
     assert mixed.distillation.source == "online"
-    assert TeacherLaunch.of(mixed.enable_distillation, mixed.distillation).n_ranks == 1
+    assert [t.ranks for t in launch_teachers(mixed.enable_distillation, mixed.distillation)] == [1]
     cfg = OmegaConf.create({"enable_distillation": True, "distillation": {
         "teachers": [{"cache_dir": "a", "sources": ["x"]}, {"cache_dir": "b"}]}})
     plan, _ = launch_plan(cfg, nodes=1, ntasks_per_node=2)

@@ -10,11 +10,11 @@ from lingua.distillation.online.bridge import RECORD_BYTES, ResponseStatus
 from lingua.distillation.online.replica import ReplicaLink
 from lingua.distillation.teacher.tensor_parallel import heads_problem, shard_bounds, tensor_parallel_plan
 from lingua.distillation.teacher.vocab_parallel import sample_ids
-from lingua.parallel.launch_plan import LaunchPlan
+from lingua.parallel.launch_plan import LaunchPlan, TeacherLayout
 
 
 def test_replicas_of_the_last_ranks_each_serve_a_block_of_students():
-    plan = LaunchPlan(8, 8, n_teachers=4, teacher_tp=2)
+    plan = LaunchPlan(8, 8, (TeacherLayout(4, 2),))
     assert plan.teacher_ranks == [4, 5, 6, 7] and plan.student_ranks == [0, 1, 2, 3]
     assert plan.replicas() == [([4, 5], [0, 1]), ([6, 7], [2, 3])]
     assert plan.bridges() == [(4, [0, 1]), (6, [2, 3])]  # the replica's first rank is on the bridge
@@ -24,29 +24,32 @@ def test_replicas_of_the_last_ranks_each_serve_a_block_of_students():
         "  teacher replica 1: global ranks 6-7 (node 0, local ranks 6-7), tensor-parallel over 2, serving students 2-3",
         "  students: global ranks 0-3"]
     # teacher_tp=1 is the plan it always was: one replica per teacher rank.
-    assert LaunchPlan(8, 4, n_teachers=2, teacher_placement="per_node").replicas() == [([3], [0, 1, 2]),
+    assert LaunchPlan(8, 4, (TeacherLayout(2),), teacher_placement="per_node").replicas() == [([3], [0, 1, 2]),
                                                                                         ([7], [4, 5, 6])]
 
 
 def test_per_node_puts_one_replica_at_the_end_of_each_node():
-    plan = LaunchPlan(8, 4, n_teachers=4, teacher_placement="per_node", teacher_tp=2)
+    plan = LaunchPlan(8, 4, (TeacherLayout(4, 2),), teacher_placement="per_node")
     assert plan.replicas() == [([2, 3], [0, 1]), ([6, 7], [4, 5])]
     assert plan.mesh_grid() == [[0, 1, 4, 5]]
 
 
 @pytest.mark.parametrize("world, local, n_teachers, placement, message", [
     (8, 8, 3, "last", r"distillation.n_teacher_ranks=3 cannot be split into teacher replicas of "
-                      r"distillation.teacher_tp=2 ranks; use a multiple of 2\."),
+                      r"distillation.teacher_tp=2 ranks; use a multiple of 2 \(e.g. "
+                      r"distillation.n_teacher_ranks=2\)\."),
     (6, 3, 4, "last", r"The teacher replica of global ranks 2-3 \(distillation.teacher_tp=2\) would span nodes 0 and "
                       r"1 \(3 tasks per node\); a replica must stay on one node"),
     (8, 4, 2, "per_node", r"teacher_placement=per_node needs one teacher replica of distillation.teacher_tp=2 ranks "
-                          r"per node \(2 nodes x 2 = 4 teacher ranks\), but distillation.n_teacher_ranks=2\."),
+                          r"per node \(2 nodes x 2 = 4 teacher ranks\), but distillation.n_teacher_ranks=2; set "
+                          r"distillation.n_teacher_ranks=4, or set distributed.teacher_placement=last\."),
     (9, 9, 4, "last", r"5 student ranks cannot be split evenly among 2 teacher replicas \(4 teacher ranks / "
-                      r"distillation.teacher_tp=2\); launch a number of students divisible by 2\."),
+                      r"distillation.teacher_tp=2\); launch a number of students divisible by 2 \(e.g. torchrun "
+                      r"--nproc-per-node 10\)\."),
 ])
 def test_plans_that_cannot_work_are_one_sentence(world, local, n_teachers, placement, message):
     with pytest.raises(ValueError, match=message):
-        LaunchPlan(world, local, n_teachers, placement, teacher_tp=2)
+        LaunchPlan(world, local, (TeacherLayout(n_teachers, 2),), placement)
 
 
 @pytest.mark.parametrize("vocab, tp", [(512, 2), (513, 2), (49152, 4), (10, 4), (5, 8)])
