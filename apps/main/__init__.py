@@ -5,7 +5,6 @@
     checkpoint_eval.py  Meta Lingua's eval: section, on each checkpoint.eval save, in-process or via stool
     eval_tasks/         our lm-eval tasks (pydocs_cloze)
     report.py           what a step logs: metrics rows, progress line, warnings, summary
-    faults.py           inject_failure: the faults the tests inject at named points (tests only)
     transformer.py      the student LM (Llama-style)
     export_hf.py        student -> transformers LlamaForCausalLM
     generate.py         sample text from a checkpoint
