@@ -41,7 +41,6 @@ from lingua.distillation.micro_batches import MicroBatchFeed
 from lingua.distributed import Topology
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs, build_optimizer, clip_grad_norm_
-from lingua.parallel.collectives import agree_count
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, read_launch_env
 from lingua.parallel.parallelize import parallelize_model
 from lingua.parallel.preemption import PreemptionFlag, requeue_if_slurm
@@ -226,10 +225,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
     with (maybe_run_profiler(args.dump_dir, model, args.profiling, topo.global_rank, topo.is_train_master,
                              topo.train_group) as profiler, contextlib.closing(loader), reporter, clock,
           distiller.session(lambda: state.step)):  # STOP to the teachers at the end, ERROR on an agreed error
-        # Micro-batches per step is a loop length (and the teacher's request count): the same on every student.
-        agree_count(args.grad_acc_steps, topo.train_group, topo.device, "micro-batches per step (grad_acc_steps)",
-                    mode="equal")
-        clock.start()
+        clock.start(micro_batches_per_step=args.grad_acc_steps)  # the same on every student, or one sentence
         while state.step < args.steps:
             state.step += 1
             with clock.step(state.step):

@@ -2,7 +2,7 @@
 
     clock = RunClock(args.distributed, topo, phases, args.dump_dir, first_step=state.step + 1)
     with clock:                               # the hang watch is cancelled on the way out
-        clock.start()
+        clock.start(micro_batches_per_step=args.grad_acc_steps)
         while ...:
             with clock.step(step):            # timer reset, hang watch armed, the first step's span
                 ...forward, backward, optimizer...
@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 
+from lingua.parallel.collectives import agree_count
 from lingua.parallel.timeouts import HangWatch, enter_training_timeout
 from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
 
@@ -70,8 +71,11 @@ class RunClock:
             table = format_phase_table(read_phase_files(self.dump_dir, world_size=self.topo.world_size))
             logger.info("startup phases (all ranks)\n" + table)
 
-    def start(self) -> None:
-        """The loop's start, where every student is together: the first step's waits are measured from here."""
+    def start(self, micro_batches_per_step: int) -> None:
+        """The loop's start, where every student meets the others: they agree on the loop's length (micro-batches per
+        step is also each teacher's request count), and the first step's waits are measured from here."""
+        agree_count(micro_batches_per_step, self.topo.train_group, self.topo.device,
+                    "micro-batches per step (grad_acc_steps)", mode="equal")
         self.timer.common_point()
 
     def __enter__(self) -> "RunClock":
