@@ -299,6 +299,14 @@ class HFTokenizer(Tokenizer):
         return {**self.__dict__, "tokenizer": None, "backend": self.tokenizer.backend_tokenizer}
 
 
+def model_vocab_size(tokenizer: Tokenizer, vocab_size: int) -> int:
+    """The model's vocabulary size: the tokenizer's, which a model.vocab_size set in the config must equal."""
+    if vocab_size not in (-1, tokenizer.n_words):
+        raise ConfigError(f"model.vocab_size={vocab_size} but the tokenizer has {tokenizer.n_words} "
+                          f"tokens; leave model.vocab_size=-1 to take it from the tokenizer.")
+    return tokenizer.n_words
+
+
 def build_tokenizer(args: TokenizerArgs) -> Tokenizer:
     """The tokenizer named by `args` (checked by `args.validate()` first)."""
     args.validate()

@@ -70,7 +70,6 @@ BAD_CONFIGS = [
     BadConfig("probe_freq", {"probe_freq": 0}, "probe_freq"),
     BadConfig("exit_after_steps", {"exit_after_steps": 0}, "exit_after_steps"),
     BadConfig("grace", {"preemption_grace_s": -1}, "preemption_grace_s"),
-    BadConfig("inject_failure", {"inject_failure": "boom:1@2"}, "inject_failure"),
     BadConfig("heads_do_not_divide_dim", {"model.n_heads": 3}, "model.n_heads"),
     BadConfig("kv_heads", {"model.n_kv_heads": 3}, "model.n_kv_heads"),
     BadConfig("odd_head_dim", {"model.dim": 30, "model.n_heads": 6, "model.n_kv_heads": 2}, "model.n_heads"),

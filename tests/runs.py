@@ -23,6 +23,7 @@ from typing import Callable, Iterable, TypeVar
 from lingua.run.dump_dir import RunDir, read_jsonl, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
+FAULTY_TRAINER = "tests.fault_injection"  # apps.main.train with one injected failure (inject_failure=...)
 LAUNCHES_AT_ONCE = 2  # on 2 cores: one launch's imports overlap the other's torchrun start-up and polling
 Job = TypeVar("Job")
 
@@ -85,11 +86,16 @@ def torchrun(nproc: int, module_args: list[str], timeout: float, env: dict | Non
              max_restarts: int = 0) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node nproc -m module *module_args`; a run past `timeout` is a test failure.
 
+    An `inject_failure=<kind>:<where>` among the trainer's args launches the trainer with that failure installed
+    (tests/fault_injection.py) instead of `apps.main.train`.
+
     signal_plan: optional callable(popen) run while the job is alive (e.g. to deliver SIGUSR2).
     log_dir: torchrun also keeps each rank's stdout and stderr there (read them with `rank_outputs`).
     max_restarts: torchrun's in-job restarts (the README's single-node command: one agent, its shared store).
     """
     logs = ["--log-dir", str(log_dir), "--tee", "3"] if log_dir is not None else []
+    if module == "apps.main.train" and any(arg.startswith("inject_failure=") for arg in module_args):
+        module = FAULTY_TRAINER
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", str(max_restarts), *logs,
            "-m", module, *module_args]

@@ -6,7 +6,6 @@
     eval_tasks/         our lm-eval tasks (pydocs_cloze)
     report.py           what a step logs: metrics rows, progress line, warnings, summary
     teacher_wait.py     the students' wait on a teacher: its bottleneck (or not) and the remedy, for the warning
-    faults.py           inject_failure: the faults the tests inject at named points (tests only)
     transformer.py      the student LM (Llama-style)
     export_hf.py        student -> transformers LlamaForCausalLM
     generate.py         sample text from a checkpoint

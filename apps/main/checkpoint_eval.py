@@ -24,6 +24,7 @@ from typing import Any, Optional
 from apps.main.eval import CheckpointEvalArgs, EvalArgs, evaluate_checkpoint, local_task_names, task_name
 from lingua.args import dump_config, require
 from lingua.errors import ConfigError, MissingPathError, PeerStopped, UserError, describe
+from lingua.evaluation.heldout import eval_files
 from lingua.logger import rank_log_file
 from lingua.parallel.collectives import AgreedError, first_error
 from lingua.parallel.timeouts import generous_timeout
@@ -151,6 +152,8 @@ def validate_eval_sections(args) -> None:
             "the GPUs of the evaluation job")
     if gpus is not None and args.eval.enabled and args.checkpoint.eval.every and shutil.which("sbatch") is None:
         logger.warning(no_sbatch(gpus))
+    if args.heldout.every:  # the held-out files exist (the data section's own checks passed)
+        eval_files(args.data)
 
 
 def no_sbatch(gpus: int) -> str:

@@ -66,10 +66,15 @@ class EvalArgs:
 def batch_ce_sum(model, batch: dict, device) -> tuple[float, int]:
     """(CE summed over the predicted positions, their count) for one held-out batch, through the fused head as in
     training: no [tokens, vocab] logits."""
-    labels = batch["labels"].to(device)
-    ce_sum = model(batch["input_ids"].to(device), **batch_documents(model, batch, device),
-                   head_loss=fused_ce_head(labels))
-    return ce_sum.item(), int((labels != -100).sum())
+    ce_sum = batch_ce(model, batch, device)
+    return ce_sum.item(), int((batch["labels"] != -100).sum())
+
+
+def batch_ce(model, batch: dict, device, normalizer: int = 1) -> torch.Tensor:
+    """The student's CE over one batch's predicted positions through the fused head (no [tokens, vocab] logits),
+    summed and divided by `normalizer`: the held-out CE's and the activation probe's forward."""
+    return model(batch["input_ids"].to(device), **batch_documents(model, batch, device),
+                 head_loss=fused_ce_head(batch["labels"].to(device), normalizer))
 
 
 class Evaluator:

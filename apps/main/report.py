@@ -11,8 +11,9 @@ import torch
 
 from apps.main.teacher_wait import TeacherWait, oversubscribed_cores, teacher_wait_advice
 from lingua.args import to_dict
+from lingua.errors import NonFiniteError
 from lingua.metrics import MemoryMonitor, MetricLogger, ProgressLine, estimate_mfu
-from lingua.parallel.collectives import dist_gather_floats, dist_mean_dict
+from lingua.parallel.collectives import AgreedError, dist_gather_floats, dist_mean_dict
 from lingua.parallel.recovery import RecoveryLog
 from lingua.run.dump_dir import RunDir, read_metrics
 
@@ -230,6 +231,10 @@ class StepReporter:
         if last.get("data/bad_lines"):  # summed over the students
             lines.insert(-1, f"skipped {last['data/bad_lines']:,} malformed data lines (warnings in logs/rank_<r>.log)")
         logger.info("summary\n  " + "\n  ".join(lines))
+
+
+class NonFiniteLoss(AgreedError, NonFiniteError):
+    """The loss was not finite on some student; agreed, so raised on every student at once."""
 
 
 def nonfinite_sentence(step: int, metrics: dict, group, device) -> str:

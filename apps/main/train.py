@@ -27,9 +27,8 @@ import torch
 
 from apps.main.checkpoint_eval import (CheckpointEvaluation, EvalAtCheckpointArgs, fold_deprecated_eval,
                                        validate_eval_sections)
-from apps.main.eval import EvalArgs, Evaluator, teacher_heldout
-from apps.main.faults import FaultInjector, parse_injected_failure
-from apps.main.report import StepReporter, nonfinite_sentence
+from apps.main.eval import EvalArgs, Evaluator, batch_ce, teacher_heldout
+from apps.main.report import NonFiniteLoss, StepReporter, nonfinite_sentence
 from apps.main.transformer import (LMTransformer, LMTransformerArgs, batch_documents, get_no_recompute_ops,
                                    get_num_flop_per_token)
 from lingua.args import dump_config, fill_training_defaults, parse_args, require, to_dict
@@ -38,28 +37,20 @@ from lingua.cli.entry import run_cli
 from lingua.data import DataArgs, training_loader
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.build import build_distiller, launch_teachers, serve_teacher
-from lingua.distillation.loss.fused import fused_ce_head
 from lingua.distillation.micro_batches import MicroBatchFeed
-from lingua.distributed import Topology, clean_up, log_rank_device_map, setup_torch_distributed
-from lingua.run.owner import DumpDirOwner
-from lingua.errors import ConfigError, NonFiniteError
-from lingua.evaluation.heldout import eval_files
-from lingua.logger import init_logger
+from lingua.distributed import Topology
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs, build_optimizer, clip_grad_norm_
-from lingua.parallel.collectives import AgreedError, agree_count
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, read_launch_env
 from lingua.parallel.parallelize import parallelize_model
 from lingua.parallel.preemption import PreemptionFlag, requeue_if_slurm
-from lingua.parallel.rank_status import RankStatus
-from lingua.parallel.recovery import agree_on_recovery
-from lingua.parallel.timeouts import HangWatch, enter_training_timeout
-from lingua.parallel.watch import RankWatch
+from lingua.parallel.run_clock import RunClock
 from lingua.probe import ActivationProbe
 from lingua.profiling import ProfilerArgs, maybe_run_profiler
 from lingua.run.dump_dir import RunDir
-from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
-from lingua.tokenizer import build_tokenizer
+from lingua.run.launch import launched_rank
+from lingua.timing import PhaseLog, StepTimer
+from lingua.tokenizer import build_tokenizer, model_vocab_size
 
 logger = logging.getLogger("train")
 
@@ -77,8 +68,6 @@ class TrainArgs:
     # Seconds between SLURM's USR2 and the kill (stool writes its signal_grace_s here); the trainer
     # warns when one step plus a checkpoint take longer than that. 0 = unknown, no check.
     preemption_grace_s: float = 0.0
-    # Tests only: make one rank fail on purpose (apps/main/faults.py lists the kinds).
-    inject_failure: Optional[str] = None
 
     data: DataArgs = field(default_factory=DataArgs)
     # max_seqlen -1 (the default here): data.seq_len, as in Meta Lingua; a value below data.seq_len is an error.
@@ -111,7 +100,6 @@ class TrainArgs:
             require(value is None or value >= 1, key, value, "use a positive number of steps, or null")
         require(math.isfinite(self.preemption_grace_s) and self.preemption_grace_s >= 0, "preemption_grace_s",
                 self.preemption_grace_s, "use the seconds between SLURM's USR2 and the kill, or 0 for unknown")
-        parse_injected_failure(self.inject_failure)
         self.data.validate()
         fill_training_defaults(self)  # model.max_seqlen=-1 -> data.seq_len (apps.plan fills the same)
         self.model.validate()
@@ -121,11 +109,9 @@ class TrainArgs:
         self.checkpoint.validate()
         self.logging.validate()
         self.profiling.validate()
-        validate_eval_sections(self)
+        validate_eval_sections(self)  # heldout: (its files too), eval:, async_eval_gpus
         require(self.model.max_seqlen >= self.data.seq_len, "model.max_seqlen", self.model.max_seqlen,
                 f"the model must fit data.seq_len={self.data.seq_len}; set model.max_seqlen >= {self.data.seq_len}")
-        if self.heldout.every:
-            eval_files(self.data)
         teachers = launch_teachers(self.enable_distillation, self.distillation, self.data)  # each fits the data
         if world_size is not None:  # roles, bridges, teacher replicas and the students' mesh for this many ranks
             LaunchPlan.for_launch(self.distributed, world_size, local_world_size or world_size, teachers)
@@ -135,15 +121,12 @@ class TrainArgs:
 
 def distillation_process(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: PreemptionFlag) -> None:
     """Teacher rank: load the HF model, handshake with its students, serve until STOP."""
-    index = topo.teacher_ranks.index(topo.global_rank)
     # The generous timeout holds through the students' first step; a request sent after it (or STOP)
     # switches the teacher to the short one (on every group).
     timeouts = (args.distributed.init_timeout_s, args.distributed.train_timeout_s) if topo.distributed else None
     serve_teacher(args.distillation, topo, preemption, timeouts, phases=phases, attn_mask=args.model.attn_mask,
                   student_tokenizer=args.data.tokenizer,
-                  heldout=teacher_heldout(args.heldout, args.data, len(topo.student_ranks)),
-                  inject_load_failure=FaultInjector.teacher_load_fails(args.inject_failure, index),
-                  inject_serve_failure_at=FaultInjector.teacher_serve_fails_at(args.inject_failure, index))
+                  heldout=teacher_heldout(args.heldout, args.data, len(topo.student_ranks)))
 
 
 # ---------------------------------------------------------------- student ranks
@@ -155,10 +138,6 @@ class TrainState:
 
     def state_dict(self) -> dict:
         return dict(step=self.step, tokens=self.tokens)
-
-
-class NonFiniteLoss(AgreedError, NonFiniteError):
-    """The loss was not finite on some student; agreed, so raised on every student at once."""
 
 
 def build_model(args: TrainArgs, topo: Topology) -> torch.nn.Module:
@@ -173,10 +152,7 @@ def build_model(args: TrainArgs, topo: Topology) -> torch.nn.Module:
 def init_tokenizer(args: TrainArgs):
     """The data tokenizer; the model's vocab size is taken from it."""
     tokenizer = build_tokenizer(args.data.tokenizer)
-    if args.model.vocab_size not in (-1, tokenizer.n_words):
-        raise ConfigError(f"model.vocab_size={args.model.vocab_size} but the tokenizer has {tokenizer.n_words} "
-                          f"tokens; leave model.vocab_size=-1 to take it from the tokenizer.")
-    args.model.vocab_size = tokenizer.n_words
+    args.model.vocab_size = model_vocab_size(tokenizer, args.model.vocab_size)
     return tokenizer
 
 
@@ -189,47 +165,21 @@ def restore_checkpoint(args: TrainArgs, topo: Topology, model, optimizer) -> tup
     return checkpoint, saved if saved is not None else checkpoint.load_init(model, optimizer)
 
 
-class FirstStepTracker:
-    """This launch's first step: its startup spans (first step, compile warm-up; the distiller records the first
-    teacher round trip), the generous timeout until it is done, then the switch to the training timeout."""
-
-    def __init__(self, args: TrainArgs, topo: Topology, phases: PhaseLog, first_step: int):
-        self.args, self.topo, self.phases = args, topo, phases
-        self.first_step = first_step
-        self.collective_timeout_s = args.distributed.init_timeout_s  # on this rank's groups; short after the first step
-
-    def timeout_s(self, step: int) -> float:
-        return self.args.distributed.init_timeout_s if step == self.first_step else self.args.distributed.train_timeout_s
-
-    def span(self, step: int):
-        return self.phases.span("first_step") if step == self.first_step else contextlib.nullcontext()
-
-    def after_agreement(self, step: int, timer: StepTimer) -> None:
-        """After the first step's agreed control point (where the distiller recorded the first teacher round trip and
-        told the teachers): record its spans, shorten the timeouts, print the table."""
-        if step != self.first_step:
-            return
-        if self.args.distributed.compile:  # torch.compile runs inside the first forward/backward
-            self.phases.record("compile_warmup", time.time() - timer.read()["fwd_bwd"], time.time())
-        enter_training_timeout(self.topo, self.args.distributed.train_timeout_s)
-        self.collective_timeout_s = self.args.distributed.train_timeout_s
-        if self.topo.is_train_master:  # every rank's spans are on disk by now (teacher's too)
-            table = format_phase_table(read_phase_files(self.args.dump_dir, world_size=self.topo.world_size))
-            logger.info("startup phases (all ranks)\n" + table)
+def log_student(args: TrainArgs, topo: Topology, model) -> None:
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info(f"student model: {n_params / 1e6:.2f}M parameters, vocab {args.model.vocab_size}")
+    if topo.is_train_master and (mesh := topo.mesh) is not None:
+        logger.info(f"student mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))} over ranks {mesh.mesh.tolist()}")
 
 
 def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: PreemptionFlag) -> None:
-    group, device = topo.train_group, topo.device
     with phases.span("tokenizer_init"):
         tokenizer = init_tokenizer(args)
     if topo.is_train_master:  # resolved: defaults filled, vocab from the tokenizer (mesh -1s stay: a relaunch may resize)
         dump_config(args, RunDir(args.dump_dir).config)
     with phases.span("model_build"):
         model = build_model(args, topo)
-    n_params = sum(p.numel() for p in model.parameters())
-    logger.info(f"student model: {n_params / 1e6:.2f}M parameters, vocab {args.model.vocab_size}")
-    if topo.is_train_master and (mesh := topo.mesh) is not None:
-        logger.info(f"student mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))} over ranks {mesh.mesh.tolist()}")
+    log_student(args, topo, model)
     # The teachers' handshakes, or their caches as the dataset (one written with other settings is refused here).
     distiller, cache = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer, args.data,
                                        args.model.attn_mask, phases)
@@ -245,49 +195,43 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
         loader.load_state_dict(saved["data"])
         logger.info(f"resumed from step {state.step}")
 
-    probe = ActivationProbe(model, args.dump_dir, topo.global_rank, topo.is_train_master, group,
+    probe = ActivationProbe(model, args.dump_dir, topo.global_rank, topo.is_train_master, topo.train_group,
                             every=args.probe_freq) if args.probe_freq else None
     evaluator = Evaluator(args.heldout, args.data, tokenizer, topo, teacher=distiller)
     checkpoint_eval = CheckpointEvaluation(args, topo, checkpoint)  # Lingua's eval: section, after checkpoint.eval saves
-    # The embedding lookup is no matmul; the output head is (and with tied weights it is the only copy counted).
-    matmul_params = n_params - (0 if args.model.tie_embeddings else args.model.vocab_size * args.model.dim)
-    reporter = StepReporter(args, topo, distiller, get_num_flop_per_token(
-        matmul_params, args.model.n_layers, args.model.dim, args.data.seq_len))
-    faults = FaultInjector(args.inject_failure, topo.train_rank)
-    startup = FirstStepTracker(args, topo, phases, first_step=state.step + 1)
-    timer, ended = StepTimer(device), "completed"
-    last_step = args.steps if args.exit_after_steps is None else min(args.steps, state.step + args.exit_after_steps)
-    feed = MicroBatchFeed(loader, distiller, args.grad_acc_steps, last_step=last_step, pin_memory=device.type == "cuda")
+    reporter = StepReporter(args, topo, distiller, flops_per_token(args, model))
+    # The step's timer, the hang watch and the collective timeout: generous until the launch's first step is agreed.
+    clock = RunClock(args.distributed, topo, phases, args.dump_dir, first_step=state.step + 1)
+    feed = MicroBatchFeed(loader, distiller, args.grad_acc_steps, pin_memory=topo.device.type == "cuda",
+                          last_step=args.steps if args.exit_after_steps is None else
+                          min(args.steps, state.step + args.exit_after_steps))
+    ended = "completed"
 
-    def save(kinds: list[str]) -> float:
-        """The step's checkpoints (if any); returns their seconds, logged apart from the step's (checkpoint/save_s)."""
+    def save(stop_now: bool, save_due) -> float:
+        """The checkpoints due at this step (`checkpoint.should_save` decides, and in-process evaluation after them);
+        returns their seconds, logged apart from the step's (checkpoint/save_s)."""
+        kinds = checkpoint.should_save(state.step, stop_now, state.step == args.steps, save_due)
         start = time.perf_counter()
-        with timer.part("checkpoint"):
+        with clock.timer.part("checkpoint"):
             for kind in kinds:
                 train_state = dict(state.state_dict(), scheduler=scheduler.state_dict(), data=feed.state_dict())
                 checkpoint.save(model, optimizer, train_state, state.step, to_dict(args), kind=kind)
         save_s = time.perf_counter() - start if kinds else 0.0
-        checkpoint_eval.after_save(kinds, state.step, checkpoint.final_dir(state.step), hang_watch,
-                                   startup.collective_timeout_s)
+        checkpoint_eval.after_save(kinds, state.step, checkpoint.final_dir(state.step), clock.hang_watch,
+                                   clock.collective_timeout_s)
         return save_s
 
     with (maybe_run_profiler(args.dump_dir, model, args.profiling, topo.global_rank, topo.is_train_master,
-                             group) as profiler, contextlib.closing(loader), reporter, HangWatch() as hang_watch,
+                             topo.train_group) as profiler, contextlib.closing(loader), reporter, clock,
           distiller.session(lambda: state.step)):  # STOP to the teachers at the end, ERROR on an agreed error
-        # Micro-batches per step is a loop length (and the teacher's request count): the same on every student.
-        agree_count(args.grad_acc_steps, group, device, "micro-batches per step (grad_acc_steps)", mode="equal")
-        timer.common_point()
+        clock.start(micro_batches_per_step=args.grad_acc_steps)  # the same on every student, or one sentence
         while state.step < args.steps:
-            timer.reset()
-            step_start = time.perf_counter()
             state.step += 1
-            hang_watch.arm(startup.timeout_s(state.step), step=state.step)
-            faults.before_step(state.step)
-            pause_follows = checkpoint_eval.announces_pause(state.step, feed)  # the teacher's timeout: told per request
-            with startup.span(state.step):
-                metrics, micro_batches = train_step(args, model, distiller, feed, state.step, timer, device,
-                                                    scheduler.get_last_lr()[0] / args.optim.lr, pause_follows)
-                grad_norm = optimizer_step(model, optimizer, scheduler, args.optim.clip, timer)
+            with clock.step(state.step):
+                metrics, micro_batches = train_step(args, model, distiller, feed, state.step, clock.timer, topo.device,
+                                                    scheduler.get_last_lr()[0] / args.optim.lr,
+                                                    checkpoint_eval.announces_pause(state.step, feed))
+                grad_norm = optimizer_step(model, optimizer, scheduler, args.optim.clip, clock.timer)
             state.tokens += metrics.pop("tokens") * topo.train_world_size
             metrics["data/bad_lines"] = feed.state_dict()["bad_lines"]  # this rank's, look-ahead excluded; logs sum them
             if profiler is not None:
@@ -296,22 +240,20 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
                 run_probe(args, model, probe, micro_batches[0], state.step)
             # The one agreed control point of the step: stop, save and fail are decided together, with the teachers'
             # error and preemption flags; every branch below reads the agreed flags only.
-            flags = distiller.agree(dict(preempt=preemption.requested or faults.preempt(state.step),
-                                         nonfinite=faults.nonfinite(state.step, metrics["loss/total"]),
-                                         save_due=checkpoint.minutes_due()), group, device)
-            timer.common_point()
-            startup.after_agreement(state.step, timer)
+            flags = distiller.agree(dict(preempt=preemption.requested, nonfinite=~torch.isfinite(metrics["loss/total"]),
+                                         save_due=checkpoint.minutes_due()), topo.train_group, topo.device)
+            clock.after_agreement(state.step)
             if flags["nonfinite"]:
-                raise NonFiniteLoss(nonfinite_sentence(state.step, metrics, group, device))
+                raise NonFiniteLoss(nonfinite_sentence(state.step, metrics, topo.train_group, topo.device))
             if evaluator.should_run(state.step):
                 reporter.log_eval(evaluator.run(model, state.step))
             preempted = flags["preempt"] or flags.get("teacher_preempt", False)
-            stop_now = preempted or (args.exit_after_steps is not None and state.step == last_step)
+            stop_now = preempted or (args.exit_after_steps is not None and state.step == feed.last_step)
             if stop_now:
                 distiller.drain()  # look-ahead requests answered before the save and the STOP
-            step_time = time.perf_counter() - step_start  # a save is not part of the step's time and tokens/s
-            save_s = save(checkpoint.should_save(state.step, stop_now, state.step == args.steps, flags["save_due"]))
-            reporter.step_done(state, metrics, timer, step_time, save_s, grad_norm, scheduler.get_last_lr()[0],
+            step_time = clock.step_seconds()  # a save is not part of the step's time and tokens/s
+            save_s = save(stop_now, flags["save_due"])
+            reporter.step_done(state, metrics, clock.timer, step_time, save_s, grad_norm, scheduler.get_last_lr()[0],
                                stop_now)
             if stop_now:
                 ended = "preempted" if preempted else "exit_after_steps"
@@ -320,6 +262,14 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
         requeue_if_slurm(topo.is_train_master, args.dump_dir)
     if topo.is_train_master:
         reporter.summary(state, ended)
+
+
+def flops_per_token(args: TrainArgs, model) -> float:
+    """The student's training FLOPs per token (for MFU). The embedding lookup is no matmul; the output head is (and
+    with tied weights it is the only copy counted)."""
+    n_params = sum(p.numel() for p in model.parameters())
+    matmul_params = n_params - (0 if args.model.tie_embeddings else args.model.vocab_size * args.model.dim)
+    return get_num_flop_per_token(matmul_params, args.model.n_layers, args.model.dim, args.data.seq_len)
 
 
 def train_step(args: TrainArgs, model, distiller, feed: MicroBatchFeed, step: int, timer: StepTimer, device,
@@ -362,10 +312,8 @@ def optimizer_step(model, optimizer, scheduler, clip: float, timer: StepTimer):
 def run_probe(args: TrainArgs, model, probe: ActivationProbe, batch, step: int) -> None:
     """An extra forward/backward under the probe's hooks; the teacher is not involved."""
     device = next(model.parameters()).device
-    with probe.capture(step):
-        labels = batch["labels"].to(device)
-        head_loss = fused_ce_head(labels, max(int((labels != -100).sum()), 1))  # no [tokens, vocab] logits
-        model(batch["input_ids"].to(device), **batch_documents(model, batch, device), head_loss=head_loss).backward()
+    with probe.capture(step):  # through the fused head: no [tokens, vocab] logits
+        batch_ce(model, batch, device, normalizer=max(int((batch["labels"] != -100).sum()), 1)).backward()
     model.zero_grad(set_to_none=True)
 
 
@@ -373,37 +321,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(TrainArgs, argv)
     launch = read_launch_env()
     args.validate(launch.world_size, launch.local_world_size)  # every config error, before any process group
-    preemption = PreemptionFlag()  # from here on: handlers only set a flag, students agree on it each step
-    # Or refuse (the dump dir is in use), then check for a SIGTERM held while we checked: another rank failed.
-    owner = DumpDirOwner(args.dump_dir, launch, args.distributed.init_timeout_s).take()
-    failure: Optional[BaseException] = None  # an exceptional exit aborts the process groups (clean_up)
-    try:
-        teachers = launch_teachers(args.enable_distillation, args.distillation)
-        topo = setup_torch_distributed(args.distributed, teachers, args.dump_dir)
-        init_logger(topo.global_rank, topo.role, str(RunDir(args.dump_dir).rank_log(topo.global_rank)))
-        # From here a rank that fails leaves a note, and one that loses a peer names the rank that stopped.
-        with (RankStatus(args.dump_dir, topo, debug=args.distributed.debug_mode) as status,
-              RankWatch(topo, args.dump_dir, status, traces=args.distributed.traces, owner=owner)):
-            topo.recovered = agree_on_recovery(topo, args.dump_dir)  # or stop: the same step crashed again and again
-            phases = PhaseLog(args.dump_dir, topo.global_rank, topo.role)
-            for phase, (phase_start, phase_end) in topo.setup_spans.items():  # process_group_init, mesh
-                phases.record(phase, phase_start, phase_end)
-            log_rank_device_map(topo)
-            torch.manual_seed(args.seed)
-            if topo.is_teacher:
-                distillation_process(args, topo, phases, preemption)
-            else:
-                train(args, topo, phases, preemption)
-            preemption.ignore_further()
-            if topo.distributed:
-                torch.distributed.barrier(group=torch.distributed.group.WORLD)  # everyone ends together
-    except BaseException as err:
-        failure = err
-        raise
-    finally:
-        preemption.ignore_further()  # a launcher's SIGTERM while we leave would only cut the exit short
-        clean_up(failure)
-        owner.release()
+    teachers = launch_teachers(args.enable_distillation, args.distillation)
+    # This rank's topology (process groups, roles), its startup log and the preemption flag (lingua/run/launch.py).
+    with launched_rank(args.dump_dir, args.distributed, launch, teachers) as (topo, phases, preemption):
+        torch.manual_seed(args.seed)
+        if topo.is_teacher:
+            distillation_process(args, topo, phases, preemption)
+        else:
+            train(args, topo, phases, preemption)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from lingua.run.dump_dir import RunDir, eval_rows, read_jsonl, train_rows
 MAY_DIFFER = ("name", "dump_dir", "steps", "enable_distillation", "distillation", "distributed", "heldout.every",
               "data.batch_size",
               "checkpoint", "logging", "profiling", "eval", "async_eval_gpus", "probe_freq", "exit_after_steps",
-              "preemption_grace_s", "inject_failure")
+              "preemption_grace_s")
 MAY_DIFFER_PREFIXES = tuple(f"{key}." for key in MAY_DIFFER)
 MUST_MATCH = ("distributed.model_dtype", "distributed.matmul_allow_tf32")  # the numerics, whatever the layout
 

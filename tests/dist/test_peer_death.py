@@ -15,8 +15,8 @@ import time
 import pytest
 
 from lingua.run.dump_dir import RunDir
-from tests.runs import (ROOT, assert_no_orphan_producers, distill_overrides, rank_exit_codes, rank_outputs, rank_pid,
-                        torchrun, wait_for_step)
+from tests.runs import (FAULTY_TRAINER, ROOT, assert_no_orphan_producers, distill_overrides, rank_exit_codes,
+                        rank_outputs, rank_pid, torchrun, wait_for_step)
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -222,7 +222,7 @@ def test_a_bug_in_the_trainer_is_its_traceback_and_the_others_name_its_rank(corp
     outputs, codes = rank_outputs(logs), rank_exit_codes(result.stdout)
     tail = result.stdout[-4000:]
     bug = "ValueError: too many values to unpack (expected 2)"
-    frame = re.compile(r'File "[^"]*/apps/main/faults\.py", line \d+, in step_and_rank')
+    frame = re.compile(r'File "[^"]*/tests/fault_injection\.py", line \d+, in step_and_rank')
     stderr = outputs[1]["stderr"]
     assert "Traceback (most recent call last):" in stderr and frame.search(stderr) and bug in stderr, stderr[-3000:]
     assert not any(line.startswith("error: ") for line in survivor_lines(outputs, 1)), stderr[-3000:]
@@ -232,7 +232,7 @@ def test_a_bug_in_the_trainer_is_its_traceback_and_the_others_name_its_rank(corp
     status = json.loads(RunDir(dump).status(1).read_text())
     assert (status["state"], status["error"]) == ("failed", bug), status
     # torchrun's failure summary shows the rank's error file: the traceback, not "To enable traceback see ...".
-    summary = result.stdout[result.stdout.index("apps.main.train FAILED"):]
+    summary = result.stdout[result.stdout.index(f"{FAULTY_TRAINER} FAILED"):]
     entry = [block for block in re.split(r"^\[\d+\]:$", summary, flags=re.M) if "rank      : 1 (" in block]
     assert len(entry) == 1 and frame.search(entry[0]) and bug in entry[0], summary
     assert_survivors_name(outputs, codes, dump, dead=1, survivors=[0, 2], tail=tail)

@@ -10,11 +10,24 @@ import signal
 import pytest
 
 from lingua.run.dump_dir import RunDir, read_jsonl
+from tests.fault_injection import ENV_VAR
+from tests.runs import FAULTY_TRAINER
 from tests.slurm.conftest import describe_dump, wait_for, wait_for_job_end
 from tests.slurm.test_stool_slurm import (distill_argv, kd_inputs, run_stool, train_rows,  # noqa: F401 (fixtures)
                                          trainer_ready)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def with_injected_failure(argv: list[str], spec: str) -> list[str]:
+    """stool's argv for the trainer with `spec` injected (tests/fault_injection.py): the job runs that module, from a
+    code snapshot that holds tests/, and reads the spec from its environment (the job's line holds only config=)."""
+    split = argv.index("--")
+    exports = next(item for item in argv[:split] if item.startswith("exports={"))
+    harness = [f"script={FAULTY_TRAINER}", "code_dirs=[apps,lingua,setup,configs,tests]",
+               exports.removesuffix("}") + f", {ENV_VAR}: '{spec}'}}"]
+    # stool fills preemption_grace_s for apps.main.train only; the harness runs the same trainer with the same value.
+    return [item for item in argv[:split] if item != exports] + harness + argv[split:] + ["preemption_grace_s=60"]
 
 
 def running_pid(dump_dir, rank: int):
@@ -47,8 +60,8 @@ def test_a_sigkilled_rank_reruns_the_launch_step_and_the_job_finishes(slurm_clus
 def test_a_job_crashing_at_the_same_step_three_times_stops_with_the_sentence(slurm_cluster, jobs, tmp_path,
                                                                               kd_inputs):
     dump_dir = tmp_path / "dump"
-    job_id = run_stool(distill_argv("sbatch", slurm_cluster, dump_dir, *kd_inputs, steps=8,
-                                    **{"checkpoint.dump.every": 3, "inject_failure": "raise:0@4"}), jobs)
+    job_id = run_stool(with_injected_failure(distill_argv("sbatch", slurm_cluster, dump_dir, *kd_inputs, steps=8,
+                                                          **{"checkpoint.dump.every": 3}), "raise:0@4"), jobs)
     info = wait_for_job_end(job_id, 840, lambda: describe_dump(dump_dir))
     logs = describe_dump(dump_dir)
     assert info.get("JobState") == "FAILED", f"{info}\n{logs}"

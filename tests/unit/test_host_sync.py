@@ -215,7 +215,7 @@ def teacher_server(guard, tiny_teacher, output: str, cross: bool, link=None):
     server = TeacherServer.__new__(TeacherServer)
     the_spec = BridgeSpec(B, S, vocab, output, K, torch.bfloat16, kd_weight=cross)
     server.__dict__.update(
-        args=args, teacher=teacher, spec=the_spec, leader=True, link=link, inject_serve_failure_at=None,
+        args=args, teacher=teacher, spec=the_spec, leader=True, link=link,
         cross=load_cross_tokenizer(TokenizerArgs("bytes"), None, teacher.tokenizer, None) if cross else None,
         topo=SimpleNamespace(device=DEVICE, bridge_group=object(), global_rank=2), bridge_ranks=[0, 1, 2], mine=2,
         generator=torch.Generator().manual_seed(3), clock=ServingClock(DEVICE), memory=MemoryMonitor(DEVICE),

@@ -234,7 +234,8 @@ def read_v1_shard(path: Path, span: slice, manifest: CacheManifest) -> tuple:
 
 
 def forget_decoded_shards() -> None:
-    """Drop the memo of decoded shards (benchmarks time a fresh decode)."""
+    """Drop the memo of the last decoded shards: their memory is freed (a reader done with a cache in a process that
+    goes on) and the next read decodes again (what the benchmarks time)."""
     _decoded_shard.cache_clear()
 
 

@@ -1,6 +1,6 @@
 """The student end of a bridge: handshake, then one asynchronous request per micro-batch, then STOP.
 
-    client = TeacherClient(args, topo, vocab, n_words, max_bsz, max_seqlen)   # runs the handshake
+    client, = handshake_clients(args, topo, vocab, n_words, (max_bsz, max_seqlen))   # online/distiller.py
     outputs = client.submit(input_ids, step, micro_step).wait()              # TeacherOutputs
     flags = client.response_flags()                                           # at the step's agreed point
     client.stop(step)                                                         # drains, then STOP
@@ -22,8 +22,8 @@ import torch.distributed as dist
 from lingua.distillation.args import (AgreedPeerStopped, AgreedTeacherError, DistillationArgs, dtype_setting,
                                      teacher_title)
 from lingua.distillation.online.bridge import (BAD_TOKENS_FIELD, HEADER_INTS, NAN_WORD, RECORD_BYTES, BridgeSpec,
-                                               HandshakeRecord, Op, RequestHeader, ResponseStatus, agreed_handshake,
-                                               agreed_settings, record_ints, teacher_failure, tokenizer_fingerprint)
+                                               HandshakeRecord, Op, RequestHeader, ResponseStatus, agreed_settings,
+                                               record_ints, teacher_failure, tokenizer_fingerprint)
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.parallel.collectives import log_collective
 from lingua.parallel.host_copies import pins
@@ -123,16 +123,16 @@ def student_record(args: DistillationArgs, topo, vocab: dict[str, int], n_words:
 
 
 class TeacherClient:
-    """Student side of a bridge. `spec`: what a handshake of several bridges agreed for it; None runs the handshake."""
+    """Student side of a bridge. `spec`: what the handshake agreed for it (`handshake_clients` makes every
+    bridge's client after one handshake of all)."""
 
     def __init__(self, args: DistillationArgs, topo, vocab: dict[str, int], n_words: int,
-                 max_bsz: int, max_seqlen: int, attn_mask: str = "causal", spec: Optional[BridgeSpec] = None):
+                 max_bsz: int, max_seqlen: int, attn_mask: str = "causal", *, spec: BridgeSpec):
         assert topo.is_student and topo.bridge_group is not None
         self.args, self.topo = args, topo
         self.teacher_rank = topo.my_teacher
         self.title = teacher_title(args, self.teacher_rank)  # "Teacher rank 2", or with several its index and path
-        self.spec = spec or agreed_handshake(topo, student_record(args, topo, vocab, n_words, max_bsz, max_seqlen,
-                                                                  attn_mask), args)
+        self.spec = spec
         self.teacher_heldout_ce, self.teacher_heldout_bpb = self.spec.teacher_heldout_ce, self.spec.teacher_heldout_bpb
         self.n_words = n_words
         self.device = topo.device

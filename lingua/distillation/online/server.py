@@ -55,14 +55,11 @@ class TeacherServer:
     builds one; the first answers the students, the others follow it. `teacher_names`: with several teachers, each
     one's name, so that an ERROR's sentence names the failed one."""
 
-    def __init__(self, args: DistillationArgs, topo, preemption: Optional[PreemptionFlag] = None,
-                 inject_load_failure: bool = False, phases=None, attn_mask: str = "causal",
-                 inject_serve_failure_at: Optional[int] = None, heldout=None, student_tokenizer=None,
-                 teacher_names: tuple[str, ...] = ()):
+    def __init__(self, args: DistillationArgs, topo, preemption: Optional[PreemptionFlag] = None, phases=None,
+                 attn_mask: str = "causal", heldout=None, student_tokenizer=None, teacher_names: tuple[str, ...] = ()):
         assert topo.is_teacher
         self.args, self.topo, self.teacher_names = args, topo, teacher_names
         self.leader = topo.is_replica_leader  # always, with teacher_tp=1
-        self.inject_serve_failure_at = inject_serve_failure_at  # tests: fail while serving this step
         self.teacher: Optional[TeacherModel] = None
         self.cross = None  # distillation.cross_tokenizer: the students' tokenizer, the vocabulary map, the aligner
         record = HandshakeRecord("teacher", topo.global_rank, 0, 0, agreed_settings(args, attn_mask))
@@ -70,8 +67,6 @@ class TeacherServer:
         tensor_parallel = topo.teacher_tp_group is not None
         load_error: Optional[Exception] = None
         try:
-            if inject_load_failure:
-                raise RuntimeError("injected teacher load failure (inject_failure=teacher_load:...)")
             self.teacher = TeacherModel(args, topo.device, tp_group=topo.teacher_tp_group)
             record.vocab, record.max_positions = self.teacher.vocab_size, self.teacher.max_positions
             record.tokenizer_fingerprint = tokenizer_fingerprint(self.teacher.tokenizer.get_vocab())
@@ -196,8 +191,6 @@ class TeacherServer:
             students = list(zip(self.student_ranks, payload))
             headers = self._headers(students)
             switch.observe(headers.values())
-            if headers[students[0][0]].step == self.inject_serve_failure_at:
-                raise RuntimeError("injected teacher failure (inject_failure=teacher_serve:...)")
             self._forward(students, headers)
             self.link.replica_flags(self.preemption.requested, self._peak_bytes())
             self.requests += 1
@@ -252,8 +245,6 @@ class TeacherServer:
             switch.observe(headers.values(), stop=Op.STOP in ops)
             failure = self._check_headers(headers, students)
             error = None if failure is None else failure_words(failure)
-            if step == self.inject_serve_failure_at and ops == {Op.FORWARD}:
-                raise RuntimeError("injected teacher failure (inject_failure=teacher_serve:...)")
             if failure is None and ops == {Op.FORWARD}:
                 forwarded = True
                 if self.link is not None:

@@ -24,12 +24,11 @@ from lingua.distillation.args import DistillationArgs
 from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.parallel.launch_plan import DistributedArgs, TeacherLayout
 from lingua.distillation.teacher.model import load_teacher
-from lingua.distillation.online.client import TeacherClient
 from lingua.distillation.online.distiller import first_error
 from lingua.distillation.online.server import TeacherServer
 from lingua.errors import PeerStopped, TeacherError
 from lingua.logger import init_logger
-from tests.dist.workers import run_worker, say
+from tests.dist.workers import handshaken_client, run_worker, say
 
 
 def run_mode(teacher_dir: str, mode: str, topo) -> None:
@@ -47,7 +46,7 @@ def run_mode(teacher_dir: str, mode: str, topo) -> None:
         server.serve()
         return
     _, tokenizer = load_teacher(args, topo.device)
-    client = TeacherClient(args, topo, tokenizer.get_vocab(), len(tokenizer), max_bsz=2, max_seqlen=8)
+    client = handshaken_client(args, topo, tokenizer.get_vocab(), len(tokenizer), max_bsz=2, max_seqlen=8)
     tokens = torch.randint(0, len(tokenizer), (2, 8), generator=torch.Generator().manual_seed(topo.train_rank))
     if mode == "headers":
         client.submit(tokens, step=1 + topo.train_rank, micro_step=0).wait()

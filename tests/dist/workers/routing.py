@@ -19,11 +19,10 @@ from lingua.distillation.args import WIRE_DTYPES, DistillationArgs
 from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.parallel.launch_plan import DistributedArgs, TeacherLayout
 from lingua.distillation.teacher.model import load_teacher
-from lingua.distillation.online.client import TeacherClient
 from lingua.distillation.online.server import TeacherServer
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
 from lingua.logger import init_logger
-from tests.dist.workers import run_worker, say
+from tests.dist.workers import handshaken_client, run_worker, say
 
 SHAPES = {0: (2, 9), 1: (3, 5)}  # uneven on purpose: rows and lengths differ per student
 K = 5
@@ -102,7 +101,8 @@ def run_case(teacher_dir: str, case: str, topo) -> None:
         return
     reference, tokenizer = load_teacher(replace(args, teacher_dtype="fp32"), topo.device)
     vocab = len(tokenizer)
-    client = TeacherClient(args, topo, tokenizer.get_vocab(), vocab, max_bsz=4, max_seqlen=12, attn_mask=attn_mask)
+    client = handshaken_client(args, topo, tokenizer.get_vocab(), vocab, max_bsz=4, max_seqlen=12,
+                               attn_mask=attn_mask)
     generator = torch.Generator().manual_seed(topo.train_rank)
     bsz, seqlen = SHAPES[topo.train_rank]
     failures = []

@@ -15,13 +15,12 @@ import torch
 
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.online.bridge import RECORD_BYTES, ResponseStatus
-from lingua.distillation.online.client import TeacherClient
 from lingua.distillation.online.server import TeacherServer
 from lingua.distillation.teacher.model import load_teacher
 from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.logger import init_logger
 from lingua.parallel.launch_plan import DistributedArgs, TeacherLayout
-from tests.dist.workers import run_worker, say
+from tests.dist.workers import handshaken_client, run_worker, say
 
 SLOW_S = 3.0  # the second reply held back: far longer than a student takes from its first wait to its check
 TEACHER_KEYS = ("kd/teacher_busy", "kd/teacher_busy_s", "kd/teacher_idle_s", "kd/teacher_peak_gib")
@@ -47,7 +46,7 @@ def teacher_metrics(status: ResponseStatus) -> dict:
 
 def student(args: DistillationArgs, topo) -> None:
     _, tokenizer = load_teacher(args, topo.device)
-    client = TeacherClient(args, topo, tokenizer.get_vocab(), len(tokenizer), max_bsz=2, max_seqlen=8)
+    client = handshaken_client(args, topo, tokenizer.get_vocab(), len(tokenizer), max_bsz=2, max_seqlen=8)
     tokens = torch.randint(0, len(tokenizer), (2, 8), generator=torch.Generator().manual_seed(topo.train_rank))
     first = client.submit(tokens, step=1, micro_step=0)
     second = client.submit(tokens, step=2, micro_step=0)  # posted ahead, as look-ahead does

@@ -21,10 +21,9 @@ from lingua.distillation.args import DistillationArgs
 from lingua.distributed import clean_up, setup_torch_distributed
 from lingua.parallel.launch_plan import DistributedArgs, TeacherLayout
 from lingua.distillation.teacher.model import load_teacher
-from lingua.distillation.online.client import TeacherClient
 from lingua.distillation.online.server import TeacherServer
 from lingua.logger import init_logger
-from tests.dist.workers import run_worker, say
+from tests.dist.workers import handshaken_client, run_worker, say
 
 INIT_TIMEOUT_S, TRAIN_TIMEOUT_S, SLOW_S, PAUSE_S = 60, 4, 3, 5
 FIRST_STEP = 5
@@ -41,7 +40,7 @@ def main(teacher_dir: str) -> None:
             say(f"PHASES OK rank {topo.global_rank}")
             return
         _, tokenizer = load_teacher(args, topo.device)
-        client = TeacherClient(args, topo, tokenizer.get_vocab(), len(tokenizer), max_bsz=2, max_seqlen=8)
+        client = handshaken_client(args, topo, tokenizer.get_vocab(), len(tokenizer), max_bsz=2, max_seqlen=8)
         tokens = torch.randint(0, len(tokenizer), (2, 8), generator=torch.Generator().manual_seed(topo.train_rank))
         # The first step of this launch: two micro-batches with slow work after each (first-step compile, save),
         # and the next step's first request already in flight (look-ahead).

@@ -177,13 +177,3 @@ def test_launch_plan_bridges_mesh_and_description():
         LaunchPlan.for_launch(DistributedArgs(fsdp_type="hybrid"), 4, 4)
 
 
-def test_injected_failure_specs_parse_or_say_what_is_valid():
-    from apps.main.faults import InjectedFailure, parse_injected_failure
-
-    assert parse_injected_failure(None) is None
-    assert parse_injected_failure("1@3") == InjectedFailure("raise", 1, 3)
-    assert parse_injected_failure("nan:0@2") == InjectedFailure("nan", 0, 2)
-    assert parse_injected_failure("teacher_load:1") == InjectedFailure("teacher_load", 1, 0)
-    for bad in ("nan:1", "teacher_load:1@2", "boom:1@2", "x@y"):
-        with pytest.raises(ValueError, match="use raise:<train_rank>@<step>"):
-            parse_injected_failure(bad)

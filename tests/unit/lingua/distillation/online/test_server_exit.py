@@ -21,7 +21,7 @@ def bare_server(events: list) -> TeacherServer:
     """A replica-less teacher's first rank with its collectives replaced by entries in `events`."""
     server = object.__new__(TeacherServer)
     server.topo = SimpleNamespace(device=CPU)
-    server.link, server.replica_flags, server.inject_serve_failure_at = None, None, None
+    server.link, server.replica_flags = None, None
     server.clock, server.preemption = ServingClock(CPU), PreemptionFlag()
     server._receive = lambda: events.append("receive")
     server._students = lambda: [(0, None), (1, None)]
