@@ -58,7 +58,7 @@ from lingua.parallel.watch import RankWatch
 from lingua.probe import ActivationProbe
 from lingua.profiling import ProfilerArgs, maybe_run_profiler
 from lingua.run.dump_dir import RunDir
-from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
+from lingua.timing import PhaseLog, StepTimer, phase_table
 from lingua.tokenizer import build_tokenizer
 
 logger = logging.getLogger("train")
@@ -214,7 +214,7 @@ class FirstStepTracker:
         enter_training_timeout(self.topo, self.args.distributed.train_timeout_s)
         self.collective_timeout_s = self.args.distributed.train_timeout_s
         if self.topo.is_train_master:  # every rank's spans are on disk by now (teacher's too)
-            table = format_phase_table(read_phase_files(self.args.dump_dir, world_size=self.topo.world_size))
+            table = phase_table(self.args.dump_dir, world_size=self.topo.world_size)
             logger.info("startup phases (all ranks)\n" + table)
 
 

@@ -3,7 +3,7 @@
 
 Run: torchrun --nproc-per-node 3 -m tests.dist.workers.sharded_init <out_dir>
 For each S in 1, 2, 3 (the students are ranks 0..S-1 on their own group; the others wait) and each config
-(`CONFIGS`: untied and tied embeddings, bf16 and fp32, activation checkpointing):
+(`CONFIGS`: untied and tied embeddings, bf16 and fp32, activation checkpointing, torch's own draws):
   whole    fe3c385's `build_model`: LMTransformer built and `init_weights()` on every rank from the seed, then
            `parallelize_model` shards it
   sharded  `build_sharded`: built on the meta device, parallelised, `to_empty`, then initialised shard by shard
@@ -23,17 +23,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from apps.main.transformer import LMTransformer, LMTransformerArgs
+from lingua.parallel import sharded_init
 from lingua.parallel.launch_plan import DistributedArgs
 from lingua.parallel.parallelize import build_sharded, parallelize_model
 
 # Odd sizes, so three students shard unevenly (97 vocabulary rows: 33, 33, 31).
 MODEL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seqlen=32, rope_theta=5000.0,
              multiple_of=16, init_std_factor="current_depth", seed=7)
+# name: (model overrides, distributed overrides, whether the shards are drawn by torch's trunc_normal_ on the full
+# tensor: the fallback of lingua/parallel/sharded_init.py where its own draws differ from this torch's)
 CONFIGS = {
-    "untied_bf16": (dict(), dict(model_dtype="bf16")),
-    "tied_bf16": (dict(tie_embeddings=True), dict(model_dtype="bf16")),
-    "untied_fp32_checkpointed": (dict(), dict(model_dtype="fp32", activation_checkpointing="full")),
-    "tied_fp32": (dict(tie_embeddings=True), dict(model_dtype="fp32")),
+    "untied_bf16": (dict(), dict(model_dtype="bf16"), False),
+    "tied_bf16": (dict(tie_embeddings=True), dict(model_dtype="bf16"), False),
+    "untied_fp32_checkpointed": (dict(), dict(model_dtype="fp32", activation_checkpointing="full"), False),
+    "tied_fp32": (dict(tie_embeddings=True), dict(model_dtype="fp32"), False),
+    "untied_bf16_torch_draws": (dict(), dict(model_dtype="bf16"), True),
 }
 
 
@@ -54,13 +58,19 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def compare(config: str, mesh) -> dict:
-    model_overrides, distributed_overrides = CONFIGS[config]
+    model_overrides, distributed_overrides, torch_draws = CONFIGS[config]
     args = LMTransformerArgs(**MODEL, **model_overrides)
     distributed = DistributedArgs(**distributed_overrides)
     reference = whole_init(args)
     whole = parallelize_model(whole_init(args), mesh, distributed)
     torch.manual_seed(args.seed)
-    sharded = build_sharded(lambda: LMTransformer(args), torch.device("cpu"), mesh, distributed)
+    draws_like_torch = sharded_init.draws_like_torch
+    if torch_draws:
+        sharded_init.draws_like_torch = lambda device, dtype: False
+    try:
+        sharded = build_sharded(lambda: LMTransformer(args), torch.device("cpu"), mesh, distributed)
+    finally:
+        sharded_init.draws_like_torch = draws_like_torch
     differ = []
     whole_state, sharded_state, reference_state = whole.state_dict(), sharded.state_dict(), reference.state_dict()
     assert whole_state.keys() == sharded_state.keys() == reference_state.keys()
