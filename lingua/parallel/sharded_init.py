@@ -5,14 +5,13 @@ Every rank draws the same full tensor from the same generator (the stream must a
 model) and keeps its slice. torch's `nn.init.trunc_normal_` (2.13: rejection sampling) holds about three more
 tensors of the weight's size while it draws (a redraw, `torch.where`'s result, the masks): 1.2 GiB for a 0.375 GiB
 embedding, beside the rank's shards. `trunc_normal_shard_` makes the same draws in the same order into one full
-buffer and keeps only this rank's slice and the few rejected places (a little over the weight's size at once); it
-is used where a
-probe shows that it gives torch's own numbers and generator state on this torch, device and dtype, and torch's
-own function on the full tensor otherwise (another torch's algorithm: more memory, never other numbers).
+buffer and keeps only this rank's slice and the few rejected places (a little over the weight's size at once),
+where a probe shows that this gives torch's own numbers and generator state on this torch, device and dtype; else
+torch's own function draws the full tensor (another torch's algorithm: more memory, never other numbers).
+Measured: docs/results/2026-12-07-scale-build.md.
 """
 
-import functools
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable, Optional
 
 import torch
@@ -87,7 +86,7 @@ def _out_of_range(flat: torch.Tensor, low: float, high: float, chunk: int = 2**2
     return torch.cat(found) if found else torch.empty(0, dtype=torch.long, device=flat.device)
 
 
-@functools.lru_cache(maxsize=None)
+@lru_cache(maxsize=None)
 def draws_like_torch(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `_draw_slice` gives `nn.init.trunc_normal_`'s numbers and leaves the generator where it does, on a
     probe of PROBE_SHAPE from its own generator (the model's is not touched)."""
