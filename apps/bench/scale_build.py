@@ -8,10 +8,10 @@ Shapes (`SHAPES`): `wide` is dim 2048, 12 layers and SmolLM2's 49,152 vocabulary
 fp32); `llama_1B` is configs/llama_1B.yaml's with its 128,256 vocabulary (1.79B parameters, 6.7 GiB); `8B` is Llama
 3 8B's, built on the meta device only, for the arithmetic. A real shape runs the trainer's own `build_model`
 (apps/main/train.py) under torchrun on `--students` gloo ranks, so the same command measures whatever build the
-checkout has, then one training step (64 tokens, the fused CE head, clipping, the trainer's AdamW) unless its
-`--build-only`. Each rank reads its peak resident memory (ru_maxrss: the process's peak so far) after the process
-group, after the build and after the step. A shape whose estimate (`estimate_gib`, today's whole-model build
-included) is above MemAvailable is skipped with the reason in the table and results.json; `--force` runs it.
+checkout has, then one training step (64 tokens, the fused CE head, clipping, the trainer's AdamW) unless the
+shape is named in `--build-only`. Each rank reads its peak resident memory (ru_maxrss: the process's peak so far)
+after the process group, after the build and after the step. A shape whose estimate (`estimate_gib`: the sharded
+build's) is above MemAvailable is skipped with the reason in the table and results.json; `--force` runs it.
 Everything goes to <out>/results.json; the table is printed.
 """
 
@@ -35,10 +35,10 @@ SHAPES = {
     "llama_1B": dict(dim=2048, n_layers=25, n_heads=16, rope_theta=100000.0, vocab_size=128256),
     "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
                rope_theta=500000.0, vocab_size=128256),
-    "tiny": dict(dim=64, n_layers=2, n_heads=4, vocab_size=97),  # the unit test's
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, vocab_size=97),  # the command end to end in seconds
 }
 META_ONLY = ("8B",)
-BASE_GIB = 0.7  # a rank's resident memory before the model: python, torch, the process groups (measured: 0.4-0.6)
+BASE_GIB = 0.7  # a rank before the model (python, torch, the process groups: 0.27 measured) and the allocator's slack
 
 
 def model_args(shape: str) -> LMTransformerArgs:
