@@ -1,7 +1,8 @@
 """Startup phase spans and per-step timers.
 
 Startup: `with phases.span("model_build"): ...` appends one JSON line per phase to
-`dump_dir/startup.<rank>.jsonl`; `format_phase_table` (rank 0) prints min / max / slowest rank per phase.
+`dump_dir/startup.<rank>.jsonl`, with the rank's peak memory at the phase's end; `phase_table` (rank 0) prints
+min / max / slowest rank per phase and the highest peak.
 Steps: `StepTimer` accumulates seconds per named part of a step (data, teacher_wait, fwd_bwd, ...), host
 clocks on CPU and CUDA events on GPU, and when this rank reached the step's first collective.
 """
@@ -16,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from lingua.metrics import GIB, host_peak_rss_gib
 from lingua.run.dump_dir import RunDir, read_startup
 
 logger = logging.getLogger(__name__)
@@ -26,8 +28,19 @@ STARTUP_PHASES = (
 )
 
 
+def peak_memory() -> dict[str, float]:
+    """This process's peak memory so far, in GiB: `peak_rss_gib`, resident host memory (ru_maxrss: never reset, so a
+    phase that raises it is the phase that needed it), and where CUDA is in use `gpu_peak_gib`, what torch's
+    allocator held at most on the current device since its peak was last reset."""
+    peaks = {"peak_rss_gib": round(host_peak_rss_gib(), 3)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # never initialises CUDA for a CPU run
+        peaks["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
+    return peaks
+
+
 class PhaseLog:
-    """Writes startup spans for one rank. Timestamps are wall-clock so ranks can be compared."""
+    """Writes startup spans for one rank. Timestamps are wall-clock so ranks can be compared; memory is the
+    rank's peak when the span is recorded (`peak_memory`)."""
 
     def __init__(self, dump_dir: Optional[str], rank: int, role: str):
         self.rank, self.role = rank, role
@@ -39,11 +52,13 @@ class PhaseLog:
 
     def record(self, phase: str, start: float, end: float) -> None:
         self.durations[phase] = end - start
-        logger.info(f"startup phase {phase}: {end - start:.2f}s")
+        peaks = peak_memory()
+        logger.info(f"startup phase {phase}: {end - start:.2f}s, peak resident {peaks['peak_rss_gib']:.2f} GiB"
+                    + (f", GPU {peaks['gpu_peak_gib']:.2f} GiB" if "gpu_peak_gib" in peaks else ""))
         if self.path is not None:
             with open(self.path, "a") as f:
                 f.write(json.dumps(dict(rank=self.rank, role=self.role, phase=phase, start=start,
-                                        end=end, seconds=end - start, pid=os.getpid())) + "\n")
+                                        end=end, seconds=end - start, pid=os.getpid(), **peaks)) + "\n")
 
     @contextlib.contextmanager
     def span(self, phase: str):
@@ -54,21 +69,40 @@ class PhaseLog:
             self.record(phase, start, time.time())
 
 
-def read_phase_files(dump_dir: str, world_size: Optional[int] = None) -> dict[str, dict[int, float]]:
-    """phase -> {rank: seconds} from the `startup.<rank>.jsonl` files in `dump_dir` (see `read_startup`)."""
+def read_phase_files(dump_dir: str, world_size: Optional[int] = None,
+                     field: str = "seconds") -> dict[str, dict[int, float]]:
+    """phase -> {rank: seconds} (or another `field` of the records: `peak_rss_gib`, `gpu_peak_gib`; a record
+    without it is left out) from the `startup.<rank>.jsonl` files in `dump_dir` (see `read_startup`)."""
     table: dict[str, dict[int, float]] = defaultdict(dict)
     for row in read_startup(dump_dir, world_size):
-        table[row["phase"]][row["rank"]] = row["seconds"]
+        if field in row:
+            table[row["phase"]][row["rank"]] = row[field]
     return dict(table)
 
 
-def format_phase_table(table: dict[str, dict[int, float]]) -> str:
-    """Min / max / slowest rank per phase, in the order phases first appear."""
-    lines = [f"{'phase':<26} {'ranks':>5} {'min s':>8} {'max s':>8} {'slowest':>8}"]
+def phase_table(dump_dir: str, world_size: Optional[int] = None) -> str:
+    """`format_phase_table` of the ranks' files in `dump_dir`: seconds, host peak and (on CUDA) GPU peak."""
+    return format_phase_table(read_phase_files(dump_dir, world_size),
+                              read_phase_files(dump_dir, world_size, "peak_rss_gib"),
+                              read_phase_files(dump_dir, world_size, "gpu_peak_gib"))
+
+
+def format_phase_table(table: dict[str, dict[int, float]], peaks: Optional[dict] = None,
+                       gpu_peaks: Optional[dict] = None) -> str:
+    """Min / max / slowest rank per phase, in the order phases first appear; with `peaks` (phase -> {rank: GiB}) the
+    highest peak resident memory at the phase's end and its rank, and with `gpu_peaks` the highest GPU peak."""
+    columns = [(name, values) for name, values in (("peak GiB", peaks), ("GPU GiB", gpu_peaks)) if values]
+    lines = [f"{'phase':<26} {'ranks':>5} {'min s':>8} {'max s':>8} {'slowest':>8}"
+             + "".join(f" {name:>9} {'at':>4}" for name, _ in columns)]
     for phase, per_rank in table.items():
         slowest = max(per_rank, key=per_rank.get)
-        lines.append(f"{phase:<26} {len(per_rank):>5} {min(per_rank.values()):>8.2f} "
-                     f"{per_rank[slowest]:>8.2f} {'r' + str(slowest):>8}")
+        line = (f"{phase:<26} {len(per_rank):>5} {min(per_rank.values()):>8.2f} "
+                f"{per_rank[slowest]:>8.2f} {'r' + str(slowest):>8}")
+        for _, values in columns:
+            gib = values.get(phase, {})
+            highest = max(gib, key=gib.get) if gib else None
+            line += f" {gib[highest]:>9.2f} {'r' + str(highest):>4}" if gib else f" {'-':>9} {'-':>4}"
+        lines.append(line)
     return "\n".join(lines)
 
 

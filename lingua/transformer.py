@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lingua.args import require
+from lingua.parallel.sharded_init import trunc_normal_shard_
 
 logger = logging.getLogger(__name__)
 
@@ -97,15 +98,13 @@ def ffn_hidden_dim(dim: int, ffn_dim_multiplier: float, multiple_of: int) -> int
 def init_trunc_normal(weight: torch.Tensor, std: float, generator: Optional[torch.Generator]) -> None:
     """Normal(0, std) cut at 3 std, so no init outlier dominates early activations.
 
-    A sharded (DTensor) weight gets its slice of the same full draw, so weights don't depend on the sharding.
+    A sharded (DTensor) weight gets its slice of the same full draw, so weights don't depend on the sharding
+    (lingua/parallel/sharded_init.py: one full tensor at a time, drawn with as little memory as torch allows).
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor  # here, not at import: see lingua/checkpoint.py
+    from torch.distributed.tensor import DTensor  # here, not at import: see lingua/checkpoint.py
 
     if isinstance(weight, DTensor):
-        full = torch.empty(weight.shape, dtype=weight.dtype, device=weight.to_local().device)
-        nn.init.trunc_normal_(full, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
-        # src_data_rank=None: every rank drew the same full tensor, so each keeps its shard without communicating.
-        weight.copy_(distribute_tensor(full, weight.device_mesh, weight.placements, src_data_rank=None))
+        trunc_normal_shard_(weight, std, generator)
         return
     nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
 

@@ -16,4 +16,5 @@
     alignment_cost.py    cross-tokenizer alignment on real tokenizers: aligned share and the teacher's cost
     tp_load.py           loading a tensor-parallel teacher: own shards from safetensors against load-and-slice
     host_overhead.py     the host's work per step of a tiny student: our trainer against minimal loops (FSDP2 or not)
+    scale_build.py       building a wide student (0.8B, llama_1B; 8B on meta): per-rank peak memory against 4N/S
 """

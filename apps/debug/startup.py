@@ -63,7 +63,7 @@ from lingua.logger import init_logger
 from lingua.optim import build_optimizer
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, read_launch_env
 from lingua.parallel.preemption import PreemptionFlag
-from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
+from lingua.timing import PhaseLog, StepTimer, phase_table
 
 logger = logging.getLogger("startup")
 
@@ -177,9 +177,8 @@ def print_report(phases: PhaseLog, rank: int, world_size: int, out_dir: Path, ph
     logger.info(f"phase {phase} timings: " + ", ".join(f"{name} {s:.2f}s" for name, s in phases.durations.items()))
     if rank != 0:
         return
-    table = read_phase_files(str(out_dir), world_size=world_size)
     logger.info(f"startup phase {phase} ({PHASES[phase]}), all ranks; per-rank spans in "
-                f"{out_dir}/startup.<rank>.jsonl\n" + format_phase_table(table))
+                f"{out_dir}/startup.<rank>.jsonl\n" + phase_table(str(out_dir), world_size=world_size))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

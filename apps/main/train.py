@@ -42,7 +42,7 @@ from lingua.distributed import Topology
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs, build_optimizer, clip_grad_norm_
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, read_launch_env
-from lingua.parallel.parallelize import parallelize_model
+from lingua.parallel.parallelize import build_sharded
 from lingua.parallel.preemption import PreemptionFlag, requeue_if_slurm
 from lingua.parallel.run_clock import RunClock
 from lingua.probe import ActivationProbe
@@ -141,12 +141,11 @@ class TrainState:
 
 
 def build_model(args: TrainArgs, topo: Topology) -> torch.nn.Module:
-    """Same seed on every rank -> same full weights, then FSDP shards them: init is topology-free."""
+    """Built sharded (meta device, FSDP, then each rank's shard initialised): the same weights for the same seed
+    as a whole model initialised on every rank, whatever the number of students."""
     torch.manual_seed(args.model.seed)
-    with torch.device(topo.device):
-        model = LMTransformer(args.model)
-        model.init_weights()
-    return parallelize_model(model, topo.mesh, args.distributed, get_no_recompute_ops())
+    return build_sharded(lambda: LMTransformer(args.model), topo.device, topo.mesh, args.distributed,
+                         get_no_recompute_ops())
 
 
 def init_tokenizer(args: TrainArgs):

@@ -16,7 +16,10 @@ FSDP, preemption, and what a rank says when a peer dies or stops answering.
                      rank log, SIGUSR1), which runs while the main thread waits in a collective
     flight_recorder.py  torch's flight recorder read in-process and dumped to <dump_dir>/comm_traces/rank_<r>
                      for PyTorch's analyzer (gloo too); each group's last collective
-    parallelize.py   FSDP2, torch.compile and activation checkpointing of the student (one student: no sharding)
+    parallelize.py   building the student sharded (meta device, FSDP2, to_empty, init shard by shard); FSDP2,
+                     torch.compile and activation checkpointing (one student: no sharding)
+    sharded_init.py  a sharded weight's slice of the seeded draw its whole tensor would get (bit-identical init
+                     whatever the number of students), one full tensor at a time
     host_copies.py   host -> device copies that never block the host: pins, to_device, pin_tree (a batch's
                      tensors, TeacherOutputs and lists pinned); the hot paths' only way to the GPU
     preemption.py    PreemptionFlag (signals only set a flag; the loop agrees on it), SLURM requeue

@@ -1,13 +1,33 @@
-"""Applying activation checkpointing, torch.compile and FSDP2 to a model built on every student."""
+"""Building the student sharded: on the meta device, then activation checkpointing, torch.compile and FSDP2, then
+each rank's own storage and the initial weights."""
 
 import logging
 from functools import partial
+from typing import Callable
 
 import torch
 
 from lingua.parallel.launch_plan import DistributedArgs
 
 logger = logging.getLogger(__name__)
+
+
+def build_sharded(make_model: Callable[[], torch.nn.Module], device: torch.device, mesh, args: DistributedArgs,
+                  no_recompute_ops=None) -> torch.nn.Module:
+    """`make_model()` on the meta device, parallelised over `mesh` (`parallelize_model`), given storage on `device`
+    (`to_empty`: each rank its shard), then `init_weights()`: a rank holds its shard and, while one is drawn, one
+    full parameter (`init_trunc_normal`), never the whole model (Meta Lingua's and torchtitan's order).
+
+    The weights are those of `make_model()` built whole and initialised on every rank, then sharded: the same
+    seeded draws in the same order, each rank keeping its slice, whatever the number of students
+    (tests/dist/test_sharded_init.py compares them bit for bit). `init_weights` must rebuild the buffers too:
+    `to_empty` leaves every tensor uninitialised."""
+    with torch.device("meta"):
+        model = make_model()
+    model = parallelize_model(model, mesh, args, no_recompute_ops)
+    model.to_empty(device=device)
+    model.init_weights()
+    return model
 
 
 def parallelize_model(model: torch.nn.Module, mesh, args: DistributedArgs, no_recompute_ops=None):

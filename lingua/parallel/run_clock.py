@@ -20,7 +20,7 @@ import time
 
 from lingua.parallel.collectives import agree_count
 from lingua.parallel.timeouts import HangWatch, enter_training_timeout
-from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
+from lingua.timing import PhaseLog, StepTimer, phase_table
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class RunClock:
         enter_training_timeout(self.topo, self.train_timeout_s)
         self.first_step = None
         if self.topo.is_train_master:  # every rank's spans are on disk by now (teacher's too)
-            table = format_phase_table(read_phase_files(self.dump_dir, world_size=self.topo.world_size))
+            table = phase_table(self.dump_dir, world_size=self.topo.world_size)
             logger.info("startup phases (all ranks)\n" + table)
 
     def start(self, micro_batches_per_step: int) -> None:

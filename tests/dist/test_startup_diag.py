@@ -23,7 +23,8 @@ SPANS = {
                 ("teacher_load", 3), ("teacher_handshake", 3)],
 }
 ONLY_IN_PHASE_1 = {"init_process_group"}  # the bare init; later phases use setup_torch_distributed
-TABLE_ROW = re.compile(r"^(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+r(\d+)$")
+# span, ranks, min s, max s, slowest rank, the highest peak resident GiB at the span's end and its rank
+TABLE_ROW = re.compile(r"^(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+r(\d+)\s+([\d.]+)\s+r(\d+)$")
 
 
 def expected_spans(phase: int, role: str) -> list[str]:
@@ -31,8 +32,8 @@ def expected_spans(phase: int, role: str) -> list[str]:
             if first <= phase and (phase == 1 or name not in ONLY_IN_PHASE_1)]
 
 
-def summary_table(stdout: str) -> dict[str, tuple[int, float, float, int]]:
-    """span -> (ranks, min s, max s, slowest rank) from rank 0's table."""
+def summary_table(stdout: str) -> dict[str, tuple[int, float, float, int, float]]:
+    """span -> (ranks, min s, max s, slowest rank, highest peak GiB) from rank 0's table."""
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if "[r0 " in line and "all ranks" in line)
     rows = {}
@@ -40,8 +41,8 @@ def summary_table(stdout: str) -> dict[str, tuple[int, float, float, int]]:
         match = TABLE_ROW.match(line.strip())
         if match is None:
             break
-        name, ranks, low, high, slowest = match.groups()
-        rows[name] = (int(ranks), float(low), float(high), int(slowest))
+        name, ranks, low, high, slowest, peak, _ = match.groups()
+        rows[name] = (int(ranks), float(low), float(high), int(slowest), float(peak))
     return rows
 
 
@@ -59,11 +60,14 @@ def test_startup_phase_records_every_span_on_every_rank(corpus, tiny_teacher, tm
         rows = [json.loads(line) for line in (out_dir / f"startup.{rank}.jsonl").read_text().splitlines()]
         assert [r["phase"] for r in rows] == expected_spans(phase, role), rank
         assert all(r["rank"] == rank and r["role"] == role and r["end"] >= r["start"] for r in rows)
+        peaks = [r["peak_rss_gib"] for r in rows]  # the rank's peak so far at each span's end
+        assert peaks[0] > 0 and peaks == sorted(peaks) and all("gpu_peak_gib" not in r for r in rows), (rank, peaks)
 
     table = summary_table(result.stdout)
     all_spans = set(expected_spans(phase, "student")) | set(expected_spans(phase, "teacher"))
     assert set(table) == all_spans, result.stdout[-4000:]
-    for name, (ranks, low, high, slowest) in table.items():
+    for name, (ranks, low, high, slowest, peak) in table.items():
+        assert 0.05 < peak < 8, (name, peak)  # a python with torch imported, at most a tiny model more
         on_students, on_teacher = name in expected_spans(phase, "student"), name in expected_spans(phase, "teacher")
         assert ranks == 2 * on_students + on_teacher, name
         assert 0.0 <= low <= high

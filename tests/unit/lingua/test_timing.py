@@ -1,10 +1,14 @@
-"""StepTimer (each part's own seconds, the arrival at the step's first collective) and the straggler columns."""
+"""StepTimer (each part's own seconds, the arrival at the step's first collective), the straggler columns, and the
+startup table's peak memory per phase."""
+
+import json
 
 import pytest
+import torch
 
 from apps.main.report import STEP_PARTS, straggler_metrics
 from lingua import timing
-from lingua.timing import StepTimer
+from lingua.timing import PhaseLog, StepTimer, phase_table, read_phase_files
 
 
 class FakeClock:
@@ -79,3 +83,29 @@ def test_without_a_late_rank_the_step_columns_are_the_step_times():
     row = straggler_metrics(rows, ranks=[3, 5])  # global ranks of the students
     assert row["stragglers/step_max_s"] == pytest.approx(0.47) and row["stragglers/step_slowest_rank"] == 5
     assert row["stragglers/step_min_s"] == pytest.approx(0.42)
+
+
+def test_each_startup_phase_records_the_ranks_peak_memory_and_the_table_shows_the_highest(tmp_path):
+    """A phase that allocates raises its record's peak resident memory (ru_maxrss); the table gives, per phase, the
+    highest peak over the ranks and its rank; no GPU column where no rank used CUDA."""
+    phases = PhaseLog(str(tmp_path), 0, "student")
+    with phases.span("tokenizer_init"):
+        pass
+    with phases.span("model_build"):
+        held = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched: resident
+        held.add_(1)
+    rows = [json.loads(line) for line in (tmp_path / "startup.0.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in rows] == ["tokenizer_init", "model_build"]
+    assert all("gpu_peak_gib" not in r for r in rows) or torch.cuda.is_initialized()
+    before, after = rows[0]["peak_rss_gib"], rows[1]["peak_rss_gib"]
+    assert 0 < before <= after  # the peak so far never goes down
+    # Another rank's file, written as a rank on a larger host would: its peak is the table's.
+    other = {**rows[1], "rank": 1, "peak_rss_gib": after + 5.0, "seconds": 0.0}
+    (tmp_path / "startup.1.jsonl").write_text(json.dumps(other) + "\n")
+    assert read_phase_files(str(tmp_path), field="peak_rss_gib") == {"tokenizer_init": {0: before},
+                                                                       "model_build": {0: after, 1: after + 5.0}}
+    header, first, build = phase_table(str(tmp_path)).splitlines()
+    assert header.split()[-3:] == ["peak", "GiB", "at"] and "GPU" not in header
+    assert build.split()[0] == "model_build" and build.split()[-2:] == [f"{after + 5.0:.2f}", "r1"]
+    assert first.split()[-2:] == [f"{before:.2f}", "r0"]
+    del held

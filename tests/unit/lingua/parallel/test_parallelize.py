@@ -31,3 +31,20 @@ def test_deferred_reduce_accumulates_the_unsharded_gradient_in_fp32(train_group)
     assert all(g is not None and g.dtype == torch.float32 for g in held)  # 4 bytes per parameter, not 2
     n_params = sum(p.unsharded_param.numel() for p in params)
     assert sum(g.numel() * g.element_size() for g in held) == 4 * n_params
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_process", "one_student"])
+def test_built_sharded_the_weights_are_the_whole_builds_bit_for_bit(train_group, sharded):
+    """One process (no mesh) and one student (plain in fp32, one FSDP unit in bf16): `build_sharded` gives the
+    whole model's init, RoPE tables and tie included (2 and 3 students: tests/dist/test_sharded_init.py)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from tests.dist.workers.sharded_init import CONFIGS, compare
+
+    mesh = DeviceMesh.from_group(train_group, "cpu") if sharded else None
+    for config in CONFIGS:
+        result = compare(config, mesh)
+        assert result["compared"] == 23 and result["differ"] == [], (config, result)
+        assert result["tied"] == config.startswith("tied")
+        assert result["local_elements"] == result["elements"]
