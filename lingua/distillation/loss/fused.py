@@ -14,6 +14,7 @@ DTensor or a vocab-sharded head), with `tok_embeddings.weight` when tied; not in
 region. bf16 hidden/weight: bf16 GEMMs, fp32 loss math and grad_W accumulation, grads returned in bf16.
 """
 
+import contextlib
 import functools
 import math
 from typing import Optional, Union
@@ -190,7 +191,7 @@ def _pad_rows(t, extra_rows):
     return torch.cat([t, t.new_zeros((extra_rows,) + tuple(t.shape[1:]))])
 
 
-def _flat_teacher(teacher: TeacherOutputs, N: int) -> TeacherOutputs:
+def flat_teacher(teacher: TeacherOutputs, N: int) -> TeacherOutputs:
     """The teacher's tensors as [N, ...] rows (kd_weight apart)."""
     return TeacherOutputs(teacher.format, teacher.values.reshape(N, teacher.values.shape[-1]),
                           None if teacher.ids is None else teacher.ids.reshape(N, teacher.ids.shape[-1]),
@@ -311,13 +312,53 @@ def fused_linear_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
             _check_args(hidden, weight, labels, other, normalizer, alpha, temperature, divergence, jsd_beta,
                         chunk_size, other_weight, weight_grad, uld_weight, uld_k, compiled)
     teachers = [] if teacher is None else [(teacher, kd_weight), *more_teachers]
-    teachers = [(_flat_teacher(t, N), None if w is None else w.reshape(N)) for t, w in teachers]
+    teachers = [(flat_teacher(t, N), None if w is None else w.reshape(N)) for t, w in teachers]
     args = (labels.reshape(N), teachers, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
             vocab_block, compiled, (uld_weight, uld_k) if uld_weight > 0 else None)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _FusedLinearKDLoss.apply(flat_hidden, weight, *args)
     loss, stats, _, _ = _fused_pass(flat_hidden, weight, *args, False, False)
     return loss, stats
+
+
+def fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, teachers: list,
+                    normalizer: int, alpha: float, args) -> tuple[torch.Tensor, dict]:
+    """`research.research_head_loss`'s loss and statistics by name (its arguments too), computed fused: one call
+    with the teachers sharing the head GEMMs, or with vocab_blocks, loss_compile or ULD one call per teacher, the
+    first carrying CE and the others alpha = 1 with kd_weight = alpha * weight (exactly alpha * T^2 * weight * KD)."""
+    compiled = args.compiles_loss(bool(teachers), hidden.device)
+    if not teachers:
+        loss, sums = fused_linear_kd_loss(hidden, weight, labels, None, normalizer, 0.0, 1.0,
+                                          chunk_size=args.loss_chunk_size, weight_grad=args.loss_weight_grad,
+                                          compiled=compiled)
+        return loss, {"ce": sums[0] / normalizer}  # fp32 / n: what a CE-only run has always logged
+    outputs, weights, with_uld = (list(column) for column in zip(*teachers))
+    per_teacher, loss = [], None
+    if args.loss_weight_grad == "accumulate" and not any(with_uld) and not compiled:
+        loss, sums = fused_linear_kd_loss(hidden, weight, labels, outputs[0], normalizer, alpha, args.temperature,
+                                          args.divergence, args.jsd_beta, args.loss_chunk_size, kd_weight=weights[0],
+                                          more_teachers=tuple(zip(outputs[1:], weights[1:])))
+        sums = sums.double() / normalizer
+        ce, per_teacher = sums[0], list(sums[1:].view(-1, 3))
+    else:
+        for i, (teacher, w, uld) in enumerate(teachers):
+            # At alpha = 0 the further teachers add nothing: a pass without gradients still measures their KD.
+            measure_only = i > 0 and alpha == 0.0
+            with torch.no_grad() if measure_only else contextlib.nullcontext():
+                part, sums = fused_linear_kd_loss(hidden, weight, labels, teacher, normalizer,
+                                                  alpha if i == 0 else 1.0, args.temperature, args.divergence,
+                                                  args.jsd_beta, args.loss_chunk_size,
+                                                  kd_weight=w if i == 0 or measure_only else w * alpha,
+                                                  weight_grad=args.loss_weight_grad, compiled=compiled,
+                                                  uld_weight=args.uld_weight if uld else 0.0, uld_k=args.uld_k)
+            sums = sums.double() / normalizer
+            if i == 0:
+                ce = sums[0]
+            per_teacher.append(sums[1:] if i == 0 or measure_only else sums[1:] / alpha)
+            if not measure_only:
+                loss = part if loss is None else loss + part
+    columns = torch.stack(per_teacher).unbind(-1)
+    return loss, {"ce": ce, **dict(zip(("kd", "teacher_mass", "top1_agreement"), columns))}
 
 
 def fused_ce_head(labels: torch.Tensor, normalizer: Union[int, float, torch.Tensor] = 1):

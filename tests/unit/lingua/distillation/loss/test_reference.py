@@ -8,7 +8,7 @@ import torch
 from lingua.distillation.args import alpha_at
 from lingua.distillation.loss.divergences import distillation_loss
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
-from lingua.distillation.loss.reference import kd_loss
+from tests.unit.lingua.distillation.loss.logits_kd import kd_loss
 
 V = 11
 DIVERGENCES = ["fkl", "rkl", "jsd"]
