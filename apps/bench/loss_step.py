@@ -149,7 +149,8 @@ def step_function(variant: str, args: BenchArgs, hidden, weight, labels, teacher
                                                    kd_weight=half * args.alpha, weight_grad=args.weight_grad)[0]
         elif variant == "reference_kd":
             settings = SimpleNamespace(temperature=args.temperature, divergence=args.divergence, jsd_beta=0.5,
-                                       loss_chunk_size=args.reference_chunk_size, uld_weight=0.0, uld_k=1)
+                                       loss_chunk_size=args.reference_chunk_size, uld_weight=0.0, uld_k=1,
+                                       z_loss=0.0)
             loss, _ = research_head_loss(hidden, weight, labels, [(teacher, None, False)], n_valid, args.alpha,
                                          settings)
         elif variant == "ce":

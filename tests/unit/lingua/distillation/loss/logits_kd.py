@@ -49,7 +49,7 @@ def kd_loss_and_stats(student_logits: torch.Tensor, teacher: TeacherOutputs, mas
     if teacher.format == "full" and teacher.values.shape[-1] != V:
         raise ValueError(f"Teacher vocabulary {teacher.values.shape[-1]} differs from the student's {V}; both must use the same tokenizer.")
     settings = SimpleNamespace(temperature=temperature, divergence=divergence, jsd_beta=jsd_beta,
-                               loss_chunk_size=chunk_size, uld_weight=uld_weight, uld_k=uld_k)
+                               loss_chunk_size=chunk_size, uld_weight=uld_weight, uld_k=uld_k, z_loss=0.0)
     # KD alone (alpha = 1, no T^2), its mean over the masked positions: labels only mark them.
     labels = torch.where(mask.bool(), 0, -100)
     identity = torch.eye(V, dtype=student_logits.dtype, device=student_logits.device)
