@@ -38,8 +38,12 @@ def chunk_loss(z: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, teach
                alpha: float, args) -> tuple[torch.Tensor, dict]:
     """(this chunk's loss summed over its rows, its statistics summed by name) from its logits z [rows, V] in the
     work dtype; labels [rows] (0 where not valid), valid [rows]."""
-    ce = torch.where(valid, torch.logsumexp(z, -1) - z.gather(-1, labels.unsqueeze(-1)).squeeze(-1), 0.0)
+    lse = torch.logsumexp(z, -1)
+    ce = torch.where(valid, lse - z.gather(-1, labels.unsqueeze(-1)).squeeze(-1), 0.0)
     loss, stats = (1.0 - alpha) * ce.sum(), {"ce": ce.detach().sum()}
+    if args.z_loss > 0:  # PaLM's z-loss: keeps the softmax's normaliser near 1, whatever the teachers
+        z_term = torch.where(valid, args.z_loss * lse**2, 0.0).sum()
+        loss, stats["z"] = loss + z_term, z_term.detach()
     a = z / args.temperature  # the KD's temperature on the student's side
     log_q_all = a.log_softmax(-1)
     per_teacher = []
@@ -160,7 +164,8 @@ def research_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
     teachers: (TeacherOutputs, KD weight per position shaped like labels or None, takes ULD) each, none for CE
     alone; normalizer: the step's valid-token count; args: the loss settings (`DistillationArgs`: temperature,
     divergence, jsd_beta, loss_chunk_size, uld_weight, uld_k). Returns (the loss, with autograd to hidden and
-    weight; its statistics by name, float64, divided by the normalizer): "ce", and with teachers "kd",
+    weight; its statistics by name, float64, divided by the normalizer): "ce", "z" (the z-loss term, when
+    args.z_loss > 0), and with teachers "kd",
     "teacher_mass", "top1_agreement", one value per teacher each, weighted by that teacher's KD weight."""
     N = hidden.numel() // hidden.shape[-1]
     flat = [(flat_teacher(outputs, N), None if w is None else w.reshape(N), with_uld)
