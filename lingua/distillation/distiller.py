@@ -145,8 +145,9 @@ class Distiller:
         teacher's: the z-loss's "z"), and loss/total (CE, or (1 - alpha) * CE + alpha * T^2 * KD, plus the terms)."""
         terms = {f"loss/{name}": value for name, value in self.stats.items()
                  if name != "ce" and name not in TEACHER_METRICS}
-        total = self.stats["ce"] if kd is None else distillation_loss(self.stats["ce"], kd, alpha, self.args.temperature)
-        return {"loss/ce": self.stats["ce"], **terms, "loss/total": sum(terms.values(), total)}
+        ce = self.stats["ce"]
+        total = ce if kd is None else distillation_loss(ce, kd, alpha, self.args.temperature)
+        return {"loss/ce": ce, **terms, "loss/total": sum(terms.values(), total)}
 
 
 class NoDistiller(Distiller):

@@ -111,3 +111,23 @@ def test_inductor_cpp_chunks_equal_eager_for_every_format_and_divergence(fresh_d
     _check_configs([(None, "fkl", 1.0), ("topk", "fkl", 1.0)], dtype=torch.bfloat16, compiled_rtol=2e-2)
     _check_configs([("topk", "rkl", 2.0)], dtype=torch.float64, compiled_rtol=1e-12)
     assert counters["stats"]["unique_graphs"] == len(configs) + 3, dict(counters["stats"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("format", [None, "topk"])
+def test_the_z_loss_compiled_equals_eager(fresh_dynamo, format):
+    """The z-loss through the compiled chunk (CE alone: its own kernel, the GPU's default; and with a teacher)
+    gives the eager chunk's loss, grads and statistics."""
+    fresh_dynamo("aot_eager")
+    hidden, weight, labels, teacher, _, kd_weight = _kd_problem(format, 1.0, seed=210)
+    results = []
+    for compiled in (False, True):
+        results.append(_value_and_grads(
+            lambda h, w: fused_linear_kd_loss(h, w, labels, teacher, 7, 0.5, 1.0, chunk_size=3, kd_weight=kd_weight,
+                                              compiled=compiled, z_loss=0.05), hidden, weight, torch.float64))
+    (eager_loss, eager_grads, eager_stats), (loss, grads, stats) = results
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-12, atol=0)
+    for got, want in zip(grads, eager_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(stats, eager_stats, rtol=1e-6, atol=0)
+    assert stats[-1] > 0  # the z-loss's sum, last

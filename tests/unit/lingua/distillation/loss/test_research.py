@@ -146,3 +146,41 @@ def test_one_backward_pass_only():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="single backward pass"):
         loss.backward()
+
+
+Z_CASES = [(None, "accumulate", 1.0, 0.0), (None, "vocab_blocks", 1.0, 0.0), ("topk", "accumulate", 1.0, 0.4),
+           ("topk", "vocab_blocks", 2.0, 0.4), ("topk", "accumulate", 1.0, 1.0), ("sampled", "accumulate", 1.0, 0.4),
+           ("sampled", "vocab_blocks", 2.0, 0.4), ("full", "accumulate", 2.0, 0.4)]
+
+
+@pytest.mark.parametrize("format,weight_grad,temperature,alpha", Z_CASES)
+def test_the_z_loss_matches_the_research_path(format, weight_grad, temperature, alpha):
+    """The fused z-loss (its gradient 2 w lse softmax(z), closed-form in the chunk) against autograd's: CE alone,
+    top-k, sampled and full KD, both head-gradient modes, T = 1 and 2, and alpha = 1 (no CE, the z-loss still on)."""
+    hidden, head, labels, g = problem(6)
+    hidden = hidden * 3  # logits of a few units: lse far from 0, so the z-loss's gradient is not small
+    args = DistillationArgs(temperature=temperature, loss_chunk_size=4, loss_weight_grad=weight_grad, z_loss=0.05)
+    teachers = [] if format is None else [(teacher(format, hidden, head, g, temperature), None, False)]
+    fused, research = both_paths(hidden, head, labels, teachers, alpha, args)
+    assert_same(fused, research)
+    valid = labels != -100
+    lse = (hidden @ head.T).logsumexp(-1)[valid]
+    expected_z = 0.05 * (lse**2).sum() / valid.sum()
+    for _, _, stats in (fused, research):
+        assert list(stats)[:2] == ["ce", "z"]
+        torch.testing.assert_close(stats["z"].double(), expected_z, rtol=1e-6, atol=0)
+    # the term is in the loss: off, the loss drops by exactly the statistic
+    off = research_head_loss(hidden, head, labels, teachers, int(valid.sum()), alpha,
+                             DistillationArgs(temperature=temperature, loss_chunk_size=4))[0]
+    torch.testing.assert_close(research[0] - off, research[2]["z"], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("weight_grad", ["accumulate", "vocab_blocks"])
+def test_the_z_loss_with_several_teachers_counts_once(weight_grad):
+    """With several teachers the z-loss rides on the call that carries CE only (one term, not one per teacher)."""
+    hidden, head, labels, g = problem(7)
+    args = DistillationArgs(temperature=1.5, loss_chunk_size=3, loss_weight_grad=weight_grad, z_loss=0.05)
+    teachers = [(teacher(kind, hidden, head, g, 1.5), torch.rand(B, S, generator=g, dtype=torch.float64), False)
+                for kind in ("topk", "sampled")]
+    fused, research = both_paths(hidden, head, labels, teachers, 0.3, args)
+    assert_same(fused, research)
