@@ -106,6 +106,8 @@ BAD_CONFIGS = [
     BadConfig("temperature", {"distillation.temperature": 0}, "distillation.temperature"),
     BadConfig("loss_chunk", {"distillation.loss_chunk_size": -1}, "distillation.loss_chunk_size",
               "distillation.loss_chunk_size=-1; use 0 (auto) or a positive number of positions per chunk."),
+    BadConfig("z_loss", {"distillation.z_loss": -1e-4}, "distillation.z_loss",
+              "distillation.z_loss=-0.0001; use a finite weight >= 0 (0 = off; 1e-4 is PaLM's value)."),
     BadConfig("jsd_beta_zero", {"distillation.jsd_beta": 0, "distillation.divergence": "jsd"}, "distillation.jsd_beta"),
     BadConfig("distill_prefetch", {"distillation.prefetch": 3}, "distillation.prefetch",
               "distillation.prefetch=3; use auto, 0 (no look-ahead), 1 or 2."),

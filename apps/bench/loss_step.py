@@ -10,8 +10,8 @@ Each variant runs forward + backward from the final hidden states [tokens, dim] 
                   (enable_distillation=false, alpha 0), the baseline every ratio is taken against
     logits_ce     logits = hidden @ weight.T, `cross_entropy_sum` / n_valid, backward (CE on the full
                   [tokens, vocab] logits: distillation.fused_loss=false, and the CE step before it was fused)
-    reference_kd  the same logits, CE + `kd_loss(loss_chunk_size=1024)` mixed by `distillation_loss` as
-                  `OnlineDistiller.loss` does, backward
+    reference_kd  the research path (`research_head_loss`, distillation.fused_loss=false): CE + KD in autograd
+                  over chunks of --reference-chunk-size rows of the logits, backward
     fused_kd      `fused_linear_kd_loss` on the hidden states and the head weight, backward
     fused_kd_2_teachers  the same with two teachers mixed half and half (`more_teachers`, distillation.teachers:
                   one set of head GEMMs, the second teacher's chunk math on a copy of the logits; with
@@ -46,6 +46,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
@@ -60,10 +61,10 @@ from apps.bench.loss_inputs import (
     reset_peak_rss,
 )
 from lingua.cli.entry import run_cli
-from lingua.distillation.loss.divergences import DIVERGENCES, distillation_loss
+from lingua.distillation.loss.divergences import DIVERGENCES
 from lingua.distillation.loss.fused import WEIGHT_GRADS, auto_chunk_rows, fused_linear_kd_loss
 from lingua.distillation.outputs import FORMATS
-from lingua.distillation.loss.reference import kd_loss
+from lingua.distillation.loss.research import research_head_loss
 from lingua.errors import ConfigError, RunFailed
 from lingua.transformer import cross_entropy_sum
 
@@ -129,8 +130,6 @@ def step_function(variant: str, args: BenchArgs, hidden, weight, labels, teacher
     """A closure running one forward + backward of `variant` (grads of hidden and weight reset first)."""
     n_valid = max(int((labels != -100).sum()), 1)
     batch_labels = labels.unsqueeze(0)
-    mask = batch_labels != -100
-    share = int(mask.sum()) / n_valid
 
     def step():
         hidden.grad = weight.grad = None
@@ -148,16 +147,18 @@ def step_function(variant: str, args: BenchArgs, hidden, weight, labels, teacher
                 loss = loss + fused_linear_kd_loss(hidden, weight, labels, teacher, n_valid, 1.0, args.temperature,
                                                    args.divergence, chunk_size=args.chunk_size,
                                                    kd_weight=half * args.alpha, weight_grad=args.weight_grad)[0]
+        elif variant == "reference_kd":
+            settings = SimpleNamespace(temperature=args.temperature, divergence=args.divergence, jsd_beta=0.5,
+                                       loss_chunk_size=args.reference_chunk_size, uld_weight=0.0, uld_k=1,
+                                       z_loss=0.0)
+            loss, _ = research_head_loss(hidden, weight, labels, [(teacher, None, False)], n_valid, args.alpha,
+                                         settings)
         elif variant == "ce":
             loss, _ = fused_linear_kd_loss(hidden, weight, labels, None, n_valid, 0.0, 1.0, chunk_size=args.chunk_size,
                                            weight_grad=args.weight_grad)
         else:
             logits = (hidden @ weight.T).unsqueeze(0)
             loss = cross_entropy_sum(logits, batch_labels) / n_valid
-            if variant == "reference_kd":
-                kd, _ = kd_loss(logits, teacher, mask, args.temperature, args.divergence,
-                                chunk_size=args.reference_chunk_size)
-                loss = distillation_loss(loss, kd * share, args.alpha, args.temperature)
         loss.backward()
 
     return step

@@ -81,6 +81,9 @@ class DistillationArgs:
     # a GPU (measured on an H100: 0.48-0.72x eager's time at no more memory), eager with a teacher (faster compiled,
     # but 1.2-1.4x the peak) and on the CPU (slower compiled); true / false: always / never.
     loss_compile: Union[bool, str] = "auto"
+    # PaLM's z-loss: this weight * logsumexp(student logits)^2 per position with a label, averaged like CE, with or
+    # without a teacher, logged as loss/z (docs/research_loss.md); 0 = off, 1e-4 = PaLM's and OLMo 2's value.
+    z_loss: float = 0.0
     # Teacher rows per lm_head chunk (bounds the teacher's logits memory); 0 = auto: 4 on CPU, on GPU from the memory
     # free after loading the teacher.
     logits_chunk_rows: int = 0
@@ -138,6 +141,8 @@ class DistillationArgs:
                 self.temperature, "use a positive temperature (1.0 = the teacher's own distribution)")
         require(self.output == "full" or self.k >= 1, "distillation.k", self.k,
                 "use a positive number of ids (or samples) per position")
+        require(isinstance(self.z_loss, (int, float)) and math.isfinite(self.z_loss) and self.z_loss >= 0,
+                "distillation.z_loss", self.z_loss, "use a finite weight >= 0 (0 = off; 1e-4 is PaLM's value)")
         require(self.loss_chunk_size >= 0, "distillation.loss_chunk_size", self.loss_chunk_size,
                 "use 0 (auto) or a positive number of positions per chunk")
         require(self.logits_chunk_rows >= 0, "distillation.logits_chunk_rows", self.logits_chunk_rows,

@@ -26,16 +26,15 @@ import logging
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from lingua.distillation.args import DistillationArgs, alpha_at
 from lingua.distillation.loss.divergences import distillation_loss
-from lingua.distillation.loss.fused import fused_linear_kd_loss
-from lingua.distillation.loss.mixture import mixing_weights, teacher_metrics, teachers_head_loss
+from lingua.distillation.loss.mixture import (TEACHER_METRICS, head_loss_path, mixing_weights, teacher_metrics,
+                                              teachers_head_loss)
+from lingua.distillation.loss.research import add_stats
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.parallel.collectives import AgreedError, agree_flags
 from lingua.parallel.host_copies import to_device
-from lingua.transformer import cross_entropy_sum
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +50,7 @@ class Distiller:
 
     def __init__(self, args: DistillationArgs):
         self.args = args
+        self.loss_path = head_loss_path(args)  # fused or research, chosen once
 
     # ---------------------------------------------------------------- the seam: what the loop calls
 
@@ -58,7 +58,7 @@ class Distiller:
         """A new step: fresh statistics, the KD weight for this step, and whether a long pause of the students (an
         in-process checkpoint evaluation) follows it, which every request of the step tells the teacher."""
         self.announce_pause(pause_follows)
-        self.ce_sum: Optional[torch.Tensor] = None  # the step's CE (divided by n_valid), summed over micro-batches
+        self.stats: Optional[dict] = None  # the step's loss statistics by name (divided by n_valid), summed
 
     def head_loss(self, labels: torch.Tensor, pending, n_valid: int, timer) -> Callable:
         """The loss of a micro-batch as a function of the model's final hidden states and its head weight."""
@@ -135,9 +135,19 @@ class Distiller:
     def report_exit(self) -> None:
         """As the loop is left, on every path: say how many teacher requests were left unwaited."""
 
-    def _add_ce(self, ce: torch.Tensor) -> None:
-        ce = ce.detach().double()
-        self.ce_sum = ce if self.ce_sum is None else self.ce_sum + ce
+    def _add_stats(self, stats: dict) -> None:
+        """A micro-batch's statistics by name into the step's (CE in float64, as it was always summed)."""
+        stats = {**stats, "ce": stats["ce"].detach().double()}
+        self.stats = stats if self.stats is None else add_stats(self.stats, stats)
+
+    def _loss_metrics(self, kd: Optional[torch.Tensor] = None, alpha: float = 0.0) -> dict:
+        """loss/ce, loss/<term> for each term the loss adds as it is (a statistic that is neither CE nor a
+        teacher's: the z-loss's "z"), and loss/total (CE, or (1 - alpha) * CE + alpha * T^2 * KD, plus the terms)."""
+        terms = {f"loss/{name}": value for name, value in self.stats.items()
+                 if name != "ce" and name not in TEACHER_METRICS}
+        ce = self.stats["ce"]
+        total = ce if kd is None else distillation_loss(ce, kd, alpha, self.args.temperature)
+        return {"loss/ce": ce, **terms, "loss/total": sum(terms.values(), total)}
 
 
 class NoDistiller(Distiller):
@@ -146,20 +156,13 @@ class NoDistiller(Distiller):
 
     def head_loss(self, labels: torch.Tensor, pending, n_valid: int, timer) -> Callable:
         def ce_loss(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            if not self.args.fused_loss:  # the reference: logits, then CE
-                ce = cross_entropy_sum(F.linear(hidden, weight), labels) / max(n_valid, 1)
-                self._add_ce(ce)
-                return ce
-            loss, sums = fused_linear_kd_loss(hidden, weight, labels, None, max(n_valid, 1), 0.0, 1.0,
-                                              chunk_size=self.args.loss_chunk_size,
-                                              weight_grad=self.args.loss_weight_grad,
-                                              compiled=self.args.compiles_loss(False, hidden.device))
-            self._add_ce(sums[0] / max(n_valid, 1))
+            loss, stats = self.loss_path(hidden, weight, labels, [], max(n_valid, 1), 0.0, self.args)
+            self._add_stats(stats)
             return loss
         return ce_loss
 
     def step_metrics(self) -> dict:
-        return {"loss/ce": self.ce_sum, "loss/total": self.ce_sum}
+        return self._loss_metrics()
 
 
 class KDDistiller(Distiller):
@@ -191,8 +194,7 @@ class KDDistiller(Distiller):
     def begin_step(self, step: int, lr_factor: float, pause_follows: bool = False) -> None:
         super().begin_step(step, lr_factor, pause_follows)
         self.alpha = alpha_at(step, self.args.alpha, self.args.alpha_schedule, lr_factor)
-        self.kd_stats = None  # (kd, teacher_mass, top1_agreement), each weighted by its micro-batch's share
-        self.teacher_stats = None  # [teachers, 5]: `teachers_head_loss`'s per-teacher statistics, summed
+        self.kd_stats = None  # the mixture's kd, teacher_mass, top1_agreement: each micro-batch's sum over teachers
 
     def targets(self, pending, device: torch.device, timer) -> tuple[Optional[torch.Tensor], list[TeacherOutputs]]:
         """(the rows' source ids or None, every teacher's outputs on `device`) of a micro-batch."""
@@ -204,13 +206,12 @@ class KDDistiller(Distiller):
 
         def distillation_head_loss(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             source_ids, outputs = self.targets(pending, hidden.device, timer)
-            loss, ce, stats = teachers_head_loss(hidden, weight, labels, outputs,
-                                                 self._weights(source_ids, outputs, labels, hidden.device), n_valid,
-                                                 self.alpha, self.args, self.uld)
-            self._add_ce(ce)
-            kd_stats = stats[:, :3].sum(0)
-            self.kd_stats = kd_stats if self.kd_stats is None else self.kd_stats + kd_stats
-            self.teacher_stats = stats if self.teacher_stats is None else self.teacher_stats + stats
+            loss, stats = teachers_head_loss(self.loss_path, hidden, weight, labels, outputs,
+                                             self._weights(source_ids, outputs, labels, hidden.device), n_valid,
+                                             self.alpha, self.args, self.uld)
+            self._add_stats(stats)
+            kd_stats = {name: stats[name].sum() for name in ("kd", "teacher_mass", "top1_agreement")}
+            self.kd_stats = kd_stats if self.kd_stats is None else add_stats(self.kd_stats, kd_stats)
             return loss
         return distillation_head_loss
 
@@ -228,13 +229,13 @@ class KDDistiller(Distiller):
                               tuple(labels.shape))
 
     def step_metrics(self) -> dict:
-        kd, mass, agreement = self.kd_stats.unbind()
-        metrics = {"loss/ce": self.ce_sum, "loss/kd": kd, "kd/teacher_mass": mass, "kd/top1_agreement": agreement,
-                   "kd/alpha": self.alpha, "loss/total": distillation_loss(self.ce_sum, kd, self.alpha,
-                                                                           self.args.temperature)}
+        kd = self.kd_stats["kd"]
+        loss = self._loss_metrics(kd, self.alpha)
+        metrics = {"loss/ce": loss.pop("loss/ce"), "loss/kd": kd, "kd/teacher_mass": self.kd_stats["teacher_mass"],
+                   "kd/top1_agreement": self.kd_stats["top1_agreement"], "kd/alpha": self.alpha, **loss}
         if self.several:
-            return {**metrics, **teacher_metrics(self.teacher_stats, self.cross)}
-        return {**metrics, **({"kd/aligned": self.teacher_stats[0, 4]} if self.cross[0] else {})}
+            return {**metrics, **teacher_metrics(self.stats, self.cross)}
+        return {**metrics, **({"kd/aligned": self.stats["aligned"][0]} if self.cross[0] else {})}
 
 
 def tokenizer_fingerprint(vocab: dict[str, int]) -> int:

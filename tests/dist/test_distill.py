@@ -62,7 +62,10 @@ def test_kd_training_resume_gradacc_probe_and_clean_stop(corpus, tiny_teacher, t
 @pytest.mark.timeout(200)
 def test_distillation_off_trains_on_all_three_ranks(corpus, tiny_teacher, tmp_path):
     dump = tmp_path / "run"
-    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=3, enable_distillation="false"), timeout=150)
+    # with the z-loss on the research path (fused_loss=false): CE-only training through research.py, logged as loss/z
+    result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=3, enable_distillation="false",
+                                           **{"distillation.z_loss": 1e-4, "distillation.fused_loss": "false"}),
+                      timeout=150)
     assert_ok(result)
     assert "role=teacher" not in result.stdout and result.stdout.count("role=student") >= 3
     assert "global batch: 3 students x 2 x 32 = 192 tokens a step (data.batch_size is per student rank)" in result.stdout
@@ -70,6 +73,8 @@ def test_distillation_off_trains_on_all_three_ranks(corpus, tiny_teacher, tmp_pa
     assert sorted(rows) == [1, 2, 3] and "loss/kd" not in rows[1]
     assert all(key in rows[1] for key in bench.METRIC_KEYS) and "kd/bytes_up" not in rows[1]
     assert rows[1]["stragglers/step_slowest_rank"] in (0, 1, 2)
+    for row in rows.values():  # 1e-4 * lse^2 with lse near log(vocab) at the start; in loss/total
+        assert 0 < row["loss/z"] < 1e-2 and row["loss/total"] == pytest.approx(row["loss/ce"] + row["loss/z"], rel=1e-6)
 
 
 @pytest.mark.timeout(90)
@@ -303,8 +308,10 @@ def test_prefetch_gives_the_same_losses_and_resumes_exactly(corpus, tiny_teacher
 @pytest.mark.timeout(200)
 def test_doc_causal_students_send_document_ids_and_train(corpus, tiny_teacher, tmp_path):
     dump = tmp_path / "run"
+    # with the z-loss on (the fused path): logged as loss/z, counted in loss/total
     result = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=3, **{"model.attn_mask": "doc_causal",
-                                                                                    "distillation.prefetch": "auto"}),
+                                                                                    "distillation.prefetch": "auto",
+                                                                                    "distillation.z_loss": 1e-4}),
                       timeout=150)
     assert_ok(result)
     assert "buffers [2 x 32] with document ids" in result.stdout
@@ -313,6 +320,9 @@ def test_doc_causal_students_send_document_ids_and_train(corpus, tiny_teacher, t
     assert result.stdout.count(f"teacher look-ahead: prefetch={prefetch} ({why})") == 1, result.stdout[-4000:]
     rows = train_rows(dump)
     assert sorted(rows) == [1, 2, 3] and all(r["loss/kd"] > 0 for r in rows.values())
+    for r in rows.values():
+        mix = (1 - r["kd/alpha"]) * r["loss/ce"] + r["kd/alpha"] * r["loss/kd"]  # T = 1
+        assert 0 < r["loss/z"] < 1e-2 and r["loss/total"] == pytest.approx(mix + r["loss/z"], rel=1e-6)
     # Tokens and document ids go up: twice the int32 grid of a causal bridge, plus the header.
     assert rows[1]["kd/bytes_up"] == pytest.approx(4 * (8 + 2 * 2 * 32))  # one answered request so far
 

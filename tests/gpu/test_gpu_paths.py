@@ -1,6 +1,6 @@
-"""The GPU paths in one process on one GPU: CUDA-event step timing, flex attention for document masks, the fused
-loss's fp32 accumulation of a bf16 head, the teacher loaded straight onto its GPU (whole, or its tensor-parallel
-shards streamed). Marked `cuda`: skipped without a GPU, written to pass on one (`bash setup/gpu_check.sh`)."""
+"""The GPU paths in one process on one GPU: CUDA-event step timing, flex attention for document masks, the fused loss's
+fp32 logits and fp32 accumulation of a bf16 head, the teacher loaded straight onto its GPU (whole, or its tensor-
+parallel shards streamed). Marked `cuda`: skipped without a GPU, written to pass on one (`bash setup/gpu_check.sh`)."""
 
 import time
 
@@ -9,7 +9,8 @@ import torch
 
 from lingua.distillation.loss import fused as fused_module
 from lingua.distillation.args import DistillationArgs
-from lingua.distillation.loss.fused import accumulates_in_fp32, fused_linear_kd_loss
+from lingua.distillation.loss.chunk import head_logits
+from lingua.distillation.loss.fused import accumulates_in_fp32, fused_linear_kd_loss, multiplies_into_fp32
 from lingua.distillation.outputs import sparsify_teacher_logits
 from lingua.timing import StepTimer
 from lingua.transformer import attention, doc_causal_block_mask, doc_causal_bool_mask, resolve_attn_impl
@@ -106,6 +107,33 @@ def test_a_bf16_head_gradient_is_summed_in_fp32_without_a_bf16_temporary(monkeyp
 
 
 @needs_gpus(1)
+def test_a_bf16_head_forms_its_logits_through_the_fp32_accumulator():
+    """On CUDA the fused loss's chunk logits of a bf16 head come out of the GEMM's fp32 accumulator (torch.mm with
+    out_dtype, `multiplies_into_fp32`): as close to float64's as the upcast operands' fp32 GEMM, far closer than the
+    bf16-rounded logits it once formed; then issue 50's synthetic check (N = 256, V = 32,768, logits up to ~15.5, a
+    perturbed-student teacher, top-64) on the GPU: bf16's top-1 agreement equals fp32's and its KD is within 1e-4."""
+    if not multiplies_into_fp32(CUDA, torch.bfloat16):
+        pytest.skip(f"torch {torch.__version__}'s CUDA mm has no out_dtype=float32 for bf16: the upcast runs instead")
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    N, V, D, K = 256, 32768, 64, 64
+    hidden = torch.randn(N, D, device=CUDA, generator=generator).bfloat16()
+    head = (torch.randn(V, D, device=CUDA, generator=generator) * 0.33).bfloat16()
+    exact = hidden.double() @ head.double().T
+    accumulator = head_logits(hidden, head, torch.float32, fp32_mm=True)
+    upcast = head_logits(hidden, head, torch.float32, fp32_mm=False)
+    rounded = (hidden @ head.T).float()
+    errors = [(logits.double() - exact).abs().max().item() for logits in (accumulator, upcast, rounded)]
+    assert errors[0] < 1e-4 and errors[1] < 1e-4 and errors[2] > 100 * errors[0], errors
+    labels = torch.randint(0, V, (N,), device=CUDA, generator=generator)
+    teacher = sparsify_teacher_logits(exact.float() + 0.3 * torch.randn(N, V, device=CUDA, generator=generator),
+                                      "topk", K, 1.0, wire_dtype=torch.float32)
+    stats = [fused_linear_kd_loss(hidden.to(dtype), head.to(dtype), labels, teacher, N, 0.5, 1.0)[1].cpu()
+             for dtype in (torch.bfloat16, torch.float32)]
+    assert stats[0][3] == stats[1][3], stats  # top-1 agreement
+    assert abs(stats[0][1] - stats[1][1]) <= 1e-4 * stats[1][1], stats  # KD
+
+
+@needs_gpus(1)
 def test_vocab_blocks_round_a_bf16_head_gradient_once_and_peak_lower():
     """weight_grad="vocab_blocks" on CUDA: each block's bf16 grad_W GEMM over all rows rounds once, so it is as close to
     fp32's as the fp32 accumulation, and without the fp32 [V, D] accumulator its peak is lower (issue 34)."""
@@ -184,7 +212,7 @@ def test_a_tensor_parallel_teacher_streams_its_shards_onto_its_gpu(tiny_teacher)
 
 @needs_gpus(1)
 def test_the_compiled_chunk_math_runs_as_triton_and_matches_eager_in_bf16():
-    """fused_linear_kd_loss(compiled=True) on CUDA (inductor's Triton kernels, the bf16 logits buffer written in
+    """fused_linear_kd_loss(compiled=True) on CUDA (inductor's Triton kernels, the fp32 logits buffer written in
     place): the loss and both bf16 grads agree with the eager path's to bf16 rounding, for CE and top-k KD at T = 1
     and 2, over two steps of a step whose last chunk is short, with one compile per configuration."""
     from torch._dynamo.utils import counters
@@ -215,7 +243,7 @@ def test_several_teachers_on_shared_head_gemms_match_the_cpu_in_bf16():
     """distillation.teachers: the fused loss with more_teachers on a bf16 head (the fp32 accumulation path) gives the
     CPU's fp32 loss and gradients within bf16 rounding."""
     from lingua.distillation.loss.mixture import mixing_weights, source_routing
-    from lingua.distillation.loss.mixture import teachers_head_loss as mixed_head_loss
+    from lingua.distillation.loss.mixture import head_loss_path, teachers_head_loss
     from lingua.distillation.args import TeacherArgs
 
     generator = torch.Generator().manual_seed(0)
@@ -231,9 +259,10 @@ def test_several_teachers_on_shared_head_gemms_match_the_cpu_in_bf16():
     for device, dtype in (("cpu", torch.float32), (CUDA, torch.bfloat16)):
         h = hidden.to(device, dtype).clone().requires_grad_()
         w = head.to(device, dtype).clone().requires_grad_()
-        loss, _, stats = mixed_head_loss(h, w, labels.to(device), [o.to(device) for o in outputs],
+        loss, stats = teachers_head_loss(head_loss_path(args), h, w, labels.to(device), [o.to(device) for o in outputs],
                                          [x.to(device) for x in weights], B * S, 0.5, args)
         loss.backward()
+        stats = torch.cat([stats[name].reshape(-1) for name in stats])  # by name, in the paths' order
         results.append((loss.float().cpu(), stats.cpu(), h.grad.float().cpu(), w.grad.float().cpu()))
     (cpu_loss, cpu_stats, *cpu_grads), (gpu_loss, gpu_stats, *gpu_grads) = results
     assert gpu_loss.item() == pytest.approx(cpu_loss.item(), rel=2e-2)

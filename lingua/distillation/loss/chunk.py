@@ -25,6 +25,17 @@ from lingua.distillation.loss.divergences import (divergence, sampled_forward_kl
                                                   teacher_topk_log_probs)
 
 
+def head_logits(h, weight, dtype, fp32_mm: bool, weight_up=None):
+    """h @ weight.T in `dtype` (fp32 for a bf16/fp16 head), never rounded to the head's dtype first: the GEMM's fp32
+    accumulator written out (`torch.mm(..., out_dtype)`) where the device has it (fp32_mm: CUDA), else the operands
+    upcast (exact: a product of two bf16 or fp16 values fits fp32); weight_up: the head already upcast."""
+    if weight.dtype == dtype:
+        return h @ weight.T
+    if fp32_mm:
+        return torch.mm(h, weight.T, out_dtype=dtype)
+    return h.to(dtype) @ (weight.to(dtype) if weight_up is None else weight_up).T
+
+
 def _student_top1(z_ids, ids, rest_max, rest_argmax, z_max, vocab_size):
     """The row's argmax (the smallest id among ties, as z.max(-1) gives it) from the ids' and the rest's maxima."""
     id_top1 = torch.where(z_ids == z_max, ids, vocab_size).amin(-1)
@@ -33,11 +44,13 @@ def _student_top1(z_ids, ids, rest_max, rest_argmax, z_max, vocab_size):
 
 
 def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd_scale, temperature, kind, jsd_beta,
-                        uld=None):
-    """(CE per row, KD per row or None, student argmax per row, g = dLoss/dz, `GradRecipe` or None) of one chunk;
-    overwrites z [rows, V] (work dtype). teacher: None or (format, values, extra); ids [rows, k] in range, distinct
-    per row (sampled: repeats, -1 unmapped); kd_rows [rows]: rows whose KD counts; ce_scale 0-dim, kd_scale [rows];
-    uld: None or a `uld.ChunkULD` (top-k only), whose topk over the rest replaces the max pass."""
+                        z_coef=None, uld=None):
+    """(CE per row, KD per row or None, student argmax per row, g = dLoss/dz, `GradRecipe` or None, logsumexp(z)
+    per row) of one chunk; overwrites z [rows, V] (work dtype). teacher: None or (format, values, extra); ids
+    [rows, k] in range, distinct per row (sampled: repeats, -1 unmapped); kd_rows [rows]: rows whose KD counts;
+    ce_scale 0-dim, kd_scale [rows]; z_coef: None or 2 * z_loss / normalizer (0-dim), the z-loss's gradient
+    z_coef * lse * softmax(z) riding on CE's; uld: None or a `uld.ChunkULD` (top-k only), whose topk over the rest
+    replaces the max pass."""
     V = z.shape[-1]
     format = None if teacher is None else teacher[0]
     mapped = None
@@ -71,16 +84,19 @@ def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd
     if excluded:
         ids_exp = (z_ids - z_max).exp()
         lse = z_max + torch.log(torch.exp(shift - z_max) * rest_sum + ids_exp.sum(-1, keepdim=True))
-        ce_coef = torch.exp(shift - lse) * ce_scale  # softmax(z)_v = g_v * exp(shift - lse)
     else:
         lse = shift + rest_sum.log()
-        ce_coef = ce_scale / rest_sum
+    # What multiplies softmax(z): CE's scale, plus d/dz of z_loss * lse^2 = 2 z_loss lse softmax(z) (PaLM's z-loss).
+    softmax_scale = ce_scale if z_coef is None else ce_scale + z_coef * lse
+    # softmax(z)_v = g_v * exp(shift - lse)
+    ce_coef = torch.exp(shift - lse) * softmax_scale if excluded else softmax_scale / rest_sum
     ce = (lse - z_label).squeeze(-1)
     ce_coef = torch.where(row_mask.unsqueeze(-1), ce_coef, 0.0)
     label_grad = torch.where(row_mask, -ce_scale, 0.0).unsqueeze(-1)
     if format is None:
         g.mul_(ce_coef).scatter_add_(-1, labels, label_grad)
-        return ce, None, student_top1, g, GradRecipe(shift, ce_coef, None, labels, label_grad, None, None, False)
+        return ce, None, student_top1, g, GradRecipe(shift, ce_coef, None, labels, label_grad, None, None, False), \
+            lse.squeeze(-1)
     if soft is None:  # T = 1: KD's softmax at a = z is CE's
         soft, soft_sum, a_shift, a_lse, a_ids = g, rest_sum, shift, lse, z_ids
     else:
@@ -100,10 +116,12 @@ def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd
         id_grad = torch.where(kd_rows.unsqueeze(-1) & mapped, -kd_scale / ids.shape[-1], 0.0)
         coef, soft_coef = _combine(g, ce_coef, soft, rest_coef)
         g.scatter_add_(-1, ids, id_grad).scatter_add_(-1, labels, label_grad)
-        return ce, kd, student_top1, g, GradRecipe(shift, coef, soft_coef, labels, label_grad, ids, id_grad, False)
+        return ce, kd, student_top1, g, GradRecipe(shift, coef, soft_coef, labels, label_grad, ids, id_grad, False), \
+            lse.squeeze(-1)
     if format == "full":
         g.mul_(ce_coef).scatter_add_(-1, labels, label_grad)
-        return ce, _full_kd(full_a, g, teacher[1], kd_rows, kind, jsd_beta, kd_scale), student_top1, g, None
+        kd = _full_kd(full_a, g, teacher[1], kd_rows, kind, jsd_beta, kd_scale)
+        return ce, kd, student_top1, g, None, lse.squeeze(-1)
     log_q = a_ids - a_lse
     if excluded:
         log_q = torch.cat([log_q, a_shift + soft_sum.log() - a_lse], dim=-1)
@@ -112,7 +130,7 @@ def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd
     bucket_grad = torch.where(kd_rows.unsqueeze(-1), (G - q * G.sum(-1, keepdim=True)) * kd_scale, 0.0)
     k = ids.shape[-1]
     # On the ids: CE's softmax plus KD's bucket gradient, written over whatever g holds there.
-    id_grad = torch.where(row_mask.unsqueeze(-1), (z_ids - lse).exp() * ce_scale, 0.0) + bucket_grad[:, :k]
+    id_grad = torch.where(row_mask.unsqueeze(-1), (z_ids - lse).exp() * softmax_scale, 0.0) + bucket_grad[:, :k]
     rest_coef = bucket_grad[:, k:] / soft_sum if excluded else None
     added_ids, added_grad = labels, label_grad  # added after the ids' values are written
     if with_uld:
@@ -124,7 +142,8 @@ def chunk_loss_and_grad(z, labels, row_mask, teacher, ids, kd_rows, ce_scale, kd
         kd = kd + uld.weight * uld.teacher_sorted.sum(-1)
     coef, soft_coef = _combine(g, ce_coef, soft, rest_coef)
     g.scatter_(-1, ids, id_grad).scatter_add_(-1, added_ids, added_grad)
-    return ce, kd, student_top1, g, GradRecipe(shift, coef, soft_coef, added_ids, added_grad, ids, id_grad, True)
+    return ce, kd, student_top1, g, GradRecipe(shift, coef, soft_coef, added_ids, added_grad, ids, id_grad, True), \
+        lse.squeeze(-1)
 
 
 def _combine(g, ce_coef, soft, rest_coef):
@@ -159,20 +178,25 @@ class GradRecipe(NamedTuple):
         return GradRecipe(*(None if parts[0] is None else torch.cat(parts) for parts in fields), recipes[0].ids_set)
 
 
-def vocab_block_weight_grad(hidden, weight, recipe: GradRecipe, temperature: float, block: int, work_dtype):
+def vocab_block_weight_grad(hidden, weight, recipe: GradRecipe, temperature: float, block: int, work_dtype,
+                            fp32_mm: bool = False):
     """grad_W = dz^T hidden one block of `block` vocabulary ids at a time: the block's logits recomputed for all rows
-    (hidden's masked rows zeroed), dz rebuilt from the recipe, one GEMM writes the block; no fp32 [V, D]."""
+    (hidden's masked rows zeroed) in fp32 as the chunks formed them (`head_logits`), dz rebuilt from the recipe, one
+    GEMM writes the block; no fp32 [V, D]."""
     V, N = weight.shape[0], hidden.shape[0]
     grad_weight = torch.empty_like(weight)
     buffer = torch.empty(N, block + 1, dtype=work_dtype, device=hidden.device)  # a spare column for others' ids
+    hidden_up = None if weight.dtype == work_dtype or fp32_mm else hidden.to(work_dtype)  # once, not per block
     for start in range(0, V, block):
         width = min(block, V - start)
         dz = buffer[:, :width + 1]
         logits = dz[:, :width]
         if weight.dtype == work_dtype:
             torch.mm(hidden, weight[start:start + width].T, out=logits)
+        elif fp32_mm:
+            logits.copy_(head_logits(hidden, weight[start:start + width], work_dtype, True))
         else:
-            logits.copy_(hidden @ weight[start:start + width].T)
+            torch.mm(hidden_up, weight[start:start + width].to(work_dtype).T, out=logits)
         logits.sub_(recipe.shift)
         soft = logits.div(temperature).exp_() if recipe.soft_coef is not None else None
         logits.exp_().mul_(recipe.coef)

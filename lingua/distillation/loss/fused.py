@@ -3,17 +3,21 @@
     loss, stats = fused_linear_kd_loss(hidden, model.output.weight, labels, teacher, n_valid, alpha, T)
     loss = ((1 - alpha) * sum_i CE_i + alpha * T^2 * sum_i KD_i) / normalizer   over positions with label != -100
 
-CE + `reference.kd_loss` computed as Liger-Kernel's fused linear distillation does: per chunk of rows the logits
-z = h W^T are formed in fp32, the loss rows and dLoss/dz written in closed form (`chunk.py`) and dz pushed through
-the head at once (grad_h = dz W, grad_W += dz^T h, in fp32). Backward only scales the stored grads: one chunk of
-fp32 [rows, V] lives at a time and nothing is recomputed. Masked positions contribute exactly zero, also when their
-hidden states or teacher tensors are inf/nan (`where`, never a multiply by the mask); no step reads the device.
+CE + KD (`research.py`'s numbers) computed as Liger-Kernel's fused linear distillation does: per chunk of rows the
+logits z = h W^T are formed in fp32 (a bf16 head's GEMM never rounded to bf16: `chunk.head_logits`), the loss rows and
+dLoss/dz written in closed form (`chunk.py`) and dz pushed through the head at once (grad_h = dz W, grad_W += dz^T h,
+in fp32). Backward only scales the stored grads: one chunk of fp32 [rows, V] lives at a time and nothing is
+recomputed. Masked positions contribute exactly zero, also when their hidden states or teacher tensors are inf/nan
+(`where`, never a multiply by the mask); no step reads the device.
 
 Call it where the head would run, inside the model's forward (under FSDP2 the unsharded plain head weight; not a
 DTensor or a vocab-sharded head), with `tok_embeddings.weight` when tied; not inside an activation-checkpointed
-region. bf16 hidden/weight: bf16 GEMMs, fp32 loss math and grad_W accumulation, grads returned in bf16.
+region. bf16 hidden/weight: bf16 GEMMs into fp32 logits (on CUDA the GEMM's fp32 accumulator, `torch.mm(...,
+out_dtype)`; elsewhere the head upcast once per call, an fp32 [V, D]), fp32 loss math and grad_W accumulation,
+grads returned in bf16.
 """
 
+import contextlib
 import functools
 import math
 from typing import Optional, Union
@@ -22,7 +26,7 @@ import torch
 
 from lingua.distillation.loss.compiled_chunk import compiled_chunk_loss_and_grad
 from lingua.distillation.loss.divergences import DIVERGENCES, distillation_loss, kd_rows_and_weights, teacher_support
-from lingua.distillation.loss.chunk import GradRecipe, chunk_loss_and_grad, vocab_block_weight_grad
+from lingua.distillation.loss.chunk import GradRecipe, chunk_loss_and_grad, head_logits, vocab_block_weight_grad
 from lingua.distillation.outputs import TeacherOutputs, check_format
 from lingua.distillation.loss.uld import ChunkULD, split_unmapped
 
@@ -76,10 +80,11 @@ def multiplies_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _fused_pass(hidden, weight, labels, teachers, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-                vocab_block, compiled, uld, need_grad_hidden, need_grad_weight):
+                vocab_block, compiled, uld, z_loss, need_grad_hidden, need_grad_weight):
     """(loss, stats, grad_hidden or None, grad_weight or None) of the flattened inputs. teachers: (flat outputs,
-    flat kd_weight) each, none for CE alone; the first carries CE, the others read a copy of the chunk's logits.
-    vocab_block > 0: grad_W by `vocab_block_weight_grad`; uld: None or (uld_weight, uld_k), the first teacher's."""
+    flat kd_weight) each, none for CE alone; the first carries CE (and the z-loss), the others read a copy of the
+    chunk's logits. vocab_block > 0: grad_W by `vocab_block_weight_grad`; uld: None or (uld_weight, uld_k), the
+    first teacher's; z_loss > 0: z_loss * lse^2 per row joins the loss, its sum the last statistic."""
     N, D = hidden.shape
     V = weight.shape[0]
     dtype = torch.promote_types(hidden.dtype, torch.float32)
@@ -93,8 +98,9 @@ def _fused_pass(hidden, weight, labels, teachers, normalizer, alpha, temperature
         alpha = 0.0
     ce_scale, kd_scale = (1.0 - alpha) * inv_norm, alpha * temperature * inv_norm
     no_ce = torch.zeros((), dtype=dtype, device=hidden.device)
+    z_coef = 2.0 * z_loss * inv_norm if z_loss > 0 else None  # d/dz of z_loss * lse^2 / normalizer, per softmax
     calls = teachers or [(None, None)]
-    stats = torch.zeros(1 + 3 * len(calls), dtype=dtype, device=hidden.device)
+    stats = torch.zeros(1 + 3 * len(calls) + (z_coef is not None), dtype=dtype, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
     # The recipes rebuild dz block by block after the chunks; the full format has none (it accumulates).
     by_blocks = need_grad_weight and vocab_block > 0 and (not teachers or teachers[0][0].format != "full")
@@ -102,6 +108,9 @@ def _fused_pass(hidden, weight, labels, teachers, normalizer, alpha, temperature
     # fp32 accumulator for a bf16 head: adding bf16 partial sums chunk after chunk would round each time.
     grad_weight = torch.zeros(V, D, dtype=dtype, device=weight.device) if need_grad_weight and not by_blocks else None
     fp32_addmm = need_grad_weight and dtype != weight.dtype and accumulates_in_fp32(weight.device, weight.dtype)
+    # fp32 logits from a bf16 head: the GEMM's accumulator where the device writes it out, else the head upcast once.
+    fp32_mm = dtype != weight.dtype and multiplies_into_fp32(weight.device, weight.dtype)
+    weight_up = weight.to(dtype) if dtype != weight.dtype and not fp32_mm else None
     # where, not multiply: an inf/nan hidden row at a masked position must not reach the logits or grads.
     masked_hidden = hidden.masked_fill(~mask.unsqueeze(-1), 0.0)
     chunk_rows = min(chunk_size, N)
@@ -112,7 +121,7 @@ def _fused_pass(hidden, weight, labels, teachers, normalizer, alpha, temperature
         pad = functools.partial(_pad_rows, extra_rows=chunk_rows - n_rows if compiled else 0)
         row_mask = pad(mask[rows])
         h = pad(masked_hidden[rows])
-        z = h @ weight.T if compiled else (h @ weight.T).to(dtype)
+        z = head_logits(h, weight, dtype, fp32_mm, weight_up)
         spare = z.clone() if len(calls) > 1 else None  # the chunk math overwrites z: further teachers read a copy
         per_row = []
         for i, (teacher, kd_weight) in enumerate(calls):
@@ -122,13 +131,13 @@ def _fused_pass(hidden, weight, labels, teachers, normalizer, alpha, temperature
                 teacher, kd_weight, rows, pad, row_mask, kd_scale, dtype, uld if i == 0 else None, V)
             chunk_teacher = None if teacher is None else (teacher.format, values, extra)
             chunk_args = (pad(safe_labels[rows]), row_mask, chunk_teacher, ids, kd_rows, ce_scale if i == 0 else no_ce,
-                          row_kd_scale, temperature, divergence, jsd_beta)
-            if compiled:  # z in the head's dtype; g comes back in it, written over z
-                ce, kd, student_top1, g_i, recipe_i = compiled_chunk_loss_and_grad(z, dtype, *chunk_args)
+                          row_kd_scale, temperature, divergence, jsd_beta, z_coef if i == 0 else None)
+            if compiled:  # g comes back written over z
+                ce, kd, student_top1, g_i, recipe_i, lse = compiled_chunk_loss_and_grad(z, dtype, *chunk_args)
             else:
-                ce, kd, student_top1, g_i, recipe_i = chunk_loss_and_grad(z, *chunk_args, uld=chunk_uld)
+                ce, kd, student_top1, g_i, recipe_i, lse = chunk_loss_and_grad(z, *chunk_args, uld=chunk_uld)
             if i == 0:
-                g, recipe = g_i, recipe_i
+                g, recipe, z_rows = g_i, recipe_i, None if z_coef is None else z_loss * lse**2
                 per_row.append(ce)
             else:
                 g.add_(g_i)
@@ -139,6 +148,8 @@ def _fused_pass(hidden, weight, labels, teachers, normalizer, alpha, temperature
                 agree = (student_top1 == teacher_top1).to(dtype)
                 # Sums weighted by the KD weight (where, not multiply: a weight-0 row may be nan).
                 per_row += [torch.where(kd_rows, t.to(dtype) * row_weight, 0.0) for t in (kd, mass, agree)]
+        if z_coef is not None:
+            per_row.append(z_rows)
         stats += torch.where(row_mask, torch.stack(per_row), 0.0).sum(-1)
         z = spare = g_i = None  # g is z's buffer; only g lives on into the grad GEMMs
         if by_blocks:
@@ -155,12 +166,14 @@ def _fused_pass(hidden, weight, labels, teachers, normalizer, alpha, temperature
                 torch.addmm(grad_weight, g.T, h, out_dtype=dtype, out=grad_weight)
             else:
                 grad_weight.add_(g.T @ h)
-    kd_sum = stats[1] + stats[4::3].sum() if len(calls) > 1 else stats[1]
+    kd_sum = stats[1] + stats[4:1 + 3 * len(calls):3].sum() if len(calls) > 1 else stats[1]
     loss = distillation_loss(stats[0], kd_sum, alpha, temperature) * inv_norm
+    if z_coef is not None:
+        loss = loss + stats[-1] * inv_norm
     if by_blocks:
         g = None
         grad_weight = vocab_block_weight_grad(masked_hidden, weight, GradRecipe.cat(recipes), temperature,
-                                              vocab_block, dtype)
+                                              vocab_block, dtype, fp32_mm)
     elif grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     return loss, stats.float(), grad_hidden, grad_weight
@@ -190,7 +203,7 @@ def _pad_rows(t, extra_rows):
     return torch.cat([t, t.new_zeros((extra_rows,) + tuple(t.shape[1:]))])
 
 
-def _flat_teacher(teacher: TeacherOutputs, N: int) -> TeacherOutputs:
+def flat_teacher(teacher: TeacherOutputs, N: int) -> TeacherOutputs:
     """The teacher's tensors as [N, ...] rows (kd_weight apart)."""
     return TeacherOutputs(teacher.format, teacher.values.reshape(N, teacher.values.shape[-1]),
                           None if teacher.ids is None else teacher.ids.reshape(N, teacher.ids.shape[-1]),
@@ -221,7 +234,7 @@ class _FusedLinearKDLoss(torch.autograd.Function):
 
 
 def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-                kd_weight, weight_grad, uld_weight, uld_k, compiled):
+                kd_weight, weight_grad, uld_weight, uld_k, compiled, z_loss):
     if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
         raise ValueError(f"hidden {tuple(hidden.shape)} and the head weight {tuple(weight.shape)} must be [..., D] "
                          f"and [V, D]; pass the output head's weight (logits = hidden @ weight.T).")
@@ -241,6 +254,8 @@ def _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature,
         raise ValueError(f"chunk_size={chunk_size} must be >= 1, or 0 for a size chosen from the memory budget.")
     if not (uld_weight >= 0.0 and uld_weight < float("inf")):
         raise ValueError(f"uld_weight={uld_weight} must be a finite weight >= 0 (0 = off).")
+    if not (z_loss >= 0.0 and z_loss < float("inf")):
+        raise ValueError(f"z_loss={z_loss} must be a finite weight >= 0 (0 = off).")
     if uld_weight > 0 and uld_k < 1:
         raise ValueError(f"uld_k={uld_k} must be at least 1 (the sorted probabilities compared).")
     if uld_weight > 0 and (teacher is None or teacher.format != "topk" or compiled):
@@ -277,7 +292,7 @@ def fused_linear_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          temperature: float, divergence: str = "fkl", jsd_beta: float = 0.5, chunk_size: int = 0,
                          kd_weight: Optional[torch.Tensor] = None, weight_grad: str = "accumulate",
                          compiled: bool = False, uld_weight: float = 0.0, uld_k: int = 16,
-                         more_teachers: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                         more_teachers: tuple = (), z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """((1 - alpha) * CE_sum + alpha * T^2 * KD_sum) / normalizer over labels != -100, fused with the head.
 
     hidden [N, D] or [B, S, D] in weight's dtype; weight [V, D] the output head; labels [N] or [B, S]; teacher:
@@ -288,13 +303,15 @@ def fused_linear_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     at a time after the chunks (one more head GEMM, `VOCAB_BLOCK_BYTES`; the full format accumulates). compiled:
     the chunk math through torch.compile. uld_weight > 0: ULD over uld_k ranks joins each KD row (`uld.py`).
     more_teachers: (TeacherOutputs, kd_weight) of further teachers sharing the head GEMMs (accumulate only).
+    z_loss > 0: PaLM's z-loss, z_loss * logsumexp(logits)^2 per position with a label, joins the loss (/ normalizer).
 
     Returns (loss, stats): loss a scalar in promote(dtype, fp32) with autograd to hidden and weight (one backward);
     stats a detached fp32 tensor of sums over the masked positions: CE, then per teacher (KD, teacher mass covered
-    by the support, student argmax == teacher top-1), each weighted by kd_weight (zeros without a teacher).
+    by the support, student argmax == teacher top-1), each weighted by kd_weight (zeros without a teacher), then
+    with z_loss > 0 the z-loss's sum.
     """
     _check_args(hidden, weight, labels, teacher, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-                kd_weight, weight_grad, uld_weight, uld_k, compiled)
+                kd_weight, weight_grad, uld_weight, uld_k, compiled, z_loss)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     N, V = flat_hidden.shape[0], weight.shape[0]
     format = None if teacher is None else teacher.format
@@ -309,15 +326,62 @@ def fused_linear_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
             "see more_teachers"
         for other, other_weight in more_teachers:
             _check_args(hidden, weight, labels, other, normalizer, alpha, temperature, divergence, jsd_beta,
-                        chunk_size, other_weight, weight_grad, uld_weight, uld_k, compiled)
+                        chunk_size, other_weight, weight_grad, uld_weight, uld_k, compiled, z_loss)
     teachers = [] if teacher is None else [(teacher, kd_weight), *more_teachers]
-    teachers = [(_flat_teacher(t, N), None if w is None else w.reshape(N)) for t, w in teachers]
+    teachers = [(flat_teacher(t, N), None if w is None else w.reshape(N)) for t, w in teachers]
     args = (labels.reshape(N), teachers, normalizer, alpha, temperature, divergence, jsd_beta, chunk_size,
-            vocab_block, compiled, (uld_weight, uld_k) if uld_weight > 0 else None)
+            vocab_block, compiled, (uld_weight, uld_k) if uld_weight > 0 else None, z_loss)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _FusedLinearKDLoss.apply(flat_hidden, weight, *args)
     loss, stats, _, _ = _fused_pass(flat_hidden, weight, *args, False, False)
     return loss, stats
+
+
+def fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, teachers: list,
+                    normalizer: int, alpha: float, args) -> tuple[torch.Tensor, dict]:
+    """`research.research_head_loss`'s loss and statistics by name (its arguments too), computed fused: one call
+    with the teachers sharing the head GEMMs, or with vocab_blocks, loss_compile or ULD one call per teacher, the
+    first carrying CE and the others alpha = 1 with kd_weight = alpha * weight (exactly alpha * T^2 * weight * KD)."""
+    compiled = args.compiles_loss(bool(teachers), hidden.device)
+    if not teachers:
+        loss, sums = fused_linear_kd_loss(hidden, weight, labels, None, normalizer, 0.0, 1.0,
+                                          chunk_size=args.loss_chunk_size, weight_grad=args.loss_weight_grad,
+                                          compiled=compiled, z_loss=args.z_loss)
+        # fp32 / n: what a CE-only run has always logged
+        return loss, {"ce": sums[0] / normalizer, **_z_stat(sums.double() / normalizer, args)}
+    outputs, weights, with_uld = (list(column) for column in zip(*teachers))
+    per_teacher, loss = [], None
+    if args.loss_weight_grad == "accumulate" and not any(with_uld) and not compiled:
+        loss, sums = fused_linear_kd_loss(hidden, weight, labels, outputs[0], normalizer, alpha, args.temperature,
+                                          args.divergence, args.jsd_beta, args.loss_chunk_size, kd_weight=weights[0],
+                                          more_teachers=tuple(zip(outputs[1:], weights[1:])), z_loss=args.z_loss)
+        sums = sums.double() / normalizer
+        ce, z, per_teacher = sums[0], _z_stat(sums, args), list(sums[1:1 + 3 * len(teachers)].view(-1, 3))
+    else:
+        for i, (teacher, w, uld) in enumerate(teachers):
+            # At alpha = 0 the further teachers add nothing: a pass without gradients still measures their KD.
+            measure_only = i > 0 and alpha == 0.0
+            with torch.no_grad() if measure_only else contextlib.nullcontext():
+                part, sums = fused_linear_kd_loss(hidden, weight, labels, teacher, normalizer,
+                                                  alpha if i == 0 else 1.0, args.temperature, args.divergence,
+                                                  args.jsd_beta, args.loss_chunk_size,
+                                                  kd_weight=w if i == 0 or measure_only else w * alpha,
+                                                  weight_grad=args.loss_weight_grad, compiled=compiled,
+                                                  uld_weight=args.uld_weight if uld else 0.0, uld_k=args.uld_k,
+                                                  z_loss=args.z_loss if i == 0 else 0.0)
+            sums = sums.double() / normalizer
+            if i == 0:
+                ce, z = sums[0], _z_stat(sums, args)
+            per_teacher.append(sums[1:4] if i == 0 or measure_only else sums[1:4] / alpha)
+            if not measure_only:
+                loss = part if loss is None else loss + part
+    columns = torch.stack(per_teacher).unbind(-1)
+    return loss, {"ce": ce, **z, **dict(zip(("kd", "teacher_mass", "top1_agreement"), columns))}
+
+
+def _z_stat(sums: torch.Tensor, args) -> dict:
+    """{"z": the z-loss's sum (the statistics' last)} when it is on, else nothing."""
+    return {"z": sums[-1]} if args.z_loss > 0 else {}
 
 
 def fused_ce_head(labels: torch.Tensor, normalizer: Union[int, float, torch.Tensor] = 1):

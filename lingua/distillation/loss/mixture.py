@@ -2,30 +2,27 @@
 
     routing = source_routing(args.teachers, active_sources(data.sources))   # [sources, teachers] weights
     weights = mixing_weights(routing, batch["source_ids"], [o.kd_weight for o in outputs], labels.shape)
-    loss, ce, per_teacher = teachers_head_loss(hidden, head_weight, labels, outputs, weights, n_valid, alpha, args, uld)
+    path = head_loss_path(args)                      # chosen once: fused (default) or research (fused_loss=false)
+    loss, stats = teachers_head_loss(path, hidden, head_weight, labels, outputs, weights, n_valid, alpha, args, uld)
 
 A position of source s takes KD from the teachers that list s in their `sources` (or list none), with weights
 w_i / sum of theirs; a cross-tokenizer teacher with no target there (kd_weight 0) leaves the others the whole term,
 and a position no teacher teaches takes CE alone. So the loss is (1 - alpha) * CE + alpha * T^2 * sum_i weight_i *
-KD_i; a lone teacher's weights are its own kd_weight. The fused loss shares the head GEMMs among the teachers
-(`more_teachers`); with vocab_blocks, loss_compile or ULD it runs once per teacher, the first carrying CE and the
-others alpha = 1 with kd_weight = alpha * weight (exactly alpha * T^2 * weight * KD, no CE).
+KD_i; a lone teacher's weights are its own kd_weight. Both paths (`research.py`, `fused.py`) take the teachers as
+a list and give statistics by name, one value per teacher where a statistic is a teacher's.
 """
 
-import contextlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from lingua.args import require
-from lingua.distillation.loss.divergences import distillation_loss
-from lingua.distillation.loss.fused import fused_linear_kd_loss
-from lingua.distillation.loss.reference import kd_loss_and_stats
-from lingua.transformer import cross_entropy_sum
+from lingua.distillation.loss.fused import fused_head_loss
+from lingua.distillation.loss.research import research_head_loss
 
-REFERENCE_CHUNK_SIZE = 1024  # positions per chunk of kd_loss when distillation.loss_chunk_size=0 (auto)
-TEACHER_STATS = ("loss", "teacher_mass", "top1_agreement", "weight", "aligned")  # kd/<i>/<stat>, per teacher
+# kd/<i>/<metric> of each teacher's statistic (one value per teacher in the head loss's statistics)
+TEACHER_METRICS = {"kd": "loss", "teacher_mass": "teacher_mass", "top1_agreement": "top1_agreement",
+                   "weight": "weight", "aligned": "aligned"}
 
 
 def check_teacher_sources(teachers: list, data_sources: dict) -> None:
@@ -61,64 +58,34 @@ def mixing_weights(routing: torch.Tensor, source_ids: torch.Tensor, aligned: lis
     return [torch.where(total > 0, r / torch.where(total > 0, total, 1.0), 0.0) for r in raw]
 
 
-def teachers_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, outputs: list,
-                       weights: list[Optional[torch.Tensor]], n_valid: int, alpha: float, args,
-                       uld: Optional[list[bool]] = None):
-    """(loss, CE / n_valid, per-teacher stats [teachers, 5] / n_valid: KD, teacher mass, top-1 agreement, each
-    weighted by the teacher's weight, then the weight itself and the alignment) of one micro-batch. `weights`: each
-    teacher's KD weight per position (None: every position); `uld`: which teachers take ULD."""
+def head_loss_path(args) -> Callable:
+    """The loss's path, chosen once: the fused one (closed-form gradients, the default) or the research one (autograd,
+    distillation.fused_loss=false). Both take (hidden, weight, labels, teachers, normalizer, alpha, args) and give
+    (loss, statistics by name)."""
+    return fused_head_loss if args.fused_loss else research_head_loss
+
+
+def teachers_head_loss(path: Callable, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                       outputs: list, weights: list[Optional[torch.Tensor]], n_valid: int, alpha: float, args,
+                       uld: Optional[list[bool]] = None) -> tuple[torch.Tensor, dict]:
+    """(loss, statistics by name / n_valid) of one micro-batch on `path` (`head_loss_path`): "ce", and one value per
+    teacher of "kd", "teacher_mass", "top1_agreement" (each weighted by the teacher's weight), "weight" (the
+    weight itself) and "aligned" (its alignment). `weights`: each teacher's KD weight per position (None: every
+    position); `uld`: which teachers take ULD."""
     normalizer, valid = max(n_valid, 1), labels != -100
-    uld_of = [args.uld_weight if u else 0.0 for u in (uld or [False] * len(outputs))]
-    per_teacher, loss = [], None
-    if not args.fused_loss:  # the reference: logits, then CE and each teacher's chunked kd_loss
-        logits = F.linear(hidden, weight)
-        share = valid.sum() / normalizer  # this micro-batch's share of the step's tokens
-        ce = cross_entropy_sum(logits, labels) / normalizer
-        kd = None
-        for teacher, w, uld_weight in zip(outputs, weights, uld_of):
-            kd_i, stats = kd_loss_and_stats(logits, teacher, valid, args.temperature, args.divergence, args.jsd_beta,
-                                            args.loss_chunk_size or REFERENCE_CHUNK_SIZE, kd_weight=w,
-                                            uld_weight=uld_weight, uld_k=args.uld_k)
-            kd = kd_i if kd is None else kd + kd_i
-            per_teacher.append(stats.double()[:3] * share)
-        loss = distillation_loss(ce, kd * share, alpha, args.temperature)
-    elif args.loss_weight_grad == "accumulate" and not any(uld_of) and not args.compiles_loss(True, hidden.device):
-        loss, sums = fused_linear_kd_loss(hidden, weight, labels, outputs[0], normalizer, alpha, args.temperature,
-                                          args.divergence, args.jsd_beta, args.loss_chunk_size, kd_weight=weights[0],
-                                          more_teachers=tuple(zip(outputs[1:], weights[1:])))
-        sums = sums.double() / normalizer
-        ce, per_teacher = sums[0], list(sums[1:].view(-1, 3))
-    else:
-        for i, (teacher, w, uld_weight) in enumerate(zip(outputs, weights, uld_of)):
-            # The first call carries CE; the others add alpha * T^2 * weight * KD (alpha = 1, the weight scaled). At
-            # alpha = 0 they add nothing: a pass without gradients still measures their KD, as the first call does.
-            measure_only = i > 0 and alpha == 0.0
-            with torch.no_grad() if measure_only else contextlib.nullcontext():
-                part, sums = fused_linear_kd_loss(hidden, weight, labels, teacher, normalizer,
-                                                  alpha if i == 0 else 1.0, args.temperature, args.divergence,
-                                                  args.jsd_beta, args.loss_chunk_size,
-                                                  kd_weight=w if i == 0 or measure_only else w * alpha,
-                                                  weight_grad=args.loss_weight_grad,
-                                                  compiled=args.compiles_loss(True, hidden.device),
-                                                  uld_weight=uld_weight, uld_k=args.uld_k)
-            sums = sums.double() / normalizer
-            if i == 0:
-                ce = sums[0]
-            per_teacher.append(sums[1:] if i == 0 or measure_only else sums[1:] / alpha)
-            if not measure_only:
-                loss = part if loss is None else loss + part
-    extra = [torch.stack([((valid if w is None else w * valid).sum().double() / normalizer),
-                          ((1.0 if t.kd_weight is None else t.kd_weight) * valid).sum().double() / normalizer])
-             for t, w in zip(outputs, weights)]
-    stats = torch.cat([torch.stack(per_teacher).to(hidden.device), torch.stack(extra).to(hidden.device)], dim=1)
-    return loss, ce.detach().double(), stats
+    teachers = list(zip(outputs, weights, uld or [False] * len(outputs)))
+    loss, stats = path(hidden, weight, labels, teachers, normalizer, alpha, args)
+    stats["weight"] = torch.stack([(valid if w is None else w * valid).sum().double() / normalizer for w in weights])
+    stats["aligned"] = torch.stack([((1.0 if t.kd_weight is None else t.kd_weight) * valid).sum().double() / normalizer
+                                    for t in outputs])
+    return loss, {name: value.detach().to(hidden.device) for name, value in stats.items()}
 
 
-def teacher_metrics(stats: torch.Tensor, cross: list[bool]) -> dict:
-    """kd/<i>/<stat> for each teacher (kd/<i>/aligned for cross-tokenizer teachers only)."""
+def teacher_metrics(stats: dict, cross: list[bool]) -> dict:
+    """kd/<i>/<metric> for each teacher (kd/<i>/aligned for cross-tokenizer teachers only)."""
     out = {}
-    for i, row in enumerate(stats.unbind()):
-        for name, value in zip(TEACHER_STATS, row.unbind()):
+    for i in range(len(cross)):
+        for name, metric in TEACHER_METRICS.items():
             if name != "aligned" or cross[i]:
-                out[f"kd/{i}/{name}"] = value
+                out[f"kd/{i}/{metric}"] = stats[name][i]
     return out

@@ -17,7 +17,13 @@ from lingua.distillation.args import DistillationArgs, OneTeacherArgs, TeacherAr
 from lingua.distillation.build import launch_teachers
 from lingua.distillation.loss.fused import fused_linear_kd_loss
 from lingua.distillation.loss.mixture import mixing_weights, source_routing, teacher_metrics
-from lingua.distillation.loss.mixture import teachers_head_loss as mixed_head_loss
+from lingua.distillation.loss.mixture import head_loss_path, teachers_head_loss
+
+
+def mixed_head_loss(hidden, head, labels, outputs, weights, n_valid, alpha, args):
+    """(loss, CE, statistics by name) on the path `args` picks."""
+    loss, stats = teachers_head_loss(head_loss_path(args), hidden, head, labels, outputs, weights, n_valid, alpha, args)
+    return loss, stats["ce"], stats
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.errors import ConfigError, LaunchError
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, TeacherLayout
@@ -270,16 +276,17 @@ def test_the_mixed_loss_is_the_weighted_sum_of_each_teachers_kd(fused):
                 for out, w in zip(outputs, weights)]
     expected = (1 - alpha) * ce_only + alpha * sum(term for term, _ in kd_terms)
     expected_grads = torch.autograd.grad(expected, (hidden, head))
-    # fused=False is the reference loss on logits, checked against the fused calls: equal to float64's rounding of
+    # fused=False is the research path (autograd), checked against the fused calls: equal to float64's rounding of
     # two implementations; the statistics come back in fp32.
     assert loss.item() == pytest.approx(expected.item(), rel=1e-12 if fused else 1e-7)
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, rtol=1e-9 if fused else 1e-5, atol=1e-12 if fused else 1e-7)
     assert ce.item() == pytest.approx(ce_only.item(), rel=1e-6)
     for i, (_, sums) in enumerate(kd_terms):  # each teacher's share of loss/kd, mass and agreement
-        torch.testing.assert_close(stats[i, :3], sums[1:].double() / n_valid, rtol=1e-5, atol=1e-7)
+        got = torch.stack([stats[name][i] for name in ("kd", "teacher_mass", "top1_agreement")])
+        torch.testing.assert_close(got, sums[1:].double() / n_valid, rtol=1e-5, atol=1e-7)
     valid = labels != -100
-    assert stats[:, 3].tolist() == pytest.approx([float((w * valid).sum()) / n_valid for w in weights])
+    assert stats["weight"].tolist() == pytest.approx([float((w * valid).sum()) / n_valid for w in weights])
     # Row 0 (text) is teacher 0's alone; rows 1-2 (code) are 2:1; the weights of a taught position add to 1.
     assert weights[1][0].abs().sum() == 0 and torch.allclose(weights[0][1:] + weights[1][1:], torch.ones(2, S, dtype=torch.float64))
     metrics = teacher_metrics(stats, [False, True])
@@ -318,8 +325,10 @@ def test_teachers_on_shared_gemms_equal_one_call_per_teacher(alpha, make_outputs
     (loss_a, ce_a, stats_a, grads_a), (loss_b, ce_b, stats_b, grads_b) = results
     assert loss_a.item() == pytest.approx(loss_b.item(), rel=1e-12)
     assert ce_a.item() == pytest.approx(ce_b.item(), rel=1e-6)
-    torch.testing.assert_close(stats_a, stats_b, rtol=1e-5, atol=1e-7)
-    assert (stats_b[:, 0] > 0).all()  # every teacher's KD, whatever alpha
+    assert list(stats_a) == list(stats_b)
+    for name in stats_a:
+        torch.testing.assert_close(stats_a[name], stats_b[name], rtol=1e-5, atol=1e-7)
+    assert (stats_b["kd"] > 0).all()  # every teacher's KD, whatever alpha
     for a, b in zip(grads_a, grads_b):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 

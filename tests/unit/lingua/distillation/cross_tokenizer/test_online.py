@@ -9,7 +9,7 @@ import torch
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.online.bridge import BridgeSpec, HandshakeRecord, agreed_settings, check_handshake
 from lingua.distillation.cross_tokenizer.teacher_side import load_cross_tokenizer
-from lingua.distillation.loss.mixture import teachers_head_loss
+from lingua.distillation.loss.mixture import head_loss_path, teachers_head_loss
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.errors import ConfigError
 from lingua.tokenizer import TokenizerArgs
@@ -91,13 +91,14 @@ def test_kd_weight_travels_and_becomes_kd_aligned():
     again = TeacherOutputs.from_tensors("topk", outputs.tensors())
     assert torch.equal(again.kd_weight, outputs.kd_weight) and again.to("cpu").kd_weight is not None
     labels = torch.tensor([[5, 5, -100], [5, 5, 5]])
-    _, _, stats = teachers_head_loss(torch.zeros(2, 3, 2), torch.zeros(6, 2), labels, [outputs], [outputs.kd_weight],
-                                     5, 0.5, DistillationArgs())
-    assert stats[0, 4].item() == pytest.approx(0.4)  # 2 of 5 valid positions aligned (row 0's third is masked)
+    args = DistillationArgs()
+    _, stats = teachers_head_loss(head_loss_path(args), torch.zeros(2, 3, 2), torch.zeros(6, 2), labels, [outputs],
+                                  [outputs.kd_weight], 5, 0.5, args)
+    assert stats["aligned"][0].item() == pytest.approx(0.4)  # 2 of 5 valid positions aligned (row 0's third masked)
     plain = replace(outputs, kd_weight=None)
-    _, _, stats = teachers_head_loss(torch.zeros(2, 3, 2), torch.zeros(6, 2), labels, [plain], [None], 5, 0.5,
-                                     DistillationArgs())
-    assert stats[0, 4].item() == 1.0  # every valid position has a target
+    _, stats = teachers_head_loss(head_loss_path(args), torch.zeros(2, 3, 2), torch.zeros(6, 2), labels, [plain],
+                                  [None], 5, 0.5, args)
+    assert stats["aligned"][0].item() == 1.0  # every valid position has a target
 
 
 def test_a_cross_tokenizer_request_carries_the_labels_past_the_windows():

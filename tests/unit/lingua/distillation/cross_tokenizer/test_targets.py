@@ -13,7 +13,7 @@ from lingua.distillation.cross_tokenizer.targets import (
 from lingua.distillation.cross_tokenizer.vocab_map import VocabMap
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
 from lingua.distillation.loss.fused import fused_linear_kd_loss
-from lingua.distillation.loss.reference import kd_loss
+from tests.unit.lingua.distillation.loss.logits_kd import kd_loss
 
 
 def random_map(teacher_vocab: int, student_vocab: int, generator) -> VocabMap:

@@ -101,8 +101,8 @@ def test_compiled_chunks_trace_once_per_configuration_and_equal_eager(fresh_dyna
 @pytest.mark.timeout(900)
 def test_inductor_cpp_chunks_equal_eager_for_every_format_and_divergence(fresh_dynamo):
     """Inductor's C++ code for every format and divergence (and CE), at T = 1 and 2: tight fp32 agreement with
-    eager, the float64 reference's tolerances, one compile each; a bf16 head through the bf16-buffer path and
-    float64. (Every format/divergence/T pairing is traced by the fast test; each compile costs seconds here.)"""
+    eager, the float64 reference's tolerances, one compile each; a bf16 head (its logits in fp32, the same graphs)
+    and float64. (Every format/divergence/T pairing is traced by the fast test; each compile costs seconds here.)"""
     fresh_dynamo("inductor")
     configs = [(None, "fkl", 1.0), ("topk", "fkl", 1.0), ("topk", "rkl", 1.0), ("topk", "jsd", 2.0),
                ("sampled", "fkl", 1.0), ("full", "rkl", 2.0), ("full", "jsd", 1.0)]
@@ -110,4 +110,26 @@ def test_inductor_cpp_chunks_equal_eager_for_every_format_and_divergence(fresh_d
     assert counters["stats"]["unique_graphs"] == len(configs), dict(counters["stats"])
     _check_configs([(None, "fkl", 1.0), ("topk", "fkl", 1.0)], dtype=torch.bfloat16, compiled_rtol=2e-2)
     _check_configs([("topk", "rkl", 2.0)], dtype=torch.float64, compiled_rtol=1e-12)
-    assert counters["stats"]["unique_graphs"] == len(configs) + 3, dict(counters["stats"])
+    # A bf16 head's logits reach the compiled chunk in fp32 (`chunk.head_logits`): its chunks run the fp32 graphs
+    # already compiled above; float64 compiles one more.
+    assert counters["stats"]["unique_graphs"] == len(configs) + 1, dict(counters["stats"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("format", [None, "topk"])
+def test_the_z_loss_compiled_equals_eager(fresh_dynamo, format):
+    """The z-loss through the compiled chunk (CE alone: its own kernel, the GPU's default; and with a teacher)
+    gives the eager chunk's loss, grads and statistics."""
+    fresh_dynamo("aot_eager")
+    hidden, weight, labels, teacher, _, kd_weight = _kd_problem(format, 1.0, seed=210)
+    results = []
+    for compiled in (False, True):
+        results.append(_value_and_grads(
+            lambda h, w: fused_linear_kd_loss(h, w, labels, teacher, 7, 0.5, 1.0, chunk_size=3, kd_weight=kd_weight,
+                                              compiled=compiled, z_loss=0.05), hidden, weight, torch.float64))
+    (eager_loss, eager_grads, eager_stats), (loss, grads, stats) = results
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-12, atol=0)
+    for got, want in zip(grads, eager_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(stats, eager_stats, rtol=1e-6, atol=0)
+    assert stats[-1] > 0  # the z-loss's sum, last

@@ -11,7 +11,7 @@ from lingua.distillation.loss import fused as fused_module
 from lingua.distillation.loss.divergences import distillation_loss
 from lingua.distillation.loss.fused import auto_chunk_rows, fused_linear_kd_loss
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
-from lingua.distillation.loss.reference import kd_loss
+from tests.unit.lingua.distillation.loss.logits_kd import kd_loss
 from lingua.transformer import cross_entropy_sum
 
 N, D, V, K = 10, 6, 13, 4

@@ -8,10 +8,19 @@ import torch
 from lingua.distillation.args import alpha_at
 from lingua.distillation.loss.divergences import distillation_loss
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
-from lingua.distillation.loss.reference import kd_loss
+from tests.unit.lingua.distillation.loss.logits_kd import kd_loss
 
 V = 11
 DIVERGENCES = ["fkl", "rkl", "jsd"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: a thread pool's wake-ups cost more than the math (10+ ms an op on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _logits(*shape, seed, scale=2.0):

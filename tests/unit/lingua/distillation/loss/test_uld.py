@@ -9,7 +9,7 @@ from lingua.distillation.cross_tokenizer.vocab_map import VocabMap
 from lingua.distillation.loss.divergences import distillation_loss
 from lingua.distillation.loss.fused import fused_linear_kd_loss
 from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
-from lingua.distillation.loss.reference import kd_loss
+from tests.unit.lingua.distillation.loss.logits_kd import kd_loss
 from lingua.distillation.loss.uld import split_unmapped, uld_reference
 from tests.gpu.gpus import needs_gpus
 from tests.unit.lingua.distillation.loss.test_fused import _FreshGraph, _value_and_grads, one_thread  # noqa: F401
