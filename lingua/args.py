@@ -221,6 +221,16 @@ def load_config_file(path: Any) -> DictConfig:
     return loaded
 
 
+def drop_retired_keys(cls: type, merged: DictConfig) -> None:
+    """Top-level keys `cls` no longer has (its RETIRED_KEYS: key -> where that went). Null, as an older run's
+    config.yaml holds them, they are dropped, so that file still launches; set, they are one sentence."""
+    for key, moved_to in getattr(cls, "RETIRED_KEYS", {}).items():
+        if key in merged:
+            if merged[key] is not None:
+                raise ConfigError(f"{key}={format_value(merged[key])} is no longer a config key: {moved_to}.")
+            del merged[key]
+
+
 def parse_args(cls: Type[T], argv: Optional[list[str]] = None) -> T:
     """Parse `config=path.yaml key=value a.b=c` (sys.argv by default) into `cls`; `--help` (or `-h`) prints
     its keys with their defaults and exits 0."""
@@ -235,6 +245,7 @@ def parse_args(cls: Type[T], argv: Optional[list[str]] = None) -> T:
         file_cfg = load_config_file(cli.pop("config")) if "config" in cli else OmegaConf.create()
         merged = OmegaConf.merge(file_cfg, cli)
         replace_maps(cls, merged, cli, argv)
+        drop_retired_keys(cls, merged)
     except (yaml.YAMLError, OmegaConfBaseException, TypeError) as err:
         key = getattr(err, "full_key", None)
         if key and _field_type(cls, key) is not None:  # e.g. model=[1, 2] next to model.dim=32

@@ -21,7 +21,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -65,6 +65,9 @@ class TrainArgs:
     probe_freq: Optional[int] = None  # steps between activation/gradient probes; null = none
     enable_distillation: bool = False  # learn from a teacher (the distillation section) as well as the labels
     exit_after_steps: Optional[int] = None  # stop (with a checkpoint) after this many steps of this launch
+    # Keys an older run's config.yaml may hold: dropped when null, one sentence when set.
+    RETIRED_KEYS: ClassVar[dict[str, str]] = {"inject_failure": "the tests inject faults through their harness "
+                                              "(python -m tests.fault_injection inject_failure=...)"}
     # Seconds between SLURM's USR2 and the kill (stool writes its signal_grace_s here); the trainer
     # warns when one step plus a checkpoint take longer than that. 0 = unknown, no check.
     preemption_grace_s: float = 0.0

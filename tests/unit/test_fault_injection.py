@@ -54,3 +54,15 @@ def test_nan_makes_the_loss_not_finite_and_preempt_sets_the_flag_the_vote_reads(
     assert losses[0] == 2.0 and losses[1] != losses[1] and losses[2:] == [2.0, 2.0]
     flags = [requested for _, requested in run_student(monkeypatch, InjectedFailure("preempt", 0, 3), train_rank=0)]
     assert flags == [False, False, True, True]
+
+
+def test_an_older_runs_config_with_inject_failure_still_parses_and_a_set_one_is_a_sentence(tmp_path):
+    from lingua.args import parse_args
+    from lingua.errors import ConfigError
+
+    old = tmp_path / "config.yaml"  # what a run before the harness wrote into its dump dir
+    old.write_text("steps: 7\ninject_failure: null\n")
+    assert parse_args(trainer.TrainArgs, [f"config={old}"]).steps == 7
+    with pytest.raises(ConfigError, match=r"inject_failure='raise:1@3' is no longer a config key: the tests inject "
+                                          r"faults through their harness \(python -m tests.fault_injection"):
+        parse_args(trainer.TrainArgs, [f"config={old}", "inject_failure=raise:1@3"])
