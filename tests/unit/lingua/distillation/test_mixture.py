@@ -509,7 +509,10 @@ def test_one_teacher_that_teaches_some_sources_is_named_as_one_and_still_routed(
     (weight,) = one._weights(torch.tensor([0, 1]), [SimpleNamespace(kd_weight=None)],
                              torch.zeros(2, 3, dtype=torch.long), torch.device("cpu"))
     assert weight.tolist() == [[0.0] * 3, [1.0] * 3]  # pydocs untaught, code taught
-    one.ce_sum, one.alpha, one.kd_stats, one.teacher_stats = torch.tensor(2.0), 0.5, torch.ones(3), torch.ones(1, 5)
+    one.alpha = 0.5
+    one.kd_stats = {name: torch.tensor(1.0) for name in ("kd", "teacher_mass", "top1_agreement")}
+    one.stats = {"ce": torch.tensor(2.0, dtype=torch.float64), **{name: torch.ones(1) for name in
+                 ("kd", "teacher_mass", "top1_agreement", "weight", "aligned")}}
     assert not any(key.startswith(("kd/0/", "eval/0/")) for key in one.step_metrics())
     alone = CacheDistiller(DistillationArgs(teachers=[TeacherArgs(cache_dir="a")]), heldout=[(None, None)])
     assert alone._weights(None, [SimpleNamespace(kd_weight=None)], torch.zeros(2, 3), torch.device("cpu")) == [None]
