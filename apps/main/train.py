@@ -50,7 +50,7 @@ from lingua.optim import OptimArgs, build_optimizer, clip_grad_norm_
 from lingua.parallel.collectives import AgreedError, agree_count
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, read_launch_env
 from lingua.parallel.parallelize import parallelize_model
-from lingua.parallel.preemption import PreemptionFlag, requeue_if_slurm
+from lingua.parallel.preemption import PreemptionFlag
 from lingua.parallel.rank_status import RankStatus
 from lingua.parallel.recovery import agree_on_recovery
 from lingua.parallel.timeouts import HangWatch, enter_training_timeout
@@ -58,6 +58,7 @@ from lingua.parallel.watch import RankWatch
 from lingua.probe import ActivationProbe
 from lingua.profiling import ProfilerArgs, maybe_run_profiler
 from lingua.run.dump_dir import RunDir
+from lingua.run.resume_fit import refuse_another_model, schedule_notice
 from lingua.timing import PhaseLog, StepTimer, format_phase_table, read_phase_files
 from lingua.tokenizer import build_tokenizer
 
@@ -223,8 +224,6 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
     group, device = topo.train_group, topo.device
     with phases.span("tokenizer_init"):
         tokenizer = init_tokenizer(args)
-    if topo.is_train_master:  # resolved: defaults filled, vocab from the tokenizer (mesh -1s stay: a relaunch may resize)
-        dump_config(args, RunDir(args.dump_dir).config)
     with phases.span("model_build"):
         model = build_model(args, topo)
     n_params = sum(p.numel() for p in model.parameters())
@@ -238,6 +237,8 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
     state = TrainState()
     with phases.span("checkpoint_load"):
         checkpoint, saved = restore_checkpoint(args, topo, model, optimizer)
+    if topo.is_train_master:  # resolved: defaults filled, vocab from the tokenizer (mesh -1s stay: a relaunch may resize)
+        dump_config(args, RunDir(args.dump_dir).config)  # after the checks: a refused launch keeps the old one
     with phases.span("data_init"):  # with data.load_async, a producer process builds (or decodes) the batches
         loader = training_loader(args.data, tokenizer, topo.train_rank, topo.train_world_size, cache)
     if saved is not None:
@@ -245,6 +246,8 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
         scheduler.load_state_dict(saved["scheduler"])
         loader.load_state_dict(saved["data"])
         logger.info(f"resumed from step {state.step}")
+        if topo.is_train_master and (notice := schedule_notice(args, state.step)):
+            logger.warning(notice)
 
     probe = ActivationProbe(model, args.dump_dir, topo.global_rank, topo.is_train_master, group,
                             every=args.probe_freq) if args.probe_freq else None
@@ -297,7 +300,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
                 run_probe(args, model, probe, micro_batches[0], state.step)
             # The one agreed control point of the step: stop, save and fail are decided together, with the teachers'
             # error and preemption flags; every branch below reads the agreed flags only.
-            flags = distiller.agree(dict(preempt=preemption.requested or faults.preempt(state.step),
+            flags = distiller.agree(dict(**preemption.flags(injected=faults.preempt(state.step)),
                                          nonfinite=faults.nonfinite(state.step, metrics["loss/total"]),
                                          save_due=checkpoint.minutes_due()), group, device)
             timer.common_point()
@@ -317,8 +320,8 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             if stop_now:
                 ended = "preempted" if preempted else "exit_after_steps"
                 break
-    if ended == "preempted":
-        requeue_if_slurm(topo.is_train_master, args.dump_dir)
+    if ended == "preempted":  # SLURM requeues the job; elsewhere the run ends non-zero (preemption.end)
+        preemption.stopped(state.step, args.steps, flags, topo.is_train_master, args.dump_dir)
     if topo.is_train_master:
         reporter.summary(state, ended)
 
@@ -374,6 +377,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(TrainArgs, argv)
     launch = read_launch_env()
     args.validate(launch.world_size, launch.local_world_size)  # every config error, before any process group
+    refuse_another_model(args)  # a dump dir holding another model's run: before this launch writes anything there
     preemption = PreemptionFlag()  # from here on: handlers only set a flag, students agree on it each step
     # Or refuse (the dump dir is in use), then check for a SIGTERM held while we checked: another rank failed.
     owner = DumpDirOwner(args.dump_dir, launch, args.distributed.init_timeout_s).take()
@@ -406,6 +410,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         preemption.ignore_further()  # a launcher's SIGTERM while we leave would only cut the exit short
         clean_up(failure)
         owner.release()
+    preemption.end()  # stopped early with nothing to requeue it: one sentence, a non-zero exit (a restart resumes)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from lingua.run.dump_dir import read_metrics, train_rows
-from tests.runs import (assert_no_orphan_producers, assert_ok, at_once, base_overrides, signal_ranks, torchrun,
-                        wait_for_step, worker_pids)
+from tests.runs import (assert_no_orphan_producers, assert_ok, assert_stopped_to_resume, at_once, base_overrides,
+                        signal_ranks, torchrun, wait_for_step, worker_pids)
 from tests.student_exports import check_scored_and_exported
 
 pytestmark = pytest.mark.slow  # every test here launches processes
@@ -142,21 +142,44 @@ def test_grad_accumulation_equals_one_big_batch(corpus, tmp_path, reduce_scatter
 
 
 @pytest.mark.timeout(240)
-def test_preemption_signal_to_one_rank_saves_and_exits_cleanly(corpus, tmp_path):
+def test_preemption_signal_to_one_rank_saves_and_exits_to_be_resumed(corpus, tmp_path):
+    """Outside SLURM nothing requeues a preempted run: it saves, then exits non-zero with one sentence, which
+    torchrun's failure report carries too."""
     dump = tmp_path / "run"
     result = torchrun(2, base_overrides(corpus, dump, steps=100000), timeout=180,
                       signal_plan=signal_ranks(dump, [(1, 0.0)]))
-    assert_ok(result)
+    stopped_at = assert_stopped_to_resume(result, steps=100000)
+    assert f"stopped at step {stopped_at} of 100000 on SIGUSR2, its checkpoint saved; relaunch" in result.stdout
     saved = sorted(p.name for p in (dump / "checkpoints").iterdir())
     assert len(saved) == 1 and not saved[0].endswith(".tmp")
     last_step = max(train_rows(dump))
-    assert int(saved[0]) == last_step < 100000
+    assert int(saved[0]) == last_step == stopped_at < 100000
     assert "run preempted" in result.stdout
     # The requeued job (here: the same command again) resumes from the agreed step and goes on.
     resumed = torchrun(2, base_overrides(corpus, dump, steps=last_step + 2), timeout=120)
     assert_ok(resumed)
     assert f"resumed from step {last_step}" in resumed.stdout
     assert max(train_rows(dump)) == last_step + 2
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_one_student_under_max_restarts_finishes_with_the_unbroken_losses(corpus, tmp_path):
+    """`kill <pid>` of one student under `torchrun --max-restarts 3`: every rank saves at the agreed step and exits
+    non-zero, torchrun restarts them, the restart resumes and finishes with the losses of a run never stopped."""
+    unbroken, stopped = tmp_path / "unbroken", tmp_path / "stopped"
+    plain, result = at_once(lambda job: torchrun(2, base_overrides(corpus, job[0], steps=20), timeout=240, **job[1]),
+                            [(unbroken, {}), (stopped, dict(max_restarts=3, signal_plan=signal_ranks(
+                                stopped, [(1, 0.0)], after_step=2, sig=signal.SIGTERM)))])
+    assert_ok(plain)
+    assert_ok(result)
+    found = re.findall(r"^error: stopped at step (\d+) of 20 on SIGTERM, its checkpoint saved; relaunch to resume",
+                       result.stdout, flags=re.M)
+    assert len(found) == 1, result.stdout[-6000:]  # said once, by one of the two students
+    assert f"resumed from step {found[0]}" in result.stdout and "run completed: 20 steps" in result.stdout
+    resumed, reference = train_rows(stopped), train_rows(unbroken)
+    assert sorted(resumed) == sorted(reference) == list(range(1, 21))
+    for step in range(1, 21):
+        assert resumed[step]["loss/ce"] == pytest.approx(reference[step]["loss/ce"], rel=1e-6), step
 
 
 @pytest.mark.timeout(420)
