@@ -58,7 +58,7 @@ def base_overrides(corpus: Path, dump_dir: Path, steps: int = 10, **extra) -> li
         "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seqlen": 32,
         "distributed.model_dtype": "fp32", "distributed.init_timeout_s": 60, "distributed.train_timeout_s": 30,
         "logging.freq": 1, "checkpoint.dump.every": 1000, "optim.warmup": 2, "optim.lr": 3e-3,
-        "data.load_async": "false", "heldout.every": 0,
+        "data.load_async": "false", "heldout.every": 0, "logging.console": "all",  # tests read every rank's lines
     }
     overrides.update(extra)
     return [f"{k}={v}" for k, v in overrides.items()]

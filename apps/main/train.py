@@ -44,7 +44,7 @@ from lingua.distributed import Topology, clean_up, log_rank_device_map, setup_to
 from lingua.run.owner import DumpDirOwner
 from lingua.errors import ConfigError, NonFiniteError
 from lingua.evaluation.heldout import eval_files
-from lingua.logger import init_logger
+from lingua.logger import STARTUP_DETAIL, init_logger
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs, build_optimizer, clip_grad_norm_
 from lingua.parallel.collectives import AgreedError, agree_count
@@ -217,7 +217,7 @@ class FirstStepTracker:
         self.collective_timeout_s = self.args.distributed.train_timeout_s
         if self.topo.is_train_master:  # every rank's spans are on disk by now (teacher's too)
             table = format_phase_table(read_phase_files(self.args.dump_dir, world_size=self.topo.world_size))
-            logger.info("startup phases (all ranks)\n" + table)
+            logger.info("startup phases (all ranks)\n" + table, extra=STARTUP_DETAIL)
 
 
 def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: PreemptionFlag) -> None:
@@ -386,7 +386,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         teachers = TeacherLaunch.of(args.enable_distillation, args.distillation)
         topo = setup_torch_distributed(args.distributed, teachers.n_ranks, args.dump_dir, teachers.tp, teachers.counts,
                                        teachers.paths, teachers.replica_sizes)
-        init_logger(topo.global_rank, topo.role, str(RunDir(args.dump_dir).rank_log(topo.global_rank)))
+        init_logger(topo.global_rank, topo.role, str(RunDir(args.dump_dir).rank_log(topo.global_rank)),
+                    console=args.logging.console)
         # From here a rank that fails leaves a note, and one that loses a peer names the rank that stopped.
         with (RankStatus(args.dump_dir, topo, debug=args.distributed.debug_mode) as status,
               RankWatch(topo, args.dump_dir, status, traces=args.distributed.traces, owner=owner)):

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow  # every test here launches processes
 @pytest.mark.timeout(240)
 def test_two_rank_fsdp_loss_decreases(corpus, tmp_path):
     dump = tmp_path / "run"
-    result = torchrun(2, base_overrides(corpus, dump, steps=30, **{"optim.lr": 1e-2}), timeout=200)
+    result = torchrun(2, base_overrides(corpus, dump, steps=30, **{"optim.lr": 1e-2, "logging.console": "brief"}),
+                      timeout=200)
     assert_ok(result)
     rows = train_rows(dump)
     assert sorted(rows) == list(range(1, 31))
@@ -35,8 +36,15 @@ def test_two_rank_fsdp_loss_decreases(corpus, tmp_path):
     for row in rows.values():  # what a user plots: throughput, step and data time, memory, lr
         assert row["speed/tokens_per_s"] > 0 and row["speed/step_time_s"] > 0 and row["speed/data_time_s"] >= 0
         assert row["mem/peak_gib"] > 0 and row["optim/lr"] > 0 and row["tokens"] > 0
-    # Per-rank log lines carry rank and role.
-    assert "[r0 student]" in result.stdout and "[r1 student]" in result.stdout
+    # The console (logging.console=brief, the default): the first step's line on the first screen, rank 0's lines
+    # only; each rank's log holds all of its lines (prefixed with rank and role), the phase table among them.
+    console = result.stdout.splitlines()
+    first_step = next(i for i, line in enumerate(console) if " train: step 1/30 " in line)
+    assert first_step < 20 and "[r1 student]" not in result.stdout, console[:first_step + 1]
+    logs = {rank: (dump / "logs" / f"rank_{rank}.log").read_text() for rank in (0, 1)}
+    assert "[r1 student] INFO  lingua.distributed: process group destroyed" in logs[1]
+    assert "startup phases (all ranks)" in logs[0] and "startup phases (all ranks)" not in result.stdout
+    assert "[r0 student] INFO  lingua.timing: startup phase model_build" in logs[0]
 
 
 @pytest.mark.timeout(420)
