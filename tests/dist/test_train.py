@@ -168,6 +168,9 @@ def test_preemption_signal_to_one_rank_saves_and_exits_to_be_resumed(corpus, tmp
     assert_ok(resumed)
     assert f"resumed from step {last_step}" in resumed.stdout
     assert max(train_rows(dump)) == last_step + 2
+    # Another steps= re-lays the lr schedule: said in one line, with what it does to the lr.
+    notice = f"resuming a run of steps=100000 with steps={last_step + 2}: the cosine lr schedule is stretched over"
+    assert resumed.stdout.count(notice) == 1, resumed.stdout[-3000:]
 
 
 @pytest.mark.timeout(300)
