@@ -21,6 +21,8 @@ keep working:
                       the part (CE, KD, the teacher), and what to change
     TeacherError      a teacher's failure every bridge member reports alike: it failed to load (for a reason
                       above), a student's request it refused (token ids beyond its vocabulary)
+    RunStopped        a run preempted (SIGTERM, SIGUSR2) before its last step that nothing requeues: saved, and
+                      exits non-zero so that a relaunch (or torchrun's restart) resumes it
     RunFailed         a run a command launched (a benchmark's or the study's training runs, the cache writer)
                       failed or ran out of time; the sentence names the run's log, which holds its own error
 
@@ -63,6 +65,11 @@ class TeacherError(UserError, RuntimeError):
 
 class RunFailed(UserError, RuntimeError):
     """A run this command launched failed or ran out of time; the sentence names its log."""
+
+
+class RunStopped(UserError, RuntimeError):
+    """A run stopped before its last step (a preemption signal) with a checkpoint, and nothing requeues it: the
+    non-zero exit makes a launcher's restarts (torchrun --max-restarts) resume it; the sentence says how far it got."""
 
 
 class CrashLoop(UserError, RuntimeError):

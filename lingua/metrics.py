@@ -19,6 +19,7 @@ from typing import Any, Optional, TextIO
 import torch
 
 from lingua.args import require
+from lingua.logger import CONSOLES
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +51,13 @@ class WandbArgs:
 class LoggingArgs:
     freq: int = 10  # log every `freq` steps
     wandb: Optional[WandbArgs] = None  # None = jsonl only
+    # The console: "brief" (rank 0's lines less start-up detail, every rank's warnings) or "all" (every rank's every
+    # line); logs/rank_<r>.log holds every line either way.
+    console: str = "brief"
 
     def validate(self) -> None:
         require(self.freq >= 1, "logging.freq", self.freq, "log every N >= 1 steps")
+        require(self.console in CONSOLES, "logging.console", self.console, f"use one of {', '.join(CONSOLES)}")
         if self.wandb is not None:
             self.wandb.validate()
 

@@ -59,7 +59,7 @@ def base_overrides(corpus: Path, dump_dir: Path, steps: int = 10, **extra) -> li
         "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seqlen": 32,
         "distributed.model_dtype": "fp32", "distributed.init_timeout_s": 60, "distributed.train_timeout_s": 30,
         "logging.freq": 1, "checkpoint.dump.every": 1000, "optim.warmup": 2, "optim.lr": 3e-3,
-        "data.load_async": "false", "heldout.every": 0,
+        "data.load_async": "false", "heldout.every": 0, "logging.console": "all",  # tests read every rank's lines
     }
     overrides.update(extra)
     return [f"{k}={v}" for k, v in overrides.items()]
@@ -199,6 +199,16 @@ def assert_ok(result) -> None:
     assert result.returncode == 0, result.stdout[-6000:]
 
 
+def assert_stopped_to_resume(result, steps: int) -> int:
+    """A launch preempted before its last step that nothing requeues: a non-zero exit, its sentence printed once
+    (and in torchrun's failure report); returns the step it stopped at."""
+    assert result.returncode != 0, result.stdout[-6000:]
+    found = re.findall(rf"^error: stopped at step (\d+) of {steps} on ", result.stdout, flags=re.M)
+    assert len(found) == 1, result.stdout[-6000:]
+    assert re.search(rf"traceback : stopped at step {found[0]} of {steps} on ", result.stdout), result.stdout[-3000:]
+    return int(found[0])
+
+
 def rank_outputs(log_dir: Path) -> dict[int, dict[str, str]]:
     """Local rank -> {"stdout": ..., "stderr": ...} as torchrun's --log-dir kept them (one node)."""
     outputs: dict[int, dict[str, str]] = {}
@@ -272,8 +282,8 @@ def wait_for_step(dump: Path, step: int, timeout: float = 90) -> None:
 
 
 def signal_ranks(dump: Path, ranks_and_delays: list[tuple[int, float]], after_step: int = 3,
-                 delivered: list[int] | None = None):
-    """A signal_plan for torchrun(): SIGUSR2 to each rank, after `after_step` and a delay.
+                 delivered: list[int] | None = None, sig: signal.Signals = signal.SIGUSR2):
+    """A signal_plan for torchrun(): `sig` (SLURM's SIGUSR2 unless told) to each rank, after `after_step` and a delay.
 
     The first signal must reach a live rank. A later one may find its rank already gone (the
     agreed stop, save and exit can all fit in the delay); it is then skipped. The ranks that got
@@ -284,7 +294,7 @@ def signal_ranks(dump: Path, ranks_and_delays: list[tuple[int, float]], after_st
         for i, (rank, delay) in enumerate(ranks_and_delays):
             time.sleep(delay)
             try:
-                os.kill(rank_pid(dump, rank), signal.SIGUSR2)
+                os.kill(rank_pid(dump, rank), sig)
             except ProcessLookupError:
                 if i == 0:
                     raise

@@ -43,12 +43,13 @@ from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs, build_optimizer, clip_grad_norm_
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, read_launch_env
 from lingua.parallel.parallelize import build_sharded
-from lingua.parallel.preemption import PreemptionFlag, requeue_if_slurm
+from lingua.parallel.preemption import PreemptionFlag
 from lingua.parallel.run_clock import RunClock
 from lingua.probe import ActivationProbe
 from lingua.profiling import ProfilerArgs, maybe_run_profiler
 from lingua.run.dump_dir import RunDir
 from lingua.run.launch import launched_rank
+from lingua.run.resume_fit import refuse_another_model, schedule_notice
 from lingua.timing import PhaseLog, StepTimer
 from lingua.tokenizer import build_tokenizer, model_vocab_size
 
@@ -177,8 +178,6 @@ def log_student(args: TrainArgs, topo: Topology, model) -> None:
 def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: PreemptionFlag) -> None:
     with phases.span("tokenizer_init"):
         tokenizer = init_tokenizer(args)
-    if topo.is_train_master:  # resolved: defaults filled, vocab from the tokenizer (mesh -1s stay: a relaunch may resize)
-        dump_config(args, RunDir(args.dump_dir).config)
     with phases.span("model_build"):
         model = build_model(args, topo)
     log_student(args, topo, model)
@@ -189,6 +188,8 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
     state = TrainState()
     with phases.span("checkpoint_load"):
         checkpoint, saved = restore_checkpoint(args, topo, model, optimizer)
+    if topo.is_train_master:  # resolved: defaults filled, vocab from the tokenizer (mesh -1s stay: a relaunch may resize)
+        dump_config(args, RunDir(args.dump_dir).config)  # after the checks: a refused launch keeps the old one
     with phases.span("data_init"):  # with data.load_async, a producer process builds (or decodes) the batches
         loader = training_loader(args.data, tokenizer, topo.train_rank, topo.train_world_size, cache)
     if saved is not None:
@@ -196,6 +197,8 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
         scheduler.load_state_dict(saved["scheduler"])
         loader.load_state_dict(saved["data"])
         logger.info(f"resumed from step {state.step}")
+        if topo.is_train_master and (notice := schedule_notice(args, state.step)):
+            logger.warning(notice)
 
     probe = ActivationProbe(model, args.dump_dir, topo.global_rank, topo.is_train_master, topo.train_group,
                             every=args.probe_freq) if args.probe_freq else None
@@ -242,7 +245,7 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
                 run_probe(args, model, probe, micro_batches[0], state.step)
             # The one agreed control point of the step: stop, save and fail are decided together, with the teachers'
             # error and preemption flags; every branch below reads the agreed flags only.
-            flags = distiller.agree(dict(preempt=preemption.requested, nonfinite=~torch.isfinite(metrics["loss/total"]),
+            flags = distiller.agree(dict(**preemption.flags(), nonfinite=~torch.isfinite(metrics["loss/total"]),
                                          save_due=checkpoint.minutes_due()), topo.train_group, topo.device)
             clock.after_agreement(state.step)
             if flags["nonfinite"]:
@@ -260,8 +263,8 @@ def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: Preempt
             if stop_now:
                 ended = "preempted" if preempted else "exit_after_steps"
                 break
-    if ended == "preempted":
-        requeue_if_slurm(topo.is_train_master, args.dump_dir)
+    if ended == "preempted":  # SLURM requeues the job; elsewhere the run ends non-zero (preemption.end)
+        preemption.stopped(state.step, args.steps, flags, topo.is_train_master, args.dump_dir)
     if topo.is_train_master:
         reporter.summary(state, ended)
 
@@ -323,9 +326,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(TrainArgs, argv)
     launch = read_launch_env()
     args.validate(launch.world_size, launch.local_world_size)  # every config error, before any process group
+    refuse_another_model(args)  # a dump dir holding another model's run: before this launch writes anything there
     teachers = launch_teachers(args.enable_distillation, args.distillation)
     # This rank's topology (process groups, roles), its startup log and the preemption flag (lingua/run/launch.py).
-    with launched_rank(args.dump_dir, args.distributed, launch, teachers) as (topo, phases, preemption):
+    with launched_rank(args.dump_dir, args.distributed, launch, teachers, args.logging.console) as (topo, phases,
+                                                                                                  preemption):
         torch.manual_seed(args.seed)
         if topo.is_teacher:
             distillation_process(args, topo, phases, preemption)

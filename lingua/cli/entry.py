@@ -4,7 +4,9 @@
         run_cli(main)
 
 A `UserError` (lingua/errors.py) is one `error: <sentence>` line on stderr and exit code 2. A rank that only
-lost a rank that stopped first (`PeerStopped`) says which one, in one sentence too, and exits 1. Anything else
+lost a rank that stopped first (`PeerStopped`) says which one, in one sentence too, and exits 1. Under torchrun
+the sentence also goes to torchrun's error file (its failure report shows it), and ranks failing alike print it
+once (`first_to_say`). Anything else
 is a bug: its traceback goes to stderr, to the rank's log once `init_logger` opened it, and to torchrun's error
 file (its failure summary shows it), and the exit code is 1. Nothing here imports torch at import time:
 `hold_sigterm` runs before the slow imports. When `main` returns, the objects still alive are frozen out of
@@ -12,14 +14,19 @@ the cycle collector before the interpreter's teardown (`end_without_cycle_collec
 """
 
 import gc
+import hashlib
+import json
 import logging
 import os
+import re
 import signal
 import sys
+import time
 import traceback
+from pathlib import Path
 from typing import Callable
 
-from lingua.errors import PeerStopped, UserError
+from lingua.errors import PeerStopped, RunStopped, UserError
 from lingua.logger import FILE_ONLY, rank_log_file
 
 logger = logging.getLogger(__name__)
@@ -56,7 +63,11 @@ def run_cli(main: Callable[[], object]) -> None:
     except (UserError, PeerStopped) as err:
         _leaving()
         sentence = " ".join(str(err).split())  # one line, whatever the message held
-        sys.stderr.write(f"error: {sentence}\n")  # one write: ranks sharing the terminal do not interleave
+        # Said once where every rank fails alike: before a rank's log opened (the launch's own checks) or a stopped run.
+        if first_to_say(sentence, once=rank_log_file() is None or isinstance(err, RunStopped)):
+            sys.stderr.write(f"error: {sentence}\n")  # one write: ranks sharing the terminal do not interleave
+        elif rank_log_file() is not None:
+            logger.error(f"error: {sentence}", extra=FILE_ONLY)
         sys.exit(1 if isinstance(err, PeerStopped) else 2)
     except Exception as err:
         _leaving()
@@ -65,6 +76,53 @@ def run_cli(main: Callable[[], object]) -> None:
     else:
         if sys._getframe(1).f_globals.get("__name__") == "__main__":  # the program's entry: the process ends next
             end_without_cycle_collections()  # (not when a test calls run_cli in its own process)
+
+
+def first_to_say(sentence: str, once: bool) -> bool:
+    """Whether this rank prints `sentence`. Under torchrun it also goes to torchrun's error file, so torchrun's
+    failure report shows it in place of `error_file: <N/A>`. With `once` (every rank fails alike: the launch's own
+    checks of one config, a stopped run), only the first of its agent's ranks to fail with it prints it and is the
+    report's root cause; the others stay quiet and record `the same error as local rank N`, a second later (the
+    report's root cause is the earliest). Outside torchrun every rank prints."""
+    if ELASTIC_ERROR_FILE not in os.environ:
+        return True
+    error_file = Path(os.environ[ELASTIC_ERROR_FILE])  # <log dir>/<run id>/attempt_<n>/<local rank>/error.json
+    if not once:
+        _write_error_file(error_file, sentence, int(time.time()))
+        return True
+    alike = re.sub(r"\d+", "#", sentence)  # a heartbeat's age, read a second apart, is still the same error
+    said = error_file.parent.parent / f"said.{hashlib.sha1(alike.encode()).hexdigest()[:16]}"
+    now = int(time.time())
+    try:
+        error_file.parent.mkdir(parents=True, exist_ok=True)  # torchrun made it; a test may not have
+        with open(said, "x") as f:  # exclusive: of the ranks failing alike at once, exactly one creates it
+            f.write(json.dumps(dict(local_rank=error_file.parent.name, timestamp=now)))
+        first, message = True, sentence
+    except FileExistsError:
+        sayer = _read_json(said)
+        first, now = False, max(now, int(sayer.get("timestamp", now)) + 1)
+        message = f"the same error as local rank {sayer.get('local_rank', '?')}"
+    except OSError:  # torchrun's folder is not writable here: say it, as without torchrun
+        return True
+    _write_error_file(error_file, message, now)
+    return first
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # the sayer is still writing it: the second is close enough
+        return {}
+
+
+def _write_error_file(error_file: Path, message: str, timestamp: int) -> None:
+    """torchrun's error file in the format of its own `record` (its report shows `message` when no traceback)."""
+    try:
+        error_file.parent.mkdir(parents=True, exist_ok=True)
+        error_file.write_text(json.dumps({"message": {"message": message,
+                                                      "extraInfo": {"timestamp": str(timestamp)}}}))
+    except OSError as err:  # the sentence is printed or the sayer's; a failed copy must not hide it
+        sys.stderr.write(f"(torchrun's error file not written: {err})\n")
 
 
 def end_without_cycle_collections() -> None:

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 
+from lingua.logger import STARTUP_DETAIL
 from lingua.parallel.collectives import agree_count
 from lingua.parallel.timeouts import HangWatch, enter_training_timeout
 from lingua.timing import PhaseLog, StepTimer, phase_table
@@ -69,7 +70,7 @@ class RunClock:
         self.first_step = None
         if self.topo.is_train_master:  # every rank's spans are on disk by now (teacher's too)
             table = phase_table(self.dump_dir, world_size=self.topo.world_size)
-            logger.info("startup phases (all ranks)\n" + table)
+            logger.info("startup phases (all ranks)\n" + table, extra=STARTUP_DETAIL)
 
     def start(self, micro_batches_per_step: int) -> None:
         """The loop's start, where every student meets the others: they agree on the loop's length (micro-batches per

@@ -5,4 +5,6 @@
     launch.py              launched_rank: a rank's life in a launch (the dump dir taken, process groups, log, status
                            file and watch, the crash agreed, the last barrier, teardown), around train or serve
     checkpoint_health.py   a checkpoint's files read when a save or load goes wrong: one sentence, not a traceback
+    resume_fit.py          whether a launch's config fits the run in its dump dir: another model is refused, another
+                           steps= is said (from the newest checkpoint's params.json)
 """

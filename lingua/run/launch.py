@@ -9,7 +9,8 @@ In order: signals only set the preemption flag; the dump dir is taken (or refuse
 `Topology`; the rank's log; its status file and watch thread (a rank that fails leaves a note, one that loses a
 peer names the rank that stopped); the previous generation's crash agreed on (or the crash loop's sentence); the
 setup's startup spans; the rank/device table. On the way out every rank meets the others in a last barrier, and
-any exit (an error too) leaves torch.distributed and releases the dump dir.
+any exit (an error too) leaves torch.distributed and releases the dump dir; a run stopped early that nothing
+requeues then ends non-zero with one sentence.
 """
 
 import contextlib
@@ -30,16 +31,17 @@ from lingua.timing import PhaseLog
 
 
 @contextlib.contextmanager
-def launched_rank(dump_dir: str, distributed: DistributedArgs, launch: LaunchEnv,
-                  teachers) -> Iterator[tuple[Topology, PhaseLog, PreemptionFlag]]:
-    """This rank's topology, startup log and preemption flag, for the launch's teachers (one `TeacherLayout` each)."""
+def launched_rank(dump_dir: str, distributed: DistributedArgs, launch: LaunchEnv, teachers,
+                  console: str = "brief") -> Iterator[tuple[Topology, PhaseLog, PreemptionFlag]]:
+    """This rank's topology, startup log and preemption flag, for the launch's teachers (one `TeacherLayout` each);
+    `console`: logging.console (what the terminal shows; the rank's log file gets every line)."""
     preemption = PreemptionFlag()  # from here on: handlers only set a flag, students agree on it each step
     # Or refuse (the dump dir is in use), then check for a SIGTERM held while we checked: another rank failed.
     owner = DumpDirOwner(dump_dir, launch, distributed.init_timeout_s).take()
     failure: Optional[BaseException] = None  # an exceptional exit aborts the process groups (clean_up)
     try:
         topo = setup_torch_distributed(distributed, teachers, dump_dir)
-        init_logger(topo.global_rank, topo.role, str(RunDir(dump_dir).rank_log(topo.global_rank)))
+        init_logger(topo.global_rank, topo.role, str(RunDir(dump_dir).rank_log(topo.global_rank)), console=console)
         # From here a rank that fails leaves a note, and one that loses a peer names the rank that stopped.
         with (RankStatus(dump_dir, topo, debug=distributed.debug_mode) as status,
               RankWatch(topo, dump_dir, status, traces=distributed.traces, owner=owner)):
@@ -59,3 +61,4 @@ def launched_rank(dump_dir: str, distributed: DistributedArgs, launch: LaunchEnv
         preemption.ignore_further()  # a launcher's SIGTERM while we leave would only cut the exit short
         clean_up(failure)
         owner.release()
+    preemption.end()  # stopped early with nothing to requeue it: one sentence, a non-zero exit (a restart resumes)

@@ -3,8 +3,9 @@ launch is refused (a value out of range, an unknown key, a world size the mesh c
 that does not exist, a limit read from one that does), each run on the plain launch (2 ranks) or on the
 distillation launch (2 students + 1 tiny teacher), the two in turn; two of them once more with the teacher rank starting its
 config check only after torchrun has SIGTERMed it, as torchrun does to every rank still running once one
-exits. Each rank prints exactly one `error: ` sentence naming the key, exits 2, prints no traceback (nor
-writes one for torchrun's summary), and no process group is ever created.
+exits. Every rank exits 2 and prints no traceback; one rank prints the `error: ` sentence naming the key (the
+others fail alike and stay quiet), torchrun's failure report shows it as the root cause (each rank's error file),
+and no process group is ever created.
 
 Every row's sentence is checked in-process, on both launches' configs, by tests/unit/lingua/parallel/test_launch_plan.py; what a
 launch adds (torchrun, one process per rank, the SIGTERM) is the same for every row, so a few rows prove it.
@@ -81,28 +82,29 @@ def outcomes(corpus, tiny_teacher, tmp_path_factory) -> dict:
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("bad, kind", JOBS, ids=[f"{bad.name}-{kind}" for bad, kind in JOBS])
-def test_bad_config_is_one_sentence_on_every_rank(outcomes, bad, kind):
+def test_bad_config_is_one_sentence_said_once_and_in_torchruns_report(outcomes, bad, kind):
     outcome = outcomes[(bad.name, kind)]
     tail = outcome.stdout[-4000:]
     world = WORLD_SIZES[kind]
     assert outcome.exit_codes == {rank: 2 for rank in range(world)}, tail
     assert sorted(outcome.ranks) == list(range(world)), tail
-    sentences = set()
+    errors = []
     for rank, output in outcome.ranks.items():
         lines = (output.get("stdout", "") + output.get("stderr", "")).splitlines()
-        errors = [line for line in lines if line.startswith("error: ")]
-        assert len(errors) == 1, (rank, lines)
+        errors += [line for line in lines if line.startswith("error: ")]
         assert not any("Traceback" in line for line in lines), (rank, lines)
-        assert bad.key in errors[0], errors[0]
-        if bad.sentence is not None:
-            assert errors[0] == f"error: {bad.sentence_of(kind)}"
-        sentences.add(errors[0])
-    assert len(sentences) == 1, sentences  # the same words on every rank
-    # A user's error leaves torchrun no error file: its failure summary carries no traceback either.
-    assert outcome.stdout.count("error_file: <N/A>") == world, tail
+    assert len(errors) == 1, errors  # every rank fails alike; one of them says it
+    assert bad.key in errors[0], errors[0]
+    if bad.sentence is not None:
+        assert errors[0] == f"error: {bad.sentence_of(kind)}"
+    # torchrun's failure report carries it (each rank's error file), as its root cause; the others point to it.
+    report = outcome.stdout[outcome.stdout.index("Root Cause (first observed failure):"):]
+    assert re.search(r"^  traceback : (.*)$", report, flags=re.M).group(1) == errors[0][len("error: "):], tail
+    others = re.findall(r"^  traceback : the same error as local rank \d+$", outcome.stdout, flags=re.M)
+    assert len(others) == world - 1 and "<N/A>" not in outcome.stdout, tail
     # Refused before any process group: no rank got as far as torch.distributed or its log file.
     assert "process_group_init" not in outcome.stdout and not (outcome.dump_dir / "logs").exists()
-    if kind == "sigterm":  # the late rank really was stopped by torchrun before it checked, and still said it
+    if kind == "sigterm":  # the late rank really was stopped by torchrun before it checked
         assert f"rank {LATE_RANK}: SIGTERM held before its config check" in outcome.ranks[LATE_RANK]["stdout"], tail
         assert re.search(r"Sending process \d+ closing signal SIGTERM", outcome.stdout), tail
 

@@ -12,7 +12,8 @@ import pytest
 from apps.bench import distill as bench
 from lingua.distillation.args import resolve_prefetch
 from lingua.run.dump_dir import RunDir, read_metrics, train_rows
-from tests.runs import assert_ok, at_once, distill_overrides, rank_exit_codes, rank_outputs, signal_ranks, torchrun
+from tests.runs import (assert_ok, assert_stopped_to_resume, at_once, distill_overrides, rank_exit_codes, rank_outputs,
+                        signal_ranks, torchrun)
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -287,13 +288,14 @@ def test_prefetch_gives_the_same_losses_and_resumes_exactly(corpus, tiny_teacher
     preempted at step 3 and resumed gives, step for step, the numbers of an uninterrupted run without it."""
     reference, split = tmp_path / "prefetch0", tmp_path / "split"
     # prefetch 1 (the default), preempted at step 3 with a look-ahead request of step 4 in flight: drained,
-    # saved at 3, STOP, exit 0. It and the reference are independent: launched at once.
+    # saved at 3, STOP, exit to be resumed. It and the reference are independent: launched at once.
     result, first = at_once(lambda job: torchrun(3, distill_overrides(corpus, tiny_teacher, job[0], steps=6,
                                                                       grad_acc_steps=2, **job[1]), timeout=150),
                             [(reference, {"distillation.prefetch": 0}), (split, {"inject_failure": "preempt:1@3"})])
     assert_ok(result)
     assert "STOP received after 12 requests" in result.stdout
-    assert_ok(first)
+    assert assert_stopped_to_resume(first, steps=6) == 3
+    assert "on an injected preemption" in first.stdout
     assert "run preempted" in first.stdout and "STOP received after 7 requests" in first.stdout  # 3 x 2 + look-ahead
     assert sorted(p.name for p in (split / "checkpoints").iterdir()) == [f"{3:010d}"]
     second = torchrun(3, distill_overrides(corpus, tiny_teacher, split, steps=6, grad_acc_steps=2), timeout=150)

@@ -2,6 +2,7 @@
 a second launch into a live run's dump dir, a full disk during a save, a torn checkpoint, a teacher with a NaN
 weight, a diverging student. Each ends in one sentence per rank, never a traceback, and leaves what was safe."""
 
+import hashlib
 import json
 import os
 import re
@@ -13,7 +14,8 @@ import pytest
 
 from lingua.run.owner import OWNER
 from lingua.run.dump_dir import read_metrics, train_rows
-from tests.runs import distill_overrides, rank_exit_codes, rank_pid, torchrun, wait_for_step
+from tests.runs import (assert_stopped_to_resume, base_overrides, distill_overrides, rank_exit_codes, rank_pid, torchrun,
+                        wait_for_step)
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -43,18 +45,18 @@ def test_a_second_launch_into_a_live_dump_dir_refuses_and_the_first_is_untouched
         second.append(torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=4), timeout=LIMIT_S))
         holder["reached"] = max(train_rows(dump))
         wait_for_step(dump, holder["reached"] + 1, timeout=LIMIT_S)  # the first run trains on, untouched
-        os.kill(rank_pid(dump, 0), signal.SIGUSR2)  # and stops as a preempted run does: save, STOP, exit 0
+        os.kill(rank_pid(dump, 0), signal.SIGUSR2)  # and stops as a preempted run does: save, STOP, exit to resume
 
     first = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, steps=100000), timeout=2 * LIMIT_S,
                      signal_plan=launch_again_then_preempt)
-    assert first.returncode == 0, first.stdout[-6000:]
+    assert_stopped_to_resume(first, steps=100000)
     refused = second[0]
     since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder["since"]))
     expected = (rf"error: dump_dir {re.escape(str(dump))} is in use by another run \(host {holder['host']}, pid "
                 rf"{holder['pid']}, since {since} \(heartbeat \d+s ago\)\); wait for it to end, or give this run "
                 rf"another dump_dir \(a holder that is gone is taken over once its process is dead or its heartbeat "
                 rf"is \d+s old\)")
-    assert len(sentences(refused.stdout)) == 3, refused.stdout[-6000:]  # every rank, before any process group
+    assert len(sentences(refused.stdout)) == 1, refused.stdout[-6000:]  # every rank fails alike, one says it
     assert all(re.fullmatch(expected, s) for s in sentences(refused.stdout)), refused.stdout[-6000:]
     assert rank_exit_codes(refused.stdout) == {0: 2, 1: 2, 2: 2}, refused.stdout[-6000:]
     assert "process_group_init" not in refused.stdout
@@ -64,6 +66,33 @@ def test_a_second_launch_into_a_live_dump_dir_refuses_and_the_first_is_untouched
     assert steps == list(range(1, len(steps) + 1)) and steps[-1] > holder["reached"], steps
     assert [p.name for p in (dump / "checkpoints").iterdir()] == [f"{steps[-1]:010d}"]
     assert not (dump / OWNER).exists()
+
+
+def file_hashes(root) -> dict[str, str]:
+    """Every file under `root` (hidden ones too) and its content's hash."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.timeout(3 * LIMIT_S)
+def test_a_launch_into_another_models_dump_dir_is_one_sentence_and_changes_no_file(corpus, tiny_teacher, tmp_path):
+    """The distillation config launched into the dump dir of a plain run (another tokenizer, width and name): one
+    sentence naming what differs, said once and in torchrun's report, and every file there as it was."""
+    dump = tmp_path / "run"
+    assert torchrun(2, base_overrides(corpus, dump, steps=2, name="plain_bytes"), timeout=LIMIT_S).returncode == 0
+    before = file_hashes(dump)
+    assert "config.yaml" in before and any(name.startswith("logs/rank_") for name in before), sorted(before)
+    refused = torchrun(3, distill_overrides(corpus, tiny_teacher, dump, **{"model.dim": 64}), timeout=LIMIT_S)
+    ckpt = dump / "checkpoints" / f"{2:010d}"
+    expected = (f"error: dump_dir {dump} holds a run of another model (its newest checkpoint {ckpt}: model.dim=32 "
+                f"there, 64 here; a vocabulary of 258 tokens (tokenizer bytes) there, 512 (tokenizer hf {tiny_teacher}) "
+                f"here; the run's name 'plain_bytes' there, 'lingua' here), which this config cannot resume; pick "
+                f"another dump_dir for this config (nothing in this one was changed)")
+    assert sentences(refused.stdout) == [expected], refused.stdout[-6000:]  # once, though every rank refused
+    assert f"traceback : {expected[len('error: '):]}" in refused.stdout, refused.stdout[-3000:]  # torchrun's report
+    assert rank_exit_codes(refused.stdout) == {0: 2, 1: 2, 2: 2}, refused.stdout[-6000:]
+    assert_no_traceback(refused.stdout)
+    assert file_hashes(dump) == before  # config.yaml, logs, startup and status files, metrics: untouched
 
 
 @pytest.mark.timeout(3 * LIMIT_S)

@@ -20,8 +20,8 @@ from apps.debug.postmortem import analyse
 from lingua.data import DataArgs, DataLoader
 from lingua.run.dump_dir import RunDir, eval_rows, train_rows
 from lingua.tokenizer import TokenizerArgs, build_tokenizer
-from tests.runs import (assert_ok, distill_overrides, rank_exit_codes, rank_outputs, rank_pid, signal_ranks, torchrun,
-                        wait_for_step, write_corpus)
+from tests.runs import (assert_ok, assert_stopped_to_resume, distill_overrides, rank_exit_codes, rank_outputs,
+                        rank_pid, signal_ranks, torchrun, wait_for_step, write_corpus)
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -152,7 +152,8 @@ def test_each_source_learns_from_its_own_teacher_and_a_killed_teacher_is_named(t
 @pytest.mark.timeout(400)
 def test_a_preempted_run_resumes_exactly_until_a_failing_teacher_is_named(two_sources, tiny_teacher, second_teacher,
                                                                           unbroken_then_killed, tmp_path):
-    """SIGUSR2 to teacher 1 (rank 3): the students agree to save and stop, STOP both teachers, exit 0. Relaunched,
+    """SIGUSR2 to teacher 1 (rank 3): the students agree to save and stop, STOP both teachers, exit to be resumed.
+    Relaunched,
     it resumes and trains step for step as the unbroken run did, until teacher 1 fails serving a request: every rank
     ends with the sentence naming it, teacher 0 with the students' ERROR, which names it too."""
     split, logs, delivered = tmp_path / "run", tmp_path / "torchrun", []
@@ -161,7 +162,8 @@ def test_a_preempted_run_resumes_exactly_until_a_failing_teacher_is_named(two_so
     first = torchrun(4, overrides, timeout=LIMIT_S, signal_plan=signal_ranks(split, [(3, 0.0)], after_step=1,
                                                                               delivered=delivered))
     print(f"preempted launch: {time.time() - start:.1f}s")
-    assert_ok(first)
+    assert "on a teacher rank's preemption signal" in first.stdout, first.stdout[-4000:]
+    assert assert_stopped_to_resume(first, steps=UNBOUNDED) >= 1
     assert delivered == [3] and "run preempted" in first.stdout, first.stdout[-4000:]
     assert first.stdout.count("STOP received after") == 2, first.stdout[-4000:]
     stopped_at = max(train_rows(split))

@@ -13,6 +13,7 @@ from lingua.run.dump_dir import RunDir, train_rows
 from setup.make_tiny_teacher import make_tiny_teacher
 from tests.runs import (
     assert_ok,
+    assert_stopped_to_resume,
     distill_overrides,
     rank_exit_codes,
     rank_outputs,
@@ -92,7 +93,7 @@ def test_a_tp2_replica_trains_like_one_teacher_rank_survives_sigusr2_on_a_follow
     split, delivered = tmp_path / "tp2", []
     first = torchrun(4, distill_overrides(corpus, tiny_teacher, split, steps=6, **extra, **TP), timeout=200,
                      signal_plan=signal_ranks(split, [(3, 0.0)], after_step=2, delivered=delivered))
-    assert_ok(first)
+    assert assert_stopped_to_resume(first, steps=6) == max(train_rows(split))
     assert delivered == [3] and "run preempted" in first.stdout, first.stdout[-4000:]
     stopped_at = max(train_rows(split))
     assert 2 <= stopped_at < 6

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from lingua.run.dump_dir import train_rows
-from tests.runs import (assert_no_orphan_producers, assert_ok, at_once, base_overrides, signal_ranks, torchrun,
-                        wait_for_step, worker_pids)
+from tests.runs import (assert_no_orphan_producers, assert_ok, assert_stopped_to_resume, at_once, base_overrides,
+                        signal_ranks, torchrun, wait_for_step, worker_pids)
 from tests.student_exports import check_scored_and_exported
 
 pytestmark = pytest.mark.slow  # every test here launches processes
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow  # every test here launches processes
 @pytest.mark.timeout(240)
 def test_two_rank_fsdp_loss_decreases(corpus, tmp_path):
     dump = tmp_path / "run"
-    result = torchrun(2, base_overrides(corpus, dump, steps=30, **{"optim.lr": 1e-2}), timeout=200)
+    result = torchrun(2, base_overrides(corpus, dump, steps=30, **{"optim.lr": 1e-2, "logging.console": "brief"}),
+                      timeout=200)
     assert_ok(result)
     rows = train_rows(dump)
     assert sorted(rows) == list(range(1, 31))
@@ -35,8 +36,15 @@ def test_two_rank_fsdp_loss_decreases(corpus, tmp_path):
     for row in rows.values():  # what a user plots: throughput, step and data time, memory, lr
         assert row["speed/tokens_per_s"] > 0 and row["speed/step_time_s"] > 0 and row["speed/data_time_s"] >= 0
         assert row["mem/peak_gib"] > 0 and row["optim/lr"] > 0 and row["tokens"] > 0
-    # Per-rank log lines carry rank and role.
-    assert "[r0 student]" in result.stdout and "[r1 student]" in result.stdout
+    # The console (logging.console=brief, the default): the first step's line on the first screen, rank 0's lines
+    # only; each rank's log holds all of its lines (prefixed with rank and role), the phase table among them.
+    console = result.stdout.splitlines()
+    first_step = next(i for i, line in enumerate(console) if " train: step 1/30 " in line)
+    assert first_step < 20 and "[r1 student]" not in result.stdout, console[:first_step + 1]
+    logs = {rank: (dump / "logs" / f"rank_{rank}.log").read_text() for rank in (0, 1)}
+    assert "[r1 student] INFO  lingua.distributed: process group destroyed" in logs[1]
+    assert "startup phases (all ranks)" in logs[0] and "startup phases (all ranks)" not in result.stdout
+    assert "[r0 student] INFO  lingua.timing: startup phase model_build" in logs[0]
 
 
 @pytest.mark.timeout(420)
@@ -142,21 +150,47 @@ def test_grad_accumulation_equals_one_big_batch(corpus, tmp_path, reduce_scatter
 
 
 @pytest.mark.timeout(240)
-def test_preemption_signal_to_one_rank_saves_and_exits_cleanly(corpus, tmp_path):
+def test_preemption_signal_to_one_rank_saves_and_exits_to_be_resumed(corpus, tmp_path):
+    """Outside SLURM nothing requeues a preempted run: it saves, then exits non-zero with one sentence, which
+    torchrun's failure report carries too."""
     dump = tmp_path / "run"
     result = torchrun(2, base_overrides(corpus, dump, steps=100000), timeout=180,
                       signal_plan=signal_ranks(dump, [(1, 0.0)]))
-    assert_ok(result)
+    stopped_at = assert_stopped_to_resume(result, steps=100000)
+    assert f"stopped at step {stopped_at} of 100000 on SIGUSR2, its checkpoint saved; relaunch" in result.stdout
     saved = sorted(p.name for p in (dump / "checkpoints").iterdir())
     assert len(saved) == 1 and not saved[0].endswith(".tmp")
     last_step = max(train_rows(dump))
-    assert int(saved[0]) == last_step < 100000
+    assert int(saved[0]) == last_step == stopped_at < 100000
     assert "run preempted" in result.stdout
     # The requeued job (here: the same command again) resumes from the agreed step and goes on.
     resumed = torchrun(2, base_overrides(corpus, dump, steps=last_step + 2), timeout=120)
     assert_ok(resumed)
     assert f"resumed from step {last_step}" in resumed.stdout
     assert max(train_rows(dump)) == last_step + 2
+    # Another steps= re-lays the lr schedule: said in one line, with what it does to the lr.
+    notice = f"resuming a run of steps=100000 with steps={last_step + 2}: the cosine lr schedule is stretched over"
+    assert resumed.stdout.count(notice) == 1, resumed.stdout[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_one_student_under_max_restarts_finishes_with_the_unbroken_losses(corpus, tmp_path):
+    """`kill <pid>` of one student under `torchrun --max-restarts 3`: every rank saves at the agreed step and exits
+    non-zero, torchrun restarts them, the restart resumes and finishes with the losses of a run never stopped."""
+    unbroken, stopped = tmp_path / "unbroken", tmp_path / "stopped"
+    plain, result = at_once(lambda job: torchrun(2, base_overrides(corpus, job[0], steps=20), timeout=240, **job[1]),
+                            [(unbroken, {}), (stopped, dict(max_restarts=3, signal_plan=signal_ranks(
+                                stopped, [(1, 0.0)], after_step=2, sig=signal.SIGTERM)))])
+    assert_ok(plain)
+    assert_ok(result)
+    found = re.findall(r"^error: stopped at step (\d+) of 20 on SIGTERM, its checkpoint saved; relaunch to resume",
+                       result.stdout, flags=re.M)
+    assert len(found) == 1, result.stdout[-6000:]  # said once, by one of the two students
+    assert f"resumed from step {found[0]}" in result.stdout and "run completed: 20 steps" in result.stdout
+    resumed, reference = train_rows(stopped), train_rows(unbroken)
+    assert sorted(resumed) == sorted(reference) == list(range(1, 21))
+    for step in range(1, 21):
+        assert resumed[step]["loss/ce"] == pytest.approx(reference[step]["loss/ce"], rel=1e-6), step
 
 
 @pytest.mark.timeout(420)

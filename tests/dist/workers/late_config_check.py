@@ -2,7 +2,8 @@
 
 torchrun stops every rank as soon as one exits. Here the other ranks reject the config and exit 2 first, while
 rank LATE holds SIGTERM (from its first line, as `python -m apps.main.train` does) and waits for torchrun's
-signal; only then does it import and run the trainer. It must still print its own sentence and exit 2.
+signal; only then does it import and run the trainer. It must still fail on the config itself (exit 2, its
+error file pointing to the rank that said the sentence), not as a rank the launcher stopped.
 
 Run: torchrun --nproc-per-node N -m tests.dist.workers.late_config_check <LATE> <training overrides...>
 """

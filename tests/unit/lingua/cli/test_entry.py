@@ -48,7 +48,7 @@ def train_step(spec: str) -> None:
 
 @pytest.mark.parametrize("error, builtin", FAMILY, ids=[e.__name__ for e, _ in FAMILY])
 def test_a_user_error_is_one_sentence_and_exit_2(error, builtin, capsys, monkeypatch, tmp_path):
-    error_file = tmp_path / "error.json"
+    error_file = tmp_path / "attempt_0" / "0" / "error.json"  # torchrun's layout: one folder per local rank
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
 
     def main():
@@ -59,7 +59,27 @@ def test_a_user_error_is_one_sentence_and_exit_2(error, builtin, capsys, monkeyp
     out, err = capsys.readouterr()
     assert (out, err) == ("", "error: optim.lr=-1; use a positive learning rate.\n")
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # torchrun's SIGTERM cannot turn 2 into -15
-    assert not error_file.exists()  # torchrun's summary shows no traceback for it either
+    # torchrun's failure report shows the sentence (its error file's message), no traceback.
+    recorded = json.loads(error_file.read_text())["message"]
+    assert recorded["message"] == "optim.lr=-1; use a positive learning rate." and "py_callstack" not in recorded[
+        "extraInfo"]
+
+
+def test_ranks_failing_alike_under_torchrun_say_it_once_and_the_report_names_the_first(capsys, monkeypatch, tmp_path):
+    """Three local ranks of one torchrun attempt fail their config check alike: the first prints the sentence and
+    is the report's root cause (earliest); the others print nothing and point to it."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    attempt = tmp_path / "run_id" / "attempt_0"
+    for local_rank in (2, 0, 1):  # rank 2 fails first
+        (attempt / str(local_rank)).mkdir(parents=True)
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(attempt / str(local_rank) / "error.json"))
+        assert exit_code_of(lambda: (_ for _ in ()).throw(ConfigError("steps=0; train for at least one step."))) == 2
+    assert capsys.readouterr().err == "error: steps=0; train for at least one step.\n"
+    failures = {r: ProcessFailure(r, 100 + r, 2, str(attempt / str(r) / "error.json")) for r in (0, 1, 2)}
+    assert failures[2].message["message"] == "steps=0; train for at least one step."
+    assert [failures[r].message["message"] for r in (0, 1)] == ["the same error as local rank 2"] * 2
+    assert min(failures.values(), key=lambda f: f.timestamp) is failures[2]  # torchrun's root cause
 
 
 def test_a_plain_value_error_from_deep_inside_is_a_bug_with_its_traceback(capsys, monkeypatch, tmp_path):
@@ -106,7 +126,8 @@ def test_a_peer_that_stopped_first_is_its_sentence_and_exit_1(capsys, monkeypatc
 
     assert exit_code_of(main) == 1
     assert capsys.readouterr().err == "error: rank 1 (student) stopped; its log is dump/logs/rank_1.log\n"
-    assert not (tmp_path / "error.json").exists()
+    recorded = json.loads((tmp_path / "error.json").read_text())["message"]
+    assert recorded["message"] == "rank 1 (student) stopped; its log is dump/logs/rank_1.log"
 
 
 def test_an_exit_or_an_interrupt_passes_through(capsys):

@@ -66,3 +66,51 @@ def test_a_controller_that_never_answers_is_given_up_on_with_a_sentence(tmp_path
     assert [r.getMessage() for r in caplog.records] == [
         "scontrol requeue 7 did not answer within 0.5 s; requeue the job by hand"]
     assert signal.getsignal(signal.SIGTERM) is handler
+
+
+@pytest.fixture
+def preemption_flag():
+    """A PreemptionFlag installs SIGUSR2/SIGTERM handlers: they are put back after the test."""
+    from lingua.parallel.preemption import PreemptionFlag
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR2, signal.SIGTERM)}
+    yield PreemptionFlag()
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def test_a_run_stopped_early_that_nothing_requeues_ends_in_one_sentence(tmp_path, monkeypatch, preemption_flag):
+    from lingua.errors import RunStopped
+
+    calls = fake_scontrol(tmp_path, monkeypatch)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    os.kill(os.getpid(), signal.SIGTERM)  # `kill <pid>`: the handler only notes it
+    agreed = preemption_flag.flags()
+    assert agreed == dict(preempt=True, preempt_sigterm=True, preempt_sigusr2=False)
+    preemption_flag.stopped(11, 30, agreed, True, str(tmp_path))
+    with pytest.raises(RunStopped, match=r"^stopped at step 11 of 30 on SIGTERM, its checkpoint saved; relaunch to "
+                                         r"resume \(torchrun --max-restarts does so itself\)$"):
+        preemption_flag.end()
+    assert not calls.exists()  # no scontrol outside SLURM
+
+
+def test_a_run_preempted_at_its_last_step_or_under_slurm_ends_cleanly(tmp_path, monkeypatch, preemption_flag):
+    calls = fake_scontrol(tmp_path, monkeypatch)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    preemption_flag.stopped(30, 30, dict(preempt=True, teacher_preempt=True), True, str(tmp_path))
+    preemption_flag.end()  # finished: nothing to resume
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    preemption_flag.stopped(11, 30, preemption_flag.flags(injected=True), True, str(tmp_path))
+    preemption_flag.end()  # SLURM requeues it, as before
+    assert calls.read_text() == "requeue 7\n"
+
+
+def test_the_sentence_names_the_signal_the_students_agreed_on():
+    from lingua.parallel.preemption import stopped_sentence
+
+    words = {key: stopped_sentence(3, 6, {key: True}).split(", its")[0] for key in
+             ("preempt_sigusr2", "teacher_preempt", "preempt")}
+    assert words == {"preempt_sigusr2": "stopped at step 3 of 6 on SIGUSR2",
+                     "teacher_preempt": "stopped at step 3 of 6 on a teacher rank's preemption signal",
+                     "preempt": "stopped at step 3 of 6 on an injected preemption"}
