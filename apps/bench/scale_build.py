@@ -86,7 +86,8 @@ def worker(shape: str, out: Path, build_only: bool) -> None:
     """A torchrun rank: the trainer's process groups and `build_model`, then one step; writes <shape>.rank<r>.json."""
     import torch.distributed as dist
 
-    from apps.main.train import TrainArgs, build_model
+    from apps.main.train import TrainArgs
+    from apps.main.transformer import build_model
     from lingua.distillation.loss.fused import fused_ce_head
     from lingua.distributed import setup_torch_distributed
     from lingua.optim import build_optimizer, clip_grad_norm_
@@ -95,7 +96,7 @@ def worker(shape: str, out: Path, build_only: bool) -> None:
     topo = setup_torch_distributed(args.distributed)
     row = dict(rank=topo.global_rank, base_gib=peak_gib())
     start = time.perf_counter()
-    model = build_model(args, topo)
+    model = build_model(args.model, args.distributed, topo)
     row.update(build_s=time.perf_counter() - start, build_peak_gib=peak_gib(),
                build_rss_gib=proc_status_bytes("VmRSS") / GIB,
                local_gib=sum(_local(p).numel() * _local(p).element_size() for p in model.parameters()) / GIB)

@@ -37,15 +37,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from apps.main.train import (
-    TrainArgs,
-    build_model,
-    distillation_process,
-    init_tokenizer,
-    optimizer_step,
-    restore_checkpoint,
-    train_step,
-)
+from apps.main.train import TrainArgs, distillation_process, init_tokenizer, optimizer_step, train_step
+from apps.main.transformer import build_model
 from lingua.args import parse_args, require
 from lingua.cli.entry import release_sigterm, run_cli
 from lingua.data import DataLoader
@@ -63,6 +56,7 @@ from lingua.logger import init_logger
 from lingua.optim import build_optimizer
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, read_launch_env
 from lingua.parallel.preemption import PreemptionFlag
+from lingua.run.resume_fit import restore_checkpoint
 from lingua.timing import PhaseLog, StepTimer, phase_table
 
 logger = logging.getLogger("startup")
@@ -133,7 +127,7 @@ def student_startup(args: TrainArgs, topo: Topology, phases: PhaseLog, phase: in
     with phases.span("tokenizer_init"):
         tokenizer = init_tokenizer(args)
     with phases.span("model_build"):
-        model = build_model(args, topo)
+        model = build_model(args.model, args.distributed, topo)
     distiller, cache = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer, args.data,
                                        args.model.attn_mask, phases)
     saved, step, loader = None, 0, None

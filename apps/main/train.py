@@ -3,8 +3,9 @@
     torchrun --nproc-per-node 2 -m apps.main.train config=configs/debug_cpu.yaml
     torchrun --nproc-per-node 8 -m apps.main.train config=configs/distill_exps/debug.yaml
 
-Students run `train()`; teacher ranks run `distillation_process()`. Everything distributed goes
-through the Topology returned by `setup_torch_distributed`, and every collective names its group:
+Students run `train()`; teacher ranks run `distillation_process()`, each with what `launched_rank` gives the rank:
+`topo` (its `lingua.distributed.Topology`), `phases` (the startup `PhaseLog`) and `preemption` (the
+`PreemptionFlag` that signals set). Everything distributed goes through `topo`, and every collective names its group:
 the training group for anything the students do together, a bridge group for teacher traffic.
 The loop asks one Distiller (lingua.distillation.distiller) for the KD part of each step, whatever its kind.
 `TrainArgs.validate()` checks the whole config before any process group exists.
@@ -29,28 +30,22 @@ from apps.main.checkpoint_eval import (CheckpointEvaluation, EvalAtCheckpointArg
                                        validate_eval_sections)
 from apps.main.eval import EvalArgs, Evaluator, batch_ce, teacher_heldout
 from apps.main.report import NonFiniteLoss, StepReporter, nonfinite_sentence
-from apps.main.transformer import (LMTransformer, LMTransformerArgs, batch_documents, get_no_recompute_ops,
-                                   get_num_flop_per_token)
-from lingua.args import dump_config, fill_training_defaults, parse_args, require, to_dict
-from lingua.checkpoint import CheckpointArgs, CheckpointManager
+from apps.main.transformer import LMTransformerArgs, batch_documents, build_model, get_num_flop_per_token
+from lingua.args import fill_training_defaults, parse_args, require, to_dict
+from lingua.checkpoint import CheckpointArgs
 from lingua.cli.entry import run_cli
 from lingua.data import DataArgs, training_loader
 from lingua.distillation.args import DistillationArgs
 from lingua.distillation.build import build_distiller, launch_teachers, serve_teacher
 from lingua.distillation.micro_batches import MicroBatchFeed
-from lingua.distributed import Topology
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs, build_optimizer, clip_grad_norm_
 from lingua.parallel.launch_plan import DistributedArgs, LaunchPlan, read_launch_env
-from lingua.parallel.parallelize import build_sharded
-from lingua.parallel.preemption import PreemptionFlag
 from lingua.parallel.run_clock import RunClock
 from lingua.probe import ActivationProbe
 from lingua.profiling import ProfilerArgs, maybe_run_profiler
-from lingua.run.dump_dir import RunDir
 from lingua.run.launch import launched_rank
-from lingua.run.resume_fit import refuse_another_model, schedule_notice
-from lingua.timing import PhaseLog, StepTimer
+from lingua.run.resume_fit import refuse_another_model, restore_run, schedule_notice
 from lingua.tokenizer import build_tokenizer, model_vocab_size
 
 logger = logging.getLogger("train")
@@ -123,7 +118,7 @@ class TrainArgs:
 
 # ---------------------------------------------------------------- teacher ranks
 
-def distillation_process(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: PreemptionFlag) -> None:
+def distillation_process(args: TrainArgs, topo, phases, preemption) -> None:
     """Teacher rank: load the HF model, handshake with its students, serve until STOP."""
     # The generous timeout holds through the students' first step; a request sent after it (or STOP)
     # switches the teacher to the short one (on every group).
@@ -144,14 +139,6 @@ class TrainState:
         return dict(step=self.step, tokens=self.tokens)
 
 
-def build_model(args: TrainArgs, topo: Topology) -> torch.nn.Module:
-    """Built sharded (meta device, FSDP, then each rank's shard initialised): the same weights for the same seed
-    as a whole model initialised on every rank, whatever the number of students."""
-    torch.manual_seed(args.model.seed)
-    return build_sharded(lambda: LMTransformer(args.model), topo.device, topo.mesh, args.distributed,
-                         get_no_recompute_ops())
-
-
 def init_tokenizer(args: TrainArgs):
     """The data tokenizer; the model's vocab size is taken from it."""
     tokenizer = build_tokenizer(args.data.tokenizer)
@@ -159,37 +146,26 @@ def init_tokenizer(args: TrainArgs):
     return tokenizer
 
 
-def restore_checkpoint(args: TrainArgs, topo: Topology, model, optimizer) -> tuple[CheckpointManager, Optional[dict]]:
-    """The checkpoint manager (training group) and the train state to resume from, if any."""
-    root = args.checkpoint.path or str(RunDir(args.dump_dir).checkpoints)
-    checkpoint = CheckpointManager(args.checkpoint, root, topo.train_group, topo.train_rank, topo.train_world_size)
-    saved = checkpoint.load(model, optimizer)
-    # A fresh run may start from init_ckpt_path (weights, or all with continue_training_from_init).
-    return checkpoint, saved if saved is not None else checkpoint.load_init(model, optimizer)
-
-
-def log_student(args: TrainArgs, topo: Topology, model) -> None:
+def log_student(args: TrainArgs, topo, model) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(f"student model: {n_params / 1e6:.2f}M parameters, vocab {args.model.vocab_size}")
     if topo.is_train_master and (mesh := topo.mesh) is not None:
         logger.info(f"student mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))} over ranks {mesh.mesh.tolist()}")
 
 
-def train(args: TrainArgs, topo: Topology, phases: PhaseLog, preemption: PreemptionFlag) -> None:
+def train(args: TrainArgs, topo, phases, preemption) -> None:
     with phases.span("tokenizer_init"):
         tokenizer = init_tokenizer(args)
     with phases.span("model_build"):
-        model = build_model(args, topo)
+        model = build_model(args.model, args.distributed, topo)
     log_student(args, topo, model)
     # The teachers' handshakes, or their caches as the dataset (one written with other settings is refused here).
     distiller, cache = build_distiller(args.enable_distillation, args.distillation, topo, tokenizer, args.data,
                                        args.model.attn_mask, phases)
     optimizer, scheduler = build_optimizer(model, args.optim, args.steps)
     state = TrainState()
-    with phases.span("checkpoint_load"):
-        checkpoint, saved = restore_checkpoint(args, topo, model, optimizer)
-    if topo.is_train_master:  # resolved: defaults filled, vocab from the tokenizer (mesh -1s stay: a relaunch may resize)
-        dump_config(args, RunDir(args.dump_dir).config)  # after the checks: a refused launch keeps the old one
+    with phases.span("checkpoint_load"):  # then config.yaml: after the checks, so a refused launch keeps the old one
+        checkpoint, saved = restore_run(args, topo, model, optimizer)
     with phases.span("data_init"):  # with data.load_async, a producer process builds (or decodes) the batches
         loader = training_loader(args.data, tokenizer, topo.train_rank, topo.train_world_size, cache)
     if saved is not None:
@@ -277,7 +253,7 @@ def flops_per_token(args: TrainArgs, model) -> float:
     return get_num_flop_per_token(matmul_params, args.model.n_layers, args.model.dim, args.data.seq_len)
 
 
-def train_step(args: TrainArgs, model, distiller, feed: MicroBatchFeed, step: int, timer: StepTimer, device,
+def train_step(args: TrainArgs, model, distiller, feed: MicroBatchFeed, step: int, timer, device,
                lr_factor: float, pause_follows: bool = False) -> tuple[dict, list[dict]]:
     """Forward/backward over the step's micro-batches; returns this rank's metrics (device tensors: read them on
     log steps only) and the batches. No host sync per micro-batch: batches and requests go to the device
@@ -304,7 +280,7 @@ def train_step(args: TrainArgs, model, distiller, feed: MicroBatchFeed, step: in
     return metrics, [mb.batch for mb in micro_batches]
 
 
-def optimizer_step(model, optimizer, scheduler, clip: float, timer: StepTimer):
+def optimizer_step(model, optimizer, scheduler, clip: float, timer):
     """Clip, step, advance the schedule, clear the gradients; returns the norm before clipping."""
     with timer.part("optimizer"):
         grad_norm = clip_grad_norm_(model.parameters(), clip)

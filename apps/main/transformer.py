@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lingua.args import require
+from lingua.parallel.parallelize import build_sharded
 from lingua.transformer import (
     BaseTransformer,
     BaseTransformerArgs,
@@ -138,3 +139,12 @@ def get_no_recompute_ops() -> set:
     except AttributeError:
         pass
     return ops
+
+
+def build_model(model_args: LMTransformerArgs, distributed, topo) -> nn.Module:
+    """The student built sharded over `topo`'s mesh (meta device, FSDP, then each rank's shard initialised): the same
+    weights for `model_args.seed` as a whole model initialised on every rank, whatever the number of students."""
+    torch.manual_seed(model_args.seed)
+    return build_sharded(lambda: LMTransformer(model_args), topo.device, topo.mesh, distributed,
+                         get_no_recompute_ops())
+

@@ -2,6 +2,8 @@
 
     refuse_another_model(args)   every rank, after the config check and before anything is written: a dump dir
                                  holding another model's run is one sentence, and the launch changes no file there
+    restore_run(args, topo, model, optimizer)
+                                 the checkpoint manager and the state to resume from; then the run's config.yaml
     schedule_notice(args, step)   after a resume: one line when `steps` changed, since the lr schedule stretches
 
 Only what decides whether the weights can be loaded refuses a launch: the parameter shapes and the vocabulary. The
@@ -14,8 +16,10 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from lingua.checkpoint import PARAMS, complete_checkpoints
+from lingua.args import dump_config
+from lingua.checkpoint import PARAMS, CheckpointManager, complete_checkpoints
 from lingua.errors import LaunchError
+from lingua.run.dump_dir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +27,25 @@ SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", 
 
 
 def checkpoint_root(args) -> Path:
-    return Path(args.checkpoint.path) if args.checkpoint.path else Path(args.dump_dir) / "checkpoints"
+    return Path(args.checkpoint.path) if args.checkpoint.path else RunDir(args.dump_dir).checkpoints
+
+
+def restore_checkpoint(args, topo, model, optimizer) -> tuple[CheckpointManager, Optional[dict]]:
+    """The checkpoint manager (training group) and the train state to resume from, if any (a fresh run may start from
+    init_ckpt_path: weights, or all with continue_training_from_init)."""
+    checkpoint = CheckpointManager(args.checkpoint, str(checkpoint_root(args)), topo.train_group, topo.train_rank,
+                                   topo.train_world_size)
+    saved = checkpoint.load(model, optimizer)
+    return checkpoint, saved if saved is not None else checkpoint.load_init(model, optimizer)
+
+
+def restore_run(args, topo, model, optimizer) -> tuple[CheckpointManager, Optional[dict]]:
+    """`restore_checkpoint`, then the resolved config into the dump dir (defaults filled, vocab from the tokenizer;
+    mesh -1s stay: a relaunch may resize): after every check, so a refused launch leaves the old one."""
+    checkpoint, saved = restore_checkpoint(args, topo, model, optimizer)
+    if topo.is_train_master:
+        dump_config(args, RunDir(args.dump_dir).config)
+    return checkpoint, saved
 
 
 def saved_run(args) -> Optional[tuple[Path, dict]]:
