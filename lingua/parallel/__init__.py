@@ -8,6 +8,8 @@ FSDP, preemption, and what a rank says when a peer dies or stops answering.
     collectives.py   the loop's collectives, each on the group it is given; agree_flags / agree_count
                      (ranks agree before they diverge); the per-collective debug log
     timeouts.py      the two-phase collective timeout on every group and backend; HangWatch (armed per step/wait)
+    private_api.py   every private torch API the code calls, checked at startup (a torch that renamed one: one
+                     sentence naming its version); the public replacement where a torch has one
     watch.py         RankWatch: each rank's watch thread (heartbeat, the hang watch's note, stacks into the
                      rank log, SIGUSR1), which runs while the main thread waits in a collective
     flight_recorder.py  torch's flight recorder read in-process and dumped to <dump_dir>/comm_traces/rank_<r>

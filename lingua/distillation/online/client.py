@@ -7,11 +7,19 @@
 
 No host sync per micro-batch on CUDA: requests are built in pinned host memory and copied without blocking, the
 responses' status words stay on the device until the step's agreed point, the wait clock uses CUDA events read on
-log steps. A failed teacher answers with stale but valid outputs until each student sent ERROR (or STOP), which
+log steps. On CUDA the bridge's traffic is posted from its own side stream (`BridgeStream`): NCCL makes its stream wait
+on the stream current at the post, so from the compute stream a request posted ahead would leave only after every
+kernel queued before it (docs/distillation_internals.md#what-nccl-orders).
+
+Where the host truly waits on CUDA: `complete()`, `wait()` and `drain()` only order streams; the host blocks at the
+first round trip's `read_step`, at a log step's `read_step`, at the step's agreed flags, and at `stop()`'s read of the
+STOP reply's status, which comes after every earlier reply on the bridge's one communicator. On gloo `complete()`
+blocks the host. A failed teacher answers with stale but valid outputs until each student sent ERROR (or STOP), which
 it does only after completing all it posted: no request is left in flight but on a student's own unagreed failure
 (`report_exit` counts them; that exit aborts its groups).
 """
 
+import contextlib
 import logging
 import time
 from typing import Callable, Optional
@@ -80,6 +88,33 @@ class WaitClock:
         return self.step_s
 
 
+class BridgeStream:
+    """The side CUDA stream a bridge posts on (a no-op on CPU). ProcessGroupNCCL makes its communicator's stream wait
+    on the stream current at the post: posted from this one, whose only work is the request's copy to the device, a
+    request leaves when posted instead of after the compute stream's queued kernels. Buffers are allocated here, so
+    the allocator orders their reuse on this stream, which waits for each reply before the compute stream does."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def posting(self):
+        """Post (and allocate) under the side stream: the collective waits on nothing queued for compute."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def consume(self, works, buffers: list[torch.Tensor]) -> None:
+        """Wait for `works` on the side stream (NCCL releases their buffers to a stream ordered after them), then
+        order the compute stream after it; the compute stream's uses of `buffers` guard their reuse. The host does
+        not wait (gloo: `wait()` blocks it)."""
+        with self.posting():
+            for work in works:
+                work.wait()
+        if self.stream is not None:
+            compute = torch.cuda.current_stream(self.stream.device)
+            compute.wait_stream(self.stream)
+            for buffer in buffers:
+                buffer.record_stream(compute)
+
+
 class TeacherHandle:
     """One in-flight request; `wait()` returns this student's TeacherOutputs."""
 
@@ -91,11 +126,10 @@ class TeacherHandle:
         self.done = False
 
     def complete(self) -> None:
-        """Wait for both collectives (idempotent); on CUDA the stream waits, the host does not."""
+        """Wait for both collectives (idempotent); on CUDA the compute stream waits for the reply, the host does not."""
         if self.done:
             return
-        for work in self.works:
-            work.wait()
+        self.client.bridge_stream.consume(self.works, [self.response])
         self.done = True
         self.client.in_flight.remove(self)
         # Completed: its status is safe to read now; a posted buffer's scatter may still be writing into it.
@@ -138,6 +172,7 @@ class TeacherClient:
         self.device = topo.device
         self.pin = pins(self.device)  # pinned host buffers: the copy to the GPU does not block
         self.wait_clock = WaitClock(self.device)
+        self.bridge_stream = BridgeStream(self.device)  # requests leave when posted, not after queued compute
         self.first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done)
         self.in_flight: list[TeacherHandle] = []
         self.statuses: list[tuple[torch.Tensor, int]] = []  # (status record on the device, step), read per step
@@ -192,12 +227,13 @@ class TeacherClient:
                              "batch has no doc_ids.")
         header = RequestHeader(op, step, micro_step, bsz, seqlen, self.topo.train_rank,
                                in_training=int(self.in_training and not self.pause_follows))
-        request = self._request(header, tokens, doc_ids, next_tokens)
-        response = torch.empty(self.spec.response_bytes(), dtype=torch.uint8, device=self.device)
         group = self.topo.bridge_group
-        log_collective(f"gather+scatter request op={op.name} step={step}.{micro_step}", group, request, response)
-        up = dist.gather(request, None, dst=self.teacher_rank, group=group, async_op=True)
-        down = dist.scatter(response, None, src=self.teacher_rank, group=group, async_op=True)
+        with self.bridge_stream.posting():  # on NCCL: behind this request's copy only, not the queued compute
+            request = self._request(header, tokens, doc_ids, next_tokens)
+            response = torch.empty(self.spec.response_bytes(), dtype=torch.uint8, device=self.device)
+            log_collective(f"gather+scatter request op={op.name} step={step}.{micro_step}", group, request, response)
+            up = dist.gather(request, None, dst=self.teacher_rank, group=group, async_op=True)
+            down = dist.scatter(response, None, src=self.teacher_rank, group=group, async_op=True)
         handle = TeacherHandle(self, [up, down], response, bsz, seqlen, step)
         handle.request_bytes = request.numel() * request.element_size()
         self.in_flight.append(handle)
@@ -240,7 +276,9 @@ class TeacherClient:
         self.pause_follows = pause_follows
 
     def drain(self) -> None:
-        """Wait for every request still in flight (before STOP, a preemption save, an agreed error)."""
+        """Complete every request still in flight (before STOP, a preemption save, an agreed error). On CUDA the host
+        does not wait here: the compute stream now comes after every reply, so whatever reads the device next (a
+        save's copy to the host, the STOP status read) finds each one arrived."""
         for handle in list(self.in_flight):
             handle.complete()
 
@@ -253,6 +291,7 @@ class TeacherClient:
         handle = self.submit(None, step, blame if error else 0, op=Op.ERROR if error else Op.STOP)
         handle.complete()
         self.stopped = True
+        # The host waits here (a copy to the CPU), for STOP's reply and so every earlier one on this communicator.
         status = ResponseStatus.unpack(handle.response[:RECORD_BYTES])
         if not status.ok and not error:
             raise teacher_failure(f"{self.title} reported at STOP: {status.message}", status.bug)
