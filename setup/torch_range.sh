@@ -17,16 +17,19 @@ VENVS=${TORCH_RANGE_VENVS:-/work/torchvenvs}
 PYTHON=${PYTHON:-python3}
 # The newest patch of each minor release from the oldest torch the code supports to the newest one released.
 TORCH_RANGE=${TORCH_RANGE:-2.11.0 2.12.1 2.13.0 2.14.1 2.15.0}
-# The tests whose code calls a private torch.distributed API (lingua/parallel/private_api.py lists them): the
-# two-phase timeouts, the abort of a dead peer's groups, the flight recorder, DCP's save and load, and the guard
-# that classifies every torch.distributed name.
+# The tests of the code that calls a private torch API (lingua/parallel/private_api.py lists them; most launch
+# processes, so the fast tier leaves them out): the startup check and the guard that classifies every
+# torch.distributed name, the two-phase timeouts (with and without DETAIL, and a launch whose missing peer is given
+# up on under the short timeout), the abort of a failed rank's groups, the flight recorder on a dead peer, and DCP's
+# sharded save and resume.
 PRIVATE_API_TESTS=(
   tests/unit/lingua/parallel/test_private_api.py
-  tests/unit/lingua/parallel/test_timeouts.py
-  tests/dist/test_timeouts.py
-  tests/dist/test_peer_death.py
-  tests/unit/lingua/parallel/test_flight_recorder.py
-  tests/dist/test_checkpoint_resume.py
+  tests/unit/test_collective_rule.py
+  tests/unit/lingua/parallel/test_debug_switch.py
+  tests/unit/lingua/test_distributed_teardown.py
+  "tests/dist/test_hang_matrix.py::test_training_timeout_really_shortens_the_wait_for_a_missing_peer"
+  "tests/dist/test_peer_death.py::test_a_stopped_teacher_is_named_by_every_rank_and_by_the_flight_recorder"
+  tests/dist/test_checkpoint_dist.py
 )
 [ $# -gt 0 ] && TORCH_RANGE="$*"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
