@@ -198,7 +198,8 @@ class TeacherClient:
 
     def _request(self, header: RequestHeader, tokens: Optional[torch.Tensor], doc_ids: Optional[torch.Tensor],
                  next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The request buffer, built on the host (pinned on CUDA), sent to the device without blocking."""
+        """The request buffer, built on the host (pinned on CUDA; `submit` copies it to the device without blocking).
+        Token tensors still on the device are read here, on the caller's stream, which wrote them."""
         request = torch.zeros(self.spec.request_ints(), dtype=torch.int32, pin_memory=self.pin)
         request[:HEADER_INTS] = torch.tensor(header.to_ints(), dtype=torch.int32)
         if tokens is not None:
@@ -212,7 +213,7 @@ class TeacherClient:
                 nexts = torch.full((header.bsz,), -1) if next_tokens is None else next_tokens.cpu()
                 self.spec.next_tokens(request)[: header.bsz] = torch.where((nexts >= 0) & (nexts < self.n_words),
                                                                            nexts, -1)
-        return request.to(self.device, non_blocking=True)
+        return request
 
     def submit(self, tokens: Optional[torch.Tensor], step: int, micro_step: int, doc_ids: Optional[torch.Tensor] = None,
                next_tokens: Optional[torch.Tensor] = None, op: Op = Op.FORWARD) -> TeacherHandle:
@@ -228,8 +229,9 @@ class TeacherClient:
         header = RequestHeader(op, step, micro_step, bsz, seqlen, self.topo.train_rank,
                                in_training=int(self.in_training and not self.pause_follows))
         group = self.topo.bridge_group
+        request = self._request(header, tokens, doc_ids, next_tokens)
         with self.bridge_stream.posting():  # on NCCL: behind this request's copy only, not the queued compute
-            request = self._request(header, tokens, doc_ids, next_tokens)
+            request = request.to(self.device, non_blocking=True)
             response = torch.empty(self.spec.response_bytes(), dtype=torch.uint8, device=self.device)
             log_collective(f"gather+scatter request op={op.name} step={step}.{micro_step}", group, request, response)
             up = dist.gather(request, None, dst=self.teacher_rank, group=group, async_op=True)
