@@ -15,6 +15,8 @@ FSDP, preemption, and what a rank says when a peer dies or stops answering.
     flight_recorder.py  torch's flight recorder read in-process and dumped to <dump_dir>/comm_traces/rank_<r>
                      for PyTorch's analyzer (gloo too); each group's last collective
     parallelize.py   FSDP2, torch.compile and activation checkpointing of the student (one student: no sharding)
+    side_stream.py   SideStream: asynchronous collectives posted off the compute stream (the bridge's), consumed
+                     by ordering the compute stream after them
     host_copies.py   host -> device copies that never block the host: pins, to_device, pin_tree (a batch's
                      tensors, TeacherOutputs and lists pinned); the hot paths' only way to the GPU
     preemption.py    PreemptionFlag (signals only set a flag; the loop agrees on it), SLURM requeue

@@ -7,19 +7,14 @@
 
 No host sync per micro-batch on CUDA: requests are built in pinned host memory and copied without blocking, the
 responses' status words stay on the device until the step's agreed point, the wait clock uses CUDA events read on
-log steps. On CUDA the bridge's traffic is posted from its own side stream (`BridgeStream`): NCCL makes its stream wait
-on the stream current at the post, so from the compute stream a request posted ahead would leave only after every
-kernel queued before it (docs/distillation_internals.md#what-nccl-orders).
-
-Where the host truly waits on CUDA: `complete()`, `wait()` and `drain()` only order streams; the host blocks at the
-first round trip's `read_step`, at a log step's `read_step`, at the step's agreed flags, and at `stop()`'s read of the
-STOP reply's status, which comes after every earlier reply on the bridge's one communicator. On gloo `complete()`
-blocks the host. A failed teacher answers with stale but valid outputs until each student sent ERROR (or STOP), which
-it does only after completing all it posted: no request is left in flight but on a student's own unagreed failure
-(`report_exit` counts them; that exit aborts its groups).
+log steps; requests go out on a side stream, not behind the queued compute (`SideStream`). Where the host truly waits
+on CUDA (docs/distillation_internals.md#what-nccl-orders): `complete()`, `wait()` and `drain()` only order streams;
+the host blocks at a `read_step`, the step's agreed flags, and `stop()`'s read of the STOP reply's status, which
+comes after every earlier reply on the bridge's one communicator. A failed teacher answers with stale but valid
+outputs until each student sent ERROR (or STOP), which it does only after completing all it posted: no request is
+left in flight but on a student's own unagreed failure (`report_exit` counts them; that exit aborts its groups).
 """
 
-import contextlib
 import logging
 import time
 from typing import Callable, Optional
@@ -35,6 +30,7 @@ from lingua.distillation.online.bridge import (BAD_TOKENS_FIELD, HEADER_INTS, NA
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.parallel.collectives import log_collective
 from lingua.parallel.host_copies import pins
+from lingua.parallel.side_stream import SideStream
 
 logger = logging.getLogger(__name__)
 STATUS_WORDS = NAN_WORD + 1  # the response status fields read per step (int64 each): failed, teacher_preempt, ..., NaN
@@ -88,33 +84,6 @@ class WaitClock:
         return self.step_s
 
 
-class BridgeStream:
-    """The side CUDA stream a bridge posts on (a no-op on CPU). ProcessGroupNCCL makes its communicator's stream wait
-    on the stream current at the post: posted from this one, whose only work is the request's copy to the device, a
-    request leaves when posted instead of after the compute stream's queued kernels. Buffers are allocated here, so
-    the allocator orders their reuse on this stream, which waits for each reply before the compute stream does."""
-
-    def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def posting(self):
-        """Post (and allocate) under the side stream: the collective waits on nothing queued for compute."""
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-
-    def consume(self, works, buffers: list[torch.Tensor]) -> None:
-        """Wait for `works` on the side stream (NCCL releases their buffers to a stream ordered after them), then
-        order the compute stream after it; the compute stream's uses of `buffers` guard their reuse. The host does
-        not wait (gloo: `wait()` blocks it)."""
-        with self.posting():
-            for work in works:
-                work.wait()
-        if self.stream is not None:
-            compute = torch.cuda.current_stream(self.stream.device)
-            compute.wait_stream(self.stream)
-            for buffer in buffers:
-                buffer.record_stream(compute)
-
-
 class TeacherHandle:
     """One in-flight request; `wait()` returns this student's TeacherOutputs."""
 
@@ -129,7 +98,7 @@ class TeacherHandle:
         """Wait for both collectives (idempotent); on CUDA the compute stream waits for the reply, the host does not."""
         if self.done:
             return
-        self.client.bridge_stream.consume(self.works, [self.response])
+        self.client.side_stream.consume(self.works, [self.response])
         self.done = True
         self.client.in_flight.remove(self)
         # Completed: its status is safe to read now; a posted buffer's scatter may still be writing into it.
@@ -172,7 +141,7 @@ class TeacherClient:
         self.device = topo.device
         self.pin = pins(self.device)  # pinned host buffers: the copy to the GPU does not block
         self.wait_clock = WaitClock(self.device)
-        self.bridge_stream = BridgeStream(self.device)  # requests leave when posted, not after queued compute
+        self.side_stream = SideStream(self.device)  # requests leave when posted, not after queued compute
         self.first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done)
         self.in_flight: list[TeacherHandle] = []
         self.statuses: list[tuple[torch.Tensor, int]] = []  # (status record on the device, step), read per step
@@ -230,7 +199,7 @@ class TeacherClient:
                                in_training=int(self.in_training and not self.pause_follows))
         group = self.topo.bridge_group
         request = self._request(header, tokens, doc_ids, next_tokens)
-        with self.bridge_stream.posting():  # on NCCL: behind this request's copy only, not the queued compute
+        with self.side_stream.posting():  # on NCCL: behind this request's copy only, not the queued compute
             request = request.to(self.device, non_blocking=True)
             response = torch.empty(self.spec.response_bytes(), dtype=torch.uint8, device=self.device)
             log_collective(f"gather+scatter request op={op.name} step={step}.{micro_step}", group, request, response)
@@ -279,8 +248,7 @@ class TeacherClient:
 
     def drain(self) -> None:
         """Complete every request still in flight (before STOP, a preemption save, an agreed error). On CUDA the host
-        does not wait here: the compute stream now comes after every reply, so whatever reads the device next (a
-        save's copy to the host, the STOP status read) finds each one arrived."""
+        does not wait: the compute stream comes after every reply, so what reads the device next finds them all."""
         for handle in list(self.in_flight):
             handle.complete()
 

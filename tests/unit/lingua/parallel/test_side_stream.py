@@ -1,10 +1,10 @@
-"""The student's bridge stream on the CPU: no side stream, posting is the caller's context, and consuming a request
+"""The side stream on the CPU: no side stream, posting is the caller's context, and consuming a request
 waits for each of its collectives once (on gloo `wait()` is where the host blocks). What the side stream orders on
 CUDA is checked on two GPUs (tests/gpu/test_gpu_bridge.py)."""
 
 import torch
 
-from lingua.distillation.online.client import BridgeStream
+from lingua.parallel.side_stream import SideStream
 
 
 class Work:
@@ -17,10 +17,10 @@ class Work:
 
 
 def test_on_the_cpu_the_bridge_posts_on_the_callers_stream_and_consume_waits_each_work_once():
-    bridge = BridgeStream(torch.device("cpu"))
-    assert bridge.stream is None
-    with bridge.posting():
+    side = SideStream(torch.device("cpu"))
+    assert side.stream is None
+    with side.posting():
         buffer = torch.empty(8, dtype=torch.uint8)
     works = [Work(), Work()]
-    bridge.consume(works, [buffer])
+    side.consume(works, [buffer])
     assert [w.waits for w in works] == [1, 1]
