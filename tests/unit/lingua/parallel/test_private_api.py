@@ -2,7 +2,6 @@
 is one sentence at startup naming the torch version (before any process group), a missing diagnostic one a warning;
 the public `torch.distributed.set_timeout` is used where a torch has it (simulated here on torch < 2.15)."""
 
-import json
 import logging
 
 import pytest
@@ -65,7 +64,7 @@ def test_a_public_replacement_makes_the_private_api_unneeded():
 def test_the_timeout_switch_takes_the_public_api_where_torch_has_one(tmp_path, debug):
     """torch.distributed.set_timeout (torch 2.15+; a stand-in calling ProcessGroup.set_timeout on an older torch)
     switches a plain group; under DETAIL the private per-backend path still reaches the wrapper and its checks."""
-    from tests.unit.lingua.parallel.test_debug_switch import python
+    from tests.unit.lingua.parallel.test_debug_switch import printed_json
 
     code = ("import json, torch\n"
             "import torch.distributed as dist\n"
@@ -80,9 +79,7 @@ def test_the_timeout_switch_takes_the_public_api_where_torch_has_one(tmp_path, d
             "reported = timeouts.set_group_timeout(topo.train_group, 7)\n"
             "ld.clean_up()\n"
             "print(json.dumps(dict(calls=calls, reported=reported)))\n")
-    result = python(code)
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    out = printed_json(code)
     if debug == "detail":
         assert out == {"calls": [], "reported": {"gloo": 7.0, "DETAIL checks": 7.0}}, out
     else:
