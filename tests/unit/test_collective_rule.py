@@ -28,7 +28,8 @@ NOT_COLLECTIVES = {"get_backend", "get_backend_config", "get_global_rank", "get_
                    "get_backend_impl",  # torch 2.15: a group's backend object
                    "set_timeout"}  # torch 2.15: a group's timeout (lingua/parallel/timeouts.py uses it there)
 # Names above that the oldest torch of the range lacks: the torch that brought each.
-NEWER_THAN_OLDEST = {"gather_into_tensor": "2.15", "gather_single": "2.15"}
+NEWER_THAN_OLDEST = {"all_gather_single": "2.13", "reduce_scatter_single": "2.13", "gather_into_tensor": "2.15",
+                     "gather_single": "2.15"}
 CHECKPOINT_CALLS = {"save", "load", "async_save", "save_state_dict", "load_state_dict"}
 # torch.distributed.nn(.functional) holds autograd versions of the collectives, on the default group too.
 DIST_MODULES = {"torch.distributed", "torch.distributed.distributed_c10d", "torch.distributed.nn",
