@@ -1,7 +1,7 @@
 """Every private torch API this project calls, in one table, checked once at startup (`check_private_apis`, before
 the first process group): a torch that renamed or removed one stops the launch with one sentence naming that torch's
 version and what to change, never an AttributeError mid-run. The public API is used wherever the torch in use has one
-(`torch.distributed.set_timeout`, torch 2.15+); the private one only where it has not.
+(`torch.distributed.set_timeout`, torch 2.14+); the private one only where it has not.
 
     check_private_apis()          # LaunchError for a missing required API; one warning line for a diagnostic one
     private_api("abort")          # the callable this torch has (None where it is missing and not required)
@@ -58,7 +58,7 @@ PRIVATE_APIS = (
                "listing the backends of a group for the two-phase collective timeout"),
     PrivateApi("set_backend_timeout", "ProcessGroupGloo._set_default_timeout", _gloo_method("_set_default_timeout"),
                "switching a backend that DETAIL wraps to the training timeout (torch.distributed.set_timeout, "
-               "torch 2.15+, does every other one)", public=_c10d("set_timeout")),
+               "torch 2.14+, does every other one)", public=_c10d("set_timeout")),
     PrivateApi("detail_wrapper", "torch.distributed.distributed_c10d._create_process_group_wrapper",
                _c10d("_create_process_group_wrapper"),
                "the training timeout on DETAIL's check groups (distributed.debug=detail)", required=False),

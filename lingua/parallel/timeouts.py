@@ -99,7 +99,7 @@ def group_timeouts(group) -> dict[str, Optional[float]]:
 def set_group_timeout(group, seconds: float) -> dict[str, Optional[float]]:
     """Set every backend of `group` (gloo or NCCL, wrapped by DETAIL or not) to `seconds`; returns
     what each backend reports afterwards. The public `torch.distributed.set_timeout` where this torch has one
-    (2.15+), unless DETAIL wraps the backends: torch's own setters skip the wrapper and its check group."""
+    (2.14+), unless DETAIL wraps the backends: torch's own setters skip the wrapper and its check group."""
     timeout = timedelta(seconds=seconds)
     public = public_api("set_backend_timeout")
     if public is not None and dist.get_debug_level() != dist.DebugLevel.DETAIL:

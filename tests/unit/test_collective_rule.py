@@ -20,16 +20,16 @@ COLLECTIVES = {
     "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list", "reduce", "reduce_scatter",
     "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base", "all_to_all", "all_to_all_single",
     "send", "recv", "isend", "irecv", "P2POp", "send_object_list", "recv_object_list",
-    "gather_into_tensor", "gather_single",  # torch 2.15: gather into one output tensor
+    "gather_into_tensor", "gather_single",  # torch 2.14: gather into one output tensor
 }
 # Functions of torch.distributed that take a group but only read it, change its settings or create/destroy groups.
 NOT_COLLECTIVES = {"get_backend", "get_backend_config", "get_global_rank", "get_group_rank", "get_process_group_ranks",
                    "get_rank", "get_world_size", "destroy_process_group", "new_subgroups", "shrink_group",
-                   "get_backend_impl",  # torch 2.15: a group's backend object
-                   "set_timeout"}  # torch 2.15: a group's timeout (lingua/parallel/timeouts.py uses it there)
+                   "get_backend_impl",  # torch 2.14: a group's backend object
+                   "set_timeout"}  # torch 2.14: a group's timeout (lingua/parallel/timeouts.py uses it there)
 # Names above that the oldest torch of the range lacks: the torch that brought each.
-NEWER_THAN_OLDEST = {"all_gather_single": "2.13", "reduce_scatter_single": "2.13", "gather_into_tensor": "2.15",
-                     "gather_single": "2.15"}
+NEWER_THAN_OLDEST = {"all_gather_single": "2.13", "reduce_scatter_single": "2.13", "gather_into_tensor": "2.14",
+                     "gather_single": "2.14"}
 CHECKPOINT_CALLS = {"save", "load", "async_save", "save_state_dict", "load_state_dict"}
 # torch.distributed.nn(.functional) holds autograd versions of the collectives, on the default group too.
 DIST_MODULES = {"torch.distributed", "torch.distributed.distributed_c10d", "torch.distributed.nn",

@@ -62,7 +62,7 @@ def test_a_public_replacement_makes_the_private_api_unneeded():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("debug", ["false", "detail"], ids=["plain", "DETAIL"])
 def test_the_timeout_switch_takes_the_public_api_where_torch_has_one(tmp_path, debug):
-    """torch.distributed.set_timeout (torch 2.15+; a stand-in calling ProcessGroup.set_timeout on an older torch)
+    """torch.distributed.set_timeout (torch 2.14+; a stand-in calling ProcessGroup.set_timeout on an older torch)
     switches a plain group; under DETAIL the private per-backend path still reaches the wrapper and its checks."""
     from tests.unit.lingua.parallel.test_debug_switch import printed_json
 
