@@ -41,9 +41,9 @@ from lingua.parallel.collectives import comm_logger, log_collective
 # DistributedArgs is the `distributed:` config section; it lives with LaunchPlan, torch-free, for stool.
 from lingua.parallel.launch_plan import (DistributedArgs, LaunchEnv, LaunchPlan, TeacherLayout, expected_cuda_index,
                                          read_launch_env)
+from lingua.parallel.private_api import check_private_apis, private_api
 from lingua.parallel.recovery import Restarts, attempt_store, keep_previous_status, unsafe_restart_sentence
 from lingua.parallel.timeouts import forget_detail_check_groups, keep_detail_check_groups
-from lingua.run.dump_dir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +247,7 @@ def setup_torch_distributed(args: DistributedArgs, teachers: tuple[TeacherLayout
     launch = read_launch_env()
     plan = LaunchPlan.for_launch(args, launch.world_size, launch.local_world_size, teachers)
     device, backend = choose_device(args, launch.local_rank, launch.local_world_size)
+    check_private_apis()  # a torch that renamed one: its sentence now, not an AttributeError mid-run
     if backend == "nccl":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = args.matmul_allow_tf32
@@ -405,7 +406,7 @@ def clean_up(error: Optional[BaseException] = None) -> None:
 
 def _abort_process_groups() -> bool:
     """Abort every process group of this rank, the world's included; False when this torch cannot."""
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.5; NCCL and gloo
+    abort = private_api("abort")  # NCCL and gloo; checked at startup (lingua/parallel/private_api.py)
     if abort is None:
         return False
     try:

@@ -12,6 +12,8 @@ FSDP, preemption, and what a rank says when a peer dies or stops answering.
     timeouts.py      the two-phase collective timeout on every group and backend; HangWatch (armed per step/wait)
     run_clock.py     RunClock: the students' step timer, hang watch and timeout switch, called twice per step
                      (`with clock.step(step)`, `clock.after_agreement(step)`)
+    private_api.py   every private torch API the code calls, checked at startup (a torch that renamed one: one
+                     sentence naming its version); the public replacement where a torch has one
     watch.py         RankWatch: each rank's watch thread (heartbeat, the hang watch's note, stacks into the
                      rank log, SIGUSR1), which runs while the main thread waits in a collective
     flight_recorder.py  torch's flight recorder read in-process and dumped to <dump_dir>/comm_traces/rank_<r>
@@ -20,6 +22,8 @@ FSDP, preemption, and what a rank says when a peer dies or stops answering.
                      torch.compile and activation checkpointing (one student: no sharding)
     sharded_init.py  a sharded weight's slice of the seeded draw its whole tensor would get (bit-identical init
                      whatever the number of students), one full tensor at a time
+    side_stream.py   SideStream: asynchronous collectives posted off the compute stream (the bridge's), consumed
+                     by ordering the compute stream after them
     host_copies.py   host -> device copies that never block the host: pins, to_device, pin_tree (a batch's
                      tensors, TeacherOutputs and lists pinned); the hot paths' only way to the GPU
     preemption.py    PreemptionFlag (signals only set a flag; the loop agrees on it), SLURM requeue

@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from lingua.parallel.private_api import private_api
+
 logger = logging.getLogger(__name__)
 TRACE_PREFIX = "rank_"  # <dump_dir>/comm_traces/rank_<r>: the analyzer's `-p rank_`, and NCCL's dump file names
 _writing = threading.Lock()  # the watch thread and the main thread may dump at once: one temporary file each time
@@ -40,7 +42,7 @@ def _dump_function(backend: str):
     c10d = getattr(torch._C, "_distributed_c10d", None)
     if backend == "nccl" and hasattr(c10d, "_dump_nccl_trace"):  # NCCL keeps its own recorder (CUDA events)
         return c10d._dump_nccl_trace
-    return getattr(c10d, "_dump_fr_trace", None)
+    return private_api("dump_trace")  # checked at startup (lingua/parallel/private_api.py)
 
 
 def snapshot(backend: str) -> Optional[dict]:

@@ -14,7 +14,6 @@ teacher's replicas divide all the students among them, so every student has one 
 refusal's suggested launch was tried first (`launch_fixes.py`).
 """
 
-import dataclasses
 import os
 from dataclasses import InitVar, dataclass, field
 from functools import cached_property

@@ -2,8 +2,9 @@
 
 Generous `distributed.init_timeout_s` while loading, compiling and exchanging the first batch; then
 `distributed.train_timeout_s` on every group of a rank, bridges included, once the first step went
-through. The new value is set on every backend that governs a group -- unwrapped from DETAIL's
-`_ProcessGroupWrapper`, and DETAIL's own gloo check group too -- and read back for the log.
+through. The new value is set on every backend that governs a group -- through `torch.distributed.set_timeout` where
+this torch has it, else (and under DETAIL, whose `_ProcessGroupWrapper` and own gloo check group no public
+API reaches) backend by backend -- and read back for the log.
 `HangWatch` says where a rank is stuck (every thread's stack, the last collectives) shortly before the
 timeout in force would fire.
 """
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from lingua.logger import rank_log_file
 from lingua.parallel import watch
 from lingua.parallel.collectives import log_collective
+from lingua.parallel.private_api import private_api, public_api
 
 logger = logging.getLogger(__name__)
 _detail_check_groups: dict[str, list] = {}  # group name -> DETAIL's gloo check group(s), see keep_detail_check_groups
@@ -35,7 +37,7 @@ def keep_detail_check_groups() -> None:
     torch keeps no Python handle on it, so we record it as `_create_process_group_wrapper` makes it.
     """
     c10d = dist.distributed_c10d
-    create = getattr(c10d, "_create_process_group_wrapper", None)
+    create = private_api("detail_wrapper")
     if create is None or getattr(create, "keeps_check_groups", False) or not hasattr(c10d, "ProcessGroupGloo"):
         return
 
@@ -96,8 +98,13 @@ def group_timeouts(group) -> dict[str, Optional[float]]:
 
 def set_group_timeout(group, seconds: float) -> dict[str, Optional[float]]:
     """Set every backend of `group` (gloo or NCCL, wrapped by DETAIL or not) to `seconds`; returns
-    what each backend reports afterwards. torch's own `_set_pg_timeout` skips DETAIL's wrapper."""
+    what each backend reports afterwards. The public `torch.distributed.set_timeout` where this torch has one
+    (2.14+), unless DETAIL wraps the backends: torch's own setters skip the wrapper and its check group."""
     timeout = timedelta(seconds=seconds)
+    public = public_api("set_backend_timeout")
+    if public is not None and dist.get_debug_level() != dist.DebugLevel.DETAIL:
+        public(timeout, group=group)
+        return group_timeouts(group)
     for _, backend in _timeout_backends(group):
         setter = getattr(backend, "_set_default_timeout", None) or getattr(backend, "set_timeout", None)
         try:

@@ -7,9 +7,12 @@
 
 No host sync per micro-batch on CUDA: requests are built in pinned host memory and copied without blocking, the
 responses' status words stay on the device until the step's agreed point, the wait clock uses CUDA events read on
-log steps. A failed teacher answers with stale but valid outputs until each student sent ERROR (or STOP), which
-it does only after completing all it posted: no request is left in flight but on a student's own unagreed failure
-(`report_exit` counts them; that exit aborts its groups).
+log steps; requests go out on a side stream, not behind the queued compute (`SideStream`). Where the host truly waits
+on CUDA (docs/distillation_internals.md#what-nccl-orders): `complete()`, `wait()` and `drain()` only order streams;
+the host blocks at a `read_step`, the step's agreed flags, and `stop()`'s read of the STOP reply's status, which
+comes after every earlier reply on the bridge's one communicator. A failed teacher answers with stale but valid
+outputs until each student sent ERROR (or STOP), which it does only after completing all it posted: no request is
+left in flight but on a student's own unagreed failure (`report_exit` counts them; that exit aborts its groups).
 """
 
 import logging
@@ -27,6 +30,7 @@ from lingua.distillation.online.bridge import (BAD_TOKENS_FIELD, HEADER_INTS, NA
 from lingua.distillation.outputs import TeacherOutputs
 from lingua.parallel.collectives import log_collective
 from lingua.parallel.host_copies import pins
+from lingua.parallel.side_stream import SideStream
 
 logger = logging.getLogger(__name__)
 STATUS_WORDS = NAN_WORD + 1  # the response status fields read per step (int64 each): failed, teacher_preempt, ..., NaN
@@ -91,11 +95,10 @@ class TeacherHandle:
         self.done = False
 
     def complete(self) -> None:
-        """Wait for both collectives (idempotent); on CUDA the stream waits, the host does not."""
+        """Wait for both collectives (idempotent); on CUDA the compute stream waits for the reply, the host does not."""
         if self.done:
             return
-        for work in self.works:
-            work.wait()
+        self.client.side_stream.consume(self.works, [self.response])
         self.done = True
         self.client.in_flight.remove(self)
         # Completed: its status is safe to read now; a posted buffer's scatter may still be writing into it.
@@ -138,6 +141,7 @@ class TeacherClient:
         self.device = topo.device
         self.pin = pins(self.device)  # pinned host buffers: the copy to the GPU does not block
         self.wait_clock = WaitClock(self.device)
+        self.side_stream = SideStream(self.device)  # requests leave when posted, not after queued compute
         self.first_round_trip: Optional[tuple[float, float]] = None  # wall-clock (submit, done)
         self.in_flight: list[TeacherHandle] = []
         self.statuses: list[tuple[torch.Tensor, int]] = []  # (status record on the device, step), read per step
@@ -163,7 +167,8 @@ class TeacherClient:
 
     def _request(self, header: RequestHeader, tokens: Optional[torch.Tensor], doc_ids: Optional[torch.Tensor],
                  next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The request buffer, built on the host (pinned on CUDA), sent to the device without blocking."""
+        """The request buffer, built on the host (pinned on CUDA; `submit` copies it to the device without blocking).
+        Token tensors still on the device are read here, on the caller's stream, which wrote them."""
         request = torch.zeros(self.spec.request_ints(), dtype=torch.int32, pin_memory=self.pin)
         request[:HEADER_INTS] = torch.tensor(header.to_ints(), dtype=torch.int32)
         if tokens is not None:
@@ -177,7 +182,7 @@ class TeacherClient:
                 nexts = torch.full((header.bsz,), -1) if next_tokens is None else next_tokens.cpu()
                 self.spec.next_tokens(request)[: header.bsz] = torch.where((nexts >= 0) & (nexts < self.n_words),
                                                                            nexts, -1)
-        return request.to(self.device, non_blocking=True)
+        return request
 
     def submit(self, tokens: Optional[torch.Tensor], step: int, micro_step: int, doc_ids: Optional[torch.Tensor] = None,
                next_tokens: Optional[torch.Tensor] = None, op: Op = Op.FORWARD) -> TeacherHandle:
@@ -192,12 +197,14 @@ class TeacherClient:
                              "batch has no doc_ids.")
         header = RequestHeader(op, step, micro_step, bsz, seqlen, self.topo.train_rank,
                                in_training=int(self.in_training and not self.pause_follows))
-        request = self._request(header, tokens, doc_ids, next_tokens)
-        response = torch.empty(self.spec.response_bytes(), dtype=torch.uint8, device=self.device)
         group = self.topo.bridge_group
-        log_collective(f"gather+scatter request op={op.name} step={step}.{micro_step}", group, request, response)
-        up = dist.gather(request, None, dst=self.teacher_rank, group=group, async_op=True)
-        down = dist.scatter(response, None, src=self.teacher_rank, group=group, async_op=True)
+        request = self._request(header, tokens, doc_ids, next_tokens)
+        with self.side_stream.posting():  # on NCCL: behind this request's copy only, not the queued compute
+            request = request.to(self.device, non_blocking=True)
+            response = torch.empty(self.spec.response_bytes(), dtype=torch.uint8, device=self.device)
+            log_collective(f"gather+scatter request op={op.name} step={step}.{micro_step}", group, request, response)
+            up = dist.gather(request, None, dst=self.teacher_rank, group=group, async_op=True)
+            down = dist.scatter(response, None, src=self.teacher_rank, group=group, async_op=True)
         handle = TeacherHandle(self, [up, down], response, bsz, seqlen, step)
         handle.request_bytes = request.numel() * request.element_size()
         self.in_flight.append(handle)
@@ -240,7 +247,8 @@ class TeacherClient:
         self.pause_follows = pause_follows
 
     def drain(self) -> None:
-        """Wait for every request still in flight (before STOP, a preemption save, an agreed error)."""
+        """Complete every request still in flight (before STOP, a preemption save, an agreed error). On CUDA the host
+        does not wait: the compute stream comes after every reply, so what reads the device next finds them all."""
         for handle in list(self.in_flight):
             handle.complete()
 
@@ -253,6 +261,7 @@ class TeacherClient:
         handle = self.submit(None, step, blame if error else 0, op=Op.ERROR if error else Op.STOP)
         handle.complete()
         self.stopped = True
+        # The host waits here (a copy to the CPU), for STOP's reply and so every earlier one on this communicator.
         status = ResponseStatus.unpack(handle.response[:RECORD_BYTES])
         if not status.ok and not error:
             raise teacher_failure(f"{self.title} reported at STOP: {status.message}", status.bug)

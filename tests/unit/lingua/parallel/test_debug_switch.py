@@ -39,6 +39,11 @@ def debug_env(tmp_path, mode: str, env: dict = None) -> dict:
             "out = {k: v for k, v in os.environ.items() if k.startswith('TORCH_')}\n"
             "out['level'] = str(dist.get_debug_level())\n"
             "print(json.dumps(out))\n")
+    return printed_json(code, env)
+
+
+def printed_json(code: str, env: dict = None):
+    """Run `code`, which must exit 0 and print its result as JSON on its last line; that result."""
     result = python(code, env=env)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
