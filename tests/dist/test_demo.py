@@ -146,7 +146,7 @@ def test_the_quickstart_runs_as_printed_after_the_demo(demo_run, fresh_copy):
     """Every Quickstart block in order, in the copy the demo prepared (its corpus): each training command ends with
     exit 0 and writes its own dump dir's metrics (no command reuses a dump dir of another rank count). Then the
     shipped debug_cpu config's run is read as its own test would (logs, held-out evals, checkpoints, save timing)
-    and resumed as the README says ("Run the first command again and it resumes (`steps=80` trains on)")."""
+    and resumed as the README says ("Run the first command again and it resumes (`steps=80` trains on; ...)")."""
     assert demo_run[0].returncode == 0, (demo_run[0].stdout + demo_run[0].stderr)[-3000:]
     blocks = readme_blocks("Quickstart")
     assert blocks, "README.md's Quickstart has no ```bash block"
