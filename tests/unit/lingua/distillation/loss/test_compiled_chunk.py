@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 from lingua.distillation.loss import compiled_chunk
 from lingua.distillation.loss.fused import fused_linear_kd_loss
 from lingua.distillation.outputs import TeacherOutputs
-from tests.unit.lingua.distillation.loss.test_fused import N, V, _problem, _reference, _value_and_grads, one_thread  # noqa: F401
+from tests.unit.lingua.distillation.loss.test_fused import N, V, _problem, _reference, _value_and_grads
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
 

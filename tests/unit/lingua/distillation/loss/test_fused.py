@@ -20,14 +20,6 @@ CASES = [("topk", "fkl"), ("topk", "rkl"), ("topk", "jsd"), ("sampled", "fkl"), 
 MASKS = ["all_valid", "some_ignored", "chunk_ignored", "all_ignored"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: CPU reductions over dim (max) otherwise wake a thread pool, 10+ ms each on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _randn(*shape, seed, scale=1.0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale

@@ -7,7 +7,7 @@ import torch
 from lingua.distillation.loss import fused as fused_module
 from lingua.distillation.loss.fused import fused_linear_kd_loss
 from lingua.distillation.outputs import TeacherOutputs
-from tests.unit.lingua.distillation.loss.test_fused import CASES, N, V, _problem, _reference, _value_and_grads, one_thread  # noqa: F401
+from tests.unit.lingua.distillation.loss.test_fused import CASES, N, V, _problem, _reference, _value_and_grads
 
 
 @pytest.mark.timeout(30)

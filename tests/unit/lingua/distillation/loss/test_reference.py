@@ -14,14 +14,6 @@ V = 11
 DIVERGENCES = ["fkl", "rkl", "jsd"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: a thread pool's wake-ups cost more than the math (10+ ms an op on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _logits(*shape, seed, scale=2.0):
     generator = torch.Generator().manual_seed(seed)

@@ -17,14 +17,6 @@ FORMATS = [("topk", "fkl"), ("topk", "rkl"), ("topk", "jsd"), ("sampled", "fkl")
            ("full", "jsd")]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: a thread pool's wake-ups would cost more than the math on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def problem(seed: int):
     """(hidden, head, labels with some ignored) in float64; the generator for the teachers."""

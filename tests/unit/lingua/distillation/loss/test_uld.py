@@ -12,7 +12,7 @@ from lingua.distillation.outputs import TeacherOutputs, sparsify_teacher_logits
 from tests.unit.lingua.distillation.loss.logits_kd import kd_loss
 from lingua.distillation.loss.uld import split_unmapped, uld_reference
 from tests.gpu.gpus import needs_gpus
-from tests.unit.lingua.distillation.loss.test_fused import _FreshGraph, _value_and_grads, one_thread  # noqa: F401
+from tests.unit.lingua.distillation.loss.test_fused import _FreshGraph, _value_and_grads
 from tests.unit.lingua.distillation.loss.test_fused_passes import _FullWidthOps
 
 N, D, V, K, TEACHER_V = 10, 6, 13, 4, 20
