@@ -167,7 +167,7 @@ class Planner:
                 f"GPUs per student GPU)")
 
     def describe_layout(self, layout: Layout, plan: LaunchPlan) -> dict:
-        args, timing = self.args, self.timing(layout)
+        timing = self.timing(layout)
         per_student_s = self.speeds.student / (1 + timing.wait)
         inside = all(len({rank // plan.local_world_size for rank in ranks + students}) == 1
                      for ranks, students in plan.replicas())

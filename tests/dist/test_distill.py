@@ -13,7 +13,7 @@ from apps.bench import distill as bench
 from lingua.distillation.args import resolve_prefetch
 from lingua.run.dump_dir import RunDir, read_metrics, train_rows
 from tests.runs import (assert_ok, assert_stopped_to_resume, at_once, distill_overrides, rank_exit_codes, rank_outputs,
-                        signal_ranks, torchrun)
+                        torchrun)
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
